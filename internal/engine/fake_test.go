@@ -1,0 +1,197 @@
+package engine
+
+import (
+	"fmt"
+	"testing"
+	"time"
+)
+
+// fakeBackend models a unified KV cache as token lists per sequence and "samples" a
+// token that depends on everything the sequence holds, so any cache mistake changes
+// the output. It fails a batch that breaks position contiguity or overflows the cells.
+type fakeBackend struct {
+	t        *testing.T
+	nCtx     int
+	kv       map[int][]Token
+	samplers map[TaskID]bool
+	batches  [][]BatchEntry
+	failNext error
+}
+
+func newFakeBackend(t *testing.T, nCtx int) *fakeBackend {
+	return &fakeBackend{t: t, nCtx: nCtx, kv: map[int][]Token{}, samplers: map[TaskID]bool{}}
+}
+
+func (f *fakeBackend) cells() int {
+	n := 0
+	for _, v := range f.kv {
+		n += len(v)
+	}
+	return n
+}
+
+func (f *fakeBackend) Decode(batch []BatchEntry) ([]Sampled, error) {
+	f.batches = append(f.batches, batch)
+	if err := f.failNext; err != nil {
+		f.failNext = nil
+		return nil, err
+	}
+	if f.cells()+len(batch) > f.nCtx {
+		return nil, fmt.Errorf("fake: no KV slot (%d used + %d > %d)", f.cells(), len(batch), f.nCtx)
+	}
+	var out []Sampled
+	for _, e := range batch {
+		if e.Pos != len(f.kv[e.Seq]) {
+			f.t.Errorf("fake: seq %d gets pos %d but holds %d tokens", e.Seq, e.Pos, len(f.kv[e.Seq]))
+		}
+		f.kv[e.Seq] = append(f.kv[e.Seq], e.Token)
+		if e.Sample {
+			if !f.samplers[e.Task] {
+				f.t.Errorf("fake: sampling for task %d without a sampler", e.Task)
+			}
+			out = append(out, Sampled{Token: fakeNext(f.kv[e.Seq])})
+		}
+	}
+	return out, nil
+}
+
+// fakeNext is the fake model: a token in 10..59 determined by the whole sequence.
+func fakeNext(seq []Token) Token {
+	h := uint32(7)
+	for _, t := range seq {
+		h = h*31 + uint32(t)
+	}
+	return Token(10 + h%50)
+}
+
+func (f *fakeBackend) SeqRm(seq, p0, p1 int) bool {
+	v := f.kv[seq]
+	if p1 < 0 || p1 > len(v) {
+		p1 = len(v)
+	}
+	if p0 < 0 {
+		p0 = 0
+	}
+	if p1 != len(v) {
+		f.t.Errorf("fake: seq_rm(%d, %d, %d) would leave a hole", seq, p0, p1)
+		return false
+	}
+	if p0 < len(v) {
+		f.kv[seq] = v[:p0]
+	}
+	return true
+}
+
+func (f *fakeBackend) SeqCp(src, dst, p0, p1 int) { f.t.Errorf("fake: unexpected seq_cp") }
+
+func (f *fakeBackend) NewSampler(task TaskID, p SamplingParams, logprobs bool, history []Token) {
+	if f.samplers[task] {
+		f.t.Errorf("fake: sampler for task %d created twice", task)
+	}
+	f.samplers[task] = true
+}
+
+func (f *fakeBackend) FreeSampler(task TaskID) {
+	if !f.samplers[task] {
+		f.t.Errorf("fake: freeing unknown sampler %d", task)
+	}
+	delete(f.samplers, task)
+}
+
+// fakeVocab: token 0 is EOG, token n renders as "<n>".
+type fakeVocab struct{ pieces map[Token]string }
+
+func (v fakeVocab) Piece(tok Token) []byte {
+	if p, ok := v.pieces[tok]; ok {
+		return []byte(p)
+	}
+	return []byte(fmt.Sprintf("<%d>", tok))
+}
+func (fakeVocab) IsEOG(tok Token) bool { return tok == 0 }
+
+// harness drives a scheduler and a fake backend the way Engine.run does, synchronously.
+type harness struct {
+	t      *testing.T
+	s      *Scheduler
+	be     *fakeBackend
+	now    time.Time
+	events map[TaskID][]Event
+}
+
+func newHarness(t *testing.T, cfg Config) *harness {
+	t.Helper()
+	s, err := NewScheduler(cfg, fakeVocab{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &harness{t: t, s: s, be: newFakeBackend(t, cfg.NCtx), now: time.Unix(1000, 0), events: map[TaskID][]Event{}}
+}
+
+func (h *harness) collect() {
+	for _, ev := range h.s.Events() {
+		h.events[ev.Task] = append(h.events[ev.Task], ev)
+	}
+}
+
+func (h *harness) submit(req Request) TaskID {
+	h.t.Helper()
+	id, err := h.s.Submit(req, h.now)
+	if err != nil {
+		h.t.Fatalf("submit: %v", err)
+	}
+	h.collect()
+	return id
+}
+
+// step runs one Plan/Decode/Commit round and returns the batch.
+func (h *harness) step() []BatchEntry {
+	h.now = h.now.Add(10 * time.Millisecond)
+	p := h.s.Plan(h.now)
+	apply(h.be, p)
+	h.collect()
+	if len(p.Batch) == 0 {
+		return nil
+	}
+	sampled, err := h.be.Decode(p.Batch)
+	h.now = h.now.Add(10 * time.Millisecond)
+	h.s.Commit(sampled, err, h.now)
+	h.collect()
+	return p.Batch
+}
+
+// run steps until idle (bounded).
+func (h *harness) run() {
+	h.t.Helper()
+	for i := 0; i < 10000; i++ {
+		if h.s.Idle() {
+			h.step() // flush the last releases
+			return
+		}
+		h.step()
+	}
+	h.t.Fatal("scheduler did not go idle")
+}
+
+func (h *harness) done(id TaskID) (Event, bool) {
+	evs := h.events[id]
+	if len(evs) > 0 && evs[len(evs)-1].Done {
+		return evs[len(evs)-1], true
+	}
+	return Event{}, false
+}
+
+func (h *harness) text(id TaskID) string {
+	s := ""
+	for _, ev := range h.events[id] {
+		s += ev.Text
+	}
+	return s
+}
+
+func seqTokens(from, n int) []Token {
+	out := make([]Token, n)
+	for i := range out {
+		out[i] = Token(from + i)
+	}
+	return out
+}

@@ -1,0 +1,120 @@
+package engine
+
+import (
+	"errors"
+	"time"
+)
+
+// Token is a model token id.
+type Token = int32
+
+// TaskID names one generation request inside the engine.
+type TaskID uint64
+
+// SamplingParams selects the sampler chain of one task. Temperature <= 0 is greedy.
+type SamplingParams struct {
+	Temperature      float32
+	TopK             int
+	TopP             float32
+	MinP             float32
+	Seed             uint32
+	RepeatPenalty    float32
+	RepeatLastN      int
+	FrequencyPenalty float32
+	PresencePenalty  float32
+}
+
+// Request is one generation request, already tokenized.
+type Request struct {
+	Prompt    []Token
+	SessionID string // "" = anonymous: the sequence is cleared when the task ends
+	Sampling  SamplingParams
+	MaxTokens int      // 0 = until EOG, a stop string or the context
+	Stop      []string // stop strings; the matched string is not returned
+	IgnoreEOS bool     // keep generating past end-of-generation tokens (benchmarks)
+	Logprobs  bool     // report the log-probability of every sampled token
+}
+
+// Finish reasons, as OpenAI names them.
+const (
+	FinishStop      = "stop"
+	FinishLength    = "length"
+	FinishCancelled = "cancelled"
+	FinishError     = "error"
+)
+
+// Stats are a task's counters and timings, in llama-server's terms.
+type Stats struct {
+	PromptN     int           // prompt tokens evaluated (not served from cache)
+	CacheN      int           // prompt tokens reused from the KV cache
+	PredictedN  int           // generated tokens
+	PromptTime  time.Duration // admission to first sampled token
+	PredictTime time.Duration // first sampled token to the end
+	Seq         int           // sequence the task ran on
+}
+
+// TokenLogprob is one sampled token with its log-probability.
+type TokenLogprob struct {
+	Token   Token
+	Logprob float32
+}
+
+// Event is what the engine tells a task's reader: text as it is produced, then one
+// final event with Done set.
+type Event struct {
+	Task      TaskID
+	Text      string         // new text (UTF-8 complete, stop strings withheld)
+	Tokens    []TokenLogprob // tokens behind Text, with logprobs when asked
+	Done      bool
+	Finish    string // with Done
+	Truncated bool   // with Done: stopped because the context ran out
+	Err       error  // with Done: the task failed
+	Stats     Stats  // with Done
+}
+
+// Sentinel errors, mapped to HTTP statuses by the API layer.
+var (
+	ErrQueueFull       = errors.New("the request queue is full")
+	ErrPromptTooLong   = errors.New("the prompt does not fit the context")
+	ErrEmptyPrompt     = errors.New("the prompt is empty")
+	ErrEngineClosed    = errors.New("the engine is shut down")
+	ErrCancelled       = errors.New("the request was cancelled")
+	ErrInvalidToken    = errors.New("token outside the vocabulary")
+	ErrDecode          = errors.New("decode failed")
+	ErrContextExceeded = errors.New("the context is exhausted")
+)
+
+// BatchEntry is one token of a decode batch.
+type BatchEntry struct {
+	Token  Token
+	Pos    int
+	Seq    int
+	Sample bool   // sample the next token from this entry's output
+	Task   TaskID // whose sampler to use when Sample is set
+}
+
+// Sampled is the token drawn for a batch entry with Sample set.
+type Sampled struct {
+	Token   Token
+	Logprob float32 // log-softmax of Token; only filled when the task asked for logprobs
+}
+
+// Backend executes what the scheduler plans. Only the engine goroutine calls it.
+type Backend interface {
+	// Decode runs the batch and returns one Sampled per entry with Sample set, in order.
+	Decode(batch []BatchEntry) ([]Sampled, error)
+	// SeqRm removes seq's cells in [p0, p1) (p1 < 0: to the end).
+	SeqRm(seq, p0, p1 int) bool
+	// SeqCp adds dst to the cells src holds in [p0, p1).
+	SeqCp(src, dst, p0, p1 int)
+	// NewSampler creates task's sampler; history primes repetition penalties.
+	NewSampler(task TaskID, p SamplingParams, logprobs bool, history []Token)
+	// FreeSampler drops task's sampler.
+	FreeSampler(task TaskID)
+}
+
+// Vocab is the read-only view of the tokenizer that text assembly needs.
+type Vocab interface {
+	Piece(tok Token) []byte
+	IsEOG(tok Token) bool
+}

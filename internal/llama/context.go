@@ -1,0 +1,240 @@
+package llama
+
+/*
+#include <stdlib.h>
+#include "llama.h"
+
+static void polykv_batch_set(struct llama_batch * b, int i, llama_token tok, llama_pos pos, llama_seq_id seq, int logits) {
+	b->token[i] = tok;
+	b->pos[i] = pos;
+	b->n_seq_id[i] = 1;
+	b->seq_id[i][0] = seq;
+	b->logits[i] = (int8_t)logits;
+}
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"unsafe"
+)
+
+// ContextParams configures a llama.cpp context.
+type ContextParams struct {
+	NCtx      int  // KV cells in the (unified) cache
+	NBatch    int  // max tokens per llama_decode call
+	NUBatch   int  // physical micro-batch size
+	NSeqMax   int  // distinct sequence ids (sessions + pools)
+	NThreads  int  // threads for generation and batch processing
+	KVUnified bool // one cell buffer shared by all sequences (required for prefix sharing)
+}
+
+// Context is a llama.cpp context: the KV cache and the compute graph. One goroutine only.
+type Context struct {
+	c     *C.struct_llama_context
+	mem   C.llama_memory_t
+	model *Model
+	batch C.struct_llama_batch
+	nb    int // batch capacity
+	n     int // tokens currently in the batch
+}
+
+// NewContext creates a context for model.
+func NewContext(model *Model, p ContextParams) (*Context, error) {
+	if p.NCtx <= 0 || p.NBatch <= 0 || p.NSeqMax <= 0 || p.NThreads <= 0 {
+		return nil, fmt.Errorf("new context: invalid parameters %+v", p)
+	}
+	if p.NSeqMax > 256 {
+		return nil, fmt.Errorf("new context: n_seq_max %d exceeds llama.cpp's limit of 256", p.NSeqMax)
+	}
+	if p.NUBatch <= 0 || p.NUBatch > p.NBatch {
+		p.NUBatch = p.NBatch
+	}
+	cp := C.llama_context_default_params()
+	cp.n_ctx = C.uint32_t(p.NCtx)
+	cp.n_batch = C.uint32_t(p.NBatch)
+	cp.n_ubatch = C.uint32_t(p.NUBatch)
+	cp.n_seq_max = C.uint32_t(p.NSeqMax)
+	cp.n_threads = C.int32_t(p.NThreads)
+	cp.n_threads_batch = C.int32_t(p.NThreads)
+	cp.kv_unified = C.bool(p.KVUnified)
+	cp.no_perf = true
+	c := C.llama_init_from_model(model.m, cp)
+	if c == nil {
+		return nil, errors.New("new context: llama.cpp could not create the context (out of memory?)")
+	}
+	ctx := &Context{c: c, mem: C.llama_get_memory(c), model: model, nb: p.NBatch}
+	ctx.batch = C.llama_batch_init(C.int32_t(p.NBatch), 0, 1)
+	return ctx, nil
+}
+
+// Free releases the context and its batch.
+func (c *Context) Free() {
+	if c.c != nil {
+		C.llama_batch_free(c.batch)
+		C.llama_free(c.c)
+		c.c = nil
+	}
+}
+
+// NCtx is the number of KV cells.
+func (c *Context) NCtx() int { return int(C.llama_n_ctx(c.c)) }
+
+// NSeqMax is the number of sequence ids the context accepts.
+func (c *Context) NSeqMax() int { return int(C.llama_n_seq_max(c.c)) }
+
+// BatchCap is the most tokens one Decode accepts.
+func (c *Context) BatchCap() int { return c.nb }
+
+// BatchClear empties the pending batch.
+func (c *Context) BatchClear() { c.n = 0 }
+
+// BatchAdd appends one token at pos for seq; logits asks for its output row.
+// It returns the token's index in the batch (the index Sample and Logits take).
+func (c *Context) BatchAdd(tok Token, pos int, seq int, logits bool) (int, error) {
+	if c.n >= c.nb {
+		return -1, fmt.Errorf("batch add: batch is full (%d tokens)", c.nb)
+	}
+	l := 0
+	if logits {
+		l = 1
+	}
+	i := c.n
+	C.polykv_batch_set(&c.batch, C.int(i), C.llama_token(tok), C.llama_pos(pos), C.llama_seq_id(seq), C.int(l))
+	c.n++
+	return i, nil
+}
+
+// BatchLen is the number of tokens in the pending batch.
+func (c *Context) BatchLen() int { return c.n }
+
+// ErrNoKVSlot is returned by Decode when the cache has no room for the batch.
+var ErrNoKVSlot = errors.New("decode: no free KV cells for the batch")
+
+// Decode runs the pending batch through the model. On ErrNoKVSlot the cache is unchanged;
+// on other errors some micro-batches may remain in the cache (see llama.h).
+func (c *Context) Decode() error {
+	if c.n == 0 {
+		return nil
+	}
+	c.batch.n_tokens = C.int32_t(c.n)
+	r := C.llama_decode(c.c, c.batch)
+	switch {
+	case r == 0:
+		return nil
+	case r == 1:
+		return ErrNoKVSlot
+	case r == 2:
+		return errors.New("decode: aborted")
+	case r == -1:
+		return errors.New("decode: invalid batch")
+	default:
+		return fmt.Errorf("decode: llama_decode failed with code %d", int(r))
+	}
+}
+
+// Logits returns a copy of the output row of batch index i from the last Decode.
+func (c *Context) Logits(i int) []float32 {
+	p := C.llama_get_logits_ith(c.c, C.int32_t(i))
+	if p == nil {
+		return nil
+	}
+	n := c.model.NVocab()
+	out := make([]float32, n)
+	copy(out, unsafe.Slice((*float32)(unsafe.Pointer(p)), n))
+	return out
+}
+
+// SeqRm removes seq's cells with positions in [p0, p1) (p1 < 0: to the end).
+func (c *Context) SeqRm(seq, p0, p1 int) bool {
+	return bool(C.llama_memory_seq_rm(c.mem, C.llama_seq_id(seq), C.llama_pos(p0), C.llama_pos(p1)))
+}
+
+// SeqCp makes dst a member of src's cells in [p0, p1): in a unified cache nothing is copied.
+func (c *Context) SeqCp(src, dst, p0, p1 int) {
+	C.llama_memory_seq_cp(c.mem, C.llama_seq_id(src), C.llama_seq_id(dst), C.llama_pos(p0), C.llama_pos(p1))
+}
+
+// SeqKeep removes every cell not held by seq.
+func (c *Context) SeqKeep(seq int) { C.llama_memory_seq_keep(c.mem, C.llama_seq_id(seq)) }
+
+// SeqPosMin is the smallest position held by seq, or -1 when empty.
+func (c *Context) SeqPosMin(seq int) int {
+	return int(C.llama_memory_seq_pos_min(c.mem, C.llama_seq_id(seq)))
+}
+
+// SeqPosMax is the largest position held by seq, or -1 when empty.
+func (c *Context) SeqPosMax(seq int) int {
+	return int(C.llama_memory_seq_pos_max(c.mem, C.llama_seq_id(seq)))
+}
+
+// MemoryClear empties the whole KV cache.
+func (c *Context) MemoryClear() { C.llama_memory_clear(c.mem, true) }
+
+// SamplerParams configures a sampler chain. Temperature <= 0 means greedy.
+type SamplerParams struct {
+	Temperature      float32
+	TopK             int
+	TopP             float32
+	MinP             float32
+	Seed             uint32
+	RepeatPenalty    float32 // 1 = off
+	RepeatLastN      int
+	FrequencyPenalty float32
+	PresencePenalty  float32
+}
+
+// Sampler is a llama.cpp sampler chain. It keeps state (RNG, penalty history).
+type Sampler struct {
+	s *C.struct_llama_sampler
+}
+
+// NewSampler builds the chain: penalties → top-k → top-p → min-p → temperature → dist,
+// or penalties → greedy when Temperature <= 0.
+func NewSampler(p SamplerParams) *Sampler {
+	chain := C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
+	if (p.RepeatPenalty != 0 && p.RepeatPenalty != 1) || p.FrequencyPenalty != 0 || p.PresencePenalty != 0 {
+		rp := p.RepeatPenalty
+		if rp == 0 {
+			rp = 1
+		}
+		lastN := p.RepeatLastN
+		if lastN == 0 {
+			lastN = 64
+		}
+		C.llama_sampler_chain_add(chain, C.llama_sampler_init_penalties(C.int32_t(lastN), C.float(rp), C.float(p.FrequencyPenalty), C.float(p.PresencePenalty)))
+	}
+	if p.Temperature <= 0 {
+		C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
+		return &Sampler{s: chain}
+	}
+	if p.TopK > 0 {
+		C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_k(C.int32_t(p.TopK)))
+	}
+	if p.TopP > 0 && p.TopP < 1 {
+		C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_p(C.float(p.TopP), 1))
+	}
+	if p.MinP > 0 {
+		C.llama_sampler_chain_add(chain, C.llama_sampler_init_min_p(C.float(p.MinP), 1))
+	}
+	C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(C.float(p.Temperature)))
+	C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(C.uint32_t(p.Seed)))
+	return &Sampler{s: chain}
+}
+
+// Accept records tok in the chain's history (for penalties) without sampling.
+func (s *Sampler) Accept(tok Token) { C.llama_sampler_accept(s.s, C.llama_token(tok)) }
+
+// Sample picks a token from batch index i of ctx's last Decode and accepts it.
+func (s *Sampler) Sample(ctx *Context, i int) Token {
+	return Token(C.llama_sampler_sample(s.s, ctx.c, C.int32_t(i)))
+}
+
+// Free releases the chain.
+func (s *Sampler) Free() {
+	if s.s != nil {
+		C.llama_sampler_free(s.s)
+		s.s = nil
+	}
+}

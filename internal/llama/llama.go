@@ -1,0 +1,286 @@
+// Package llama is PolyKV's only cgo package: a thin binding over llama.cpp's C API
+// (llama.h), compiled from the vendored sources of the github.com/ollama/ollama module.
+//
+// It covers what the engine needs and nothing else: model and context lifetime, batches
+// and llama_decode, the sequence operations of the unified KV cache, logits, the
+// sampler chain, tokenization and chat templates. C failures come back as Go errors;
+// nothing here panics across the boundary.
+//
+// Concurrency: a Context (and everything that decodes or samples with it) belongs to one
+// goroutine. Model methods that only read the vocabulary or metadata (Tokenize,
+// TokenPiece, Detokenize, ApplyChatTemplate, ...) are safe from any goroutine.
+package llama
+
+/*
+#cgo CFLAGS: -std=c11
+#cgo CXXFLAGS: -std=c++17
+#include <stdlib.h>
+#include <string.h>
+#include "llama.h"
+
+static void polykv_quiet_log(enum ggml_log_level level, const char * text, void * user_data) {
+	(void)text; (void)user_data;
+	if (level == GGML_LOG_LEVEL_ERROR) {
+		fputs(text, stderr);
+	}
+}
+
+static void polykv_set_quiet(int quiet) {
+	llama_log_set(quiet ? polykv_quiet_log : NULL, NULL);
+}
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"unsafe"
+
+	// Linking these packages compiles llama.cpp and ggml (with the CPU backend).
+	_ "github.com/ollama/ollama/llama/llama.cpp/src"
+	_ "github.com/ollama/ollama/ml/backend/ggml/ggml/src"
+)
+
+// Token is a llama.cpp token id.
+type Token = int32
+
+var initOnce sync.Once
+
+// Init initialises the llama.cpp backend once per process. Logging from llama.cpp is
+// limited to errors unless POLYKV_LLAMA_LOG=1.
+func Init() {
+	initOnce.Do(func() {
+		quiet := 1
+		if os.Getenv("POLYKV_LLAMA_LOG") == "1" {
+			quiet = 0
+		}
+		C.polykv_set_quiet(C.int(quiet))
+		C.llama_backend_init()
+	})
+}
+
+// Model is a loaded GGUF model.
+type Model struct {
+	m     *C.struct_llama_model
+	vocab *C.struct_llama_vocab
+	path  string
+}
+
+// LoadModel loads a GGUF model from path into CPU memory (mmap).
+func LoadModel(path string) (*Model, error) {
+	Init()
+	if _, err := os.Stat(path); err != nil {
+		return nil, fmt.Errorf("load model: %w", err)
+	}
+	params := C.llama_model_default_params()
+	params.n_gpu_layers = 0
+	cpath := C.CString(path)
+	defer C.free(unsafe.Pointer(cpath))
+	m := C.llama_model_load_from_file(cpath, params)
+	if m == nil {
+		return nil, fmt.Errorf("load model %s: llama.cpp could not load the file", path)
+	}
+	return &Model{m: m, vocab: C.llama_model_get_vocab(m), path: path}, nil
+}
+
+// Free releases the model. No context created from it may be used afterwards.
+func (m *Model) Free() {
+	if m.m != nil {
+		C.llama_model_free(m.m)
+		m.m = nil
+	}
+}
+
+// Path is the file the model was loaded from.
+func (m *Model) Path() string { return m.path }
+
+// Desc is llama.cpp's short description of the model (architecture, size, quant).
+func (m *Model) Desc() string {
+	buf := make([]byte, 256)
+	n := C.llama_model_desc(m.m, (*C.char)(unsafe.Pointer(&buf[0])), C.size_t(len(buf)))
+	if n < 0 {
+		return ""
+	}
+	return string(buf[:min(int(n), len(buf))])
+}
+
+// Meta returns a GGUF metadata string value, or "" when absent.
+func (m *Model) Meta(key string) string {
+	ckey := C.CString(key)
+	defer C.free(unsafe.Pointer(ckey))
+	n := C.llama_model_meta_val_str(m.m, ckey, nil, 0)
+	if n < 0 {
+		return ""
+	}
+	buf := make([]byte, int(n)+1)
+	C.llama_model_meta_val_str(m.m, ckey, (*C.char)(unsafe.Pointer(&buf[0])), C.size_t(len(buf)))
+	return string(buf[:n])
+}
+
+// NVocab is the vocabulary size.
+func (m *Model) NVocab() int { return int(C.llama_vocab_n_tokens(m.vocab)) }
+
+// NCtxTrain is the context length the model was trained with.
+func (m *Model) NCtxTrain() int { return int(C.llama_model_n_ctx_train(m.m)) }
+
+// NLayer, NHead, NHeadKV and NEmbd describe the transformer's shape.
+func (m *Model) NLayer() int { return int(C.llama_model_n_layer(m.m)) }
+
+// NHead is the number of attention heads.
+func (m *Model) NHead() int { return int(C.llama_model_n_head(m.m)) }
+
+// NHeadKV is the number of key/value heads (GQA).
+func (m *Model) NHeadKV() int { return int(C.llama_model_n_head_kv(m.m)) }
+
+// NEmbd is the embedding width.
+func (m *Model) NEmbd() int { return int(C.llama_model_n_embd(m.m)) }
+
+// IsRecurrent reports a recurrent-memory model (Mamba, RWKV, ...).
+func (m *Model) IsRecurrent() bool { return bool(C.llama_model_is_recurrent(m.m)) }
+
+// IsHybrid reports a model mixing attention and recurrent layers.
+func (m *Model) IsHybrid() bool { return bool(C.llama_model_is_hybrid(m.m)) }
+
+// SizeBytes is the size of the model's weights.
+func (m *Model) SizeBytes() uint64 { return uint64(C.llama_model_size(m.m)) }
+
+// ChatTemplate is the model's own chat template (GGUF tokenizer.chat_template), or "".
+func (m *Model) ChatTemplate() string {
+	t := C.llama_model_chat_template(m.m, nil)
+	if t == nil {
+		return ""
+	}
+	return C.GoString(t)
+}
+
+// IsEOG reports whether tok ends generation (EOS, EOT, ...).
+func (m *Model) IsEOG(tok Token) bool { return bool(C.llama_vocab_is_eog(m.vocab, C.llama_token(tok))) }
+
+// ValidToken reports whether tok is inside the vocabulary.
+func (m *Model) ValidToken(tok Token) bool { return tok >= 0 && int(tok) < m.NVocab() }
+
+// Tokenize converts text to tokens. addSpecial adds BOS/EOS as the model is configured;
+// parseSpecial lets control tokens written in the text (e.g. "<|im_start|>") be parsed.
+func (m *Model) Tokenize(text string, addSpecial, parseSpecial bool) ([]Token, error) {
+	if len(text) > 1<<30 {
+		return nil, errors.New("tokenize: text too long")
+	}
+	ctext := C.CString(text)
+	defer C.free(unsafe.Pointer(ctext))
+	capacity := len(text) + 8
+	for range 2 {
+		buf := make([]Token, capacity)
+		n := C.llama_tokenize(m.vocab, ctext, C.int32_t(len(text)), (*C.llama_token)(unsafe.Pointer(&buf[0])),
+			C.int32_t(capacity), C.bool(addSpecial), C.bool(parseSpecial))
+		if n >= 0 {
+			return buf[:n], nil
+		}
+		if n == C.INT32_MIN {
+			return nil, errors.New("tokenize: result overflows")
+		}
+		capacity = int(-n)
+	}
+	return nil, errors.New("tokenize: buffer sizing failed")
+}
+
+// TokenPiece is the raw bytes a token stands for (special tokens rendered when special).
+// A piece may be part of a multi-byte UTF-8 character.
+func (m *Model) TokenPiece(tok Token, special bool) []byte {
+	if !m.ValidToken(tok) {
+		return nil
+	}
+	buf := make([]byte, 64)
+	n := C.llama_token_to_piece(m.vocab, C.llama_token(tok), (*C.char)(unsafe.Pointer(&buf[0])), C.int32_t(len(buf)), 0, C.bool(special))
+	if n < 0 {
+		buf = make([]byte, int(-n))
+		n = C.llama_token_to_piece(m.vocab, C.llama_token(tok), (*C.char)(unsafe.Pointer(&buf[0])), C.int32_t(len(buf)), 0, C.bool(special))
+	}
+	if n < 0 {
+		return nil
+	}
+	return buf[:n]
+}
+
+// Detokenize converts tokens back to text. Every token must satisfy ValidToken.
+func (m *Model) Detokenize(tokens []Token, removeSpecial, unparseSpecial bool) (string, error) {
+	if len(tokens) == 0 {
+		return "", nil
+	}
+	for i, t := range tokens {
+		if !m.ValidToken(t) {
+			return "", fmt.Errorf("detokenize: token %d at index %d is outside the vocabulary (0..%d)", t, i, m.NVocab()-1)
+		}
+	}
+	capacity := len(tokens)*8 + 16
+	for range 2 {
+		buf := make([]byte, capacity)
+		n := C.llama_detokenize(m.vocab, (*C.llama_token)(unsafe.Pointer(&tokens[0])), C.int32_t(len(tokens)),
+			(*C.char)(unsafe.Pointer(&buf[0])), C.int32_t(capacity), C.bool(removeSpecial), C.bool(unparseSpecial))
+		if n >= 0 {
+			return string(buf[:n]), nil
+		}
+		capacity = int(-n)
+	}
+	return "", errors.New("detokenize: buffer sizing failed")
+}
+
+// ChatMessage is one role/content pair for ApplyChatTemplate.
+type ChatMessage struct {
+	Role    string
+	Content string
+}
+
+// ApplyChatTemplate renders messages with tmpl (the model's own template when "") using
+// llama.cpp's built-in template detection. addAssistant appends the assistant turn start.
+func (m *Model) ApplyChatTemplate(tmpl string, msgs []ChatMessage, addAssistant bool) (string, error) {
+	var ctmpl *C.char
+	if tmpl == "" {
+		ctmpl = C.llama_model_chat_template(m.m, nil)
+		if ctmpl == nil {
+			return "", errors.New("chat template: the model has no chat template")
+		}
+	} else {
+		ctmpl = C.CString(tmpl)
+		defer C.free(unsafe.Pointer(ctmpl))
+	}
+	n := len(msgs)
+	cmsgs := (*[1 << 20]C.struct_llama_chat_message)(C.malloc(C.size_t(max(n, 1)) * C.size_t(unsafe.Sizeof(C.struct_llama_chat_message{}))))[:max(n, 1):max(n, 1)]
+	defer C.free(unsafe.Pointer(&cmsgs[0]))
+	total := 0
+	for i, msg := range msgs {
+		cmsgs[i].role = C.CString(msg.Role)
+		cmsgs[i].content = C.CString(msg.Content)
+		total += len(msg.Role) + len(msg.Content)
+	}
+	defer func() {
+		for i := range msgs {
+			C.free(unsafe.Pointer(cmsgs[i].role))
+			C.free(unsafe.Pointer(cmsgs[i].content))
+		}
+	}()
+	capacity := 2*total + 256
+	for range 2 {
+		buf := make([]byte, capacity)
+		r := C.llama_chat_apply_template(ctmpl, &cmsgs[0], C.size_t(n), C.bool(addAssistant), (*C.char)(unsafe.Pointer(&buf[0])), C.int32_t(capacity))
+		if r < 0 {
+			return "", errors.New("chat template: llama.cpp does not support this template")
+		}
+		if int(r) <= capacity {
+			return string(buf[:r]), nil
+		}
+		capacity = int(r)
+	}
+	return "", errors.New("chat template: buffer sizing failed")
+}
+
+// KVBytesPerCell is the size of one KV cell (one token position of one layer stack) with
+// an f16 cache: n_layer × (K + V) × n_head_kv × head_dim × 2 bytes.
+func (m *Model) KVBytesPerCell() int64 {
+	if m.NHead() == 0 {
+		return 0
+	}
+	headDim := int64(m.NEmbd() / m.NHead())
+	return int64(m.NLayer()) * 2 * int64(m.NHeadKV()) * headDim * 2
+}
