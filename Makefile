@@ -1,0 +1,42 @@
+# PolyKV build. llama.cpp and ggml compile from the github.com/ollama/ollama module
+# through cgo; our binding (internal/llama) finds llama.h via CGO_CPPFLAGS below.
+SHELL := /bin/bash
+export GOFLAGS ?= -mod=mod
+OLLAMA_DIR := $(shell go list -m -f '{{.Dir}}' github.com/ollama/ollama 2>/dev/null || (go mod download github.com/ollama/ollama && go list -m -f '{{.Dir}}' github.com/ollama/ollama))
+export CGO_CPPFLAGS := -I$(OLLAMA_DIR)/llama/llama.cpp/include -I$(OLLAMA_DIR)/ml/backend/ggml/ggml/include
+# Native code generation: ggml's CPU kernels are several times faster with AVX2/FMA. AMX is
+# left off: ollama's Go build of ggml-cpu does not compile its AMX sources.
+export CGO_CFLAGS := -O3 -march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+export CGO_CXXFLAGS := -O3 -march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+export POLYKV_CACHE ?= $(HOME)/.cache/polykv
+export POLYKV_MODEL ?= $(POLYKV_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
+VENV ?= $(POLYKV_CACHE)/venv
+
+.PHONY: build model test test-go test-python demo bench venv clean
+
+build:
+	go build -o bin/polykv ./cmd/polykv
+
+model:
+	./scripts/fetch-model.sh
+
+venv:
+	./scripts/venv.sh "$(VENV)"
+
+test: build model venv test-go test-python
+
+test-go:
+	go vet ./...
+	go test -count=1 -timeout 20m ./...
+
+test-python:
+	POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" -m pytest -q tests/python
+
+demo: build model venv
+	POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" scripts/demo.py
+
+bench: build model
+	./bin/polykv bench -m "$(POLYKV_MODEL)"
+
+clean:
+	rm -rf bin

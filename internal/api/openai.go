@@ -1,0 +1,564 @@
+package api
+
+import (
+	"bytes"
+	"crypto/rand"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/polykv/polykv/internal/engine"
+)
+
+// ChatMessage is one chat turn after content parts are flattened to text.
+type ChatMessage struct {
+	Role    string
+	Content string
+}
+
+// genParams are the generation fields shared by chat and text completions.
+type genParams struct {
+	Model               string          `json:"model"`
+	MaxTokens           *int            `json:"max_tokens"`
+	MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	Temperature         *float64        `json:"temperature"`
+	TopP                *float64        `json:"top_p"`
+	TopK                *int            `json:"top_k"`
+	MinP                *float64        `json:"min_p"`
+	Seed                *int64          `json:"seed"`
+	Stop                json.RawMessage `json:"stop"`
+	Stream              bool            `json:"stream"`
+	StreamOptions       *struct {
+		IncludeUsage bool `json:"include_usage"`
+	} `json:"stream_options"`
+	N                *int            `json:"n"`
+	PresencePenalty  *float64        `json:"presence_penalty"`
+	FrequencyPenalty *float64        `json:"frequency_penalty"`
+	RepeatPenalty    *float64        `json:"repeat_penalty"`
+	RepeatLastN      *int            `json:"repeat_last_n"`
+	IgnoreEOS        bool            `json:"ignore_eos"`
+	Logprobs         json.RawMessage `json:"logprobs"`
+	SessionID        *string         `json:"session_id"`
+	PoolID           json.RawMessage `json:"pool_id"`
+}
+
+type chatRequest struct {
+	genParams
+	Messages []struct {
+		Role    string          `json:"role"`
+		Content json.RawMessage `json:"content"`
+	} `json:"messages"`
+}
+
+type completionRequest struct {
+	genParams
+	Prompt json.RawMessage `json:"prompt"`
+}
+
+// Defaults follow llama-server's.
+const (
+	defaultTemperature = 0.8
+	defaultTopK        = 40
+	defaultTopP        = 0.95
+	defaultMinP        = 0.05
+)
+
+// toEngine validates the shared fields and builds the engine request (without prompt).
+func (s *Server) toEngine(g *genParams) (engine.Request, *apiError) {
+	var req engine.Request
+	if len(g.PoolID) > 0 && !bytes.Equal(bytes.TrimSpace(g.PoolID), []byte("null")) {
+		return req, &apiError{status: http.StatusNotFound, typ: "not_found_error", msg: "pool_id: pools are not available in this build yet; omit pool_id"}
+	}
+	if g.N != nil && *g.N != 1 {
+		return req, badRequest("n: only 1 choice per request is supported, got %d", *g.N)
+	}
+	maxTok := g.MaxTokens
+	if g.MaxCompletionTokens != nil {
+		maxTok = g.MaxCompletionTokens
+	}
+	if maxTok != nil {
+		switch {
+		case *maxTok < 0 && *maxTok != -1:
+			return req, badRequest("max_tokens must be positive (or -1 for no limit), got %d", *maxTok)
+		case *maxTok > s.info.NCtx:
+			return req, badRequest("max_tokens %d exceeds the context size %d", *maxTok, s.info.NCtx)
+		case *maxTok > 0:
+			req.MaxTokens = *maxTok
+		}
+	}
+	sp := engine.SamplingParams{Temperature: defaultTemperature, TopK: defaultTopK, TopP: defaultTopP, MinP: defaultMinP, RepeatPenalty: 1}
+	if v := g.Temperature; v != nil {
+		if *v < 0 || *v > 2 {
+			return req, badRequest("temperature must be in [0, 2], got %g", *v)
+		}
+		sp.Temperature = float32(*v)
+	}
+	if v := g.TopP; v != nil {
+		if *v < 0 || *v > 1 {
+			return req, badRequest("top_p must be in [0, 1], got %g", *v)
+		}
+		sp.TopP = float32(*v)
+	}
+	if v := g.TopK; v != nil {
+		if *v < 0 {
+			return req, badRequest("top_k must not be negative, got %d", *v)
+		}
+		sp.TopK = *v
+	}
+	if v := g.MinP; v != nil {
+		if *v < 0 || *v > 1 {
+			return req, badRequest("min_p must be in [0, 1], got %g", *v)
+		}
+		sp.MinP = float32(*v)
+	}
+	for name, v := range map[string]*float64{"presence_penalty": g.PresencePenalty, "frequency_penalty": g.FrequencyPenalty} {
+		if v != nil && (*v < -2 || *v > 2) {
+			return req, badRequest("%s must be in [-2, 2], got %g", name, *v)
+		}
+	}
+	if v := g.PresencePenalty; v != nil {
+		sp.PresencePenalty = float32(*v)
+	}
+	if v := g.FrequencyPenalty; v != nil {
+		sp.FrequencyPenalty = float32(*v)
+	}
+	if v := g.RepeatPenalty; v != nil {
+		if *v <= 0 || *v > 10 {
+			return req, badRequest("repeat_penalty must be in (0, 10], got %g", *v)
+		}
+		sp.RepeatPenalty = float32(*v)
+	}
+	if v := g.RepeatLastN; v != nil {
+		if *v < -1 || *v > s.info.NCtx {
+			return req, badRequest("repeat_last_n must be in [-1, n_ctx], got %d", *v)
+		}
+		sp.RepeatLastN = *v
+	}
+	if g.Seed != nil {
+		sp.Seed = uint32(*g.Seed)
+	} else {
+		var b [4]byte
+		_, _ = rand.Read(b[:])
+		sp.Seed = binary.LittleEndian.Uint32(b[:])
+	}
+	req.Sampling = sp
+	stops, e := parseStop(g.Stop)
+	if e != nil {
+		return req, e
+	}
+	req.Stop = stops
+	req.IgnoreEOS = g.IgnoreEOS
+	lp, e := parseLogprobs(g.Logprobs)
+	if e != nil {
+		return req, e
+	}
+	req.Logprobs = lp
+	if g.SessionID != nil {
+		if len(*g.SessionID) > 256 {
+			return req, badRequest("session_id is longer than 256 bytes")
+		}
+		req.SessionID = *g.SessionID
+	}
+	return req, nil
+}
+
+func isNull(raw json.RawMessage) bool {
+	t := bytes.TrimSpace(raw)
+	return len(t) == 0 || bytes.Equal(t, []byte("null"))
+}
+
+func parseStop(raw json.RawMessage) ([]string, *apiError) {
+	if isNull(raw) {
+		return nil, nil
+	}
+	var one string
+	if json.Unmarshal(raw, &one) == nil {
+		return []string{one}, nil
+	}
+	var many []string
+	if err := json.Unmarshal(raw, &many); err != nil {
+		return nil, badRequest("stop must be a string or an array of strings")
+	}
+	if len(many) > 16 {
+		return nil, badRequest("stop: at most 16 stop strings, got %d", len(many))
+	}
+	return many, nil
+}
+
+func parseLogprobs(raw json.RawMessage) (bool, *apiError) {
+	if isNull(raw) {
+		return false, nil
+	}
+	var b bool
+	if json.Unmarshal(raw, &b) == nil {
+		return b, nil
+	}
+	var n int
+	if err := json.Unmarshal(raw, &n); err != nil || n < 0 {
+		return false, badRequest("logprobs must be a boolean or a non-negative integer")
+	}
+	return n > 0, nil
+}
+
+// flattenContent accepts a string or OpenAI content parts of type "text".
+func flattenContent(raw json.RawMessage) (string, error) {
+	if isNull(raw) {
+		return "", nil
+	}
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return s, nil
+	}
+	var parts []struct {
+		Type string  `json:"type"`
+		Text *string `json:"text"`
+	}
+	if err := json.Unmarshal(raw, &parts); err != nil {
+		return "", fmt.Errorf("content must be a string or an array of content parts")
+	}
+	var b strings.Builder
+	for _, p := range parts {
+		if p.Type != "text" || p.Text == nil {
+			return "", fmt.Errorf("content part of type %q is not supported (text only)", p.Type)
+		}
+		b.WriteString(*p.Text)
+	}
+	return b.String(), nil
+}
+
+var knownRoles = map[string]bool{"system": true, "developer": true, "user": true, "assistant": true, "tool": true}
+
+func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
+	var req chatRequest
+	if e := s.decodeBody(w, r, &req); e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	if len(req.Messages) == 0 {
+		writeAPIError(w, badRequest("messages must be a non-empty array"))
+		return
+	}
+	msgs := make([]ChatMessage, len(req.Messages))
+	for i, m := range req.Messages {
+		if !knownRoles[m.Role] {
+			writeAPIError(w, badRequest("messages[%d].role %q is not one of system, developer, user, assistant, tool", i, m.Role))
+			return
+		}
+		text, err := flattenContent(m.Content)
+		if err != nil {
+			writeAPIError(w, badRequest("messages[%d]: %v", i, err))
+			return
+		}
+		msgs[i] = ChatMessage{Role: m.Role, Content: text}
+	}
+	ereq, e := s.toEngine(&req.genParams)
+	if e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	prompt, err := s.chat.Render(msgs)
+	if err != nil {
+		writeAPIError(w, &apiError{status: http.StatusInternalServerError, typ: "server_error", msg: "chat template: " + err.Error()})
+		return
+	}
+	toks, err := s.tok.Tokenize(prompt, true, true)
+	if err != nil {
+		writeAPIError(w, badRequest("%v", err))
+		return
+	}
+	ereq.Prompt = toks
+	s.generate(w, r, kindChat, &req.genParams, ereq)
+}
+
+func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
+	var req completionRequest
+	if e := s.decodeBody(w, r, &req); e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	ereq, e := s.toEngine(&req.genParams)
+	if e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	toks, e := s.completionPrompt(req.Prompt)
+	if e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	ereq.Prompt = toks
+	s.generate(w, r, kindText, &req.genParams, ereq)
+}
+
+// completionPrompt accepts a string, a one-element array of strings, or token ids.
+func (s *Server) completionPrompt(raw json.RawMessage) ([]int32, *apiError) {
+	if isNull(raw) {
+		return nil, badRequest("prompt is required")
+	}
+	var text string
+	if json.Unmarshal(raw, &text) != nil {
+		var texts []string
+		var toks []int32
+		switch {
+		case json.Unmarshal(raw, &texts) == nil:
+			if len(texts) != 1 {
+				return nil, badRequest("prompt: exactly one prompt per request is supported, got %d", len(texts))
+			}
+			text = texts[0]
+		case json.Unmarshal(raw, &toks) == nil:
+			if len(toks) == 0 {
+				return nil, badRequest("prompt must not be empty")
+			}
+			if e := s.checkTokens(toks); e != nil {
+				return nil, e
+			}
+			return toks, nil
+		default:
+			return nil, badRequest("prompt must be a string, an array of one string, or an array of token ids")
+		}
+	}
+	if text == "" {
+		return nil, badRequest("prompt must not be empty")
+	}
+	toks, err := s.tok.Tokenize(text, true, true)
+	if err != nil {
+		return nil, badRequest("%v", err)
+	}
+	return toks, nil
+}
+
+type kind int
+
+const (
+	kindChat kind = iota
+	kindText
+)
+
+func newID(prefix string) string {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	return prefix + hex.EncodeToString(b[:])
+}
+
+// result accumulates a finished generation.
+type result struct {
+	text     strings.Builder
+	logprobs []engine.TokenLogprob
+	done     engine.Event
+}
+
+func (s *Server) usage(promptN int, ev engine.Event) map[string]any {
+	return map[string]any{
+		"prompt_tokens":         promptN,
+		"completion_tokens":     ev.Stats.PredictedN,
+		"total_tokens":          promptN + ev.Stats.PredictedN,
+		"prompt_tokens_details": map[string]any{"cached_tokens": ev.Stats.CacheN},
+	}
+}
+
+func timings(st engine.Stats) map[string]any {
+	pms := float64(st.PromptTime.Microseconds()) / 1000
+	gms := float64(st.PredictTime.Microseconds()) / 1000
+	t := map[string]any{
+		"cache_n":   st.CacheN,
+		"prompt_n":  st.PromptN,
+		"prompt_ms": pms, "predicted_n": st.PredictedN, "predicted_ms": gms,
+		"prompt_per_token_ms": 0.0, "prompt_per_second": 0.0,
+		"predicted_per_token_ms": 0.0, "predicted_per_second": 0.0,
+	}
+	if st.PromptN > 0 && pms > 0 {
+		t["prompt_per_token_ms"] = pms / float64(st.PromptN)
+		t["prompt_per_second"] = 1000 * float64(st.PromptN) / pms
+	}
+	if st.PredictedN > 0 && gms > 0 {
+		t["predicted_per_token_ms"] = gms / float64(st.PredictedN)
+		t["predicted_per_second"] = 1000 * float64(st.PredictedN) / gms
+	}
+	return t
+}
+
+func (s *Server) logprobsJSON(k kind, lps []engine.TokenLogprob) any {
+	if k == kindChat {
+		content := make([]map[string]any, len(lps))
+		for i, lp := range lps {
+			piece := s.tok.TokenPiece(lp.Token, false)
+			bs := make([]int, len(piece))
+			for j, c := range piece {
+				bs[j] = int(c)
+			}
+			content[i] = map[string]any{"token": string(piece), "logprob": lp.Logprob, "bytes": bs, "top_logprobs": []any{}, "id": lp.Token}
+		}
+		return map[string]any{"content": content}
+	}
+	toks := make([]string, len(lps))
+	vals := make([]float32, len(lps))
+	ids := make([]int32, len(lps))
+	for i, lp := range lps {
+		toks[i] = string(s.tok.TokenPiece(lp.Token, false))
+		vals[i] = lp.Logprob
+		ids[i] = lp.Token
+	}
+	return map[string]any{"tokens": toks, "token_logprobs": vals, "token_ids": ids}
+}
+
+func finishReason(ev engine.Event) string {
+	if ev.Finish == engine.FinishLength {
+		return "length"
+	}
+	return "stop"
+}
+
+func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *genParams, req engine.Request) {
+	st, err := s.eng.Submit(r.Context(), req)
+	if err != nil {
+		e := errorFor(err)
+		if e.typ == "exceed_context_size_error" {
+			e.extra = map[string]any{"n_prompt_tokens": len(req.Prompt), "n_ctx": s.info.NCtx}
+		}
+		writeAPIError(w, e)
+		return
+	}
+	// Whatever happens to this handler, the task must not outlive it.
+	defer st.Cancel()
+	id := newID(map[kind]string{kindChat: "chatcmpl-", kindText: "cmpl-"}[k])
+	created := time.Now().Unix()
+	if g.Stream {
+		s.stream(w, r, k, g, req, st, id, created)
+		return
+	}
+	var res result
+	for {
+		ev, ok, err := st.Next(r.Context())
+		if err != nil {
+			return // client gone; the deferred Cancel frees the sequence
+		}
+		if !ok {
+			break
+		}
+		res.text.WriteString(ev.Text)
+		res.logprobs = append(res.logprobs, ev.Tokens...)
+		if ev.Done {
+			res.done = ev
+			break
+		}
+	}
+	ev := res.done
+	if ev.Err != nil {
+		writeAPIError(w, errorFor(ev.Err))
+		return
+	}
+	choice := map[string]any{"index": 0, "finish_reason": finishReason(ev), "logprobs": nil}
+	if req.Logprobs {
+		choice["logprobs"] = s.logprobsJSON(k, res.logprobs)
+	}
+	object := "text_completion"
+	if k == kindChat {
+		object = "chat.completion"
+		choice["message"] = map[string]any{"role": "assistant", "content": res.text.String()}
+	} else {
+		choice["text"] = res.text.String()
+	}
+	body := map[string]any{
+		"id": id, "object": object, "created": created, "model": s.info.ModelID,
+		"choices": []any{choice}, "usage": s.usage(len(req.Prompt), ev), "timings": timings(ev.Stats),
+		"session_id": req.SessionID,
+	}
+	if ev.Truncated {
+		body["truncated"] = true
+	}
+	writeJSON(w, http.StatusOK, body)
+}
+
+func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genParams, req engine.Request, st *engine.Stream, id string, created int64) {
+	flusher, _ := w.(http.Flusher)
+	h := w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	h.Set("Connection", "keep-alive")
+	h.Set("X-Accel-Buffering", "no")
+	w.WriteHeader(http.StatusOK)
+	object := "text_completion"
+	if k == kindChat {
+		object = "chat.completion.chunk"
+	}
+	send := func(v any) bool {
+		b, _ := json.Marshal(v)
+		if _, err := fmt.Fprintf(w, "data: %s\n\n", b); err != nil {
+			return false
+		}
+		if flusher != nil {
+			flusher.Flush()
+		}
+		return true
+	}
+	chunk := func(text string, lps []engine.TokenLogprob, finish any) map[string]any {
+		choice := map[string]any{"index": 0, "finish_reason": finish, "logprobs": nil}
+		if req.Logprobs && len(lps) > 0 {
+			choice["logprobs"] = s.logprobsJSON(k, lps)
+		}
+		if k == kindChat {
+			delta := map[string]any{}
+			if text != "" {
+				delta["content"] = text
+			}
+			choice["delta"] = delta
+		} else {
+			choice["text"] = text
+		}
+		return map[string]any{"id": id, "object": object, "created": created, "model": s.info.ModelID, "choices": []any{choice}}
+	}
+	if k == kindChat {
+		first := chunk("", nil, nil)
+		first["choices"].([]any)[0].(map[string]any)["delta"] = map[string]any{"role": "assistant", "content": ""}
+		if !send(first) {
+			return
+		}
+	}
+	for {
+		ev, ok, err := st.Next(r.Context())
+		if err != nil || !ok {
+			return
+		}
+		if ev.Done {
+			if ev.Err != nil {
+				e := errorFor(ev.Err)
+				send(map[string]any{"error": map[string]any{"code": e.status, "type": e.typ, "message": e.msg}})
+				return
+			}
+			if ev.Text != "" && !send(chunk(ev.Text, nil, nil)) {
+				return
+			}
+			last := chunk("", nil, finishReason(ev))
+			last["timings"] = timings(ev.Stats)
+			last["session_id"] = req.SessionID
+			if ev.Truncated {
+				last["truncated"] = true
+			}
+			if !send(last) {
+				return
+			}
+			if g.StreamOptions != nil && g.StreamOptions.IncludeUsage {
+				u := map[string]any{"id": id, "object": object, "created": created, "model": s.info.ModelID,
+					"choices": []any{}, "usage": s.usage(len(req.Prompt), ev)}
+				if !send(u) {
+					return
+				}
+			}
+			fmt.Fprint(w, "data: [DONE]\n\n")
+			if flusher != nil {
+				flusher.Flush()
+			}
+			return
+		}
+		if ev.Text == "" && len(ev.Tokens) == 0 {
+			continue
+		}
+		if !send(chunk(ev.Text, ev.Tokens, nil)) {
+			return
+		}
+	}
+}

@@ -1,0 +1,335 @@
+// Package api is PolyKV's HTTP layer: the OpenAI-compatible routes, llama-server's
+// utility routes, JSON errors and SSE. Handlers never touch the llama context; they
+// tokenize with the (read-only) model, submit work to the engine and read its streams.
+package api
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"time"
+
+	"github.com/polykv/polykv/internal/engine"
+)
+
+// Tokenizer is the read-only model surface handlers use. *llama.Model implements it.
+type Tokenizer interface {
+	Tokenize(text string, addSpecial, parseSpecial bool) ([]int32, error)
+	Detokenize(tokens []int32, removeSpecial, unparseSpecial bool) (string, error)
+	TokenPiece(tok int32, special bool) []byte
+	ValidToken(tok int32) bool
+	NVocab() int
+}
+
+// ChatRenderer turns chat messages into prompt text.
+type ChatRenderer interface {
+	Render(msgs []ChatMessage) (string, error)
+}
+
+// Info describes the served model and configuration for /props and /v1/models.
+type Info struct {
+	ModelID      string
+	ModelPath    string
+	ModelDesc    string
+	NCtx         int
+	NCtxTrain    int
+	Parallel     int
+	NBatch       int
+	NVocab       int
+	ChatTemplate string
+	Started      time.Time
+}
+
+// Server holds the handlers' dependencies.
+type Server struct {
+	eng    *engine.Engine
+	tok    Tokenizer
+	chat   ChatRenderer
+	info   Info
+	log    *slog.Logger
+	maxBody int64
+}
+
+// New creates the HTTP server state.
+func New(eng *engine.Engine, tok Tokenizer, chat ChatRenderer, info Info, log *slog.Logger) *Server {
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Server{eng: eng, tok: tok, chat: chat, info: info, log: log, maxBody: 16 << 20}
+}
+
+// Handler returns the routed handler.
+func (s *Server) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/chat/completions", s.handleChat)
+	mux.HandleFunc("POST /chat/completions", s.handleChat)
+	mux.HandleFunc("POST /v1/completions", s.handleCompletions)
+	mux.HandleFunc("POST /completions", s.handleCompletions)
+	mux.HandleFunc("GET /v1/models", s.handleModels)
+	mux.HandleFunc("GET /models", s.handleModels)
+	mux.HandleFunc("POST /tokenize", s.handleTokenize)
+	mux.HandleFunc("POST /detokenize", s.handleDetokenize)
+	mux.HandleFunc("GET /health", s.handleHealth)
+	mux.HandleFunc("GET /props", s.handleProps)
+	mux.HandleFunc("GET /slots", s.handleSlots)
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, http.StatusNotFound, "not_found_error", fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
+	})
+	return s.recoverer(mux)
+}
+
+// recoverer turns a handler panic into a 500 instead of a dropped connection: a bug
+// in one request must not take the server down.
+func (s *Server) recoverer(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		defer func() {
+			if v := recover(); v != nil {
+				if v == http.ErrAbortHandler {
+					panic(v)
+				}
+				s.log.Error("handler panic", "path", r.URL.Path, "panic", v)
+				writeError(w, http.StatusInternalServerError, "server_error", "internal error")
+			}
+		}()
+		h.ServeHTTP(w, r)
+	})
+}
+
+// apiError is an error with its HTTP status and OpenAI error type.
+type apiError struct {
+	status int
+	typ    string
+	msg    string
+	extra  map[string]any
+}
+
+func (e *apiError) Error() string { return e.msg }
+
+func badRequest(format string, args ...any) *apiError {
+	return &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", msg: fmt.Sprintf(format, args...)}
+}
+
+// errorFor maps engine sentinel errors to HTTP statuses in one place.
+func errorFor(err error) *apiError {
+	var ae *apiError
+	switch {
+	case errors.As(err, &ae):
+		return ae
+	case errors.Is(err, engine.ErrQueueFull):
+		return &apiError{status: http.StatusServiceUnavailable, typ: "unavailable_error", msg: err.Error()}
+	case errors.Is(err, engine.ErrPromptTooLong):
+		return &apiError{status: http.StatusBadRequest, typ: "exceed_context_size_error", msg: err.Error()}
+	case errors.Is(err, engine.ErrEmptyPrompt), errors.Is(err, engine.ErrInvalidToken):
+		return badRequest("%v", err)
+	case errors.Is(err, engine.ErrEngineClosed):
+		return &apiError{status: http.StatusServiceUnavailable, typ: "unavailable_error", msg: err.Error()}
+	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+		return &apiError{status: 499, typ: "cancelled", msg: err.Error()}
+	default:
+		return &apiError{status: http.StatusInternalServerError, typ: "server_error", msg: err.Error()}
+	}
+}
+
+func writeError(w http.ResponseWriter, status int, typ, msg string) {
+	writeAPIError(w, &apiError{status: status, typ: typ, msg: msg})
+}
+
+func writeAPIError(w http.ResponseWriter, e *apiError) {
+	body := map[string]any{"code": e.status, "type": e.typ, "message": e.msg}
+	for k, v := range e.extra {
+		body[k] = v
+	}
+	writeJSON(w, e.status, map[string]any{"error": body})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+// decodeBody reads a JSON object into v, turning decoder errors into clear 400s.
+// Unknown fields are ignored: OpenAI clients send extras.
+func (s *Server) decodeBody(w http.ResponseWriter, r *http.Request, v any) *apiError {
+	body := http.MaxBytesReader(w, r.Body, s.maxBody)
+	dec := json.NewDecoder(body)
+	if err := dec.Decode(v); err != nil {
+		var syn *json.SyntaxError
+		var typ *json.UnmarshalTypeError
+		var tooBig *http.MaxBytesError
+		switch {
+		case errors.As(err, &tooBig):
+			return &apiError{status: http.StatusRequestEntityTooLarge, typ: "invalid_request_error", msg: fmt.Sprintf("request body exceeds %d bytes", tooBig.Limit)}
+		case errors.As(err, &typ):
+			field := typ.Field
+			if field == "" {
+				return badRequest("request body must be a JSON object, got %s", typ.Value)
+			}
+			return badRequest("field %q: expected %s, got %s", field, jsonKind(typ.Type.Kind().String()), typ.Value)
+		case errors.As(err, &syn):
+			return badRequest("malformed JSON at byte %d: %v", syn.Offset, err)
+		case errors.Is(err, context.Canceled):
+			return &apiError{status: 499, typ: "cancelled", msg: "client went away"}
+		default:
+			if err.Error() == "EOF" {
+				return badRequest("empty request body")
+			}
+			return badRequest("malformed JSON: %v", err)
+		}
+	}
+	if dec.More() {
+		return badRequest("malformed JSON: trailing data after the object")
+	}
+	return nil
+}
+
+func jsonKind(goKind string) string {
+	switch goKind {
+	case "int", "int32", "int64", "uint32":
+		return "an integer"
+	case "float32", "float64":
+		return "a number"
+	case "bool":
+		return "a boolean"
+	case "string":
+		return "a string"
+	case "slice":
+		return "an array"
+	case "struct", "map":
+		return "an object"
+	default:
+		return goKind
+	}
+}
+
+func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) {
+	select {
+	case <-s.eng.Done():
+		writeError(w, http.StatusServiceUnavailable, "unavailable_error", "engine stopped")
+	default:
+		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
+	}
+}
+
+func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]any{
+		"object": "list",
+		"data": []map[string]any{{
+			"id": s.info.ModelID, "object": "model", "created": s.info.Started.Unix(), "owned_by": "polykv",
+			"meta": map[string]any{"n_ctx_train": s.info.NCtxTrain, "n_vocab": s.info.NVocab, "desc": s.info.ModelDesc},
+		}},
+	})
+}
+
+func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
+	var usage engine.Usage
+	if err := s.eng.Inspect(r.Context(), func(sc *engine.Scheduler) { usage = sc.Usage() }); err != nil {
+		writeAPIError(w, errorFor(err))
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{
+		"model":         s.info.ModelID,
+		"model_path":    s.info.ModelPath,
+		"model_desc":    s.info.ModelDesc,
+		"n_ctx":         s.info.NCtx,
+		"n_ctx_train":   s.info.NCtxTrain,
+		"parallel":      s.info.Parallel,
+		"total_slots":   s.info.Parallel,
+		"n_batch":       s.info.NBatch,
+		"kv_unified":    true,
+		"chat_template": s.info.ChatTemplate,
+		"usage":         usage,
+	})
+}
+
+func (s *Server) handleSlots(w http.ResponseWriter, r *http.Request) {
+	var slots []engine.SlotInfo
+	if err := s.eng.Inspect(r.Context(), func(sc *engine.Scheduler) { slots = sc.Slots() }); err != nil {
+		writeAPIError(w, errorFor(err))
+		return
+	}
+	writeJSON(w, http.StatusOK, slots)
+}
+
+type tokenizeRequest struct {
+	Content      *string `json:"content"`
+	AddSpecial   bool    `json:"add_special"`
+	ParseSpecial *bool   `json:"parse_special"`
+	WithPieces   bool    `json:"with_pieces"`
+}
+
+func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
+	var req tokenizeRequest
+	if e := s.decodeBody(w, r, &req); e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	if req.Content == nil {
+		writeAPIError(w, badRequest("field \"content\" is required"))
+		return
+	}
+	parse := req.ParseSpecial == nil || *req.ParseSpecial
+	toks, err := s.tok.Tokenize(*req.Content, req.AddSpecial, parse)
+	if err != nil {
+		writeAPIError(w, badRequest("%v", err))
+		return
+	}
+	if !req.WithPieces {
+		writeJSON(w, http.StatusOK, map[string]any{"tokens": nonNil(toks)})
+		return
+	}
+	type piece struct {
+		ID    int32  `json:"id"`
+		Piece string `json:"piece"`
+	}
+	out := make([]piece, len(toks))
+	for i, t := range toks {
+		out[i] = piece{ID: t, Piece: string(s.tok.TokenPiece(t, true))}
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"tokens": out})
+}
+
+type detokenizeRequest struct {
+	Tokens *[]int32 `json:"tokens"`
+}
+
+func (s *Server) handleDetokenize(w http.ResponseWriter, r *http.Request) {
+	var req detokenizeRequest
+	if e := s.decodeBody(w, r, &req); e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	if req.Tokens == nil {
+		writeAPIError(w, badRequest("field \"tokens\" is required"))
+		return
+	}
+	if e := s.checkTokens(*req.Tokens); e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	text, err := s.tok.Detokenize(*req.Tokens, false, true)
+	if err != nil {
+		writeAPIError(w, badRequest("%v", err))
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"content": text})
+}
+
+func (s *Server) checkTokens(toks []int32) *apiError {
+	for i, t := range toks {
+		if !s.tok.ValidToken(t) {
+			return badRequest("token %d at index %d is outside the vocabulary (0..%d)", t, i, s.tok.NVocab()-1)
+		}
+	}
+	return nil
+}
+
+func nonNil[T any](s []T) []T {
+	if s == nil {
+		return []T{}
+	}
+	return s
+}

@@ -1,0 +1,113 @@
+// Package app wires a model, a llama context, the engine and the HTTP API together, so
+// the CLI, the benchmark and the real-model tests start the same server.
+package app
+
+import (
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"time"
+
+	"github.com/polykv/polykv/internal/api"
+	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/llama"
+	"github.com/polykv/polykv/internal/runner"
+)
+
+// Config is the server configuration (llama-server-like names in the CLI).
+type Config struct {
+	ModelPath  string
+	NCtx       int // -c
+	Parallel   int // --parallel
+	NBatch     int // --batch
+	NUBatch    int // --ubatch
+	Threads    int // -t
+	MaxQueue   int // --queue
+	SessionTTL time.Duration
+}
+
+// Defaults fills unset fields.
+func (c *Config) Defaults() {
+	if c.NCtx == 0 {
+		c.NCtx = 4096
+	}
+	if c.Parallel == 0 {
+		c.Parallel = 4
+	}
+	if c.NBatch == 0 {
+		c.NBatch = 512
+	}
+	if c.NUBatch == 0 {
+		c.NUBatch = c.NBatch
+	}
+	if c.Threads == 0 {
+		c.Threads = runtime.NumCPU()
+	}
+	if c.MaxQueue == 0 {
+		c.MaxQueue = 64
+	}
+	if c.SessionTTL == 0 {
+		c.SessionTTL = 30 * time.Minute
+	}
+}
+
+// App is a running server core.
+type App struct {
+	Config Config
+	Model  *llama.Model
+	Ctx    *llama.Context
+	Engine *engine.Engine
+	API    *api.Server
+}
+
+// Open loads the model and starts the engine.
+func Open(cfg Config, log *slog.Logger) (*App, error) {
+	cfg.Defaults()
+	if cfg.ModelPath == "" {
+		return nil, fmt.Errorf("no model: pass -m MODEL.gguf")
+	}
+	ecfg := engine.Config{NCtx: cfg.NCtx, Parallel: cfg.Parallel, NBatch: cfg.NBatch, MaxQueue: cfg.MaxQueue, SessionTTL: cfg.SessionTTL}
+	if err := ecfg.Validate(); err != nil {
+		return nil, err
+	}
+	model, err := llama.LoadModel(cfg.ModelPath)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.NCtx > model.NCtxTrain() && model.NCtxTrain() > 0 {
+		if log != nil {
+			log.Warn("context larger than the model was trained for", "n_ctx", cfg.NCtx, "n_ctx_train", model.NCtxTrain())
+		}
+	}
+	ctx, err := llama.NewContext(model, llama.ContextParams{
+		NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: cfg.Parallel,
+		NThreads: cfg.Threads, KVUnified: true,
+	})
+	if err != nil {
+		model.Free()
+		return nil, err
+	}
+	sched, err := engine.NewScheduler(ecfg, runner.Vocab{M: model})
+	if err != nil {
+		ctx.Free()
+		model.Free()
+		return nil, err
+	}
+	eng := engine.New(sched, runner.NewBackend(ctx))
+	id := strings.TrimSuffix(filepath.Base(cfg.ModelPath), filepath.Ext(cfg.ModelPath))
+	info := api.Info{
+		ModelID: id, ModelPath: cfg.ModelPath, ModelDesc: model.Desc(), NCtx: cfg.NCtx, NCtxTrain: model.NCtxTrain(),
+		Parallel: cfg.Parallel, NBatch: cfg.NBatch, NVocab: model.NVocab(), ChatTemplate: model.ChatTemplate(), Started: time.Now(),
+	}
+	srv := api.New(eng, model, runner.ChatTemplate{M: model}, info, log)
+	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv}, nil
+}
+
+// Close stops the engine, then frees the context and the model.
+func (a *App) Close() {
+	a.Engine.Close()
+	a.Ctx.Free()
+	a.Model.Free()
+}

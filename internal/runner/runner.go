@@ -1,0 +1,126 @@
+// Package runner adapts the llama binding to the engine's Backend and Vocab interfaces.
+package runner
+
+import (
+	"fmt"
+	"math"
+
+	"github.com/polykv/polykv/internal/api"
+	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/llama"
+)
+
+// Backend drives one llama.cpp context. Only the engine goroutine may call it.
+type Backend struct {
+	ctx      *llama.Context
+	samplers map[engine.TaskID]*sampler
+}
+
+type sampler struct {
+	s        *llama.Sampler
+	logprobs bool
+}
+
+var _ engine.Backend = (*Backend)(nil)
+
+// NewBackend wraps ctx.
+func NewBackend(ctx *llama.Context) *Backend {
+	return &Backend{ctx: ctx, samplers: map[engine.TaskID]*sampler{}}
+}
+
+// Decode implements engine.Backend.
+func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
+	b.ctx.BatchClear()
+	for _, e := range batch {
+		if _, err := b.ctx.BatchAdd(e.Token, e.Pos, e.Seq, e.Sample); err != nil {
+			return nil, err
+		}
+	}
+	if err := b.ctx.Decode(); err != nil {
+		return nil, err
+	}
+	var out []engine.Sampled
+	for i, e := range batch {
+		if !e.Sample {
+			continue
+		}
+		smp, ok := b.samplers[e.Task]
+		if !ok {
+			return nil, fmt.Errorf("no sampler for task %d", e.Task)
+		}
+		tok := smp.s.Sample(b.ctx, i)
+		s := engine.Sampled{Token: tok}
+		if smp.logprobs {
+			s.Logprob = logSoftmaxAt(b.ctx.Logits(i), tok)
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}
+
+// logSoftmaxAt is log p(tok) under the raw (pre-sampler) logits.
+func logSoftmaxAt(logits []float32, tok llama.Token) float32 {
+	if int(tok) >= len(logits) || tok < 0 {
+		return float32(math.Inf(-1))
+	}
+	mx := logits[0]
+	for _, l := range logits {
+		mx = max(mx, l)
+	}
+	var sum float64
+	for _, l := range logits {
+		sum += math.Exp(float64(l - mx))
+	}
+	return float32(float64(logits[tok]-mx) - math.Log(sum))
+}
+
+// SeqRm implements engine.Backend.
+func (b *Backend) SeqRm(seq, p0, p1 int) bool { return b.ctx.SeqRm(seq, p0, p1) }
+
+// SeqCp implements engine.Backend.
+func (b *Backend) SeqCp(src, dst, p0, p1 int) { b.ctx.SeqCp(src, dst, p0, p1) }
+
+// NewSampler implements engine.Backend.
+func (b *Backend) NewSampler(task engine.TaskID, p engine.SamplingParams, logprobs bool, history []engine.Token) {
+	s := llama.NewSampler(llama.SamplerParams(p))
+	if p.RepeatPenalty != 0 && p.RepeatPenalty != 1 || p.FrequencyPenalty != 0 || p.PresencePenalty != 0 {
+		for _, t := range history {
+			s.Accept(t)
+		}
+	}
+	b.samplers[task] = &sampler{s: s, logprobs: logprobs}
+}
+
+// FreeSampler implements engine.Backend.
+func (b *Backend) FreeSampler(task engine.TaskID) {
+	if s, ok := b.samplers[task]; ok {
+		s.s.Free()
+		delete(b.samplers, task)
+	}
+}
+
+// Vocab exposes the model's tokenizer to the engine.
+type Vocab struct{ M *llama.Model }
+
+// Piece implements engine.Vocab.
+func (v Vocab) Piece(tok engine.Token) []byte { return v.M.TokenPiece(tok, false) }
+
+// IsEOG implements engine.Vocab.
+func (v Vocab) IsEOG(tok engine.Token) bool { return v.M.IsEOG(tok) }
+
+// ChatTemplate renders chat messages with the model's own template through
+// llama_chat_apply_template.
+type ChatTemplate struct{ M *llama.Model }
+
+// Render implements api.ChatRenderer.
+func (c ChatTemplate) Render(msgs []api.ChatMessage) (string, error) {
+	lm := make([]llama.ChatMessage, len(msgs))
+	for i, m := range msgs {
+		role := m.Role
+		if role == "developer" {
+			role = "system" // OpenAI's newer name; templates know "system"
+		}
+		lm[i] = llama.ChatMessage{Role: role, Content: m.Content}
+	}
+	return c.M.ApplyChatTemplate("", lm, true)
+}
