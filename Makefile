@@ -12,7 +12,7 @@ export POLYKV_CACHE ?= $(HOME)/.cache/polykv
 export POLYKV_MODEL ?= $(POLYKV_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 VENV ?= $(POLYKV_CACHE)/venv
 
-.PHONY: build model test test-go test-python demo bench venv clean
+.PHONY: build model test test-go test-python demo bench venv clean env
 
 build:
 	go build -o bin/polykv ./cmd/polykv
@@ -40,3 +40,7 @@ bench: build model
 
 clean:
 	rm -rf bin
+
+# `eval "$(make -s env)"` lets plain go build/test/vet find llama.h in this shell.
+env:
+	@echo 'export CGO_CPPFLAGS="$(CGO_CPPFLAGS)" CGO_CFLAGS="$(CGO_CFLAGS)" CGO_CXXFLAGS="$(CGO_CXXFLAGS)" POLYKV_MODEL="$(POLYKV_MODEL)"'

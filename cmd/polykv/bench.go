@@ -1,5 +1,202 @@
 package main
 
-import "errors"
+import (
+	"bytes"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"runtime/pprof"
+	"strconv"
+	"strings"
+	"sync"
+	"text/tabwriter"
+	"time"
 
-func bench(args []string) error { return errors.New("bench: not implemented yet") }
+	"github.com/polykv/polykv/internal/app"
+	"github.com/polykv/polykv/internal/llama"
+)
+
+// benchPrompts are short, distinct prompts so every session decodes its own sequence.
+var benchPrompts = []string{
+	"Once upon a time", "The history of Rome", "In a distant galaxy", "The recipe calls for",
+	"Dear diary, today", "The stock market", "Deep in the forest", "The first rule of",
+	"My grandfather told me", "At the edge of the sea", "The engineer opened", "Long ago, people",
+	"The city at night", "A letter arrived", "The scientist said", "On the mountain top",
+}
+
+func bench(args []string) error {
+	fs := flag.NewFlagSet("bench", flag.ExitOnError)
+	var cfg app.Config
+	coreFlags(fs, &cfg)
+	sizes := fs.String("sessions", "1,4,8,16", "concurrent sessions B to measure")
+	nGen := fs.Int("n", 128, "tokens each session decodes")
+	reps := fs.Int("reps", 2, "repetitions per measurement (best is reported)")
+	cpuProfile := fs.String("cpuprofile", "", "write a Go CPU profile of the server runs to this file")
+	_ = fs.Parse(args)
+	cfg.Defaults()
+	var bs []int
+	for _, f := range strings.Split(*sizes, ",") {
+		b, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || b < 1 || b > len(benchPrompts) {
+			return fmt.Errorf("bench: bad session count %q (1..%d)", f, len(benchPrompts))
+		}
+		bs = append(bs, b)
+	}
+	fmt.Printf("polykv bench: %s, %d threads, n_ctx %d, %d tokens per session, best of %d\n\n",
+		cfg.ModelPath, cfg.Threads, cfg.NCtx, *nGen, *reps)
+	tw := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "B\traw loop tok/s\tserver tok/s\tserver/raw\t")
+	for _, b := range bs {
+		raw, srv := 0.0, 0.0
+		for range *reps {
+			r, err := rawLoop(cfg, b, *nGen)
+			if err != nil {
+				return err
+			}
+			s, err := serverRun(cfg, b, *nGen, *cpuProfile)
+			if err != nil {
+				return err
+			}
+			raw, srv = max(raw, r), max(srv, s)
+		}
+		fmt.Fprintf(tw, "%d\t%.1f\t%.1f\t%.3f\t\n", b, raw, srv, srv/raw)
+		tw.Flush()
+	}
+	return nil
+}
+
+// rawLoop measures B sessions decoding nGen greedy tokens each straight over the
+// binding: one prefill batch, then one batch of B tokens per step. No scheduler, no HTTP.
+func rawLoop(cfg app.Config, b, nGen int) (float64, error) {
+	model, err := llama.LoadModel(cfg.ModelPath)
+	if err != nil {
+		return 0, err
+	}
+	defer model.Free()
+	ctx, err := llama.NewContext(model, llama.ContextParams{NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: b, NThreads: cfg.Threads, KVUnified: true})
+	if err != nil {
+		return 0, err
+	}
+	defer ctx.Free()
+	samplers := make([]*llama.Sampler, b)
+	for i := range samplers {
+		samplers[i] = llama.NewSampler(llama.SamplerParams{})
+		defer samplers[i].Free()
+	}
+	start := time.Now()
+	ctx.BatchClear()
+	pos := make([]int, b)
+	idx := make([]int, b)
+	for s := range b {
+		toks, err := model.Tokenize(benchPrompts[s], true, true)
+		if err != nil {
+			return 0, err
+		}
+		for j, t := range toks {
+			i, err := ctx.BatchAdd(t, j, s, j == len(toks)-1)
+			if err != nil {
+				return 0, err
+			}
+			idx[s] = i
+		}
+		pos[s] = len(toks)
+	}
+	if err := ctx.Decode(); err != nil {
+		return 0, err
+	}
+	next := make([]llama.Token, b)
+	for s := range b {
+		next[s] = samplers[s].Sample(ctx, idx[s])
+	}
+	for step := 1; step < nGen; step++ {
+		ctx.BatchClear()
+		for s := range b {
+			i, err := ctx.BatchAdd(next[s], pos[s], s, true)
+			if err != nil {
+				return 0, err
+			}
+			idx[s] = i
+			pos[s]++
+		}
+		if err := ctx.Decode(); err != nil {
+			return 0, err
+		}
+		for s := range b {
+			next[s] = samplers[s].Sample(ctx, idx[s])
+		}
+	}
+	return float64(b*nGen) / time.Since(start).Seconds(), nil
+}
+
+// serverRun measures the same workload through the full server: B concurrent HTTP
+// completions on loopback, each generating nGen tokens.
+func serverRun(cfg app.Config, b, nGen int, profile string) (float64, error) {
+	c := cfg
+	c.Parallel = b
+	a, err := app.Open(c, nil)
+	if err != nil {
+		return 0, err
+	}
+	defer a.Close()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	srv := &http.Server{Handler: a.API.Handler()}
+	go srv.Serve(ln)
+	defer srv.Close()
+	url := "http://" + ln.Addr().String() + "/v1/completions"
+	if profile != "" {
+		f, err := os.Create(profile)
+		if err != nil {
+			return 0, err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return 0, err
+		}
+		defer pprof.StopCPUProfile()
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, b)
+	got := make([]int, b)
+	start := time.Now()
+	for s := range b {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			body, _ := json.Marshal(map[string]any{"prompt": benchPrompts[s], "max_tokens": nGen, "temperature": 0, "ignore_eos": true})
+			resp, err := http.Post(url, "application/json", bytes.NewReader(body))
+			if err != nil {
+				errs[s] = err
+				return
+			}
+			defer resp.Body.Close()
+			raw, _ := io.ReadAll(resp.Body)
+			var out struct {
+				Usage struct {
+					CompletionTokens int `json:"completion_tokens"`
+				} `json:"usage"`
+			}
+			if resp.StatusCode != 200 || json.Unmarshal(raw, &out) != nil {
+				errs[s] = fmt.Errorf("bench request: %d %s", resp.StatusCode, raw)
+				return
+			}
+			got[s] = out.Usage.CompletionTokens
+		}()
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	total := 0
+	for s := range b {
+		if errs[s] != nil {
+			return 0, errs[s]
+		}
+		total += got[s]
+	}
+	return float64(total) / elapsed.Seconds(), nil
+}

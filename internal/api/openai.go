@@ -430,22 +430,16 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *gen
 		s.stream(w, r, k, g, req, st, id, created)
 		return
 	}
+	evs, err := st.Collect(r.Context())
+	if err != nil || len(evs) == 0 {
+		return // client gone; the deferred Cancel frees the sequence
+	}
 	var res result
-	for {
-		ev, ok, err := st.Next(r.Context())
-		if err != nil {
-			return // client gone; the deferred Cancel frees the sequence
-		}
-		if !ok {
-			break
-		}
+	for _, ev := range evs {
 		res.text.WriteString(ev.Text)
 		res.logprobs = append(res.logprobs, ev.Tokens...)
-		if ev.Done {
-			res.done = ev
-			break
-		}
 	}
+	res.done = evs[len(evs)-1]
 	ev := res.done
 	if ev.Err != nil {
 		writeAPIError(w, errorFor(ev.Err))

@@ -44,6 +44,9 @@ type Stream struct {
 	events []Event
 	notify chan struct{}
 	ended  bool
+	// collect: the reader only wants the whole result, so it is woken once, at the end.
+	// Waking a goroutine per token steals a core from llama.cpp's threads.
+	collect bool
 }
 
 func newStream(id TaskID, eng *Engine) *Stream {
@@ -53,7 +56,11 @@ func newStream(id TaskID, eng *Engine) *Stream {
 func (s *Stream) push(ev Event) {
 	s.mu.Lock()
 	s.events = append(s.events, ev)
+	quiet := s.collect && !ev.Done
 	s.mu.Unlock()
+	if quiet {
+		return
+	}
 	select {
 	case s.notify <- struct{}{}:
 	default:
@@ -94,6 +101,28 @@ func (s *Stream) Next(ctx context.Context) (Event, bool, error) {
 			if !pending {
 				return Event{Task: s.id, Done: true, Finish: FinishError, Err: ErrEngineClosed}, true, nil
 			}
+		}
+	}
+}
+
+// Collect waits for the task to end and returns all its events, the Done event last.
+// If ctx ends first the task is cancelled and ctx's error returned.
+func (s *Stream) Collect(ctx context.Context) ([]Event, error) {
+	s.mu.Lock()
+	s.collect = true
+	s.mu.Unlock()
+	var out []Event
+	for {
+		ev, ok, err := s.Next(ctx)
+		if err != nil {
+			return out, err
+		}
+		if !ok {
+			return out, nil
+		}
+		out = append(out, ev)
+		if ev.Done {
+			return out, nil
 		}
 	}
 }
