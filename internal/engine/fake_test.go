@@ -6,28 +6,47 @@ import (
 	"time"
 )
 
-// fakeBackend models a unified KV cache as token lists per sequence and "samples" a
-// token that depends on everything the sequence holds, so any cache mistake changes
-// the output. It fails a batch that breaks position contiguity or overflows the cells.
+// fakeBackend models a unified KV cache: numbered cells, each holding a token, and per
+// sequence the list of cells it is a member of (position = index). seq_cp shares cells,
+// a cell is free once no sequence holds it. It "samples" a token that depends on every
+// token the sequence holds, so any cache mistake changes the output, and it fails a
+// batch that breaks position contiguity or overflows the cells.
 type fakeBackend struct {
 	t        *testing.T
 	nCtx     int
-	kv       map[int][]Token
+	kv       map[int][]fakeCell
+	nextCell int
 	samplers map[TaskID]bool
 	batches  [][]BatchEntry
 	failNext error
 }
 
-func newFakeBackend(t *testing.T, nCtx int) *fakeBackend {
-	return &fakeBackend{t: t, nCtx: nCtx, kv: map[int][]Token{}, samplers: map[TaskID]bool{}}
+type fakeCell struct {
+	id  int
+	tok Token
 }
 
+func newFakeBackend(t *testing.T, nCtx int) *fakeBackend {
+	return &fakeBackend{t: t, nCtx: nCtx, kv: map[int][]fakeCell{}, samplers: map[TaskID]bool{}}
+}
+
+// cells counts distinct physical cells in use.
 func (f *fakeBackend) cells() int {
-	n := 0
+	seen := map[int]bool{}
 	for _, v := range f.kv {
-		n += len(v)
+		for _, c := range v {
+			seen[c.id] = true
+		}
 	}
-	return n
+	return len(seen)
+}
+
+func (f *fakeBackend) tokens(seq int) []Token {
+	var out []Token
+	for _, c := range f.kv[seq] {
+		out = append(out, c.tok)
+	}
+	return out
 }
 
 func (f *fakeBackend) Decode(batch []BatchEntry) ([]Sampled, error) {
@@ -44,12 +63,13 @@ func (f *fakeBackend) Decode(batch []BatchEntry) ([]Sampled, error) {
 		if e.Pos != len(f.kv[e.Seq]) {
 			f.t.Errorf("fake: seq %d gets pos %d but holds %d tokens", e.Seq, e.Pos, len(f.kv[e.Seq]))
 		}
-		f.kv[e.Seq] = append(f.kv[e.Seq], e.Token)
+		f.nextCell++
+		f.kv[e.Seq] = append(f.kv[e.Seq], fakeCell{id: f.nextCell, tok: e.Token})
 		if e.Sample {
 			if !f.samplers[e.Task] {
 				f.t.Errorf("fake: sampling for task %d without a sampler", e.Task)
 			}
-			out = append(out, Sampled{Token: fakeNext(f.kv[e.Seq])})
+			out = append(out, Sampled{Token: fakeNext(f.tokens(e.Seq))})
 		}
 	}
 	return out, nil
@@ -82,7 +102,17 @@ func (f *fakeBackend) SeqRm(seq, p0, p1 int) bool {
 	return true
 }
 
-func (f *fakeBackend) SeqCp(src, dst, p0, p1 int) { f.t.Errorf("fake: unexpected seq_cp") }
+func (f *fakeBackend) SeqCp(src, dst, p0, p1 int) {
+	if p0 != 0 || len(f.kv[dst]) != 0 {
+		f.t.Errorf("fake: seq_cp(%d -> %d, %d, %d) onto a non-empty sequence", src, dst, p0, p1)
+		return
+	}
+	if p1 > len(f.kv[src]) {
+		f.t.Errorf("fake: seq_cp(%d -> %d, 0, %d) beyond the source's %d cells", src, dst, p1, len(f.kv[src]))
+		return
+	}
+	f.kv[dst] = append([]fakeCell(nil), f.kv[src][:p1]...)
+}
 
 func (f *fakeBackend) NewSampler(task TaskID, p SamplingParams, logprobs bool, history []Token) {
 	if f.samplers[task] {

@@ -4,16 +4,26 @@ import (
 	"fmt"
 	"slices"
 	"time"
+
+	"github.com/polykv/polykv/internal/pool"
 )
 
 // Config sizes the scheduler.
 type Config struct {
-	NCtx       int           // KV cells in the unified cache
-	Parallel   int           // session sequences (ids 0..Parallel-1)
-	NBatch     int           // tokens per decode step (decode tokens + prefill chunks)
-	MaxQueue   int           // waiting requests beyond the running ones; past it: ErrQueueFull
-	SessionTTL time.Duration // idle sessions older than this lose their KV (0 = never)
+	NCtx         int           // KV cells in the unified cache
+	Parallel     int           // session sequences (ids 0..Parallel-1)
+	MaxPools     int           // pool sequences (ids Parallel..Parallel+MaxPools-1)
+	NBatch       int           // tokens per decode step (decode tokens + prefill chunks)
+	MaxQueue     int           // waiting requests beyond the running ones; past it: ErrQueueFull
+	SessionTTL   time.Duration // idle sessions older than this lose their KV (0 = never)
+	PoolGrace    time.Duration // a pool is not reclaimed or evicted within this of its last use
+	BytesPerCell int64         // KV bytes of one cell, for status reports
+	// PoolsUnsupported, when set, is why pool operations are refused (recurrent models).
+	PoolsUnsupported string
 }
+
+// MaxSeqs is the largest n_seq_max llama.cpp accepts.
+const MaxSeqs = 256
 
 // Validate checks a configuration.
 func (c Config) Validate() error {
@@ -22,6 +32,10 @@ func (c Config) Validate() error {
 		return fmt.Errorf("context size %d is too small", c.NCtx)
 	case c.Parallel < 1:
 		return fmt.Errorf("parallel must be at least 1, got %d", c.Parallel)
+	case c.MaxPools < 0:
+		return fmt.Errorf("max pools must not be negative, got %d", c.MaxPools)
+	case c.Parallel+c.MaxPools > MaxSeqs:
+		return fmt.Errorf("parallel (%d) + max pools (%d) exceeds llama.cpp's %d sequences", c.Parallel, c.MaxPools, MaxSeqs)
 	case c.NBatch < c.Parallel:
 		return fmt.Errorf("batch size %d must be at least parallel (%d): every running session decodes one token per step", c.NBatch, c.Parallel)
 	case c.MaxQueue < 0:
@@ -63,21 +77,36 @@ type Plan struct {
 	Batch    []BatchEntry
 }
 
+// slot is one sequence of the cache: a session's, or a pool's while it materializes.
 type slot struct {
 	seq      int
 	session  string
-	tokens   []Token // exactly the tokens whose KV this sequence holds, at positions 0..len-1
+	tokens   []Token // exactly the tokens this sequence holds, at positions 0..len-1
+	base     *pool.Pool
+	shared   int // tokens [0, shared) are the base pool's cells (borrowed, not owned)
 	task     *task
 	lastUsed time.Time
 }
 
+func (sl *slot) ownCells() int { return len(sl.tokens) - sl.shared }
+
+type taskKind int
+
+const (
+	kindGenerate    taskKind = iota
+	kindMaterialize          // prefill a pool's [D, L): no logits, no sampling
+)
+
 type task struct {
 	id        TaskID
+	kind      taskKind
 	req       Request
+	pool      *pool.Pool // kindMaterialize: the pool being built; kindGenerate: the pool to attach to
 	slot      *slot
 	cacheN    int
 	next      Token // sampled but not yet decoded
 	hasNext   bool
+	restore   bool // kindMaterialize: rebuilding an evicted pool (no client waits)
 	generated int
 	text      *textAssembler
 	submitted time.Time
@@ -103,10 +132,13 @@ type Scheduler struct {
 	vocab     Vocab
 	slots     []*slot
 	bySession map[string]*slot
-	queue     []*task // waiting, FIFO
-	running   []*task // holding a slot, in admission order
+	pools     *pool.Tree
+	poolSeqs  map[int]*slot // a materializing pool's sequence
+	queue     []*task       // waiting, FIFO
+	running   []*task       // holding a sequence, in admission order
 	tasks     map[TaskID]*task
 	nextID    TaskID
+	now       time.Time
 
 	ops      []SeqOp
 	samplers []SamplerOp
@@ -119,39 +151,56 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{}}
+	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
+		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools), poolSeqs: map[int]*slot{}}
 	for i := range cfg.Parallel {
 		s.slots = append(s.slots, &slot{seq: i})
 	}
 	return s, nil
 }
 
-// Submit queues a request. It fails at once when the prompt can never run or the
-// queue is full; otherwise the task runs as soon as a sequence and cells are free.
+// Submit queues a request. It fails at once when the prompt can never run, the pool
+// it names cannot be attached, or the queue is full; otherwise the task runs as soon as
+// a sequence and cells are free.
 func (s *Scheduler) Submit(req Request, now time.Time) (TaskID, error) {
+	s.now = now
 	if len(req.Prompt) == 0 {
 		return 0, ErrEmptyPrompt
 	}
 	if len(req.Prompt) >= s.cfg.NCtx {
 		return 0, fmt.Errorf("%w: %d prompt tokens, context size %d", ErrPromptTooLong, len(req.Prompt), s.cfg.NCtx)
 	}
-	s.admit(now)
+	var p *pool.Pool
+	if req.HasPool {
+		var err error
+		if p, err = s.attachable(req); err != nil {
+			return 0, err
+		}
+	}
+	s.admit()
 	if len(s.queue) >= s.cfg.MaxQueue && !s.canStartNow(req) {
 		return 0, fmt.Errorf("%w (%d waiting)", ErrQueueFull, len(s.queue))
 	}
-	s.nextID++
-	t := &task{id: s.nextID, req: req, text: newTextAssembler(req.Stop), submitted: now}
-	s.tasks[t.id] = t
+	t := s.newTask(kindGenerate, req, p)
 	s.queue = append(s.queue, t)
-	s.admit(now)
+	s.admit()
 	return t.id, nil
+}
+
+func (s *Scheduler) newTask(k taskKind, req Request, p *pool.Pool) *task {
+	s.nextID++
+	t := &task{id: s.nextID, kind: k, req: req, pool: p, text: newTextAssembler(req.Stop), submitted: s.now}
+	s.tasks[t.id] = t
+	return t
 }
 
 // canStartNow reports whether a request would get a sequence at once (so the queue
 // bound does not apply to it).
 func (s *Scheduler) canStartNow(req Request) bool {
-	if len(s.queue) > 0 {
-		return false // FIFO: someone is already waiting
+	for _, q := range s.queue {
+		if q.kind == kindGenerate {
+			return false // FIFO: someone is already waiting
+		}
 	}
 	if sl, ok := s.bySession[req.SessionID]; ok && req.SessionID != "" {
 		return sl.task == nil
@@ -167,6 +216,7 @@ func (s *Scheduler) canStartNow(req Request) bool {
 // Cancel ends a task: a waiting one leaves the queue, a running one stops and frees its
 // sequence before the next step. Unknown ids are ignored (the task already ended).
 func (s *Scheduler) Cancel(id TaskID, now time.Time) {
+	s.now = now
 	t, ok := s.tasks[id]
 	if !ok {
 		return
@@ -174,10 +224,13 @@ func (s *Scheduler) Cancel(id TaskID, now time.Time) {
 	if t.slot == nil {
 		s.queue = slices.DeleteFunc(s.queue, func(q *task) bool { return q == t })
 		delete(s.tasks, id)
+		if t.kind == kindMaterialize {
+			s.abandonPool(t.pool, t.restore)
+		}
 		s.events = append(s.events, Event{Task: id, Done: true, Finish: FinishCancelled, Err: ErrCancelled})
 		return
 	}
-	s.finish(t, FinishCancelled, false, ErrCancelled, now)
+	s.finish(t, FinishCancelled, false, ErrCancelled)
 }
 
 // Events drains the events produced since the last call.
@@ -190,70 +243,12 @@ func (s *Scheduler) Events() []Event {
 // Idle reports that nothing is waiting or running.
 func (s *Scheduler) Idle() bool { return len(s.queue) == 0 && len(s.running) == 0 }
 
-// usedCells counts cells held by session sequences: sequences share nothing yet, so
-// this is the sum of their lengths.
-func (s *Scheduler) usedCells() int {
-	n := 0
-	for _, sl := range s.slots {
-		n += len(sl.tokens)
-	}
-	return n
-}
-
-// reservedPrefill counts cells promised to prompts already admitted but not prefilled,
-// so a new admission can never strand two half-prefilled prompts (a deadlock).
-func (s *Scheduler) reservedPrefill() int {
-	n := 0
-	for _, t := range s.running {
-		if t.prefilling() {
-			n += len(t.req.Prompt) - len(t.slot.tokens)
-		}
-	}
-	return n
-}
-
-// evictable lists idle sessions holding cells, least recently used first.
-func (s *Scheduler) evictable(except *slot) []*slot {
-	var out []*slot
-	for _, sl := range s.slots {
-		if sl != except && sl.task == nil && sl.session != "" && len(sl.tokens) > 0 {
-			out = append(out, sl)
-		}
-	}
-	slices.SortFunc(out, func(a, b *slot) int { return a.lastUsed.Compare(b.lastUsed) })
-	return out
-}
-
-// evictSlot drops a slot's session and its KV.
-func (s *Scheduler) evictSlot(sl *slot) {
-	if len(sl.tokens) > 0 {
-		s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: sl.seq, P0: 0, P1: -1})
-	}
-	if sl.session != "" {
-		delete(s.bySession, sl.session)
-	}
-	sl.session = ""
-	sl.tokens = nil
-}
-
-// freeCells evicts idle sessions (LRU first, never except) until want cells are free or
-// nothing is left to evict; it returns the free count. planned are cells already
-// promised to the batch being built.
-func (s *Scheduler) freeCells(want int, except *slot, planned int) int {
-	free := s.cfg.NCtx - s.usedCells() - planned
-	for _, sl := range s.evictable(except) {
-		if free >= want {
-			break
-		}
-		free += len(sl.tokens)
-		s.evictSlot(sl)
-	}
-	return free
-}
-
 // pickSlot chooses the sequence for t without side effects: its session's own, else
 // an empty one, else the least recently used idle session's.
 func (s *Scheduler) pickSlot(t *task) *slot {
+	if t.kind == kindMaterialize {
+		return s.poolSeqs[t.pool.ID]
+	}
 	if t.req.SessionID != "" {
 		if sl, ok := s.bySession[t.req.SessionID]; ok {
 			if sl.task != nil {
@@ -277,85 +272,142 @@ func (s *Scheduler) pickSlot(t *task) *slot {
 	return lru
 }
 
+// placement is how a task will sit on its sequence: keep [0, keep) of what the
+// sequence holds (its own cells), or reset it and borrow [0, attachP) from a pool.
+type placement struct {
+	keep    int
+	attachP int // > 0: reset the sequence and seq_cp [0, attachP) from the pool
+	freed   int // own cells released by the placement
+}
+
+func (s *Scheduler) place(t *task, sl *slot) placement {
+	if t.kind == kindMaterialize {
+		return placement{}
+	}
+	prompt := t.req.Prompt
+	own := sl.session != "" && sl.session == t.req.SessionID
+	k := 0
+	if own {
+		k = min(commonPrefix(sl.tokens, prompt), len(prompt)-1) // the last prompt token must be decoded for logits
+	}
+	if p := t.pool; p != nil {
+		P := min(commonPrefix(p.Tokens, prompt), len(prompt)-1)
+		if t.req.SharedPrefixN != nil {
+			P = min(P, *t.req.SharedPrefixN)
+		}
+		// Continuation on the same pool reuses the session's own cells first.
+		if !(own && sl.base == p && k >= P) && P > 0 {
+			return placement{attachP: P, freed: sl.ownCells()}
+		}
+	}
+	if !own {
+		return placement{freed: sl.ownCells()}
+	}
+	return placement{keep: k, freed: sl.ownCells() - (k - min(sl.shared, k))}
+}
+
 // admit moves waiting tasks onto sequences in FIFO order. A task whose cells are not
 // available blocks those behind it, so a long prompt is never starved.
-func (s *Scheduler) admit(now time.Time) {
+func (s *Scheduler) admit() {
 	for i := 0; i < len(s.queue); {
 		t := s.queue[i]
+		if ok, err := s.ready(t); err != nil {
+			s.queue = slices.Delete(s.queue, i, i+1)
+			delete(s.tasks, t.id)
+			s.events = append(s.events, Event{Task: t.id, Done: true, Finish: FinishError, Err: err})
+			continue
+		} else if !ok {
+			i++ // waits for its pool (or the pool's parent) to be resident
+			continue
+		}
 		sl := s.pickSlot(t)
 		if sl == nil {
 			i++ // its session is busy, or no sequence is free: later tasks may still fit
 			continue
 		}
-		own := sl.session != "" && sl.session == t.req.SessionID
-		lcp := 0
-		if own {
-			lcp = commonPrefix(sl.tokens, t.req.Prompt)
-			if lcp == len(t.req.Prompt) {
-				lcp-- // the last prompt token must be decoded again to get its logits
-			}
+		pl := s.place(t, sl)
+		kept := pl.keep + pl.attachP
+		need := len(t.req.Prompt) - kept
+		if t.kind == kindMaterialize {
+			need = t.pool.L() - t.pool.D
 		}
-		released := len(sl.tokens) - lcp
-		need := len(t.req.Prompt) - lcp
-		free := s.cfg.NCtx - s.usedCells() + released - s.reservedPrefill()
-		evict := 0
-		for _, e := range s.evictable(sl) {
-			evict += len(e.tokens)
-		}
-		if free+evict < need {
+		free := s.cfg.NCtx - s.usedCells() + pl.freed - s.reservedPrefill()
+		if free+s.evictableCells(sl) < need {
 			return // head-of-line: wait for running tasks to end
 		}
-		if !own {
-			s.evictSlot(sl)
-		} else if released > 0 {
-			s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: sl.seq, P0: lcp, P1: -1})
-			sl.tokens = sl.tokens[:lcp]
-		}
+		s.seat(t, sl, pl)
 		if free < need {
 			s.freeCells(need+s.reservedPrefill(), sl, 0)
 		}
-		if t.req.SessionID != "" && !own {
-			sl.session = t.req.SessionID
-			s.bySession[sl.session] = sl
-		}
-		sl.task = t
-		sl.lastUsed = now
-		t.slot = sl
-		t.cacheN = lcp
-		t.admitted = now
-		s.samplers = append(s.samplers, SamplerOp{Task: t.id, Params: t.req.Sampling, Logprobs: t.req.Logprobs, History: t.req.Prompt})
-		s.running = append(s.running, t)
 		s.queue = slices.Delete(s.queue, i, i+1)
 	}
 }
 
-func commonPrefix(a, b []Token) int {
-	n := min(len(a), len(b))
-	for i := range n {
-		if a[i] != b[i] {
-			return i
-		}
+// ready reports whether a waiting task's pool dependencies are met, and starts
+// restoring an evicted pool it needs. A pool released while the task waited fails it.
+func (s *Scheduler) ready(t *task) (bool, error) {
+	need := t.pool
+	if t.kind == kindMaterialize {
+		need = t.pool.Parent
 	}
-	return n
+	if need == nil {
+		return true, nil
+	}
+	switch need.State {
+	case pool.Resident:
+		return true, nil
+	case pool.Released:
+		return false, fmt.Errorf("%w: pool %d was released while the request waited", pool.ErrNotFound, need.ID)
+	case pool.Evicted:
+		s.restore(need)
+	}
+	return false, nil
 }
 
-// expireSessions drops idle sessions past the TTL.
-func (s *Scheduler) expireSessions(now time.Time) {
-	if s.cfg.SessionTTL <= 0 {
-		return
-	}
-	for _, sl := range s.slots {
-		if sl.task == nil && sl.session != "" && now.Sub(sl.lastUsed) > s.cfg.SessionTTL {
-			s.evictSlot(sl)
+// seat puts t on sl as placed.
+func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
+	switch {
+	case t.kind == kindMaterialize:
+		p := t.pool
+		if p.Parent != nil && p.D > 0 {
+			s.ops = append(s.ops, SeqOp{Kind: OpSeqCp, Src: p.Parent.ID, Seq: p.ID, P0: 0, P1: p.D})
 		}
+		sl.tokens = slices.Clone(p.Tokens[:p.D])
+		sl.shared = p.D
+		p.Filled = p.D
+	case pl.attachP > 0:
+		s.resetSlot(sl)
+		s.ops = append(s.ops, SeqOp{Kind: OpSeqCp, Src: t.pool.ID, Seq: sl.seq, P0: 0, P1: pl.attachP})
+		sl.tokens = slices.Clone(t.req.Prompt[:pl.attachP])
+		s.attach(sl, t.pool, pl.attachP)
+	case sl.session != "" && sl.session == t.req.SessionID:
+		s.truncate(sl, pl.keep)
+	default:
+		s.resetSlot(sl)
 	}
+	if t.kind == kindGenerate {
+		if t.req.SessionID != "" && sl.session != t.req.SessionID {
+			sl.session = t.req.SessionID
+			s.bySession[sl.session] = sl
+		}
+		s.samplers = append(s.samplers, SamplerOp{Task: t.id, Params: t.req.Sampling, Logprobs: t.req.Logprobs, History: t.req.Prompt})
+		t.cacheN = len(sl.tokens)
+	}
+	sl.task = t
+	sl.lastUsed = s.now
+	t.slot = sl
+	t.admitted = s.now
+	s.running = append(s.running, t)
 }
+
+func commonPrefix(a, b []Token) int { return pool.CommonPrefix(a, b) }
 
 // Plan builds the next step: one decode token for every generating task, then prompt
 // chunks in admission order with what is left of the batch (chunked prefill).
 func (s *Scheduler) Plan(now time.Time) Plan {
-	s.expireSessions(now)
-	s.admit(now)
+	s.now = now
+	s.expire()
+	s.admit()
 	s.inflight = s.inflight[:0]
 	var batch []BatchEntry
 	budget := s.cfg.NBatch
@@ -369,8 +421,8 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 			free = s.freeCells(1, nil, planned)
 		}
 		if free == 0 {
-			// Every cell is held by a running task: stop cleanly rather than shift.
-			s.finish(t, FinishLength, true, nil, now)
+			// Every cell is held by a running task or a pool: stop cleanly rather than shift.
+			s.finish(t, FinishLength, true, nil)
 			continue
 		}
 		batch = append(batch, BatchEntry{Token: t.next, Pos: len(t.slot.tokens), Seq: t.slot.seq, Sample: true, Task: t.id})
@@ -395,12 +447,13 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 		if k == 0 {
 			break
 		}
+		last := have+k == len(t.req.Prompt)
+		sample := last && t.kind == kindGenerate
 		for j := range k {
 			p := have + j
-			last := p == len(t.req.Prompt)-1
-			batch = append(batch, BatchEntry{Token: t.req.Prompt[p], Pos: p, Seq: t.slot.seq, Sample: last, Task: t.id})
+			batch = append(batch, BatchEntry{Token: t.req.Prompt[p], Pos: p, Seq: t.slot.seq, Sample: sample && j == k-1, Task: t.id})
 		}
-		s.inflight = append(s.inflight, inflight{t: t, n: k, sample: have+k == len(t.req.Prompt)})
+		s.inflight = append(s.inflight, inflight{t: t, n: k, sample: sample})
 		budget -= k
 		free -= k
 		planned += k
@@ -412,6 +465,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 
 // Commit applies the result of decoding the last planned batch.
 func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
+	s.now = now
 	in := s.inflight
 	s.inflight = nil
 	if err != nil {
@@ -421,7 +475,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 			}
 			// The cells this batch may have written are not trusted: drop them.
 			s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: f.t.slot.seq, P0: len(f.t.slot.tokens), P1: -1})
-			s.finish(f.t, FinishError, false, fmt.Errorf("%w: %v", ErrDecode, err), now)
+			s.finish(f.t, FinishError, false, fmt.Errorf("%w: %v", ErrDecode, err))
 		}
 		return
 	}
@@ -434,24 +488,31 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 		} else {
 			have := len(t.slot.tokens)
 			t.slot.tokens = append(t.slot.tokens, t.req.Prompt[have:have+f.n]...)
+			if t.kind == kindMaterialize {
+				t.pool.Filled = len(t.slot.tokens)
+				if !t.prefilling() {
+					s.poolMaterialized(t)
+				}
+				continue
+			}
 		}
 		if f.sample {
 			if si >= len(sampled) {
-				s.finish(t, FinishError, false, fmt.Errorf("%w: backend returned %d samples for a batch that asked for more", ErrDecode, len(sampled)), now)
+				s.finish(t, FinishError, false, fmt.Errorf("%w: backend returned %d samples for a batch that asked for more", ErrDecode, len(sampled)))
 				continue
 			}
-			s.onToken(t, sampled[si], now)
+			s.onToken(t, sampled[si])
 			si++
 		}
 	}
 }
 
-func (s *Scheduler) onToken(t *task, smp Sampled, now time.Time) {
+func (s *Scheduler) onToken(t *task, smp Sampled) {
 	if t.generated == 0 {
-		t.firstTok = now
+		t.firstTok = s.now
 	}
 	if s.vocab.IsEOG(smp.Token) && !t.req.IgnoreEOS {
-		s.finish(t, FinishStop, false, nil, now)
+		s.finish(t, FinishStop, false, nil)
 		return
 	}
 	t.generated++
@@ -465,12 +526,12 @@ func (s *Scheduler) onToken(t *task, smp Sampled, now time.Time) {
 	}
 	switch {
 	case stopped:
-		s.finish(t, FinishStop, false, nil, now)
+		s.finish(t, FinishStop, false, nil)
 	case t.req.MaxTokens > 0 && t.generated >= t.req.MaxTokens:
-		s.finish(t, FinishLength, false, nil, now)
+		s.finish(t, FinishLength, false, nil)
 	case len(t.slot.tokens) >= s.cfg.NCtx:
 		// The next token would sit at position n_ctx: stop, never shift the context.
-		s.finish(t, FinishLength, true, nil, now)
+		s.finish(t, FinishLength, true, nil)
 	default:
 		t.next = smp.Token
 		t.hasNext = true
@@ -478,71 +539,41 @@ func (s *Scheduler) onToken(t *task, smp Sampled, now time.Time) {
 }
 
 // finish ends a running task and releases its sequence: a session keeps its KV for the
-// next turn, an anonymous task's cells are freed at once.
-func (s *Scheduler) finish(t *task, reason string, truncated bool, err error, now time.Time) {
+// next turn (unless its pool was released), an anonymous task's cells are freed at once.
+func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 	sl := t.slot
+	if t.kind == kindMaterialize {
+		s.removeRunning(t)
+		s.events = append(s.events, Event{Task: t.id, Done: true, Finish: reason, Err: err, Pool: t.pool.ID})
+		s.abandonPool(t.pool, t.restore)
+		return
+	}
 	stats := Stats{PromptN: len(t.req.Prompt) - t.cacheN, CacheN: t.cacheN, PredictedN: t.generated, Seq: sl.seq}
+	if sl.base != nil {
+		stats.Pool = sl.base.ID
+		stats.Shared = sl.shared
+	}
 	if !t.firstTok.IsZero() {
 		stats.PromptTime = t.firstTok.Sub(t.admitted)
-		stats.PredictTime = now.Sub(t.firstTok)
+		stats.PredictTime = s.now.Sub(t.firstTok)
 	} else {
-		stats.PromptTime = now.Sub(t.admitted)
+		stats.PromptTime = s.now.Sub(t.admitted)
 	}
 	s.events = append(s.events, Event{Task: t.id, Text: t.text.flush(), Done: true, Finish: reason, Truncated: truncated, Err: err, Stats: stats})
 	s.samplers = append(s.samplers, SamplerOp{Task: t.id, Free: true})
-	sl.task = nil
-	sl.lastUsed = now
-	if sl.session == "" {
+	s.removeRunning(t)
+	if sl.session == "" || (sl.base != nil && sl.base.State == pool.Released) {
 		s.evictSlot(sl)
 	}
+}
+
+func (s *Scheduler) removeRunning(t *task) {
+	sl := t.slot
+	sl.task = nil
+	sl.lastUsed = s.now
 	t.slot = nil
 	s.running = slices.DeleteFunc(s.running, func(r *task) bool { return r == t })
 	delete(s.tasks, t.id)
 	// A task ended by Plan may still be listed for this step's batch: drop it.
 	s.inflight = slices.DeleteFunc(s.inflight, func(f inflight) bool { return f.t == t })
-}
-
-// SlotInfo is a copy of one sequence's state for /slots.
-type SlotInfo struct {
-	Seq       int    `json:"id"`
-	SessionID string `json:"session_id"`
-	State     string `json:"state"` // idle | prefill | decode
-	NPast     int    `json:"n_past"`
-	Decoded   int    `json:"n_decoded"`
-	Task      uint64 `json:"task_id,omitempty"`
-}
-
-// Slots copies out every sequence in use (holding cells or running a task).
-func (s *Scheduler) Slots() []SlotInfo {
-	out := []SlotInfo{}
-	for _, sl := range s.slots {
-		if sl.task == nil && len(sl.tokens) == 0 {
-			continue
-		}
-		info := SlotInfo{Seq: sl.seq, SessionID: sl.session, State: "idle", NPast: len(sl.tokens)}
-		if t := sl.task; t != nil {
-			info.Task = uint64(t.id)
-			info.Decoded = t.generated
-			info.State = "decode"
-			if t.prefilling() {
-				info.State = "prefill"
-			}
-		}
-		out = append(out, info)
-	}
-	return out
-}
-
-// Usage is a copy of the engine's load.
-type Usage struct {
-	CellsUsed int `json:"kv_cells_used"`
-	CellsMax  int `json:"kv_cells_max"`
-	Running   int `json:"requests_running"`
-	Waiting   int `json:"requests_waiting"`
-	Sessions  int `json:"sessions"`
-}
-
-// Usage reports the current load.
-func (s *Scheduler) Usage() Usage {
-	return Usage{CellsUsed: s.usedCells(), CellsMax: s.cfg.NCtx, Running: len(s.running), Waiting: len(s.queue), Sessions: len(s.bySession)}
 }

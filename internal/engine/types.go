@@ -33,6 +33,12 @@ type Request struct {
 	Stop      []string // stop strings; the matched string is not returned
 	IgnoreEOS bool     // keep generating past end-of-generation tokens (benchmarks)
 	Logprobs  bool     // report the log-probability of every sampled token
+	// HasPool attaches the request to pool PoolID: the longest common prefix of the
+	// prompt and the pool's tokens (at most SharedPrefixN when set) is borrowed from the
+	// pool's cells instead of being prefilled.
+	HasPool       bool
+	PoolID        int
+	SharedPrefixN *int
 }
 
 // Finish reasons, as OpenAI names them.
@@ -51,6 +57,8 @@ type Stats struct {
 	PromptTime  time.Duration // admission to first sampled token
 	PredictTime time.Duration // first sampled token to the end
 	Seq         int           // sequence the task ran on
+	Pool        int           // pool the sequence is attached to (0: none)
+	Shared      int           // leading tokens borrowed from that pool
 }
 
 // TokenLogprob is one sampled token with its log-probability.
@@ -70,6 +78,7 @@ type Event struct {
 	Truncated bool   // with Done: stopped because the context ran out
 	Err       error  // with Done: the task failed
 	Stats     Stats  // with Done
+	Pool      int    // with Done, for a pool's materialization: the pool id
 }
 
 // Sentinel errors, mapped to HTTP statuses by the API layer.

@@ -1,0 +1,429 @@
+package engine
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/polykv/polykv/internal/pool"
+)
+
+// Errors of pool operations beyond those of package pool.
+var (
+	ErrSessionNotFound  = errors.New("session not found")
+	ErrSessionBusy      = errors.New("session is busy")
+	ErrPoolsUnsupported = errors.New("pools are not supported for this model")
+)
+
+// PoolSpec asks for a new pool: a root (no parent) or a child of Parent branching at D.
+// The prefix is Tokens, or a live session's current context (FromSession).
+type PoolSpec struct {
+	HasParent   bool
+	Parent      int
+	D           int
+	Tokens      []Token
+	FromSession string
+	Pin         bool
+}
+
+func (s *Scheduler) poolsAllowed() error {
+	if s.cfg.PoolsUnsupported != "" {
+		return fmt.Errorf("%w: %s", ErrPoolsUnsupported, s.cfg.PoolsUnsupported)
+	}
+	return nil
+}
+
+// CreatePool makes a pool. A pool built from a session by zero-copy seq_cp is resident
+// at once (task 0); otherwise the returned task prefills it and its Done event tells
+// when the pool can be attached. Nothing is left behind when it fails.
+func (s *Scheduler) CreatePool(spec PoolSpec, now time.Time) (int, TaskID, error) {
+	s.now = now
+	if err := s.poolsAllowed(); err != nil {
+		return 0, 0, err
+	}
+	var parent *pool.Pool
+	if spec.HasParent {
+		var err error
+		if parent, err = s.pools.Get(spec.Parent); err != nil {
+			return 0, 0, err
+		}
+		if parent.State == pool.Released {
+			return 0, 0, fmt.Errorf("%w: pool %d was released; fork from a live pool", pool.ErrConflict, parent.ID)
+		}
+	}
+	tokens := spec.Tokens
+	var src *slot
+	if spec.FromSession != "" {
+		sl, ok := s.bySession[spec.FromSession]
+		if !ok {
+			return 0, 0, fmt.Errorf("%w: %q holds no sequence (unknown, or evicted)", ErrSessionNotFound, spec.FromSession)
+		}
+		if sl.task != nil {
+			return 0, 0, fmt.Errorf("%w: %q is generating; snapshot it between turns", ErrSessionBusy, spec.FromSession)
+		}
+		if len(sl.tokens) == 0 {
+			return 0, 0, fmt.Errorf("%w: session %q holds no context", pool.ErrBadRequest, spec.FromSession)
+		}
+		src, tokens = sl, slices.Clone(sl.tokens)
+	}
+	if len(tokens) >= s.cfg.NCtx {
+		return 0, 0, fmt.Errorf("%w: a %d-token prefix does not fit the context (%d)", ErrPromptTooLong, len(tokens), s.cfg.NCtx)
+	}
+	// Zero-copy snapshot: the session's own cells become the new pool's own cells, and
+	// the session is re-attached to the pool it just seeded.
+	if src != nil {
+		zeroCopy := false
+		switch {
+		case parent == nil && src.base == nil:
+			zeroCopy = true
+		case parent == nil && src.base != nil && src.base.State != pool.Released:
+			// Its prefix already lives in another pool: the snapshot is that pool's child.
+			parent, spec.D, zeroCopy = src.base, src.shared, true
+		case parent != nil && src.base == parent && src.shared == spec.D:
+			zeroCopy = true
+		}
+		if zeroCopy {
+			var p *pool.Pool
+			var err error
+			if parent == nil {
+				p, err = s.pools.NewRoot(tokens, now)
+			} else {
+				p, err = s.pools.Fork(parent, spec.D, tokens, now)
+			}
+			if err != nil {
+				return 0, 0, err
+			}
+			s.ops = append(s.ops, SeqOp{Kind: OpSeqCp, Src: src.seq, Seq: p.ID, P0: 0, P1: len(tokens)})
+			p.Filled, p.State, p.UserPinned = len(tokens), pool.Resident, spec.Pin
+			s.attach(src, p, len(tokens))
+			src.lastUsed = now
+			return p.ID, 0, nil
+		}
+	}
+	var p *pool.Pool
+	var err error
+	if parent == nil {
+		p, err = s.pools.NewRoot(tokens, now)
+	} else {
+		p, err = s.pools.Fork(parent, spec.D, tokens, now)
+	}
+	if err != nil {
+		return 0, 0, err
+	}
+	p.UserPinned = spec.Pin
+	t := s.materialize(p)
+	s.admit()
+	return p.ID, t.id, nil
+}
+
+// materialize queues the prefill of p's [D, L) on p's own sequence.
+func (s *Scheduler) materialize(p *pool.Pool) *task {
+	p.State = pool.Materializing
+	p.Filled = 0
+	s.poolSeqs[p.ID] = &slot{seq: p.ID}
+	t := s.newTask(kindMaterialize, Request{Prompt: p.Tokens}, p)
+	s.queue = append(s.queue, t)
+	return t
+}
+
+// restore re-materializes an evicted pool that a waiting task needs.
+func (s *Scheduler) restore(p *pool.Pool) {
+	if p.State == pool.Evicted {
+		s.materialize(p).restore = true
+	}
+}
+
+func (s *Scheduler) poolMaterialized(t *task) {
+	p := t.pool
+	p.State = pool.Resident
+	p.Filled = p.L()
+	p.LastAccess = s.now
+	stats := Stats{PromptN: p.L() - p.D, CacheN: p.D, PromptTime: s.now.Sub(t.admitted), Seq: p.ID, Pool: p.ID}
+	s.removeRunning(t)
+	delete(s.poolSeqs, p.ID)
+	s.events = append(s.events, Event{Task: t.id, Done: true, Finish: FinishStop, Pool: p.ID, Stats: stats})
+}
+
+// abandonPool undoes a pool whose materialization did not complete. A pool that was
+// being restored goes back to evicted; a new one is removed and its id returned, after
+// the children queued behind it are cancelled (they cannot be built either).
+func (s *Scheduler) abandonPool(p *pool.Pool, restoring bool) {
+	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.ID, P0: 0, P1: -1})
+	delete(s.poolSeqs, p.ID)
+	p.Filled = 0
+	if restoring {
+		p.State = pool.Evicted
+		return
+	}
+	for _, c := range slices.Clone(p.Children) {
+		for _, q := range slices.Clone(s.queue) {
+			if q.kind == kindMaterialize && q.pool == c {
+				s.Cancel(q.id, s.now)
+			}
+		}
+	}
+	if err := s.pools.Remove(p); err != nil {
+		p.State = pool.Evicted // a child is still being built on it: keep the object
+	}
+}
+
+// evictPool drops a pool's own cells, keeping the object so it can be restored.
+func (s *Scheduler) evictPool(p *pool.Pool) {
+	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.ID, P0: 0, P1: -1})
+	p.State = pool.Evicted
+	p.Filled = 0
+}
+
+// reclaim frees a released pool's sequence and id.
+func (s *Scheduler) reclaim(p *pool.Pool) {
+	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.ID, P0: 0, P1: -1})
+	p.Filled = 0
+	_ = s.pools.Remove(p)
+}
+
+// attachable checks a request's pool before it is queued.
+func (s *Scheduler) attachable(req Request) (*pool.Pool, error) {
+	if err := s.poolsAllowed(); err != nil {
+		return nil, err
+	}
+	p, err := s.pools.Get(req.PoolID)
+	if err != nil {
+		return nil, err
+	}
+	if p.State == pool.Released {
+		return nil, fmt.Errorf("%w: pool %d was released", pool.ErrNotFound, p.ID)
+	}
+	if n := req.SharedPrefixN; n != nil {
+		match := commonPrefix(p.Tokens, req.Prompt)
+		if *n < 0 || *n > match {
+			return nil, fmt.Errorf("%w: shared_prefix_n_tokens %d, but the prompt shares only %d tokens with pool %d", pool.ErrBadRequest, *n, match, p.ID)
+		}
+	}
+	return p, nil
+}
+
+func (s *Scheduler) getLive(id int) (*pool.Pool, error) {
+	if err := s.poolsAllowed(); err != nil {
+		return nil, err
+	}
+	p, err := s.pools.Get(id)
+	if err != nil {
+		return nil, err
+	}
+	if p.State == pool.Released {
+		return nil, fmt.Errorf("%w: pool %d was released", pool.ErrNotFound, id)
+	}
+	return p, nil
+}
+
+// ReleasePool releases a pool: no new attaches; its cells are reclaimed once no
+// session uses them and the grace time has passed. A pool with children is refused.
+func (s *Scheduler) ReleasePool(id int, now time.Time) error {
+	s.now = now
+	p, err := s.getLive(id)
+	if err != nil {
+		return err
+	}
+	if len(p.Children) > 0 {
+		return fmt.Errorf("%w: pool %d has children %v; release them first", pool.ErrHasChildren, id, pool.ChildIDs(p))
+	}
+	if p.State == pool.Materializing {
+		return fmt.Errorf("%w: pool %d is still materializing", pool.ErrConflict, id)
+	}
+	p.State = pool.Released
+	p.UserPinned = false
+	p.ReleasedAt = now
+	p.LastAccess = now
+	// Idle sessions lose their KV now; running ones when their turn ends.
+	for _, sl := range s.slots {
+		if sl.base == p && sl.task == nil {
+			s.resetSlot(sl)
+		}
+	}
+	s.expire()
+	return nil
+}
+
+// PinPool sets or clears the user pin (a pinned pool is never evicted under pressure).
+func (s *Scheduler) PinPool(id int, pin bool, now time.Time) error {
+	s.now = now
+	p, err := s.getLive(id)
+	if err != nil {
+		return err
+	}
+	p.UserPinned = pin
+	p.LastAccess = now
+	return nil
+}
+
+// EvictPool drops a pool's cells now, keeping its tokens: the next attach restores it.
+func (s *Scheduler) EvictPool(id int, now time.Time) error {
+	s.now = now
+	p, err := s.getLive(id)
+	if err != nil {
+		return err
+	}
+	switch {
+	case p.State != pool.Resident:
+		return fmt.Errorf("%w: pool %d is %s", pool.ErrConflict, id, p.State)
+	case p.UserPinned:
+		return fmt.Errorf("%w: pool %d is pinned; unpin it first", pool.ErrConflict, id)
+	case len(p.Children) > 0:
+		return fmt.Errorf("%w: pool %d has children %v that share its cells", pool.ErrConflict, id, pool.ChildIDs(p))
+	case p.Sessions > 0:
+		return fmt.Errorf("%w: %d sequences are attached to pool %d; flush them first", pool.ErrConflict, p.Sessions, id)
+	}
+	s.evictPool(p)
+	return nil
+}
+
+// FlushPool drops the KV of the idle sessions attached to a pool (running ones are
+// untouched) and returns how many sessions and own cells were freed.
+func (s *Scheduler) FlushPool(id int, now time.Time) (int, int, error) {
+	s.now = now
+	p, err := s.getLive(id)
+	if err != nil {
+		return 0, 0, err
+	}
+	n, cells := 0, 0
+	for _, sl := range s.slots {
+		if sl.base == p && sl.task == nil {
+			n++
+			cells += sl.ownCells()
+			s.resetSlot(sl)
+		}
+	}
+	return n, cells, nil
+}
+
+// PoolSession is a sequence attached to a pool, in a status report.
+type PoolSession struct {
+	SessionID       string  `json:"session_id"`
+	Seq             int     `json:"seq_id"`
+	SuffixNTokens   int     `json:"suffix_n_tokens"`
+	MarginalKVBytes int64   `json:"marginal_kv_bytes"`
+	State           string  `json:"state"`
+	Task            *uint64 `json:"task_id,omitempty"`
+}
+
+// PoolInfo is a copy of one pool's state (§4.2 shape).
+type PoolInfo struct {
+	PoolID         int           `json:"pool_id"`
+	Parent         *int          `json:"parent"`
+	BranchPos      int           `json:"branch_pos"`
+	PrefixLen      int           `json:"prefix_len"`
+	OwnLen         int           `json:"own_len"`
+	OwnKVBytes     int64         `json:"own_kv_bytes"`
+	SubtreeKVBytes int64         `json:"subtree_kv_bytes"`
+	Residency      string        `json:"residency"`
+	State          string        `json:"state"`
+	Pinned         bool          `json:"pinned"`
+	UserPinned     bool          `json:"user_pinned"`
+	OrphanedPin    bool          `json:"orphaned_pin"`
+	LastAccessTS   float64       `json:"last_access_ts"`
+	Children       []int         `json:"children"`
+	Sessions       []PoolSession `json:"sessions"`
+	Depth          int           `json:"depth"`
+	PrefixHash     string        `json:"prefix_hash"`
+	Tokens         []Token       `json:"tokens,omitempty"`
+}
+
+// PoolsStatus is a copy of the whole tree.
+type PoolsStatus struct {
+	Pools        []PoolInfo `json:"pools"`
+	TreeDepth    int        `json:"tree_depth"`
+	SeqIDsUsed   int        `json:"seq_ids_used"`
+	SeqIDsMax    int        `json:"seq_ids_max"`
+	PoolsMax     int        `json:"pools_max"`
+	KVCellsUsed  int        `json:"kv_cells_used"`
+	KVCellsMax   int        `json:"kv_cells_max"`
+	BytesPerCell int64      `json:"kv_bytes_per_cell"`
+}
+
+func (s *Scheduler) poolInfo(p *pool.Pool, withTokens bool) PoolInfo {
+	bpc := s.cfg.BytesPerCell
+	info := PoolInfo{
+		PoolID: p.ID, BranchPos: p.D, PrefixLen: p.L(), OwnLen: p.L() - p.D,
+		OwnKVBytes: int64(p.OwnCells()) * bpc, SubtreeKVBytes: s.subtreeCells(p) * bpc,
+		Residency: residency(p), State: p.State.String(), Pinned: p.Pinned(), UserPinned: p.UserPinned,
+		OrphanedPin:  p.UserPinned && p.Sessions == 0 && len(p.Children) == 0,
+		LastAccessTS: float64(p.LastAccess.UnixMilli()) / 1000, Children: pool.ChildIDs(p),
+		Sessions: []PoolSession{}, Depth: p.Depth(), PrefixHash: strconv.FormatUint(p.Fingerprint(), 16),
+	}
+	if p.Parent != nil {
+		id := p.Parent.ID
+		info.Parent = &id
+	}
+	for _, sl := range s.slots {
+		if sl.base != p {
+			continue
+		}
+		ps := PoolSession{SessionID: sl.session, Seq: sl.seq, SuffixNTokens: sl.ownCells(), MarginalKVBytes: int64(sl.ownCells()) * bpc, State: slotState(sl)}
+		if sl.task != nil {
+			id := uint64(sl.task.id)
+			ps.Task = &id
+		}
+		info.Sessions = append(info.Sessions, ps)
+	}
+	if withTokens {
+		info.Tokens = slices.Clone(p.Tokens)
+	}
+	return info
+}
+
+func residency(p *pool.Pool) string {
+	switch p.State {
+	case pool.Materializing:
+		return "materializing"
+	case pool.Evicted:
+		return "evicted"
+	}
+	if p.Filled == 0 {
+		return "evicted"
+	}
+	return "resident"
+}
+
+// subtreeCells counts own cells of p, its descendants and their attached sequences.
+func (s *Scheduler) subtreeCells(p *pool.Pool) int64 {
+	n := int64(p.OwnCells())
+	for _, sl := range s.slots {
+		if sl.base == p {
+			n += int64(sl.ownCells())
+		}
+	}
+	for _, c := range p.Children {
+		n += s.subtreeCells(c)
+	}
+	return n
+}
+
+// Pool copies out one pool (with its tokens).
+func (s *Scheduler) Pool(id int) (PoolInfo, error) {
+	if err := s.poolsAllowed(); err != nil {
+		return PoolInfo{}, err
+	}
+	p, err := s.pools.Get(id)
+	if err != nil {
+		return PoolInfo{}, err
+	}
+	return s.poolInfo(p, true), nil
+}
+
+// Pools copies out the tree.
+func (s *Scheduler) Pools() PoolsStatus {
+	st := PoolsStatus{Pools: []PoolInfo{}, TreeDepth: s.pools.MaxDepth(), SeqIDsMax: s.cfg.Parallel + s.cfg.MaxPools,
+		PoolsMax: s.cfg.MaxPools, KVCellsUsed: s.usedCells(), KVCellsMax: s.cfg.NCtx, BytesPerCell: s.cfg.BytesPerCell}
+	for _, p := range s.pools.All() {
+		st.Pools = append(st.Pools, s.poolInfo(p, false))
+	}
+	st.SeqIDsUsed = s.pools.Len()
+	for _, sl := range s.slots {
+		if sl.task != nil || len(sl.tokens) > 0 {
+			st.SeqIDsUsed++
+		}
+	}
+	return st
+}

@@ -1,0 +1,444 @@
+package engine
+
+import (
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/polykv/polykv/internal/pool"
+)
+
+func poolCfg() Config {
+	return Config{NCtx: 1024, Parallel: 4, MaxPools: 3, NBatch: 32, MaxQueue: 8, PoolGrace: time.Second, BytesPerCell: 100}
+}
+
+// createPool creates a pool and steps until it is materialized.
+func (h *harness) createPool(spec PoolSpec) int {
+	h.t.Helper()
+	id, task, err := h.s.CreatePool(spec, h.now)
+	if err != nil {
+		h.t.Fatalf("create pool: %v", err)
+	}
+	h.collect()
+	if task == 0 {
+		return id
+	}
+	for i := 0; i < 1000; i++ {
+		if ev, ok := h.done(task); ok {
+			if ev.Err != nil || ev.Pool != id {
+				h.t.Fatalf("materialize: %+v", ev)
+			}
+			return id
+		}
+		h.step()
+	}
+	h.t.Fatal("pool never materialized")
+	return 0
+}
+
+// checkAccounting asserts that the scheduler's ownership count equals the physical
+// cells of the fake cache: every shared cell counted once.
+func (h *harness) checkAccounting() {
+	h.t.Helper()
+	if got, want := h.s.usedCells(), h.be.cells(); got != want {
+		h.t.Fatalf("ownership accounting says %d cells, the cache holds %d", got, want)
+	}
+	st := h.s.Pools()
+	var own int64
+	for _, p := range st.Pools {
+		own += p.OwnKVBytes
+		for _, ss := range p.Sessions {
+			own += ss.MarginalKVBytes
+		}
+	}
+	for _, sl := range h.s.Slots() {
+		if sl.PoolID == nil {
+			own += int64(sl.NPast) * st.BytesPerCell
+		}
+	}
+	if own != int64(h.be.cells())*st.BytesPerCell {
+		h.t.Fatalf("Σ own bytes %d != cells %d × %d", own, h.be.cells(), st.BytesPerCell)
+	}
+}
+
+func TestPoolMaterializesWithoutSampling(t *testing.T) {
+	h := newHarness(t, poolCfg())
+	prefix := seqTokens(1, 70)
+	id := h.createPool(PoolSpec{Tokens: prefix})
+	if id != 4 {
+		t.Fatalf("first pool id %d, want 4 (the first id above the 4 session sequences)", id)
+	}
+	for _, b := range h.be.batches {
+		for _, e := range b {
+			if e.Sample {
+				t.Fatalf("materialization sampled: %+v", e)
+			}
+		}
+	}
+	if len(h.be.batches) != 3 { // 70 tokens in chunks of 32
+		t.Fatalf("prefilled in %d steps, want 3 chunks", len(h.be.batches))
+	}
+	if got := h.be.tokens(id); !slices.Equal(got, prefix) {
+		t.Fatalf("pool sequence holds %v", got)
+	}
+	info, _ := h.s.Pool(id)
+	if info.State != "resident" || info.PrefixLen != 70 || info.OwnKVBytes != 7000 || info.Parent != nil {
+		t.Fatalf("pool info %+v", info)
+	}
+	h.checkAccounting()
+}
+
+func TestAttachSharesCellsAndMatchesUnpooled(t *testing.T) {
+	h := newHarness(t, poolCfg())
+	prefix := seqTokens(1, 60)
+	id := h.createPool(PoolSpec{Tokens: prefix})
+	var ids []TaskID
+	var prompts [][]Token
+	for i := range 3 {
+		prompt := append(slices.Clone(prefix), Token(100+i), Token(200+i))
+		prompts = append(prompts, prompt)
+		ids = append(ids, h.submit(Request{Prompt: prompt, HasPool: true, PoolID: id, SessionID: "s" + string(rune('a'+i)), MaxTokens: 5}))
+	}
+	h.step()
+	h.checkAccounting()
+	h.run()
+	for i, tid := range ids {
+		ev, _ := h.done(tid)
+		if ev.Stats.CacheN != 60 || ev.Stats.PromptN != 2 || ev.Stats.Pool != id {
+			t.Fatalf("session %d stats %+v, want cache 60, prompt 2 on pool %d", i, ev.Stats, id)
+		}
+		if got, want := h.text(tid), expectedText(t, prompts[i], 5); got != want {
+			t.Fatalf("pooled output %q differs from unpooled %q", got, want)
+		}
+	}
+	// 60 pool cells + 3 × (2 prompt + 4 decoded) own cells; a copy per session would be 3 × 60 more.
+	if got := h.be.cells(); got != 60+3*6 {
+		t.Fatalf("%d physical cells, want %d", got, 60+18)
+	}
+	h.checkAccounting()
+	info, _ := h.s.Pool(id)
+	if len(info.Sessions) != 3 || info.SubtreeKVBytes != (60+18)*100 || !info.Pinned || info.UserPinned {
+		t.Fatalf("pool status %+v", info)
+	}
+}
+
+func TestAutoPDivergenceAndExplicitP(t *testing.T) {
+	h := newHarness(t, poolCfg())
+	prefix := seqTokens(1, 40)
+	id := h.createPool(PoolSpec{Tokens: prefix})
+	diverge := append(slices.Clone(prefix[:25]), 999, 998)
+	a := h.submit(Request{Prompt: diverge, HasPool: true, PoolID: id, MaxTokens: 3})
+	h.run()
+	if ev, _ := h.done(a); ev.Stats.CacheN != 25 {
+		t.Fatalf("diverging at 25: cache_n %d", ev.Stats.CacheN)
+	}
+	if got, want := h.text(a), expectedText(t, diverge, 3); got != want {
+		t.Fatalf("branch-point attach output %q, want %q", got, want)
+	}
+	exact := slices.Clone(prefix)
+	b := h.submit(Request{Prompt: exact, HasPool: true, PoolID: id, MaxTokens: 3})
+	h.run()
+	if ev, _ := h.done(b); ev.Stats.CacheN != 39 {
+		t.Fatalf("prompt equal to the pool: cache_n %d, want L-1 = 39 (the last token is decoded for logits)", ev.Stats.CacheN)
+	}
+	ten := 10
+	c := h.submit(Request{Prompt: append(slices.Clone(prefix), 5), HasPool: true, PoolID: id, SharedPrefixN: &ten, MaxTokens: 2})
+	h.run()
+	if ev, _ := h.done(c); ev.Stats.CacheN != 10 {
+		t.Fatalf("explicit P 10: cache_n %d", ev.Stats.CacheN)
+	}
+	tooMany := 30
+	if _, err := h.s.Submit(Request{Prompt: diverge, HasPool: true, PoolID: id, SharedPrefixN: &tooMany}, h.now); !errors.Is(err, pool.ErrBadRequest) {
+		t.Fatalf("explicit P beyond the match: %v", err)
+	}
+	if _, err := h.s.Submit(Request{Prompt: diverge, HasPool: true, PoolID: 77}, h.now); !errors.Is(err, pool.ErrNotFound) {
+		t.Fatalf("unknown pool: %v", err)
+	}
+	h.checkAccounting()
+}
+
+func TestForkExtendAndBranch(t *testing.T) {
+	h := newHarness(t, poolCfg())
+	root := seqTokens(1, 50)
+	p0 := h.createPool(PoolSpec{Tokens: root})
+	ext := append(slices.Clone(root), seqTokens(300, 20)...)
+	before := len(h.be.batches)
+	p1 := h.createPool(PoolSpec{HasParent: true, Parent: p0, D: 50, Tokens: ext})
+	if first := h.be.batches[before][0]; first.Pos != 50 || first.Seq != p1 {
+		t.Fatalf("extend child prefilled from %+v, want position 50 on its own sequence", first)
+	}
+	branch := append(slices.Clone(root[:30]), seqTokens(500, 10)...)
+	p2 := h.createPool(PoolSpec{HasParent: true, Parent: p0, D: 30, Tokens: branch})
+	// Physical cells: root 50 + extend's 20 + branch's 10; the shared parts are not copied.
+	if got := h.be.cells(); got != 80 {
+		t.Fatalf("%d cells, want 80", got)
+	}
+	h.checkAccounting()
+	st := h.s.Pools()
+	if st.TreeDepth != 2 || len(st.Pools) != 3 {
+		t.Fatalf("tree %+v", st)
+	}
+	r, _ := h.s.Pool(p0)
+	if !slices.Equal(r.Children, []int{p1, p2}) || !r.Pinned {
+		t.Fatalf("root children %v pinned %v", r.Children, r.Pinned)
+	}
+	b, _ := h.s.Pool(p2)
+	if *b.Parent != p0 || b.BranchPos != 30 || b.PrefixLen != 40 || b.OwnLen != 10 {
+		t.Fatalf("branch info %+v", b)
+	}
+	// Sessions on both children produce what unpooled prompts produce.
+	for _, c := range []struct {
+		id     int
+		prompt []Token
+	}{{p1, append(slices.Clone(ext), 7)}, {p2, append(slices.Clone(branch), 7)}} {
+		tid := h.submit(Request{Prompt: c.prompt, HasPool: true, PoolID: c.id, MaxTokens: 4})
+		h.run()
+		ev, _ := h.done(tid)
+		if ev.Stats.CacheN != len(c.prompt)-1 {
+			t.Fatalf("attach to child %d: cache_n %d", c.id, ev.Stats.CacheN)
+		}
+		if got, want := h.text(tid), expectedText(t, c.prompt, 4); got != want {
+			t.Fatalf("child %d output %q, want %q", c.id, got, want)
+		}
+	}
+	// Contract violations leave nothing behind.
+	bad := slices.Clone(branch)
+	bad[12] = 4242
+	_, _, err := h.s.CreatePool(PoolSpec{HasParent: true, Parent: p0, D: 30, Tokens: bad}, h.now)
+	if !errors.Is(err, pool.ErrPrefixMismatch) || !strings.Contains(err.Error(), "token 12") {
+		t.Fatalf("mismatch at 12: %v", err)
+	}
+	for _, spec := range []PoolSpec{
+		{HasParent: true, Parent: p0, D: 51, Tokens: ext},
+		{HasParent: true, Parent: p0, D: -1, Tokens: ext},
+		{HasParent: true, Parent: p0, D: 50, Tokens: root},
+		{Tokens: nil},
+	} {
+		if _, _, err := h.s.CreatePool(spec, h.now); !errors.Is(err, pool.ErrBadRequest) {
+			t.Fatalf("spec D=%d len=%d: %v", spec.D, len(spec.Tokens), err)
+		}
+	}
+	if h.s.Pools().SeqIDsUsed != 3+0 || h.s.pools.FreeIDs() != 0 {
+		t.Fatalf("a failed fork leaked a sequence id: %+v", h.s.Pools())
+	}
+	h.checkAccounting()
+}
+
+func TestReleaseOrderReclaimAndSeqExhaustion(t *testing.T) {
+	h := newHarness(t, poolCfg())
+	root := seqTokens(1, 20)
+	p0 := h.createPool(PoolSpec{Tokens: root})
+	p1 := h.createPool(PoolSpec{HasParent: true, Parent: p0, D: 20, Tokens: append(slices.Clone(root), 9, 9)})
+	p2 := h.createPool(PoolSpec{Tokens: seqTokens(400, 10)})
+	if _, _, err := h.s.CreatePool(PoolSpec{Tokens: seqTokens(1, 5)}, h.now); !errors.Is(err, pool.ErrNoSeqIDs) {
+		t.Fatalf("4th pool with max 3: %v", err)
+	}
+	if err := h.s.ReleasePool(p0, h.now); !errors.Is(err, pool.ErrHasChildren) {
+		t.Fatalf("release of a parent: %v", err)
+	}
+	if err := h.s.ReleasePool(p1, h.now); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.s.Submit(Request{Prompt: append(slices.Clone(root), 9, 9, 1), HasPool: true, PoolID: p1}, h.now); !errors.Is(err, pool.ErrNotFound) {
+		t.Fatalf("attach to a released pool: %v", err)
+	}
+	h.step()
+	if h.be.cells() != 32 {
+		t.Fatalf("released pool reclaimed before its grace time: %d cells", h.be.cells())
+	}
+	h.now = h.now.Add(2 * time.Second)
+	h.step()
+	if h.be.cells() != 30 {
+		t.Fatalf("after grace: %d cells, want 30", h.be.cells())
+	}
+	if err := h.s.ReleasePool(p0, h.now); err != nil {
+		t.Fatalf("release root after its child: %v", err)
+	}
+	h.now = h.now.Add(2 * time.Second)
+	h.step()
+	if h.be.cells() != 10 {
+		t.Fatalf("root not reclaimed: %d cells", h.be.cells())
+	}
+	// The freed ids and cells are reusable.
+	p3 := h.createPool(PoolSpec{Tokens: seqTokens(700, 12)})
+	if p3 != p0 {
+		t.Fatalf("new pool got id %d, want the lowest freed id %d", p3, p0)
+	}
+	_ = p2
+	h.checkAccounting()
+}
+
+func TestReleasedPoolWaitsForRunningSession(t *testing.T) {
+	h := newHarness(t, poolCfg())
+	root := seqTokens(1, 20)
+	id := h.createPool(PoolSpec{Tokens: root})
+	tid := h.submit(Request{Prompt: append(slices.Clone(root), 3), HasPool: true, PoolID: id, SessionID: "x", MaxTokens: 6})
+	h.step()
+	h.step()
+	if err := h.s.ReleasePool(id, h.now); err != nil {
+		t.Fatal(err)
+	}
+	h.now = h.now.Add(5 * time.Second)
+	h.step()
+	if _, err := h.s.Pool(id); err != nil {
+		t.Fatalf("pool reclaimed under a running session: %v", err)
+	}
+	h.run()
+	ev, _ := h.done(tid)
+	if ev.Err != nil || ev.Stats.PredictedN != 6 {
+		t.Fatalf("session on a released pool: %+v", ev)
+	}
+	if got, want := h.text(tid), expectedText(t, append(slices.Clone(root), 3), 6); got != want {
+		t.Fatalf("output %q, want %q", got, want)
+	}
+	h.now = h.now.Add(5 * time.Second)
+	h.step()
+	if _, err := h.s.Pool(id); !errors.Is(err, pool.ErrNotFound) {
+		t.Fatalf("pool not reclaimed after its last session: %v", err)
+	}
+	if h.be.cells() != 0 {
+		t.Fatalf("%d cells leaked", h.be.cells())
+	}
+}
+
+func TestPinEvictFlushRestore(t *testing.T) {
+	h := newHarness(t, poolCfg())
+	root := seqTokens(1, 30)
+	id := h.createPool(PoolSpec{Tokens: root, Pin: true})
+	prompt := append(slices.Clone(root), 5, 6)
+	h.submit(Request{Prompt: prompt, HasPool: true, PoolID: id, SessionID: "s", MaxTokens: 2})
+	h.run()
+	if err := h.s.EvictPool(id, h.now); !errors.Is(err, pool.ErrConflict) {
+		t.Fatalf("evict of a pinned pool: %v", err)
+	}
+	if err := h.s.PinPool(id, false, h.now); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.s.EvictPool(id, h.now); !errors.Is(err, pool.ErrConflict) {
+		t.Fatalf("evict with an attached session: %v", err)
+	}
+	n, cells, err := h.s.FlushPool(id, h.now)
+	if err != nil || n != 1 || cells != 3 {
+		t.Fatalf("flush: %d sessions %d cells %v", n, cells, err)
+	}
+	if err := h.s.EvictPool(id, h.now); err != nil {
+		t.Fatal(err)
+	}
+	h.step()
+	if h.be.cells() != 0 {
+		t.Fatalf("evicted pool holds %d cells", h.be.cells())
+	}
+	if info, _ := h.s.Pool(id); info.Residency != "evicted" || len(info.Tokens) != 30 {
+		t.Fatalf("evicted info %+v", info)
+	}
+	// Attaching restores it transparently, and the output is unchanged.
+	tid := h.submit(Request{Prompt: prompt, HasPool: true, PoolID: id, MaxTokens: 4})
+	h.run()
+	ev, _ := h.done(tid)
+	if ev.Err != nil || ev.Stats.CacheN != 30 {
+		t.Fatalf("attach after evict: %+v", ev)
+	}
+	if got, want := h.text(tid), expectedText(t, prompt, 4); got != want {
+		t.Fatalf("output after restore %q, want %q", got, want)
+	}
+	h.checkAccounting()
+}
+
+func TestFromSessionZeroCopyAndSurvivesSession(t *testing.T) {
+	h := newHarness(t, poolCfg())
+	a := h.submit(Request{Prompt: seqTokens(1, 25), SessionID: "main", MaxTokens: 5})
+	h.run()
+	_ = a
+	cellsBefore, batchesBefore := h.be.cells(), len(h.be.batches)
+	id := h.createPool(PoolSpec{FromSession: "main"})
+	if h.be.cells() != cellsBefore || len(h.be.batches) != batchesBefore {
+		t.Fatal("from_session copied or prefilled")
+	}
+	h.step() // applies the seq_cp
+	info, _ := h.s.Pool(id)
+	if info.PrefixLen != 29 || info.Parent != nil || len(info.Sessions) != 1 || info.Sessions[0].SuffixNTokens != 0 {
+		t.Fatalf("snapshot info %+v", info)
+	}
+	h.checkAccounting()
+	// Fork from the session again after it decoded more: zero-copy child at D = 29.
+	snap := info.Tokens
+	b := h.submit(Request{Prompt: append(slices.Clone(snap), 77), SessionID: "main", HasPool: true, PoolID: id, MaxTokens: 3})
+	h.run()
+	_ = b
+	child := h.createPool(PoolSpec{HasParent: true, Parent: id, D: 29, FromSession: "main"})
+	h.step()
+	ci, _ := h.s.Pool(child)
+	if *ci.Parent != id || ci.BranchPos != 29 || ci.OwnLen != ci.PrefixLen-29 {
+		t.Fatalf("child from session %+v", ci)
+	}
+	h.checkAccounting()
+	// The session goes away; the pools stay and serve a new session correctly.
+	h.s.evictSlot(h.s.bySession["main"])
+	h.step()
+	prompt := append(slices.Clone(ci.Tokens), 8)
+	tid := h.submit(Request{Prompt: prompt, HasPool: true, PoolID: child, MaxTokens: 3})
+	h.run()
+	ev, _ := h.done(tid)
+	if ev.Stats.CacheN != len(prompt)-1 {
+		t.Fatalf("attach to snapshot pool: %+v", ev.Stats)
+	}
+	if got, want := h.text(tid), expectedText(t, prompt, 3); got != want {
+		t.Fatalf("output %q, want %q", got, want)
+	}
+	h.checkAccounting()
+	if _, _, err := h.s.CreatePool(PoolSpec{FromSession: "nobody"}, h.now); !errors.Is(err, ErrSessionNotFound) {
+		t.Fatalf("unknown session: %v", err)
+	}
+}
+
+func TestCancelMaterializationLeavesNothing(t *testing.T) {
+	h := newHarness(t, poolCfg())
+	id, task, err := h.s.CreatePool(PoolSpec{Tokens: seqTokens(1, 100)}, h.now)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.step()
+	h.s.Cancel(task, h.now)
+	h.collect()
+	h.step()
+	if _, err := h.s.Pool(id); !errors.Is(err, pool.ErrNotFound) {
+		t.Fatalf("cancelled pool still exists: %v", err)
+	}
+	if h.be.cells() != 0 || h.s.pools.FreeIDs() != 3 {
+		t.Fatalf("cancel leaked: %d cells, %d free ids", h.be.cells(), h.s.pools.FreeIDs())
+	}
+}
+
+func TestPressureEvictsIdleUnpinnedPoolsOnly(t *testing.T) {
+	cfg := poolCfg()
+	cfg.NCtx = 100
+	h := newHarness(t, cfg)
+	pinned := h.createPool(PoolSpec{Tokens: seqTokens(1, 30), Pin: true})
+	loose := h.createPool(PoolSpec{Tokens: seqTokens(100, 30)})
+	h.now = h.now.Add(2 * time.Second) // past the grace time
+	tid := h.submit(Request{Prompt: seqTokens(500, 50), MaxTokens: 2})
+	h.run()
+	if ev, _ := h.done(tid); ev.Err != nil {
+		t.Fatalf("request under pressure: %+v", ev)
+	}
+	pi, _ := h.s.Pool(pinned)
+	li, _ := h.s.Pool(loose)
+	if pi.Residency != "resident" || li.Residency != "evicted" {
+		t.Fatalf("pinned %s, unpinned %s: only the unpinned pool may be evicted", pi.Residency, li.Residency)
+	}
+	h.checkAccounting()
+}
+
+func TestPoolsUnsupported(t *testing.T) {
+	cfg := poolCfg()
+	cfg.PoolsUnsupported = "recurrent memory"
+	h := newHarness(t, cfg)
+	if _, _, err := h.s.CreatePool(PoolSpec{Tokens: seqTokens(1, 4)}, h.now); !errors.Is(err, ErrPoolsUnsupported) {
+		t.Fatalf("create on a recurrent model: %v", err)
+	}
+	if _, err := h.s.Submit(Request{Prompt: seqTokens(1, 4), HasPool: true, PoolID: 4}, h.now); !errors.Is(err, ErrPoolsUnsupported) {
+		t.Fatalf("attach on a recurrent model: %v", err)
+	}
+}

@@ -1,0 +1,293 @@
+// Package pool holds PolyKV's shared-prefix pools: an immutable token prefix per pool,
+// arranged in a tree, each owning one sequence id of the unified KV cache.
+//
+// A child inherits [0, D) from its parent (by sequence membership: nothing is copied)
+// and owns [D, L). D == parent.L extends (nesting); D < parent.L branches. KV cells are
+// attributed by ownership, never by membership: a pool owns exactly its [D, L) cells,
+// so summing own cells over the tree counts every physical cell once.
+//
+// The package is pure bookkeeping: the engine's scheduler decides when sequences are
+// copied, prefilled and removed, and calls into the Tree to keep the accounts.
+package pool
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+)
+
+// Token is a model token id.
+type Token = int32
+
+// State is where a pool is in its life.
+type State int
+
+// Pool states.
+const (
+	Materializing State = iota // its [D, L) is being prefilled
+	Resident                   // all of [0, L) is in the cache
+	Evicted                    // its own cells were dropped; the object (tokens) remains
+	Released                   // released by the client; reclaimed once nothing uses it
+)
+
+func (s State) String() string {
+	switch s {
+	case Materializing:
+		return "materializing"
+	case Resident:
+		return "resident"
+	case Evicted:
+		return "evicted"
+	case Released:
+		return "released"
+	}
+	return "unknown"
+}
+
+// Sentinel errors the API maps to statuses.
+var (
+	ErrNotFound       = errors.New("pool not found")
+	ErrNoSeqIDs       = errors.New("no pool sequence ids left")
+	ErrPrefixMismatch = errors.New("prefix contract violated")
+	ErrHasChildren    = errors.New("pool has children")
+	ErrBadRequest     = errors.New("invalid pool request")
+	ErrConflict       = errors.New("pool state conflict")
+)
+
+// Pool is one node of the tree. Fields are owned by the engine goroutine.
+type Pool struct {
+	ID         int // also its sequence id in the KV cache
+	Parent     *Pool
+	D          int     // branch position: [0, D) is inherited from Parent
+	Tokens     []Token // the full prefix [0, L)
+	Hash       []uint64
+	Children   []*Pool
+	UserPinned bool
+	State      State
+	Filled     int // positions [0, Filled) held by the pool's sequence (L once resident)
+	Created    time.Time
+	LastAccess time.Time
+	ReleasedAt time.Time
+	Sessions   int // sequences currently borrowing this pool's prefix (kept by the engine)
+}
+
+// L is the prefix length.
+func (p *Pool) L() int { return len(p.Tokens) }
+
+// OwnCells is the number of cells this pool owns: its materialized part of [D, L).
+func (p *Pool) OwnCells() int { return max(0, p.Filled-p.D) }
+
+// Fingerprint is the cumulative hash of the whole prefix.
+func (p *Pool) Fingerprint() uint64 {
+	if len(p.Hash) == 0 {
+		return 0
+	}
+	return p.Hash[len(p.Hash)-1]
+}
+
+// AutoPinned reports whether the pool must stay resident because something depends on
+// it: a child (resident or not: its [0, D) lives in our cells) or an attached sequence.
+func (p *Pool) AutoPinned() bool { return len(p.Children) > 0 || p.Sessions > 0 }
+
+// Pinned reports a user or automatic pin.
+func (p *Pool) Pinned() bool { return p.UserPinned || p.AutoPinned() }
+
+// Attachable reports whether new sessions may attach.
+func (p *Pool) Attachable() bool { return p.State == Resident }
+
+// Depth is 1 for a root.
+func (p *Pool) Depth() int {
+	d := 1
+	for q := p.Parent; q != nil; q = q.Parent {
+		d++
+	}
+	return d
+}
+
+// Tree owns every pool and the reserve of pool sequence ids.
+type Tree struct {
+	pools   map[int]*Pool
+	freeIDs []int // ascending; lowest first keeps ids stable and predictable
+}
+
+// NewTree reserves sequence ids [first, first+n) for pools.
+func NewTree(first, n int) *Tree {
+	t := &Tree{pools: map[int]*Pool{}}
+	for i := range n {
+		t.freeIDs = append(t.freeIDs, first+i)
+	}
+	return t
+}
+
+// Get returns a pool by id.
+func (t *Tree) Get(id int) (*Pool, error) {
+	p, ok := t.pools[id]
+	if !ok {
+		return nil, fmt.Errorf("%w: pool %d does not exist (never created, or released and reclaimed)", ErrNotFound, id)
+	}
+	return p, nil
+}
+
+// All returns the pools ordered by id.
+func (t *Tree) All() []*Pool {
+	out := make([]*Pool, 0, len(t.pools))
+	for _, p := range t.pools {
+		out = append(out, p)
+	}
+	slices.SortFunc(out, func(a, b *Pool) int { return a.ID - b.ID })
+	return out
+}
+
+// Len is the number of pools (every state).
+func (t *Tree) Len() int { return len(t.pools) }
+
+// FreeIDs is the number of pool sequence ids left.
+func (t *Tree) FreeIDs() int { return len(t.freeIDs) }
+
+// NewRoot creates a root pool over tokens in state Materializing, Filled 0.
+func (t *Tree) NewRoot(tokens []Token, now time.Time) (*Pool, error) {
+	if len(tokens) == 0 {
+		return nil, fmt.Errorf("%w: the prefix is empty", ErrBadRequest)
+	}
+	return t.add(nil, 0, tokens, now)
+}
+
+// Fork creates a child of parent inheriting [0, d) and owning [d, len(tokens)).
+// tokens is the child's full prefix and must equal parent's tokens on [0, d).
+func (t *Tree) Fork(parent *Pool, d int, tokens []Token, now time.Time) (*Pool, error) {
+	if parent.State == Released {
+		return nil, fmt.Errorf("%w: pool %d was released; fork from a live pool", ErrConflict, parent.ID)
+	}
+	if parent.State != Resident {
+		return nil, fmt.Errorf("%w: pool %d is %s; it must be resident to fork", ErrConflict, parent.ID, parent.State)
+	}
+	if d < 0 || d > parent.L() {
+		return nil, fmt.Errorf("%w: branch_pos %d is outside [0, %d] (the parent's prefix length)", ErrBadRequest, d, parent.L())
+	}
+	if len(tokens) <= d {
+		return nil, fmt.Errorf("%w: the child's prefix (%d tokens) must extend past branch_pos %d", ErrBadRequest, len(tokens), d)
+	}
+	if i := FirstMismatch(parent.Tokens[:d], tokens[:d]); i >= 0 {
+		return nil, fmt.Errorf("%w: the child's token %d (%d) differs from the parent's (%d); [0, branch_pos) must equal the parent's prefix",
+			ErrPrefixMismatch, i, tokens[i], parent.Tokens[i])
+	}
+	return t.add(parent, d, tokens, now)
+}
+
+func (t *Tree) add(parent *Pool, d int, tokens []Token, now time.Time) (*Pool, error) {
+	if len(t.freeIDs) == 0 {
+		return nil, fmt.Errorf("%w: all %d are in use; release a pool first", ErrNoSeqIDs, len(t.pools))
+	}
+	id := t.freeIDs[0]
+	t.freeIDs = t.freeIDs[1:]
+	p := &Pool{ID: id, Parent: parent, D: d, Tokens: slices.Clone(tokens), Hash: RollingHash(tokens), State: Materializing, Created: now, LastAccess: now}
+	if parent != nil {
+		parent.Children = append(parent.Children, p)
+		parent.LastAccess = now
+	}
+	t.pools[id] = p
+	return p, nil
+}
+
+// Remove deletes a pool without children and returns its id to the reserve. The
+// caller has already removed its sequence from the cache.
+func (t *Tree) Remove(p *Pool) error {
+	if len(p.Children) > 0 {
+		return fmt.Errorf("%w: pool %d has children %v; release them first", ErrHasChildren, p.ID, ChildIDs(p))
+	}
+	if p.Parent != nil {
+		p.Parent.Children = slices.DeleteFunc(p.Parent.Children, func(c *Pool) bool { return c == p })
+	}
+	delete(t.pools, p.ID)
+	i, _ := slices.BinarySearch(t.freeIDs, p.ID)
+	t.freeIDs = slices.Insert(t.freeIDs, i, p.ID)
+	return nil
+}
+
+// ChildIDs lists a pool's children.
+func ChildIDs(p *Pool) []int {
+	ids := make([]int, len(p.Children))
+	for i, c := range p.Children {
+		ids[i] = c.ID
+	}
+	return ids
+}
+
+// MaxDepth is the depth of the deepest pool (0 without pools).
+func (t *Tree) MaxDepth() int {
+	d := 0
+	for _, p := range t.pools {
+		d = max(d, p.Depth())
+	}
+	return d
+}
+
+// OwnCells sums own cells over the tree.
+func (t *Tree) OwnCells() int {
+	n := 0
+	for _, p := range t.pools {
+		n += p.OwnCells()
+	}
+	return n
+}
+
+// FirstMismatch is the first index where a and b differ, or -1 when equal (same length).
+func FirstMismatch(a, b []Token) int {
+	for i := range min(len(a), len(b)) {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	if len(a) != len(b) {
+		return min(len(a), len(b))
+	}
+	return -1
+}
+
+// CommonPrefix is the length of the longest common prefix of a and b.
+func CommonPrefix(a, b []Token) int {
+	n := min(len(a), len(b))
+	for i := range n {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return n
+}
+
+// xxhash64's primes; the rolling hash mixes one token per position, so h[i] names the
+// whole prefix [0, i] and any branch point can be checked in O(1).
+const (
+	prime1 uint64 = 11400714785074694791
+	prime2 uint64 = 14029467366897019727
+	prime3 uint64 = 1609587929392839161
+	prime5 uint64 = 2870177450012600261
+)
+
+// RollingHash returns h where h[i] fingerprints tokens[0..i].
+func RollingHash(tokens []Token) []uint64 {
+	out := make([]uint64, len(tokens))
+	h := prime5
+	for i, t := range tokens {
+		h = mix(h, uint64(uint32(t)))
+		out[i] = h
+	}
+	return out
+}
+
+func mix(h, v uint64) uint64 {
+	k := v * prime2
+	k = (k << 31) | (k >> 33)
+	k *= prime1
+	h ^= k
+	h = ((h<<27)|(h>>37))*prime1 + prime3
+	// avalanche so neighbouring prefixes differ in every bit
+	x := h
+	x ^= x >> 33
+	x *= prime2
+	x ^= x >> 29
+	x *= prime3
+	x ^= x >> 32
+	return x ^ h
+}
