@@ -15,6 +15,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"strconv"
 	"syscall"
 	"time"
 
@@ -67,6 +68,28 @@ func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
 	fs.IntVar(&cfg.NUBatch, "ubatch", 0, "physical micro-batch size (default: --batch)")
 	fs.IntVar(&cfg.MaxQueue, "queue", 64, "requests that may wait for a sequence; more get 503")
 	fs.DurationVar(&cfg.SessionTTL, "session-ttl", 30*time.Minute, "idle sessions older than this lose their KV")
+	fs.Func("max-pools", "shared-prefix pools (sequence ids reserved above --parallel; default 16, 0 = none)", func(v string) error {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			return fmt.Errorf("want a non-negative integer")
+		}
+		cfg.MaxPools = n
+		if n == 0 {
+			cfg.MaxPools = -1
+		}
+		return nil
+	})
+	fs.Func("pool-grace-ms", "a pool is not reclaimed or evicted within this many ms of its last use (default 30000)", func(v string) error {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			return fmt.Errorf("want a non-negative integer")
+		}
+		cfg.PoolGrace = time.Duration(n) * time.Millisecond
+		if n == 0 {
+			cfg.PoolGrace = time.Nanosecond
+		}
+		return nil
+	})
 }
 
 func serve(args []string) error {

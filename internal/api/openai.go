@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -44,14 +45,41 @@ type genParams struct {
 	Logprobs         json.RawMessage `json:"logprobs"`
 	SessionID        *string         `json:"session_id"`
 	PoolID           json.RawMessage `json:"pool_id"`
+	SharedPrefixN    *int            `json:"shared_prefix_n_tokens"`
 }
 
 type chatRequest struct {
 	genParams
-	Messages []struct {
+	Messages json.RawMessage `json:"messages"`
+}
+
+// parseMessages validates OpenAI chat messages and flattens their content to text.
+func parseMessages(raw json.RawMessage) ([]ChatMessage, *apiError) {
+	var in []struct {
 		Role    string          `json:"role"`
 		Content json.RawMessage `json:"content"`
-	} `json:"messages"`
+	}
+	if isNull(raw) {
+		return nil, badRequest("messages must be a non-empty array")
+	}
+	if err := json.Unmarshal(raw, &in); err != nil {
+		return nil, badRequest("messages must be an array of {role, content} objects")
+	}
+	if len(in) == 0 {
+		return nil, badRequest("messages must be a non-empty array")
+	}
+	msgs := make([]ChatMessage, len(in))
+	for i, m := range in {
+		if !knownRoles[m.Role] {
+			return nil, badRequest("messages[%d].role %q is not one of system, developer, user, assistant, tool", i, m.Role)
+		}
+		text, err := flattenContent(m.Content)
+		if err != nil {
+			return nil, badRequest("messages[%d]: %v", i, err)
+		}
+		msgs[i] = ChatMessage{Role: m.Role, Content: text}
+	}
+	return msgs, nil
 }
 
 type completionRequest struct {
@@ -70,8 +98,19 @@ const (
 // toEngine validates the shared fields and builds the engine request (without prompt).
 func (s *Server) toEngine(g *genParams) (engine.Request, *apiError) {
 	var req engine.Request
-	if len(g.PoolID) > 0 && !bytes.Equal(bytes.TrimSpace(g.PoolID), []byte("null")) {
-		return req, &apiError{status: http.StatusNotFound, typ: "not_found_error", msg: "pool_id: pools are not available in this build yet; omit pool_id"}
+	id, has, e := parsePoolID(g.PoolID)
+	if e != nil {
+		return req, e
+	}
+	req.HasPool, req.PoolID = has, id
+	if g.SharedPrefixN != nil {
+		if !has {
+			return req, badRequest("shared_prefix_n_tokens needs pool_id")
+		}
+		if *g.SharedPrefixN < 0 {
+			return req, badRequest("shared_prefix_n_tokens must not be negative, got %d", *g.SharedPrefixN)
+		}
+		req.SharedPrefixN = g.SharedPrefixN
 	}
 	if g.N != nil && *g.N != 1 {
 		return req, badRequest("n: only 1 choice per request is supported, got %d", *g.N)
@@ -238,29 +277,17 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, e)
 		return
 	}
-	if len(req.Messages) == 0 {
-		writeAPIError(w, badRequest("messages must be a non-empty array"))
+	msgs, e := parseMessages(req.Messages)
+	if e != nil {
+		writeAPIError(w, e)
 		return
-	}
-	msgs := make([]ChatMessage, len(req.Messages))
-	for i, m := range req.Messages {
-		if !knownRoles[m.Role] {
-			writeAPIError(w, badRequest("messages[%d].role %q is not one of system, developer, user, assistant, tool", i, m.Role))
-			return
-		}
-		text, err := flattenContent(m.Content)
-		if err != nil {
-			writeAPIError(w, badRequest("messages[%d]: %v", i, err))
-			return
-		}
-		msgs[i] = ChatMessage{Role: m.Role, Content: text}
 	}
 	ereq, e := s.toEngine(&req.genParams)
 	if e != nil {
 		writeAPIError(w, e)
 		return
 	}
-	prompt, err := s.chat.Render(msgs)
+	prompt, err := s.chat.Render(msgs, true)
 	if err != nil {
 		writeAPIError(w, &apiError{status: http.StatusInternalServerError, typ: "server_error", msg: "chat template: " + err.Error()})
 		return
@@ -461,6 +488,11 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *gen
 		"choices": []any{choice}, "usage": s.usage(len(req.Prompt), ev), "timings": timings(ev.Stats),
 		"session_id": req.SessionID,
 	}
+	if ev.Stats.Pool != 0 {
+		body["pool_id"] = ev.Stats.Pool
+		w.Header().Set("X-Pool-Id", strconv.Itoa(ev.Stats.Pool))
+	}
+	w.Header().Set("X-Cached-Prefix-Tokens", strconv.Itoa(ev.Stats.CacheN))
 	if ev.Truncated {
 		body["truncated"] = true
 	}
@@ -529,6 +561,9 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 			last := chunk("", nil, finishReason(ev))
 			last["timings"] = timings(ev.Stats)
 			last["session_id"] = req.SessionID
+			if ev.Stats.Pool != 0 {
+				last["pool_id"] = ev.Stats.Pool
+			}
 			if ev.Truncated {
 				last["truncated"] = true
 			}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/pool"
 )
 
 // Tokenizer is the read-only model surface handlers use. *llama.Model implements it.
@@ -24,9 +25,11 @@ type Tokenizer interface {
 	NVocab() int
 }
 
-// ChatRenderer turns chat messages into prompt text.
+// ChatRenderer turns chat messages into prompt text. Pools render the start of a
+// conversation (addGenerationPrompt false) with the same renderer as chat requests, so
+// a pool's prefix is a token prefix of the chats that attach to it.
 type ChatRenderer interface {
-	Render(msgs []ChatMessage) (string, error)
+	Render(msgs []ChatMessage, addGenerationPrompt bool) (string, error)
 }
 
 // Info describes the served model and configuration for /props and /v1/models.
@@ -41,6 +44,11 @@ type Info struct {
 	NVocab       int
 	ChatTemplate string
 	Started      time.Time
+	MaxPools     int
+	PoolGraceMs  int64
+	BytesPerCell int64
+	// PoolsUnsupported is why pools are off for this model ("" when they work).
+	PoolsUnsupported string
 }
 
 // Server holds the handlers' dependencies.
@@ -75,6 +83,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("GET /health", s.handleHealth)
 	mux.HandleFunc("GET /props", s.handleProps)
 	mux.HandleFunc("GET /slots", s.handleSlots)
+	s.routePools(mux)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "not_found_error", fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
 	})
@@ -123,6 +132,14 @@ func errorFor(err error) *apiError {
 	case errors.Is(err, engine.ErrPromptTooLong):
 		return &apiError{status: http.StatusBadRequest, typ: "exceed_context_size_error", msg: err.Error()}
 	case errors.Is(err, engine.ErrEmptyPrompt), errors.Is(err, engine.ErrInvalidToken):
+		return badRequest("%v", err)
+	case errors.Is(err, pool.ErrNotFound), errors.Is(err, engine.ErrSessionNotFound):
+		return &apiError{status: http.StatusNotFound, typ: "not_found_error", msg: err.Error()}
+	case errors.Is(err, pool.ErrNoSeqIDs):
+		return &apiError{status: http.StatusServiceUnavailable, typ: "unavailable_error", msg: err.Error()}
+	case errors.Is(err, pool.ErrPrefixMismatch), errors.Is(err, pool.ErrHasChildren), errors.Is(err, pool.ErrConflict), errors.Is(err, engine.ErrSessionBusy):
+		return &apiError{status: http.StatusConflict, typ: "conflict_error", msg: err.Error()}
+	case errors.Is(err, pool.ErrBadRequest), errors.Is(err, engine.ErrPoolsUnsupported):
 		return badRequest("%v", err)
 	case errors.Is(err, engine.ErrEngineClosed):
 		return &apiError{status: http.StatusServiceUnavailable, typ: "unavailable_error", msg: err.Error()}
@@ -242,6 +259,14 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 		"kv_unified":    true,
 		"chat_template": s.info.ChatTemplate,
 		"usage":         usage,
+		"polykv": map[string]any{
+			"max_pools":         s.info.MaxPools,
+			"pool_grace_ms":     s.info.PoolGraceMs,
+			"kv_bytes_per_cell": s.info.BytesPerCell,
+			"n_seq_max":         s.info.Parallel + s.info.MaxPools,
+			"pools_supported":   s.info.PoolsUnsupported == "",
+			"pools_unsupported": s.info.PoolsUnsupported,
+		},
 	})
 }
 

@@ -26,6 +26,8 @@ type Config struct {
 	Threads    int // -t
 	MaxQueue   int // --queue
 	SessionTTL time.Duration
+	MaxPools   int           // --max-pools: pool sequence ids reserved above the sessions'
+	PoolGrace  time.Duration // --pool-grace-ms
 }
 
 // Defaults fills unset fields.
@@ -51,6 +53,15 @@ func (c *Config) Defaults() {
 	if c.SessionTTL == 0 {
 		c.SessionTTL = 30 * time.Minute
 	}
+	if c.MaxPools == 0 {
+		c.MaxPools = 16
+	}
+	if c.MaxPools < 0 { // --max-pools 0 on the command line means none
+		c.MaxPools = 0
+	}
+	if c.PoolGrace == 0 {
+		c.PoolGrace = 30 * time.Second
+	}
 }
 
 // App is a running server core.
@@ -68,7 +79,8 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	if cfg.ModelPath == "" {
 		return nil, fmt.Errorf("no model: pass -m MODEL.gguf")
 	}
-	ecfg := engine.Config{NCtx: cfg.NCtx, Parallel: cfg.Parallel, NBatch: cfg.NBatch, MaxQueue: cfg.MaxQueue, SessionTTL: cfg.SessionTTL}
+	ecfg := engine.Config{NCtx: cfg.NCtx, Parallel: cfg.Parallel, MaxPools: cfg.MaxPools, NBatch: cfg.NBatch,
+		MaxQueue: cfg.MaxQueue, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace}
 	if err := ecfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -76,13 +88,19 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	if err != nil {
 		return nil, err
 	}
+	ecfg.BytesPerCell = model.KVBytesPerCell()
+	if model.IsRecurrent() || model.IsHybrid() {
+		// Recurrent state is one blob per sequence, not cells per position: a prefix
+		// cannot be shared by sequence membership.
+		ecfg.PoolsUnsupported = "this model has recurrent (or hybrid) memory, whose state cannot be shared as a token prefix"
+	}
 	if cfg.NCtx > model.NCtxTrain() && model.NCtxTrain() > 0 {
 		if log != nil {
 			log.Warn("context larger than the model was trained for", "n_ctx", cfg.NCtx, "n_ctx_train", model.NCtxTrain())
 		}
 	}
 	ctx, err := llama.NewContext(model, llama.ContextParams{
-		NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: cfg.Parallel,
+		NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: cfg.Parallel + cfg.MaxPools,
 		NThreads: cfg.Threads, KVUnified: true,
 	})
 	if err != nil {
@@ -100,6 +118,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	info := api.Info{
 		ModelID: id, ModelPath: cfg.ModelPath, ModelDesc: model.Desc(), NCtx: cfg.NCtx, NCtxTrain: model.NCtxTrain(),
 		Parallel: cfg.Parallel, NBatch: cfg.NBatch, NVocab: model.NVocab(), ChatTemplate: model.ChatTemplate(), Started: time.Now(),
+		MaxPools: cfg.MaxPools, PoolGraceMs: cfg.PoolGrace.Milliseconds(), BytesPerCell: ecfg.BytesPerCell, PoolsUnsupported: ecfg.PoolsUnsupported,
 	}
 	srv := api.New(eng, model, runner.ChatTemplate{M: model}, info, log)
 	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv}, nil

@@ -452,3 +452,5 @@ func TestTokenizeRoundTripAndInfo(t *testing.T) {
 		t.Fatalf("health %d %v", code, health)
 	}
 }
+
+func jsonDecode(resp *http.Response, v any) error { return json.NewDecoder(resp.Body).Decode(v) }

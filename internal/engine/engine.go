@@ -31,8 +31,19 @@ type submitReply struct {
 type cancelMsg struct{ id TaskID }
 
 type inspectMsg struct {
-	fn   func(*Scheduler)
+	fn   func(*Scheduler, Backend)
 	done chan struct{}
+}
+
+type createPoolMsg struct {
+	spec  PoolSpec
+	reply chan poolReply
+}
+
+type poolReply struct {
+	id     int
+	stream *Stream
+	err    error
 }
 
 // Stream delivers one task's events. Reading never blocks the engine: events queue in
@@ -170,6 +181,48 @@ func (e *Engine) Submit(ctx context.Context, req Request) (*Stream, error) {
 
 // Inspect runs fn on the engine goroutine between steps. fn must only copy state out.
 func (e *Engine) Inspect(ctx context.Context, fn func(*Scheduler)) error {
+	return e.Exec(ctx, func(s *Scheduler, _ Backend) { fn(s) })
+}
+
+// Do runs a scheduler operation (a pool operation, say) on the engine goroutine and
+// returns its error. Sequence operations it plans run before the next step.
+func (e *Engine) Do(ctx context.Context, fn func(*Scheduler) error) error {
+	var err error
+	if xerr := e.Exec(ctx, func(s *Scheduler, _ Backend) { err = fn(s) }); xerr != nil {
+		return xerr
+	}
+	return err
+}
+
+// CreatePool creates a pool and waits until it is materialized (attachable). If ctx
+// ends first the materialization is cancelled and nothing is left behind.
+func (e *Engine) CreatePool(ctx context.Context, spec PoolSpec) (int, Stats, error) {
+	reply := make(chan poolReply, 1)
+	if !e.send(createPoolMsg{spec: spec, reply: reply}) {
+		return 0, Stats{}, ErrEngineClosed
+	}
+	var r poolReply
+	select {
+	case r = <-reply:
+	case <-e.stopped:
+		return 0, Stats{}, ErrEngineClosed
+	}
+	if r.err != nil || r.stream == nil {
+		return r.id, Stats{Pool: r.id}, r.err
+	}
+	defer r.stream.Cancel()
+	evs, err := r.stream.Collect(ctx)
+	if err != nil {
+		return 0, Stats{}, err
+	}
+	last := evs[len(evs)-1]
+	return r.id, last.Stats, last.Err
+}
+
+// Exec runs fn with the scheduler and the backend on the engine goroutine. It exists
+// for diagnostics and tests that must observe the backend itself; fn must leave the
+// backend as it found it.
+func (e *Engine) Exec(ctx context.Context, fn func(*Scheduler, Backend)) error {
 	done := make(chan struct{})
 	if !e.send(inspectMsg{fn: fn, done: done}) {
 		return ErrEngineClosed
@@ -223,8 +276,16 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 		case cancelMsg:
 			sched.Cancel(m.id, time.Now())
 		case inspectMsg:
-			m.fn(sched)
+			m.fn(sched, be)
 			close(m.done)
+		case createPoolMsg:
+			id, task, err := sched.CreatePool(m.spec, time.Now())
+			var st *Stream
+			if err == nil && task != 0 {
+				st = newStream(task, e)
+				streams[task] = st
+			}
+			m.reply <- poolReply{id: id, stream: st, err: err}
 		}
 		deliver()
 	}

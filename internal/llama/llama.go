@@ -35,6 +35,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strconv"
 	"sync"
 	"unsafe"
 
@@ -275,12 +276,25 @@ func (m *Model) ApplyChatTemplate(tmpl string, msgs []ChatMessage, addAssistant 
 	return "", errors.New("chat template: buffer sizing failed")
 }
 
-// KVBytesPerCell is the size of one KV cell (one token position of one layer stack) with
-// an f16 cache: n_layer × (K + V) × n_head_kv × head_dim × 2 bytes.
+// KVBytesPerCell is the size of one KV cell (one token position across all layers) with
+// llama.cpp's default f16 cache: n_layer × n_head_kv × (key_length + value_length) × 2
+// bytes, the head sizes read from the GGUF (n_embd / n_head when absent).
 func (m *Model) KVBytesPerCell() int64 {
 	if m.NHead() == 0 {
 		return 0
 	}
-	headDim := int64(m.NEmbd() / m.NHead())
-	return int64(m.NLayer()) * 2 * int64(m.NHeadKV()) * headDim * 2
+	arch := m.Meta("general.architecture")
+	headK := int64(m.NEmbd() / m.NHead())
+	headV := headK
+	if v, err := strconv.Atoi(m.Meta(arch + ".attention.key_length")); err == nil && v > 0 {
+		headK = int64(v)
+	}
+	if v, err := strconv.Atoi(m.Meta(arch + ".attention.value_length")); err == nil && v > 0 {
+		headV = int64(v)
+	}
+	const f16 = 2
+	return int64(m.NLayer()) * int64(m.NHeadKV()) * (headK + headV) * f16
 }
+
+// SystemInfo is llama.cpp's description of the CPU features ggml was built with.
+func SystemInfo() string { return C.GoString(C.llama_print_system_info()) }

@@ -113,7 +113,7 @@ func (v Vocab) IsEOG(tok engine.Token) bool { return v.M.IsEOG(tok) }
 type ChatTemplate struct{ M *llama.Model }
 
 // Render implements api.ChatRenderer.
-func (c ChatTemplate) Render(msgs []api.ChatMessage) (string, error) {
+func (c ChatTemplate) Render(msgs []api.ChatMessage, addGenerationPrompt bool) (string, error) {
 	lm := make([]llama.ChatMessage, len(msgs))
 	for i, m := range msgs {
 		role := m.Role
@@ -122,5 +122,31 @@ func (c ChatTemplate) Render(msgs []api.ChatMessage) (string, error) {
 		}
 		lm[i] = llama.ChatMessage{Role: role, Content: m.Content}
 	}
-	return c.M.ApplyChatTemplate("", lm, true)
+	return c.M.ApplyChatTemplate("", lm, addGenerationPrompt)
+}
+
+// ProbeFits reports whether n more cells can be written to the cache right now, by
+// decoding n placeholder tokens into the empty sequence seq and removing them again.
+// It measures free cells from llama.cpp itself, independent of PolyKV's accounting;
+// tests use it to check that accounting. seq must hold nothing.
+func (b *Backend) ProbeFits(seq, n int, tok llama.Token) (bool, error) {
+	if b.ctx.SeqPosMax(seq) >= 0 {
+		return false, fmt.Errorf("probe: sequence %d is not empty", seq)
+	}
+	defer b.ctx.SeqRm(seq, 0, -1)
+	for pos := 0; pos < n; {
+		b.ctx.BatchClear()
+		for ; pos < n && b.ctx.BatchLen() < b.ctx.BatchCap(); pos++ {
+			if _, err := b.ctx.BatchAdd(tok, pos, seq, false); err != nil {
+				return false, err
+			}
+		}
+		if err := b.ctx.Decode(); err != nil {
+			if err == llama.ErrNoKVSlot {
+				return false, nil
+			}
+			return false, err
+		}
+	}
+	return true, nil
 }

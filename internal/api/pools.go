@@ -1,0 +1,271 @@
+package api
+
+import (
+	"encoding/json"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/polykv/polykv/internal/engine"
+)
+
+var now = time.Now
+
+// poolBody is the body of create and fork: exactly one prefix source.
+type poolBody struct {
+	Tokens      *[]int32        `json:"tokens"`
+	Prompt      *string         `json:"prompt"`
+	Messages    json.RawMessage `json:"messages"`
+	FromSession *string         `json:"from_session"`
+	BranchPos   *int            `json:"branch_pos"`
+	Pin         bool            `json:"pin"`
+}
+
+func (s *Server) routePools(mux *http.ServeMux) {
+	mux.HandleFunc("POST /polykv/pools", s.handleCreatePool)
+	mux.HandleFunc("GET /polykv/pools", s.handleListPools)
+	mux.HandleFunc("GET /polykv/pools/{id}", s.handleGetPool)
+	mux.HandleFunc("DELETE /polykv/pools/{id}", s.handleReleasePool)
+	mux.HandleFunc("POST /polykv/pools/{id}/fork", s.handleForkPool)
+	mux.HandleFunc("POST /polykv/pools/{id}/pin", s.poolAction(func(sc *engine.Scheduler, id int) (any, error) {
+		return nil, sc.PinPool(id, true, now())
+	}))
+	mux.HandleFunc("POST /polykv/pools/{id}/unpin", s.poolAction(func(sc *engine.Scheduler, id int) (any, error) {
+		return nil, sc.PinPool(id, false, now())
+	}))
+	mux.HandleFunc("POST /polykv/pools/{id}/evict", s.poolAction(func(sc *engine.Scheduler, id int) (any, error) {
+		return nil, sc.EvictPool(id, now())
+	}))
+	mux.HandleFunc("POST /polykv/pools/{id}/flush", s.poolAction(func(sc *engine.Scheduler, id int) (any, error) {
+		n, cells, err := sc.FlushPool(id, now())
+		return map[string]any{"flushed_sessions": n, "freed_kv_bytes": int64(cells) * s.info.BytesPerCell}, err
+	}))
+}
+
+func pathPoolID(r *http.Request) (int, *apiError) {
+	raw := r.PathValue("id")
+	id, err := strconv.Atoi(raw)
+	if err != nil || id < 0 {
+		return 0, badRequest("pool id %q is not a non-negative integer", raw)
+	}
+	return id, nil
+}
+
+// poolAction wraps a synchronous pool operation: it answers the pool's status after.
+func (s *Server) poolAction(op func(*engine.Scheduler, int) (any, error)) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		id, e := pathPoolID(r)
+		if e != nil {
+			writeAPIError(w, e)
+			return
+		}
+		var extra any
+		var info engine.PoolInfo
+		err := s.eng.Do(r.Context(), func(sc *engine.Scheduler) error {
+			var err error
+			if extra, err = op(sc, id); err != nil {
+				return err
+			}
+			info, err = sc.Pool(id)
+			return err
+		})
+		if err != nil {
+			writeAPIError(w, errorFor(err))
+			return
+		}
+		info.Tokens = nil
+		out := map[string]any{"pool": info}
+		if m, ok := extra.(map[string]any); ok {
+			for k, v := range m {
+				out[k] = v
+			}
+		}
+		writeJSON(w, http.StatusOK, out)
+	}
+}
+
+// prefixTokens turns a create/fork body into the prefix tokens (or a session name).
+func (s *Server) prefixTokens(b *poolBody) ([]int32, string, *apiError) {
+	n := 0
+	for _, set := range []bool{b.Tokens != nil, b.Prompt != nil, !isNull(b.Messages), b.FromSession != nil} {
+		if set {
+			n++
+		}
+	}
+	if n != 1 {
+		return nil, "", badRequest("give exactly one of tokens, prompt, messages or from_session (got %d)", n)
+	}
+	switch {
+	case b.Tokens != nil:
+		if len(*b.Tokens) == 0 {
+			return nil, "", badRequest("tokens must not be empty")
+		}
+		if e := s.checkTokens(*b.Tokens); e != nil {
+			return nil, "", e
+		}
+		return *b.Tokens, "", nil
+	case b.Prompt != nil:
+		if *b.Prompt == "" {
+			return nil, "", badRequest("prompt must not be empty")
+		}
+		toks, err := s.tok.Tokenize(*b.Prompt, true, true)
+		if err != nil {
+			return nil, "", badRequest("%v", err)
+		}
+		return toks, "", nil
+	case b.FromSession != nil:
+		if *b.FromSession == "" {
+			return nil, "", badRequest("from_session must name a session")
+		}
+		return nil, *b.FromSession, nil
+	}
+	msgs, e := parseMessages(b.Messages)
+	if e != nil {
+		return nil, "", e
+	}
+	// Rendered as the start of a conversation, exactly as a chat request renders it.
+	text, err := s.chat.Render(msgs, false)
+	if err != nil {
+		return nil, "", &apiError{status: http.StatusInternalServerError, typ: "server_error", msg: "chat template: " + err.Error()}
+	}
+	toks, err := s.tok.Tokenize(text, true, true)
+	if err != nil {
+		return nil, "", badRequest("%v", err)
+	}
+	if len(toks) == 0 {
+		return nil, "", badRequest("messages render to an empty prefix")
+	}
+	return toks, "", nil
+}
+
+func (s *Server) handleCreatePool(w http.ResponseWriter, r *http.Request) {
+	var b poolBody
+	if e := s.decodeBody(w, r, &b); e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	if b.BranchPos != nil {
+		writeAPIError(w, badRequest("branch_pos belongs to fork (POST /polykv/pools/{id}/fork)"))
+		return
+	}
+	s.createPool(w, r, &b, engine.PoolSpec{})
+}
+
+func (s *Server) handleForkPool(w http.ResponseWriter, r *http.Request) {
+	parent, e := pathPoolID(r)
+	if e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	var b poolBody
+	if e := s.decodeBody(w, r, &b); e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	if b.BranchPos == nil {
+		writeAPIError(w, badRequest("branch_pos is required: the length of the parent prefix the child keeps"))
+		return
+	}
+	if *b.BranchPos < 0 {
+		writeAPIError(w, badRequest("branch_pos must not be negative, got %d", *b.BranchPos))
+		return
+	}
+	s.createPool(w, r, &b, engine.PoolSpec{HasParent: true, Parent: parent, D: *b.BranchPos})
+}
+
+func (s *Server) createPool(w http.ResponseWriter, r *http.Request, b *poolBody, spec engine.PoolSpec) {
+	toks, session, e := s.prefixTokens(b)
+	if e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	spec.Tokens, spec.FromSession, spec.Pin = toks, session, b.Pin
+	id, stats, err := s.eng.CreatePool(r.Context(), spec)
+	if err != nil {
+		writeAPIError(w, errorFor(err))
+		return
+	}
+	var info engine.PoolInfo
+	if err := s.eng.Inspect(r.Context(), func(sc *engine.Scheduler) { info, err = sc.Pool(id) }); err != nil {
+		writeAPIError(w, errorFor(err))
+		return
+	}
+	if err != nil {
+		writeAPIError(w, errorFor(err))
+		return
+	}
+	info.Tokens = nil
+	writeJSON(w, http.StatusCreated, map[string]any{
+		"pool_id": id, "parent": info.Parent, "branch_pos": info.BranchPos, "prefix_len": info.PrefixLen,
+		"own_len": info.OwnLen, "prefix_hash": info.PrefixHash, "state": info.State,
+		"prefilled_tokens": stats.PromptN, "materialize_ms": float64(stats.PromptTime.Microseconds()) / 1000,
+		"zero_copy": session != "" && stats.PromptN == 0, "pool": info,
+	})
+}
+
+func (s *Server) handleListPools(w http.ResponseWriter, r *http.Request) {
+	var st engine.PoolsStatus
+	if err := s.eng.Inspect(r.Context(), func(sc *engine.Scheduler) { st = sc.Pools() }); err != nil {
+		writeAPIError(w, errorFor(err))
+		return
+	}
+	writeJSON(w, http.StatusOK, st)
+}
+
+func (s *Server) handleGetPool(w http.ResponseWriter, r *http.Request) {
+	id, e := pathPoolID(r)
+	if e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	var info engine.PoolInfo
+	var err error
+	if xerr := s.eng.Inspect(r.Context(), func(sc *engine.Scheduler) { info, err = sc.Pool(id) }); xerr != nil {
+		err = xerr
+	}
+	if err != nil {
+		writeAPIError(w, errorFor(err))
+		return
+	}
+	writeJSON(w, http.StatusOK, info)
+}
+
+func (s *Server) handleReleasePool(w http.ResponseWriter, r *http.Request) {
+	id, e := pathPoolID(r)
+	if e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	var reclaimed bool
+	err := s.eng.Do(r.Context(), func(sc *engine.Scheduler) error {
+		if err := sc.ReleasePool(id, now()); err != nil {
+			return err
+		}
+		_, gone := sc.Pool(id)
+		reclaimed = gone != nil
+		return nil
+	})
+	if err != nil {
+		writeAPIError(w, errorFor(err))
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"pool_id": id, "released": true, "reclaimed": reclaimed})
+}
+
+// parsePoolID reads pool_id from a completion request: an integer (or its string).
+func parsePoolID(raw json.RawMessage) (int, bool, *apiError) {
+	if isNull(raw) {
+		return 0, false, nil
+	}
+	var id int
+	if err := json.Unmarshal(raw, &id); err == nil {
+		return id, true, nil
+	}
+	var str string
+	if err := json.Unmarshal(raw, &str); err == nil {
+		if id, err := strconv.Atoi(str); err == nil {
+			return id, true, nil
+		}
+	}
+	return 0, false, badRequest("pool_id must be an integer pool id, got %s", string(raw))
+}
