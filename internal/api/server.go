@@ -53,11 +53,11 @@ type Info struct {
 
 // Server holds the handlers' dependencies.
 type Server struct {
-	eng    *engine.Engine
-	tok    Tokenizer
-	chat   ChatRenderer
-	info   Info
-	log    *slog.Logger
+	eng     *engine.Engine
+	tok     Tokenizer
+	chat    ChatRenderer
+	info    Info
+	log     *slog.Logger
 	maxBody int64
 }
 

@@ -19,8 +19,16 @@ func (l *lockedBackend) Decode(b []BatchEntry) ([]Sampled, error) {
 	defer l.mu.Unlock()
 	return l.f.Decode(b)
 }
-func (l *lockedBackend) SeqRm(s, p0, p1 int) bool { l.mu.Lock(); defer l.mu.Unlock(); return l.f.SeqRm(s, p0, p1) }
-func (l *lockedBackend) SeqCp(a, b, p0, p1 int)   { l.mu.Lock(); defer l.mu.Unlock(); l.f.SeqCp(a, b, p0, p1) }
+func (l *lockedBackend) SeqRm(s, p0, p1 int) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.f.SeqRm(s, p0, p1)
+}
+func (l *lockedBackend) SeqCp(a, b, p0, p1 int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.f.SeqCp(a, b, p0, p1)
+}
 func (l *lockedBackend) NewSampler(id TaskID, p SamplingParams, lp bool, h []Token) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
