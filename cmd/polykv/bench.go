@@ -13,7 +13,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"text/tabwriter"
 	"time"
 
 	"github.com/polykv/polykv/internal/app"
@@ -36,8 +35,20 @@ func bench(args []string) error {
 	nGen := fs.Int("n", 128, "tokens each session decodes")
 	reps := fs.Int("reps", 2, "repetitions per measurement (best is reported)")
 	cpuProfile := fs.String("cpuprofile", "", "write a Go CPU profile of the server runs to this file")
+	workload := fs.String("workload", "all", "decode (server vs raw loop), fanout (pooled vs unpooled agents) or all")
+	var fo fanout
+	fs.IntVar(&fo.root, "fanout-root", 2000, "fan-out: tokens of the shared root prefix")
+	fs.IntVar(&fo.suffix, "fanout-suffix", 100, "fan-out: tokens each agent adds")
+	fs.IntVar(&fo.gen, "fanout-gen", 128, "fan-out: tokens each agent decodes")
+	fanN := fs.String("fanout-agents", "1,4,8,16", "fan-out: agent counts N")
 	_ = fs.Parse(args)
 	cfg.Defaults()
+	if *workload == "fanout" {
+		return fo.run(cfg, *fanN)
+	}
+	if *workload != "decode" && *workload != "all" {
+		return fmt.Errorf("bench: unknown workload %q", *workload)
+	}
 	var bs []int
 	for _, f := range strings.Split(*sizes, ",") {
 		b, err := strconv.Atoi(strings.TrimSpace(f))
@@ -48,8 +59,7 @@ func bench(args []string) error {
 	}
 	fmt.Printf("polykv bench: %s, %d threads, n_ctx %d, %d tokens per session, best of %d\n\n",
 		cfg.ModelPath, cfg.Threads, cfg.NCtx, *nGen, *reps)
-	tw := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "B\traw loop tok/s\tserver tok/s\tserver/raw\t")
+	fmt.Println("   B  raw loop tok/s  server tok/s  server/raw")
 	for _, b := range bs {
 		raw, srv := 0.0, 0.0
 		for range *reps {
@@ -63,8 +73,11 @@ func bench(args []string) error {
 			}
 			raw, srv = max(raw, r), max(srv, s)
 		}
-		fmt.Fprintf(tw, "%d\t%.1f\t%.1f\t%.3f\t\n", b, raw, srv, srv/raw)
-		tw.Flush()
+		fmt.Printf("%4d  %14.1f  %12.1f  %10.3f\n", b, raw, srv, srv/raw)
+	}
+	if *workload == "all" {
+		fmt.Println()
+		return fo.run(cfg, *fanN)
 	}
 	return nil
 }
@@ -77,7 +90,8 @@ func rawLoop(cfg app.Config, b, nGen int) (float64, error) {
 		return 0, err
 	}
 	defer model.Free()
-	ctx, err := llama.NewContext(model, llama.ContextParams{NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: b, NThreads: cfg.Threads, KVUnified: true})
+	fa := app.FlashAttn(cfg.FlashAttn)
+	ctx, err := llama.NewContext(model, llama.ContextParams{FlashAttn: fa, NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: b, NThreads: cfg.Threads, KVUnified: true})
 	if err != nil {
 		return 0, err
 	}

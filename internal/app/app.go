@@ -28,6 +28,7 @@ type Config struct {
 	SessionTTL time.Duration
 	MaxPools   int           // --max-pools: pool sequence ids reserved above the sessions'
 	PoolGrace  time.Duration // --pool-grace-ms
+	FlashAttn  string        // --flash-attn: on (default), off, auto
 }
 
 // Defaults fills unset fields.
@@ -64,6 +65,20 @@ func (c *Config) Defaults() {
 	}
 }
 
+// FlashAttn maps a --flash-attn value to llama.cpp's setting. On is the default: with
+// flash attention a token's logits on this backend do not depend on the batch it is
+// computed in, which is what makes a pooled session's greedy tokens equal a full
+// prefill's (off is faster on CPU at long context, but batch shape then moves logits).
+func FlashAttn(v string) int {
+	switch v {
+	case "off":
+		return 0
+	case "auto":
+		return -1
+	}
+	return 1
+}
+
 // App is a running server core.
 type App struct {
 	Config Config
@@ -84,6 +99,11 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	if err := ecfg.Validate(); err != nil {
 		return nil, err
 	}
+	switch cfg.FlashAttn {
+	case "", "off", "on", "auto":
+	default:
+		return nil, fmt.Errorf("--flash-attn must be off, on or auto, got %q", cfg.FlashAttn)
+	}
 	model, err := llama.LoadModel(cfg.ModelPath)
 	if err != nil {
 		return nil, err
@@ -99,7 +119,8 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 			log.Warn("context larger than the model was trained for", "n_ctx", cfg.NCtx, "n_ctx_train", model.NCtxTrain())
 		}
 	}
-	ctx, err := llama.NewContext(model, llama.ContextParams{
+	fa := FlashAttn(cfg.FlashAttn)
+	ctx, err := llama.NewContext(model, llama.ContextParams{FlashAttn: fa,
 		NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: cfg.Parallel + cfg.MaxPools,
 		NThreads: cfg.Threads, KVUnified: true,
 	})

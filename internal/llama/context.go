@@ -28,6 +28,7 @@ type ContextParams struct {
 	NSeqMax   int  // distinct sequence ids (sessions + pools)
 	NThreads  int  // threads for generation and batch processing
 	KVUnified bool // one cell buffer shared by all sequences (required for prefix sharing)
+	FlashAttn int  // -1 auto (llama.cpp decides), 0 off, 1 on
 }
 
 // Context is a llama.cpp context: the KV cache and the compute graph. One goroutine only.
@@ -59,6 +60,14 @@ func NewContext(model *Model, p ContextParams) (*Context, error) {
 	cp.n_threads = C.int32_t(p.NThreads)
 	cp.n_threads_batch = C.int32_t(p.NThreads)
 	cp.kv_unified = C.bool(p.KVUnified)
+	switch p.FlashAttn {
+	case 0:
+		cp.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+	case 1:
+		cp.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED
+	default:
+		cp.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_AUTO
+	}
 	cp.no_perf = true
 	c := C.llama_init_from_model(model.m, cp)
 	if c == nil {
