@@ -178,6 +178,7 @@ func Decide(in Input) Verdict {
 		v.ProjectedIfAdmitted = v.ProjectedMeasured
 	}
 	v.CanAdmit, v.Reason = decide(in, v)
+	v.Guaranteed = v.Reason == ReasonGuaranteed
 	if !v.CanAdmit {
 		v.RetryAfterS = retryAfter(in, v)
 	}

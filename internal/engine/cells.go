@@ -2,6 +2,7 @@ package engine
 
 import (
 	"slices"
+	"time"
 
 	"github.com/polykv/polykv/internal/pool"
 )
@@ -144,6 +145,11 @@ func (s *Scheduler) expire() {
 			if sl.task == nil && sl.session != "" && s.now.Sub(sl.lastUsed) > s.cfg.SessionTTL {
 				s.evictSlot(sl)
 			}
+		}
+	}
+	for id, at := range s.seen {
+		if s.now.Sub(at) > max(s.cfg.SessionTTL, time.Hour) {
+			delete(s.seen, id)
 		}
 	}
 	for _, p := range s.pools.All() {

@@ -290,7 +290,7 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 		deliver()
 	}
 	// A periodic wake-up lets idle-session expiry run while no request arrives.
-	tick := time.NewTicker(time.Second)
+	tick := time.NewTicker(200 * time.Millisecond)
 	defer tick.Stop()
 	idle := true
 	for {

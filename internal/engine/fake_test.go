@@ -146,6 +146,9 @@ type harness struct {
 	be     *fakeBackend
 	now    time.Time
 	events map[TaskID][]Event
+	// stepCost scripts how long a decode step takes (default 10 ms); a cost that grows
+	// with the batch makes per-session tps fall as sessions join, deterministically.
+	stepCost func(batch []BatchEntry) time.Duration
 }
 
 func newHarness(t *testing.T, cfg Config) *harness {
@@ -183,7 +186,11 @@ func (h *harness) step() []BatchEntry {
 		return nil
 	}
 	sampled, err := h.be.Decode(p.Batch)
-	h.now = h.now.Add(10 * time.Millisecond)
+	cost := 10 * time.Millisecond
+	if h.stepCost != nil {
+		cost = h.stepCost(p.Batch)
+	}
+	h.now = h.now.Add(cost)
 	h.s.Commit(sampled, err, h.now)
 	h.collect()
 	return p.Batch

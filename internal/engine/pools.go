@@ -180,6 +180,7 @@ func (s *Scheduler) evictPool(p *pool.Pool) {
 func (s *Scheduler) reclaim(p *pool.Pool) {
 	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.ID, P0: 0, P1: -1})
 	p.Filled = 0
+	delete(s.admission, p.ID)
 	_ = s.pools.Remove(p)
 }
 

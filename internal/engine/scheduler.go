@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/polykv/polykv/internal/pool"
+	"github.com/polykv/polykv/internal/tps"
 )
 
 // Config sizes the scheduler.
@@ -20,6 +21,8 @@ type Config struct {
 	BytesPerCell int64         // KV bytes of one cell, for status reports
 	// PoolsUnsupported, when set, is why pool operations are refused (recurrent models).
 	PoolsUnsupported string
+	TPSTau           time.Duration // EWMA time constant of experienced tps (default 2 s)
+	Observer         Observer      // optional sink for TTFT, inter-token latency, queries
 }
 
 // MaxSeqs is the largest n_seq_max llama.cpp accepts.
@@ -112,6 +115,11 @@ type task struct {
 	submitted time.Time
 	admitted  time.Time
 	firstTok  time.Time
+	lastTok   time.Time
+	ewma      tps.EWMA
+	// newSession: attaching to a pool as a session it has not seen (gated, settled).
+	newSession   bool
+	gateDeadline time.Time
 }
 
 func (t *task) prefilling() bool { return t.slot != nil && len(t.slot.tokens) < len(t.req.Prompt) }
@@ -139,6 +147,12 @@ type Scheduler struct {
 	tasks     map[TaskID]*task
 	nextID    TaskID
 	now       time.Time
+	admission map[int]*poolAdmission
+	gated     []*task              // new sessions held by an enforced pool's gate
+	seen      map[string]time.Time // session ids admitted before: continuations are never gated
+	agg       tps.EWMA             // aggregate decode tokens/s
+	aggPrompt tps.EWMA             // aggregate prompt tokens/s
+	planAt    time.Time            // when the batch being decoded was planned
 
 	ops      []SeqOp
 	samplers []SamplerOp
@@ -151,8 +165,13 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	if cfg.TPSTau <= 0 {
+		cfg.TPSTau = tps.DefaultTau
+	}
 	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
-		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools), poolSeqs: map[int]*slot{}}
+		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools), poolSeqs: map[int]*slot{},
+		admission: map[int]*poolAdmission{}, seen: map[string]time.Time{},
+		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau)}
 	for i := range cfg.Parallel {
 		s.slots = append(s.slots, &slot{seq: i})
 	}
@@ -160,31 +179,50 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 }
 
 // Submit queues a request. It fails at once when the prompt can never run, the pool
-// it names cannot be attached, or the queue is full; otherwise the task runs as soon as
-// a sequence and cells are free.
+// it names cannot be attached, the queue is full or an enforced pool refuses a new
+// session; otherwise the task runs as soon as a sequence and cells are free.
 func (s *Scheduler) Submit(req Request, now time.Time) (TaskID, error) {
+	id, _, err := s.SubmitGated(req, now)
+	return id, err
+}
+
+// SubmitGated is Submit, also saying what an enforced pool's gate decided.
+func (s *Scheduler) SubmitGated(req Request, now time.Time) (TaskID, Gate, error) {
 	s.now = now
 	if len(req.Prompt) == 0 {
-		return 0, ErrEmptyPrompt
+		return 0, Gate{}, ErrEmptyPrompt
 	}
 	if len(req.Prompt) >= s.cfg.NCtx {
-		return 0, fmt.Errorf("%w: %d prompt tokens, context size %d", ErrPromptTooLong, len(req.Prompt), s.cfg.NCtx)
+		return 0, Gate{}, fmt.Errorf("%w: %d prompt tokens, context size %d", ErrPromptTooLong, len(req.Prompt), s.cfg.NCtx)
 	}
 	var p *pool.Pool
 	if req.HasPool {
 		var err error
 		if p, err = s.attachable(req); err != nil {
-			return 0, err
+			return 0, Gate{}, err
 		}
 	}
 	s.admit()
 	if len(s.queue) >= s.cfg.MaxQueue && !s.canStartNow(req) {
-		return 0, fmt.Errorf("%w (%d waiting)", ErrQueueFull, len(s.queue))
+		return 0, Gate{}, fmt.Errorf("%w (%d waiting)", ErrQueueFull, len(s.queue))
 	}
 	t := s.newTask(kindGenerate, req, p)
+	if p != nil {
+		_, known := s.seen[req.SessionID]
+		t.newSession = req.SessionID == "" || !known
+	}
+	g, err := s.gate(t)
+	if err != nil {
+		delete(s.tasks, t.id)
+		return 0, g, err
+	}
+	if g.Held {
+		s.gated = append(s.gated, t)
+		return t.id, g, nil
+	}
 	s.queue = append(s.queue, t)
 	s.admit()
-	return t.id, nil
+	return t.id, g, nil
 }
 
 func (s *Scheduler) newTask(k taskKind, req Request, p *pool.Pool) *task {
@@ -223,6 +261,7 @@ func (s *Scheduler) Cancel(id TaskID, now time.Time) {
 	}
 	if t.slot == nil {
 		s.queue = slices.DeleteFunc(s.queue, func(q *task) bool { return q == t })
+		s.gated = slices.DeleteFunc(s.gated, func(q *task) bool { return q == t })
 		delete(s.tasks, id)
 		if t.kind == kindMaterialize {
 			s.abandonPool(t.pool, t.restore)
@@ -241,7 +280,7 @@ func (s *Scheduler) Events() []Event {
 }
 
 // Idle reports that nothing is waiting or running.
-func (s *Scheduler) Idle() bool { return len(s.queue) == 0 && len(s.running) == 0 }
+func (s *Scheduler) Idle() bool { return len(s.queue) == 0 && len(s.running) == 0 && len(s.gated) == 0 }
 
 // pickSlot chooses the sequence for t without side effects: its session's own, else
 // an empty one, else the least recently used idle session's.
@@ -392,12 +431,19 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 		}
 		s.samplers = append(s.samplers, SamplerOp{Task: t.id, Params: t.req.Sampling, Logprobs: t.req.Logprobs, History: t.req.Prompt})
 		t.cacheN = len(sl.tokens)
+		t.ewma = tps.NewEWMA(s.cfg.TPSTau)
+		if t.req.SessionID != "" {
+			s.seen[t.req.SessionID] = s.now
+		}
 	}
 	sl.task = t
 	sl.lastUsed = s.now
 	t.slot = sl
 	t.admitted = s.now
 	s.running = append(s.running, t)
+	if t.kind == kindGenerate {
+		s.startSettle(t)
+	}
 }
 
 func commonPrefix(a, b []Token) int { return pool.CommonPrefix(a, b) }
@@ -406,7 +452,10 @@ func commonPrefix(a, b []Token) int { return pool.CommonPrefix(a, b) }
 // chunks in admission order with what is left of the batch (chunked prefill).
 func (s *Scheduler) Plan(now time.Time) Plan {
 	s.now = now
+	s.planAt = now
 	s.expire()
+	s.settle()
+	s.releaseGated()
 	s.admit()
 	s.inflight = s.inflight[:0]
 	var batch []BatchEntry
@@ -479,12 +528,18 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 		}
 		return
 	}
+	s.measureStep(in, now)
 	si := 0
 	for _, f := range in {
 		t := f.t
 		if f.decode {
 			t.slot.tokens = append(t.slot.tokens, t.next)
 			t.hasNext = false
+			t.ewma.Observe(1, now)
+			if o := s.cfg.Observer; o != nil {
+				o.TokenLatency(now.Sub(t.lastTok))
+			}
+			t.lastTok = now
 		} else {
 			have := len(t.slot.tokens)
 			t.slot.tokens = append(t.slot.tokens, t.req.Prompt[have:have+f.n]...)
@@ -508,8 +563,12 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 }
 
 func (s *Scheduler) onToken(t *task, smp Sampled) {
-	if t.generated == 0 {
-		t.firstTok = s.now
+	if t.firstTok.IsZero() {
+		t.firstTok, t.lastTok = s.now, s.now
+		t.ewma.Start(s.now)
+		if o := s.cfg.Observer; o != nil {
+			o.TTFT(t.poolID(), s.now.Sub(t.submitted))
+		}
 	}
 	if s.vocab.IsEOG(smp.Token) && !t.req.IgnoreEOS {
 		s.finish(t, FinishStop, false, nil)
@@ -559,8 +618,12 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 	} else {
 		stats.PromptTime = s.now.Sub(t.admitted)
 	}
+	stats.TPS = t.ewma.Rate()
 	s.events = append(s.events, Event{Task: t.id, Text: t.text.flush(), Done: true, Finish: reason, Truncated: truncated, Err: err, Stats: stats})
 	s.samplers = append(s.samplers, SamplerOp{Task: t.id, Free: true})
+	if o := s.cfg.Observer; o != nil {
+		o.Query(stats.Pool, len(t.req.Prompt), t.cacheN)
+	}
 	s.removeRunning(t)
 	if sl.session == "" || (sl.base != nil && sl.base.State == pool.Released) {
 		s.evictSlot(sl)
@@ -576,4 +639,41 @@ func (s *Scheduler) removeRunning(t *task) {
 	delete(s.tasks, t.id)
 	// A task ended by Plan may still be listed for this step's batch: drop it.
 	s.inflight = slices.DeleteFunc(s.inflight, func(f inflight) bool { return f.t == t })
+}
+
+func (t *task) poolID() int {
+	if t.slot != nil && t.slot.base != nil {
+		return t.slot.base.ID
+	}
+	return 0
+}
+
+// measureStep feeds the aggregate decode and prompt rates with one step's tokens.
+// After an idle gap the averages restart, so idle time is not read as slowness.
+func (s *Scheduler) measureStep(in []inflight, now time.Time) {
+	gen, prompt := 0, 0
+	for _, f := range in {
+		switch {
+		case f.decode:
+			gen++
+		case f.t.kind == kindGenerate && f.sample:
+			gen++ // the first token, sampled from the prompt's last position
+			prompt += f.n
+		default:
+			prompt += f.n
+		}
+	}
+	for _, e := range []struct {
+		ewma *tps.EWMA
+		n    int
+	}{{&s.agg, gen}, {&s.aggPrompt, prompt}} {
+		if e.n == 0 {
+			continue
+		}
+		if now.Sub(e.ewma.Last()) > s.cfg.TPSTau {
+			*e.ewma = tps.NewEWMA(s.cfg.TPSTau)
+			e.ewma.Start(s.planAt)
+		}
+		e.ewma.Observe(e.n, now)
+	}
 }

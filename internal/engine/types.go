@@ -39,6 +39,7 @@ type Request struct {
 	HasPool       bool
 	PoolID        int
 	SharedPrefixN *int
+	Overcommit    bool // skip an enforced pool's admission gate (logged by the API)
 }
 
 // Finish reasons, as OpenAI names them.
@@ -59,6 +60,7 @@ type Stats struct {
 	Seq         int           // sequence the task ran on
 	Pool        int           // pool the sequence is attached to (0: none)
 	Shared      int           // leading tokens borrowed from that pool
+	TPS         float64       // experienced decode tps (EWMA) at the end
 }
 
 // TokenLogprob is one sampled token with its log-probability.

@@ -84,14 +84,15 @@ func (e *EWMA) RateAt(now time.Time) float64 {
 	return r
 }
 
+// Last is the time of the latest observation (zero before Start).
+func (e *EWMA) Last() time.Time { return e.last }
+
 // Tokens is the number of tokens observed.
 func (e *EWMA) Tokens() int { return e.tokens }
 
 // Warming reports that too little has been observed for the rate to mean much: fewer
-// than MinWarmTokens tokens or less than a quarter of Tau of samples.
-func (e *EWMA) Warming() bool {
-	return e.tokens < MinWarmTokens || e.elapsed < e.Tau/4
-}
+// than MinWarmTokens tokens. (The bias correction makes a few samples enough.)
+func (e *EWMA) Warming() bool { return e.tokens < MinWarmTokens }
 
 // MinWarmTokens is how many decoded tokens a session needs before it counts as warm.
 const MinWarmTokens = 4

@@ -32,6 +32,12 @@ func TestBiasCorrectionEarly(t *testing.T) {
 	if !e.Warming() {
 		t.Fatal("one token is not warm")
 	}
+	for i := 2; i <= MinWarmTokens; i++ {
+		e.Observe(1, t0.Add(time.Duration(i)*10*time.Millisecond))
+	}
+	if e.Warming() {
+		t.Fatalf("still warming after %d tokens", MinWarmTokens)
+	}
 }
 
 func TestTracksChangeWithTau(t *testing.T) {
