@@ -35,16 +35,24 @@ func bench(args []string) error {
 	nGen := fs.Int("n", 128, "tokens each session decodes")
 	reps := fs.Int("reps", 2, "repetitions per measurement (best is reported)")
 	cpuProfile := fs.String("cpuprofile", "", "write a Go CPU profile of the server runs to this file")
-	workload := fs.String("workload", "all", "decode (server vs raw loop), fanout (pooled vs unpooled agents) or all")
+	workload := fs.String("workload", "all", "decode (server vs raw loop), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on) or all")
 	var fo fanout
 	fs.IntVar(&fo.root, "fanout-root", 2000, "fan-out: tokens of the shared root prefix")
 	fs.IntVar(&fo.suffix, "fanout-suffix", 100, "fan-out: tokens each agent adds")
 	fs.IntVar(&fo.gen, "fanout-gen", 128, "fan-out: tokens each agent decodes")
 	fanN := fs.String("fanout-agents", "1,4,8,16", "fan-out: agent counts N")
+	var rp ramp
+	fs.IntVar(&rp.agents, "ramp-agents", 10, "spawn ramp: agents that ask to join")
+	fs.DurationVar(&rp.interval, "ramp-interval", 2*time.Second, "spawn ramp: time between join requests")
+	fs.IntVar(&rp.gen, "ramp-gen", 256, "spawn ramp: tokens each agent decodes")
+	fs.Float64Var(&rp.floorFr, "ramp-floor", 0.6, "spawn ramp: floor as a fraction of one session's tps")
 	_ = fs.Parse(args)
 	cfg.Defaults()
-	if *workload == "fanout" {
+	switch *workload {
+	case "fanout":
 		return fo.run(cfg, *fanN)
+	case "ramp":
+		return rp.run(cfg)
 	}
 	if *workload != "decode" && *workload != "all" {
 		return fmt.Errorf("bench: unknown workload %q", *workload)
@@ -77,7 +85,11 @@ func bench(args []string) error {
 	}
 	if *workload == "all" {
 		fmt.Println()
-		return fo.run(cfg, *fanN)
+		if err := fo.run(cfg, *fanN); err != nil {
+			return err
+		}
+		fmt.Println()
+		return rp.run(cfg)
 	}
 	return nil
 }
@@ -98,7 +110,9 @@ func rawLoop(cfg app.Config, b, nGen int) (float64, error) {
 	defer ctx.Free()
 	samplers := make([]*llama.Sampler, b)
 	for i := range samplers {
-		samplers[i] = llama.NewSampler(llama.SamplerParams{})
+		if samplers[i], err = llama.NewSampler(model, llama.SamplerParams{}); err != nil {
+			return 0, err
+		}
 		defer samplers[i].Free()
 	}
 	start := time.Now()

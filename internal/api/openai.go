@@ -12,14 +12,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/polykv/polykv/internal/chat"
 	"github.com/polykv/polykv/internal/engine"
 )
-
-// ChatMessage is one chat turn after content parts are flattened to text.
-type ChatMessage struct {
-	Role    string
-	Content string
-}
 
 // genParams are the generation fields shared by chat and text completions.
 type genParams struct {
@@ -46,18 +41,34 @@ type genParams struct {
 	SessionID        *string         `json:"session_id"`
 	PoolID           json.RawMessage `json:"pool_id"`
 	SharedPrefixN    *int            `json:"shared_prefix_n_tokens"`
+	Overcommit       bool            `json:"overcommit"`
 }
 
 type chatRequest struct {
 	genParams
-	Messages json.RawMessage `json:"messages"`
+	Messages          json.RawMessage `json:"messages"`
+	Tools             json.RawMessage `json:"tools"`
+	ToolChoice        json.RawMessage `json:"tool_choice"`
+	ParallelToolCalls *bool           `json:"parallel_tool_calls"`
+	ResponseFormat    json.RawMessage `json:"response_format"`
 }
 
-// parseMessages validates OpenAI chat messages and flattens their content to text.
-func parseMessages(raw json.RawMessage) ([]ChatMessage, *apiError) {
+// parseMessages validates OpenAI chat messages (tool calls and tool results included)
+// and flattens their content to text.
+func parseMessages(raw json.RawMessage) ([]chat.Message, *apiError) {
 	var in []struct {
-		Role    string          `json:"role"`
-		Content json.RawMessage `json:"content"`
+		Role       string          `json:"role"`
+		Content    json.RawMessage `json:"content"`
+		Name       string          `json:"name"`
+		ToolCallID string          `json:"tool_call_id"`
+		ToolCalls  []struct {
+			ID       string `json:"id"`
+			Type     string `json:"type"`
+			Function struct {
+				Name      string          `json:"name"`
+				Arguments json.RawMessage `json:"arguments"`
+			} `json:"function"`
+		} `json:"tool_calls"`
 	}
 	if isNull(raw) {
 		return nil, badRequest("messages must be a non-empty array")
@@ -68,7 +79,7 @@ func parseMessages(raw json.RawMessage) ([]ChatMessage, *apiError) {
 	if len(in) == 0 {
 		return nil, badRequest("messages must be a non-empty array")
 	}
-	msgs := make([]ChatMessage, len(in))
+	msgs := make([]chat.Message, len(in))
 	for i, m := range in {
 		if !knownRoles[m.Role] {
 			return nil, badRequest("messages[%d].role %q is not one of system, developer, user, assistant, tool", i, m.Role)
@@ -77,7 +88,29 @@ func parseMessages(raw json.RawMessage) ([]ChatMessage, *apiError) {
 		if err != nil {
 			return nil, badRequest("messages[%d]: %v", i, err)
 		}
-		msgs[i] = ChatMessage{Role: m.Role, Content: text}
+		msg := chat.Message{Role: m.Role, Content: text, Name: m.Name, ToolCallID: m.ToolCallID}
+		if m.Role == "tool" && m.ToolCallID == "" {
+			return nil, badRequest("messages[%d]: a tool message needs tool_call_id", i)
+		}
+		for j, c := range m.ToolCalls {
+			if m.Role != "assistant" {
+				return nil, badRequest("messages[%d]: only assistant messages carry tool_calls", i)
+			}
+			if c.Function.Name == "" {
+				return nil, badRequest("messages[%d].tool_calls[%d].function.name is required", i, j)
+			}
+			args := "{}"
+			var str string
+			switch {
+			case isNull(c.Function.Arguments):
+			case json.Unmarshal(c.Function.Arguments, &str) == nil:
+				args = str // OpenAI sends arguments as a JSON string
+			default:
+				args = string(c.Function.Arguments)
+			}
+			msg.ToolCalls = append(msg.ToolCalls, chat.ToolCall{ID: c.ID, Type: "function", Function: chat.FunctionCall{Name: c.Function.Name, Arguments: args}})
+		}
+		msgs[i] = msg
 	}
 	return msgs, nil
 }
@@ -191,6 +224,7 @@ func (s *Server) toEngine(g *genParams) (engine.Request, *apiError) {
 	}
 	req.Stop = stops
 	req.IgnoreEOS = g.IgnoreEOS
+	req.Overcommit = g.Overcommit
 	lp, e := parseLogprobs(g.Logprobs)
 	if e != nil {
 		return req, e
@@ -287,7 +321,13 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, e)
 		return
 	}
-	prompt, err := s.chat.Render(msgs, true)
+	plan, e := s.planTools(&req)
+	if e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	ereq.Sampling.Grammar = plan.grammar
+	prompt, err := s.chat.Render(msgs, plan.tools, true)
 	if err != nil {
 		writeAPIError(w, &apiError{status: http.StatusInternalServerError, typ: "server_error", msg: "chat template: " + err.Error()})
 		return
@@ -298,7 +338,7 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ereq.Prompt = toks
-	s.generate(w, r, kindChat, &req.genParams, ereq)
+	s.generate(w, r, kindChat, &req.genParams, ereq, &plan)
 }
 
 func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
@@ -318,7 +358,7 @@ func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ereq.Prompt = toks
-	s.generate(w, r, kindText, &req.genParams, ereq)
+	s.generate(w, r, kindText, &req.genParams, ereq, nil)
 }
 
 // completionPrompt accepts a string, a one-element array of strings, or token ids.
@@ -388,6 +428,12 @@ func (s *Server) usage(promptN int, ev engine.Event) map[string]any {
 }
 
 func timings(st engine.Stats) map[string]any {
+	t := llamaTimings(st)
+	t["tps_ewma"] = st.TPS
+	return t
+}
+
+func llamaTimings(st engine.Stats) map[string]any {
 	pms := float64(st.PromptTime.Microseconds()) / 1000
 	gms := float64(st.PredictTime.Microseconds()) / 1000
 	t := map[string]any{
@@ -439,8 +485,8 @@ func finishReason(ev engine.Event) string {
 	return "stop"
 }
 
-func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *genParams, req engine.Request) {
-	st, err := s.eng.Submit(r.Context(), req)
+func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *genParams, req engine.Request, plan *toolPlan) {
+	st, gate, err := s.eng.SubmitGated(r.Context(), req)
 	if err != nil {
 		e := errorFor(err)
 		if e.typ == "exceed_context_size_error" {
@@ -449,12 +495,21 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *gen
 		writeAPIError(w, e)
 		return
 	}
+	if req.Overcommit && req.HasPool {
+		s.log.Info("overcommit: admission gate skipped", "pool", req.PoolID, "session", req.SessionID)
+	}
+	if gate.Checked {
+		w.Header().Set("X-Sessions-Remaining", strconv.Itoa(gate.SessionsRemaining))
+		if gate.Warned {
+			w.Header().Set("X-PolyKV-Warning", fmt.Sprintf("pool %d admitted this session over its policy: %s", req.PoolID, gate.Verdict.Reason))
+		}
+	}
 	// Whatever happens to this handler, the task must not outlive it.
 	defer st.Cancel()
 	id := newID(map[kind]string{kindChat: "chatcmpl-", kindText: "cmpl-"}[k])
 	created := time.Now().Unix()
 	if g.Stream {
-		s.stream(w, r, k, g, req, st, id, created)
+		s.stream(w, r, k, g, req, st, id, created, plan)
 		return
 	}
 	evs, err := st.Collect(r.Context())
@@ -479,7 +534,16 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *gen
 	object := "text_completion"
 	if k == kindChat {
 		object = "chat.completion"
-		choice["message"] = map[string]any{"role": "assistant", "content": res.text.String()}
+		msg := map[string]any{"role": "assistant", "content": res.text.String()}
+		if plan != nil && plan.parse {
+			content, calls := chat.Parse(s.format(), res.text.String())
+			if len(calls) > 0 {
+				msg["tool_calls"] = toolCallsJSON(calls)
+				msg["content"] = nilIfEmpty(content)
+				choice["finish_reason"] = "tool_calls"
+			}
+		}
+		choice["message"] = msg
 	} else {
 		choice["text"] = res.text.String()
 	}
@@ -499,14 +563,36 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *gen
 	writeJSON(w, http.StatusOK, body)
 }
 
-func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genParams, req engine.Request, st *engine.Stream, id string, created int64) {
+func nilIfEmpty(s string) any {
+	if s == "" {
+		return nil
+	}
+	return s
+}
+
+func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genParams, req engine.Request, st *engine.Stream, id string, created int64, plan *toolPlan) {
+	// With tools in play the reply may turn out to be a call: hold the text back and
+	// send content and tool-call deltas once it is parsed.
+	hold := plan != nil && plan.parse
+	var held strings.Builder
 	flusher, _ := w.(http.Flusher)
+	// Headers wait for the first event: a request held by an admission gate (or failed
+	// before its first token) can still answer with a proper status.
+	first, ok, err := st.Next(r.Context())
+	if err != nil || !ok {
+		return
+	}
+	if first.Done && first.Err != nil {
+		writeAPIError(w, errorFor(first.Err))
+		return
+	}
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-cache")
 	h.Set("Connection", "keep-alive")
 	h.Set("X-Accel-Buffering", "no")
 	w.WriteHeader(http.StatusOK)
+	pending := &first
 	object := "text_completion"
 	if k == kindChat {
 		object = "chat.completion.chunk"
@@ -545,9 +631,15 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 		}
 	}
 	for {
-		ev, ok, err := st.Next(r.Context())
-		if err != nil || !ok {
-			return
+		var ev engine.Event
+		if pending != nil {
+			ev, pending = *pending, nil
+		} else {
+			var ok bool
+			var err error
+			if ev, ok, err = st.Next(r.Context()); err != nil || !ok {
+				return
+			}
 		}
 		if ev.Done {
 			if ev.Err != nil {
@@ -555,10 +647,30 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 				send(map[string]any{"error": map[string]any{"code": e.status, "type": e.typ, "message": e.msg}})
 				return
 			}
-			if ev.Text != "" && !send(chunk(ev.Text, nil, nil)) {
+			reason := finishReason(ev)
+			if hold {
+				held.WriteString(ev.Text)
+				content, calls := chat.Parse(s.format(), held.String())
+				if len(calls) == 0 {
+					content = held.String()
+				}
+				if content != "" && !send(chunk(content, nil, nil)) {
+					return
+				}
+				for _, d := range toolCallDeltas(calls) {
+					c := chunk("", nil, nil)
+					c["choices"].([]any)[0].(map[string]any)["delta"] = map[string]any{"tool_calls": d}
+					if !send(c) {
+						return
+					}
+				}
+				if len(calls) > 0 {
+					reason = "tool_calls"
+				}
+			} else if ev.Text != "" && !send(chunk(ev.Text, nil, nil)) {
 				return
 			}
-			last := chunk("", nil, finishReason(ev))
+			last := chunk("", nil, reason)
 			last["timings"] = timings(ev.Stats)
 			last["session_id"] = req.SessionID
 			if ev.Stats.Pool != 0 {
@@ -584,6 +696,10 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 			return
 		}
 		if ev.Text == "" && len(ev.Tokens) == 0 {
+			continue
+		}
+		if hold {
+			held.WriteString(ev.Text)
 			continue
 		}
 		if !send(chunk(ev.Text, ev.Tokens, nil)) {

@@ -10,10 +10,14 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"strconv"
 	"time"
 
+	"github.com/polykv/polykv/internal/admission"
+	"github.com/polykv/polykv/internal/chat"
 	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/pool"
+	"github.com/polykv/polykv/internal/tps"
 )
 
 // Tokenizer is the read-only model surface handlers use. *llama.Model implements it.
@@ -23,13 +27,15 @@ type Tokenizer interface {
 	TokenPiece(tok int32, special bool) []byte
 	ValidToken(tok int32) bool
 	NVocab() int
+	CheckGrammar(gbnf string) error
 }
 
 // ChatRenderer turns chat messages into prompt text. Pools render the start of a
 // conversation (addGenerationPrompt false) with the same renderer as chat requests, so
 // a pool's prefix is a token prefix of the chats that attach to it.
 type ChatRenderer interface {
-	Render(msgs []ChatMessage, addGenerationPrompt bool) (string, error)
+	Render(msgs []chat.Message, tools []chat.Tool, addGenerationPrompt bool) (string, error)
+	Path() string
 }
 
 // Info describes the served model and configuration for /props and /v1/models.
@@ -49,6 +55,7 @@ type Info struct {
 	BytesPerCell int64
 	// PoolsUnsupported is why pools are off for this model ("" when they work).
 	PoolsUnsupported string
+	TPSTauMs         int64
 }
 
 // Server holds the handlers' dependencies.
@@ -59,14 +66,15 @@ type Server struct {
 	info    Info
 	log     *slog.Logger
 	maxBody int64
+	metrics *Metrics
 }
 
-// New creates the HTTP server state.
-func New(eng *engine.Engine, tok Tokenizer, chat ChatRenderer, info Info, log *slog.Logger) *Server {
+// New creates the HTTP server state. metrics may be nil (no /metrics route).
+func New(eng *engine.Engine, tok Tokenizer, chat ChatRenderer, info Info, metrics *Metrics, log *slog.Logger) *Server {
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Server{eng: eng, tok: tok, chat: chat, info: info, log: log, maxBody: 16 << 20}
+	return &Server{eng: eng, tok: tok, chat: chat, info: info, log: log, maxBody: 16 << 20, metrics: metrics}
 }
 
 // Handler returns the routed handler.
@@ -84,6 +92,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("GET /props", s.handleProps)
 	mux.HandleFunc("GET /slots", s.handleSlots)
 	s.routePools(mux)
+	s.routeTPS(mux)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "not_found_error", fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
 	})
@@ -109,10 +118,11 @@ func (s *Server) recoverer(h http.Handler) http.Handler {
 
 // apiError is an error with its HTTP status and OpenAI error type.
 type apiError struct {
-	status int
-	typ    string
-	msg    string
-	extra  map[string]any
+	status  int
+	typ     string
+	msg     string
+	extra   map[string]any
+	headers map[string]string
 }
 
 func (e *apiError) Error() string { return e.msg }
@@ -124,9 +134,14 @@ func badRequest(format string, args ...any) *apiError {
 // errorFor maps engine sentinel errors to HTTP statuses in one place.
 func errorFor(err error) *apiError {
 	var ae *apiError
+	var sat *engine.SaturatedError
 	switch {
 	case errors.As(err, &ae):
 		return ae
+	case errors.As(err, &sat):
+		return &apiError{status: http.StatusTooManyRequests, typ: "pool_saturated_error", msg: err.Error(),
+			extra:   map[string]any{"pool_id": sat.Pool, "capacity": sat.Verdict},
+			headers: map[string]string{"Retry-After": strconv.Itoa(max(1, sat.Verdict.RetryAfterS))}}
 	case errors.Is(err, engine.ErrQueueFull):
 		return &apiError{status: http.StatusServiceUnavailable, typ: "unavailable_error", msg: err.Error()}
 	case errors.Is(err, engine.ErrPromptTooLong):
@@ -155,6 +170,9 @@ func writeError(w http.ResponseWriter, status int, typ, msg string) {
 }
 
 func writeAPIError(w http.ResponseWriter, e *apiError) {
+	for k, v := range e.headers {
+		w.Header().Set(k, v)
+	}
 	body := map[string]any{"code": e.status, "type": e.typ, "message": e.msg}
 	for k, v := range e.extra {
 		body[k] = v
@@ -248,17 +266,19 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	writeJSON(w, http.StatusOK, map[string]any{
-		"model":         s.info.ModelID,
-		"model_path":    s.info.ModelPath,
-		"model_desc":    s.info.ModelDesc,
-		"n_ctx":         s.info.NCtx,
-		"n_ctx_train":   s.info.NCtxTrain,
-		"parallel":      s.info.Parallel,
-		"total_slots":   s.info.Parallel,
-		"n_batch":       s.info.NBatch,
-		"kv_unified":    true,
-		"chat_template": s.info.ChatTemplate,
-		"usage":         usage,
+		"model":              s.info.ModelID,
+		"model_path":         s.info.ModelPath,
+		"model_desc":         s.info.ModelDesc,
+		"n_ctx":              s.info.NCtx,
+		"n_ctx_train":        s.info.NCtxTrain,
+		"parallel":           s.info.Parallel,
+		"total_slots":        s.info.Parallel,
+		"n_batch":            s.info.NBatch,
+		"kv_unified":         true,
+		"chat_template":      s.info.ChatTemplate,
+		"chat_template_path": s.chat.Path(),
+		"tool_call_format":   s.format(),
+		"usage":              usage,
 		"polykv": map[string]any{
 			"max_pools":         s.info.MaxPools,
 			"pool_grace_ms":     s.info.PoolGraceMs,
@@ -266,6 +286,13 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 			"n_seq_max":         s.info.Parallel + s.info.MaxPools,
 			"pools_supported":   s.info.PoolsUnsupported == "",
 			"pools_unsupported": s.info.PoolsUnsupported,
+			"admission_default": admission.DefaultPolicy(),
+			"tps": map[string]any{
+				"ewma":                       "time-based EWMA of decode tokens/s per session, bias-corrected while young",
+				"tau_ms":                     s.info.TPSTauMs,
+				"warm_min_tokens":            tps.MinWarmTokens,
+				"stream_interval_ms_default": 500,
+			},
 		},
 	})
 }

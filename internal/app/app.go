@@ -14,6 +14,7 @@ import (
 	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/llama"
 	"github.com/polykv/polykv/internal/runner"
+	"github.com/polykv/polykv/internal/tps"
 )
 
 // Config is the server configuration (llama-server-like names in the CLI).
@@ -29,6 +30,7 @@ type Config struct {
 	MaxPools   int           // --max-pools: pool sequence ids reserved above the sessions'
 	PoolGrace  time.Duration // --pool-grace-ms
 	FlashAttn  string        // --flash-attn: on (default), off, auto
+	TPSTau     time.Duration // --tps-tau-ms: EWMA time constant of experienced tps
 }
 
 // Defaults fills unset fields.
@@ -128,20 +130,28 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		model.Free()
 		return nil, err
 	}
+	metrics := api.NewMetrics()
+	ecfg.Observer = metrics
+	ecfg.TPSTau = cfg.TPSTau
 	sched, err := engine.NewScheduler(ecfg, runner.Vocab{M: model})
 	if err != nil {
 		ctx.Free()
 		model.Free()
 		return nil, err
 	}
-	eng := engine.New(sched, runner.NewBackend(ctx))
+	eng := engine.New(sched, runner.NewBackend(model, ctx, log))
+	metrics.SetEngine(eng)
 	id := strings.TrimSuffix(filepath.Base(cfg.ModelPath), filepath.Ext(cfg.ModelPath))
 	info := api.Info{
 		ModelID: id, ModelPath: cfg.ModelPath, ModelDesc: model.Desc(), NCtx: cfg.NCtx, NCtxTrain: model.NCtxTrain(),
 		Parallel: cfg.Parallel, NBatch: cfg.NBatch, NVocab: model.NVocab(), ChatTemplate: model.ChatTemplate(), Started: time.Now(),
 		MaxPools: cfg.MaxPools, PoolGraceMs: cfg.PoolGrace.Milliseconds(), BytesPerCell: ecfg.BytesPerCell, PoolsUnsupported: ecfg.PoolsUnsupported,
 	}
-	srv := api.New(eng, model, runner.ChatTemplate{M: model}, info, log)
+	info.TPSTauMs = tps.DefaultTau.Milliseconds()
+	if cfg.TPSTau > 0 {
+		info.TPSTauMs = cfg.TPSTau.Milliseconds()
+	}
+	srv := api.New(eng, model, runner.NewChatRenderer(model), info, metrics, log)
 	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv}, nil
 }
 

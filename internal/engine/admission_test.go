@@ -169,6 +169,20 @@ func TestSettlingHoldsInsteadOfRejecting(t *testing.T) {
 	if len(h.s.gated) != 0 {
 		t.Fatal("held session not released after the settle")
 	}
+	// With a floor that cannot hold, a held session is refused once the settle ends.
+	p.TargetTPS = 1e9
+	h2, id2, _ := admissionHarness(t, p)
+	h2.submit(agentReq(prefix, id2, "a", 200))
+	h2.steps(2)
+	tid2, g2, err := h2.s.SubmitGated(agentReq(prefix, id2, "b", 5), h2.now)
+	if err != nil || !g2.Held {
+		t.Fatalf("held while settling: %v %+v", err, g2)
+	}
+	h2.collect()
+	h2.steps(20)
+	if ev, ok := h2.done(tid2); !ok || !errors.Is(ev.Err, ErrSaturated) {
+		t.Fatalf("after the settle an impossible floor refuses: %+v", ev)
+	}
 	h.run()
 	if ev, ok := h.done(tid); !ok || ev.Err != nil {
 		t.Fatalf("held session: %+v", ev)

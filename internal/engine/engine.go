@@ -25,6 +25,7 @@ type submitMsg struct {
 type submitReply struct {
 	id     TaskID
 	stream *Stream
+	gate   Gate
 	err    error
 }
 
@@ -159,15 +160,21 @@ func (e *Engine) send(m any) bool {
 
 // Submit queues req and returns its event stream, or the scheduler's refusal.
 func (e *Engine) Submit(ctx context.Context, req Request) (*Stream, error) {
+	st, _, err := e.SubmitGated(ctx, req)
+	return st, err
+}
+
+// SubmitGated is Submit, also returning what an enforced pool's gate decided.
+func (e *Engine) SubmitGated(ctx context.Context, req Request) (*Stream, Gate, error) {
 	reply := make(chan submitReply, 1)
 	if !e.send(submitMsg{req: req, reply: reply}) {
-		return nil, ErrEngineClosed
+		return nil, Gate{}, ErrEngineClosed
 	}
 	select {
 	case r := <-reply:
-		return r.stream, r.err
+		return r.stream, r.gate, r.err
 	case <-e.stopped:
-		return nil, ErrEngineClosed
+		return nil, Gate{}, ErrEngineClosed
 	case <-ctx.Done():
 		// The reply still comes; cancel whatever was created.
 		go func() {
@@ -175,7 +182,7 @@ func (e *Engine) Submit(ctx context.Context, req Request) (*Stream, error) {
 				r.stream.Cancel()
 			}
 		}()
-		return nil, ctx.Err()
+		return nil, Gate{}, ctx.Err()
 	}
 }
 
@@ -265,14 +272,14 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 	handle := func(m any) {
 		switch m := m.(type) {
 		case submitMsg:
-			id, err := sched.Submit(m.req, time.Now())
+			id, gate, err := sched.SubmitGated(m.req, time.Now())
 			if err != nil {
-				m.reply <- submitReply{err: err}
+				m.reply <- submitReply{gate: gate, err: err}
 				return
 			}
 			st := newStream(id, e)
 			streams[id] = st
-			m.reply <- submitReply{id: id, stream: st}
+			m.reply <- submitReply{id: id, stream: st, gate: gate}
 		case cancelMsg:
 			sched.Cancel(m.id, time.Now())
 		case inspectMsg:

@@ -270,12 +270,15 @@ func (s *Scheduler) releaseGated() {
 			continue
 		}
 		v := admission.Decide(s.capacityInput(t.pool, 0, ""))
+		pol := s.admissionOf(t.pool.ID).policy
 		switch {
 		case v.CanAdmit:
 			s.gated = append(s.gated[:i], s.gated[i+1:]...)
 			s.queue = append(s.queue, t)
 			continue
-		case !s.now.Before(t.gateDeadline):
+		case !s.now.Before(t.gateDeadline),
+			// Held only for the settle: once measured, a reject pool answers at once.
+			v.Reason != admission.ReasonSettling && pol.OnSaturation == admission.OnReject:
 			s.dropGated(i, &SaturatedError{Pool: t.pool.ID, Verdict: v})
 			continue
 		}

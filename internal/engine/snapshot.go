@@ -2,14 +2,18 @@ package engine
 
 // SlotInfo is a copy of one sequence's state for /slots.
 type SlotInfo struct {
-	Seq       int    `json:"id"`
-	SessionID string `json:"session_id"`
-	State     string `json:"state"` // idle | prefill | decode
-	NPast     int    `json:"n_past"`
-	Decoded   int    `json:"n_decoded"`
-	Task      uint64 `json:"task_id,omitempty"`
-	PoolID    *int   `json:"pool_id"`
-	Shared    int    `json:"n_shared"` // leading tokens borrowed from the pool
+	Seq       int     `json:"id"`
+	SessionID string  `json:"session_id"`
+	State     string  `json:"state"` // idle | prefill | decode
+	NPast     int     `json:"n_past"`
+	Decoded   int     `json:"n_decoded"`
+	Task      uint64  `json:"task_id,omitempty"`
+	PoolID    *int    `json:"pool_id"`
+	Shared    int     `json:"n_shared"` // leading tokens borrowed from the pool
+	TPSEWMA   float64 `json:"tps_ewma"`
+	CtxUsed   int     `json:"ctx_used"`
+	CtxTotal  int     `json:"ctx_total"`
+	Headroom  int     `json:"ctx_headroom_tokens"`
 }
 
 func slotState(sl *slot) string {
@@ -25,11 +29,14 @@ func slotState(sl *slot) string {
 // Slots copies out every session sequence in use (holding cells or running a task).
 func (s *Scheduler) Slots() []SlotInfo {
 	out := []SlotInfo{}
+	free := s.freeForNew()
 	for _, sl := range s.slots {
 		if sl.task == nil && len(sl.tokens) == 0 {
 			continue
 		}
-		info := SlotInfo{Seq: sl.seq, SessionID: sl.session, State: slotState(sl), NPast: len(sl.tokens), Shared: sl.shared}
+		st := s.sessionTPS(sl, free)
+		info := SlotInfo{Seq: sl.seq, SessionID: sl.session, State: slotState(sl), NPast: len(sl.tokens), Shared: sl.shared,
+			TPSEWMA: st.TPSEWMA, CtxUsed: st.CtxUsed, CtxTotal: st.CtxTotal, Headroom: st.CtxHeadroomTokens}
 		if sl.base != nil {
 			id := sl.base.ID
 			info.PoolID = &id

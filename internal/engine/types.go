@@ -22,6 +22,7 @@ type SamplingParams struct {
 	RepeatLastN      int
 	FrequencyPenalty float32
 	PresencePenalty  float32
+	Grammar          string // GBNF constraining every sampled token ("" = none)
 }
 
 // Request is one generation request, already tokenized.

@@ -192,6 +192,7 @@ type SamplerParams struct {
 	RepeatLastN      int
 	FrequencyPenalty float32
 	PresencePenalty  float32
+	Grammar          string // GBNF with a root rule; "" = unconstrained
 }
 
 // Sampler is a llama.cpp sampler chain. It keeps state (RNG, penalty history).
@@ -199,10 +200,19 @@ type Sampler struct {
 	s *C.struct_llama_sampler
 }
 
-// NewSampler builds the chain: penalties → top-k → top-p → min-p → temperature → dist,
-// or penalties → greedy when Temperature <= 0.
-func NewSampler(p SamplerParams) *Sampler {
+// NewSampler builds the chain: grammar → penalties → top-k → top-p → min-p →
+// temperature → dist, or grammar → penalties → greedy when Temperature <= 0. The
+// grammar (if any) masks every token that would break it, so the draw is always valid.
+func NewSampler(m *Model, p SamplerParams) (*Sampler, error) {
 	chain := C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
+	if p.Grammar != "" {
+		g, err := m.grammarSampler(p.Grammar)
+		if err != nil {
+			C.llama_sampler_free(chain)
+			return nil, err
+		}
+		C.llama_sampler_chain_add(chain, g)
+	}
 	if (p.RepeatPenalty != 0 && p.RepeatPenalty != 1) || p.FrequencyPenalty != 0 || p.PresencePenalty != 0 {
 		rp := p.RepeatPenalty
 		if rp == 0 {
@@ -216,7 +226,7 @@ func NewSampler(p SamplerParams) *Sampler {
 	}
 	if p.Temperature <= 0 {
 		C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
-		return &Sampler{s: chain}
+		return &Sampler{s: chain}, nil
 	}
 	if p.TopK > 0 {
 		C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_k(C.int32_t(p.TopK)))
@@ -229,7 +239,29 @@ func NewSampler(p SamplerParams) *Sampler {
 	}
 	C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(C.float(p.Temperature)))
 	C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(C.uint32_t(p.Seed)))
-	return &Sampler{s: chain}
+	return &Sampler{s: chain}, nil
+}
+
+func (m *Model) grammarSampler(g string) (*C.struct_llama_sampler, error) {
+	cg := C.CString(g)
+	defer C.free(unsafe.Pointer(cg))
+	root := C.CString("root")
+	defer C.free(unsafe.Pointer(root))
+	s := C.llama_sampler_init_grammar(m.vocab, cg, root)
+	if s == nil {
+		return nil, errors.New("grammar: llama.cpp could not parse the grammar")
+	}
+	return s, nil
+}
+
+// CheckGrammar reports whether llama.cpp accepts a GBNF grammar (with a root rule).
+func (m *Model) CheckGrammar(g string) error {
+	s, err := m.grammarSampler(g)
+	if err != nil {
+		return err
+	}
+	C.llama_sampler_free(s)
+	return nil
 }
 
 // Accept records tok in the chain's history (for penalties) without sampling.

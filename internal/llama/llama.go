@@ -159,6 +159,12 @@ func (m *Model) ChatTemplate() string {
 // IsEOG reports whether tok ends generation (EOS, EOT, ...).
 func (m *Model) IsEOG(tok Token) bool { return bool(C.llama_vocab_is_eog(m.vocab, C.llama_token(tok))) }
 
+// BOS is the beginning-of-sequence token (-1 when the model has none).
+func (m *Model) BOS() Token { return Token(C.llama_vocab_bos(m.vocab)) }
+
+// EOS is the end-of-sequence token (-1 when the model has none).
+func (m *Model) EOS() Token { return Token(C.llama_vocab_eos(m.vocab)) }
+
 // ValidToken reports whether tok is inside the vocabulary.
 func (m *Model) ValidToken(tok Token) bool { return tok >= 0 && int(tok) < m.NVocab() }
 

@@ -3,9 +3,10 @@ package runner
 
 import (
 	"fmt"
+	"log/slog"
 	"math"
 
-	"github.com/polykv/polykv/internal/api"
+	"github.com/polykv/polykv/internal/chat"
 	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/llama"
 )
@@ -13,7 +14,9 @@ import (
 // Backend drives one llama.cpp context. Only the engine goroutine may call it.
 type Backend struct {
 	ctx      *llama.Context
+	model    *llama.Model
 	samplers map[engine.TaskID]*sampler
+	log      *slog.Logger
 }
 
 type sampler struct {
@@ -23,9 +26,12 @@ type sampler struct {
 
 var _ engine.Backend = (*Backend)(nil)
 
-// NewBackend wraps ctx.
-func NewBackend(ctx *llama.Context) *Backend {
-	return &Backend{ctx: ctx, samplers: map[engine.TaskID]*sampler{}}
+// NewBackend wraps ctx (a context of model).
+func NewBackend(model *llama.Model, ctx *llama.Context, log *slog.Logger) *Backend {
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Backend{ctx: ctx, model: model, samplers: map[engine.TaskID]*sampler{}, log: log}
 }
 
 // Decode implements engine.Backend.
@@ -82,8 +88,16 @@ func (b *Backend) SeqCp(src, dst, p0, p1 int) { b.ctx.SeqCp(src, dst, p0, p1) }
 
 // NewSampler implements engine.Backend.
 func (b *Backend) NewSampler(task engine.TaskID, p engine.SamplingParams, logprobs bool, history []engine.Token) {
-	s := llama.NewSampler(llama.SamplerParams(p))
-	if p.RepeatPenalty != 0 && p.RepeatPenalty != 1 || p.FrequencyPenalty != 0 || p.PresencePenalty != 0 {
+	s, err := llama.NewSampler(b.model, llama.SamplerParams(p))
+	if err != nil {
+		// The API checks grammars before submitting, so this is a bug; sample freely
+		// rather than fail a request mid-flight.
+		b.log.Error("sampler grammar rejected; sampling unconstrained", "task", task, "err", err)
+		p.Grammar = ""
+		s, _ = llama.NewSampler(b.model, llama.SamplerParams(p))
+	}
+	// Prompt tokens prime the penalties, never a grammar (it constrains output only).
+	if p.Grammar == "" && (p.RepeatPenalty != 0 && p.RepeatPenalty != 1 || p.FrequencyPenalty != 0 || p.PresencePenalty != 0) {
 		for _, t := range history {
 			s.Accept(t)
 		}
@@ -108,21 +122,22 @@ func (v Vocab) Piece(tok engine.Token) []byte { return v.M.TokenPiece(tok, false
 // IsEOG implements engine.Vocab.
 func (v Vocab) IsEOG(tok engine.Token) bool { return v.M.IsEOG(tok) }
 
-// ChatTemplate renders chat messages with the model's own template through
-// llama_chat_apply_template.
-type ChatTemplate struct{ M *llama.Model }
-
-// Render implements api.ChatRenderer.
-func (c ChatTemplate) Render(msgs []api.ChatMessage, addGenerationPrompt bool) (string, error) {
-	lm := make([]llama.ChatMessage, len(msgs))
-	for i, m := range msgs {
-		role := m.Role
-		if role == "developer" {
-			role = "system" // OpenAI's newer name; templates know "system"
+// NewChatRenderer renders with the model's Jinja template, falling back to
+// llama_chat_apply_template (the model's template through llama.cpp's built-in
+// detection) when the template is missing or does not work in Go.
+func NewChatRenderer(m *llama.Model) *chat.Renderer {
+	fallback := func(msgs []chat.Message, addGenerationPrompt bool) (string, error) {
+		lm := make([]llama.ChatMessage, len(msgs))
+		for i, msg := range msgs {
+			role := msg.Role
+			if role == "developer" {
+				role = "system" // OpenAI's newer name; templates know "system"
+			}
+			lm[i] = llama.ChatMessage{Role: role, Content: msg.Content}
 		}
-		lm[i] = llama.ChatMessage{Role: role, Content: m.Content}
+		return m.ApplyChatTemplate("", lm, addGenerationPrompt)
 	}
-	return c.M.ApplyChatTemplate("", lm, addGenerationPrompt)
+	return chat.NewRenderer(m.ChatTemplate(), string(m.TokenPiece(m.BOS(), true)), string(m.TokenPiece(m.EOS(), true)), fallback)
 }
 
 // ProbeFits reports whether n more cells can be written to the cache right now, by

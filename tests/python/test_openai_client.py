@@ -16,7 +16,10 @@ def test_models(client):
 def test_chat_completion(client):
     resp = client.chat.completions.create(
         model="smollm2",
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        messages=[
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ],
         max_tokens=24,
         temperature=0,
     )

@@ -1,0 +1,199 @@
+package api
+
+import (
+	"bytes"
+	"encoding/json"
+	"regexp"
+
+	"github.com/polykv/polykv/internal/chat"
+)
+
+// toolPlan is what a chat request asks of tools and output structure.
+type toolPlan struct {
+	tools    []chat.Tool // rendered into the prompt ("none" renders none)
+	parse    bool        // parse tool calls out of the reply
+	grammar  string      // constrained decoding ("" = free)
+	parallel bool
+}
+
+var toolNameRE = regexp.MustCompile(`^[a-zA-Z0-9_-]{1,64}$`)
+
+// planTools validates tools, tool_choice, parallel_tool_calls and response_format and
+// compiles the grammar they call for. Errors are 400s naming the field.
+func (s *Server) planTools(req *chatRequest) (toolPlan, *apiError) {
+	var plan toolPlan
+	if !isNull(req.Tools) {
+		if err := json.Unmarshal(req.Tools, &plan.tools); err != nil {
+			return plan, badRequest("tools must be an array of {type: \"function\", function: {name, description, parameters}}")
+		}
+		seen := map[string]bool{}
+		for i, t := range plan.tools {
+			if t.Type != "function" {
+				return plan, badRequest("tools[%d].type must be \"function\", got %q", i, t.Type)
+			}
+			if !toolNameRE.MatchString(t.Function.Name) {
+				return plan, badRequest("tools[%d].function.name %q must be 1-64 letters, digits, _ or -", i, t.Function.Name)
+			}
+			if seen[t.Function.Name] {
+				return plan, badRequest("tools[%d]: duplicate function name %q", i, t.Function.Name)
+			}
+			seen[t.Function.Name] = true
+			if p := bytes.TrimSpace(t.Function.Parameters); len(p) > 0 && !isNull(p) {
+				var obj map[string]any
+				if err := json.Unmarshal(p, &obj); err != nil {
+					return plan, badRequest("tools[%d].function.parameters must be a JSON schema object", i)
+				}
+			}
+		}
+	}
+	plan.parallel = req.ParallelToolCalls == nil || *req.ParallelToolCalls
+	choice, named, e := parseToolChoice(req.ToolChoice)
+	if e != nil {
+		return plan, e
+	}
+	if choice != "auto" && len(plan.tools) == 0 {
+		if choice == "none" {
+			choice = "auto"
+		} else {
+			return plan, badRequest("tool_choice %q needs tools", choice)
+		}
+	}
+	format := s.format()
+	switch choice {
+	case "none":
+		plan.tools = nil
+	case "auto":
+		plan.parse = len(plan.tools) > 0
+	case "required", "named":
+		plan.parse = true
+		callable := plan.tools
+		if choice == "named" {
+			callable = nil
+			for _, t := range plan.tools {
+				if t.Function.Name == named {
+					callable = []chat.Tool{t}
+				}
+			}
+			if callable == nil {
+				return plan, badRequest("tool_choice names function %q, which is not in tools", named)
+			}
+		}
+		schema, err := chat.CallSchema(format, callable)
+		if err != nil {
+			return plan, badRequest("tools: %v", err)
+		}
+		g, err := chat.SchemaToGBNF(schema)
+		if err != nil {
+			return plan, badRequest("tools: a parameters schema cannot be compiled to a grammar: %v", err)
+		}
+		plan.grammar = chat.CallGrammar(format, g, plan.parallel && choice == "required")
+	}
+	rf, e := s.responseFormatGrammar(req.ResponseFormat)
+	if e != nil {
+		return plan, e
+	}
+	if rf != "" {
+		if plan.grammar != "" {
+			return plan, badRequest("response_format cannot be combined with tool_choice %q: the reply is a tool call", choice)
+		}
+		plan.grammar = rf
+	}
+	if plan.grammar != "" {
+		if err := s.tok.CheckGrammar(plan.grammar); err != nil {
+			return plan, badRequest("the grammar compiled from the schema was refused: %v", err)
+		}
+	}
+	return plan, nil
+}
+
+func parseToolChoice(raw json.RawMessage) (string, string, *apiError) {
+	if isNull(raw) {
+		return "auto", "", nil
+	}
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		switch s {
+		case "auto", "none", "required":
+			return s, "", nil
+		}
+		return "", "", badRequest("tool_choice must be \"auto\", \"none\", \"required\" or {type: \"function\", function: {name}}, got %q", s)
+	}
+	var obj struct {
+		Type     string `json:"type"`
+		Function struct {
+			Name string `json:"name"`
+		} `json:"function"`
+	}
+	if err := json.Unmarshal(raw, &obj); err != nil || obj.Type != "function" || obj.Function.Name == "" {
+		return "", "", badRequest("tool_choice must be \"auto\", \"none\", \"required\" or {type: \"function\", function: {name}}")
+	}
+	return "named", obj.Function.Name, nil
+}
+
+func (s *Server) responseFormatGrammar(raw json.RawMessage) (string, *apiError) {
+	if isNull(raw) {
+		return "", nil
+	}
+	var rf struct {
+		Type       string `json:"type"`
+		JSONSchema *struct {
+			Name   string          `json:"name"`
+			Schema json.RawMessage `json:"schema"`
+		} `json:"json_schema"`
+	}
+	if err := json.Unmarshal(raw, &rf); err != nil {
+		return "", badRequest("response_format must be an object with a type")
+	}
+	var schema []byte
+	switch rf.Type {
+	case "text":
+		return "", nil
+	case "json_object":
+		return chat.JSONObjectGBNF(2, 8), nil
+	case "json_schema":
+		if rf.JSONSchema == nil || isNull(rf.JSONSchema.Schema) {
+			return "", badRequest("response_format json_schema needs json_schema.schema")
+		}
+		schema = rf.JSONSchema.Schema
+	default:
+		return "", badRequest("response_format.type must be text, json_object or json_schema, got %q", rf.Type)
+	}
+	g, err := chat.SchemaToGBNF(schema)
+	if err != nil {
+		return "", badRequest("response_format: %v", err)
+	}
+	return g, nil
+}
+
+func (s *Server) format() chat.Format {
+	if f, ok := s.chat.(interface{ Format() chat.Format }); ok {
+		return f.Format()
+	}
+	return chat.FormatHermes
+}
+
+// toolCallsJSON is the OpenAI message.tool_calls array.
+func toolCallsJSON(calls []chat.ToolCall) []map[string]any {
+	out := make([]map[string]any, len(calls))
+	for i, c := range calls {
+		out[i] = map[string]any{"id": c.ID, "type": "function", "function": map[string]any{"name": c.Function.Name, "arguments": c.Function.Arguments}}
+	}
+	return out
+}
+
+// toolCallDeltas streams calls as OpenAI does: a first delta per call with its id and
+// name, then the arguments in pieces.
+func toolCallDeltas(calls []chat.ToolCall) [][]map[string]any {
+	var out [][]map[string]any
+	for i, c := range calls {
+		out = append(out, []map[string]any{{"index": i, "id": c.ID, "type": "function", "function": map[string]any{"name": c.Function.Name, "arguments": ""}}})
+		args := c.Function.Arguments
+		const piece = 16
+		for len(args) > 0 {
+			n := min(piece, len(args))
+			out = append(out, []map[string]any{{"index": i, "function": map[string]any{"arguments": args[:n]}}})
+			args = args[n:]
+		}
+	}
+	return out
+}

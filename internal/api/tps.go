@@ -1,0 +1,186 @@
+package api
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/polykv/polykv/internal/admission"
+	"github.com/polykv/polykv/internal/engine"
+)
+
+func (s *Server) routeTPS(mux *http.ServeMux) {
+	mux.HandleFunc("GET /polykv/tps", s.handleTPS)
+	mux.HandleFunc("GET /polykv/pools/{id}/capacity", s.handleCapacity)
+	mux.HandleFunc("GET /polykv/pools/{id}/admission", s.handleGetAdmission)
+	mux.HandleFunc("POST /polykv/pools/{id}/admission", s.handleSetAdmission)
+	if s.metrics != nil {
+		mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.Registry, promhttp.HandlerOpts{}))
+	}
+}
+
+func (s *Server) tpsSnapshot(r *http.Request) (engine.TPSSnapshot, error) {
+	var snap engine.TPSSnapshot
+	err := s.eng.Inspect(r.Context(), func(sc *engine.Scheduler) { snap = sc.TPS(time.Now()) })
+	return snap, err
+}
+
+// handleTPS streams tps snapshots as SSE every interval_ms (default 500); ?once=1 or
+// an Accept header without text/event-stream returns one snapshot as JSON (poll mode).
+func (s *Server) handleTPS(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	interval := 500 * time.Millisecond
+	if v := q.Get("interval_ms"); v != "" {
+		ms, err := strconv.Atoi(v)
+		if err != nil || ms < 50 || ms > 60000 {
+			writeAPIError(w, badRequest("interval_ms must be an integer in [50, 60000], got %q", v))
+			return
+		}
+		interval = time.Duration(ms) * time.Millisecond
+	}
+	accept := r.Header.Get("Accept")
+	once := q.Get("once") == "1" || q.Get("once") == "true" ||
+		(strings.Contains(accept, "application/json") && !strings.Contains(accept, "text/event-stream"))
+	if once {
+		snap, err := s.tpsSnapshot(r)
+		if err != nil {
+			writeAPIError(w, errorFor(err))
+			return
+		}
+		writeJSON(w, http.StatusOK, snap)
+		return
+	}
+	flusher, _ := w.(http.Flusher)
+	h := w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	h.Set("X-Accel-Buffering", "no")
+	w.WriteHeader(http.StatusOK)
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	for {
+		snap, err := s.tpsSnapshot(r)
+		if err != nil {
+			return
+		}
+		b, _ := json.Marshal(snap)
+		if _, err := fmt.Fprintf(w, "event: tps\ndata: %s\n\n", b); err != nil {
+			return
+		}
+		if flusher != nil {
+			flusher.Flush()
+		}
+		select {
+		case <-r.Context().Done():
+			return
+		case <-s.eng.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+func (s *Server) handleCapacity(w http.ResponseWriter, r *http.Request) {
+	id, e := pathPoolID(r)
+	if e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	expected := 0
+	if v := r.URL.Query().Get("expected_tokens"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			writeAPIError(w, badRequest("expected_tokens must be a non-negative integer, got %q", v))
+			return
+		}
+		expected = n
+	}
+	session := r.URL.Query().Get("session_id")
+	var rep engine.CapacityReport
+	err := s.eng.Do(r.Context(), func(sc *engine.Scheduler) error {
+		var err error
+		rep, err = sc.Capacity(id, expected, session, time.Now())
+		return err
+	})
+	if err != nil {
+		writeAPIError(w, errorFor(err))
+		return
+	}
+	writeJSON(w, http.StatusOK, rep)
+}
+
+func (s *Server) handleGetAdmission(w http.ResponseWriter, r *http.Request) {
+	id, e := pathPoolID(r)
+	if e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	var p admission.Policy
+	err := s.eng.Do(r.Context(), func(sc *engine.Scheduler) error {
+		var err error
+		p, err = sc.Admission(id)
+		return err
+	})
+	if err != nil {
+		writeAPIError(w, errorFor(err))
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"pool_id": id, "admission": p})
+}
+
+// handleSetAdmission merges the given fields into the pool's current policy.
+func (s *Server) handleSetAdmission(w http.ResponseWriter, r *http.Request) {
+	id, e := pathPoolID(r)
+	if e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	var body struct {
+		TargetTPS            *float64 `json:"target_tps_per_session"`
+		Mode                 *string  `json:"mode"`
+		OnSaturation         *string  `json:"on_saturation"`
+		GuaranteeMinSessions *int     `json:"guarantee_min_sessions"`
+		SettleTokens         *int     `json:"settle_tokens"`
+		SettleMaxMs          *int64   `json:"settle_max_ms"`
+		QueueTimeoutMs       *int64   `json:"queue_timeout_ms"`
+	}
+	if e := s.decodeBody(w, r, &body); e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	var p admission.Policy
+	err := s.eng.Do(r.Context(), func(sc *engine.Scheduler) error {
+		cur, err := sc.Admission(id)
+		if err != nil {
+			return err
+		}
+		setIf(&cur.TargetTPS, body.TargetTPS)
+		setIf(&cur.Mode, body.Mode)
+		setIf(&cur.OnSaturation, body.OnSaturation)
+		setIf(&cur.GuaranteeMinSessions, body.GuaranteeMinSessions)
+		setIf(&cur.SettleTokens, body.SettleTokens)
+		setIf(&cur.SettleMaxMs, body.SettleMaxMs)
+		setIf(&cur.QueueTimeoutMs, body.QueueTimeoutMs)
+		if err := sc.SetAdmission(id, cur, time.Now()); err != nil {
+			return err
+		}
+		p = cur
+		return nil
+	})
+	if err != nil {
+		writeAPIError(w, errorFor(err))
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"pool_id": id, "admission": p})
+}
+
+func setIf[T any](dst *T, v *T) {
+	if v != nil {
+		*dst = *v
+	}
+}

@@ -1,0 +1,278 @@
+package app
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"net/http"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/santhosh-tekuri/jsonschema/v6"
+
+	"github.com/polykv/polykv/internal/chat"
+	"github.com/polykv/polykv/internal/llama"
+	"github.com/polykv/polykv/internal/runner"
+)
+
+var weatherTool = map[string]any{"type": "function", "function": map[string]any{
+	"name": "get_weather", "description": "Current weather for a city",
+	"parameters": map[string]any{"type": "object", "properties": map[string]any{
+		"city": map[string]any{"type": "string"}, "unit": map[string]any{"enum": []string{"celsius", "fahrenheit"}}},
+		"required": []string{"city", "unit"}}}}
+
+var timeTool = map[string]any{"type": "function", "function": map[string]any{
+	"name": "get_time", "description": "Current time in a timezone",
+	"parameters": map[string]any{"type": "object", "properties": map[string]any{
+		"timezone": map[string]any{"type": "string"}, "hours_ahead": map[string]any{"type": "integer"}},
+		"required": []string{"timezone"}}}}
+
+func compileSchema(t testing.TB, schema any) *jsonschema.Schema {
+	t.Helper()
+	raw, _ := json.Marshal(schema)
+	doc, err := jsonschema.UnmarshalJSON(bytes.NewReader(raw))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := jsonschema.NewCompiler()
+	if err := c.AddResource("schema.json", doc); err != nil {
+		t.Fatal(err)
+	}
+	s, err := c.Compile("schema.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func validateArgs(t testing.TB, name, args string) {
+	t.Helper()
+	tools := map[string]map[string]any{"get_weather": weatherTool, "get_time": timeTool}
+	tool, ok := tools[name]
+	if !ok {
+		t.Fatalf("call names unknown tool %q", name)
+	}
+	var v any
+	if err := json.Unmarshal([]byte(args), &v); err != nil {
+		t.Fatalf("arguments are not JSON: %q", args)
+	}
+	if err := compileSchema(t, tool["function"].(map[string]any)["parameters"]).Validate(v); err != nil {
+		t.Fatalf("arguments %s do not validate against %s's schema: %v", args, name, err)
+	}
+}
+
+func TestTemplateRenderingMatchesLlamaCpp(t *testing.T) {
+	m, err := llama.LoadModel(modelPath(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Free()
+	r := runner.NewChatRenderer(m)
+	if r.Path() != chat.PathJinja {
+		t.Fatalf("SmolLM2's template is not rendered by Jinja: %s", r.Path())
+	}
+	msgs := []chat.Message{{Role: "system", Content: "You are terse."}, {Role: "user", Content: "Hi!"}, {Role: "assistant", Content: "Hello."}, {Role: "user", Content: "Name a prime."}}
+	lm := make([]llama.ChatMessage, len(msgs))
+	for i, msg := range msgs {
+		lm[i] = llama.ChatMessage{Role: msg.Role, Content: msg.Content}
+	}
+	for _, addGen := range []bool{true, false} {
+		jinja, err := r.Render(msgs, nil, addGen)
+		if err != nil {
+			t.Fatal(err)
+		}
+		builtin, err := m.ApplyChatTemplate("", lm, addGen)
+		if err != nil {
+			t.Fatal(err)
+		}
+		jt, _ := m.Tokenize(jinja, true, true)
+		bt, _ := m.Tokenize(builtin, true, true)
+		if !slices.Equal(jt, bt) {
+			t.Fatalf("add_generation_prompt=%v: Jinja and llama.cpp differ:\n%q\n%q", addGen, jinja, builtin)
+		}
+	}
+	// Without a system message SmolLM2's own template adds its default one (llama.cpp's
+	// built-in chatml does not): only the Jinja path is faithful to the model there.
+	j, _ := r.Render([]chat.Message{{Role: "user", Content: "x"}}, nil, true)
+	if !strings.Contains(j, "named SmolLM") {
+		t.Fatalf("default system prompt missing: %q", j)
+	}
+	raw, _ := json.Marshal([]any{weatherTool})
+	var tools []chat.Tool
+	_ = json.Unmarshal(raw, &tools)
+	withTools, err := r.Render(msgs, tools, true)
+	if err != nil || !strings.Contains(withTools, `"name": "get_weather"`) || !strings.Contains(withTools, `"required": ["city", "unit"]`) {
+		t.Fatalf("rendering with tools lacks the schema: %v\n%s", err, withTools)
+	}
+}
+
+func TestRequiredToolChoice(t *testing.T) {
+	_, base := startServer(t, Config{NCtx: 4096, Parallel: 2})
+	body := map[string]any{
+		"messages":    []any{map[string]any{"role": "user", "content": "What is the weather in Paris right now?"}},
+		"tools":       []any{weatherTool, timeTool},
+		"tool_choice": "required", "temperature": 0, "max_tokens": 120,
+	}
+	code, out := post(t, base+"/v1/chat/completions", body)
+	if code != 200 {
+		t.Fatalf("%d %v", code, out)
+	}
+	ch := out["choices"].([]any)[0].(map[string]any)
+	calls, _ := ch["message"].(map[string]any)["tool_calls"].([]any)
+	if ch["finish_reason"] != "tool_calls" || len(calls) == 0 {
+		t.Fatalf("no tool call: %v", ch)
+	}
+	fn := calls[0].(map[string]any)["function"].(map[string]any)
+	name, args := fn["name"].(string), fn["arguments"].(string)
+	validateArgs(t, name, args)
+	// Streamed: the deltas reassemble into the same call.
+	body["stream"] = true
+	buf, _ := json.Marshal(body)
+	resp, err := http.Post(base+"/v1/chat/completions", "application/json", bytes.NewReader(buf))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var sName, sArgs, finish, sID string
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		data, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok || data == "[DONE]" {
+			continue
+		}
+		var c struct {
+			Choices []struct {
+				Delta struct {
+					ToolCalls []struct {
+						Index    int    `json:"index"`
+						ID       string `json:"id"`
+						Function struct {
+							Name      string `json:"name"`
+							Arguments string `json:"arguments"`
+						} `json:"function"`
+					} `json:"tool_calls"`
+				} `json:"delta"`
+				FinishReason *string `json:"finish_reason"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal([]byte(data), &c); err != nil {
+			t.Fatalf("bad chunk %q", data)
+		}
+		for _, ch := range c.Choices {
+			for _, tc := range ch.Delta.ToolCalls {
+				if tc.Index == 0 {
+					sName += tc.Function.Name
+					sArgs += tc.Function.Arguments
+					sID += tc.ID
+				}
+			}
+			if ch.FinishReason != nil {
+				finish = *ch.FinishReason
+			}
+		}
+	}
+	if sName != name || sArgs != args || finish != "tool_calls" || !strings.HasPrefix(sID, "call_") {
+		t.Fatalf("stream reassembled %q(%s) finish %q id %q; non-stream %q(%s)", sName, sArgs, finish, sID, name, args)
+	}
+}
+
+func TestNamedToolAndJSONSchema(t *testing.T) {
+	_, base := startServer(t, Config{NCtx: 4096, Parallel: 2})
+	code, out := post(t, base+"/v1/chat/completions", map[string]any{
+		"messages": []any{map[string]any{"role": "user", "content": "Time in Tokyo?"}},
+		"tools":    []any{weatherTool, timeTool}, "temperature": 0, "max_tokens": 120,
+		"tool_choice": map[string]any{"type": "function", "function": map[string]any{"name": "get_time"}},
+	})
+	if code != 200 {
+		t.Fatalf("%d %v", code, out)
+	}
+	fn := out["choices"].([]any)[0].(map[string]any)["message"].(map[string]any)["tool_calls"].([]any)[0].(map[string]any)["function"].(map[string]any)
+	if fn["name"] != "get_time" {
+		t.Fatalf("named tool_choice called %v", fn["name"])
+	}
+	validateArgs(t, "get_time", fn["arguments"].(string))
+	schema := map[string]any{"type": "object", "properties": map[string]any{
+		"title": map[string]any{"type": "string", "maxLength": 40}, "year": map[string]any{"type": "integer"},
+		"genres": map[string]any{"type": "array", "minItems": 1, "maxItems": 3, "items": map[string]any{"type": "string", "maxLength": 20}}},
+		"required": []string{"title", "year", "genres"}}
+	code, out = post(t, base+"/v1/chat/completions", map[string]any{
+		"messages":        []any{map[string]any{"role": "user", "content": "Describe a famous film as JSON."}},
+		"response_format": map[string]any{"type": "json_schema", "json_schema": map[string]any{"name": "film", "schema": schema}},
+		"temperature":     0, "max_tokens": 300,
+	})
+	if code != 200 {
+		t.Fatalf("%d %v", code, out)
+	}
+	content := out["choices"].([]any)[0].(map[string]any)["message"].(map[string]any)["content"].(string)
+	var v any
+	if err := json.Unmarshal([]byte(content), &v); err != nil {
+		t.Fatalf("json_schema reply is not JSON: %q", content)
+	}
+	if err := compileSchema(t, schema).Validate(v); err != nil {
+		t.Fatalf("reply %s does not validate: %v", content, err)
+	}
+	code, out = post(t, base+"/v1/chat/completions", map[string]any{
+		"messages":        []any{map[string]any{"role": "user", "content": "Any JSON object."}},
+		"response_format": map[string]any{"type": "json_object"}, "temperature": 0, "max_tokens": 400,
+	})
+	content = out["choices"].([]any)[0].(map[string]any)["message"].(map[string]any)["content"].(string)
+	var obj map[string]any
+	if code != 200 || json.Unmarshal([]byte(content), &obj) != nil {
+		t.Fatalf("json_object: %d %q", code, content)
+	}
+}
+
+func TestToolRoundTrip(t *testing.T) {
+	_, base := startServer(t, Config{NCtx: 4096, Parallel: 2})
+	msgs := []any{
+		map[string]any{"role": "user", "content": "What is the weather in Paris?"},
+		map[string]any{"role": "assistant", "content": nil, "tool_calls": []any{map[string]any{
+			"id": "call_abc", "type": "function", "function": map[string]any{"name": "get_weather", "arguments": `{"city": "Paris", "unit": "celsius"}`}}}},
+		map[string]any{"role": "tool", "tool_call_id": "call_abc", "content": `{"temperature": 21, "sky": "sunny"}`},
+	}
+	code, out := post(t, base+"/v1/chat/completions", map[string]any{"messages": msgs, "tools": []any{weatherTool}, "temperature": 0, "max_tokens": 40})
+	if code != 200 {
+		t.Fatalf("%d %v", code, out)
+	}
+	ch := out["choices"].([]any)[0].(map[string]any)
+	if ch["finish_reason"] == "tool_calls" {
+		t.Logf("the tiny model called again: %v", ch["message"])
+	} else if c, _ := ch["message"].(map[string]any)["content"].(string); c == "" {
+		t.Fatalf("no final answer: %v", ch)
+	}
+	// The history reached the prompt: far more prompt tokens than the question alone.
+	code, alone := post(t, base+"/v1/chat/completions", map[string]any{"messages": msgs[:1], "tools": []any{weatherTool}, "max_tokens": 1})
+	if code != 200 || out["usage"].(map[string]any)["prompt_tokens"].(float64) <= alone["usage"].(map[string]any)["prompt_tokens"].(float64)+20 {
+		t.Fatalf("tool history not rendered: %v vs %v", out["usage"], alone["usage"])
+	}
+}
+
+func TestToolBadInput(t *testing.T) {
+	_, base := startServer(t, Config{NCtx: 2048, Parallel: 1})
+	user := []any{map[string]any{"role": "user", "content": "hi"}}
+	cases := []struct {
+		name string
+		body map[string]any
+	}{
+		{"parameters not an object", map[string]any{"messages": user, "tools": []any{map[string]any{"type": "function", "function": map[string]any{"name": "f", "parameters": "nope"}}}}},
+		{"tools not an array", map[string]any{"messages": user, "tools": "f"}},
+		{"bad tool type", map[string]any{"messages": user, "tools": []any{map[string]any{"type": "code", "function": map[string]any{"name": "f"}}}}},
+		{"unknown named tool", map[string]any{"messages": user, "tools": []any{weatherTool}, "tool_choice": map[string]any{"type": "function", "function": map[string]any{"name": "nope"}}}},
+		{"bad tool_choice", map[string]any{"messages": user, "tools": []any{weatherTool}, "tool_choice": "sometimes"}},
+		{"required without tools", map[string]any{"messages": user, "tool_choice": "required"}},
+		{"schema the compiler rejects", map[string]any{"messages": user, "tools": []any{map[string]any{"type": "function", "function": map[string]any{"name": "f",
+			"parameters": map[string]any{"type": "object", "properties": map[string]any{"x": map[string]any{"type": "string", "pattern": "^a+$"}}}}}}, "tool_choice": "required"}},
+		{"bad response_format", map[string]any{"messages": user, "response_format": map[string]any{"type": "yaml"}}},
+		{"tool message without id", map[string]any{"messages": []any{map[string]any{"role": "tool", "content": "x"}}}},
+	}
+	for _, c := range cases {
+		code, out := post(t, base+"/v1/chat/completions", c.body)
+		if code != 400 || out["error"] == nil {
+			t.Errorf("%s: %d %v", c.name, code, out)
+		}
+	}
+	if code, out := post(t, base+"/v1/chat/completions", map[string]any{"messages": user, "max_tokens": 4}); code != 200 {
+		t.Fatalf("server stopped serving: %d %v", code, out)
+	}
+}

@@ -1,0 +1,236 @@
+package app
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"math"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
+	"github.com/polykv/polykv/internal/engine"
+)
+
+func TestEWMAMatchesTimings(t *testing.T) {
+	_, base := startServer(t, Config{NCtx: 2048, Parallel: 2})
+	code, out := post(t, base+"/v1/completions", map[string]any{"prompt": "Count:", "max_tokens": 300, "ignore_eos": true, "temperature": 0})
+	if code != 200 {
+		t.Fatalf("%d %v", code, out)
+	}
+	tm := out["timings"].(map[string]any)
+	ewma, truth := tm["tps_ewma"].(float64), tm["predicted_per_second"].(float64)
+	t.Logf("steady session: tps_ewma %.1f, predicted_per_second %.1f", ewma, truth)
+	if math.Abs(ewma-truth)/truth > 0.10 {
+		t.Fatalf("tps_ewma %.1f is not within 10%% of predicted_per_second %.1f", ewma, truth)
+	}
+}
+
+func tpsOnce(t testing.TB, base string) engine.TPSSnapshot {
+	var snap engine.TPSSnapshot
+	if code := get(t, base+"/polykv/tps?once=1", &snap); code != 200 {
+		t.Fatalf("tps once: %d", code)
+	}
+	return snap
+}
+
+func TestAggregateIsSumAndSSE(t *testing.T) {
+	_, base := startServer(t, Config{NCtx: 2048, Parallel: 2})
+	var wg sync.WaitGroup
+	for i := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			post(t, base+"/v1/completions", map[string]any{"prompt": fmt.Sprintf("Story %d:", i), "max_tokens": 400, "ignore_eos": true})
+		}()
+	}
+	defer wg.Wait()
+	// Read the SSE stream while both decode.
+	resp, err := http.Get(base + "/polykv/tps?interval_ms=300")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc := bufio.NewScanner(resp.Body)
+	var events []map[string]any
+	var snaps []engine.TPSSnapshot
+	for sc.Scan() && len(events) < 6 {
+		data, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		var m map[string]any
+		var snap engine.TPSSnapshot
+		if json.Unmarshal([]byte(data), &m) != nil || json.Unmarshal([]byte(data), &snap) != nil {
+			t.Fatalf("SSE event is not JSON: %q", data)
+		}
+		events = append(events, m)
+		snaps = append(snaps, snap)
+	}
+	resp.Body.Close()
+	if len(events) < 3 {
+		t.Fatalf("read %d events", len(events))
+	}
+	last := snaps[len(snaps)-1]
+	if last.NActive != 2 {
+		t.Fatalf("last event: %d active sessions, want 2 (%+v)", last.NActive, last)
+	}
+	sum := last.Sessions[0].TPSEWMA + last.Sessions[1].TPSEWMA
+	t.Logf("aggregate %.1f tok/s, Σ sessions %.1f, mean %.1f", last.AggregateTPS, sum, last.MeanActiveTPS)
+	if math.Abs(last.AggregateTPS-sum)/sum > 0.15 {
+		t.Fatalf("aggregate %.1f vs Σ %.1f", last.AggregateTPS, sum)
+	}
+	// ?once=1 has the same shape as an event.
+	var once map[string]any
+	get(t, base+"/polykv/tps?once=1", &once)
+	keys := func(m map[string]any) []string {
+		var k []string
+		for key := range m {
+			k = append(k, key)
+		}
+		slices.Sort(k)
+		return k
+	}
+	if !slices.Equal(keys(once), keys(events[0])) {
+		t.Fatalf("once keys %v, event keys %v", keys(once), keys(events[0]))
+	}
+	s0 := last.Sessions[0]
+	if s0.CtxTotal != 2048 || s0.CtxUsed == 0 || s0.CtxHeadroomTokens <= 0 || s0.CtxHeadroomTokens > 2048-s0.CtxUsed {
+		t.Fatalf("context fields %+v", s0)
+	}
+}
+
+func TestMetricsExposition(t *testing.T) {
+	a, base := startServer(t, Config{NCtx: 2048, Parallel: 2})
+	id := num(createPool(t, base, map[string]any{"prompt": longSystem(t, a, 40)})["pool_id"])
+	var info engine.PoolInfo
+	get(t, fmt.Sprintf("%s/polykv/pools/%d", base, id), &info)
+	post(t, base+"/v1/completions", map[string]any{"prompt": append(slices.Clone(info.Tokens), 42), "pool_id": id, "session_id": "m1", "max_tokens": 8})
+	post(t, base+"/v1/completions", map[string]any{"prompt": "unpooled", "max_tokens": 4})
+	resp, err := http.Get(base + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := parser.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatalf("/metrics does not parse: %v", err)
+	}
+	for _, name := range []string{"polykv_gen_throughput_tps", "polykv_pool_kv_bytes", "polykv_pool_sessions", "polykv_prefix_cache_hits_total",
+		"polykv_queries_total", "polykv_time_to_first_token_seconds", "polykv_inter_token_latency_seconds", "polykv_requests_running",
+		"polykv_requests_waiting", "polykv_kv_usage_ratio"} {
+		if families[name] == nil {
+			t.Errorf("metric %s missing", name)
+		}
+	}
+	pools := map[string]float64{}
+	for _, m := range families["polykv_prefix_cache_hits_total"].GetMetric() {
+		for _, l := range m.GetLabel() {
+			if l.GetName() == "pool" {
+				pools[l.GetValue()] = m.GetCounter().GetValue()
+			}
+		}
+	}
+	if pools[fmt.Sprint(id)] != float64(len(info.Tokens)) || pools["none"] != 0 {
+		t.Fatalf("prefix cache hits by pool %v, want %d for pool %d", pools, len(info.Tokens), id)
+	}
+	if got := families["polykv_pool_sessions"]; got == nil || len(got.GetMetric()) != 2 {
+		t.Fatalf("pool_sessions rows: %v", got)
+	}
+	for name, f := range families {
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if strings.Contains(l.GetName(), "session") {
+					t.Fatalf("%s carries a session label", name)
+				}
+			}
+		}
+	}
+}
+
+func TestEnforcedImpossibleFloorRejectsSecondSession(t *testing.T) {
+	a, base := startServer(t, Config{NCtx: 2048, Parallel: 3})
+	id := num(createPool(t, base, map[string]any{"prompt": longSystem(t, a, 40)})["pool_id"])
+	var info engine.PoolInfo
+	get(t, fmt.Sprintf("%s/polykv/pools/%d", base, id), &info)
+	prompt := func(k int) []int32 { return append(slices.Clone(info.Tokens), int32(100+k)) }
+	code, pol := post(t, fmt.Sprintf("%s/polykv/pools/%d/admission", base, id), map[string]any{
+		"target_tps_per_session": 1e6, "mode": "advisory", "settle_tokens": 8})
+	if code != 200 {
+		t.Fatalf("set admission: %d %v", code, pol)
+	}
+	// The first session of the pool is guaranteed; it streams throughout.
+	body, _ := json.Marshal(map[string]any{"prompt": prompt(0), "pool_id": id, "session_id": "first", "max_tokens": 250, "ignore_eos": true, "stream": true})
+	resp, err := http.Post(base+"/v1/completions", "application/json", bytes.NewReader(body))
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("first session: %v %v", err, resp.Status)
+	}
+	rd := bufio.NewReader(resp.Body)
+	for range 40 { // let it decode past the settle window
+		if _, err := rd.ReadString('\n'); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Advisory: never rejects, whatever the floor says.
+	code, out := post(t, base+"/v1/completions", map[string]any{"prompt": prompt(1), "pool_id": id, "session_id": "advised", "max_tokens": 4})
+	if code != 200 {
+		t.Fatalf("advisory pool rejected: %d %v", code, out)
+	}
+	var capRep engine.CapacityReport
+	get(t, fmt.Sprintf("%s/polykv/pools/%d/capacity?session_id=someone", base, id), &capRep)
+	if capRep.CanAdmit || capRep.NPoolSessions < 1 || capRep.KnownSession == nil || *capRep.KnownSession {
+		t.Fatalf("capacity under an impossible floor: %+v", capRep.Verdict)
+	}
+	post(t, fmt.Sprintf("%s/polykv/pools/%d/admission", base, id), map[string]any{"mode": "enforced", "on_saturation": "reject"})
+	buf, _ := json.Marshal(map[string]any{"prompt": prompt(2), "pool_id": id, "session_id": "second", "max_tokens": 4})
+	r2, err := http.Post(base+"/v1/completions", "application/json", bytes.NewReader(buf))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rej map[string]any
+	_ = json.NewDecoder(r2.Body).Decode(&rej)
+	r2.Body.Close()
+	if r2.StatusCode != 429 || r2.Header.Get("Retry-After") == "" || rej["error"].(map[string]any)["type"] != "pool_saturated_error" {
+		t.Fatalf("enforced second session: %d Retry-After %q %v", r2.StatusCode, r2.Header.Get("Retry-After"), rej)
+	}
+	// A continuation of a known session and an overcommitted request still pass.
+	if code, out := post(t, base+"/v1/completions", map[string]any{"prompt": prompt(1), "pool_id": id, "session_id": "advised", "max_tokens": 2}); code != 200 {
+		t.Fatalf("continuation gated: %d %v", code, out)
+	}
+	if code, out := post(t, base+"/v1/completions", map[string]any{"prompt": prompt(3), "pool_id": id, "session_id": "over", "max_tokens": 2, "overcommit": true}); code != 200 {
+		t.Fatalf("overcommit gated: %d %v", code, out)
+	}
+	// The first session decoded on, untouched, to its full length.
+	text, finish := readCompletionSSE(t, resp)
+	if finish != "length" || text == "" {
+		t.Fatalf("first session: finish %q", finish)
+	}
+}
+
+func TestPooledSessionPastContextKeepsPoolIntact(t *testing.T) {
+	a, base := startServer(t, Config{NCtx: 256, Parallel: 2, MaxPools: 2})
+	rootToks := tokenize(t, a, longSystem(t, a, 100))
+	id := num(createPool(t, base, map[string]any{"tokens": rootToks})["pool_id"])
+	code, out := post(t, base+"/v1/completions", map[string]any{"prompt": append(slices.Clone(rootToks), 42), "pool_id": id, "ignore_eos": true, "temperature": 0})
+	if code != 200 || out["truncated"] != true || out["choices"].([]any)[0].(map[string]any)["finish_reason"] != "length" {
+		t.Fatalf("pooled session at n_ctx: %d truncated %v", code, out["truncated"])
+	}
+	var capRep engine.CapacityReport
+	get(t, fmt.Sprintf("%s/polykv/pools/%d/capacity?expected_tokens=1000", base, id), &capRep)
+	if capRep.CanAdmit || capRep.Reason != "context headroom exhausted" {
+		t.Fatalf("context arm: %+v", capRep.Verdict)
+	}
+	// The pool is coherent: a fresh attach reuses all of it and decodes what a full prefill does.
+	prompt := append(slices.Clone(rootToks), suffixTokens(t, a, " Next step:")...)
+	want, _ := greedyTokens(t, base, prompt, 0, 16)
+	got, cacheN := greedyTokens(t, base, prompt, id, 16)
+	if cacheN != len(rootToks) || !slices.Equal(got, want) {
+		t.Fatalf("after the truncated session: cache_n %d (want %d), tokens equal %v", cacheN, len(rootToks), slices.Equal(got, want))
+	}
+}
