@@ -134,7 +134,9 @@ func (rp ramp) once(cfg app.Config, mode string, floor float64) (rampResult, err
 	}
 	defer rs.close()
 	if mode != "off" {
-		policy := map[string]any{"target_tps_per_session": floor, "mode": "advisory", "settle_tokens": 32, "settle_max_ms": 2000}
+		// Two guaranteed sessions let the server measure the real drop per admit; with one,
+		// the conservative n/(n+1) model alone would refuse every second agent at a 60% floor.
+		policy := map[string]any{"target_tps_per_session": floor, "mode": "advisory", "settle_tokens": 32, "settle_max_ms": 2000, "guarantee_min_sessions": 2}
 		if mode == "enforced" {
 			policy["mode"], policy["on_saturation"] = "enforced", "reject"
 		}

@@ -1,0 +1,306 @@
+"""HTTP clients for the PolyKV server's pool, capacity and tps routes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+import httpx
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8080"
+
+
+class PolyKVError(Exception):
+    """An error answered by the server (status, OpenAI-style type and message)."""
+
+    def __init__(self, status: int, message: str, type_: str = "", body: dict | None = None):
+        super().__init__(f"{status} {type_}: {message}" if type_ else f"{status}: {message}")
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.body = body or {}
+
+
+class PoolSaturatedError(PolyKVError):
+    """429: an enforced pool refused a new session. ``retry_after`` is in seconds."""
+
+    def __init__(self, status: int, message: str, type_: str = "", body: dict | None = None, retry_after: float | None = None):
+        super().__init__(status, message, type_, body)
+        self.retry_after = retry_after
+        self.capacity = (body or {}).get("error", {}).get("capacity")
+
+
+class PoolNotFoundError(PolyKVError):
+    """404: the pool (or session) does not exist or was released."""
+
+
+class PrefixContractError(PolyKVError):
+    """409: a fork's prefix does not match its parent, or the operation's order is wrong."""
+
+
+class CapacityError(PolyKVError):
+    """503: sequence ids, queue slots or cells are exhausted."""
+
+
+def _raise_for(resp: httpx.Response) -> None:
+    if resp.status_code < 400:
+        return
+    try:
+        body = resp.json()
+    except ValueError:
+        body = {"error": {"message": resp.text}}
+    err = body.get("error", {}) if isinstance(body, dict) else {}
+    msg, typ = err.get("message", resp.text), err.get("type", "")
+    status = resp.status_code
+    if status == 429:
+        ra = resp.headers.get("Retry-After")
+        raise PoolSaturatedError(status, msg, typ, body, retry_after=float(ra) if ra else None)
+    cls = {404: PoolNotFoundError, 409: PrefixContractError, 503: CapacityError}.get(status, PolyKVError)
+    raise cls(status, msg, typ, body)
+
+
+def _prefix_body(tokens=None, prompt=None, messages=None, from_session=None) -> dict:
+    body = {k: v for k, v in {"tokens": tokens, "prompt": prompt, "messages": messages, "from_session": from_session}.items() if v is not None}
+    if len(body) != 1:
+        raise ValueError("give exactly one of tokens, prompt, messages or from_session")
+    return body
+
+
+class _Routes:
+    """Request builders shared by the sync and async clients (no I/O here)."""
+
+    @staticmethod
+    def create_pool(tokens=None, prompt=None, messages=None, from_session=None, pin=False):
+        body = _prefix_body(tokens, prompt, messages, from_session)
+        if pin:
+            body["pin"] = True
+        return "POST", "/polykv/pools", body
+
+    @staticmethod
+    def fork_pool(pool_id, branch_pos, tokens=None, prompt=None, messages=None, from_session=None, pin=False):
+        body = _prefix_body(tokens, prompt, messages, from_session)
+        body["branch_pos"] = branch_pos
+        if pin:
+            body["pin"] = True
+        return "POST", f"/polykv/pools/{pool_id}/fork", body
+
+
+class PolyKVClient:
+    """Synchronous client. Every method raises a PolyKVError subclass on failure."""
+
+    def __init__(self, base_url: str = DEFAULT_BASE_URL, timeout: float = 120.0, transport: httpx.BaseTransport | None = None):
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, method: str, path: str, body: dict | None = None, params: dict | None = None) -> Any:
+        resp = self._http.request(method, path, json=body, params=params)
+        _raise_for(resp)
+        return resp.json()
+
+    # pools
+    def create_pool(self, *, tokens: Sequence[int] | None = None, prompt: str | None = None, messages: list[dict] | None = None,
+                    from_session: str | None = None, pin: bool = False) -> dict:
+        return self._call(*_Routes.create_pool(list(tokens) if tokens is not None else None, prompt, messages, from_session, pin))
+
+    def fork_pool(self, pool_id: int, branch_pos: int, *, tokens: Sequence[int] | None = None, prompt: str | None = None,
+                  messages: list[dict] | None = None, from_session: str | None = None, pin: bool = False) -> dict:
+        return self._call(*_Routes.fork_pool(pool_id, branch_pos, list(tokens) if tokens is not None else None, prompt, messages, from_session, pin))
+
+    def pools(self) -> dict:
+        return self._call("GET", "/polykv/pools")
+
+    def pool(self, pool_id: int) -> dict:
+        return self._call("GET", f"/polykv/pools/{pool_id}")
+
+    def pin(self, pool_id: int) -> dict:
+        return self._call("POST", f"/polykv/pools/{pool_id}/pin")
+
+    def unpin(self, pool_id: int) -> dict:
+        return self._call("POST", f"/polykv/pools/{pool_id}/unpin")
+
+    def evict(self, pool_id: int) -> dict:
+        return self._call("POST", f"/polykv/pools/{pool_id}/evict")
+
+    def flush(self, pool_id: int) -> dict:
+        return self._call("POST", f"/polykv/pools/{pool_id}/flush")
+
+    def release_pool(self, pool_id: int) -> dict:
+        return self._call("DELETE", f"/polykv/pools/{pool_id}")
+
+    def release_subtree(self, pool_id: int) -> list[int]:
+        """Release a pool and all its descendants, leaves first. Returns the ids released."""
+        released: list[int] = []
+        for child in self.pool(pool_id).get("children", []):
+            released += self.release_subtree(child)
+        self.release_pool(pool_id)
+        return released + [pool_id]
+
+    # admission and speed
+    def capacity(self, pool_id: int, *, expected_tokens: int | None = None, session_id: str | None = None) -> dict:
+        params = {k: v for k, v in {"expected_tokens": expected_tokens, "session_id": session_id}.items() if v is not None}
+        return self._call("GET", f"/polykv/pools/{pool_id}/capacity", params=params)
+
+    def set_admission(self, pool_id: int, **policy: Any) -> dict:
+        return self._call("POST", f"/polykv/pools/{pool_id}/admission", policy)
+
+    def admission(self, pool_id: int) -> dict:
+        return self._call("GET", f"/polykv/pools/{pool_id}/admission")
+
+    def tps(self) -> dict:
+        return self._call("GET", "/polykv/tps", params={"once": "1"})
+
+    def tps_stream(self, interval_ms: int = 500) -> Iterator[dict]:
+        """Yield /polykv/tps snapshots from the SSE stream until the caller stops."""
+        with self._http.stream("GET", "/polykv/tps", params={"interval_ms": interval_ms}, headers={"Accept": "text/event-stream"}) as resp:
+            _raise_for(resp)
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    yield json.loads(line[6:])
+
+    def session_tps(self, session_id: str) -> dict | None:
+        for s in self.tps().get("sessions", []):
+            if s.get("session_id") == session_id:
+                return s
+        return None
+
+    # tokens and server
+    def tokenize(self, content: str, add_special: bool = False) -> list[int]:
+        return self._call("POST", "/tokenize", {"content": content, "add_special": add_special})["tokens"]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self._call("POST", "/detokenize", {"tokens": list(tokens)})["content"]
+
+    def props(self) -> dict:
+        return self._call("GET", "/props")
+
+    def slots(self) -> list[dict]:
+        return self._call("GET", "/slots")
+
+    def compact_by_refork(self, ancestor_pool: int, branch_pos: int, *, compacted_tokens: Sequence[int] | None = None,
+                          compacted_text: str | None = None, release_pool: int | None = None) -> dict:
+        """Compaction as a prompt rewrite (design §13.2): fork ``ancestor_pool`` at
+        ``branch_pos`` (its stable system prefix) with a compacted continuation, then
+        release the old working subtree ``release_pool``. The child's full prefix is the
+        ancestor's tokens [0, branch_pos) + the compacted tokens. Returns the new pool."""
+        if (compacted_tokens is None) == (compacted_text is None):
+            raise ValueError("give exactly one of compacted_tokens or compacted_text")
+        base = self.pool(ancestor_pool)["tokens"][:branch_pos]
+        tail = list(compacted_tokens) if compacted_tokens is not None else self.tokenize(compacted_text, add_special=False)
+        new = self.fork_pool(ancestor_pool, branch_pos, tokens=base + tail)
+        if release_pool is not None and release_pool != ancestor_pool:
+            new["released"] = self.release_subtree(release_pool)
+        return new
+
+
+class AsyncPolyKVClient:
+    """Asynchronous twin of PolyKVClient."""
+
+    def __init__(self, base_url: str = DEFAULT_BASE_URL, timeout: float = 120.0, transport: httpx.AsyncBaseTransport | None = None):
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, transport=transport)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+    async def _call(self, method: str, path: str, body: dict | None = None, params: dict | None = None) -> Any:
+        resp = await self._http.request(method, path, json=body, params=params)
+        _raise_for(resp)
+        return resp.json()
+
+    async def create_pool(self, *, tokens=None, prompt=None, messages=None, from_session=None, pin=False) -> dict:
+        return await self._call(*_Routes.create_pool(list(tokens) if tokens is not None else None, prompt, messages, from_session, pin))
+
+    async def fork_pool(self, pool_id, branch_pos, *, tokens=None, prompt=None, messages=None, from_session=None, pin=False) -> dict:
+        return await self._call(*_Routes.fork_pool(pool_id, branch_pos, list(tokens) if tokens is not None else None, prompt, messages, from_session, pin))
+
+    async def pools(self) -> dict:
+        return await self._call("GET", "/polykv/pools")
+
+    async def pool(self, pool_id: int) -> dict:
+        return await self._call("GET", f"/polykv/pools/{pool_id}")
+
+    async def pin(self, pool_id: int) -> dict:
+        return await self._call("POST", f"/polykv/pools/{pool_id}/pin")
+
+    async def unpin(self, pool_id: int) -> dict:
+        return await self._call("POST", f"/polykv/pools/{pool_id}/unpin")
+
+    async def evict(self, pool_id: int) -> dict:
+        return await self._call("POST", f"/polykv/pools/{pool_id}/evict")
+
+    async def flush(self, pool_id: int) -> dict:
+        return await self._call("POST", f"/polykv/pools/{pool_id}/flush")
+
+    async def release_pool(self, pool_id: int) -> dict:
+        return await self._call("DELETE", f"/polykv/pools/{pool_id}")
+
+    async def release_subtree(self, pool_id: int) -> list[int]:
+        released: list[int] = []
+        for child in (await self.pool(pool_id)).get("children", []):
+            released += await self.release_subtree(child)
+        await self.release_pool(pool_id)
+        return released + [pool_id]
+
+    async def capacity(self, pool_id: int, *, expected_tokens: int | None = None, session_id: str | None = None) -> dict:
+        params = {k: v for k, v in {"expected_tokens": expected_tokens, "session_id": session_id}.items() if v is not None}
+        return await self._call("GET", f"/polykv/pools/{pool_id}/capacity", params=params)
+
+    async def set_admission(self, pool_id: int, **policy: Any) -> dict:
+        return await self._call("POST", f"/polykv/pools/{pool_id}/admission", policy)
+
+    async def admission(self, pool_id: int) -> dict:
+        return await self._call("GET", f"/polykv/pools/{pool_id}/admission")
+
+    async def tps(self) -> dict:
+        return await self._call("GET", "/polykv/tps", params={"once": "1"})
+
+    async def tps_stream(self, interval_ms: int = 500) -> AsyncIterator[dict]:
+        async with self._http.stream("GET", "/polykv/tps", params={"interval_ms": interval_ms}, headers={"Accept": "text/event-stream"}) as resp:
+            _raise_for(resp)
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    yield json.loads(line[6:])
+
+    async def session_tps(self, session_id: str) -> dict | None:
+        for s in (await self.tps()).get("sessions", []):
+            if s.get("session_id") == session_id:
+                return s
+        return None
+
+    async def tokenize(self, content: str, add_special: bool = False) -> list[int]:
+        return (await self._call("POST", "/tokenize", {"content": content, "add_special": add_special}))["tokens"]
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        return (await self._call("POST", "/detokenize", {"tokens": list(tokens)}))["content"]
+
+    async def props(self) -> dict:
+        return await self._call("GET", "/props")
+
+    async def slots(self) -> list[dict]:
+        return await self._call("GET", "/slots")
+
+    async def compact_by_refork(self, ancestor_pool: int, branch_pos: int, *, compacted_tokens=None, compacted_text=None,
+                                release_pool: int | None = None) -> dict:
+        if (compacted_tokens is None) == (compacted_text is None):
+            raise ValueError("give exactly one of compacted_tokens or compacted_text")
+        base = (await self.pool(ancestor_pool))["tokens"][:branch_pos]
+        tail = list(compacted_tokens) if compacted_tokens is not None else await self.tokenize(compacted_text, add_special=False)
+        new = await self.fork_pool(ancestor_pool, branch_pos, tokens=base + tail)
+        if release_pool is not None and release_pool != ancestor_pool:
+            new["released"] = await self.release_subtree(release_pool)
+        return new

@@ -1,0 +1,237 @@
+"""Offline tests: the client, the chat model and the graph nodes against httpx.MockTransport."""
+import json
+
+import httpx
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langgraph.types import Command
+
+from polykv_langgraph import (
+    ChatPolyKV,
+    CompactionNode,
+    PolyKVClient,
+    PoolNotFoundError,
+    PoolSaturatedError,
+    PrefixContractError,
+    CapacityError,
+    capacity_gate,
+    capacity_reducer,
+    make_pool_tools,
+)
+
+
+class FakeServer:
+    """Routes requests to handlers and records them."""
+
+    def __init__(self):
+        self.requests = []
+        self.routes = {}
+
+    def on(self, method, path, handler):
+        self.routes[(method, path)] = handler
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        self.requests.append((request.method, request.url.path, body, dict(request.url.params)))
+        handler = self.routes.get((request.method, request.url.path))
+        if handler is None:
+            return httpx.Response(404, json={"error": {"code": 404, "type": "not_found_error", "message": "no route"}})
+        return handler(request, body)
+
+    def client(self):
+        return PolyKVClient("http://polykv.test", transport=httpx.MockTransport(self))
+
+
+def err(status, typ, msg, headers=None):
+    return lambda req, body: httpx.Response(status, json={"error": {"code": status, "type": typ, "message": msg}}, headers=headers or {})
+
+
+def test_errors_are_typed():
+    fs = FakeServer()
+    fs.on("GET", "/polykv/pools/4/capacity", err(429, "pool_saturated_error", "full", {"Retry-After": "3"}))
+    fs.on("GET", "/polykv/pools/9", err(404, "not_found_error", "pool 9 does not exist"))
+    fs.on("POST", "/polykv/pools/4/fork", err(409, "conflict_error", "token 12 differs"))
+    fs.on("POST", "/polykv/pools", err(503, "unavailable_error", "no pool sequence ids left"))
+    c = fs.client()
+    with pytest.raises(PoolSaturatedError) as e:
+        c.capacity(4)
+    assert e.value.retry_after == 3.0 and e.value.status == 429
+    with pytest.raises(PoolNotFoundError):
+        c.pool(9)
+    with pytest.raises(PrefixContractError, match="token 12"):
+        c.fork_pool(4, 10, tokens=[1, 2, 3])
+    with pytest.raises(CapacityError):
+        c.create_pool(prompt="x")
+    with pytest.raises(ValueError):
+        c.create_pool(prompt="x", tokens=[1])
+
+
+def test_compact_by_refork_builds_full_prefix_and_releases_subtree():
+    fs = FakeServer()
+    fs.on("GET", "/polykv/pools/4", lambda r, b: httpx.Response(200, json={"pool_id": 4, "tokens": [1, 2, 3, 4, 5], "prefix_len": 5, "children": [5]}))
+    fs.on("GET", "/polykv/pools/5", lambda r, b: httpx.Response(200, json={"pool_id": 5, "tokens": [1, 2, 3, 4, 5, 6], "children": [6]}))
+    fs.on("GET", "/polykv/pools/6", lambda r, b: httpx.Response(200, json={"pool_id": 6, "tokens": [], "children": []}))
+    fs.on("POST", "/tokenize", lambda r, b: httpx.Response(200, json={"tokens": [70, 71]}))
+    fs.on("POST", "/polykv/pools/4/fork", lambda r, b: httpx.Response(201, json={"pool_id": 7, "prefix_len": len(b["tokens"])}))
+    for pid in (5, 6):
+        fs.on("DELETE", f"/polykv/pools/{pid}", lambda r, b: httpx.Response(200, json={"released": True}))
+    out = fs.client().compact_by_refork(4, 3, compacted_text="summary", release_pool=5)
+    fork = [r for r in fs.requests if r[1] == "/polykv/pools/4/fork"][0]
+    assert fork[2] == {"tokens": [1, 2, 3, 70, 71], "branch_pos": 3}
+    assert out["pool_id"] == 7 and out["released"] == [6, 5]
+    deletes = [r[1] for r in fs.requests if r[0] == "DELETE"]
+    assert deletes == ["/polykv/pools/6", "/polykv/pools/5"]  # children first
+
+
+def chat_response(content="", tool_calls=None, finish="stop", headers=None):
+    msg = {"role": "assistant", "content": content}
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+    data = {
+        "id": "chatcmpl-1", "model": "smol", "pool_id": 4, "session_id": "s1",
+        "choices": [{"index": 0, "message": msg, "finish_reason": finish}],
+        "usage": {"prompt_tokens": 30, "completion_tokens": 5, "total_tokens": 35, "prompt_tokens_details": {"cached_tokens": 20}},
+        "timings": {"tps_ewma": 42.5, "cache_n": 20, "predicted_per_second": 41.0},
+    }
+    return lambda req, body: httpx.Response(200, json=data, headers=headers or {})
+
+
+def model_for(fs, **kw):
+    return ChatPolyKV(base_url="http://polykv.test", transport=httpx.MockTransport(fs), pool_id=4, session_id="s1", **kw)
+
+
+def test_chat_model_request_and_metadata():
+    fs = FakeServer()
+    fs.on("POST", "/v1/chat/completions", chat_response("hello", headers={"X-Sessions-Remaining": "3"}))
+    llm = model_for(fs, temperature=0, max_tokens=16, overcommit=True, stop=["END"])
+    out = llm.invoke([SystemMessage("sys"), HumanMessage("hi")])
+    body = fs.requests[0][2]
+    assert body["pool_id"] == 4 and body["session_id"] == "s1" and body["overcommit"] is True
+    assert body["temperature"] == 0 and body["max_tokens"] == 16 and body["stop"] == ["END"]
+    assert body["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
+    assert out.content == "hello"
+    assert out.usage_metadata["input_token_details"]["cache_read"] == 20
+    md = out.response_metadata
+    assert md["pool_id"] == 4 and md["session_tps"] == 42.5 and md["model_provider"] == "polykv"
+    assert md["backpressure"] == {"sessions_remaining": 3} and md["timings"]["cache_n"] == 20
+
+
+def test_chat_model_tool_calls_and_history():
+    fs = FakeServer()
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]
+    fs.on("POST", "/v1/chat/completions", chat_response("", calls, "tool_calls"))
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    llm = model_for(fs).bind_tools([add], tool_choice="any")
+    out = llm.invoke("1+2?")
+    assert out.tool_calls == [{"name": "add", "args": {"a": 1, "b": 2}, "id": "call_1", "type": "tool_call"}]
+    body = fs.requests[0][2]
+    assert body["tool_choice"] == "required" and body["tools"][0]["function"]["name"] == "add"
+    # A tool round trip is sent back in OpenAI's shapes.
+    model_for(fs).invoke([HumanMessage("1+2?"), out, ToolMessage("3", tool_call_id="call_1")])
+    hist = fs.requests[1][2]["messages"]
+    assert hist[1]["tool_calls"][0]["function"]["name"] == "add" and hist[2] == {"role": "tool", "tool_call_id": "call_1", "content": "3"}
+
+
+def sse(*chunks):
+    lines = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    return lambda req, body: httpx.Response(200, text=lines, headers={"Content-Type": "text/event-stream"})
+
+
+def test_chat_model_stream_reassembles_text_and_tool_calls():
+    base = {"id": "c", "model": "smol", "object": "chat.completion.chunk"}
+    fs = FakeServer()
+    fs.on("POST", "/v1/chat/completions", sse(
+        {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_9", "type": "function", "function": {"name": "f", "arguments": ""}}]}, "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"x": '}}]}, "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}, "finish_reason": None}]},
+        {**base, "pool_id": 4, "timings": {"tps_ewma": 9.0}, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        {**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 1}}},
+    ))
+    full = None
+    for chunk in model_for(fs).stream("hi"):
+        full = chunk if full is None else full + chunk
+    assert full.content == "Hello"
+    assert full.tool_calls == [{"name": "f", "args": {"x": 1}, "id": "call_9", "type": "tool_call"}]
+    assert full.usage_metadata["total_tokens"] == 7 and full.usage_metadata["input_token_details"]["cache_read"] == 1
+    assert full.response_metadata["finish_reason"] == "tool_calls" and full.response_metadata["session_tps"] == 9.0
+
+
+def test_chat_model_retries_429_then_raises():
+    fs = FakeServer()
+    fs.on("POST", "/v1/chat/completions", err(429, "pool_saturated_error", "full", {"Retry-After": "0"}))
+    with pytest.raises(PoolSaturatedError):
+        model_for(fs, max_retries=2).invoke("hi")
+    assert len(fs.requests) == 3
+
+
+def capacity(ok, **kw):
+    return lambda req, body: httpx.Response(200, json={"can_admit": ok, "reason": "ok" if ok else "projected mean tps below floor",
+                                                       "headroom_sessions": 5 if ok else 0, "mean_active_tps": 30.0, **kw})
+
+
+def test_capacity_gate_routes():
+    fs = FakeServer()
+    fs.on("GET", "/polykv/pools/4/capacity", capacity(True))
+    gate = capacity_gate(fs.client(), spawn="spawn", hold="hold")
+    cmd = gate({"pool_id": 4})
+    assert isinstance(cmd, Command) and cmd.goto == "spawn"
+    assert cmd.update["capacity_ok"] is True and cmd.update["headroom_sessions"] == 5 and cmd.update["mean_active_tps"] == 30.0
+    fs.on("GET", "/polykv/pools/4/capacity", capacity(False))
+    assert gate({"pool_id": 4}).goto == "hold"
+
+
+def test_capacity_gate_waits_for_settle():
+    fs = FakeServer()
+    answers = iter([capacity(False, settling=True, settle_remaining_ms=10), capacity(True)])
+    fs.on("GET", "/polykv/pools/4/capacity", lambda r, b: next(answers)(r, b))
+    cmd = capacity_gate(fs.client(), spawn="go", hold="wait", pool_id=4, wait_for_capacity=True, poll_s=0.01)({})
+    assert cmd.goto == "go" and len(fs.requests) == 2
+
+
+def test_capacity_reducer_keeps_latest():
+    assert capacity_reducer({"a": 1, "b": 2}, {"b": 3}) == {"a": 1, "b": 3}
+    assert capacity_reducer({"a": 1}, None) == {"a": 1}
+
+
+def test_tools_answer_errors_as_data():
+    fs = FakeServer()
+    fs.on("DELETE", "/polykv/pools/4", err(409, "conflict_error", "pool 4 has children [5]"))
+    fs.on("GET", "/polykv/pools/4/capacity", capacity(True))
+    tools = {t.name: t for t in make_pool_tools(fs.client())}
+    assert set(tools) == {"create_pool", "fork_pool", "pool_status", "session_tps", "capacity", "release_pool"}
+    assert tools["release_pool"].invoke({"pool_id": 4})["error"]["status"] == 409
+    assert tools["capacity"].invoke({"pool_id": 4})["can_admit"] is True
+
+
+class FakeSummarizer(ChatPolyKV):
+    def _generate(self, messages, stop=None, run_manager=None, **kwargs):
+        from langchain_core.outputs import ChatGeneration, ChatResult
+        return ChatResult(generations=[ChatGeneration(message=AIMessage("they discussed X"))])
+
+
+def test_compaction_node_reroots_and_releases():
+    fs = FakeServer()
+    fs.on("GET", "/polykv/pools/5/capacity", capacity(True, compaction_pressure=0.93))
+    fs.on("GET", "/polykv/pools/4", lambda r, b: httpx.Response(200, json={"pool_id": 4, "prefix_len": 12, "children": [5]}))
+    fs.on("GET", "/polykv/pools/5", lambda r, b: httpx.Response(200, json={"pool_id": 5, "children": []}))
+    fs.on("POST", "/polykv/pools/4/fork", lambda r, b: httpx.Response(201, json={"pool_id": 6, "prefix_len": 40}))
+    fs.on("DELETE", "/polykv/pools/5", lambda r, b: httpx.Response(200, json={"released": True}))
+    node = CompactionNode(FakeSummarizer(), fs.client(), threshold=0.8, keep_last=1, session_key=None)
+    state = {"pool_id": 5, "system_pool_id": 4, "messages": [SystemMessage("sys"), HumanMessage("a"), AIMessage("b"), HumanMessage("c")]}
+    update = node(state)
+    fork = [r for r in fs.requests if r[1] == "/polykv/pools/4/fork"][0][2]
+    assert fork["branch_pos"] == 12 and fork["messages"][0] == {"role": "system", "content": "sys"}
+    assert "they discussed X" in fork["messages"][1]["content"]
+    assert update["pool_id"] == 6 and update["compaction"]["released"] == [5]
+    kept = update["messages"][1:]
+    assert [m.content for m in kept][-1] == "c" and kept[0].content == "sys"
+    # Below the threshold it does nothing.
+    fs.on("GET", "/polykv/pools/5/capacity", capacity(True, compaction_pressure=0.1))
+    assert node(state) == {}
