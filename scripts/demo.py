@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests/python"))
-from conftest import start_server  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+from polykv_langgraph.local_server import LocalServer  # noqa: E402
 
 SYSTEM = (
     "You are a helpful research assistant in a team of agents. Answer in one or two "
@@ -42,7 +42,8 @@ def agent(base: str, pool_id: int, i: int, task: str) -> dict:
 
 
 def main() -> None:
-    proc, base = start_server("-c", "4096", "--parallel", str(len(TASKS)))
+    server = LocalServer("-c", "4096", "--parallel", str(len(TASKS)))
+    base = server.start()
     try:
         # The shared system block becomes a pool: prefilled once, borrowed by every agent.
         pool = httpx.post(base + "/polykv/pools", json={"messages": [{"role": "system", "content": SYSTEM}]}).json()
@@ -75,8 +76,7 @@ def main() -> None:
             f"KV cells in use: {tree['kv_cells_used']} (each agent copying the prefix would need ~{unpooled})"
         )
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        server.stop()
 
 
 if __name__ == "__main__":

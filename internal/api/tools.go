@@ -46,7 +46,9 @@ func (s *Server) planTools(req *chatRequest) (toolPlan, *apiError) {
 			}
 		}
 	}
-	plan.parallel = req.ParallelToolCalls == nil || *req.ParallelToolCalls
+	// Grammar-forced calls allow several only when asked for explicitly: left open, a
+	// small model repeats the call until max_tokens.
+	plan.parallel = req.ParallelToolCalls != nil && *req.ParallelToolCalls
 	choice, named, e := parseToolChoice(req.ToolChoice)
 	if e != nil {
 		return plan, e

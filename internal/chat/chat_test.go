@@ -151,7 +151,7 @@ func TestCallGrammarShape(t *testing.T) {
 		t.Fatalf("grammar:\n%s", g)
 	}
 	schema, err := CallSchema(FormatHermes, []Tool{{Function: ToolFunction{Name: "a"}}, {Function: ToolFunction{Name: "b"}}})
-	if err != nil || !strings.Contains(string(schema), `"anyOf"`) || !strings.Contains(string(schema), `"const":"b"`) {
+	if err != nil || !strings.Contains(string(schema), `"anyOf"`) || !strings.Contains(string(schema), `"const": "b"`) || strings.Index(string(schema), `"name"`) > strings.Index(string(schema), `"arguments"`) {
 		t.Fatalf("schema %s %v", schema, err)
 	}
 }

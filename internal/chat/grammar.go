@@ -199,7 +199,10 @@ func plain(v any) any {
 	return v
 }
 
-var unsupported = []string{"allOf", "not", "if", "then", "else", "pattern", "patternProperties", "dependentSchemas", "dependentRequired", "prefixItems", "contains", "uniqueItems", "minProperties", "maxProperties", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength", "format"}
+// unsupported are keywords whose constraint the grammar cannot express. Numeric bounds
+// (minimum, maximum, exclusive*, multipleOf) are not among them: they are accepted and
+// not enforced, since refusing every pydantic Field(gt=0) would make tools unusable.
+var unsupported = []string{"allOf", "not", "if", "then", "else", "pattern", "patternProperties", "dependentSchemas", "dependentRequired", "prefixItems", "contains", "uniqueItems", "minProperties", "maxProperties", "minLength", "format"}
 
 // visit returns a rule body (or name) for the schema node.
 func (c *gbnf) visit(node any, name string) (string, error) {

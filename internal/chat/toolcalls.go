@@ -188,30 +188,29 @@ func NewCallID() string {
 }
 
 // CallSchema is the JSON schema of one call to any of tools (name + arguments), in
-// the format's key names.
+// the format's key names. It is written by hand so "name" comes before the arguments:
+// the grammar keeps schema order, and a model should name the function first.
 func CallSchema(f Format, tools []Tool) ([]byte, error) {
 	argsKey := "arguments"
 	if f == FormatLlama3 {
 		argsKey = "parameters"
 	}
-	var alts []any
+	var alts []string
 	for _, t := range tools {
-		params := rawOrEmpty(t.Function.Parameters)
-		alts = append(alts, map[string]any{
-			"type":                 "object",
-			"properties":           map[string]any{"name": map[string]any{"const": t.Function.Name}, argsKey: params},
-			"required":             []string{"name", argsKey},
-			"additionalProperties": false,
-		})
+		name, _ := json.Marshal(t.Function.Name)
+		params := []byte(`{"type": "object", "properties": {}}`)
+		if p := bytes.TrimSpace(t.Function.Parameters); len(p) > 0 && string(p) != "null" {
+			params = p
+		}
+		alts = append(alts, fmt.Sprintf(`{"type": "object", "properties": {"name": {"const": %s}, %q: %s}, "required": ["name", %q]}`, name, argsKey, params, argsKey))
 	}
-	if len(alts) == 0 {
+	switch len(alts) {
+	case 0:
 		return nil, fmt.Errorf("no tools to call")
+	case 1:
+		return []byte(alts[0]), nil
 	}
-	var schema any = alts[0]
-	if len(alts) > 1 {
-		schema = map[string]any{"anyOf": alts}
-	}
-	return json.Marshal(schema)
+	return []byte(`{"anyOf": [` + strings.Join(alts, ", ") + `]}`), nil
 }
 
 // CallGrammar wraps a GBNF grammar for one call (whose start rule is root) in the

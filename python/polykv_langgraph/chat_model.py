@@ -291,7 +291,7 @@ class ChatPolyKV(BaseChatModel):
             llm = self.bind(response_format={"type": "json_schema", "json_schema": {"name": js.get("title", "output"), "schema": js}},
                             ls_structured_output_format={"kwargs": {"method": method}, "schema": js})
         elif method == "json_mode":
-            llm = self.bind(response_format={"type": "json_object"}, ls_structured_output_format={"kwargs": {"method": method}})
+            llm = self.bind(response_format={"type": "json_object"})
         else:
             raise ValueError(f"unknown method {method!r}")
         parser = PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()

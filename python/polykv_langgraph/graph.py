@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
-from langgraph.types import Command, interrupt
+from langgraph.types import Command, Send, interrupt
 
 from .client import PolyKVClient
 
@@ -28,7 +28,8 @@ def _summary(cap: dict) -> dict:
 def capacity_gate(client: PolyKVClient, *, spawn: str, hold: str, pool_id: Optional[int] = None,
                   pool_key: str = "pool_id", expected_tokens: Optional[int] = None,
                   wait_for_capacity: bool = False, use_interrupt: bool = False, poll_s: float = 0.5,
-                  max_wait_s: float = 60.0, capacity_key: Optional[str] = "capacity") -> Callable[[dict], Command]:
+                  max_wait_s: float = 60.0, capacity_key: Optional[str] = "capacity",
+                  send: bool = False) -> Callable[[dict], Command]:
     """Build a node that reads the pool's ``/capacity`` and routes to ``spawn`` or
     ``hold`` with ``Command(update={"capacity_ok", "headroom_sessions", "mean_active_tps"})``.
 
@@ -36,7 +37,9 @@ def capacity_gate(client: PolyKVClient, *, spawn: str, hold: str, pool_id: Optio
     polls (honouring the server's settle clock) until admission is possible or
     ``max_wait_s`` passes; ``use_interrupt`` pauses the graph with ``interrupt()`` instead,
     to be resumed when the orchestrator decides. ``capacity_key`` also stores the whole
-    reading in state (pair it with ``capacity_reducer``).
+    reading in state (pair it with ``capacity_reducer``). ``send=True`` routes with
+    ``Send(target, state + update)``, so a gate reached through ``Send`` (one branch per
+    sub-agent) hands its branch's own state on instead of the shared graph state.
     """
 
     def node(state: dict) -> Command:
@@ -53,6 +56,9 @@ def capacity_gate(client: PolyKVClient, *, spawn: str, hold: str, pool_id: Optio
         update: dict[str, Any] = _summary(cap)
         if capacity_key:
             update[capacity_key] = cap
-        return Command(update=update, goto=spawn if cap.get("can_admit") else hold)
+        target = spawn if cap.get("can_admit") else hold
+        if send:
+            return Command(goto=Send(target, {**state, **update}))
+        return Command(update=update, goto=target)
 
     return node

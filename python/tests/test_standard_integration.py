@@ -1,0 +1,79 @@
+"""langchain-tests' standard integration suite for ChatPolyKV against a live server.
+
+Everything the server supports runs; what the 135M test model cannot do is marked
+xfail with the reason (see XFAIL below)."""
+from typing import Type
+
+import pytest
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+
+from polykv_langgraph import ChatPolyKV
+
+_LOOPS = ("the 135M test model loops inside free-text string fields until max_tokens (128 in the suite): "
+          "the grammar keeps the JSON valid, but the call never closes, so nothing parses")
+# Features the server supports but the tiny model cannot carry out within the suite's
+# budgets. conftest.py marks these xfail (not skip): they run, and a pass is reported.
+XFAIL = {
+    "test_structured_output": _LOOPS,
+    "test_structured_output_async": _LOOPS,
+    "test_structured_output_pydantic_2_v1": _LOOPS,
+    "test_structured_output_optional_param": _LOOPS,
+    "test_json_mode": "json_object constrains the reply to a JSON object, not to the requested schema, which the 135M model does not follow from the prompt",
+    "test_agent_loop": "with tool_choice auto (unconstrained) the 135M model answers in prose instead of calling the tool",
+}
+
+
+class TestChatPolyKVIntegration(ChatModelIntegrationTests):
+    @pytest.fixture(autouse=True)
+    def _base(self, server):
+        type(self)._base_url = server
+
+    @property
+    def chat_model_class(self) -> Type[ChatPolyKV]:
+        return ChatPolyKV
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"base_url": getattr(type(self), "_base_url", "http://127.0.0.1:9"), "model": "smollm2", "temperature": 0, "max_tokens": 128}
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def structured_output_kwargs(self) -> dict:
+        return {"method": "function_calling"}
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True
+
+    @property
+    def supported_usage_metadata_details(self) -> dict:
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False):
+        """A second turn of a session reads its first turn's prompt from the KV cache."""
+        from langchain_core.messages import HumanMessage, SystemMessage
+
+        llm = ChatPolyKV(**{**self.chat_model_params, "session_id": f"cache-read-{stream}", "max_tokens": 8})
+        msgs = [SystemMessage("You are a helpful assistant. " * 20), HumanMessage("Say hi.")]
+        llm.invoke(msgs)
+        if not stream:
+            return llm.invoke(msgs)
+        full = None
+        for chunk in llm.stream(msgs):
+            full = chunk if full is None else full + chunk
+        return full
