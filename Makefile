@@ -30,12 +30,12 @@ test-go:
 	go test -count=1 -timeout 20m ./...
 
 test-python:
-	cd python && POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" -m pytest -q -p no:cacheprovider tests
+	cd python && PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" -m pytest -q -p no:cacheprovider tests
 
 demo: build model venv
-	POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" scripts/demo.py
+	PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" scripts/demo.py
 	@echo; echo "--- LangGraph fan-out (python/examples/fanout.py) ---"
-	POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" python/examples/fanout.py --start-server --agents 4
+	PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" python/examples/fanout.py --start-server --agents 4
 
 bench: build model
 	./bin/polykv bench -m "$(POLYKV_MODEL)"

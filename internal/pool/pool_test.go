@@ -1,0 +1,85 @@
+package pool
+
+import (
+	"errors"
+	"testing"
+	"time"
+)
+
+func toks(from, n int) []Token {
+	out := make([]Token, n)
+	for i := range out {
+		out[i] = Token(from + i)
+	}
+	return out
+}
+
+func TestRollingHashIdentifiesPrefixes(t *testing.T) {
+	a := RollingHash(toks(1, 50))
+	b := RollingHash(append(toks(1, 30), 999))
+	for i := 0; i < 30; i++ {
+		if a[i] != b[i] {
+			t.Fatalf("equal prefixes hash differently at %d", i)
+		}
+	}
+	if a[30] == b[30] {
+		t.Fatal("diverging prefixes hash the same")
+	}
+	seen := map[uint64]bool{}
+	for _, h := range a {
+		if seen[h] {
+			t.Fatal("collision within one prefix")
+		}
+		seen[h] = true
+	}
+}
+
+func TestTreeForkContractAndIDs(t *testing.T) {
+	now := time.Unix(0, 0)
+	tr := NewTree(8, 2)
+	root, err := tr.NewRoot(toks(1, 20), now)
+	if err != nil || root.ID != 8 || root.State != Materializing {
+		t.Fatalf("root %+v %v", root, err)
+	}
+	if _, err := tr.Fork(root, 20, append(toks(1, 20), 5), now); !errors.Is(err, ErrConflict) {
+		t.Fatalf("fork of a materializing pool: %v", err)
+	}
+	root.State, root.Filled = Resident, 20
+	bad := toks(1, 25)
+	bad[7] = 0
+	if _, err := tr.Fork(root, 10, bad, now); !errors.Is(err, ErrPrefixMismatch) {
+		t.Fatalf("mismatch: %v", err)
+	}
+	for _, d := range []int{-1, 21} {
+		if _, err := tr.Fork(root, d, toks(1, 25), now); !errors.Is(err, ErrBadRequest) {
+			t.Fatalf("D=%d: %v", d, err)
+		}
+	}
+	child, err := tr.Fork(root, 12, append(toks(1, 12), 77, 78), now)
+	if err != nil || child.ID != 9 || child.Parent != root || child.D != 12 || child.Depth() != 2 {
+		t.Fatalf("child %+v %v", child, err)
+	}
+	if !root.AutoPinned() || root.UserPinned {
+		t.Fatal("a parent with a child is pinned automatically")
+	}
+	if _, err := tr.NewRoot(toks(1, 3), now); !errors.Is(err, ErrNoSeqIDs) {
+		t.Fatalf("third pool with 2 ids: %v", err)
+	}
+	if err := tr.Remove(root); !errors.Is(err, ErrHasChildren) {
+		t.Fatalf("remove a parent: %v", err)
+	}
+	child.Filled = 14
+	if root.OwnCells()+child.OwnCells() != 20+2 || tr.OwnCells() != 22 {
+		t.Fatalf("ownership: root %d child %d", root.OwnCells(), child.OwnCells())
+	}
+	if err := tr.Remove(child); err != nil || len(root.Children) != 0 || tr.FreeIDs() != 1 {
+		t.Fatalf("remove child: %v", err)
+	}
+	again, _ := tr.NewRoot(toks(5, 3), now)
+	if again.ID != 9 {
+		t.Fatalf("freed id not reused: %d", again.ID)
+	}
+	if _, err := tr.Get(42); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("get unknown: %v", err)
+	}
+}
