@@ -3,6 +3,7 @@ package api
 import (
 	"bytes"
 	"crypto/rand"
+	"errors"
 	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
@@ -329,7 +330,7 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 	ereq.Sampling.Grammar = plan.grammar
 	prompt, err := s.chat.Render(msgs, plan.tools, true)
 	if err != nil {
-		writeAPIError(w, &apiError{status: http.StatusInternalServerError, typ: "server_error", msg: "chat template: " + err.Error()})
+		writeAPIError(w, renderError(err))
 		return
 	}
 	toks, err := s.tok.Tokenize(prompt, true, true)
@@ -561,6 +562,15 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *gen
 		body["truncated"] = true
 	}
 	writeJSON(w, http.StatusOK, body)
+}
+
+// renderError maps a chat-template failure: the template refusing the conversation is
+// the caller's 400; anything else is ours.
+func renderError(err error) *apiError {
+	if errors.Is(err, chat.ErrTemplateRaised) {
+		return badRequest("the model's chat template refused these messages: %v", err)
+	}
+	return &apiError{status: http.StatusInternalServerError, typ: "server_error", msg: "chat template: " + err.Error()}
 }
 
 func nilIfEmpty(s string) any {

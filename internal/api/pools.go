@@ -126,7 +126,7 @@ func (s *Server) prefixTokens(b *poolBody) ([]int32, string, *apiError) {
 	// Rendered as the start of a conversation, exactly as a chat request renders it.
 	text, err := s.chat.Render(msgs, nil, false)
 	if err != nil {
-		return nil, "", &apiError{status: http.StatusInternalServerError, typ: "server_error", msg: "chat template: " + err.Error()}
+		return nil, "", renderError(err)
 	}
 	toks, err := s.tok.Tokenize(text, true, true)
 	if err != nil {

@@ -131,7 +131,7 @@ func TestRenderToolHistoryThroughTemplate(t *testing.T) {
 
 func TestRenderRaiseExceptionAndFallback(t *testing.T) {
 	r := NewRenderer(`{{ raise_exception("roles must alternate") }}`, "", "", noFallback(t))
-	if _, err := r.Render([]Message{{Role: "user", Content: "x"}}, nil, true); err == nil || !errors.Is(err, errTemplateRaised) && !strings.Contains(err.Error(), "roles must alternate") {
+	if _, err := r.Render([]Message{{Role: "user", Content: "x"}}, nil, true); !errors.Is(err, ErrTemplateRaised) || !strings.Contains(err.Error(), "roles must alternate") {
 		t.Fatalf("raise_exception: %v", err)
 	}
 	used := false

@@ -121,13 +121,14 @@ func compile(source string) (*exec.Template, error) {
 	return exec.NewTemplate(root, cfg, shifted, env)
 }
 
-// errTemplateRaised is a template's own raise_exception.
-var errTemplateRaised = errors.New("chat template raised an exception")
+// ErrTemplateRaised is a template's own raise_exception: the conversation broke a rule
+// of the model's template (roles must alternate, say), so it is the caller's error.
+var ErrTemplateRaised = errors.New("chat template raised an exception")
 
 func helpers() *exec.Context {
 	return exec.NewContext(map[string]any{
 		"raise_exception": func(msg string) (string, error) {
-			return "", fmt.Errorf("%w: %s", errTemplateRaised, msg)
+			return "", fmt.Errorf("%w: %s", ErrTemplateRaised, msg)
 		},
 		"strftime_now": func(format string) string { return strftime(time.Now(), format) },
 	})
@@ -181,8 +182,12 @@ func (r *Renderer) Render(msgs []Message, tools []Tool, addGenerationPrompt bool
 	defer r.compileMu.Unlock()
 	var buf bytes.Buffer
 	if err := r.tmpl.Execute(&buf, ctx); err != nil {
-		if errors.Is(err, errTemplateRaised) || strings.Contains(err.Error(), errTemplateRaised.Error()) {
+		if errors.Is(err, ErrTemplateRaised) {
 			return "", err
+		}
+		if strings.Contains(err.Error(), ErrTemplateRaised.Error()) {
+			// gonja reports the helper's error as text: keep the sentinel for callers.
+			return "", fmt.Errorf("%w (%v)", ErrTemplateRaised, err)
 		}
 		return r.fallback(flattenToolTurns(msgs), addGenerationPrompt)
 	}

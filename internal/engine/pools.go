@@ -85,13 +85,7 @@ func (s *Scheduler) CreatePool(spec PoolSpec, now time.Time) (int, TaskID, error
 			zeroCopy = true
 		}
 		if zeroCopy {
-			var p *pool.Pool
-			var err error
-			if parent == nil {
-				p, err = s.pools.NewRoot(tokens, now)
-			} else {
-				p, err = s.pools.Fork(parent, spec.D, tokens, now)
-			}
+			p, err := s.addPool(parent, spec.D, tokens)
 			if err != nil {
 				return 0, 0, err
 			}
@@ -102,13 +96,7 @@ func (s *Scheduler) CreatePool(spec PoolSpec, now time.Time) (int, TaskID, error
 			return p.ID, 0, nil
 		}
 	}
-	var p *pool.Pool
-	var err error
-	if parent == nil {
-		p, err = s.pools.NewRoot(tokens, now)
-	} else {
-		p, err = s.pools.Fork(parent, spec.D, tokens, now)
-	}
+	p, err := s.addPool(parent, spec.D, tokens)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -116,6 +104,14 @@ func (s *Scheduler) CreatePool(spec PoolSpec, now time.Time) (int, TaskID, error
 	t := s.materialize(p)
 	s.admit()
 	return p.ID, t.id, nil
+}
+
+// addPool adds a root (parent nil) or a child branching at d to the tree.
+func (s *Scheduler) addPool(parent *pool.Pool, d int, tokens []Token) (*pool.Pool, error) {
+	if parent == nil {
+		return s.pools.NewRoot(tokens, s.now)
+	}
+	return s.pools.Fork(parent, d, tokens, s.now)
 }
 
 // materialize queues the prefill of p's [D, L) on p's own sequence.

@@ -235,3 +235,35 @@ def test_compaction_node_reroots_and_releases():
     # Below the threshold it does nothing.
     fs.on("GET", "/polykv/pools/5/capacity", capacity(True, compaction_pressure=0.1))
     assert node(state) == {}
+
+
+def test_capacity_gate_interrupt_blocks_until_resumed():
+    from typing import TypedDict
+
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import END, START, StateGraph
+
+    class S(TypedDict, total=False):
+        pool_id: int
+        capacity_ok: bool
+        headroom_sessions: int
+        mean_active_tps: float
+        capacity: dict
+        route: str
+
+    fs = FakeServer()
+    answers = [capacity(False), capacity(True)]
+    fs.on("GET", "/polykv/pools/4/capacity", lambda r, b: answers.pop(0)(r, b) if len(answers) > 1 else answers[0](r, b))
+    g = StateGraph(S)
+    g.add_node("gate", capacity_gate(fs.client(), spawn="spawn", hold="hold", use_interrupt=True))
+    g.add_node("spawn", lambda s: {"route": "spawn"})
+    g.add_node("hold", lambda s: {"route": "hold"})
+    g.add_edge(START, "gate")
+    g.add_edge("spawn", END)
+    g.add_edge("hold", END)
+    graph = g.compile(checkpointer=InMemorySaver())
+    cfg = {"configurable": {"thread_id": "t1"}}
+    first = graph.invoke({"pool_id": 4}, cfg)
+    assert "__interrupt__" in first and first["__interrupt__"][0].value["reason"] == "projected mean tps below floor"
+    resumed = graph.invoke(Command(resume=True), cfg)  # capacity came back meanwhile
+    assert resumed["route"] == "spawn" and resumed["capacity_ok"] is True
