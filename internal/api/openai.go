@@ -3,10 +3,10 @@ package api
 import (
 	"bytes"
 	"crypto/rand"
-	"errors"
 	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
