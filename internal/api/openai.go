@@ -581,10 +581,12 @@ func nilIfEmpty(s string) any {
 }
 
 func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genParams, req engine.Request, st *engine.Stream, id string, created int64, plan *toolPlan) {
-	// With tools in play the reply may turn out to be a call: hold the text back and
-	// send content and tool-call deltas once it is parsed.
-	hold := plan != nil && plan.parse
-	var held strings.Builder
+	// With tools in play the reply may turn into a call: text before the call's marker
+	// streams, the call is held and sent as tool-call deltas once it parses.
+	var calls *chat.CallStream
+	if plan != nil && plan.parse {
+		calls = chat.NewCallStream(s.format())
+	}
 	flusher, _ := w.(http.Flusher)
 	// Headers wait for the first event: a request held by an admission gate (or failed
 	// before its first token) can still answer with a proper status.
@@ -658,23 +660,20 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 				return
 			}
 			reason := finishReason(ev)
-			if hold {
-				held.WriteString(ev.Text)
-				content, calls := chat.Parse(s.format(), held.String())
-				if len(calls) == 0 {
-					content = held.String()
-				}
-				if content != "" && !send(chunk(content, nil, nil)) {
+			if calls != nil {
+				released := calls.Push(ev.Text)
+				rest, parsed := calls.Finish()
+				if content := released + rest; content != "" && !send(chunk(content, nil, nil)) {
 					return
 				}
-				for _, d := range toolCallDeltas(calls) {
+				for _, d := range toolCallDeltas(parsed) {
 					c := chunk("", nil, nil)
 					c["choices"].([]any)[0].(map[string]any)["delta"] = map[string]any{"tool_calls": d}
 					if !send(c) {
 						return
 					}
 				}
-				if len(calls) > 0 {
+				if len(parsed) > 0 {
 					reason = "tool_calls"
 				}
 			} else if ev.Text != "" && !send(chunk(ev.Text, nil, nil)) {
@@ -708,8 +707,10 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 		if ev.Text == "" && len(ev.Tokens) == 0 {
 			continue
 		}
-		if hold {
-			held.WriteString(ev.Text)
+		if calls != nil {
+			if out := calls.Push(ev.Text); out != "" && !send(chunk(out, nil, nil)) {
+				return
+			}
 			continue
 		}
 		if !send(chunk(ev.Text, ev.Tokens, nil)) {

@@ -261,7 +261,8 @@ func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
 
 func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 	var usage engine.Usage
-	if err := s.eng.Inspect(r.Context(), func(sc *engine.Scheduler) { usage = sc.Usage() }); err != nil {
+	var floors map[string]float64
+	if err := s.eng.Inspect(r.Context(), func(sc *engine.Scheduler) { usage, floors = sc.Usage(), sc.Floors() }); err != nil {
 		writeAPIError(w, errorFor(err))
 		return
 	}
@@ -287,6 +288,7 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 			"pools_supported":   s.info.PoolsUnsupported == "",
 			"pools_unsupported": s.info.PoolsUnsupported,
 			"admission_default": admission.DefaultPolicy(),
+			"floors":            floors,
 			"tps": map[string]any{
 				"ewma":                       "time-based EWMA of decode tokens/s per session, bias-corrected while young",
 				"tau_ms":                     s.info.TPSTauMs,

@@ -165,6 +165,11 @@ func TestEnforcedImpossibleFloorRejectsSecondSession(t *testing.T) {
 	if code != 200 {
 		t.Fatalf("set admission: %d %v", code, pol)
 	}
+	var props map[string]any
+	get(t, base+"/props", &props)
+	if floors := props["polykv"].(map[string]any)["floors"].(map[string]any); floors[fmt.Sprint(id)] != 1e6 {
+		t.Fatalf("/props floors %v", floors)
+	}
 	// The first session of the pool is guaranteed; it streams throughout.
 	body, _ := json.Marshal(map[string]any{"prompt": prompt(0), "pool_id": id, "session_id": "first", "max_tokens": 250, "ignore_eos": true, "stream": true})
 	resp, err := http.Post(base+"/v1/completions", "application/json", bytes.NewReader(body))

@@ -180,3 +180,45 @@ func TestSchemaToGBNF(t *testing.T) {
 		}
 	}
 }
+
+func TestCallStreamReleasesTextBeforeACall(t *testing.T) {
+	c := NewCallStream(FormatHermes)
+	var out string
+	for _, p := range []string{"Let me ", "check. <tool", "_call>{\"name\": \"f\", ", "\"arguments\": {\"x\": 1}}</tool_call>"} {
+		out += c.Push(p)
+	}
+	if out != "Let me check. " {
+		t.Fatalf("released %q", out)
+	}
+	content, calls := c.Finish()
+	if content != "" || len(calls) != 1 || calls[0].Function.Arguments != `{"x":1}` {
+		t.Fatalf("finish: %q %+v", content, calls)
+	}
+	// A partial marker that turns out not to be one is released at the end.
+	c = NewCallStream(FormatHermes)
+	got := c.Push("a <tool") + c.Push("box> b")
+	if got != "a <toolbox> b" {
+		t.Fatalf("false marker: %q", got)
+	}
+	if content, calls := c.Finish(); content != "" || calls != nil {
+		t.Fatalf("nothing should remain: %q %v", content, calls)
+	}
+	// A call that does not parse is returned as content.
+	c = NewCallStream(FormatHermes)
+	c.Push("<tool_call>{broken")
+	if content, calls := c.Finish(); content != "<tool_call>{broken" || calls != nil {
+		t.Fatalf("broken call: %q %v", content, calls)
+	}
+	// Llama-3: a reply opening with JSON is held; prose streams.
+	c = NewCallStream(FormatLlama3)
+	if c.Push("  ") != "" || c.Push(`{"name": "f", "parameters": {}}`) != "" {
+		t.Fatal("llama3 call released")
+	}
+	if _, calls := c.Finish(); len(calls) != 1 {
+		t.Fatal("llama3 call not parsed")
+	}
+	c = NewCallStream(FormatLlama3)
+	if c.Push("Hello") != "Hello" {
+		t.Fatal("llama3 prose held")
+	}
+}

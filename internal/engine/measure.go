@@ -55,6 +55,17 @@ func (s *Scheduler) SetAdmission(id int, p admission.Policy, now time.Time) erro
 	return nil
 }
 
+// Floors lists the pools with a tps floor set, and the floor.
+func (s *Scheduler) Floors() map[string]float64 {
+	out := map[string]float64{}
+	for id, pa := range s.admission {
+		if pa.policy.TargetTPS > 0 {
+			out[fmt.Sprint(id)] = pa.policy.TargetTPS
+		}
+	}
+	return out
+}
+
 // Admission returns a pool's policy.
 func (s *Scheduler) Admission(id int) (admission.Policy, error) {
 	if _, err := s.getLive(id); err != nil {
