@@ -186,11 +186,10 @@ func (s *Server) createPool(w http.ResponseWriter, r *http.Request, b *poolBody,
 		return
 	}
 	var info engine.PoolInfo
-	if err := s.eng.Inspect(r.Context(), func(sc *engine.Scheduler) { info, err = sc.Pool(id) }); err != nil {
-		writeAPIError(w, errorFor(err))
-		return
-	}
-	if err != nil {
+	if err := s.eng.Do(r.Context(), func(sc *engine.Scheduler) (err error) {
+		info, err = sc.Pool(id)
+		return err
+	}); err != nil {
 		writeAPIError(w, errorFor(err))
 		return
 	}
@@ -219,10 +218,10 @@ func (s *Server) handleGetPool(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	var info engine.PoolInfo
-	var err error
-	if xerr := s.eng.Inspect(r.Context(), func(sc *engine.Scheduler) { info, err = sc.Pool(id) }); xerr != nil {
-		err = xerr
-	}
+	err := s.eng.Do(r.Context(), func(sc *engine.Scheduler) (err error) {
+		info, err = sc.Pool(id)
+		return err
+	})
 	if err != nil {
 		writeAPIError(w, errorFor(err))
 		return
