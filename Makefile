@@ -2,7 +2,12 @@
 # through cgo; our binding (internal/llama) finds llama.h via CGO_CPPFLAGS below.
 SHELL := /bin/bash
 export GOFLAGS ?= -mod=mod
-OLLAMA_DIR := $(shell go list -m -f '{{.Dir}}' github.com/ollama/ollama 2>/dev/null || (go mod download github.com/ollama/ollama && go list -m -f '{{.Dir}}' github.com/ollama/ollama))
+# `go list -m -f {{.Dir}}` prints an empty line (exit 0) while the module is not yet in the
+# module cache, so download it first, always: a no-op once it is there.
+OLLAMA_DIR := $(shell go mod download github.com/ollama/ollama >/dev/null 2>&1; go list -m -f '{{.Dir}}' github.com/ollama/ollama 2>/dev/null)
+ifeq ($(strip $(OLLAMA_DIR)),)
+$(error cannot locate the github.com/ollama/ollama module (go mod download github.com/ollama/ollama failed); check the Go module proxy settings)
+endif
 export CGO_CPPFLAGS := -I$(OLLAMA_DIR)/llama/llama.cpp/include -I$(OLLAMA_DIR)/ml/backend/ggml/ggml/include
 # Native code generation: ggml's CPU kernels are several times faster with AVX2/FMA. AMX is
 # left off: ollama's Go build of ggml-cpu does not compile its AMX sources.
