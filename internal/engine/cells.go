@@ -79,10 +79,24 @@ func (s *Scheduler) resetSlot(sl *slot) {
 // evictSlot drops a slot's session and its KV.
 func (s *Scheduler) evictSlot(sl *slot) {
 	s.resetSlot(sl)
-	if sl.session != "" {
+	s.bind(sl, "")
+}
+
+// bind makes sl the sequence of session ("" = none). The previous session's entry goes
+// with it: the table must only name sequences that hold that session's tokens, or a
+// later request of the displaced session would wait on (and wipe) another session's
+// sequence, and the table would grow forever.
+func (s *Scheduler) bind(sl *slot, session string) {
+	if sl.session == session {
+		return
+	}
+	if sl.session != "" && s.bySession[sl.session] == sl {
 		delete(s.bySession, sl.session)
 	}
-	sl.session = ""
+	sl.session = session
+	if session != "" {
+		s.bySession[session] = sl
+	}
 }
 
 // truncate keeps [0, n) of a sequence; borrowed cells beyond n stop being borrowed.

@@ -425,10 +425,7 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 		s.resetSlot(sl)
 	}
 	if t.kind == kindGenerate {
-		if t.req.SessionID != "" && sl.session != t.req.SessionID {
-			sl.session = t.req.SessionID
-			s.bySession[sl.session] = sl
-		}
+		s.bind(sl, t.req.SessionID)
 		s.samplers = append(s.samplers, SamplerOp{Task: t.id, Params: t.req.Sampling, Logprobs: t.req.Logprobs, History: t.req.Prompt})
 		t.cacheN = len(sl.tokens)
 		t.ewma = tps.NewEWMA(s.cfg.TPSTau)

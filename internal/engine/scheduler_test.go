@@ -2,6 +2,7 @@ package engine
 
 import (
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -339,5 +340,64 @@ func TestConfigValidation(t *testing.T) {
 	h := newHarness(t, defaultCfg())
 	if _, err := h.s.Submit(Request{}, h.now); !errors.Is(err, ErrEmptyPrompt) {
 		t.Fatalf("empty prompt: %v", err)
+	}
+}
+
+// A sequence handed to a new session must drop the old session's table entry: the
+// displaced session then starts fresh on the least recently used sequence instead of
+// waiting on (and wiping) the sequence that now belongs to someone else.
+func TestDisplacedSessionLeavesTheTable(t *testing.T) {
+	cfg := Config{NCtx: 512, Parallel: 2, NBatch: 16, MaxQueue: 4, SessionTTL: time.Minute}
+	h := newHarness(t, cfg)
+	prompts := map[string][]Token{"A": seqTokens(1, 6), "B": seqTokens(20, 6), "C": seqTokens(40, 6)}
+	for _, s := range []string{"A", "B", "C"} {
+		h.submit(Request{Prompt: prompts[s], SessionID: s, MaxTokens: 2})
+		h.run()
+	}
+	sessions := func() map[string]int {
+		out := map[string]int{}
+		for _, sl := range h.s.Slots() {
+			if sl.SessionID != "" {
+				out[sl.SessionID] = sl.Seq
+			}
+		}
+		return out
+	}
+	if got := sessions(); len(got) != 2 || got["B"] == got["C"] {
+		t.Fatalf("after A, B, C on 2 sequences: sessions %v, want B and C on their own sequences", got)
+	}
+	if u := h.s.Usage(); u.Sessions != 2 {
+		t.Fatalf("session table holds %d entries after A was displaced, want 2", u.Sessions)
+	}
+	// A comes back: it takes B's sequence (least recently used), not C's.
+	a := h.submit(Request{Prompt: prompts["A"], SessionID: "A", MaxTokens: 2})
+	h.run()
+	if ev, _ := h.done(a); ev.Err != nil || ev.Stats.CacheN != 0 {
+		t.Fatalf("returning A: %+v (its KV was evicted, cache_n must be 0)", ev)
+	}
+	if got := sessions(); len(got) != 2 || got["A"] == got["C"] {
+		t.Fatalf("after A returns: sessions %v", got)
+	}
+	if _, ok := sessions()["B"]; ok {
+		t.Fatalf("B should have been displaced, sessions %v", sessions())
+	}
+	// C's cache survived A's return: its next turn reuses its whole previous prompt.
+	cNext := append(slices.Clone(prompts["C"]), 90, 91)
+	c := h.submit(Request{Prompt: cNext, SessionID: "C", MaxTokens: 2})
+	h.run()
+	if ev, _ := h.done(c); ev.Stats.CacheN < len(prompts["C"]) {
+		t.Fatalf("C's next turn reused %d tokens, want at least %d: its cache was wiped", ev.Stats.CacheN, len(prompts["C"]))
+	}
+	// An anonymous request on a session's idle sequence unbinds that session too.
+	x := h.submit(Request{Prompt: seqTokens(70, 4), MaxTokens: 1})
+	y := h.submit(Request{Prompt: seqTokens(80, 4), MaxTokens: 1})
+	h.run()
+	for _, id := range []TaskID{x, y} {
+		if ev, ok := h.done(id); !ok || ev.Err != nil {
+			t.Fatalf("anonymous task %d: %+v", id, ev)
+		}
+	}
+	if u := h.s.Usage(); u.Sessions != 0 || h.be.cells() != 0 {
+		t.Fatalf("after anonymous tasks took both sequences: %d sessions, %d cells; want 0 and 0", u.Sessions, h.be.cells())
 	}
 }
