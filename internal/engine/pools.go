@@ -89,7 +89,7 @@ func (s *Scheduler) CreatePool(spec PoolSpec, now time.Time) (int, TaskID, error
 			if err != nil {
 				return 0, 0, err
 			}
-			s.ops = append(s.ops, SeqOp{Kind: OpSeqCp, Src: src.seq, Seq: p.ID, P0: 0, P1: len(tokens)})
+			s.ops = append(s.ops, SeqOp{Kind: OpSeqCp, Src: src.seq, Seq: p.Seq, P0: 0, P1: len(tokens)})
 			p.Filled, p.State, p.UserPinned = len(tokens), pool.Resident, spec.Pin
 			s.attach(src, p, len(tokens))
 			src.lastUsed = now
@@ -118,7 +118,7 @@ func (s *Scheduler) addPool(parent *pool.Pool, d int, tokens []Token) (*pool.Poo
 func (s *Scheduler) materialize(p *pool.Pool) *task {
 	p.State = pool.Materializing
 	p.Filled = 0
-	s.poolSeqs[p.ID] = &slot{seq: p.ID}
+	s.poolSeqs[p.ID] = &slot{seq: p.Seq}
 	t := s.newTask(kindMaterialize, Request{Prompt: p.Tokens}, p)
 	s.queue = append(s.queue, t)
 	return t
@@ -136,7 +136,7 @@ func (s *Scheduler) poolMaterialized(t *task) {
 	p.State = pool.Resident
 	p.Filled = p.L()
 	p.LastAccess = s.now
-	stats := Stats{PromptN: p.L() - p.D, CacheN: p.D, PromptTime: s.now.Sub(t.admitted), Seq: p.ID, Pool: p.ID}
+	stats := Stats{PromptN: p.L() - p.D, CacheN: p.D, PromptTime: s.now.Sub(t.admitted), Seq: p.Seq, Pool: p.ID}
 	s.removeRunning(t)
 	delete(s.poolSeqs, p.ID)
 	s.events = append(s.events, Event{Task: t.id, Done: true, Finish: FinishStop, Pool: p.ID, Stats: stats})
@@ -146,7 +146,7 @@ func (s *Scheduler) poolMaterialized(t *task) {
 // being restored goes back to evicted; a new one is removed and its id returned, after
 // the children queued behind it are cancelled (they cannot be built either).
 func (s *Scheduler) abandonPool(p *pool.Pool, restoring bool) {
-	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.ID, P0: 0, P1: -1})
+	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.Seq, P0: 0, P1: -1})
 	delete(s.poolSeqs, p.ID)
 	p.Filled = 0
 	if restoring {
@@ -167,14 +167,14 @@ func (s *Scheduler) abandonPool(p *pool.Pool, restoring bool) {
 
 // evictPool drops a pool's own cells, keeping the object so it can be restored.
 func (s *Scheduler) evictPool(p *pool.Pool) {
-	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.ID, P0: 0, P1: -1})
+	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.Seq, P0: 0, P1: -1})
 	p.State = pool.Evicted
 	p.Filled = 0
 }
 
 // reclaim frees a released pool's sequence and id.
 func (s *Scheduler) reclaim(p *pool.Pool) {
-	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.ID, P0: 0, P1: -1})
+	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.Seq, P0: 0, P1: -1})
 	p.Filled = 0
 	delete(s.admission, p.ID)
 	_ = s.pools.Remove(p)

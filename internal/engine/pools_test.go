@@ -15,6 +15,16 @@ func poolCfg() Config {
 }
 
 // createPool creates a pool and steps until it is materialized.
+// poolSeq is the KV sequence a pool lives on (its public id is a different number).
+func (h *harness) poolSeq(id int) int {
+	h.t.Helper()
+	p, err := h.s.pools.Get(id)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	return p.Seq
+}
+
 func (h *harness) createPool(spec PoolSpec) int {
 	h.t.Helper()
 	id, task, err := h.s.CreatePool(spec, h.now)
@@ -67,8 +77,8 @@ func TestPoolMaterializesWithoutSampling(t *testing.T) {
 	h := newHarness(t, poolCfg())
 	prefix := seqTokens(1, 70)
 	id := h.createPool(PoolSpec{Tokens: prefix})
-	if id != 4 {
-		t.Fatalf("first pool id %d, want 4 (the first id above the 4 session sequences)", id)
+	if seq := h.poolSeq(id); id != 1 || seq != 4 {
+		t.Fatalf("first pool: id %d on sequence %d, want id 1 on sequence 4 (the first above the 4 session sequences)", id, seq)
 	}
 	for _, b := range h.be.batches {
 		for _, e := range b {
@@ -80,7 +90,7 @@ func TestPoolMaterializesWithoutSampling(t *testing.T) {
 	if len(h.be.batches) != 3 { // 70 tokens in chunks of 32
 		t.Fatalf("prefilled in %d steps, want 3 chunks", len(h.be.batches))
 	}
-	if got := h.be.tokens(id); !slices.Equal(got, prefix) {
+	if got := h.be.tokens(h.poolSeq(id)); !slices.Equal(got, prefix) {
 		t.Fatalf("pool sequence holds %v", got)
 	}
 	info, _ := h.s.Pool(id)
@@ -166,7 +176,7 @@ func TestForkExtendAndBranch(t *testing.T) {
 	ext := append(slices.Clone(root), seqTokens(300, 20)...)
 	before := len(h.be.batches)
 	p1 := h.createPool(PoolSpec{HasParent: true, Parent: p0, D: 50, Tokens: ext})
-	if first := h.be.batches[before][0]; first.Pos != 50 || first.Seq != p1 {
+	if first := h.be.batches[before][0]; first.Pos != 50 || first.Seq != h.poolSeq(p1) {
 		t.Fatalf("extend child prefilled from %+v, want position 50 on its own sequence", first)
 	}
 	branch := append(slices.Clone(root[:30]), seqTokens(500, 10)...)
@@ -261,12 +271,21 @@ func TestReleaseOrderReclaimAndSeqExhaustion(t *testing.T) {
 	if h.be.cells() != 10 {
 		t.Fatalf("root not reclaimed: %d cells", h.be.cells())
 	}
-	// The freed ids and cells are reusable.
+	// The freed sequence ids and cells are reusable; the public ids are not, so an id a
+	// client kept can never silently name a different prefix.
+	seq0 := 4 // p0 took the first pool sequence
 	p3 := h.createPool(PoolSpec{Tokens: seqTokens(700, 12)})
-	if p3 != p0 {
-		t.Fatalf("new pool got id %d, want the lowest freed id %d", p3, p0)
+	if p3 == p0 || p3 == p1 || p3 == p2 || h.poolSeq(p3) != seq0 {
+		t.Fatalf("new pool got id %d on sequence %d; want a fresh id on the lowest freed sequence %d", p3, h.poolSeq(p3), seq0)
 	}
-	_ = p2
+	for _, stale := range []int{p0, p1} {
+		if _, err := h.s.Pool(stale); !errors.Is(err, pool.ErrNotFound) {
+			t.Fatalf("stale pool id %d: %v, want not found", stale, err)
+		}
+		if _, err := h.s.Submit(Request{Prompt: append(slices.Clone(root), 9, 9, 1), HasPool: true, PoolID: stale}, h.now); !errors.Is(err, pool.ErrNotFound) {
+			t.Fatalf("attach by stale id %d: %v, want not found", stale, err)
+		}
+	}
 	h.checkAccounting()
 }
 

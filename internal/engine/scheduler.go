@@ -409,14 +409,14 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 	case t.kind == kindMaterialize:
 		p := t.pool
 		if p.Parent != nil && p.D > 0 {
-			s.ops = append(s.ops, SeqOp{Kind: OpSeqCp, Src: p.Parent.ID, Seq: p.ID, P0: 0, P1: p.D})
+			s.ops = append(s.ops, SeqOp{Kind: OpSeqCp, Src: p.Parent.Seq, Seq: p.Seq, P0: 0, P1: p.D})
 		}
 		sl.tokens = slices.Clone(p.Tokens[:p.D])
 		sl.shared = p.D
 		p.Filled = p.D
 	case pl.attachP > 0:
 		s.resetSlot(sl)
-		s.ops = append(s.ops, SeqOp{Kind: OpSeqCp, Src: t.pool.ID, Seq: sl.seq, P0: 0, P1: pl.attachP})
+		s.ops = append(s.ops, SeqOp{Kind: OpSeqCp, Src: t.pool.Seq, Seq: sl.seq, P0: 0, P1: pl.attachP})
 		sl.tokens = slices.Clone(t.req.Prompt[:pl.attachP])
 		s.attach(sl, t.pool, pl.attachP)
 	case sl.session != "" && sl.session == t.req.SessionID:

@@ -57,7 +57,10 @@ var (
 
 // Pool is one node of the tree. Fields are owned by the engine goroutine.
 type Pool struct {
-	ID         int // also its sequence id in the KV cache
+	// ID is the public id. It is never reused in a server's lifetime, so an id kept in
+	// a client's checkpoint can only ever name this pool (a reclaimed one answers 404).
+	ID         int
+	Seq        int // its sequence id in the KV cache, returned to the reserve on Remove
 	Parent     *Pool
 	D          int     // branch position: [0, D) is inherited from Parent
 	Tokens     []Token // the full prefix [0, L)
@@ -105,17 +108,18 @@ func (p *Pool) Depth() int {
 	return d
 }
 
-// Tree owns every pool and the reserve of pool sequence ids.
+// Tree owns every pool, the reserve of pool sequence ids and the public id counter.
 type Tree struct {
-	pools   map[int]*Pool
-	freeIDs []int // ascending; lowest first keeps ids stable and predictable
+	pools    map[int]*Pool // by public id
+	freeSeqs []int         // ascending; lowest first keeps sequence use predictable
+	lastID   int           // public ids count up from 1 and are never reused
 }
 
 // NewTree reserves sequence ids [first, first+n) for pools.
 func NewTree(first, n int) *Tree {
 	t := &Tree{pools: map[int]*Pool{}}
 	for i := range n {
-		t.freeIDs = append(t.freeIDs, first+i)
+		t.freeSeqs = append(t.freeSeqs, first+i)
 	}
 	return t
 }
@@ -143,7 +147,7 @@ func (t *Tree) All() []*Pool {
 func (t *Tree) Len() int { return len(t.pools) }
 
 // FreeIDs is the number of pool sequence ids left.
-func (t *Tree) FreeIDs() int { return len(t.freeIDs) }
+func (t *Tree) FreeIDs() int { return len(t.freeSeqs) }
 
 // NewRoot creates a root pool over tokens in state Materializing, Filled 0.
 func (t *Tree) NewRoot(tokens []Token, now time.Time) (*Pool, error) {
@@ -176,17 +180,18 @@ func (t *Tree) Fork(parent *Pool, d int, tokens []Token, now time.Time) (*Pool, 
 }
 
 func (t *Tree) add(parent *Pool, d int, tokens []Token, now time.Time) (*Pool, error) {
-	if len(t.freeIDs) == 0 {
+	if len(t.freeSeqs) == 0 {
 		return nil, fmt.Errorf("%w: all %d are in use; release a pool first", ErrNoSeqIDs, len(t.pools))
 	}
-	id := t.freeIDs[0]
-	t.freeIDs = t.freeIDs[1:]
-	p := &Pool{ID: id, Parent: parent, D: d, Tokens: slices.Clone(tokens), Hash: RollingHash(tokens), State: Materializing, Created: now, LastAccess: now}
+	seq := t.freeSeqs[0]
+	t.freeSeqs = t.freeSeqs[1:]
+	t.lastID++
+	p := &Pool{ID: t.lastID, Seq: seq, Parent: parent, D: d, Tokens: slices.Clone(tokens), Hash: RollingHash(tokens), State: Materializing, Created: now, LastAccess: now}
 	if parent != nil {
 		parent.Children = append(parent.Children, p)
 		parent.LastAccess = now
 	}
-	t.pools[id] = p
+	t.pools[p.ID] = p
 	return p, nil
 }
 
@@ -200,8 +205,8 @@ func (t *Tree) Remove(p *Pool) error {
 		p.Parent.Children = slices.DeleteFunc(p.Parent.Children, func(c *Pool) bool { return c == p })
 	}
 	delete(t.pools, p.ID)
-	i, _ := slices.BinarySearch(t.freeIDs, p.ID)
-	t.freeIDs = slices.Insert(t.freeIDs, i, p.ID)
+	i, _ := slices.BinarySearch(t.freeSeqs, p.Seq)
+	t.freeSeqs = slices.Insert(t.freeSeqs, i, p.Seq)
 	return nil
 }
 

@@ -38,7 +38,7 @@ func TestTreeForkContractAndIDs(t *testing.T) {
 	now := time.Unix(0, 0)
 	tr := NewTree(8, 2)
 	root, err := tr.NewRoot(toks(1, 20), now)
-	if err != nil || root.ID != 8 || root.State != Materializing {
+	if err != nil || root.ID != 1 || root.Seq != 8 || root.State != Materializing {
 		t.Fatalf("root %+v %v", root, err)
 	}
 	if _, err := tr.Fork(root, 20, append(toks(1, 20), 5), now); !errors.Is(err, ErrConflict) {
@@ -56,7 +56,7 @@ func TestTreeForkContractAndIDs(t *testing.T) {
 		}
 	}
 	child, err := tr.Fork(root, 12, append(toks(1, 12), 77, 78), now)
-	if err != nil || child.ID != 9 || child.Parent != root || child.D != 12 || child.Depth() != 2 {
+	if err != nil || child.ID != 2 || child.Seq != 9 || child.Parent != root || child.D != 12 || child.Depth() != 2 {
 		t.Fatalf("child %+v %v", child, err)
 	}
 	if !root.AutoPinned() || root.UserPinned {
@@ -76,8 +76,11 @@ func TestTreeForkContractAndIDs(t *testing.T) {
 		t.Fatalf("remove child: %v", err)
 	}
 	again, _ := tr.NewRoot(toks(5, 3), now)
-	if again.ID != 9 {
-		t.Fatalf("freed id not reused: %d", again.ID)
+	if again.ID != 3 || again.Seq != 9 {
+		t.Fatalf("after removing pool 2 (sequence 9): new pool id %d on sequence %d, want a fresh id 3 on the freed sequence 9", again.ID, again.Seq)
+	}
+	if _, err := tr.Get(2); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("removed id 2 still resolves: %v", err)
 	}
 	if _, err := tr.Get(42); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("get unknown: %v", err)
