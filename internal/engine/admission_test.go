@@ -251,3 +251,28 @@ func TestTPSSnapshotAndAggregate(t *testing.T) {
 		t.Fatalf("context fields %+v", snap.Sessions[0])
 	}
 }
+
+// Requests held by an enforced pool's gate wait like queued ones: past --queue the next
+// request is refused with ErrQueueFull instead of piling up behind the gate.
+func TestGatedRequestsCountAgainstQueue(t *testing.T) {
+	p := admission.DefaultPolicy()
+	p.Mode, p.OnSaturation = admission.ModeEnforced, admission.OnQueue
+	p.TargetTPS = 1e9 // nothing beyond the guaranteed first session fits
+	p.SettleTokens = 1
+	h, id, prefix := admissionHarness(t, p)
+	h.s.cfg.MaxQueue = 2
+	h.submit(agentReq(prefix, id, "a", 500))
+	h.steps(10)
+	for _, sess := range []string{"b", "c"} {
+		if _, g, err := h.s.SubmitGated(agentReq(prefix, id, sess, 5), h.now); err != nil || !g.Held {
+			t.Fatalf("session %s: %v %+v, want held", sess, err, g)
+		}
+	}
+	if _, _, err := h.s.SubmitGated(agentReq(prefix, id, "d", 5), h.now); !errors.Is(err, ErrQueueFull) {
+		t.Fatalf("third held request with --queue 2: %v, want ErrQueueFull", err)
+	}
+	// The bound is on waiting: a request that gets a free sequence at once still runs.
+	if _, err := h.s.Submit(Request{Prompt: seqTokens(300, 4), MaxTokens: 1}, h.now); err != nil {
+		t.Fatalf("an unpooled request with free sequences: %v", err)
+	}
+}

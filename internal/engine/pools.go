@@ -50,7 +50,8 @@ func (s *Scheduler) CreatePool(spec PoolSpec, now time.Time) (int, TaskID, error
 			return 0, 0, err
 		}
 		if parent.State == pool.Released {
-			return 0, 0, fmt.Errorf("%w: pool %d was released; fork from a live pool", pool.ErrConflict, parent.ID)
+			// As for attach: a released pool no longer exists for clients.
+			return 0, 0, fmt.Errorf("%w: pool %d was released; fork from a live pool", pool.ErrNotFound, parent.ID)
 		}
 	}
 	tokens := spec.Tokens
@@ -223,8 +224,11 @@ func (s *Scheduler) ReleasePool(id int, now time.Time) error {
 	if err != nil {
 		return err
 	}
-	if len(p.Children) > 0 {
-		return fmt.Errorf("%w: pool %d has children %v; release them first", pool.ErrHasChildren, id, pool.ChildIDs(p))
+	// Released children only wait for their grace time or their last session; they
+	// keep the parent's cells alive by membership until reclaimed (expire reclaims a
+	// parent only after its children), so they need not block the parent's release.
+	if live := liveChildren(p); len(live) > 0 {
+		return fmt.Errorf("%w: pool %d has children %v; release them first", pool.ErrHasChildren, id, live)
 	}
 	if p.State == pool.Materializing {
 		return fmt.Errorf("%w: pool %d is still materializing", pool.ErrConflict, id)
@@ -241,6 +245,17 @@ func (s *Scheduler) ReleasePool(id int, now time.Time) error {
 	}
 	s.expire()
 	return nil
+}
+
+// liveChildren lists the ids of p's children that are not released.
+func liveChildren(p *pool.Pool) []int {
+	var ids []int
+	for _, c := range p.Children {
+		if c.State != pool.Released {
+			ids = append(ids, c.ID)
+		}
+	}
+	return ids
 }
 
 // PinPool sets or clears the user pin (a pinned pool is never evicted under pressure).

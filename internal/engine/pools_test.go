@@ -2,6 +2,7 @@ package engine
 
 import (
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -14,7 +15,6 @@ func poolCfg() Config {
 	return Config{NCtx: 1024, Parallel: 4, MaxPools: 3, NBatch: 32, MaxQueue: 8, PoolGrace: time.Second, BytesPerCell: 100}
 }
 
-// createPool creates a pool and steps until it is materialized.
 // poolSeq is the KV sequence a pool lives on (its public id is a different number).
 func (h *harness) poolSeq(id int) int {
 	h.t.Helper()
@@ -25,6 +25,7 @@ func (h *harness) poolSeq(id int) int {
 	return p.Seq
 }
 
+// createPool creates a pool and steps until it is materialized.
 func (h *harness) createPool(spec PoolSpec) int {
 	h.t.Helper()
 	id, task, err := h.s.CreatePool(spec, h.now)
@@ -460,4 +461,72 @@ func TestPoolsUnsupported(t *testing.T) {
 	if _, err := h.s.Submit(Request{Prompt: seqTokens(1, 4), HasPool: true, PoolID: 4}, h.now); !errors.Is(err, ErrPoolsUnsupported) {
 		t.Fatalf("attach on a recurrent model: %v", err)
 	}
+}
+
+// Released children wait only for their grace time or last session; they must not make
+// the parent's release answer 409 meanwhile. Everything is reclaimed in the end.
+func TestReleasedChildrenDoNotBlockParentRelease(t *testing.T) {
+	h := newHarness(t, poolCfg())
+	root := seqTokens(1, 20)
+	p0 := h.createPool(PoolSpec{Tokens: root})
+	p1 := h.createPool(PoolSpec{HasParent: true, Parent: p0, D: 20, Tokens: append(slices.Clone(root), 7, 8)})
+	p2 := h.createPool(PoolSpec{HasParent: true, Parent: p0, D: 10, Tokens: append(slices.Clone(root[:10]), 9)})
+	if err := h.s.ReleasePool(p1, h.now); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.s.ReleasePool(p0, h.now); !errors.Is(err, pool.ErrHasChildren) || !strings.Contains(err.Error(), fmt.Sprint([]int{p2})) {
+		t.Fatalf("release with a live child %d: %v, want 409 naming only the live child", p2, err)
+	}
+	if err := h.s.ReleasePool(p2, h.now); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.s.ReleasePool(p0, h.now); err != nil {
+		t.Fatalf("release of a root whose children are all released: %v", err)
+	}
+	h.step()
+	if h.be.cells() != 23 {
+		t.Fatalf("reclaimed within the grace time: %d cells, want 23", h.be.cells())
+	}
+	h.now = h.now.Add(2 * time.Second)
+	h.step()
+	h.step() // children first, then the parent on the next pass
+	if h.be.cells() != 0 || h.s.pools.Len() != 0 || h.s.pools.FreeIDs() != 3 {
+		t.Fatalf("after grace: %d cells, %d pools, %d free sequence ids", h.be.cells(), h.s.pools.Len(), h.s.pools.FreeIDs())
+	}
+}
+
+// Fork answers like attach: a released parent is not found, an evicted one is restored
+// transparently before the child is built on it.
+func TestForkReleasedIsNotFoundForkEvictedRestores(t *testing.T) {
+	h := newHarness(t, poolCfg())
+	root := seqTokens(1, 30)
+	p0 := h.createPool(PoolSpec{Tokens: root})
+	gone := h.createPool(PoolSpec{Tokens: seqTokens(100, 5)})
+	if err := h.s.ReleasePool(gone, h.now); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := h.s.CreatePool(PoolSpec{HasParent: true, Parent: gone, D: 5, Tokens: append(seqTokens(100, 5), 1)}, h.now); !errors.Is(err, pool.ErrNotFound) {
+		t.Fatalf("fork of a released pool: %v, want not found", err)
+	}
+	if err := h.s.EvictPool(p0, h.now); err != nil {
+		t.Fatal(err)
+	}
+	h.step()
+	if h.be.cells() != 5 {
+		t.Fatalf("evicted root still holds cells: %d", h.be.cells())
+	}
+	child := append(slices.Clone(root), 40, 41, 42)
+	c := h.createPool(PoolSpec{HasParent: true, Parent: p0, D: 30, Tokens: child})
+	if got := h.be.tokens(h.poolSeq(c)); !slices.Equal(got, child) {
+		t.Fatalf("child of a restored pool holds %v, want %v", got, child)
+	}
+	if info, _ := h.s.Pool(p0); info.Residency != "resident" {
+		t.Fatalf("parent after fork: %s, want resident (restored)", info.Residency)
+	}
+	tid := h.submit(Request{Prompt: append(slices.Clone(child), 5), HasPool: true, PoolID: c, MaxTokens: 3})
+	h.run()
+	if got, want := h.text(tid), expectedText(t, append(slices.Clone(child), 5), 3); got != want {
+		t.Fatalf("attach to the fork: %q, want %q", got, want)
+	}
+	h.checkAccounting()
 }

@@ -203,8 +203,10 @@ func (s *Scheduler) SubmitGated(req Request, now time.Time) (TaskID, Gate, error
 		}
 	}
 	s.admit()
-	if len(s.queue) >= s.cfg.MaxQueue && !s.canStartNow(req) {
-		return 0, Gate{}, fmt.Errorf("%w (%d waiting)", ErrQueueFull, len(s.queue))
+	// Requests an enforced pool's gate holds are waiting too: they count against the
+	// bound, or a saturated pool would let an unbounded number pile up.
+	if waiting := len(s.queue) + len(s.gated); waiting >= s.cfg.MaxQueue && !s.canStartNow(req) {
+		return 0, Gate{}, fmt.Errorf("%w (%d waiting)", ErrQueueFull, waiting)
 	}
 	t := s.newTask(kindGenerate, req, p)
 	if p != nil {
@@ -217,6 +219,11 @@ func (s *Scheduler) SubmitGated(req Request, now time.Time) (TaskID, Gate, error
 		return 0, g, err
 	}
 	if g.Held {
+		// A held request waits however free the sequences are: it always counts.
+		if waiting := len(s.queue) + len(s.gated); waiting >= s.cfg.MaxQueue {
+			delete(s.tasks, t.id)
+			return 0, g, fmt.Errorf("%w (%d waiting, %d of them held by pool %d's admission gate)", ErrQueueFull, waiting, len(s.gated), p.ID)
+		}
 		s.gated = append(s.gated, t)
 		return t.id, g, nil
 	}

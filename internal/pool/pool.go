@@ -158,14 +158,17 @@ func (t *Tree) NewRoot(tokens []Token, now time.Time) (*Pool, error) {
 }
 
 // Fork creates a child of parent inheriting [0, d) and owning [d, len(tokens)).
-// tokens is the child's full prefix and must equal parent's tokens on [0, d).
+// tokens is the child's full prefix and must equal parent's tokens on [0, d). The parent
+// must be resident or evicted (then the caller restores it before the child is built).
 func (t *Tree) Fork(parent *Pool, d int, tokens []Token, now time.Time) (*Pool, error) {
-	if parent.State == Released {
-		return nil, fmt.Errorf("%w: pool %d was released; fork from a live pool", ErrConflict, parent.ID)
+	switch parent.State {
+	case Released:
+		return nil, fmt.Errorf("%w: pool %d was released; fork from a live pool", ErrNotFound, parent.ID)
+	case Materializing:
+		return nil, fmt.Errorf("%w: pool %d is %s; wait until it is resident to fork", ErrConflict, parent.ID, parent.State)
 	}
-	if parent.State != Resident {
-		return nil, fmt.Errorf("%w: pool %d is %s; it must be resident to fork", ErrConflict, parent.ID, parent.State)
-	}
+	// An evicted parent is fine: the child's materialization waits for it, and the
+	// scheduler restores it first, as it does for an attach.
 	if d < 0 || d > parent.L() {
 		return nil, fmt.Errorf("%w: branch_pos %d is outside [0, %d] (the parent's prefix length)", ErrBadRequest, d, parent.L())
 	}
