@@ -29,7 +29,7 @@ var benchPrompts = []string{
 
 func bench(args []string) error {
 	fs := flag.NewFlagSet("bench", flag.ExitOnError)
-	var cfg app.Config
+	cfg := app.DefaultConfig()
 	coreFlags(fs, &cfg)
 	sizes := fs.String("sessions", "1,4,8,16", "concurrent sessions B to measure")
 	nGen := fs.Int("n", 128, "tokens each session decodes")
@@ -47,7 +47,7 @@ func bench(args []string) error {
 	fs.IntVar(&rp.gen, "ramp-gen", 256, "spawn ramp: tokens each agent decodes")
 	fs.Float64Var(&rp.floorFr, "ramp-floor", 0.6, "spawn ramp: floor as a fraction of one session's tps")
 	_ = fs.Parse(args)
-	cfg.Defaults()
+	cfg = cfg.Resolved()
 	switch *workload {
 	case "fanout":
 		return fo.run(cfg, *fanN)

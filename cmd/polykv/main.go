@@ -53,50 +53,39 @@ func main() {
 	}
 }
 
-// coreFlags registers the flags shared by serve and bench.
+// coreFlags registers the flags shared by serve and bench, bound to cfg. Each flag's
+// default is cfg's current value (app.DefaultConfig), so defaults are written once and a
+// flag that is not given leaves the default, while an explicit 0 means 0.
 func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
-	fs.StringVar(&cfg.ModelPath, "m", "", "GGUF model file")
-	fs.StringVar(&cfg.ModelPath, "model", "", "GGUF model file (same as -m)")
-	fs.IntVar(&cfg.NCtx, "c", 4096, "KV cells in the unified cache (context size shared by all sessions)")
-	fs.IntVar(&cfg.NCtx, "ctx-size", 4096, "same as -c")
-	fs.IntVar(&cfg.Parallel, "parallel", 4, "session sequences decoding at once")
-	fs.IntVar(&cfg.Parallel, "np", 4, "same as --parallel")
-	fs.IntVar(&cfg.Threads, "t", 0, "CPU threads (default: all cores)")
-	fs.IntVar(&cfg.Threads, "threads", 0, "same as -t")
-	fs.IntVar(&cfg.NBatch, "batch", 512, "tokens per decode step (decode tokens + prefill chunks)")
-	fs.IntVar(&cfg.NBatch, "b", 512, "same as --batch")
-	fs.IntVar(&cfg.NUBatch, "ubatch", 0, "physical micro-batch size (default: --batch)")
-	fs.IntVar(&cfg.MaxQueue, "queue", 64, "requests that may wait for a sequence; more get 503")
-	fs.DurationVar(&cfg.SessionTTL, "session-ttl", 30*time.Minute, "idle sessions older than this lose their KV")
-	fs.StringVar(&cfg.FlashAttn, "flash-attn", "on", "flash attention: on, off or auto. On keeps logits independent of batch shape (pooled == unpooled greedy tokens, bit for bit); off prefills ~1.5x faster at 2k context on CPU but numerics then vary with batch shape")
-	fs.DurationVar(&cfg.TPSTau, "tps-tau", 2*time.Second, "time constant of the per-session experienced tps EWMA")
-	fs.Func("max-pools", "shared-prefix pools (sequence ids reserved above --parallel; default 16, 0 = none)", func(v string) error {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 0 {
-			return fmt.Errorf("want a non-negative integer")
-		}
-		cfg.MaxPools = n
-		if n == 0 {
-			cfg.MaxPools = -1
-		}
-		return nil
-	})
-	fs.Func("pool-grace-ms", "a pool is not reclaimed or evicted within this many ms of its last use (default 30000)", func(v string) error {
+	fs.StringVar(&cfg.ModelPath, "m", cfg.ModelPath, "GGUF model file")
+	fs.StringVar(&cfg.ModelPath, "model", cfg.ModelPath, "GGUF model file (same as -m)")
+	fs.IntVar(&cfg.NCtx, "c", cfg.NCtx, "KV cells in the unified cache (context size shared by all sessions)")
+	fs.IntVar(&cfg.NCtx, "ctx-size", cfg.NCtx, "same as -c")
+	fs.IntVar(&cfg.Parallel, "parallel", cfg.Parallel, "session sequences decoding at once")
+	fs.IntVar(&cfg.Parallel, "np", cfg.Parallel, "same as --parallel")
+	fs.IntVar(&cfg.Threads, "t", cfg.Threads, "CPU threads (0: one per core)")
+	fs.IntVar(&cfg.Threads, "threads", cfg.Threads, "same as -t")
+	fs.IntVar(&cfg.NBatch, "batch", cfg.NBatch, "tokens per decode step (decode tokens + prefill chunks)")
+	fs.IntVar(&cfg.NBatch, "b", cfg.NBatch, "same as --batch")
+	fs.IntVar(&cfg.NUBatch, "ubatch", cfg.NUBatch, "physical micro-batch size (0: the same as --batch)")
+	fs.IntVar(&cfg.MaxQueue, "queue", cfg.MaxQueue, "requests that may wait for a sequence or an admission gate; more get 503 (0: none wait)")
+	fs.DurationVar(&cfg.SessionTTL, "session-ttl", cfg.SessionTTL, "idle sessions older than this lose their KV (0: never)")
+	fs.StringVar(&cfg.FlashAttn, "flash-attn", cfg.FlashAttn, "flash attention: on, off or auto. On keeps logits independent of batch shape (pooled == unpooled greedy tokens, bit for bit); off prefills ~1.5x faster at 2k context on CPU but numerics then vary with batch shape")
+	fs.DurationVar(&cfg.TPSTau, "tps-tau", cfg.TPSTau, "time constant of the per-session experienced tps EWMA")
+	fs.IntVar(&cfg.MaxPools, "max-pools", cfg.MaxPools, "shared-prefix pools: sequence ids reserved above --parallel (0: no pools)")
+	fs.Func("pool-grace-ms", fmt.Sprintf("a pool is not reclaimed or evicted within this many ms of its last use (default %d)", cfg.PoolGrace.Milliseconds()), func(v string) error {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 0 {
 			return fmt.Errorf("want a non-negative integer")
 		}
 		cfg.PoolGrace = time.Duration(n) * time.Millisecond
-		if n == 0 {
-			cfg.PoolGrace = time.Nanosecond
-		}
 		return nil
 	})
 }
 
 func serve(args []string) error {
 	fs := flag.NewFlagSet("serve", flag.ExitOnError)
-	var cfg app.Config
+	cfg := app.DefaultConfig()
 	coreFlags(fs, &cfg)
 	host := fs.String("host", "127.0.0.1", "address to listen on")
 	port := fs.Int("port", 8080, "port to listen on (0: any free port)")

@@ -17,54 +17,70 @@ import (
 	"github.com/polykv/polykv/internal/tps"
 )
 
-// Config is the server configuration (llama-server-like names in the CLI).
+// Config is the server configuration (llama-server-like names in the CLI). Every field
+// is taken as given: start from DefaultConfig, where each default is written once, and
+// change what you need. A zero is a real setting (--session-ttl 0: sessions never
+// expire; --max-pools 0: no pools; --queue 0: nothing waits), never "not given".
 type Config struct {
 	ModelPath  string
-	NCtx       int // -c
-	Parallel   int // --parallel
-	NBatch     int // --batch
-	NUBatch    int // --ubatch
-	Threads    int // -t
-	MaxQueue   int // --queue
-	SessionTTL time.Duration
+	NCtx       int           // -c
+	Parallel   int           // --parallel
+	NBatch     int           // --batch
+	NUBatch    int           // --ubatch; 0: the same as NBatch
+	Threads    int           // -t; 0: one per CPU core
+	MaxQueue   int           // --queue: requests that may wait; past it, 503
+	SessionTTL time.Duration // --session-ttl; 0: idle sessions never expire
 	MaxPools   int           // --max-pools: pool sequence ids reserved above the sessions'
-	PoolGrace  time.Duration // --pool-grace-ms
-	FlashAttn  string        // --flash-attn: on (default), off, auto
-	TPSTau     time.Duration // --tps-tau-ms: EWMA time constant of experienced tps
+	PoolGrace  time.Duration // --pool-grace-ms; 0: no grace
+	FlashAttn  string        // --flash-attn: on, off, auto
+	TPSTau     time.Duration // --tps-tau: EWMA time constant of experienced tps
 }
 
-// Defaults fills unset fields.
-func (c *Config) Defaults() {
-	if c.NCtx == 0 {
-		c.NCtx = 4096
+// DefaultConfig is the configuration `polykv serve` runs with when no flag is given.
+func DefaultConfig() Config {
+	return Config{
+		NCtx:       4096,
+		Parallel:   4,
+		NBatch:     512,
+		MaxQueue:   64,
+		SessionTTL: 30 * time.Minute,
+		MaxPools:   16,
+		PoolGrace:  30 * time.Second,
+		FlashAttn:  "on",
+		TPSTau:     tps.DefaultTau,
 	}
-	if c.Parallel == 0 {
-		c.Parallel = 4
-	}
-	if c.NBatch == 0 {
-		c.NBatch = 512
-	}
+}
+
+// Resolved fills the settings that derive from others (ubatch from batch, threads from
+// the machine), so what the server reports is what it runs with.
+func (c Config) Resolved() Config {
 	if c.NUBatch == 0 {
 		c.NUBatch = c.NBatch
 	}
 	if c.Threads == 0 {
 		c.Threads = runtime.NumCPU()
 	}
-	if c.MaxQueue == 0 {
-		c.MaxQueue = 64
+	return c
+}
+
+// Validate checks the settings that the engine does not check itself.
+func (c Config) Validate() error {
+	switch {
+	case c.ModelPath == "":
+		return fmt.Errorf("no model: pass -m MODEL.gguf")
+	case c.NUBatch < 0 || c.Threads < 0:
+		return fmt.Errorf("--ubatch and --threads must not be negative")
+	case c.SessionTTL < 0 || c.PoolGrace < 0:
+		return fmt.Errorf("--session-ttl and --pool-grace-ms must not be negative")
+	case c.TPSTau <= 0:
+		return fmt.Errorf("--tps-tau must be positive, got %s", c.TPSTau)
 	}
-	if c.SessionTTL == 0 {
-		c.SessionTTL = 30 * time.Minute
+	switch c.FlashAttn {
+	case "off", "on", "auto":
+	default:
+		return fmt.Errorf("--flash-attn must be off, on or auto, got %q", c.FlashAttn)
 	}
-	if c.MaxPools == 0 {
-		c.MaxPools = 16
-	}
-	if c.MaxPools < 0 { // --max-pools 0 on the command line means none
-		c.MaxPools = 0
-	}
-	if c.PoolGrace == 0 {
-		c.PoolGrace = 30 * time.Second
-	}
+	return nil
 }
 
 // FlashAttn maps a --flash-attn value to llama.cpp's setting. On is the default: with
@@ -92,19 +108,14 @@ type App struct {
 
 // Open loads the model and starts the engine.
 func Open(cfg Config, log *slog.Logger) (*App, error) {
-	cfg.Defaults()
-	if cfg.ModelPath == "" {
-		return nil, fmt.Errorf("no model: pass -m MODEL.gguf")
-	}
-	ecfg := engine.Config{NCtx: cfg.NCtx, Parallel: cfg.Parallel, MaxPools: cfg.MaxPools, NBatch: cfg.NBatch,
-		MaxQueue: cfg.MaxQueue, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace}
-	if err := ecfg.Validate(); err != nil {
+	cfg = cfg.Resolved()
+	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	switch cfg.FlashAttn {
-	case "", "off", "on", "auto":
-	default:
-		return nil, fmt.Errorf("--flash-attn must be off, on or auto, got %q", cfg.FlashAttn)
+	ecfg := engine.Config{NCtx: cfg.NCtx, Parallel: cfg.Parallel, MaxPools: cfg.MaxPools, NBatch: cfg.NBatch,
+		MaxQueue: cfg.MaxQueue, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau}
+	if err := ecfg.Validate(); err != nil {
+		return nil, err
 	}
 	model, err := llama.LoadModel(cfg.ModelPath)
 	if err != nil {
@@ -132,7 +143,6 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	}
 	metrics := api.NewMetrics()
 	ecfg.Observer = metrics
-	ecfg.TPSTau = cfg.TPSTau
 	sched, err := engine.NewScheduler(ecfg, runner.Vocab{M: model})
 	if err != nil {
 		ctx.Free()
@@ -147,10 +157,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		Parallel: cfg.Parallel, NBatch: cfg.NBatch, NVocab: model.NVocab(), ChatTemplate: model.ChatTemplate(), Started: time.Now(),
 		MaxPools: cfg.MaxPools, PoolGraceMs: cfg.PoolGrace.Milliseconds(), BytesPerCell: ecfg.BytesPerCell, PoolsUnsupported: ecfg.PoolsUnsupported,
 	}
-	info.TPSTauMs = tps.DefaultTau.Milliseconds()
-	if cfg.TPSTau > 0 {
-		info.TPSTauMs = cfg.TPSTau.Milliseconds()
-	}
+	info.TPSTauMs = cfg.TPSTau.Milliseconds()
 	srv := api.New(eng, model, runner.NewChatRenderer(model), info, metrics, log)
 	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv}, nil
 }

@@ -15,6 +15,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"sync"
 	"testing"
@@ -40,9 +41,25 @@ func modelPath(t testing.TB) string {
 	return p
 }
 
-// startServer opens an App on the test model and serves it on a loopback port.
+// withDefaults fills the zero fields of a test's partial configuration from
+// DefaultConfig. Only tests take this shortcut; the server itself never reads a zero as
+// "not given". A test that needs a zero setting sets it on the App's config after this.
+func withDefaults(over Config) Config {
+	cfg := DefaultConfig()
+	dst, src := reflect.ValueOf(&cfg).Elem(), reflect.ValueOf(over)
+	for i := range src.NumField() {
+		if !src.Field(i).IsZero() {
+			dst.Field(i).Set(src.Field(i))
+		}
+	}
+	return cfg
+}
+
+// startServer opens an App on the test model and serves it on a loopback port. Zero
+// fields of cfg take their defaults (withDefaults).
 func startServer(t testing.TB, cfg Config) (*App, string) {
 	t.Helper()
+	cfg = withDefaults(cfg)
 	cfg.ModelPath = modelPath(t)
 	a, err := Open(cfg, nil)
 	if err != nil {

@@ -3,6 +3,7 @@ package app
 import (
 	"context"
 	"fmt"
+	"maps"
 	"net/http"
 	"slices"
 	"strings"
@@ -252,6 +253,23 @@ func TestAutoPAndTree(t *testing.T) {
 	get(t, base+"/polykv/pools", &st)
 	if st.TreeDepth != 2 || st.SeqIDsMax != 5 || len(st.Pools) != 3 {
 		t.Fatalf("status %+v", st)
+	}
+	// One pool and the list's entries use the same field names.
+	var one map[string]any
+	var list struct{ Pools []map[string]any }
+	get(t, fmt.Sprintf("%s/polykv/pools/%d", base, num(ext["pool_id"])), &one)
+	get(t, base+"/polykv/pools", &list)
+	delete(one, "tokens")
+	for _, entry := range list.Pools {
+		if num(entry["pool_id"]) != num(ext["pool_id"]) {
+			continue
+		}
+		if !slices.Equal(slices.Sorted(maps.Keys(one)), slices.Sorted(maps.Keys(entry))) {
+			t.Fatalf("GET one pool has fields %v, the list's entry %v", slices.Sorted(maps.Keys(one)), slices.Sorted(maps.Keys(entry)))
+		}
+	}
+	if one["tree_depth"] != float64(2) {
+		t.Fatalf("child's tree_depth %v, want 2", one["tree_depth"])
 	}
 	// Contract and ordering violations.
 	bad := slices.Clone(info.Tokens[:30])

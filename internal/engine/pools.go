@@ -337,7 +337,7 @@ type PoolInfo struct {
 	LastAccessTS   float64       `json:"last_access_ts"`
 	Children       []int         `json:"children"`
 	Sessions       []PoolSession `json:"sessions"`
-	Depth          int           `json:"depth"`
+	Depth          int           `json:"tree_depth"` // 1 for a root; the same name as the list's (the deepest)
 	PrefixHash     string        `json:"prefix_hash"`
 	Tokens         []Token       `json:"tokens,omitempty"`
 }

@@ -401,3 +401,17 @@ func TestDisplacedSessionLeavesTheTable(t *testing.T) {
 		t.Fatalf("after anonymous tasks took both sequences: %d sessions, %d cells; want 0 and 0", u.Sessions, h.be.cells())
 	}
 }
+
+// SessionTTL 0 means idle sessions never expire.
+func TestSessionTTLZeroNeverExpires(t *testing.T) {
+	cfg := defaultCfg()
+	cfg.SessionTTL = 0
+	h := newHarness(t, cfg)
+	h.submit(Request{Prompt: seqTokens(1, 4), SessionID: "s", MaxTokens: 2})
+	h.run()
+	h.now = h.now.Add(1000 * time.Hour)
+	h.step()
+	if h.be.cells() == 0 || len(h.s.Slots()) != 1 {
+		t.Fatal("an idle session expired with SessionTTL 0")
+	}
+}

@@ -117,7 +117,7 @@ def main() -> None:
             tree = client.pools()
             print("\npool tree:")
             for p in tree["pools"]:
-                indent = "  " * (p["depth"] - 1)
+                indent = "  " * (p["tree_depth"] - 1)
                 print(f"{indent}pool {p['pool_id']} (parent {p['parent']}, D={p['branch_pos']}, L={p['prefix_len']}): "
                       f"own {p['own_kv_bytes'] // 1024} KiB, subtree {p['subtree_kv_bytes'] // 1024} KiB, "
                       f"{len(p['sessions'])} sessions, children {p['children']}")

@@ -1,0 +1,46 @@
+package main
+
+import (
+	"flag"
+	"io"
+	"testing"
+	"time"
+
+	"github.com/polykv/polykv/internal/app"
+)
+
+func parseCore(t *testing.T, args ...string) app.Config {
+	t.Helper()
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	cfg := app.DefaultConfig()
+	coreFlags(fs, &cfg)
+	if err := fs.Parse(args); err != nil {
+		t.Fatal(err)
+	}
+	return cfg.Resolved()
+}
+
+// A flag that is not given keeps its default; an explicit 0 is 0 (no sentinel values).
+func TestFlagsDistinguishNotGivenFromZero(t *testing.T) {
+	def := parseCore(t)
+	want := app.DefaultConfig().Resolved()
+	if def != want {
+		t.Fatalf("no flags: %+v, want the defaults %+v", def, want)
+	}
+	if def.SessionTTL != 30*time.Minute || def.MaxPools != 16 || def.PoolGrace != 30*time.Second || def.MaxQueue != 64 {
+		t.Fatalf("defaults changed unnoticed: %+v", def)
+	}
+	zero := parseCore(t, "--session-ttl", "0", "--max-pools", "0", "--pool-grace-ms", "0", "--queue", "0")
+	if zero.SessionTTL != 0 || zero.MaxPools != 0 || zero.PoolGrace != 0 || zero.MaxQueue != 0 {
+		t.Fatalf("explicit zeros: ttl %s, max-pools %d, grace %s, queue %d; want all 0", zero.SessionTTL, zero.MaxPools, zero.PoolGrace, zero.MaxQueue)
+	}
+	zero.ModelPath = "m.gguf"
+	if err := zero.Validate(); err != nil {
+		t.Fatalf("zeros are valid settings: %v", err)
+	}
+	set := parseCore(t, "-c", "2048", "--session-ttl", "5m", "--pool-grace-ms", "1500")
+	if set.NCtx != 2048 || set.SessionTTL != 5*time.Minute || set.PoolGrace != 1500*time.Millisecond {
+		t.Fatalf("given values: %+v", set)
+	}
+}
