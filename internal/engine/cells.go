@@ -117,14 +117,12 @@ func (s *Scheduler) attach(sl *slot, p *pool.Pool, shared int) {
 	s.detach(sl)
 	sl.base = p
 	sl.shared = shared
-	p.Sessions++
-	p.LastAccess = s.now
+	p.Attach(s.now)
 }
 
 func (s *Scheduler) detach(sl *slot) {
 	if p := sl.base; p != nil {
-		p.Sessions--
-		p.LastAccess = s.now
+		s.check(p.Detach(s.now))
 	}
 	sl.base = nil
 	sl.shared = 0
@@ -147,7 +145,7 @@ func (s *Scheduler) freeCells(want int, except *slot, planned int) int {
 			return free
 		}
 		free += p.OwnCells()
-		s.evictPool(p)
+		s.check(s.evictPool(p))
 	}
 	return free
 }
@@ -167,7 +165,7 @@ func (s *Scheduler) expire() {
 		}
 	}
 	for _, p := range s.pools.All() {
-		if p.State == pool.Released && p.Sessions == 0 && len(p.Children) == 0 && s.now.Sub(p.LastAccess) >= s.cfg.PoolGrace {
+		if p.Reclaimable(s.now, s.cfg.PoolGrace) {
 			s.reclaim(p)
 		}
 	}

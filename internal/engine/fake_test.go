@@ -183,6 +183,9 @@ func (h *harness) step() []BatchEntry {
 	apply(h.be, p)
 	h.collect()
 	if len(p.Batch) == 0 {
+		if n, last := h.s.Violations(); n > 0 {
+			h.t.Fatalf("%d pool lifecycle violations, last: %v", n, last)
+		}
 		return nil
 	}
 	sampled, err := h.be.Decode(p.Batch)
@@ -193,6 +196,9 @@ func (h *harness) step() []BatchEntry {
 	h.now = h.now.Add(cost)
 	h.s.Commit(sampled, err, h.now)
 	h.collect()
+	if n, last := h.s.Violations(); n > 0 {
+		h.t.Fatalf("%d pool lifecycle violations, last: %v", n, last)
+	}
 	return p.Batch
 }
 

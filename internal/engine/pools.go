@@ -91,7 +91,9 @@ func (s *Scheduler) CreatePool(spec PoolSpec, now time.Time) (int, TaskID, error
 				return 0, 0, err
 			}
 			s.ops = append(s.ops, SeqOp{Kind: OpSeqCp, Src: src.seq, Seq: p.Seq, P0: 0, P1: len(tokens)})
-			p.Filled, p.State, p.UserPinned = len(tokens), pool.Resident, spec.Pin
+			s.check(p.Fill(len(tokens)))
+			s.check(p.Materialized(now))
+			s.check(p.SetPin(spec.Pin, now))
 			s.attach(src, p, len(tokens))
 			src.lastUsed = now
 			return p.ID, 0, nil
@@ -101,7 +103,7 @@ func (s *Scheduler) CreatePool(spec PoolSpec, now time.Time) (int, TaskID, error
 	if err != nil {
 		return 0, 0, err
 	}
-	p.UserPinned = spec.Pin
+	s.check(p.SetPin(spec.Pin, now))
 	t := s.materialize(p)
 	s.admit()
 	return p.ID, t.id, nil
@@ -117,8 +119,7 @@ func (s *Scheduler) addPool(parent *pool.Pool, d int, tokens []Token) (*pool.Poo
 
 // materialize queues the prefill of p's [D, L) on p's own sequence.
 func (s *Scheduler) materialize(p *pool.Pool) *task {
-	p.State = pool.Materializing
-	p.Filled = 0
+	s.check(p.Materialize())
 	s.poolSeqs[p.ID] = &slot{seq: p.Seq}
 	t := s.newTask(kindMaterialize, Request{Prompt: p.Tokens}, p)
 	s.queue = append(s.queue, t)
@@ -134,9 +135,7 @@ func (s *Scheduler) restore(p *pool.Pool) {
 
 func (s *Scheduler) poolMaterialized(t *task) {
 	p := t.pool
-	p.State = pool.Resident
-	p.Filled = p.L()
-	p.LastAccess = s.now
+	s.check(p.Materialized(s.now))
 	stats := Stats{PromptN: p.L() - p.D, CacheN: p.D, PromptTime: s.now.Sub(t.admitted), Seq: p.Seq, Pool: p.ID}
 	s.removeRunning(t)
 	delete(s.poolSeqs, p.ID)
@@ -149,9 +148,8 @@ func (s *Scheduler) poolMaterialized(t *task) {
 func (s *Scheduler) abandonPool(p *pool.Pool, restoring bool) {
 	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.Seq, P0: 0, P1: -1})
 	delete(s.poolSeqs, p.ID)
-	p.Filled = 0
+	p.Abandon()
 	if restoring {
-		p.State = pool.Evicted
 		return
 	}
 	for _, c := range slices.Clone(p.Children) {
@@ -161,24 +159,24 @@ func (s *Scheduler) abandonPool(p *pool.Pool, restoring bool) {
 			}
 		}
 	}
-	if err := s.pools.Remove(p); err != nil {
-		p.State = pool.Evicted // a child is still being built on it: keep the object
-	}
+	// A child still being built on it keeps the object (evicted) until it goes too.
+	_ = s.pools.Remove(p)
 }
 
 // evictPool drops a pool's own cells, keeping the object so it can be restored.
-func (s *Scheduler) evictPool(p *pool.Pool) {
+func (s *Scheduler) evictPool(p *pool.Pool) error {
+	if err := p.Evict(); err != nil {
+		return err
+	}
 	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.Seq, P0: 0, P1: -1})
-	p.State = pool.Evicted
-	p.Filled = 0
+	return nil
 }
 
-// reclaim frees a released pool's sequence and id.
+// reclaim frees a released pool's sequence and its sequence id.
 func (s *Scheduler) reclaim(p *pool.Pool) {
 	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.Seq, P0: 0, P1: -1})
-	p.Filled = 0
 	delete(s.admission, p.ID)
-	_ = s.pools.Remove(p)
+	s.check(s.pools.Reclaim(p))
 }
 
 // attachable checks a request's pool before it is queued.
@@ -227,16 +225,9 @@ func (s *Scheduler) ReleasePool(id int, now time.Time) error {
 	// Released children only wait for their grace time or their last session; they
 	// keep the parent's cells alive by membership until reclaimed (expire reclaims a
 	// parent only after its children), so they need not block the parent's release.
-	if live := liveChildren(p); len(live) > 0 {
-		return fmt.Errorf("%w: pool %d has children %v; release them first", pool.ErrHasChildren, id, live)
+	if err := p.Release(now); err != nil {
+		return err
 	}
-	if p.State == pool.Materializing {
-		return fmt.Errorf("%w: pool %d is still materializing", pool.ErrConflict, id)
-	}
-	p.State = pool.Released
-	p.UserPinned = false
-	p.ReleasedAt = now
-	p.LastAccess = now
 	// Idle sessions lose their KV now; running ones when their turn ends.
 	for _, sl := range s.slots {
 		if sl.base == p && sl.task == nil {
@@ -247,17 +238,6 @@ func (s *Scheduler) ReleasePool(id int, now time.Time) error {
 	return nil
 }
 
-// liveChildren lists the ids of p's children that are not released.
-func liveChildren(p *pool.Pool) []int {
-	var ids []int
-	for _, c := range p.Children {
-		if c.State != pool.Released {
-			ids = append(ids, c.ID)
-		}
-	}
-	return ids
-}
-
 // PinPool sets or clears the user pin (a pinned pool is never evicted under pressure).
 func (s *Scheduler) PinPool(id int, pin bool, now time.Time) error {
 	s.now = now
@@ -265,9 +245,7 @@ func (s *Scheduler) PinPool(id int, pin bool, now time.Time) error {
 	if err != nil {
 		return err
 	}
-	p.UserPinned = pin
-	p.LastAccess = now
-	return nil
+	return p.SetPin(pin, now)
 }
 
 // EvictPool drops a pool's cells now, keeping its tokens: the next attach restores it.
@@ -277,18 +255,7 @@ func (s *Scheduler) EvictPool(id int, now time.Time) error {
 	if err != nil {
 		return err
 	}
-	switch {
-	case p.State != pool.Resident:
-		return fmt.Errorf("%w: pool %d is %s", pool.ErrConflict, id, p.State)
-	case p.UserPinned:
-		return fmt.Errorf("%w: pool %d is pinned; unpin it first", pool.ErrConflict, id)
-	case len(p.Children) > 0:
-		return fmt.Errorf("%w: pool %d has children %v that share its cells", pool.ErrConflict, id, pool.ChildIDs(p))
-	case p.Sessions > 0:
-		return fmt.Errorf("%w: %d sequences are attached to pool %d; flush them first", pool.ErrConflict, p.Sessions, id)
-	}
-	s.evictPool(p)
-	return nil
+	return s.evictPool(p)
 }
 
 // FlushPool drops the KV of the idle sessions attached to a pool (running ones are

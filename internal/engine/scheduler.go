@@ -158,7 +158,24 @@ type Scheduler struct {
 	samplers []SamplerOp
 	events   []Event
 	inflight []inflight
+
+	// violations counts pool lifecycle verbs that refused a transition the scheduler
+	// asked for: a scheduler bug. It is reported (Usage), never a crash.
+	violations    int
+	lastViolation error
 }
+
+// check records a refused lifecycle transition (see violations).
+func (s *Scheduler) check(err error) {
+	if err != nil {
+		s.violations++
+		s.lastViolation = err
+	}
+}
+
+// Violations reports how many lifecycle transitions were refused, and the last one.
+// Anything but 0 is a scheduler bug; tests assert it stays 0.
+func (s *Scheduler) Violations() (int, error) { return s.violations, s.lastViolation }
 
 // NewScheduler creates a scheduler for cfg.
 func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
@@ -420,7 +437,7 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 		}
 		sl.tokens = slices.Clone(p.Tokens[:p.D])
 		sl.shared = p.D
-		p.Filled = p.D
+		s.check(p.Fill(p.D))
 	case pl.attachP > 0:
 		s.resetSlot(sl)
 		s.ops = append(s.ops, SeqOp{Kind: OpSeqCp, Src: t.pool.Seq, Seq: sl.seq, P0: 0, P1: pl.attachP})
@@ -548,7 +565,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 			have := len(t.slot.tokens)
 			t.slot.tokens = append(t.slot.tokens, t.req.Prompt[have:have+f.n]...)
 			if t.kind == kindMaterialize {
-				t.pool.Filled = len(t.slot.tokens)
+				s.check(t.pool.Fill(len(t.slot.tokens)))
 				if !t.prefilling() {
 					s.poolMaterialized(t)
 				}

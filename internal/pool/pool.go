@@ -55,7 +55,8 @@ var (
 	ErrConflict       = errors.New("pool state conflict")
 )
 
-// Pool is one node of the tree. Fields are owned by the engine goroutine.
+// Pool is one node of the tree, used only on the engine goroutine. Its state changes
+// only through the lifecycle verbs (lifecycle.go), which check the invariants.
 type Pool struct {
 	// ID is the public id. It is never reused in a server's lifetime, so an id kept in
 	// a client's checkpoint can only ever name this pool (a reclaimed one answers 404).

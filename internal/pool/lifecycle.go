@@ -1,0 +1,145 @@
+package pool
+
+import (
+	"fmt"
+	"time"
+)
+
+// Lifecycle verbs. The engine's scheduler decides when a pool's sequence is copied,
+// prefilled or removed in the cache; these verbs keep the pool's own account of it and
+// refuse transitions that would break the tree's invariants:
+//
+//	Materializing --Fill*--> Materialized --> Resident --Evict--> Evicted
+//	      ^                                                   |
+//	      +-------------------- Materialize (restore) <-------+
+//	Resident / Evicted --Release--> Released --(Tree.Reclaim)--> gone
+//
+// Filled never leaves [0, L]; Resident means Filled == L; Sessions never goes negative;
+// a released pool takes no new pin, attach or child.
+
+// Materialize starts (or restarts, for an evicted pool) the prefill of [D, L): the pool
+// holds nothing of its own until Fill reports progress.
+func (p *Pool) Materialize() error {
+	switch p.State {
+	case Materializing, Evicted:
+	default:
+		return fmt.Errorf("%w: pool %d is %s; only a new or evicted pool is materialized", ErrConflict, p.ID, p.State)
+	}
+	p.State, p.Filled = Materializing, 0
+	return nil
+}
+
+// Fill records that the pool's sequence now holds positions [0, n): [0, D) borrowed
+// from the parent by seq_cp, then its own prefill chunks.
+func (p *Pool) Fill(n int) error {
+	if p.State != Materializing {
+		return fmt.Errorf("%w: pool %d is %s, not materializing", ErrConflict, p.ID, p.State)
+	}
+	if n < p.Filled || n > p.L() {
+		return fmt.Errorf("%w: pool %d filled to %d, cannot go to %d (prefix %d)", ErrConflict, p.ID, p.Filled, n, p.L())
+	}
+	p.Filled = n
+	return nil
+}
+
+// Materialized makes a fully filled pool resident (attachable).
+func (p *Pool) Materialized(now time.Time) error {
+	if p.State != Materializing {
+		return fmt.Errorf("%w: pool %d is %s, not materializing", ErrConflict, p.ID, p.State)
+	}
+	p.State, p.Filled, p.LastAccess = Resident, p.L(), now
+	return nil
+}
+
+// Abandon undoes an unfinished materialization: the pool's own cells are gone and it
+// stays as an evicted object (the caller removes a new pool from the tree).
+func (p *Pool) Abandon() {
+	p.State, p.Filled = Evicted, 0
+}
+
+// Evict drops the pool's own cells, keeping its tokens so it can be restored. Nothing
+// may depend on them: not a user pin, a child (whose [0, D) lives in these cells) nor an
+// attached sequence.
+func (p *Pool) Evict() error {
+	switch {
+	case p.State != Resident:
+		return fmt.Errorf("%w: pool %d is %s", ErrConflict, p.ID, p.State)
+	case p.UserPinned:
+		return fmt.Errorf("%w: pool %d is pinned; unpin it first", ErrConflict, p.ID)
+	case len(p.Children) > 0:
+		return fmt.Errorf("%w: pool %d has children %v that share its cells", ErrConflict, p.ID, ChildIDs(p))
+	case p.Sessions > 0:
+		return fmt.Errorf("%w: %d sequences are attached to pool %d; flush them first", ErrConflict, p.Sessions, p.ID)
+	}
+	p.State, p.Filled = Evicted, 0
+	return nil
+}
+
+// Release ends the pool for clients: no new attach, pin or child. Children that are
+// released themselves do not block it (they only wait to be reclaimed, before their
+// parent); live ones do.
+func (p *Pool) Release(now time.Time) error {
+	switch p.State {
+	case Released:
+		return fmt.Errorf("%w: pool %d was released", ErrNotFound, p.ID)
+	case Materializing:
+		return fmt.Errorf("%w: pool %d is still materializing", ErrConflict, p.ID)
+	}
+	if live := LiveChildren(p); len(live) > 0 {
+		return fmt.Errorf("%w: pool %d has children %v; release them first", ErrHasChildren, p.ID, live)
+	}
+	p.State, p.UserPinned, p.ReleasedAt, p.LastAccess = Released, false, now, now
+	return nil
+}
+
+// SetPin sets or clears the user pin.
+func (p *Pool) SetPin(pin bool, now time.Time) error {
+	if p.State == Released {
+		return fmt.Errorf("%w: pool %d was released", ErrNotFound, p.ID)
+	}
+	p.UserPinned, p.LastAccess = pin, now
+	return nil
+}
+
+// Attach counts one more sequence borrowing the pool's prefix.
+func (p *Pool) Attach(now time.Time) {
+	p.Sessions++
+	p.LastAccess = now
+}
+
+// Detach counts one sequence fewer borrowing the pool's prefix.
+func (p *Pool) Detach(now time.Time) error {
+	if p.Sessions == 0 {
+		return fmt.Errorf("%w: pool %d has no attached sequence to detach", ErrConflict, p.ID)
+	}
+	p.Sessions--
+	p.LastAccess = now
+	return nil
+}
+
+// Reclaimable reports a released pool that nothing uses any more and whose grace time
+// has passed.
+func (p *Pool) Reclaimable(now time.Time, grace time.Duration) bool {
+	return p.State == Released && p.Sessions == 0 && len(p.Children) == 0 && now.Sub(p.LastAccess) >= grace
+}
+
+// LiveChildren lists the ids of p's children that are not released.
+func LiveChildren(p *Pool) []int {
+	var ids []int
+	for _, c := range p.Children {
+		if c.State != Released {
+			ids = append(ids, c.ID)
+		}
+	}
+	return ids
+}
+
+// Reclaim removes a reclaimable pool (its sequence already cleared by the caller) and
+// returns its sequence id to the reserve.
+func (t *Tree) Reclaim(p *Pool) error {
+	if p.State != Released || p.Sessions != 0 {
+		return fmt.Errorf("%w: pool %d is %s with %d sessions; only an unused released pool is reclaimed", ErrConflict, p.ID, p.State, p.Sessions)
+	}
+	p.Filled = 0
+	return t.Remove(p)
+}

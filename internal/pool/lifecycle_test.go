@@ -1,0 +1,137 @@
+package pool
+
+import (
+	"errors"
+	"testing"
+	"time"
+)
+
+func TestMaterializeFillAndResident(t *testing.T) {
+	now := time.Unix(100, 0)
+	tr := NewTree(4, 2)
+	root, _ := tr.NewRoot(toks(1, 10), now)
+	if root.Attachable() {
+		t.Fatal("a materializing pool is attachable")
+	}
+	if err := root.Fill(4); err != nil || root.OwnCells() != 4 {
+		t.Fatalf("fill 4: %v, own %d", err, root.OwnCells())
+	}
+	for _, n := range []int{3, 11} {
+		if err := root.Fill(n); !errors.Is(err, ErrConflict) {
+			t.Fatalf("fill to %d after 4 (prefix 10): %v, want a conflict", n, err)
+		}
+	}
+	if err := root.Materialized(now.Add(time.Second)); err != nil || root.State != Resident || root.Filled != 10 || !root.LastAccess.Equal(now.Add(time.Second)) {
+		t.Fatalf("materialized: %v %+v", err, root)
+	}
+	if err := root.Fill(10); !errors.Is(err, ErrConflict) {
+		t.Fatalf("fill of a resident pool: %v", err)
+	}
+	if err := root.Materialize(); !errors.Is(err, ErrConflict) {
+		t.Fatalf("re-materialize a resident pool: %v", err)
+	}
+	if err := root.Materialized(now); !errors.Is(err, ErrConflict) {
+		t.Fatalf("materialized twice: %v", err)
+	}
+}
+
+func TestEvictRestoreAndWhatBlocksEviction(t *testing.T) {
+	now := time.Unix(100, 0)
+	tr := NewTree(4, 3)
+	root, _ := tr.NewRoot(toks(1, 10), now)
+	_ = root.Materialized(now)
+	_ = root.SetPin(true, now)
+	if err := root.Evict(); !errors.Is(err, ErrConflict) {
+		t.Fatalf("evict pinned: %v", err)
+	}
+	_ = root.SetPin(false, now)
+	root.Attach(now)
+	if err := root.Evict(); !errors.Is(err, ErrConflict) || !root.AutoPinned() {
+		t.Fatalf("evict with an attached sequence: %v", err)
+	}
+	if err := root.Detach(now); err != nil {
+		t.Fatal(err)
+	}
+	if err := root.Detach(now); !errors.Is(err, ErrConflict) || root.Sessions != 0 {
+		t.Fatalf("detach below zero: %v, sessions %d", err, root.Sessions)
+	}
+	child, _ := tr.Fork(root, 10, toks(1, 12), now)
+	if err := root.Evict(); !errors.Is(err, ErrConflict) {
+		t.Fatalf("evict with a child: %v", err)
+	}
+	child.Abandon()
+	if err := tr.Remove(child); err != nil {
+		t.Fatal(err)
+	}
+	if err := root.Evict(); err != nil || root.State != Evicted || root.OwnCells() != 0 {
+		t.Fatalf("evict: %v %+v", err, root)
+	}
+	if err := root.Evict(); !errors.Is(err, ErrConflict) {
+		t.Fatalf("evict twice: %v", err)
+	}
+	// An evicted pool can be forked (its child waits for the restore) and restored.
+	if _, err := tr.Fork(root, 5, toks(1, 7), now); err != nil {
+		t.Fatalf("fork of an evicted pool: %v", err)
+	}
+	if err := root.Materialize(); err != nil || root.State != Materializing || root.Filled != 0 {
+		t.Fatalf("restore: %v %+v", err, root)
+	}
+}
+
+func TestReleasePinAndReclaim(t *testing.T) {
+	now := time.Unix(100, 0)
+	grace := 5 * time.Second
+	tr := NewTree(4, 3)
+	root, _ := tr.NewRoot(toks(1, 10), now)
+	if err := root.Release(now); !errors.Is(err, ErrConflict) {
+		t.Fatalf("release while materializing: %v", err)
+	}
+	_ = root.Materialized(now)
+	a, _ := tr.Fork(root, 10, toks(1, 12), now)
+	b, _ := tr.Fork(root, 4, append(toks(1, 4), 50), now)
+	_, _ = a.Materialized(now), b.Materialized(now)
+	if err := root.Release(now); !errors.Is(err, ErrHasChildren) {
+		t.Fatalf("release with live children: %v", err)
+	}
+	if err := a.Release(now); err != nil {
+		t.Fatal(err)
+	}
+	if live := LiveChildren(root); len(live) != 1 || live[0] != b.ID {
+		t.Fatalf("live children %v, want [%d]", live, b.ID)
+	}
+	b.Attach(now)
+	if err := b.Release(now); err != nil {
+		t.Fatal(err)
+	}
+	_ = root.SetPin(true, now)
+	if err := root.Release(now); err != nil || root.UserPinned || root.State != Released {
+		t.Fatalf("release with only released children: %v %+v", err, root)
+	}
+	for _, err := range []error{root.Release(now), root.SetPin(true, now)} {
+		if !errors.Is(err, ErrNotFound) {
+			t.Fatalf("verb on a released pool: %v, want not found", err)
+		}
+	}
+	if _, err := tr.Fork(root, 10, toks(1, 11), now); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("fork of a released pool: %v", err)
+	}
+	later := now.Add(grace)
+	if root.Reclaimable(later, grace) || b.Reclaimable(later, grace) || !a.Reclaimable(later, grace) || a.Reclaimable(now, grace) {
+		t.Fatal("reclaimable: only a (released, unused, no children, past grace)")
+	}
+	if err := tr.Reclaim(b); !errors.Is(err, ErrConflict) {
+		t.Fatalf("reclaim with an attached session: %v", err)
+	}
+	_ = b.Detach(later)
+	for _, p := range []*Pool{a, b} {
+		if err := tr.Reclaim(p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !root.Reclaimable(later.Add(grace), grace) {
+		t.Fatal("the root is reclaimable once its children are gone")
+	}
+	if err := tr.Reclaim(root); err != nil || tr.Len() != 0 || tr.FreeIDs() != 3 {
+		t.Fatalf("reclaim root: %v, %d pools, %d free sequences", err, tr.Len(), tr.FreeIDs())
+	}
+}
