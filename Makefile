@@ -33,6 +33,7 @@ test: build model venv test-go test-python
 test-go:
 	go vet ./...
 	POLYKV_REQUIRE_MODEL=1 go test -count=1 -timeout 20m ./...
+	./scripts/fuzz.sh
 
 test-python:
 	cd python && PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" -m pytest -q -p no:cacheprovider tests

@@ -1,0 +1,141 @@
+package engine
+
+import (
+	"slices"
+	"testing"
+	"time"
+)
+
+// FuzzSchedulerInvariants drives the scheduler with a random sequence of messages
+// (submits with and without sessions and pools, cancels, pool creation, forks,
+// releases, evictions, pins, flushes, steps and clock jumps) against the fake backend,
+// which fails any batch that breaks position contiguity or overflows the cache. After
+// every step: ownership accounting equals the physical cells, no lifecycle verb was
+// refused, sequence ids stay in range. At the end, with everything cancelled, released
+// and expired: no cell, session, sampler, task or pool is left.
+func FuzzSchedulerInvariants(f *testing.F) {
+	f.Add([]byte{4, 20, 0, 2, 0, 0, 8, 3, 1, 1, 9, 8, 8, 2, 0, 1, 5, 0, 10, 6, 0, 8, 8, 9, 3})
+	f.Add([]byte{1, 0, 30, 1, 1, 30, 1, 2, 30, 1, 0, 30, 8, 8, 8, 8, 3, 0, 8})
+	f.Add([]byte{4, 10, 0, 5, 0, 10, 5, 0, 3, 7, 1, 6, 0, 6, 1, 2, 0, 12, 8, 8, 9, 9, 8, 6, 0})
+	f.Add([]byte{0, 60, 0, 61, 0, 62, 0, 63, 0, 64, 0, 65, 8, 8, 8, 3, 2, 3, 0, 8})
+	f.Fuzz(func(t *testing.T, data []byte) {
+		cfg := Config{NCtx: 256, Parallel: 3, MaxPools: 3, NBatch: 16, MaxQueue: 4,
+			SessionTTL: time.Minute, PoolGrace: time.Second, BytesPerCell: 10}
+		h := newHarness(t, cfg)
+		families := [][]Token{seqTokens(100, 60), seqTokens(300, 60), append(seqTokens(100, 20), seqTokens(500, 40)...)}
+		var pools []int
+		var tasks []TaskID
+		next := func() int {
+			if len(data) == 0 {
+				return 0
+			}
+			b := int(data[0])
+			data = data[1:]
+			return b
+		}
+		prompt := func() []Token {
+			fam, n, tail := families[next()%len(families)], 1+next()%50, next()%4
+			p := slices.Clone(fam[:min(n, len(fam))])
+			for i := range tail {
+				p = append(p, Token(900+i+next()%7))
+			}
+			return p
+		}
+		pick := func() int {
+			if len(pools) == 0 {
+				return 1 + next()%5 // ids that may never have existed
+			}
+			return pools[next()%len(pools)]
+		}
+		for steps := 0; len(data) > 0 && steps < 200; steps++ {
+			switch next() % 10 {
+			case 0, 1, 2:
+				req := Request{Prompt: prompt(), MaxTokens: 1 + next()%8}
+				if k := next() % 5; k < 4 {
+					req.SessionID = string(rune('A' + k))
+				}
+				if next()%2 == 0 {
+					req.HasPool, req.PoolID = true, pick()
+				}
+				if id, err := h.s.Submit(req, h.now); err == nil {
+					tasks = append(tasks, id)
+				}
+			case 3:
+				if len(tasks) > 0 {
+					h.s.Cancel(tasks[next()%len(tasks)], h.now)
+				}
+			case 4:
+				if id, _, err := h.s.CreatePool(PoolSpec{Tokens: prompt()}, h.now); err == nil {
+					pools = append(pools, id)
+				}
+			case 5:
+				parent := pick()
+				if info, err := h.s.Pool(parent); err == nil && len(info.Tokens) > 0 {
+					d := next() % (len(info.Tokens) + 1)
+					toks := append(slices.Clone(info.Tokens[:d]), Token(700+next()%5), Token(710))
+					if id, _, err := h.s.CreatePool(PoolSpec{HasParent: true, Parent: parent, D: d, Tokens: toks}, h.now); err == nil {
+						pools = append(pools, id)
+					}
+				}
+			case 6:
+				_ = h.s.ReleasePool(pick(), h.now)
+			case 7:
+				id := pick()
+				switch next() % 4 {
+				case 0:
+					_ = h.s.EvictPool(id, h.now)
+				case 1:
+					_ = h.s.PinPool(id, true, h.now)
+				case 2:
+					_ = h.s.PinPool(id, false, h.now)
+				case 3:
+					_, _, _ = h.s.FlushPool(id, h.now)
+				}
+			case 8:
+				for range 1 + next()%4 {
+					h.checkStep(cfg)
+				}
+			case 9:
+				h.now = h.now.Add(time.Duration(next()%4) * 700 * time.Millisecond)
+			}
+			h.collect() // accounting is checked after steps: a message's sequence ops run at the next Plan
+		}
+		// Drain: cancel everything, release every pool, let sessions expire.
+		for _, id := range tasks {
+			h.s.Cancel(id, h.now)
+		}
+		// Children before parents (a parent with live children refuses), and a pool
+		// still materializing refuses until it is resident: retry across steps.
+		for range 20 {
+			for _, id := range pools {
+				_ = h.s.ReleasePool(id, h.now)
+			}
+			h.checkStep(cfg)
+		}
+		for range 4 {
+			h.now = h.now.Add(2 * time.Minute)
+			h.checkStep(cfg)
+		}
+		if c, u := h.be.cells(), h.s.Usage(); c != 0 || u.Sessions != 0 || u.Pools != 0 || u.Running != 0 || u.Waiting != 0 {
+			t.Fatalf("leaked after drain: %d cells, usage %+v, pools %+v, tracked %v", c, u, h.s.Pools().Pools, pools)
+		}
+		if len(h.be.samplers) != 0 || len(h.s.tasks) != 0 {
+			t.Fatalf("leaked after drain: %d samplers, %d tasks", len(h.be.samplers), len(h.s.tasks))
+		}
+	})
+}
+
+// checkStep runs one step and checks that every planned sequence id is in range and,
+// once the operations that Commit queued for the next step have run, that the
+// ownership accounting matches the cache.
+func (h *harness) checkStep(cfg Config) {
+	h.t.Helper()
+	for _, e := range h.step() {
+		if e.Seq < 0 || e.Seq >= cfg.Parallel+cfg.MaxPools {
+			h.t.Fatalf("batch entry on sequence %d, outside [0, %d)", e.Seq, cfg.Parallel+cfg.MaxPools)
+		}
+	}
+	apply(h.be, Plan{Samplers: h.s.samplers, SeqOps: h.s.ops})
+	h.s.samplers, h.s.ops = nil, nil
+	h.checkAccounting()
+}
