@@ -252,3 +252,38 @@ func mean(xs []float64) float64 {
 }
 
 func clamp01(x float64) float64 { return min(1, max(0, x)) }
+
+// Patch changes the fields of a policy it sets (non-nil) and keeps the others, so a
+// client can change one setting without a read-modify-write race against another.
+type Patch struct {
+	TargetTPS            *float64
+	Mode                 *string
+	OnSaturation         *string
+	GuaranteeMinSessions *int
+	SettleTokens         *int
+	SettleMaxMs          *int64
+	QueueTimeoutMs       *int64
+}
+
+// Apply returns p with the patch's fields set.
+func (pt Patch) Apply(p Policy) Policy {
+	set(&p.TargetTPS, pt.TargetTPS)
+	set(&p.Mode, pt.Mode)
+	set(&p.OnSaturation, pt.OnSaturation)
+	set(&p.GuaranteeMinSessions, pt.GuaranteeMinSessions)
+	set(&p.SettleTokens, pt.SettleTokens)
+	set(&p.SettleMaxMs, pt.SettleMaxMs)
+	set(&p.QueueTimeoutMs, pt.QueueTimeoutMs)
+	return p
+}
+
+// Replace is the patch that sets every field to p's.
+func Replace(p Policy) Patch {
+	return Patch{&p.TargetTPS, &p.Mode, &p.OnSaturation, &p.GuaranteeMinSessions, &p.SettleTokens, &p.SettleMaxMs, &p.QueueTimeoutMs}
+}
+
+func set[T any](dst *T, v *T) {
+	if v != nil {
+		*dst = *v
+	}
+}

@@ -1,7 +1,6 @@
 package api
 
 import (
-	"context"
 	"strconv"
 	"time"
 
@@ -75,18 +74,13 @@ func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
 	}
 }
 
-// Collect copies a snapshot out of the engine (never sharing its state).
+// Collect reads the engine's published snapshot (never its live state).
 func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 	if m.eng == nil {
 		return
 	}
-	var rows []engine.PoolMetric
-	var usage engine.Usage
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	if err := m.eng.Inspect(ctx, func(s *engine.Scheduler) { rows, usage = s.Metrics(time.Now()) }); err != nil {
-		return
-	}
+	snap := m.eng.Snapshot()
+	rows, usage := snap.Metrics, snap.Usage
 	for _, r := range rows {
 		l := poolLabel(r.PoolID)
 		ch <- prometheus.MustNewConstMetric(descGen, prometheus.GaugeValue, r.GenTPS, l)

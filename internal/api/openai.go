@@ -487,7 +487,7 @@ func finishReason(ev engine.Event) string {
 }
 
 func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *genParams, req engine.Request, plan *toolPlan) {
-	st, gate, err := s.eng.SubmitGated(r.Context(), req)
+	st, gate, err := s.eng.Submit(r.Context(), req)
 	if err != nil {
 		e := errorFor(err)
 		if e.typ == "exceed_context_size_error" {

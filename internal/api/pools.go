@@ -4,12 +4,9 @@ import (
 	"encoding/json"
 	"net/http"
 	"strconv"
-	"time"
 
 	"github.com/polykv/polykv/internal/engine"
 )
-
-var now = time.Now
 
 // poolBody is the body of create and fork: exactly one prefix source.
 type poolBody struct {
@@ -27,19 +24,10 @@ func (s *Server) routePools(mux *http.ServeMux) {
 	mux.HandleFunc("GET /polykv/pools/{id}", s.handleGetPool)
 	mux.HandleFunc("DELETE /polykv/pools/{id}", s.handleReleasePool)
 	mux.HandleFunc("POST /polykv/pools/{id}/fork", s.handleForkPool)
-	mux.HandleFunc("POST /polykv/pools/{id}/pin", s.poolAction(func(sc *engine.Scheduler, id int) (any, error) {
-		return nil, sc.PinPool(id, true, now())
-	}))
-	mux.HandleFunc("POST /polykv/pools/{id}/unpin", s.poolAction(func(sc *engine.Scheduler, id int) (any, error) {
-		return nil, sc.PinPool(id, false, now())
-	}))
-	mux.HandleFunc("POST /polykv/pools/{id}/evict", s.poolAction(func(sc *engine.Scheduler, id int) (any, error) {
-		return nil, sc.EvictPool(id, now())
-	}))
-	mux.HandleFunc("POST /polykv/pools/{id}/flush", s.poolAction(func(sc *engine.Scheduler, id int) (any, error) {
-		n, cells, err := sc.FlushPool(id, now())
-		return map[string]any{"flushed_sessions": n, "freed_kv_bytes": int64(cells) * s.info.BytesPerCell}, err
-	}))
+	mux.HandleFunc("POST /polykv/pools/{id}/pin", s.poolAction(func(id int) engine.Msg { return engine.PinPool{Pool: id, Pin: true} }))
+	mux.HandleFunc("POST /polykv/pools/{id}/unpin", s.poolAction(func(id int) engine.Msg { return engine.PinPool{Pool: id} }))
+	mux.HandleFunc("POST /polykv/pools/{id}/evict", s.poolAction(func(id int) engine.Msg { return engine.EvictPool{Pool: id} }))
+	mux.HandleFunc("POST /polykv/pools/{id}/flush", s.poolAction(func(id int) engine.Msg { return engine.FlushPool{Pool: id} }))
 }
 
 func pathPoolID(r *http.Request) (int, *apiError) {
@@ -51,34 +39,32 @@ func pathPoolID(r *http.Request) (int, *apiError) {
 	return id, nil
 }
 
-// poolAction wraps a synchronous pool operation: it answers the pool's status after.
-func (s *Server) poolAction(op func(*engine.Scheduler, int) (any, error)) http.HandlerFunc {
+// poolAction sends a pool command: it answers the pool's status after it.
+func (s *Server) poolAction(msg func(id int) engine.Msg) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		id, e := pathPoolID(r)
 		if e != nil {
 			writeAPIError(w, e)
 			return
 		}
-		var extra any
+		m := msg(id)
+		res, err := s.eng.Send(r.Context(), m)
+		if err == nil {
+			err = res.Err
+		}
 		var info engine.PoolInfo
-		err := s.eng.Do(r.Context(), func(sc *engine.Scheduler) error {
-			var err error
-			if extra, err = op(sc, id); err != nil {
-				return err
-			}
-			info, err = sc.Pool(id)
-			return err
-		})
+		if err == nil {
+			info, err = s.eng.Snapshot().Pool(id) // published after the command
+		}
 		if err != nil {
 			writeAPIError(w, errorFor(err))
 			return
 		}
 		info.Tokens = nil
 		out := map[string]any{"pool": info}
-		if m, ok := extra.(map[string]any); ok {
-			for k, v := range m {
-				out[k] = v
-			}
+		if _, flush := m.(engine.FlushPool); flush {
+			out["flushed_sessions"] = res.Flushed.Sessions
+			out["freed_kv_bytes"] = int64(res.Flushed.Cells) * s.info.BytesPerCell
 		}
 		writeJSON(w, http.StatusOK, out)
 	}
@@ -185,11 +171,8 @@ func (s *Server) createPool(w http.ResponseWriter, r *http.Request, b *poolBody,
 		writeAPIError(w, errorFor(err))
 		return
 	}
-	var info engine.PoolInfo
-	if err := s.eng.Do(r.Context(), func(sc *engine.Scheduler) (err error) {
-		info, err = sc.Pool(id)
-		return err
-	}); err != nil {
+	info, err := s.eng.Snapshot().Pool(id) // published before the materialization's end was delivered
+	if err != nil {
 		writeAPIError(w, errorFor(err))
 		return
 	}
@@ -203,12 +186,7 @@ func (s *Server) createPool(w http.ResponseWriter, r *http.Request, b *poolBody,
 }
 
 func (s *Server) handleListPools(w http.ResponseWriter, r *http.Request) {
-	var st engine.PoolsStatus
-	if err := s.eng.Inspect(r.Context(), func(sc *engine.Scheduler) { st = sc.Pools() }); err != nil {
-		writeAPIError(w, errorFor(err))
-		return
-	}
-	writeJSON(w, http.StatusOK, st)
+	writeJSON(w, http.StatusOK, s.eng.Snapshot().Pools)
 }
 
 func (s *Server) handleGetPool(w http.ResponseWriter, r *http.Request) {
@@ -217,11 +195,7 @@ func (s *Server) handleGetPool(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, e)
 		return
 	}
-	var info engine.PoolInfo
-	err := s.eng.Do(r.Context(), func(sc *engine.Scheduler) (err error) {
-		info, err = sc.Pool(id)
-		return err
-	})
+	info, err := s.eng.Snapshot().Pool(id)
 	if err != nil {
 		writeAPIError(w, errorFor(err))
 		return
@@ -235,15 +209,12 @@ func (s *Server) handleReleasePool(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, e)
 		return
 	}
-	var reclaimed bool
-	err := s.eng.Do(r.Context(), func(sc *engine.Scheduler) error {
-		if err := sc.ReleasePool(id, now()); err != nil {
-			return err
-		}
-		_, gone := sc.Pool(id)
-		reclaimed = gone != nil
-		return nil
-	})
+	res, err := s.eng.Send(r.Context(), engine.ReleasePool{Pool: id})
+	if err == nil {
+		err = res.Err
+	}
+	_, gone := s.eng.Snapshot().Pool(id)
+	reclaimed := gone != nil
 	if err != nil {
 		writeAPIError(w, errorFor(err))
 		return

@@ -260,12 +260,8 @@ func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
-	var usage engine.Usage
-	var floors map[string]float64
-	if err := s.eng.Inspect(r.Context(), func(sc *engine.Scheduler) { usage, floors = sc.Usage(), sc.Floors() }); err != nil {
-		writeAPIError(w, errorFor(err))
-		return
-	}
+	snap := s.eng.Snapshot()
+	usage, floors := snap.Usage, snap.Floors
 	writeJSON(w, http.StatusOK, map[string]any{
 		"model":              s.info.ModelID,
 		"model_path":         s.info.ModelPath,
@@ -300,12 +296,7 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) handleSlots(w http.ResponseWriter, r *http.Request) {
-	var slots []engine.SlotInfo
-	if err := s.eng.Inspect(r.Context(), func(sc *engine.Scheduler) { slots = sc.Slots() }); err != nil {
-		writeAPIError(w, errorFor(err))
-		return
-	}
-	writeJSON(w, http.StatusOK, slots)
+	writeJSON(w, http.StatusOK, s.eng.Snapshot().Slots)
 }
 
 type tokenizeRequest struct {

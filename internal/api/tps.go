@@ -25,9 +25,7 @@ func (s *Server) routeTPS(mux *http.ServeMux) {
 }
 
 func (s *Server) tpsSnapshot(r *http.Request) (engine.TPSSnapshot, error) {
-	var snap engine.TPSSnapshot
-	err := s.eng.Inspect(r.Context(), func(sc *engine.Scheduler) { snap = sc.TPS(time.Now()) })
-	return snap, err
+	return s.eng.Snapshot().TPS, nil
 }
 
 // handleTPS streams tps snapshots as SSE every interval_ms (default 500); ?once=1 or
@@ -101,17 +99,15 @@ func (s *Server) handleCapacity(w http.ResponseWriter, r *http.Request) {
 		expected = n
 	}
 	session := r.URL.Query().Get("session_id")
-	var rep engine.CapacityReport
-	err := s.eng.Do(r.Context(), func(sc *engine.Scheduler) error {
-		var err error
-		rep, err = sc.Capacity(id, expected, session, time.Now())
-		return err
-	})
+	res, err := s.eng.Send(r.Context(), engine.QueryCapacity{Pool: id, ExpectedTokens: expected, Session: session})
+	if err == nil {
+		err = res.Err
+	}
 	if err != nil {
 		writeAPIError(w, errorFor(err))
 		return
 	}
-	writeJSON(w, http.StatusOK, rep)
+	writeJSON(w, http.StatusOK, res.Capacity)
 }
 
 func (s *Server) handleGetAdmission(w http.ResponseWriter, r *http.Request) {
@@ -120,12 +116,7 @@ func (s *Server) handleGetAdmission(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, e)
 		return
 	}
-	var p admission.Policy
-	err := s.eng.Do(r.Context(), func(sc *engine.Scheduler) error {
-		var err error
-		p, err = sc.Admission(id)
-		return err
-	})
+	p, err := s.eng.Snapshot().Admission(id)
 	if err != nil {
 		writeAPIError(w, errorFor(err))
 		return
@@ -153,34 +144,16 @@ func (s *Server) handleSetAdmission(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, e)
 		return
 	}
-	var p admission.Policy
-	err := s.eng.Do(r.Context(), func(sc *engine.Scheduler) error {
-		cur, err := sc.Admission(id)
-		if err != nil {
-			return err
-		}
-		setIf(&cur.TargetTPS, body.TargetTPS)
-		setIf(&cur.Mode, body.Mode)
-		setIf(&cur.OnSaturation, body.OnSaturation)
-		setIf(&cur.GuaranteeMinSessions, body.GuaranteeMinSessions)
-		setIf(&cur.SettleTokens, body.SettleTokens)
-		setIf(&cur.SettleMaxMs, body.SettleMaxMs)
-		setIf(&cur.QueueTimeoutMs, body.QueueTimeoutMs)
-		if err := sc.SetAdmission(id, cur, time.Now()); err != nil {
-			return err
-		}
-		p = cur
-		return nil
-	})
+	patch := admission.Patch{TargetTPS: body.TargetTPS, Mode: body.Mode, OnSaturation: body.OnSaturation,
+		GuaranteeMinSessions: body.GuaranteeMinSessions, SettleTokens: body.SettleTokens, SettleMaxMs: body.SettleMaxMs,
+		QueueTimeoutMs: body.QueueTimeoutMs}
+	res, err := s.eng.Send(r.Context(), engine.SetAdmission{Pool: id, Patch: patch})
+	if err == nil {
+		err = res.Err
+	}
 	if err != nil {
 		writeAPIError(w, errorFor(err))
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"pool_id": id, "admission": p})
-}
-
-func setIf[T any](dst *T, v *T) {
-	if v != nil {
-		*dst = *v
-	}
+	writeJSON(w, http.StatusOK, map[string]any{"pool_id": id, "admission": res.Admission})
 }

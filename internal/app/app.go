@@ -142,14 +142,13 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		return nil, err
 	}
 	metrics := api.NewMetrics()
-	ecfg.Observer = metrics
 	sched, err := engine.NewScheduler(ecfg, runner.Vocab{M: model})
 	if err != nil {
 		ctx.Free()
 		model.Free()
 		return nil, err
 	}
-	eng := engine.New(sched, runner.NewBackend(model, ctx, log))
+	eng := engine.New(sched, runner.NewBackend(model, ctx, log), metrics)
 	metrics.SetEngine(eng)
 	id := strings.TrimSuffix(filepath.Base(cfg.ModelPath), filepath.Ext(cfg.ModelPath))
 	info := api.Info{

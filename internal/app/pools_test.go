@@ -11,7 +11,6 @@ import (
 	"testing"
 
 	"github.com/polykv/polykv/internal/engine"
-	"github.com/polykv/polykv/internal/runner"
 )
 
 // longSystem builds a system prompt of at least n tokens (tool descriptions, as an
@@ -73,15 +72,11 @@ func greedyTokens(t testing.TB, base string, prompt []int32, poolID int, n int) 
 // must fit, one more must not.
 func probeFreeCells(t testing.TB, a *App, seq, free int) {
 	t.Helper()
-	var fits, over bool
-	var err1, err2 error
-	err := a.Engine.Exec(context.Background(), func(_ *engine.Scheduler, b engine.Backend) {
-		rb := b.(*runner.Backend)
-		fits, err1 = rb.ProbeFits(seq, free, 1)
-		over, err2 = rb.ProbeFits(seq, free+1, 1)
-	})
-	if err != nil || err1 != nil || err2 != nil {
-		t.Fatalf("probe: %v %v %v", err, err1, err2)
+	ctx := context.Background()
+	fits, err1 := a.Engine.Probe(ctx, engine.ProbeFits{Seq: seq, N: free, Tok: 1})
+	over, err2 := a.Engine.Probe(ctx, engine.ProbeFits{Seq: seq, N: free + 1, Tok: 1})
+	if err1 != nil || err2 != nil {
+		t.Fatalf("probe: %v %v", err1, err2)
 	}
 	if !fits || over {
 		t.Fatalf("llama.cpp disagrees with the accounting: %d free cells fit=%v, %d fit=%v", free, fits, free+1, over)

@@ -29,7 +29,7 @@ func admissionHarness(t *testing.T, policy admission.Policy) (*harness, int, []T
 	h.stepCost = perDecodeCost
 	prefix := seqTokens(1, 20)
 	id := h.createPool(PoolSpec{Tokens: prefix})
-	if err := h.s.SetAdmission(id, policy, h.now); err != nil {
+	if err := h.setAdmission(id, policy); err != nil {
 		t.Fatal(err)
 	}
 	return h, id, prefix
@@ -47,7 +47,7 @@ func (h *harness) steps(n int) {
 
 func (h *harness) capacity(id int) CapacityReport {
 	h.t.Helper()
-	c, err := h.s.Capacity(id, 0, "", h.now)
+	c, err := h.capacityOf(id, 0, "")
 	if err != nil {
 		h.t.Fatal(err)
 	}
@@ -105,13 +105,13 @@ func TestEnforcedRejectWarnQueue(t *testing.T) {
 			p.TargetTPS = 40 // one session runs at ~50, two would be ~33
 			p.SettleTokens = 10
 			h, id, prefix := admissionHarness(t, p)
-			first, g, err := h.s.SubmitGated(agentReq(prefix, id, "a", 60), h.now)
+			first, g, err := h.submitGated(agentReq(prefix, id, "a", 60))
 			if err != nil || g.Held {
 				t.Fatalf("first session (guaranteed): %v %+v", err, g)
 			}
 			h.collect()
 			h.steps(30) // settled, one session decoding at ~50 tok/s
-			id2, g, err := h.s.SubmitGated(agentReq(prefix, id, "b", 10), h.now)
+			id2, g, err := h.submitGated(agentReq(prefix, id, "b", 10))
 			switch mode {
 			case admission.OnReject:
 				var se *SaturatedError
@@ -139,14 +139,14 @@ func TestEnforcedRejectWarnQueue(t *testing.T) {
 				_ = first
 			}
 			// A continuation of the known session and an overcommitted request pass.
-			if _, g, err := h.s.SubmitGated(agentReq(prefix, id, "a", 2), h.now); err != nil || g.Held || g.Checked {
+			if _, g, err := h.submitGated(agentReq(prefix, id, "a", 2)); err != nil || g.Held || g.Checked {
 				if mode != admission.OnQueue { // in queue mode "a" may still be running: it waits for its own sequence
 					t.Fatalf("continuation gated: %v %+v", err, g)
 				}
 			}
 			over := agentReq(prefix, id, "c", 2)
 			over.Overcommit = true
-			if _, g, err := h.s.SubmitGated(over, h.now); err != nil || g.Checked {
+			if _, g, err := h.submitGated(over); err != nil || g.Checked {
 				t.Fatalf("overcommit gated: %v %+v", err, g)
 			}
 		})
@@ -160,7 +160,7 @@ func TestSettlingHoldsInsteadOfRejecting(t *testing.T) {
 	h, id, prefix := admissionHarness(t, p)
 	h.submit(agentReq(prefix, id, "a", 200))
 	h.steps(2)
-	tid, g, err := h.s.SubmitGated(agentReq(prefix, id, "b", 5), h.now)
+	tid, g, err := h.submitGated(agentReq(prefix, id, "b", 5))
 	if err != nil || !g.Held || g.Verdict.Reason != admission.ReasonSettling {
 		t.Fatalf("second admit while settling: %v %+v", err, g)
 	}
@@ -174,7 +174,7 @@ func TestSettlingHoldsInsteadOfRejecting(t *testing.T) {
 	h2, id2, _ := admissionHarness(t, p)
 	h2.submit(agentReq(prefix, id2, "a", 200))
 	h2.steps(2)
-	tid2, g2, err := h2.s.SubmitGated(agentReq(prefix, id2, "b", 5), h2.now)
+	tid2, g2, err := h2.submitGated(agentReq(prefix, id2, "b", 5))
 	if err != nil || !g2.Held {
 		t.Fatalf("held while settling: %v %+v", err, g2)
 	}
@@ -197,16 +197,16 @@ func TestGuaranteeAndContextArm(t *testing.T) {
 	if !c.CanAdmit || !c.Guaranteed || c.Reason != admission.ReasonGuaranteed {
 		t.Fatalf("first session of a pool under an impossible floor: %+v", c.Verdict)
 	}
-	if _, g, err := h.s.SubmitGated(agentReq(prefix, id, "a", 50), h.now); err != nil || g.Held {
+	if _, g, err := h.submitGated(agentReq(prefix, id, "a", 50)); err != nil || g.Held {
 		t.Fatalf("guaranteed admit: %v %+v", err, g)
 	}
 	// The context arm is hard, even under the guarantee.
 	h2, id2, _ := admissionHarness(t, p)
-	c2, _ := h2.s.Capacity(id2, 5000, "", h2.now)
+	c2, _ := h2.capacityOf(id2, 5000, "")
 	if c2.CanAdmit || c2.Reason != admission.ReasonContext {
 		t.Fatalf("expected_tokens beyond the free cells: %+v", c2.Verdict)
 	}
-	known, _ := h.s.Capacity(id, 0, "a", h.now)
+	known, _ := h.capacityOf(id, 0, "a")
 	if !known.CanAdmit || known.KnownSession == nil || !*known.KnownSession {
 		t.Fatalf("known session: %+v", known.Verdict)
 	}
@@ -264,15 +264,15 @@ func TestGatedRequestsCountAgainstQueue(t *testing.T) {
 	h.submit(agentReq(prefix, id, "a", 500))
 	h.steps(10)
 	for _, sess := range []string{"b", "c"} {
-		if _, g, err := h.s.SubmitGated(agentReq(prefix, id, sess, 5), h.now); err != nil || !g.Held {
+		if _, g, err := h.submitGated(agentReq(prefix, id, sess, 5)); err != nil || !g.Held {
 			t.Fatalf("session %s: %v %+v, want held", sess, err, g)
 		}
 	}
-	if _, _, err := h.s.SubmitGated(agentReq(prefix, id, "d", 5), h.now); !errors.Is(err, ErrQueueFull) {
+	if _, _, err := h.submitGated(agentReq(prefix, id, "d", 5)); !errors.Is(err, ErrQueueFull) {
 		t.Fatalf("third held request with --queue 2: %v, want ErrQueueFull", err)
 	}
 	// The bound is on waiting: a request that gets a free sequence at once still runs.
-	if _, err := h.s.Submit(Request{Prompt: seqTokens(300, 4), MaxTokens: 1}, h.now); err != nil {
+	if _, err := h.trySubmit(Request{Prompt: seqTokens(300, 4), MaxTokens: 1}); err != nil {
 		t.Fatalf("an unpooled request with free sequences: %v", err)
 	}
 }

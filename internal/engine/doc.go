@@ -1,29 +1,38 @@
 // Package engine is PolyKV's continuous-batching core.
 //
 // The Scheduler is a deterministic state machine in the spirit of etcd's raft: it does
-// no I/O and reads no clock. Requests and cancellations enter through Submit and Cancel,
-// time enters as an argument, and each step it answers with a Plan: sampler and
-// sequence operations to perform, and one batch holding a decode token for every
-// generating task plus prompt chunks (chunked prefill) within the batch budget. The
-// backend's sampled tokens go back through Commit, and Events drains the text and
-// completions to deliver.
+// no I/O and reads no clock. Everything from outside enters as a typed message (Submit,
+// Cancel, CreatePool, ReleasePool, PinPool, EvictPool, FlushPool, SetAdmission,
+// QueryCapacity, Tick: messages.go) through one entry, Step(now, msg), which answers
+// with a Result. Each step of the model is a Plan: sampler and sequence operations to
+// perform, and one batch holding a decode token for every generating task plus prompt
+// chunks (chunked prefill) within the batch budget. The backend's sampled tokens go
+// back through Commit, and Events drains the text and completions to deliver. A log of
+// (time, message) pairs and backend results replays a run exactly.
 //
-// The driving loop (Engine.run) is, in full:
+// The Engine drives a Scheduler on one goroutine, the only one that touches the
+// Backend (and so the llama.cpp context) and the only reader of the clock. Its loop is,
+// in full:
 //
 //	for {
-//		handle waiting messages (Submit, Cancel, Inspect)
-//		plan := sched.Plan(now)
+//		for each waiting message m (or a Tick when idle for 200 ms):
+//			res := sched.Step(time.Now(), m)
+//			publish(sched.Snapshot(now)); deliver(sched.Events()); reply(res)
+//		plan := sched.Plan(time.Now())
 //		run plan.Samplers and plan.SeqOps on the backend
-//		deliver(sched.Events())
+//		publish if due; deliver(sched.Events())
 //		if len(plan.Batch) == 0 { wait for a message; continue }
 //		sampled, err := backend.Decode(plan.Batch)
-//		sched.Commit(sampled, err, now)
-//		deliver(sched.Events())
+//		sched.Commit(sampled, err, time.Now())
+//		publish if due; deliver(sched.Events())
 //	}
 //
-// Only that loop's goroutine touches the Backend (and so the llama.cpp context).
-// Handlers hold a Stream and read events from it; snapshots (Slots, Usage) are copied
-// out through Inspect.
+// Other goroutines (the HTTP handlers) only send messages (Engine.Submit, CreatePool,
+// Send) and read the immutable Snapshot the loop publishes through an atomic pointer:
+// after every message, whenever a task ends, and otherwise at most every 50 ms while
+// decoding. The snapshot is published before events are delivered, so a reader woken
+// by its own request's end, or by a command's reply, already sees the effect. A
+// request's events arrive on its Stream.
 //
 // Sequence and cell rules: each session sequence holds exactly the tokens listed in its
 // slot at positions 0..n-1. A known session reuses the longest common prefix of its
@@ -31,5 +40,10 @@
 // they end. Admission reserves the cells a prompt needs, evicting idle sessions least
 // recently used first, so two half-prefilled prompts can never deadlock the cache. When
 // no cell is left a generating task stops with finish "length" and Truncated set; the
-// context is never shifted.
+// context is never shifted. Pools (package pool) change state only through their
+// lifecycle verbs; a verb the scheduler's request breaks is counted (Violations).
+//
+// Tests: most scheduling rules are tested against a fake backend (fake_test.go) in
+// milliseconds, as data-driven stories (testdata/stories) and by fuzzing random
+// message sequences (FuzzSchedulerInvariants).
 package engine

@@ -3,48 +3,50 @@ package engine
 import (
 	"context"
 	"errors"
+	"fmt"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
 // Engine runs a Scheduler against a Backend on one goroutine, the only one that ever
-// touches the backend. Other goroutines talk to it through messages.
+// touches the backend. Other goroutines send it typed messages (Submit, CreatePool,
+// Send) and read the immutable Snapshot it publishes; nothing else reaches in.
 type Engine struct {
-	inbox   chan any
+	inbox   chan envelope
 	quit    chan struct{}
 	stopped chan struct{}
 	once    sync.Once
+	snap    atomic.Pointer[Snapshot]
+	obs     Observer
 }
 
-type submitMsg struct {
-	req   Request
-	reply chan submitReply
+// envelope carries one message to the engine goroutine; reply (nil for a cancel) gets
+// the scheduler's Result and, for a submit or a pool materialization, the task's stream.
+type envelope struct {
+	msg   Msg
+	probe *ProbeFits
+	reply chan reply
 }
 
-type submitReply struct {
-	id     TaskID
+type reply struct {
+	res    Result
 	stream *Stream
-	gate   Gate
-	err    error
+	fits   bool // a probe's answer
 }
 
-type cancelMsg struct{ id TaskID }
-
-type inspectMsg struct {
-	fn   func(*Scheduler, Backend)
-	done chan struct{}
+// ProbeFits asks llama.cpp itself whether N more cells fit, written to the empty
+// sequence Seq as copies of token Tok, beside what the cache holds (diagnostics and
+// tests of the cell accounting). The backend must implement CellProber.
+type ProbeFits struct {
+	Seq, N int
+	Tok    Token
 }
 
-type createPoolMsg struct {
-	spec  PoolSpec
-	reply chan poolReply
-}
-
-type poolReply struct {
-	id     int
-	stream *Stream
-	err    error
+// CellProber is a backend that can answer ProbeFits.
+type CellProber interface {
+	ProbeFits(seq, n int, tok Token) (bool, error)
 }
 
 // Stream delivers one task's events. Reading never blocks the engine: events queue in
@@ -140,16 +142,18 @@ func (s *Stream) Collect(ctx context.Context) ([]Event, error) {
 }
 
 // Cancel stops the task (idempotent).
-func (s *Stream) Cancel() { s.eng.send(cancelMsg{id: s.id}) }
+func (s *Stream) Cancel() { s.eng.send(envelope{msg: Cancel{Task: s.id}}) }
 
-// New starts an engine over sched and be. It owns both until Close.
-func New(sched *Scheduler, be Backend) *Engine {
-	e := &Engine{inbox: make(chan any, 1024), quit: make(chan struct{}), stopped: make(chan struct{})}
+// New starts an engine over sched and be. It owns both until Close. obs (optional)
+// receives the scheduler's measurements after each step.
+func New(sched *Scheduler, be Backend, obs Observer) *Engine {
+	e := &Engine{inbox: make(chan envelope, 1024), quit: make(chan struct{}), stopped: make(chan struct{}), obs: obs}
+	e.snap.Store(sched.Snapshot(time.Now()))
 	go e.run(sched, be)
 	return e
 }
 
-func (e *Engine) send(m any) bool {
+func (e *Engine) send(m envelope) bool {
 	select {
 	case e.inbox <- m:
 		return true
@@ -158,64 +162,47 @@ func (e *Engine) send(m any) bool {
 	}
 }
 
-// Submit queues req and returns its event stream, or the scheduler's refusal.
-func (e *Engine) Submit(ctx context.Context, req Request) (*Stream, error) {
-	st, _, err := e.SubmitGated(ctx, req)
-	return st, err
-}
-
-// SubmitGated is Submit, also returning what an enforced pool's gate decided.
-func (e *Engine) SubmitGated(ctx context.Context, req Request) (*Stream, Gate, error) {
-	reply := make(chan submitReply, 1)
-	if !e.send(submitMsg{req: req, reply: reply}) {
-		return nil, Gate{}, ErrEngineClosed
+// call sends m and waits for its reply. If ctx ends first the reply still comes (the
+// message was handled or will be); a stream it carries is cancelled.
+func (e *Engine) call(ctx context.Context, m envelope) (reply, error) {
+	m.reply = make(chan reply, 1)
+	if !e.send(m) {
+		return reply{}, ErrEngineClosed
 	}
 	select {
-	case r := <-reply:
-		return r.stream, r.gate, r.err
+	case r := <-m.reply:
+		return r, nil
 	case <-e.stopped:
-		return nil, Gate{}, ErrEngineClosed
+		return reply{}, ErrEngineClosed
 	case <-ctx.Done():
-		// The reply still comes; cancel whatever was created.
 		go func() {
-			if r := <-reply; r.stream != nil {
+			if r := <-m.reply; r.stream != nil {
 				r.stream.Cancel()
 			}
 		}()
-		return nil, Gate{}, ctx.Err()
+		return reply{}, ctx.Err()
 	}
 }
 
-// Inspect runs fn on the engine goroutine between steps. fn must only copy state out.
-func (e *Engine) Inspect(ctx context.Context, fn func(*Scheduler)) error {
-	return e.Exec(ctx, func(s *Scheduler, _ Backend) { fn(s) })
-}
-
-// Do runs a scheduler operation (a pool operation, say) on the engine goroutine and
-// returns its error. Sequence operations it plans run before the next step.
-func (e *Engine) Do(ctx context.Context, fn func(*Scheduler) error) error {
-	var err error
-	if xerr := e.Exec(ctx, func(s *Scheduler, _ Backend) { err = fn(s) }); xerr != nil {
-		return xerr
+// Submit queues req and returns its event stream and what an enforced pool's gate
+// decided, or the scheduler's refusal.
+func (e *Engine) Submit(ctx context.Context, req Request) (*Stream, Gate, error) {
+	r, err := e.call(ctx, envelope{msg: Submit{Req: req}})
+	if err != nil {
+		return nil, Gate{}, err
 	}
-	return err
+	return r.stream, r.res.Gate, r.res.Err
 }
 
 // CreatePool creates a pool and waits until it is materialized (attachable). If ctx
 // ends first the materialization is cancelled and nothing is left behind.
 func (e *Engine) CreatePool(ctx context.Context, spec PoolSpec) (int, Stats, error) {
-	reply := make(chan poolReply, 1)
-	if !e.send(createPoolMsg{spec: spec, reply: reply}) {
-		return 0, Stats{}, ErrEngineClosed
+	r, err := e.call(ctx, envelope{msg: CreatePool{Spec: spec}})
+	if err != nil {
+		return 0, Stats{}, err
 	}
-	var r poolReply
-	select {
-	case r = <-reply:
-	case <-e.stopped:
-		return 0, Stats{}, ErrEngineClosed
-	}
-	if r.err != nil || r.stream == nil {
-		return r.id, Stats{Pool: r.id}, r.err
+	if r.res.Err != nil || r.stream == nil {
+		return r.res.Pool, Stats{Pool: r.res.Pool}, r.res.Err
 	}
 	defer r.stream.Cancel()
 	evs, err := r.stream.Collect(ctx)
@@ -223,26 +210,35 @@ func (e *Engine) CreatePool(ctx context.Context, spec PoolSpec) (int, Stats, err
 		return 0, Stats{}, err
 	}
 	last := evs[len(evs)-1]
-	return r.id, last.Stats, last.Err
+	return r.res.Pool, last.Stats, last.Err
 }
 
-// Exec runs fn with the scheduler and the backend on the engine goroutine. It exists
-// for diagnostics and tests that must observe the backend itself; fn must leave the
-// backend as it found it.
-func (e *Engine) Exec(ctx context.Context, fn func(*Scheduler, Backend)) error {
-	done := make(chan struct{})
-	if !e.send(inspectMsg{fn: fn, done: done}) {
-		return ErrEngineClosed
+// Send hands a command (any Msg but Submit and CreatePool, whose tasks come with a
+// stream) to the scheduler and returns its Result; the Snapshot read after Send returns
+// already shows the command's effect.
+func (e *Engine) Send(ctx context.Context, m Msg) (Result, error) {
+	switch m.(type) {
+	case Submit, CreatePool:
+		return Result{}, fmt.Errorf("engine: send %T through Submit or CreatePool", m)
 	}
-	select {
-	case <-done:
-		return nil
-	case <-e.stopped:
-		return ErrEngineClosed
-	case <-ctx.Done():
-		return ctx.Err()
+	r, err := e.call(ctx, envelope{msg: m})
+	if err != nil {
+		return Result{}, err
 	}
+	return r.res, nil
 }
+
+// Probe asks the backend whether p.N more cells fit for p.Seq (see ProbeFits).
+func (e *Engine) Probe(ctx context.Context, p ProbeFits) (bool, error) {
+	r, err := e.call(ctx, envelope{probe: &p})
+	if err != nil {
+		return false, err
+	}
+	return r.fits, r.res.Err
+}
+
+// Snapshot is the state published after the last message or step. It never blocks.
+func (e *Engine) Snapshot() *Snapshot { return e.snap.Load() }
 
 // Close stops the engine after the current step; running tasks end with ErrEngineClosed.
 func (e *Engine) Close() {
@@ -253,14 +249,37 @@ func (e *Engine) Close() {
 // Done is closed once the engine goroutine has exited.
 func (e *Engine) Done() <-chan struct{} { return e.stopped }
 
+// snapshotEvery bounds how often a decoding engine republishes its snapshot: building
+// one walks every slot and pool, which does not belong on each decode step. Messages
+// and finished tasks always republish, so a reader sees its own command's effect.
+const snapshotEvery = 50 * time.Millisecond
+
 func (e *Engine) run(sched *Scheduler, be Backend) {
 	// The backend's C state is used from this thread only.
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	defer close(e.stopped)
 	streams := map[TaskID]*Stream{}
-	deliver := func() {
-		for _, ev := range sched.Events() {
+	var published time.Time
+	publish := func(now time.Time) {
+		e.snap.Store(sched.Snapshot(now))
+		published = now
+	}
+	// flush publishes a snapshot when forced, when a task ended or when the last one is
+	// snapshotEvery old, then hands out the scheduler's events: publishing first means
+	// a reader woken by an event already sees what it did in the snapshot.
+	flush := func(now time.Time, force bool) {
+		if obs := sched.Observations(); e.obs != nil {
+			Observe(e.obs, obs)
+		}
+		evs := sched.Events()
+		for _, ev := range evs {
+			force = force || ev.Done
+		}
+		if force || now.Sub(published) >= snapshotEvery {
+			publish(now)
+		}
+		for _, ev := range evs {
 			if st, ok := streams[ev.Task]; ok {
 				st.push(ev)
 				if ev.Done {
@@ -269,34 +288,30 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 			}
 		}
 	}
-	handle := func(m any) {
-		switch m := m.(type) {
-		case submitMsg:
-			id, gate, err := sched.SubmitGated(m.req, time.Now())
-			if err != nil {
-				m.reply <- submitReply{gate: gate, err: err}
-				return
+	handle := func(m envelope) {
+		now := time.Now() // the engine loop is the only reader of the clock
+		var r reply
+		switch {
+		case m.probe != nil:
+			r.res.Err = fmt.Errorf("engine: the backend cannot probe cells")
+			if cp, ok := be.(CellProber); ok {
+				r.fits, r.res.Err = cp.ProbeFits(m.probe.Seq, m.probe.N, m.probe.Tok)
 			}
-			st := newStream(id, e)
-			streams[id] = st
-			m.reply <- submitReply{id: id, stream: st, gate: gate}
-		case cancelMsg:
-			sched.Cancel(m.id, time.Now())
-		case inspectMsg:
-			m.fn(sched, be)
-			close(m.done)
-		case createPoolMsg:
-			id, task, err := sched.CreatePool(m.spec, time.Now())
-			var st *Stream
-			if err == nil && task != 0 {
-				st = newStream(task, e)
-				streams[task] = st
+		default:
+			r.res = sched.Step(now, m.msg)
+			// A submitted request, or a pool's materialization: its events get a stream.
+			if task := r.res.Task; r.res.Err == nil && task != 0 {
+				r.stream = newStream(task, e)
+				streams[task] = r.stream
 			}
-			m.reply <- poolReply{id: id, stream: st, err: err}
 		}
-		deliver()
+		flush(now, true)
+		if m.reply != nil {
+			m.reply <- r
+		}
 	}
-	// A periodic wake-up lets idle-session expiry run while no request arrives.
+	// A periodic wake-up lets time pass (expiry, reclaim, held requests) while no
+	// request arrives.
 	tick := time.NewTicker(200 * time.Millisecond)
 	defer tick.Stop()
 	idle := true
@@ -306,6 +321,7 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 			case m := <-e.inbox:
 				handle(m)
 			case <-tick.C:
+				handle(envelope{msg: Tick{}})
 			case <-e.quit:
 				e.shutdown(streams)
 				return
@@ -322,18 +338,21 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 				drained = true
 			}
 		}
-		p := sched.Plan(time.Now())
+		now := time.Now()
+		p := sched.Plan(now)
 		apply(be, p)
-		deliver()
+		changed := len(p.SeqOps) > 0 || len(p.Samplers) > 0
+		flush(now, changed && len(p.Batch) == 0)
 		if len(p.Batch) == 0 {
 			// A plan that only released sequences may let a waiting task start: plan again.
-			idle = len(p.SeqOps) == 0 && len(p.Samplers) == 0
+			idle = !changed
 			continue
 		}
 		idle = false
 		sampled, err := be.Decode(p.Batch)
-		sched.Commit(sampled, err, time.Now())
-		deliver()
+		now = time.Now()
+		sched.Commit(sampled, err, now)
+		flush(now, err != nil)
 	}
 }
 

@@ -6,6 +6,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/polykv/polykv/internal/pool"
 )
 
 // lockedBackend lets the test read the fake's state while the engine goroutine runs.
@@ -43,7 +45,7 @@ func startEngine(t *testing.T, cfg Config) (*Engine, *lockedBackend) {
 		t.Fatal(err)
 	}
 	be := &lockedBackend{f: newFakeBackend(t, cfg.NCtx)}
-	e := New(s, be)
+	e := New(s, be, nil)
 	t.Cleanup(e.Close)
 	return e, be
 }
@@ -76,7 +78,7 @@ func TestEngineConcurrentStreams(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			st, err := e.Submit(context.Background(), Request{Prompt: seqTokens(5, 6), MaxTokens: 12})
+			st, _, err := e.Submit(context.Background(), Request{Prompt: seqTokens(5, 6), MaxTokens: 12})
 			if err != nil {
 				t.Errorf("submit: %v", err)
 				return
@@ -89,7 +91,8 @@ func TestEngineConcurrentStreams(t *testing.T) {
 	}
 	wg.Wait()
 	var cells int
-	if err := e.Inspect(context.Background(), func(*Scheduler) {}); err != nil {
+	// A round trip through the engine: every earlier message has been handled.
+	if _, err := e.Send(context.Background(), Tick{}); err != nil {
 		t.Fatal(err)
 	}
 	be.mu.Lock()
@@ -102,7 +105,7 @@ func TestEngineConcurrentStreams(t *testing.T) {
 
 func TestEngineContextCancelFreesSequence(t *testing.T) {
 	e, be := startEngine(t, Config{NCtx: 1024, Parallel: 1, NBatch: 8, MaxQueue: 1})
-	st, err := e.Submit(context.Background(), Request{Prompt: seqTokens(1, 4)})
+	st, _, err := e.Submit(context.Background(), Request{Prompt: seqTokens(1, 4)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -121,17 +124,17 @@ func TestEngineContextCancelFreesSequence(t *testing.T) {
 		}
 	}
 	// The next request gets the only sequence, so the cancelled one was released.
-	st2, err := e.Submit(context.Background(), Request{Prompt: seqTokens(9, 4), MaxTokens: 3})
+	st2, _, err := e.Submit(context.Background(), Request{Prompt: seqTokens(9, 4), MaxTokens: 3})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if _, ev := drain(t, st2); ev.Err != nil || ev.Stats.PredictedN != 3 {
 		t.Fatalf("second request: %+v", ev)
 	}
-	var slots []SlotInfo
-	if err := e.Inspect(context.Background(), func(s *Scheduler) { slots = s.Slots() }); err != nil {
+	if _, err := e.Send(context.Background(), Tick{}); err != nil {
 		t.Fatal(err)
 	}
+	slots := e.Snapshot().Slots // published after the message
 	be.mu.Lock()
 	defer be.mu.Unlock()
 	if len(slots) != 0 || be.f.cells() != 0 || len(be.f.samplers) != 0 {
@@ -141,9 +144,46 @@ func TestEngineContextCancelFreesSequence(t *testing.T) {
 
 func TestEngineClose(t *testing.T) {
 	s, _ := NewScheduler(Config{NCtx: 1024, Parallel: 1, NBatch: 8, MaxQueue: 1}, fakeVocab{})
-	e := New(s, &lockedBackend{f: newFakeBackend(t, 1024)})
+	e := New(s, &lockedBackend{f: newFakeBackend(t, 1024)}, nil)
 	e.Close()
-	if _, err := e.Submit(context.Background(), Request{Prompt: seqTokens(1, 3)}); !errors.Is(err, ErrEngineClosed) {
+	if _, _, err := e.Submit(context.Background(), Request{Prompt: seqTokens(1, 3)}); !errors.Is(err, ErrEngineClosed) {
 		t.Fatalf("submit after close: %v", err)
+	}
+}
+
+// The HTTP layer reads snapshots instead of reaching into the engine: a command's
+// effect, and a finished request, must already be visible when the reply arrives.
+func TestSnapshotShowsACommandsEffectOnReply(t *testing.T) {
+	e, _ := startEngine(t, Config{NCtx: 1024, Parallel: 2, MaxPools: 2, NBatch: 16, MaxQueue: 4, PoolGrace: time.Hour})
+	ctx := context.Background()
+	id, _, err := e.CreatePool(ctx, PoolSpec{Tokens: seqTokens(1, 40)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info, err := e.Snapshot().Pool(id); err != nil || info.State != "resident" || len(info.Tokens) != 40 {
+		t.Fatalf("snapshot after create: %+v %v", info, err)
+	}
+	if res, err := e.Send(ctx, PinPool{Pool: id, Pin: true}); err != nil || res.Err != nil {
+		t.Fatalf("pin: %v %v", err, res.Err)
+	}
+	if info, _ := e.Snapshot().Pool(id); !info.UserPinned {
+		t.Fatal("snapshot after pin does not show the pin")
+	}
+	st, _, err := e.Submit(ctx, Request{Prompt: append(seqTokens(1, 40), 7), HasPool: true, PoolID: id, SessionID: "s", MaxTokens: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ev := drain(t, st); ev.Err != nil {
+		t.Fatal(ev.Err)
+	}
+	snap := e.Snapshot()
+	if len(snap.Slots) != 1 || snap.Slots[0].State != "idle" || snap.Usage.Running != 0 {
+		t.Fatalf("snapshot after the request ended: slots %+v usage %+v", snap.Slots, snap.Usage)
+	}
+	if res, err := e.Send(ctx, PinPool{Pool: 999}); err != nil || !errors.Is(res.Err, pool.ErrNotFound) {
+		t.Fatalf("pin of an unknown pool: %v %v", err, res.Err)
+	}
+	if _, err := e.Send(ctx, Submit{}); err == nil {
+		t.Fatal("Send accepted a Submit, which needs a stream")
 	}
 }

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"testing"
 	"time"
+
+	"github.com/polykv/polykv/internal/admission"
 )
 
 // fakeBackend models a unified KV cache: numbered cells, each holding a token, and per
@@ -168,7 +170,7 @@ func (h *harness) collect() {
 
 func (h *harness) submit(req Request) TaskID {
 	h.t.Helper()
-	id, err := h.s.Submit(req, h.now)
+	id, err := h.trySubmit(req)
 	if err != nil {
 		h.t.Fatalf("submit: %v", err)
 	}
@@ -237,4 +239,49 @@ func seqTokens(from, n int) []Token {
 		out[i] = Token(from + i)
 	}
 	return out
+}
+
+// send hands a message to the scheduler as the engine loop does: through Step, at the
+// harness's clock.
+func (h *harness) send(m Msg) Result {
+	r := h.s.Step(h.now, m)
+	h.collect()
+	return r
+}
+
+func (h *harness) trySubmit(req Request) (TaskID, error) {
+	r := h.send(Submit{Req: req})
+	return r.Task, r.Err
+}
+
+func (h *harness) submitGated(req Request) (TaskID, Gate, error) {
+	r := h.send(Submit{Req: req})
+	return r.Task, r.Gate, r.Err
+}
+
+func (h *harness) cancel(id TaskID) { h.send(Cancel{Task: id}) }
+
+func (h *harness) tryCreatePool(spec PoolSpec) (int, TaskID, error) {
+	r := h.send(CreatePool{Spec: spec})
+	return r.Pool, r.Task, r.Err
+}
+
+func (h *harness) releasePool(id int) error { return h.send(ReleasePool{Pool: id}).Err }
+
+func (h *harness) pinPool(id int, pin bool) error { return h.send(PinPool{Pool: id, Pin: pin}).Err }
+
+func (h *harness) evictPool(id int) error { return h.send(EvictPool{Pool: id}).Err }
+
+func (h *harness) flushPool(id int) (int, int, error) {
+	r := h.send(FlushPool{Pool: id})
+	return r.Flushed.Sessions, r.Flushed.Cells, r.Err
+}
+
+func (h *harness) setAdmission(id int, p admission.Policy) error {
+	return h.send(SetAdmission{Pool: id, Patch: admission.Replace(p)}).Err
+}
+
+func (h *harness) capacityOf(id, expected int, session string) (CapacityReport, error) {
+	r := h.send(QueryCapacity{Pool: id, ExpectedTokens: expected, Session: session})
+	return r.Capacity, r.Err
 }

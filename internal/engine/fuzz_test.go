@@ -57,15 +57,15 @@ func FuzzSchedulerInvariants(f *testing.F) {
 				if next()%2 == 0 {
 					req.HasPool, req.PoolID = true, pick()
 				}
-				if id, err := h.s.Submit(req, h.now); err == nil {
+				if id, err := h.trySubmit(req); err == nil {
 					tasks = append(tasks, id)
 				}
 			case 3:
 				if len(tasks) > 0 {
-					h.s.Cancel(tasks[next()%len(tasks)], h.now)
+					h.cancel(tasks[next()%len(tasks)])
 				}
 			case 4:
-				if id, _, err := h.s.CreatePool(PoolSpec{Tokens: prompt()}, h.now); err == nil {
+				if id, _, err := h.tryCreatePool(PoolSpec{Tokens: prompt()}); err == nil {
 					pools = append(pools, id)
 				}
 			case 5:
@@ -73,23 +73,23 @@ func FuzzSchedulerInvariants(f *testing.F) {
 				if info, err := h.s.Pool(parent); err == nil && len(info.Tokens) > 0 {
 					d := next() % (len(info.Tokens) + 1)
 					toks := append(slices.Clone(info.Tokens[:d]), Token(700+next()%5), Token(710))
-					if id, _, err := h.s.CreatePool(PoolSpec{HasParent: true, Parent: parent, D: d, Tokens: toks}, h.now); err == nil {
+					if id, _, err := h.tryCreatePool(PoolSpec{HasParent: true, Parent: parent, D: d, Tokens: toks}); err == nil {
 						pools = append(pools, id)
 					}
 				}
 			case 6:
-				_ = h.s.ReleasePool(pick(), h.now)
+				_ = h.releasePool(pick())
 			case 7:
 				id := pick()
 				switch next() % 4 {
 				case 0:
-					_ = h.s.EvictPool(id, h.now)
+					_ = h.evictPool(id)
 				case 1:
-					_ = h.s.PinPool(id, true, h.now)
+					_ = h.pinPool(id, true)
 				case 2:
-					_ = h.s.PinPool(id, false, h.now)
+					_ = h.pinPool(id, false)
 				case 3:
-					_, _, _ = h.s.FlushPool(id, h.now)
+					_, _, _ = h.flushPool(id)
 				}
 			case 8:
 				for range 1 + next()%4 {
@@ -102,13 +102,13 @@ func FuzzSchedulerInvariants(f *testing.F) {
 		}
 		// Drain: cancel everything, release every pool, let sessions expire.
 		for _, id := range tasks {
-			h.s.Cancel(id, h.now)
+			h.cancel(id)
 		}
 		// Children before parents (a parent with live children refuses), and a pool
 		// still materializing refuses until it is resident: retry across steps.
 		for range 20 {
 			for _, id := range pools {
-				_ = h.s.ReleasePool(id, h.now)
+				_ = h.releasePool(id)
 			}
 			h.checkStep(cfg)
 		}

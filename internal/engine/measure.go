@@ -11,11 +11,44 @@ import (
 )
 
 // Observer receives per-token and per-request measurements (Prometheus, in the server).
-// It is called on the engine goroutine and must not block.
+// The engine calls it on its goroutine after each step, with the step's Observations;
+// it must not block.
 type Observer interface {
 	TTFT(pool int, d time.Duration)
 	TokenLatency(d time.Duration)
 	Query(pool int, promptTokens, cachedTokens int)
+}
+
+// ObsKind names a measurement.
+type ObsKind int
+
+// Measurements the scheduler makes.
+const (
+	ObsTTFT         ObsKind = iota // a task's first token: D since submission, on Pool
+	ObsTokenLatency                // D between a task's consecutive tokens
+	ObsQuery                       // a finished request: PromptTokens, CachedTokens, on Pool
+)
+
+// Observation is one measurement made during a step.
+type Observation struct {
+	Kind                       ObsKind
+	Pool                       int
+	D                          time.Duration
+	PromptTokens, CachedTokens int
+}
+
+// Observe hands observations to o.
+func Observe(o Observer, obs []Observation) {
+	for _, x := range obs {
+		switch x.Kind {
+		case ObsTTFT:
+			o.TTFT(x.Pool, x.D)
+		case ObsTokenLatency:
+			o.TokenLatency(x.D)
+		case ObsQuery:
+			o.Query(x.Pool, x.PromptTokens, x.CachedTokens)
+		}
+	}
 }
 
 // poolAdmission is a pool's admission policy and measurement state (§14.2).
@@ -42,17 +75,18 @@ func (s *Scheduler) admissionOf(id int) *poolAdmission {
 	return pa
 }
 
-// SetAdmission sets a pool's policy.
-func (s *Scheduler) SetAdmission(id int, p admission.Policy, now time.Time) error {
-	s.now = now
+// setAdmission patches a pool's policy (message SetAdmission) and returns it.
+func (s *Scheduler) setAdmission(id int, patch admission.Patch) (admission.Policy, error) {
 	if _, err := s.getLive(id); err != nil {
-		return err
+		return admission.Policy{}, err
 	}
+	pa := s.admissionOf(id)
+	p := patch.Apply(pa.policy)
 	if err := p.Validate(); err != nil {
-		return fmt.Errorf("%w: %v", pool.ErrBadRequest, err)
+		return admission.Policy{}, fmt.Errorf("%w: %v", pool.ErrBadRequest, err)
 	}
-	s.admissionOf(id).policy = p
-	return nil
+	pa.policy = p
+	return p, nil
 }
 
 // Floors lists the pools with a tps floor set, and the floor.
@@ -64,14 +98,6 @@ func (s *Scheduler) Floors() map[string]float64 {
 		}
 	}
 	return out
-}
-
-// Admission returns a pool's policy.
-func (s *Scheduler) Admission(id int) (admission.Policy, error) {
-	if _, err := s.getLive(id); err != nil {
-		return admission.Policy{}, err
-	}
-	return s.admissionOf(id).policy, nil
 }
 
 // decoding reports a task that is generating (past its prompt).
@@ -204,9 +230,8 @@ type CapacityReport struct {
 	admission.Verdict
 }
 
-// Capacity answers GET /polykv/pools/{id}/capacity.
-func (s *Scheduler) Capacity(id, expected int, session string, now time.Time) (CapacityReport, error) {
-	s.now = now
+// capacity answers GET /polykv/pools/{id}/capacity (message QueryCapacity).
+func (s *Scheduler) capacity(id, expected int, session string) (CapacityReport, error) {
 	p, err := s.getLive(id)
 	if err != nil {
 		return CapacityReport{}, err

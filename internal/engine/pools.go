@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
-	"time"
 
 	"github.com/polykv/polykv/internal/pool"
 )
@@ -35,11 +34,12 @@ func (s *Scheduler) poolsAllowed() error {
 	return nil
 }
 
-// CreatePool makes a pool. A pool built from a session by zero-copy seq_cp is resident
-// at once (task 0); otherwise the returned task prefills it and its Done event tells
-// when the pool can be attached. Nothing is left behind when it fails.
-func (s *Scheduler) CreatePool(spec PoolSpec, now time.Time) (int, TaskID, error) {
-	s.now = now
+// createPool makes a pool (message CreatePool). A pool built from a session by
+// zero-copy seq_cp is resident at once (task 0); otherwise the returned task prefills
+// it and its Done event tells when the pool can be attached. Nothing is left behind
+// when it fails.
+func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
+	now := s.now
 	if err := s.poolsAllowed(); err != nil {
 		return 0, 0, err
 	}
@@ -155,7 +155,7 @@ func (s *Scheduler) abandonPool(p *pool.Pool, restoring bool) {
 	for _, c := range slices.Clone(p.Children) {
 		for _, q := range slices.Clone(s.queue) {
 			if q.kind == kindMaterialize && q.pool == c {
-				s.Cancel(q.id, s.now)
+				s.cancel(q.id)
 			}
 		}
 	}
@@ -214,10 +214,11 @@ func (s *Scheduler) getLive(id int) (*pool.Pool, error) {
 	return p, nil
 }
 
-// ReleasePool releases a pool: no new attaches; its cells are reclaimed once no
-// session uses them and the grace time has passed. A pool with children is refused.
-func (s *Scheduler) ReleasePool(id int, now time.Time) error {
-	s.now = now
+// releasePool releases a pool (message ReleasePool): no new attaches; its cells are
+// reclaimed once no session uses them and the grace time has passed. A pool with live
+// children is refused.
+func (s *Scheduler) releasePool(id int) error {
+	now := s.now
 	p, err := s.getLive(id)
 	if err != nil {
 		return err
@@ -238,9 +239,9 @@ func (s *Scheduler) ReleasePool(id int, now time.Time) error {
 	return nil
 }
 
-// PinPool sets or clears the user pin (a pinned pool is never evicted under pressure).
-func (s *Scheduler) PinPool(id int, pin bool, now time.Time) error {
-	s.now = now
+// pinPool sets or clears the user pin (a pinned pool is never evicted under pressure).
+func (s *Scheduler) pinPool(id int, pin bool) error {
+	now := s.now
 	p, err := s.getLive(id)
 	if err != nil {
 		return err
@@ -248,9 +249,9 @@ func (s *Scheduler) PinPool(id int, pin bool, now time.Time) error {
 	return p.SetPin(pin, now)
 }
 
-// EvictPool drops a pool's cells now, keeping its tokens: the next attach restores it.
-func (s *Scheduler) EvictPool(id int, now time.Time) error {
-	s.now = now
+// evictPoolByID drops a pool's cells now (message EvictPool), keeping its tokens: the
+// next attach restores it.
+func (s *Scheduler) evictPoolByID(id int) error {
 	p, err := s.getLive(id)
 	if err != nil {
 		return err
@@ -258,10 +259,9 @@ func (s *Scheduler) EvictPool(id int, now time.Time) error {
 	return s.evictPool(p)
 }
 
-// FlushPool drops the KV of the idle sessions attached to a pool (running ones are
-// untouched) and returns how many sessions and own cells were freed.
-func (s *Scheduler) FlushPool(id int, now time.Time) (int, int, error) {
-	s.now = now
+// flushPool drops the KV of the idle sessions attached to a pool (message FlushPool;
+// running ones are untouched) and returns how many sessions and own cells were freed.
+func (s *Scheduler) flushPool(id int) (int, int, error) {
 	p, err := s.getLive(id)
 	if err != nil {
 		return 0, 0, err

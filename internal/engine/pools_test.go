@@ -28,7 +28,7 @@ func (h *harness) poolSeq(id int) int {
 // createPool creates a pool and steps until it is materialized.
 func (h *harness) createPool(spec PoolSpec) int {
 	h.t.Helper()
-	id, task, err := h.s.CreatePool(spec, h.now)
+	id, task, err := h.tryCreatePool(spec)
 	if err != nil {
 		h.t.Fatalf("create pool: %v", err)
 	}
@@ -161,10 +161,10 @@ func TestAutoPDivergenceAndExplicitP(t *testing.T) {
 		t.Fatalf("explicit P 10: cache_n %d", ev.Stats.CacheN)
 	}
 	tooMany := 30
-	if _, err := h.s.Submit(Request{Prompt: diverge, HasPool: true, PoolID: id, SharedPrefixN: &tooMany}, h.now); !errors.Is(err, pool.ErrBadRequest) {
+	if _, err := h.trySubmit(Request{Prompt: diverge, HasPool: true, PoolID: id, SharedPrefixN: &tooMany}); !errors.Is(err, pool.ErrBadRequest) {
 		t.Fatalf("explicit P beyond the match: %v", err)
 	}
-	if _, err := h.s.Submit(Request{Prompt: diverge, HasPool: true, PoolID: 77}, h.now); !errors.Is(err, pool.ErrNotFound) {
+	if _, err := h.trySubmit(Request{Prompt: diverge, HasPool: true, PoolID: 77}); !errors.Is(err, pool.ErrNotFound) {
 		t.Fatalf("unknown pool: %v", err)
 	}
 	h.checkAccounting()
@@ -217,7 +217,7 @@ func TestForkExtendAndBranch(t *testing.T) {
 	// Contract violations leave nothing behind.
 	bad := slices.Clone(branch)
 	bad[12] = 4242
-	_, _, err := h.s.CreatePool(PoolSpec{HasParent: true, Parent: p0, D: 30, Tokens: bad}, h.now)
+	_, _, err := h.tryCreatePool(PoolSpec{HasParent: true, Parent: p0, D: 30, Tokens: bad})
 	if !errors.Is(err, pool.ErrPrefixMismatch) || !strings.Contains(err.Error(), "token 12") {
 		t.Fatalf("mismatch at 12: %v", err)
 	}
@@ -227,7 +227,7 @@ func TestForkExtendAndBranch(t *testing.T) {
 		{HasParent: true, Parent: p0, D: 50, Tokens: root},
 		{Tokens: nil},
 	} {
-		if _, _, err := h.s.CreatePool(spec, h.now); !errors.Is(err, pool.ErrBadRequest) {
+		if _, _, err := h.tryCreatePool(spec); !errors.Is(err, pool.ErrBadRequest) {
 			t.Fatalf("spec D=%d len=%d: %v", spec.D, len(spec.Tokens), err)
 		}
 	}
@@ -243,16 +243,16 @@ func TestReleaseOrderReclaimAndSeqExhaustion(t *testing.T) {
 	p0 := h.createPool(PoolSpec{Tokens: root})
 	p1 := h.createPool(PoolSpec{HasParent: true, Parent: p0, D: 20, Tokens: append(slices.Clone(root), 9, 9)})
 	p2 := h.createPool(PoolSpec{Tokens: seqTokens(400, 10)})
-	if _, _, err := h.s.CreatePool(PoolSpec{Tokens: seqTokens(1, 5)}, h.now); !errors.Is(err, pool.ErrNoSeqIDs) {
+	if _, _, err := h.tryCreatePool(PoolSpec{Tokens: seqTokens(1, 5)}); !errors.Is(err, pool.ErrNoSeqIDs) {
 		t.Fatalf("4th pool with max 3: %v", err)
 	}
-	if err := h.s.ReleasePool(p0, h.now); !errors.Is(err, pool.ErrHasChildren) {
+	if err := h.releasePool(p0); !errors.Is(err, pool.ErrHasChildren) {
 		t.Fatalf("release of a parent: %v", err)
 	}
-	if err := h.s.ReleasePool(p1, h.now); err != nil {
+	if err := h.releasePool(p1); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := h.s.Submit(Request{Prompt: append(slices.Clone(root), 9, 9, 1), HasPool: true, PoolID: p1}, h.now); !errors.Is(err, pool.ErrNotFound) {
+	if _, err := h.trySubmit(Request{Prompt: append(slices.Clone(root), 9, 9, 1), HasPool: true, PoolID: p1}); !errors.Is(err, pool.ErrNotFound) {
 		t.Fatalf("attach to a released pool: %v", err)
 	}
 	h.step()
@@ -264,7 +264,7 @@ func TestReleaseOrderReclaimAndSeqExhaustion(t *testing.T) {
 	if h.be.cells() != 30 {
 		t.Fatalf("after grace: %d cells, want 30", h.be.cells())
 	}
-	if err := h.s.ReleasePool(p0, h.now); err != nil {
+	if err := h.releasePool(p0); err != nil {
 		t.Fatalf("release root after its child: %v", err)
 	}
 	h.now = h.now.Add(2 * time.Second)
@@ -283,7 +283,7 @@ func TestReleaseOrderReclaimAndSeqExhaustion(t *testing.T) {
 		if _, err := h.s.Pool(stale); !errors.Is(err, pool.ErrNotFound) {
 			t.Fatalf("stale pool id %d: %v, want not found", stale, err)
 		}
-		if _, err := h.s.Submit(Request{Prompt: append(slices.Clone(root), 9, 9, 1), HasPool: true, PoolID: stale}, h.now); !errors.Is(err, pool.ErrNotFound) {
+		if _, err := h.trySubmit(Request{Prompt: append(slices.Clone(root), 9, 9, 1), HasPool: true, PoolID: stale}); !errors.Is(err, pool.ErrNotFound) {
 			t.Fatalf("attach by stale id %d: %v, want not found", stale, err)
 		}
 	}
@@ -297,7 +297,7 @@ func TestReleasedPoolWaitsForRunningSession(t *testing.T) {
 	tid := h.submit(Request{Prompt: append(slices.Clone(root), 3), HasPool: true, PoolID: id, SessionID: "x", MaxTokens: 6})
 	h.step()
 	h.step()
-	if err := h.s.ReleasePool(id, h.now); err != nil {
+	if err := h.releasePool(id); err != nil {
 		t.Fatal(err)
 	}
 	h.now = h.now.Add(5 * time.Second)
@@ -330,20 +330,20 @@ func TestPinEvictFlushRestore(t *testing.T) {
 	prompt := append(slices.Clone(root), 5, 6)
 	h.submit(Request{Prompt: prompt, HasPool: true, PoolID: id, SessionID: "s", MaxTokens: 2})
 	h.run()
-	if err := h.s.EvictPool(id, h.now); !errors.Is(err, pool.ErrConflict) {
+	if err := h.evictPool(id); !errors.Is(err, pool.ErrConflict) {
 		t.Fatalf("evict of a pinned pool: %v", err)
 	}
-	if err := h.s.PinPool(id, false, h.now); err != nil {
+	if err := h.pinPool(id, false); err != nil {
 		t.Fatal(err)
 	}
-	if err := h.s.EvictPool(id, h.now); !errors.Is(err, pool.ErrConflict) {
+	if err := h.evictPool(id); !errors.Is(err, pool.ErrConflict) {
 		t.Fatalf("evict with an attached session: %v", err)
 	}
-	n, cells, err := h.s.FlushPool(id, h.now)
+	n, cells, err := h.flushPool(id)
 	if err != nil || n != 1 || cells != 3 {
 		t.Fatalf("flush: %d sessions %d cells %v", n, cells, err)
 	}
-	if err := h.s.EvictPool(id, h.now); err != nil {
+	if err := h.evictPool(id); err != nil {
 		t.Fatal(err)
 	}
 	h.step()
@@ -408,19 +408,19 @@ func TestFromSessionZeroCopyAndSurvivesSession(t *testing.T) {
 		t.Fatalf("output %q, want %q", got, want)
 	}
 	h.checkAccounting()
-	if _, _, err := h.s.CreatePool(PoolSpec{FromSession: "nobody"}, h.now); !errors.Is(err, ErrSessionNotFound) {
+	if _, _, err := h.tryCreatePool(PoolSpec{FromSession: "nobody"}); !errors.Is(err, ErrSessionNotFound) {
 		t.Fatalf("unknown session: %v", err)
 	}
 }
 
 func TestCancelMaterializationLeavesNothing(t *testing.T) {
 	h := newHarness(t, poolCfg())
-	id, task, err := h.s.CreatePool(PoolSpec{Tokens: seqTokens(1, 100)}, h.now)
+	id, task, err := h.tryCreatePool(PoolSpec{Tokens: seqTokens(1, 100)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	h.step()
-	h.s.Cancel(task, h.now)
+	h.cancel(task)
 	h.collect()
 	h.step()
 	if _, err := h.s.Pool(id); !errors.Is(err, pool.ErrNotFound) {
@@ -455,10 +455,10 @@ func TestPoolsUnsupported(t *testing.T) {
 	cfg := poolCfg()
 	cfg.PoolsUnsupported = "recurrent memory"
 	h := newHarness(t, cfg)
-	if _, _, err := h.s.CreatePool(PoolSpec{Tokens: seqTokens(1, 4)}, h.now); !errors.Is(err, ErrPoolsUnsupported) {
+	if _, _, err := h.tryCreatePool(PoolSpec{Tokens: seqTokens(1, 4)}); !errors.Is(err, ErrPoolsUnsupported) {
 		t.Fatalf("create on a recurrent model: %v", err)
 	}
-	if _, err := h.s.Submit(Request{Prompt: seqTokens(1, 4), HasPool: true, PoolID: 4}, h.now); !errors.Is(err, ErrPoolsUnsupported) {
+	if _, err := h.trySubmit(Request{Prompt: seqTokens(1, 4), HasPool: true, PoolID: 4}); !errors.Is(err, ErrPoolsUnsupported) {
 		t.Fatalf("attach on a recurrent model: %v", err)
 	}
 }
@@ -471,16 +471,16 @@ func TestReleasedChildrenDoNotBlockParentRelease(t *testing.T) {
 	p0 := h.createPool(PoolSpec{Tokens: root})
 	p1 := h.createPool(PoolSpec{HasParent: true, Parent: p0, D: 20, Tokens: append(slices.Clone(root), 7, 8)})
 	p2 := h.createPool(PoolSpec{HasParent: true, Parent: p0, D: 10, Tokens: append(slices.Clone(root[:10]), 9)})
-	if err := h.s.ReleasePool(p1, h.now); err != nil {
+	if err := h.releasePool(p1); err != nil {
 		t.Fatal(err)
 	}
-	if err := h.s.ReleasePool(p0, h.now); !errors.Is(err, pool.ErrHasChildren) || !strings.Contains(err.Error(), fmt.Sprint([]int{p2})) {
+	if err := h.releasePool(p0); !errors.Is(err, pool.ErrHasChildren) || !strings.Contains(err.Error(), fmt.Sprint([]int{p2})) {
 		t.Fatalf("release with a live child %d: %v, want 409 naming only the live child", p2, err)
 	}
-	if err := h.s.ReleasePool(p2, h.now); err != nil {
+	if err := h.releasePool(p2); err != nil {
 		t.Fatal(err)
 	}
-	if err := h.s.ReleasePool(p0, h.now); err != nil {
+	if err := h.releasePool(p0); err != nil {
 		t.Fatalf("release of a root whose children are all released: %v", err)
 	}
 	h.step()
@@ -502,13 +502,13 @@ func TestForkReleasedIsNotFoundForkEvictedRestores(t *testing.T) {
 	root := seqTokens(1, 30)
 	p0 := h.createPool(PoolSpec{Tokens: root})
 	gone := h.createPool(PoolSpec{Tokens: seqTokens(100, 5)})
-	if err := h.s.ReleasePool(gone, h.now); err != nil {
+	if err := h.releasePool(gone); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := h.s.CreatePool(PoolSpec{HasParent: true, Parent: gone, D: 5, Tokens: append(seqTokens(100, 5), 1)}, h.now); !errors.Is(err, pool.ErrNotFound) {
+	if _, _, err := h.tryCreatePool(PoolSpec{HasParent: true, Parent: gone, D: 5, Tokens: append(seqTokens(100, 5), 1)}); !errors.Is(err, pool.ErrNotFound) {
 		t.Fatalf("fork of a released pool: %v, want not found", err)
 	}
-	if err := h.s.EvictPool(p0, h.now); err != nil {
+	if err := h.evictPool(p0); err != nil {
 		t.Fatal(err)
 	}
 	h.step()

@@ -22,7 +22,6 @@ type Config struct {
 	// PoolsUnsupported, when set, is why pool operations are refused (recurrent models).
 	PoolsUnsupported string
 	TPSTau           time.Duration // EWMA time constant of experienced tps (default 2 s)
-	Observer         Observer      // optional sink for TTFT, inter-token latency, queries
 }
 
 // MaxSeqs is the largest n_seq_max llama.cpp accepts.
@@ -157,6 +156,7 @@ type Scheduler struct {
 	ops      []SeqOp
 	samplers []SamplerOp
 	events   []Event
+	obs      []Observation
 	inflight []inflight
 
 	// violations counts pool lifecycle verbs that refused a transition the scheduler
@@ -195,17 +195,11 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	return s, nil
 }
 
-// Submit queues a request. It fails at once when the prompt can never run, the pool
-// it names cannot be attached, the queue is full or an enforced pool refuses a new
-// session; otherwise the task runs as soon as a sequence and cells are free.
-func (s *Scheduler) Submit(req Request, now time.Time) (TaskID, error) {
-	id, _, err := s.SubmitGated(req, now)
-	return id, err
-}
-
-// SubmitGated is Submit, also saying what an enforced pool's gate decided.
-func (s *Scheduler) SubmitGated(req Request, now time.Time) (TaskID, Gate, error) {
-	s.now = now
+// submit queues a request (message Submit). It fails at once when the prompt can never
+// run, the pool it names cannot be attached, the queue is full or an enforced pool
+// refuses a new session; otherwise the task runs as soon as a sequence and cells are
+// free. The Gate says what an enforced pool's gate decided.
+func (s *Scheduler) submit(req Request) (TaskID, Gate, error) {
 	if len(req.Prompt) == 0 {
 		return 0, Gate{}, ErrEmptyPrompt
 	}
@@ -275,10 +269,8 @@ func (s *Scheduler) canStartNow(req Request) bool {
 	return false
 }
 
-// Cancel ends a task: a waiting one leaves the queue, a running one stops and frees its
-// sequence before the next step. Unknown ids are ignored (the task already ended).
-func (s *Scheduler) Cancel(id TaskID, now time.Time) {
-	s.now = now
+// cancel ends a task (message Cancel).
+func (s *Scheduler) cancel(id TaskID) {
 	t, ok := s.tasks[id]
 	if !ok {
 		return
@@ -301,6 +293,14 @@ func (s *Scheduler) Events() []Event {
 	ev := s.events
 	s.events = nil
 	return ev
+}
+
+// Observations drains the measurements made since the last call; the engine hands
+// them to its Observer, so the scheduler itself calls out to nothing.
+func (s *Scheduler) Observations() []Observation {
+	o := s.obs
+	s.obs = nil
+	return o
 }
 
 // Idle reports that nothing is waiting or running.
@@ -469,15 +469,21 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 
 func commonPrefix(a, b []Token) int { return pool.CommonPrefix(a, b) }
 
+// advance does what the passing of time does (message Tick, and the start of Plan):
+// expiry and reclaim, settle windows, held requests, then admission of waiting tasks.
+func (s *Scheduler) advance() {
+	s.expire()
+	s.settle()
+	s.releaseGated()
+	s.admit()
+}
+
 // Plan builds the next step: one decode token for every generating task, then prompt
 // chunks in admission order with what is left of the batch (chunked prefill).
 func (s *Scheduler) Plan(now time.Time) Plan {
 	s.now = now
 	s.planAt = now
-	s.expire()
-	s.settle()
-	s.releaseGated()
-	s.admit()
+	s.advance()
 	s.inflight = s.inflight[:0]
 	var batch []BatchEntry
 	budget := s.cfg.NBatch
@@ -557,9 +563,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 			t.slot.tokens = append(t.slot.tokens, t.next)
 			t.hasNext = false
 			t.ewma.Observe(1, now)
-			if o := s.cfg.Observer; o != nil {
-				o.TokenLatency(now.Sub(t.lastTok))
-			}
+			s.obs = append(s.obs, Observation{Kind: ObsTokenLatency, D: now.Sub(t.lastTok)})
 			t.lastTok = now
 		} else {
 			have := len(t.slot.tokens)
@@ -587,9 +591,7 @@ func (s *Scheduler) onToken(t *task, smp Sampled) {
 	if t.firstTok.IsZero() {
 		t.firstTok, t.lastTok = s.now, s.now
 		t.ewma.Start(s.now)
-		if o := s.cfg.Observer; o != nil {
-			o.TTFT(t.poolID(), s.now.Sub(t.submitted))
-		}
+		s.obs = append(s.obs, Observation{Kind: ObsTTFT, Pool: t.poolID(), D: s.now.Sub(t.submitted)})
 	}
 	if s.vocab.IsEOG(smp.Token) && !t.req.IgnoreEOS {
 		s.finish(t, FinishStop, false, nil)
@@ -642,9 +644,7 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 	stats.TPS = t.ewma.Rate()
 	s.events = append(s.events, Event{Task: t.id, Text: t.text.flush(), Done: true, Finish: reason, Truncated: truncated, Err: err, Stats: stats})
 	s.samplers = append(s.samplers, SamplerOp{Task: t.id, Free: true})
-	if o := s.cfg.Observer; o != nil {
-		o.Query(stats.Pool, len(t.req.Prompt), t.cacheN)
-	}
+	s.obs = append(s.obs, Observation{Kind: ObsQuery, Pool: stats.Pool, PromptTokens: len(t.req.Prompt), CachedTokens: t.cacheN})
 	s.removeRunning(t)
 	if sl.session == "" || (sl.base != nil && sl.base.State == pool.Released) {
 		s.evictSlot(sl)

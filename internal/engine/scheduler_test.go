@@ -69,7 +69,7 @@ func TestQueueBound(t *testing.T) {
 	if u := h.s.Usage(); u.Running != 1 || u.Waiting != 2 {
 		t.Fatalf("usage %+v, want 1 running and 2 waiting", u)
 	}
-	if _, err := h.s.Submit(Request{Prompt: seqTokens(1, 4)}, h.now); !errors.Is(err, ErrQueueFull) {
+	if _, err := h.trySubmit(Request{Prompt: seqTokens(1, 4)}); !errors.Is(err, ErrQueueFull) {
 		t.Fatalf("4th request: err %v, want ErrQueueFull", err)
 	}
 	h.run()
@@ -80,7 +80,7 @@ func TestQueueBound(t *testing.T) {
 		}
 	}
 	// Once drained the queue accepts again.
-	if _, err := h.s.Submit(Request{Prompt: seqTokens(1, 4)}, h.now); err != nil {
+	if _, err := h.trySubmit(Request{Prompt: seqTokens(1, 4)}); err != nil {
 		t.Fatalf("after drain: %v", err)
 	}
 }
@@ -94,7 +94,7 @@ func TestCancelFreesSequence(t *testing.T) {
 	if h.be.cells() == 0 {
 		t.Fatal("A holds no cells while running")
 	}
-	h.s.Cancel(a, h.now)
+	h.cancel(a)
 	h.collect()
 	ev, ok := h.done(a)
 	if !ok || ev.Finish != FinishCancelled || !errors.Is(ev.Err, ErrCancelled) {
@@ -111,7 +111,7 @@ func TestCancelFreesSequence(t *testing.T) {
 	if h.be.cells() != 0 || len(h.be.samplers) != 0 {
 		t.Fatalf("leak: %d cells, %d samplers", h.be.cells(), len(h.be.samplers))
 	}
-	h.s.Cancel(a, h.now) // cancelling an ended task is harmless
+	h.cancel(a) // cancelling an ended task is harmless
 	if got, want := h.text(b), expectedText(t, seqTokens(50, 5), 2); got != want {
 		t.Fatalf("B output %q, want %q", got, want)
 	}
@@ -121,7 +121,7 @@ func TestCancelWaitingTask(t *testing.T) {
 	h := newHarness(t, Config{NCtx: 512, Parallel: 1, NBatch: 8, MaxQueue: 2})
 	h.submit(Request{Prompt: seqTokens(1, 5), MaxTokens: 3})
 	b := h.submit(Request{Prompt: seqTokens(1, 5), MaxTokens: 3})
-	h.s.Cancel(b, h.now)
+	h.cancel(b)
 	h.collect()
 	if ev, ok := h.done(b); !ok || ev.Finish != FinishCancelled {
 		t.Fatalf("waiting task not cancelled: %+v", ev)
@@ -265,7 +265,7 @@ func TestContextExhaustionTruncates(t *testing.T) {
 	if ev.Stats.PredictedN != 32-20+1 {
 		t.Fatalf("generated %d tokens, want %d", ev.Stats.PredictedN, 13)
 	}
-	if _, err := h.s.Submit(Request{Prompt: seqTokens(1, 32)}, h.now); !errors.Is(err, ErrPromptTooLong) {
+	if _, err := h.trySubmit(Request{Prompt: seqTokens(1, 32)}); !errors.Is(err, ErrPromptTooLong) {
 		t.Fatalf("prompt of n_ctx tokens: %v", err)
 	}
 }
@@ -338,7 +338,7 @@ func TestConfigValidation(t *testing.T) {
 		t.Error("tiny context accepted")
 	}
 	h := newHarness(t, defaultCfg())
-	if _, err := h.s.Submit(Request{}, h.now); !errors.Is(err, ErrEmptyPrompt) {
+	if _, err := h.trySubmit(Request{}); !errors.Is(err, ErrEmptyPrompt) {
 		t.Fatalf("empty prompt: %v", err)
 	}
 }
@@ -413,5 +413,25 @@ func TestSessionTTLZeroNeverExpires(t *testing.T) {
 	h.step()
 	if h.be.cells() == 0 || len(h.s.Slots()) != 1 {
 		t.Fatal("an idle session expired with SessionTTL 0")
+	}
+}
+
+// Measurements leave the scheduler as data with the step, not as calls from inside it.
+func TestObservationsComeOutOfTheStep(t *testing.T) {
+	h := newHarness(t, defaultCfg())
+	h.submit(Request{Prompt: seqTokens(1, 5), MaxTokens: 3})
+	h.run()
+	kinds := map[ObsKind]int{}
+	for _, o := range h.s.Observations() {
+		kinds[o.Kind]++
+		if o.Kind == ObsQuery && (o.PromptTokens != 5 || o.CachedTokens != 0) {
+			t.Fatalf("query observation %+v", o)
+		}
+	}
+	if kinds[ObsTTFT] != 1 || kinds[ObsTokenLatency] != 2 || kinds[ObsQuery] != 1 {
+		t.Fatalf("observations %v: want 1 TTFT, 2 token latencies (3 tokens), 1 query", kinds)
+	}
+	if len(h.s.Observations()) != 0 {
+		t.Fatal("Observations does not drain")
 	}
 }

@@ -1,5 +1,13 @@
 package engine
 
+import (
+	"fmt"
+	"time"
+
+	"github.com/polykv/polykv/internal/admission"
+	"github.com/polykv/polykv/internal/pool"
+)
+
 // SlotInfo is a copy of one sequence's state for /slots.
 type SlotInfo struct {
 	Seq       int     `json:"id"`
@@ -75,4 +83,68 @@ func (s *Scheduler) Usage() Usage {
 		}
 	}
 	return Usage{CellsUsed: s.usedCells(), CellsMax: s.cfg.NCtx, Running: running, Waiting: waiting, Sessions: len(s.bySession), Pools: s.pools.Len()}
+}
+
+// Snapshot is an immutable copy of everything the HTTP layer reads: the engine
+// goroutine publishes one after every message and, while decoding, at most every
+// snapshotEvery, so handlers never wait for (or touch) the engine goroutine to read.
+// Nothing in it may be modified.
+type Snapshot struct {
+	At         time.Time
+	Slots      []SlotInfo
+	Usage      Usage
+	Floors     map[string]float64
+	Pools      PoolsStatus
+	TPS        TPSSnapshot
+	Metrics    []PoolMetric
+	Violations int
+	// tokens holds each pool's prefix: pool prefixes are immutable, so the snapshot
+	// shares them instead of copying.
+	tokens      map[int][]Token
+	admission   map[int]admission.Policy
+	unsupported string
+}
+
+// Snapshot copies out the observable state at now.
+func (s *Scheduler) Snapshot(now time.Time) *Snapshot {
+	s.now = now
+	metrics, usage := s.Metrics(now)
+	sn := &Snapshot{At: now, Slots: s.Slots(), Usage: usage, Floors: s.Floors(), Pools: s.Pools(), TPS: s.TPS(now),
+		Metrics: metrics, Violations: s.violations, tokens: map[int][]Token{}, admission: map[int]admission.Policy{},
+		unsupported: s.cfg.PoolsUnsupported}
+	for _, p := range s.pools.All() {
+		sn.tokens[p.ID] = p.Tokens
+		if pa, ok := s.admission[p.ID]; ok {
+			sn.admission[p.ID] = pa.policy
+		} else {
+			sn.admission[p.ID] = admission.DefaultPolicy()
+		}
+	}
+	return sn
+}
+
+// Pool returns one pool's status with its tokens (GET /polykv/pools/{id}).
+func (sn *Snapshot) Pool(id int) (PoolInfo, error) {
+	if sn.unsupported != "" {
+		return PoolInfo{}, fmt.Errorf("%w: %s", ErrPoolsUnsupported, sn.unsupported)
+	}
+	for _, p := range sn.Pools.Pools {
+		if p.PoolID == id {
+			p.Tokens = sn.tokens[id]
+			return p, nil
+		}
+	}
+	return PoolInfo{}, fmt.Errorf("%w: pool %d does not exist (never created, or released and reclaimed)", pool.ErrNotFound, id)
+}
+
+// Admission returns a live pool's admission policy.
+func (sn *Snapshot) Admission(id int) (admission.Policy, error) {
+	info, err := sn.Pool(id)
+	if err != nil {
+		return admission.Policy{}, err
+	}
+	if info.State == pool.Released.String() {
+		return admission.Policy{}, fmt.Errorf("%w: pool %d was released", pool.ErrNotFound, id)
+	}
+	return sn.admission[id], nil
 }

@@ -93,7 +93,7 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 			n := atoi(t, d, v)
 			req.SharedPrefixN = &n
 		}
-		id, err := st.h.s.Submit(req, st.h.now)
+		id, err := st.h.trySubmit(req)
 		if err != nil {
 			return fmt.Sprintf("%s: error: %v", name, err)
 		}
@@ -107,14 +107,14 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 		var err error
 		switch d.Cmd {
 		case "release":
-			err = st.h.s.ReleasePool(id, st.h.now)
+			err = st.h.releasePool(id)
 		case "evict":
-			err = st.h.s.EvictPool(id, st.h.now)
+			err = st.h.evictPool(id)
 		case "pin", "unpin":
-			err = st.h.s.PinPool(id, d.Cmd == "pin", st.h.now)
+			err = st.h.pinPool(id, d.Cmd == "pin")
 		case "flush":
 			var n, cells int
-			n, cells, err = st.h.s.FlushPool(id, st.h.now)
+			n, cells, err = st.h.flushPool(id)
 			if err == nil {
 				return fmt.Sprintf("flushed %d sessions, %d cells", n, cells)
 			}
@@ -124,7 +124,7 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 		}
 		return "ok"
 	case "cancel":
-		st.h.s.Cancel(st.tasks[arg(d, "name")], st.h.now)
+		st.h.cancel(st.tasks[arg(d, "name")])
 		st.h.collect()
 		st.ended()
 	case "step":
@@ -166,7 +166,7 @@ func (st *story) pool(t *testing.T, d *datadriven.TestData) string {
 	if v := arg(d, "parent"); v != "" {
 		spec.HasParent, spec.Parent, spec.D = true, st.poolID(v), atoi(t, d, arg(d, "d"))
 	}
-	id, task, err := st.h.s.CreatePool(spec, st.h.now)
+	id, task, err := st.h.tryCreatePool(spec)
 	if err != nil {
 		return fmt.Sprintf("%s: error: %v", name, err)
 	}

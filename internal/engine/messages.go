@@ -1,0 +1,128 @@
+package engine
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/polykv/polykv/internal/admission"
+)
+
+// Msg is one input to the scheduler. These types are the complete list of what can
+// change the scheduler's state from outside (besides Plan and Commit, which the engine
+// loop drives): every request, cancellation and pool or admission command is one of
+// them, handed to Scheduler.Step with the time it happened. A log of (time, Msg) pairs
+// and backend results replays a run exactly.
+type Msg interface{ isMsg() }
+
+// Submit queues a generation request. Result: Task and Gate, or Err when it is refused
+// (empty or too long prompt, pool not attachable, queue full, enforced pool saturated).
+type Submit struct{ Req Request }
+
+// Cancel ends a task: a waiting one leaves the queue, a running one stops and frees its
+// sequence before the next step. An unknown task is ignored (it already ended).
+type Cancel struct{ Task TaskID }
+
+// CreatePool makes a root or, with Spec.HasParent, a child pool. Result: Pool, and Task,
+// the materialization whose Done event says when the pool can be attached (0 when it is
+// resident at once, built zero-copy from a session).
+type CreatePool struct{ Spec PoolSpec }
+
+// ReleasePool releases a pool: no new attaches; cells are reclaimed once unused and past
+// the grace time.
+type ReleasePool struct{ Pool int }
+
+// PinPool sets (Pin) or clears the user pin.
+type PinPool struct {
+	Pool int
+	Pin  bool
+}
+
+// EvictPool drops a pool's cells now, keeping its tokens for a transparent restore.
+type EvictPool struct{ Pool int }
+
+// FlushPool drops the KV of the idle sessions attached to a pool. Result: Flushed.
+type FlushPool struct{ Pool int }
+
+// SetAdmission changes the fields of a pool's admission policy that Patch sets.
+// Result: Admission, the policy now in force.
+type SetAdmission struct {
+	Pool  int
+	Patch admission.Patch
+}
+
+// QueryCapacity asks for a pool's admission verdict now (it depends on the clock, so
+// it is a message, not a snapshot read). Result: Capacity.
+type QueryCapacity struct {
+	Pool           int
+	ExpectedTokens int
+	Session        string
+}
+
+// Tick lets time pass: idle sessions expire, released pools are reclaimed, settle
+// windows close and held requests are let in or refused. Plan does the same first.
+type Tick struct{}
+
+func (Submit) isMsg()        {}
+func (Cancel) isMsg()        {}
+func (CreatePool) isMsg()    {}
+func (ReleasePool) isMsg()   {}
+func (PinPool) isMsg()       {}
+func (EvictPool) isMsg()     {}
+func (FlushPool) isMsg()     {}
+func (SetAdmission) isMsg()  {}
+func (QueryCapacity) isMsg() {}
+func (Tick) isMsg()          {}
+
+// Result is the scheduler's answer to one message; which fields are set depends on the
+// message (see each type). Err is the refusal, mapped to an HTTP status by the API.
+type Result struct {
+	Task      TaskID
+	Gate      Gate
+	Pool      int
+	Flushed   Flushed
+	Capacity  CapacityReport
+	Admission admission.Policy
+	Err       error
+}
+
+// Flushed is what FlushPool freed.
+type Flushed struct {
+	Sessions int `json:"flushed_sessions"`
+	Cells    int `json:"freed_cells"`
+}
+
+// Step applies one message at time now. It is the scheduler's only entry for inputs;
+// the sequence operations and samplers it plans run before the next batch (Plan).
+func (s *Scheduler) Step(now time.Time, m Msg) Result {
+	s.now = now
+	switch m := m.(type) {
+	case Submit:
+		id, g, err := s.submit(m.Req)
+		return Result{Task: id, Gate: g, Err: err}
+	case Cancel:
+		s.cancel(m.Task)
+	case CreatePool:
+		id, task, err := s.createPool(m.Spec)
+		return Result{Pool: id, Task: task, Err: err}
+	case ReleasePool:
+		return Result{Pool: m.Pool, Err: s.releasePool(m.Pool)}
+	case PinPool:
+		return Result{Pool: m.Pool, Err: s.pinPool(m.Pool, m.Pin)}
+	case EvictPool:
+		return Result{Pool: m.Pool, Err: s.evictPoolByID(m.Pool)}
+	case FlushPool:
+		n, cells, err := s.flushPool(m.Pool)
+		return Result{Pool: m.Pool, Flushed: Flushed{Sessions: n, Cells: cells}, Err: err}
+	case SetAdmission:
+		p, err := s.setAdmission(m.Pool, m.Patch)
+		return Result{Pool: m.Pool, Admission: p, Err: err}
+	case QueryCapacity:
+		c, err := s.capacity(m.Pool, m.ExpectedTokens, m.Session)
+		return Result{Pool: m.Pool, Capacity: c, Err: err}
+	case Tick:
+		s.advance()
+	default:
+		return Result{Err: fmt.Errorf("engine: unknown message %T", m)}
+	}
+	return Result{}
+}
