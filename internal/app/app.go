@@ -31,6 +31,10 @@ type Config struct {
 	PoolGrace  time.Duration // --pool-grace-ms
 	FlashAttn  string        // --flash-attn: on (default), off, auto
 	TPSTau     time.Duration // --tps-tau-ms: EWMA time constant of experienced tps
+
+	// APIKeys (--api-key, --api-key-file): when any is set, every route but /health
+	// needs "Authorization: Bearer KEY" with one of them. None: the server is open.
+	APIKeys []string
 }
 
 // Defaults fills unset fields.
@@ -152,6 +156,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		info.TPSTauMs = cfg.TPSTau.Milliseconds()
 	}
 	srv := api.New(eng, model, runner.NewChatRenderer(model), info, metrics, log)
+	srv.RequireAPIKeys(cfg.APIKeys)
 	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv}, nil
 }
 
