@@ -3,6 +3,7 @@ package main
 import (
 	"flag"
 	"io"
+	"reflect"
 	"testing"
 	"time"
 
@@ -25,7 +26,7 @@ func parseCore(t *testing.T, args ...string) app.Config {
 func TestFlagsDistinguishNotGivenFromZero(t *testing.T) {
 	def := parseCore(t)
 	want := app.DefaultConfig().Resolved()
-	if def != want {
+	if !reflect.DeepEqual(def, want) {
 		t.Fatalf("no flags: %+v, want the defaults %+v", def, want)
 	}
 	if def.SessionTTL != 30*time.Minute || def.MaxPools != 16 || def.PoolGrace != 30*time.Second || def.MaxQueue != 64 {

@@ -87,10 +87,14 @@ func serve(args []string) error {
 	fs := flag.NewFlagSet("serve", flag.ExitOnError)
 	cfg := app.DefaultConfig()
 	coreFlags(fs, &cfg)
+	loadAPIKeys := apiKeyFlags(fs, &cfg)
 	host := fs.String("host", "127.0.0.1", "address to listen on")
 	port := fs.Int("port", 8080, "port to listen on (0: any free port)")
 	verbose := fs.Bool("v", false, "debug logging")
 	_ = fs.Parse(args)
+	if err := loadAPIKeys(); err != nil {
+		return err
+	}
 	level := slog.LevelInfo
 	if *verbose {
 		level = slog.LevelDebug
@@ -107,7 +111,8 @@ func serve(args []string) error {
 	}
 	srv := &http.Server{Handler: a.API.Handler(), ReadHeaderTimeout: 10 * time.Second}
 	log.Info("polykv listening", "addr", "http://"+ln.Addr().String(), "model", a.Model.Desc(),
-		"n_ctx", a.Config.NCtx, "parallel", a.Config.Parallel, "batch", a.Config.NBatch, "threads", a.Config.Threads)
+		"n_ctx", a.Config.NCtx, "parallel", a.Config.Parallel, "batch", a.Config.NBatch, "threads", a.Config.Threads,
+		"api_keys", len(a.Config.APIKeys))
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	sig := make(chan os.Signal, 1)

@@ -39,6 +39,7 @@ type genParams struct {
 	RepeatLastN      *int            `json:"repeat_last_n"`
 	IgnoreEOS        bool            `json:"ignore_eos"`
 	Logprobs         json.RawMessage `json:"logprobs"`
+	TopLogprobs      *int            `json:"top_logprobs"`
 	SessionID        *string         `json:"session_id"`
 	PoolID           json.RawMessage `json:"pool_id"`
 	SharedPrefixN    *int            `json:"shared_prefix_n_tokens"`
@@ -149,18 +150,23 @@ func (s *Server) toEngine(g *genParams) (engine.Request, *apiError) {
 	if g.N != nil && *g.N != 1 {
 		return req, badRequest("n: only 1 choice per request is supported, got %d", *g.N)
 	}
-	maxTok := g.MaxTokens
-	if g.MaxCompletionTokens != nil {
-		maxTok = g.MaxCompletionTokens
-	}
-	if maxTok != nil {
+	// OpenAI refuses max_tokens 0 (it would generate nothing, and llama-server's
+	// reading of 0, "unlimited", surprises OpenAI clients); -1 stays llama-server's
+	// "no limit". max_completion_tokens, OpenAI's newer name, wins when both are sent.
+	for _, f := range []struct {
+		name string
+		v    *int
+	}{{"max_tokens", g.MaxTokens}, {"max_completion_tokens", g.MaxCompletionTokens}} {
 		switch {
-		case *maxTok < 0 && *maxTok != -1:
-			return req, badRequest("max_tokens must be positive (or -1 for no limit), got %d", *maxTok)
-		case *maxTok > s.info.NCtx:
-			return req, badRequest("max_tokens %d exceeds the context size %d", *maxTok, s.info.NCtx)
-		case *maxTok > 0:
-			req.MaxTokens = *maxTok
+		case f.v == nil:
+		case *f.v < 1 && *f.v != -1:
+			return req, invalidParam(f.name, "Invalid '%s': integer below minimum value. Expected a value >= 1, but got %d instead.", f.name, *f.v)
+		case *f.v > s.info.NCtx:
+			return req, invalidParam(f.name, "Invalid '%s': %d exceeds the context size %d.", f.name, *f.v, s.info.NCtx)
+		case *f.v > 0:
+			req.MaxTokens = *f.v
+		default: // -1
+			req.MaxTokens = 0
 		}
 	}
 	sp := engine.SamplingParams{Temperature: defaultTemperature, TopK: defaultTopK, TopP: defaultTopP, MinP: defaultMinP, RepeatPenalty: 1}
@@ -226,11 +232,12 @@ func (s *Server) toEngine(g *genParams) (engine.Request, *apiError) {
 	req.Stop = stops
 	req.IgnoreEOS = g.IgnoreEOS
 	req.Overcommit = g.Overcommit
-	lp, e := parseLogprobs(g.Logprobs)
+	lp, n, e := parseLogprobs(g.Logprobs, g.TopLogprobs)
 	if e != nil {
 		return req, e
 	}
 	req.Logprobs = lp
+	req.Sampling.NProbs = n
 	if g.SessionID != nil {
 		if len(*g.SessionID) > 256 {
 			return req, badRequest("session_id is longer than 256 bytes")
@@ -261,21 +268,6 @@ func parseStop(raw json.RawMessage) ([]string, *apiError) {
 		return nil, badRequest("stop: at most 16 stop strings, got %d", len(many))
 	}
 	return many, nil
-}
-
-func parseLogprobs(raw json.RawMessage) (bool, *apiError) {
-	if isNull(raw) {
-		return false, nil
-	}
-	var b bool
-	if json.Unmarshal(raw, &b) == nil {
-		return b, nil
-	}
-	var n int
-	if err := json.Unmarshal(raw, &n); err != nil || n < 0 {
-		return false, badRequest("logprobs must be a boolean or a non-negative integer")
-	}
-	return n > 0, nil
 }
 
 // flattenContent accepts a string or OpenAI content parts of type "text".
@@ -455,30 +447,6 @@ func llamaTimings(st engine.Stats) map[string]any {
 	return t
 }
 
-func (s *Server) logprobsJSON(k kind, lps []engine.TokenLogprob) any {
-	if k == kindChat {
-		content := make([]map[string]any, len(lps))
-		for i, lp := range lps {
-			piece := s.tok.TokenPiece(lp.Token, false)
-			bs := make([]int, len(piece))
-			for j, c := range piece {
-				bs[j] = int(c)
-			}
-			content[i] = map[string]any{"token": string(piece), "logprob": lp.Logprob, "bytes": bs, "top_logprobs": []any{}, "id": lp.Token}
-		}
-		return map[string]any{"content": content}
-	}
-	toks := make([]string, len(lps))
-	vals := make([]float32, len(lps))
-	ids := make([]int32, len(lps))
-	for i, lp := range lps {
-		toks[i] = string(s.tok.TokenPiece(lp.Token, false))
-		vals[i] = lp.Logprob
-		ids[i] = lp.Token
-	}
-	return map[string]any{"tokens": toks, "token_logprobs": vals, "token_ids": ids}
-}
-
 func finishReason(ev engine.Event) string {
 	if ev.Finish == engine.FinishLength {
 		return "length"
@@ -530,7 +498,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *gen
 	}
 	choice := map[string]any{"index": 0, "finish_reason": finishReason(ev), "logprobs": nil}
 	if req.Logprobs {
-		choice["logprobs"] = s.logprobsJSON(k, res.logprobs)
+		choice["logprobs"] = s.logprobsJSON(k, res.logprobs, &textOffsets{})
 	}
 	object := "text_completion"
 	if k == kindChat {
@@ -619,10 +587,11 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 		}
 		return true
 	}
+	offsets := &textOffsets{} // legacy text_offset counts on across chunks
 	chunk := func(text string, lps []engine.TokenLogprob, finish any) map[string]any {
 		choice := map[string]any{"index": 0, "finish_reason": finish, "logprobs": nil}
 		if req.Logprobs && len(lps) > 0 {
-			choice["logprobs"] = s.logprobsJSON(k, lps)
+			choice["logprobs"] = s.logprobsJSON(k, lps, offsets)
 		}
 		if k == kindChat {
 			delta := map[string]any{}

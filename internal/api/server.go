@@ -5,6 +5,7 @@ package api
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -12,6 +13,7 @@ import (
 	"net/http"
 	"strconv"
 	"time"
+	"unicode/utf8"
 
 	"github.com/polykv/polykv/internal/admission"
 	"github.com/polykv/polykv/internal/chat"
@@ -67,6 +69,7 @@ type Server struct {
 	log     *slog.Logger
 	maxBody int64
 	metrics *Metrics
+	apiKeys [][sha256.Size]byte // SHA-256 of each accepted key; none = open
 }
 
 // New creates the HTTP server state. metrics may be nil (no /metrics route).
@@ -93,10 +96,10 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("GET /slots", s.handleSlots)
 	s.routePools(mux)
 	s.routeTPS(mux)
-	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		writeError(w, http.StatusNotFound, "not_found_error", fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
-	})
-	return s.recoverer(mux)
+	// No catch-all "/" route: it would match every method and turn a wrong method
+	// into 404; routeErrors answers unmatched requests with JSON 404 or 405 + Allow.
+	// CORS is outermost so that 401s and errors are readable by browser clients too.
+	return cors(s.auth(s.recoverer(routeErrors(mux))))
 }
 
 // recoverer turns a handler panic into a 500 instead of a dropped connection: a bug
@@ -327,14 +330,29 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	type piece struct {
-		ID    int32  `json:"id"`
-		Piece string `json:"piece"`
+		ID    int32 `json:"id"`
+		Piece any   `json:"piece"`
 	}
 	out := make([]piece, len(toks))
 	for i, t := range toks {
-		out[i] = piece{ID: t, Piece: string(s.tok.TokenPiece(t, true))}
+		out[i] = piece{ID: t, Piece: pieceJSON(s.tok.TokenPiece(t, true))}
 	}
 	writeJSON(w, http.StatusOK, map[string]any{"tokens": out})
+}
+
+// pieceJSON is a token's piece as llama-server's /tokenize returns it: a string when the
+// bytes are valid UTF-8, else the bytes as an array of numbers. A string would turn a
+// piece of a multi-byte character into U+FFFD, and the pieces would no longer join
+// back to the content.
+func pieceJSON(b []byte) any {
+	if utf8.Valid(b) {
+		return string(b)
+	}
+	out := make([]int, len(b))
+	for i, c := range b {
+		out[i] = int(c)
+	}
+	return out
 }
 
 type detokenizeRequest struct {

@@ -34,6 +34,10 @@ type Config struct {
 	PoolGrace  time.Duration // --pool-grace-ms; 0: no grace
 	FlashAttn  string        // --flash-attn: on, off, auto
 	TPSTau     time.Duration // --tps-tau: EWMA time constant of experienced tps
+
+	// APIKeys (--api-key, --api-key-file): when any is set, every route but /health
+	// needs "Authorization: Bearer KEY" with one of them. None: the server is open.
+	APIKeys []string
 }
 
 // DefaultConfig is the configuration `polykv serve` runs with when no flag is given.
@@ -158,6 +162,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	}
 	info.TPSTauMs = cfg.TPSTau.Milliseconds()
 	srv := api.New(eng, model, runner.NewChatRenderer(model), info, metrics, log)
+	srv.RequireAPIKeys(cfg.APIKeys)
 	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv}, nil
 }
 

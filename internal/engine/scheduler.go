@@ -601,7 +601,7 @@ func (s *Scheduler) onToken(t *task, smp Sampled) {
 	text, stopped := t.text.push(s.vocab.Piece(smp.Token))
 	ev := Event{Task: t.id, Text: text}
 	if t.req.Logprobs {
-		ev.Tokens = []TokenLogprob{{Token: smp.Token, Logprob: smp.Logprob}}
+		ev.Tokens = []TokenLogprob{{Token: smp.Token, Logprob: smp.Logprob, Top: smp.Top}}
 	}
 	if text != "" || ev.Tokens != nil {
 		s.events = append(s.events, ev)

@@ -49,9 +49,13 @@ func (a *textAssembler) push(piece []byte) (string, bool) {
 	return a.release(n), false
 }
 
-// flush releases everything still held (at the end of generation).
+// flush releases everything still held (at the end of generation). A character whose
+// last bytes never came (the reply stopped inside it, at max_tokens or the context's
+// end) is dropped rather than sent as U+FFFD: the bytes so far are not text, and a
+// client joining the stream must get the same text as the non-streamed reply.
 func (a *textAssembler) flush() string {
-	out := strings.ToValidUTF8(string(a.pending), "\uFFFD")
+	n := completeUTF8(a.pending)
+	out := string(a.pending[:n])
 	a.full.WriteString(out)
 	a.pending = a.pending[:0]
 	return out

@@ -1,6 +1,10 @@
 package engine
 
-import "testing"
+import (
+	"strings"
+	"testing"
+	"unicode/utf8"
+)
 
 func TestTextAssemblerUTF8AcrossPieces(t *testing.T) {
 	a := newTextAssembler(nil)
@@ -60,9 +64,36 @@ func TestTextAssemblerInvalidBytesDoNotBlock(t *testing.T) {
 	if got, _ := a.push([]byte{0xff, 'a'}); got != "\xffa" {
 		t.Fatalf("invalid byte blocked output: %q", got)
 	}
-	b := newTextAssembler(nil)
-	b.push([]byte{0xe2, 0x82})
-	if f := b.flush(); f != "\uFFFD" {
-		t.Fatalf("flush of a truncated character: %q", f)
+}
+
+// A reply that ends inside a character (max_tokens cut it, or the context ran out)
+// drops the dangling bytes: no U+FFFD, and nothing that is not valid UTF-8.
+func TestTextAssemblerFlushDropsDanglingPartialCharacter(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		pieces [][]byte
+		want   string
+	}{
+		{"first byte of 3", [][]byte{[]byte("ab"), {0xe2}}, "ab"},
+		{"two bytes of 3", [][]byte{[]byte("ab"), {0xe2}, {0x82}}, "ab"},
+		{"three bytes of 4", [][]byte{[]byte("x"), {0xf0, 0x9f, 0xa6}}, "x"},
+		{"complete then partial", [][]byte{[]byte("€"), {0xe2, 0x82}}, "€"},
+		{"nothing dangling", [][]byte{[]byte("a€")}, "a€"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := newTextAssembler([]string{"STOP"})
+			var out string
+			for _, p := range tc.pieces {
+				got, _ := a.push(p)
+				out += got
+			}
+			out += a.flush()
+			if strings.ContainsRune(out, utf8.RuneError) || !utf8.ValidString(out) {
+				t.Fatalf("text %q carries a replacement character or invalid UTF-8", out)
+			}
+			if out != tc.want || a.text() != tc.want {
+				t.Fatalf("text %q (full %q), want %q", out, a.text(), tc.want)
+			}
+		})
 	}
 }

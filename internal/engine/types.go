@@ -23,6 +23,10 @@ type SamplingParams struct {
 	FrequencyPenalty float32
 	PresencePenalty  float32
 	Grammar          string // GBNF constraining every sampled token ("" = none)
+	// NProbs is how many most likely alternatives to report with each sampled token
+	// when the task asks for logprobs (llama.cpp's n_probs; OpenAI's top_logprobs).
+	// It changes nothing about the draw.
+	NProbs int
 }
 
 // Request is one generation request, already tokenized.
@@ -64,10 +68,12 @@ type Stats struct {
 	TPS         float64       // experienced decode tps (EWMA) at the end
 }
 
-// TokenLogprob is one sampled token with its log-probability.
+// TokenLogprob is one sampled token with its log-probability and, when the task asked
+// for alternatives (SamplingParams.NProbs), the most likely tokens at its position.
 type TokenLogprob struct {
 	Token   Token
 	Logprob float32
+	Top     []TokenLogprob // most likely first; Top's own entries have no Top
 }
 
 // Event is what the engine tells a task's reader: text as it is produced, then one
@@ -109,6 +115,9 @@ type BatchEntry struct {
 type Sampled struct {
 	Token   Token
 	Logprob float32 // log-softmax of Token; only filled when the task asked for logprobs
+	// Top are the NProbs most likely tokens under the same log-softmax, most likely
+	// first; only filled when the task asked for logprobs.
+	Top []TokenLogprob
 }
 
 // Backend executes what the scheduler plans. Only the engine goroutine calls it.

@@ -22,6 +22,7 @@ type Backend struct {
 type sampler struct {
 	s        *llama.Sampler
 	logprobs bool
+	nProbs   int // alternatives reported with each token (with logprobs)
 }
 
 var _ engine.Backend = (*Backend)(nil)
@@ -57,17 +58,21 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 		tok := smp.s.Sample(b.ctx, i)
 		s := engine.Sampled{Token: tok}
 		if smp.logprobs {
-			s.Logprob = logSoftmaxAt(b.ctx.Logits(i), tok)
+			s.Logprob, s.Top = logprobs(b.ctx.Logits(i), tok, smp.nProbs)
 		}
 		out = append(out, s)
 	}
 	return out, nil
 }
 
-// logSoftmaxAt is log p(tok) under the raw (pre-sampler) logits.
-func logSoftmaxAt(logits []float32, tok llama.Token) float32 {
-	if int(tok) >= len(logits) || tok < 0 {
-		return float32(math.Inf(-1))
+// logprobs is log p(tok) and the n most likely tokens with their log p, under the raw
+// logits: a log-softmax over the whole vocabulary before any sampler transformation
+// (penalties, top-k, temperature, grammar), as llama-server reports n_probs. So the
+// numbers describe the model, not the sampler, and a greedy token is always top[0].
+// Ties are ordered by token id so the list is deterministic.
+func logprobs(logits []float32, tok llama.Token, n int) (float32, []engine.TokenLogprob) {
+	if len(logits) == 0 {
+		return float32(math.Inf(-1)), nil
 	}
 	mx := logits[0]
 	for _, l := range logits {
@@ -77,7 +82,36 @@ func logSoftmaxAt(logits []float32, tok llama.Token) float32 {
 	for _, l := range logits {
 		sum += math.Exp(float64(l - mx))
 	}
-	return float32(float64(logits[tok]-mx) - math.Log(sum))
+	lse := float64(mx) + math.Log(sum)
+	lp := float32(math.Inf(-1))
+	if tok >= 0 && int(tok) < len(logits) {
+		lp = float32(float64(logits[tok]) - lse)
+	}
+	if n <= 0 {
+		return lp, nil
+	}
+	// A sorted insertion into n slots: n is at most 20, and almost every logit fails
+	// the first comparison, so this is one pass over the vocabulary.
+	top := make([]engine.TokenLogprob, 0, min(n, len(logits)))
+	for id, l := range logits {
+		if len(top) == n && l <= top[n-1].Logprob {
+			continue
+		}
+		j := len(top)
+		if j < n {
+			top = append(top, engine.TokenLogprob{})
+		} else {
+			j = n - 1
+		}
+		for ; j > 0 && top[j-1].Logprob < l; j-- {
+			top[j] = top[j-1]
+		}
+		top[j] = engine.TokenLogprob{Token: llama.Token(id), Logprob: l}
+	}
+	for i := range top {
+		top[i].Logprob = float32(float64(top[i].Logprob) - lse)
+	}
+	return lp, top
 }
 
 // SeqRm implements engine.Backend.
@@ -88,13 +122,13 @@ func (b *Backend) SeqCp(src, dst, p0, p1 int) { b.ctx.SeqCp(src, dst, p0, p1) }
 
 // NewSampler implements engine.Backend.
 func (b *Backend) NewSampler(task engine.TaskID, p engine.SamplingParams, logprobs bool, history []engine.Token) {
-	s, err := llama.NewSampler(b.model, llama.SamplerParams(p))
+	s, err := llama.NewSampler(b.model, samplerParams(p))
 	if err != nil {
 		// The API checks grammars before submitting, so this is a bug; sample freely
 		// rather than fail a request mid-flight.
 		b.log.Error("sampler grammar rejected; sampling unconstrained", "task", task, "err", err)
 		p.Grammar = ""
-		s, _ = llama.NewSampler(b.model, llama.SamplerParams(p))
+		s, _ = llama.NewSampler(b.model, samplerParams(p))
 	}
 	// Prompt tokens prime the penalties, never a grammar (it constrains output only).
 	if p.Grammar == "" && (p.RepeatPenalty != 0 && p.RepeatPenalty != 1 || p.FrequencyPenalty != 0 || p.PresencePenalty != 0) {
@@ -102,7 +136,17 @@ func (b *Backend) NewSampler(task engine.TaskID, p engine.SamplingParams, logpro
 			s.Accept(t)
 		}
 	}
-	b.samplers[task] = &sampler{s: s, logprobs: logprobs}
+	b.samplers[task] = &sampler{s: s, logprobs: logprobs, nProbs: p.NProbs}
+}
+
+// samplerParams is the part of the engine's parameters that builds the llama.cpp chain
+// (NProbs only asks for a report and is handled here, in Decode).
+func samplerParams(p engine.SamplingParams) llama.SamplerParams {
+	return llama.SamplerParams{
+		Temperature: p.Temperature, TopK: p.TopK, TopP: p.TopP, MinP: p.MinP, Seed: p.Seed,
+		RepeatPenalty: p.RepeatPenalty, RepeatLastN: p.RepeatLastN,
+		FrequencyPenalty: p.FrequencyPenalty, PresencePenalty: p.PresencePenalty, Grammar: p.Grammar,
+	}
 }
 
 // FreeSampler implements engine.Backend.
