@@ -33,7 +33,7 @@ func (renderer) Render(msgs []chat.Message, tools []chat.Tool, gen bool) (string
 func (renderer) Path() string { return "test" }
 
 // newServer serves the API over an engine whose backend samples script.
-func newServer(t *testing.T, script []engine.Token, keys ...string) (string, *enginetest.Backend) {
+func newServer(t testing.TB, script []engine.Token, keys ...string) (string, *enginetest.Backend) {
 	t.Helper()
 	cfg := engine.Config{NCtx: 512, Parallel: 2, NBatch: 64, MaxQueue: 8}
 	sched, err := engine.NewScheduler(cfg, enginetest.Vocab{})

@@ -1,0 +1,56 @@
+package engine
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+	"unicode/utf8"
+)
+
+// FuzzTextAssembler splits a valid UTF-8 text into pieces at arbitrary byte positions
+// (as tokens split characters) with up to two stop strings. What the assembler releases,
+// joined, must be exactly the text up to the first stop (or all of it), every released
+// chunk must be valid UTF-8 (no U+FFFD ever needed), and no chunk may contain a stop.
+func FuzzTextAssembler(f *testing.F) {
+	f.Add("héllo wörld 🙂 done", "wör", "", []byte{1, 2, 3, 5, 8})
+	f.Add("a🙂b🙂c", "🙂", "c", []byte{1, 1, 1, 1, 1, 1})
+	f.Add("stop at END please", "END", "ND p", []byte{4, 4, 4})
+	f.Add("日本語のテキスト", "", "", []byte{2, 2, 2, 2, 2})
+	f.Fuzz(func(t *testing.T, text, stop1, stop2 string, cuts []byte) {
+		text = strings.ToValidUTF8(text, "?")
+		stop1, stop2 = strings.ToValidUTF8(stop1, "?"), strings.ToValidUTF8(stop2, "?")
+		a := newTextAssembler([]string{stop1, stop2})
+		want, wantStop := text, false
+		for _, s := range []string{stop1, stop2} {
+			if i := strings.Index(text, s); s != "" && i >= 0 && (!wantStop || i < len(want)) {
+				want, wantStop = text[:i], true
+			}
+		}
+		var got bytes.Buffer
+		rest := []byte(text)
+		stopped := false
+		for i := 0; len(rest) > 0 && !stopped; i++ {
+			n := 1
+			if len(cuts) > 0 {
+				n = 1 + int(cuts[i%len(cuts)])%7
+			}
+			n = min(n, len(rest))
+			var out string
+			out, stopped = a.push(rest[:n])
+			rest = rest[n:]
+			if !utf8.ValidString(out) {
+				t.Fatalf("released invalid UTF-8 %q", out)
+			}
+			got.WriteString(out)
+		}
+		if !stopped {
+			got.WriteString(a.flush())
+		}
+		if stopped != wantStop || got.String() != want {
+			t.Fatalf("text %q stops %q %q: released %q (stopped %v), want %q (stopped %v)", text, stop1, stop2, got.String(), stopped, want, wantStop)
+		}
+		if a.text() != want {
+			t.Fatalf("text() %q, want %q", a.text(), want)
+		}
+	})
+}
