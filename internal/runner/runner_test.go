@@ -1,6 +1,7 @@
 package runner
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"sort"
@@ -61,5 +62,22 @@ func TestLogprobsTopNMatchesFullSort(t *testing.T) {
 	}
 	if lp, top := logprobs([]float32{1, 2}, 1, 0); top != nil || lp >= 0 {
 		t.Fatalf("n=0: %g %v", lp, top)
+	}
+}
+
+// BenchmarkLogprobs measures the per-token cost of logprobs with and without the top-N
+// alternatives over SmolLM2's vocabulary size (49,152).
+func BenchmarkLogprobs(b *testing.B) {
+	r := rand.New(rand.NewPCG(3, 4))
+	logits := make([]float32, 49152)
+	for i := range logits {
+		logits[i] = float32(r.NormFloat64() * 4)
+	}
+	for _, n := range []int{0, 5, 20} {
+		b.Run(fmt.Sprintf("top%d", n), func(b *testing.B) {
+			for b.Loop() {
+				logprobs(logits, 7, n)
+			}
+		})
 	}
 }
