@@ -18,6 +18,7 @@ import (
 	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/pool"
 	"github.com/polykv/polykv/internal/tps"
+	"github.com/polykv/polykv/internal/ui"
 )
 
 // Tokenizer is the read-only model surface handlers use. *llama.Model implements it.
@@ -93,6 +94,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("GET /slots", s.handleSlots)
 	s.routePools(mux)
 	s.routeTPS(mux)
+	ui.Register(mux) // the dashboard page: GET /ui/ (and GET / redirects there)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "not_found_error", fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
 	})
