@@ -9,7 +9,9 @@
   const KEY_STORE = "polykv.apiKey";
   const WINDOW_S = 300; // chart history
   const POOLS_MS = 1000, CAPACITY_MS = 2000, PROPS_MS = 10000;
-  const STREAM_STALL_MS = 5000; // no event for this long: the stream is dead or buffered
+  // No event for this long: the stream is dead or a proxy buffers it. Generous, because a
+  // server busy decoding answers late, and reconnecting would only add to its load.
+  const STREAM_STALL_MS = 15000;
 
   const $ = (id) => document.getElementById(id);
   const el = (tag, cls, text) => {
@@ -165,7 +167,9 @@
             if (data) { got++; onTPS(JSON.parse(data), "live"); }
           }
         }
+        note(`tps stream ended after ${got} events`);
       } catch (e) {
+        note(`tps stream: ${e.name === "AbortError" ? "no event for " + STREAM_STALL_MS / 1000 + " s" : e.message} after ${got} events`);
         if (e instanceof AuthError) { needAuth(e.message); continue; }
         if (!(e instanceof HTTPError) && !(e.name === "AbortError")) failed(e);
       } finally {
@@ -179,6 +183,14 @@
         await sleep(1000);
       }
     }
+  }
+
+  // note keeps the last few stream interruptions, shown as the status tooltip.
+  const notes = [];
+  function note(msg) {
+    notes.push(new Date().toLocaleTimeString() + " " + msg);
+    if (notes.length > 5) notes.shift();
+    $("conn").title = notes.join("\n");
   }
 
   function onTPS(snap, mode) {
@@ -312,7 +324,7 @@
     const sub = el("span", "f subtree");
     const nsess = el("span", "f nsess");
     const floor = el("span", "f floor");
-    for (const [e, w] of [[badges, 150], [edge, 150], [len, 120], [own, 110], [sub, 130], [nsess, 90], [floor, 110]]) {
+    for (const [e, w] of [[badges, 140], [edge, 130], [len, 100], [own, 105], [sub, 125], [nsess, 80], [floor, 125]]) {
       e.style.minWidth = w + "px";
       facts.appendChild(e);
     }
@@ -396,10 +408,13 @@
   }
 
   function updateScale(by) {
-    let hi = 0;
+    let hi = 0, floorHi = 0;
     for (const m of by.values()) for (const r of m.values()) if (r.tps) hi = Math.max(hi, r.tps);
-    for (const p of state.pools ? state.pools.pools : []) hi = Math.max(hi, floorOf(p.pool_id));
-    const want = nice(hi * 1.15 || 10);
+    for (const p of state.pools ? state.pools.pools : []) floorHi = Math.max(floorHi, floorOf(p.pool_id));
+    // A floor far above every session's speed would squash all bars to nothing: such a
+    // floor is drawn at the bar's end (off scale) and widens the scale to at most 3x.
+    const top = hi > 0 ? Math.max(hi, Math.min(floorHi, 3 * hi)) : floorHi;
+    const want = nice(top * 1.15 || 10);
     // Grow at once, shrink only when far too wide, so bars do not rescale every tick.
     if (want > state.scale || want < state.scale * 0.4) state.scale = want;
   }
@@ -418,8 +433,13 @@
     n.row.classList.toggle("under", under);
     n.row.classList.toggle("warming", !!r.warming && r.state === "decode");
     n.fill.style.width = tps === null ? "0" : Math.min(100, 100 * tps / state.scale).toFixed(1) + "%";
-    if (floor > 0) { n.floor.style.display = "block"; n.floor.style.left = `calc(${Math.min(100, 100 * floor / state.scale).toFixed(1)}% - 1px)`; }
-    else n.floor.style.display = "none";
+    if (floor > 0) {
+      const off = floor > state.scale;
+      n.floor.style.display = "block";
+      n.floor.style.left = `calc(${Math.min(100, 100 * floor / state.scale).toFixed(1)}% - ${off ? 3 : 1}px)`;
+      n.floor.classList.toggle("off", off);
+      n.floor.title = `floor ${fmt(floor)} tok/s` + (off ? " (beyond the scale)" : "");
+    } else n.floor.style.display = "none";
     setText(n.tps, tps === null ? "—" : fmt(tps));
     n.tps.title = r.warming ? "warming: fewer than 4 tokens decoded" : (under ? `under the floor of ${fmt(floor)} tok/s` : "");
     setText(n.dec, r.decoded === undefined ? "—" : String(r.decoded));
@@ -433,7 +453,7 @@
       setText($("agg-tps"), fmt(t.aggregate_tps));
       setText($("prompt-tps"), `prefill ${fmt(t.prompt_tps)} tok/s`);
       setText($("mean-tps"), t.n_active ? fmt(t.mean_active_tps) : "—");
-      setText($("sessions-sub"), `${t.n_active} active · ${t.n_warming} warming · ${t.sessions.length} holding KV`);
+      setText($("sessions-sub"), `${t.n_active} active · ${t.n_warming} warming`);
     }
     let under = 0, withFloor = 0;
     for (const [pid, m] of by) {
@@ -490,7 +510,7 @@
   // ---- formatting ----------------------------------------------------------------
   function fmt(v) {
     if (v === null || v === undefined || !isFinite(v)) return "—";
-    return v >= 100 ? v.toFixed(0) : v.toFixed(1);
+    return v >= 100 ? v.toFixed(0) : v >= 1 || v === 0 ? v.toFixed(1) : v.toFixed(2);
   }
   function bytes(b) {
     if (!b) return "0 B";
@@ -520,7 +540,7 @@
   });
 
   // Exposed for debugging from the browser console.
-  window.polykvDashboard = { state };
+  window.polykvDashboard = { state, notes };
   loop(PROPS_MS, loadProps);
   loop(POOLS_MS, loadPools);
   loop(CAPACITY_MS, loadCapacity);
