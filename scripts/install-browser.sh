@@ -16,7 +16,10 @@ if [ "$(id -u)" != 0 ]; then
   fi
 fi
 export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
-/usr/bin/chromium --version
+# Wait for another apt run (a parallel job) instead of failing on its lock.
+lock=(-o DPkg::Lock::Timeout=600)
+$SUDO apt-get "${lock[@]}" update -qq
+# fonts-dejavu-core: without any font the page's text renders as boxes in screenshots.
+$SUDO apt-get "${lock[@]}" install -y -qq --no-install-recommends chromium chromium-driver fonts-dejavu-core >/dev/null
+/usr/bin/chromium --version 2>/dev/null
 /usr/bin/chromedriver --version

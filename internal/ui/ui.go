@@ -53,6 +53,18 @@ func Register(mux *http.ServeMux) {
 	mux.Handle("GET /{$}", http.RedirectHandler(Prefix, http.StatusFound))
 }
 
+// Public reports whether r asks for the page itself (GET or HEAD of /, /ui or a file
+// under /ui/), which an API-key check must let through: a browser navigating to the
+// dashboard cannot attach an Authorization header, and the files carry no data. Every
+// request the page's script makes for data carries the key.
+func Public(r *http.Request) bool {
+	if r.Method != http.MethodGet && r.Method != http.MethodHead {
+		return false
+	}
+	p := r.URL.Path
+	return p == "/" || p == "/ui" || strings.HasPrefix(p, Prefix)
+}
+
 // noStore keeps browsers from caching an old page across server upgrades: the assets
 // are small and loaded once per visit, so revalidating costs nothing.
 func noStore(h http.Handler) http.Handler {

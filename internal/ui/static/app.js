@@ -396,9 +396,9 @@
     } else {
       n.verdict.dataset.admit = c.can_admit ? "yes" : "no";
       setText(n.v, c.can_admit ? "admits" : "refuses");
-      const room = c.headroom_sessions > 0 ? `room for ${c.headroom_sessions}` : "no KV room";
-      setText(n.why, c.can_admit ? `${room} · ${c.mode}` : `${c.reason} · ${c.mode}`);
-      n.verdict.title = `${c.reason}\nmean ${fmt(c.mean_active_tps)} tok/s → ${fmt(c.projected_mean_tps_if_admitted)} if admitted\nKV headroom ${fmt(c.kv_headroom_pct)} %, ${c.kv_cells_free} cells free`;
+      const room = c.headroom_sessions > 0 ? `room for ${c.headroom_sessions} by KV` : "no KV room";
+      setText(n.why, (c.can_admit ? room : c.reason) + (c.mode === "enforced" ? " · enforced" : ""));
+      n.verdict.title = `${c.reason} (${c.mode})\nmean ${fmt(c.mean_active_tps)} tok/s → ${fmt(c.projected_mean_tps_if_admitted)} if admitted\nKV headroom ${fmt(c.kv_headroom_pct)} %, ${c.kv_cells_free} cells free`;
     }
   }
   function setFact(e, label, value, unit) {
@@ -465,8 +465,10 @@
         if (r.tps < f) under++;
       }
     }
-    setText($("under-n"), String(under));
-    setText($("under-of"), ` of ${withFloor}`);
+    // Until the floors are known (props or a capacity verdict) a 0 would be a guess.
+    const known = state.props !== null || state.caps.size > 0;
+    setText($("under-n"), known ? String(under) : "—");
+    setText($("under-of"), known ? ` of ${withFloor}` : "");
     $("under-n").closest(".card").classList.toggle("alert", under > 0);
     const p = state.pools;
     if (p) {
