@@ -119,7 +119,7 @@ def live():
     """A server with a 3-level tree: root, A extends root, G extends A, B branches root
     5 tokens before its end; 4 decoding agents on each. B's floor is above what any
     session reaches (all its agents are under it); A's is far below."""
-    with LocalServer("-c", "8192", "--parallel", str(N_SESSIONS), "--pool-grace-ms", "0") as base, \
+    with LocalServer("-c", "8192", "--parallel", str(N_SESSIONS + 1), "--pool-grace-ms", "0") as base, \
             httpx.Client(base_url=base, timeout=60) as c:
         r = c.post("/polykv/pools", json={"prompt": SYSTEM})
         assert r.status_code == 201, r.text
@@ -135,6 +135,13 @@ def live():
             r = c.post(f"/polykv/pools/{pools[name]['pool_id']}/admission", json={"target_tps_per_session": floor})
             assert r.status_code == 200, r.text
         prefix = {name: c.get(f"/polykv/pools/{p['pool_id']}").json()["tokens"] for name, p in pools.items()}
+        # Beside the tree: an evicted root pool, and an idle session without a pool.
+        r = c.post("/polykv/pools", json={"prompt": "A spare prefix nobody uses."})
+        assert r.status_code == 201, r.text
+        spare = r.json()["pool_id"]
+        assert c.post(f"/polykv/pools/{spare}/evict").status_code == 200
+        r = c.post("/v1/completions", json={"prompt": "Hello", "session_id": "solo-idle", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
         plan = []
         for i in range(N_SESSIONS):
             name = ("root", "A", "G", "B")[i % 4]
@@ -152,7 +159,7 @@ def live():
             else:
                 pytest.fail(f"agents did not all start decoding: {snap}")
             yield {"base": base, "pools": {k: v["pool_id"] for k, v in pools.items()}, "agents": agents,
-                   "branch_pos_B": L - 5}
+                   "branch_pos_B": L - 5, "spare": spare}
             assert not agents.errors, agents.errors
 
 
@@ -216,8 +223,9 @@ def test_dashboard_shows_live_tree(live, browser):
     browser.get(base + "/")  # the redirect lands on the page
     assert browser.title == "PolyKV dashboard"
 
-    # The tree: 4 pools, nested as created (G inside A inside root, B inside root).
-    _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "li[data-pool]")) == 4, what="4 pools")
+    # The tree: 4 pools, nested as created (G inside A inside root, B inside root), and
+    # the evicted spare root.
+    _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "li[data-pool]")) == 5, what="5 pools")
     sel = lambda *ids: " ".join(f"li[data-pool='{pools[i]}']" for i in ids)
     for path in (("root", "A", "G"), ("root", "B")):
         assert browser.find_elements(By.CSS_SELECTOR, "#tree > " + sel(*path)), path
@@ -225,6 +233,12 @@ def test_dashboard_shows_live_tree(live, browser):
     assert edge("root") == "root"
     assert edge("A") == f"extends #{pools['root']}"
     assert edge("B") == f"branches #{pools['root']} @{live['branch_pos_B']}"
+    spare = browser.find_element(By.CSS_SELECTOR, f"#tree > li[data-pool='{live['spare']}'] > .pool")
+    assert "evicted" in spare.find_element(By.CSS_SELECTOR, ".badges").text
+    assert spare.find_element(By.CSS_SELECTOR, ".none").is_displayed()  # "no sessions attached"
+    _wait(browser, lambda d: _rows(d).get("solo-idle", {}).get("pool", 0) is None, what="unpooled idle session")
+    assert _rows(browser)["solo-idle"]["state"] == "idle"
+    assert browser.find_element(By.CSS_SELECTOR, "#loose .srow[data-session='solo-idle']")
 
     # Every agent under its pool, decoding, with a speed.
     def all_live(d):
@@ -279,6 +293,10 @@ def test_dashboard_shows_live_tree(live, browser):
     shot = _save(browser, "dashboard.png")
     assert shot.stat().st_size > 10_000
     assert _js_errors(browser) == []
+    # ...and that check would see one: an uncaught error thrown in the page shows up.
+    browser.execute_script("setTimeout(() => { throw new Error('dashboard-probe') })")
+    _wait(browser, lambda d: any("dashboard-probe" in e["message"] for e in _js_errors(d)), timeout=10,
+          what="a thrown error reaches the browser log")
 
 
 def _public(path: str) -> bool:
@@ -353,6 +371,7 @@ def test_dashboard_with_api_key(live, browser):
         assert "needed" in browser.find_element(By.ID, "keyform").get_attribute("class")
         assert not browser.find_element(By.ID, "banner").get_attribute("hidden")
         assert browser.find_elements(By.CSS_SELECTOR, "li[data-pool]") == []
+        _save(browser, "dashboard-key-needed.png")
         # Waiting for the key, the page stops asking (no request storm of 401s).
         refused = lambda: sum(1 for p, ok in proxy.seen if not ok and not _public(p))
         n = refused()
@@ -362,7 +381,7 @@ def test_dashboard_with_api_key(live, browser):
         # Entered once: the data appears, streamed with the key.
         browser.find_element(By.ID, "apikey").send_keys(API_KEY)
         browser.find_element(By.ID, "key-save").click()
-        _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "li[data-pool]")) == 4, what="tree after key")
+        _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "li[data-pool]")) == 5, what="tree after key")
         _wait(browser, lambda d: d.find_element(By.ID, "conn").get_attribute("data-state") == "live", what="live stream")
         assert browser.find_element(By.ID, "banner").get_attribute("hidden")
         assert ("/polykv/tps", True) in proxy.seen
