@@ -131,7 +131,7 @@ def live():
         g = _fork(c, a["pool_id"], len(a_toks), a_toks + _tokenize(c, " Sub-task: a watering rota."))
         b = _fork(c, root["pool_id"], L - 5, root_toks[:L - 5] + _tokenize(c, " Team B plans pest control instead."))
         pools = {"root": root, "A": a, "G": g, "B": b}
-        for name, floor in (("A", 0.05), ("B", 200.0)):
+        for name, floor in (("A", 0.01), ("B", 200.0)):
             r = c.post(f"/polykv/pools/{pools[name]['pool_id']}/admission", json={"target_tps_per_session": floor})
             assert r.status_code == 200, r.text
         prefix = {name: c.get(f"/polykv/pools/{p['pool_id']}").json()["tokens"] for name, p in pools.items()}
@@ -251,7 +251,7 @@ def test_dashboard_shows_live_tree(live, browser):
         assert float(r["tps"]) > 0 and r["fill"] not in ("", "0", "0%"), (sid, r)
 
     # Floors: B's 200 tok/s floor (above the whole machine's decode rate) puts all its agents
-    # under it, A's 0.05 none.
+    # under it, A's 0.01 none.
     def floors_applied(d):
         rs = _rows(d)
         b = [r for k, r in rs.items() if k.startswith("agent-B-")]
