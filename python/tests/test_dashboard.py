@@ -89,7 +89,7 @@ class Agents:
         self.threads = [threading.Thread(target=self._run, args=p, daemon=True) for p in plan]
 
     def _run(self, session: str, pool_id: int, prompt: list[int]) -> None:
-        body = {"prompt": prompt, "pool_id": pool_id, "session_id": session, "max_tokens": 1500,
+        body = {"prompt": prompt, "pool_id": pool_id, "session_id": session, "max_tokens": 900,
                 "temperature": 0, "ignore_eos": True, "stream": True}
         try:
             with httpx.Client(base_url=self.base, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
@@ -119,7 +119,9 @@ def live():
     """A server with a 3-level tree: root, A extends root, G extends A, B branches root
     5 tokens before its end; 4 decoding agents on each. B's floor is above what any
     session reaches (all its agents are under it); A's is far below."""
-    with LocalServer("-c", "8192", "--parallel", str(N_SESSIONS + 1), "--pool-grace-ms", "0") as base, \
+    # 16 agents x (prompt + 900 tokens) + the pools fit in 16384 cells, so no agent is cut
+    # short by a full cache; 900 tokens outlast the test even on an idle machine (~75 s).
+    with LocalServer("-c", "16384", "--parallel", str(N_SESSIONS + 1), "--pool-grace-ms", "0") as base, \
             httpx.Client(base_url=base, timeout=60) as c:
         r = c.post("/polykv/pools", json={"prompt": SYSTEM})
         assert r.status_code == 201, r.text
@@ -391,7 +393,8 @@ def test_dashboard_with_api_key(live, browser):
         browser.refresh()
         _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".srow[data-state='decode']")) >= N_SESSIONS,
               what="rows after reload")
-        assert browser.find_element(By.ID, "conn").get_attribute("data-state") == "live"
+        _wait(browser, lambda d: d.find_element(By.ID, "conn").get_attribute("data-state") == "live",
+              what="live stream after reload")
         assert [p for p, ok in proxy.seen[mark:] if not ok and not _public(p)] == []
         _save(browser, "dashboard-api-key.png")
         # The only errors allowed are the browser's own log lines for the first 401s.
