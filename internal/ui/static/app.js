@@ -293,10 +293,11 @@
     const roots = pools.filter((p) => p.parent === null || !byId.has(p.parent)).sort((a, b) => a.pool_id - b.pool_id);
     for (const r of roots) place(r, tree);
     for (const [id, n] of poolNodes) if (!keep.has(id)) { n.li.remove(); poolNodes.delete(id); }
-    $("tree-empty").hidden = pools.length > 0;
+    // "None" only once the data is in: refused or still loading is not the same as empty.
+    $("tree-empty").hidden = !state.pools || pools.length > 0;
 
     fillRows($("loose"), by.get(null), null);
-    $("loose-empty").hidden = $("loose").children.length > 0;
+    $("loose-empty").hidden = !state.tps || $("loose").children.length > 0;
     // Drop rows no longer present anywhere.
     const live = new Set();
     for (const [pid, m] of by) for (const seq of m.keys()) live.add(seq + ":" + pid);
