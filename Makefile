@@ -17,7 +17,7 @@ export POLYKV_CACHE ?= $(HOME)/.cache/polykv
 export POLYKV_MODEL ?= $(POLYKV_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 VENV ?= $(POLYKV_CACHE)/venv
 
-.PHONY: build model test test-go test-python demo bench venv clean env
+.PHONY: build model test test-go test-python demo bench venv browser clean env
 
 build:
 	go build -o bin/polykv ./cmd/polykv
@@ -28,7 +28,11 @@ model:
 venv:
 	./scripts/venv.sh "$(VENV)"
 
-test: build model venv test-go test-python
+# Headless Chromium for the dashboard's browser test (no-op once installed).
+browser:
+	./scripts/install-browser.sh
+
+test: build model venv browser test-go test-python
 
 test-go:
 	go vet ./...
@@ -36,7 +40,7 @@ test-go:
 	./scripts/fuzz.sh
 
 test-python:
-	cd python && PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" -m pytest -q -p no:cacheprovider tests
+	cd python && PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv POLYKV_REQUIRE_BROWSER=1 "$(VENV)/bin/python" -m pytest -q -p no:cacheprovider tests
 
 demo: build model venv
 	PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" scripts/demo.py

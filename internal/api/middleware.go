@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+
+	"github.com/polykv/polykv/internal/ui"
 )
 
 // RequireAPIKeys makes every route but /health (and CORS preflights) require
@@ -27,7 +29,9 @@ var publicPaths = map[string]bool{"/health": true}
 // auth refuses requests without a valid bearer key when keys are configured.
 func (s *Server) auth(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if len(s.apiKeys) == 0 || publicPaths[r.URL.Path] || s.validKey(r.Header.Get("Authorization")) {
+		// The dashboard's static files hold no data and a browser cannot add a header
+		// when it navigates: the page asks for the key and sends it on its API calls.
+		if len(s.apiKeys) == 0 || publicPaths[r.URL.Path] || ui.Public(r) || s.validKey(r.Header.Get("Authorization")) {
 			h.ServeHTTP(w, r)
 			return
 		}

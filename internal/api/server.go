@@ -20,6 +20,7 @@ import (
 	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/pool"
 	"github.com/polykv/polykv/internal/tps"
+	"github.com/polykv/polykv/internal/ui"
 )
 
 // Tokenizer is the read-only model surface handlers use. *llama.Model implements it.
@@ -96,6 +97,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("GET /slots", s.handleSlots)
 	s.routePools(mux)
 	s.routeTPS(mux)
+	ui.Register(mux) // the dashboard page: GET /ui/ (and GET / redirects there)
 	// No catch-all "/" route: it would match every method and turn a wrong method
 	// into 404; routeErrors answers unmatched requests with JSON 404 or 405 + Allow.
 	// CORS is outermost so that 401s and errors are readable by browser clients too.
