@@ -255,7 +255,7 @@ func (s *Scheduler) pendingAdmits(p *pool.Pool) int {
 type CapacityReport struct {
 	PoolID int `json:"pool_id"`
 	admission.Verdict
-	SessionPressure *float64        `json:"session_pressure,omitempty"`
+	SessionPressure *float64    `json:"session_pressure,omitempty"`
 	Session         *SessionCtx `json:"session,omitempty"`
 }
 
