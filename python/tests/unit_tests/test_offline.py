@@ -321,3 +321,70 @@ def test_capacity_gate_interrupt_blocks_until_resumed():
     assert "__interrupt__" in first and first["__interrupt__"][0].value["reason"] == "projected mean tps below floor"
     resumed = graph.invoke(Command(resume=True), cfg)  # capacity came back meanwhile
     assert resumed["route"] == "spawn" and resumed["capacity_ok"] is True
+
+
+def reservation_server(limit):
+    """A fake pool that grants at most `limit` reservations at once (the real server
+    decides them one at a time on its engine goroutine)."""
+    fs = FakeServer()
+    fs.granted = []
+    fs.limit = limit
+
+    def reserve(req, body):
+        if len(fs.granted) < fs.limit:
+            rid = f"rsv-{len(fs.granted)}"
+            fs.granted.append(rid)
+            return httpx.Response(200, json={"granted": True, "reservation_id": rid, "verdict": {"can_admit": True, "reason": "guaranteed minimum"}})
+        return httpx.Response(200, json={"granted": False, "reservation_id": None,
+                                         "verdict": {"can_admit": False, "reason": "measurement settling", "settling": True, "settle_remaining_ms": 0}})
+
+    fs.on("POST", "/polykv/pools/4/reservations", reserve)
+    return fs
+
+
+def fanout_graph(gate):
+    import operator
+    from typing import Annotated, TypedDict
+
+    from langgraph.graph import START, StateGraph
+    from langgraph.types import Send
+
+    class Main(TypedDict, total=False):
+        pool_id: int
+        spawned: Annotated[list, operator.add]
+        held: Annotated[list, operator.add]
+
+    g = StateGraph(Main)
+    g.add_node("gate", gate)
+    g.add_node("agent", lambda s: {"spawned": [(s["index"], s["reservation_id"])]})
+    g.add_node("held", lambda s: {"held": [s["index"]]})
+    g.add_conditional_edges(START, lambda s: [Send("gate", {"pool_id": s["pool_id"], "index": i}) for i in range(6)])
+    return g
+
+
+def test_capacity_gate_reserves_so_a_send_fanout_cannot_overshoot():
+    fs = reservation_server(limit=2)
+    out = fanout_graph(capacity_gate(fs.client(), spawn="agent", hold="held", send=True)).compile().invoke({"pool_id": 4})
+    assert len(out["spawned"]) == 2 and len(out["held"]) == 4
+    # Each spawned branch carries its own reservation, to send with its first request.
+    assert sorted(r for _, r in out["spawned"]) == ["rsv-0", "rsv-1"]
+    assert len(fs.bodies("/polykv/pools/4/reservations")) == 6 and not fs.bodies("/polykv/pools/4/capacity")
+    assert fs.bodies("/polykv/pools/4/reservations")[0] == {"ttl_ms": 30000}
+
+
+def test_several_interrupted_gates_resume_at_once():
+    """Four branches held by use_interrupt resume with one Command(resume={id: ...})."""
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    fs = reservation_server(limit=2)
+    gate = capacity_gate(fs.client(), spawn="agent", hold="held", send=True, use_interrupt=True)
+    graph = fanout_graph(gate).compile(checkpointer=InMemorySaver())
+    cfg = {"configurable": {"thread_id": "fan"}}
+    first = graph.invoke({"pool_id": 4}, cfg)
+    pending = graph.get_state(cfg).interrupts
+    assert len(first["__interrupt__"]) == 4 and len(pending) == 4
+    assert {i.value["reason"] for i in pending} == {"measurement settling"}
+    fs.limit = 6  # capacity came back: the first agents finished
+    out = graph.invoke(Command(resume={i.id: True for i in pending}), cfg)
+    assert len(out["spawned"]) == 6 and not out.get("held")
+    assert sorted(r for _, r in out["spawned"]) == sorted(fs.granted)
