@@ -178,6 +178,7 @@ func (s *Scheduler) graceCells() int {
 // only idle does not push this session to compact.
 type SessionCtx struct {
 	SessionID         string  `json:"session_id,omitempty"`
+	PoolID            *int    `json:"pool_id"` // the pool its sequence is attached to now (nil: none)
 	CtxUsed           int     `json:"ctx_used"`
 	CtxHeadroomTokens int     `json:"ctx_headroom_tokens"`
 	CtxPressure       float64 `json:"ctx_pressure"`
@@ -189,6 +190,10 @@ func (s *Scheduler) sessionContext(sl *slot) SessionCtx {
 	used := len(sl.tokens)
 	free := s.cfg.NCtx - s.usedCells() + s.evictableCells(sl) + s.graceCells()
 	c := SessionCtx{SessionID: sl.session, CtxUsed: used, CtxHeadroomTokens: s.headroom(used, free)}
+	if sl.base != nil {
+		id := sl.base.ID
+		c.PoolID = &id
+	}
 	if used > 0 {
 		c.CtxPressure = float64(used) / float64(used+c.CtxHeadroomTokens)
 	}

@@ -212,6 +212,9 @@ func TestSessionPressureIsPerSession(t *testing.T) {
 	if err != nil || c.Session == nil || c.SessionPressure == nil || *c.SessionPressure != c.Session.CtxPressure || c.Session.CtxUsed != ev.Stats.Ctx.CtxUsed {
 		t.Fatalf("capacity with session_id: %v %+v", err, c)
 	}
+	if c.Session.PoolID != nil {
+		t.Fatalf("small is on no pool, reported %v", *c.Session.PoolID)
+	}
 	if c2, _ := h.s.Capacity(root, 0, "nobody", h.now); c2.Session != nil {
 		t.Fatal("an unknown session got a context report")
 	}

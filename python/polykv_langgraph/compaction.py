@@ -68,6 +68,11 @@ class CompactionNode:
         info.update(ctx_used=used, ctx_headroom_tokens=headroom, session_pressure=pressure)
         over = pressure >= self.threshold or headroom < self.min_headroom
         last = state.get(self.state_key) or {}
+        if over and last.get("new_pool") is not None and ctx.get("pool_id") is not None and ctx["pool_id"] != state[self.pool_key]:
+            # The session still holds its pre-compaction context (it has not run on the
+            # new pool yet): that is not growth.
+            info["skipped"] = "hysteresis: the session has not run since the last compaction"
+            return False, info
         if over and last.get("ctx_after") is not None and last.get("session_id") == session:
             # Hysteresis: re-armed only once the session grew past what it was right
             # after the last compaction by rearm_fraction of what that compaction freed.

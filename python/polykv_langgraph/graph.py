@@ -30,7 +30,7 @@ def capacity_gate(client: PolyKVClient, *, spawn: str, hold: str, pool_id: Optio
                   wait_for_capacity: bool = False, use_interrupt: bool = False, poll_s: float = 0.5,
                   max_wait_s: float = 60.0, capacity_key: Optional[str] = "capacity",
                   send: bool = False, reserve: bool = True, reservation_ttl_ms: int = 30000,
-                  reservation_key: str = "reservation_id") -> Callable[[dict], Command]:
+                  reservation_key: str = "reservation_id", hold_delay_s: float = 0.0) -> Callable[[dict], Command]:
     """Build a node that asks the pool for room for one more agent and routes to
     ``spawn`` or ``hold`` with ``Command(update={"capacity_ok", "headroom_sessions",
     "mean_active_tps", reservation_key})``.
@@ -45,10 +45,20 @@ def capacity_gate(client: PolyKVClient, *, spawn: str, hold: str, pool_id: Optio
     ``reservation_ttl_ms``. ``reserve=False`` reads ``/capacity`` only (advisory, racy
     under fan-out).
 
+    Fan-out with ``Send`` (one gate per branch): use ``send=True`` and make the gate its
+    own ``hold`` target (``hold="gate"``, with ``hold_delay_s`` so a held branch does not
+    spin). A held branch then re-enters the gate in the next superstep, after the agents
+    spawned in this one have run and freed their places; it spawns as capacity returns.
+    Do not use ``wait_for_capacity`` there: LangGraph starts the next superstep only
+    when every branch of this one has finished, so a gate that waits in place also
+    keeps the already-granted agents from starting (and their reservations expire).
+    Each re-entry is a superstep: raise ``recursion_limit`` for long waits.
+
     The pool comes from ``pool_id`` or ``state[pool_key]``. ``wait_for_capacity`` asks
     again (honouring the server's settle clock) until granted or ``max_wait_s`` passes;
     ``use_interrupt`` pauses the graph with ``interrupt()`` instead and asks again when
-    resumed. Several branches held at once each raise their own interrupt; resume them
+    resumed (an interrupt pauses the whole superstep: granted siblings start only after
+    the resume). Several branches held at once each raise their own interrupt; resume them
     all with one ``Command(resume={interrupt.id: value, ...})`` over
     ``graph.get_state(config).interrupts`` (or resume them one by one).
     ``capacity_key`` also stores the whole reading (pair it with ``capacity_reducer``).
@@ -76,6 +86,8 @@ def capacity_gate(client: PolyKVClient, *, spawn: str, hold: str, pool_id: Optio
         if not cap.get("can_admit") and use_interrupt:
             interrupt({"reason": cap.get("reason"), "pool_id": pid, "capacity": cap})
             cap = ask(pid)
+        if not cap.get("can_admit") and hold_delay_s > 0:
+            time.sleep(hold_delay_s)
         update: dict[str, Any] = _summary(cap)
         if reserve:
             update[reservation_key] = cap.get("reservation_id")

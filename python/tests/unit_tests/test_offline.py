@@ -281,6 +281,11 @@ def test_compaction_hysteresis_never_twice_without_growth():
     first = node(state)
     assert first["compaction"]["count"] == 1 and first["compaction"]["ctx_after"] == 50
     state = {**state, "pool_id": 6, "compaction": first["compaction"]}
+    # Called again before the session ran on the new pool: its stale context is no growth.
+    stale = session_capacity(0.9, 900, 100)
+    fs.on("GET", "/polykv/pools/6/capacity", lambda r, b: httpx.Response(200, json={**stale(r, b).json(), "session": {
+        "ctx_used": 900, "ctx_headroom_tokens": 100, "ctx_pressure": 0.9, "pool_id": 5}}))
+    assert node(state) == {}
     # Still over the threshold right after (a long summary, say): no second compaction
     # until the session grew by half of what the first one freed (900 -> 50: 425 tokens).
     for used in (50, 120, 470):
