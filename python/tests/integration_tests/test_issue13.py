@@ -61,7 +61,7 @@ def test_send_fanout_behind_reservations_never_overshoots(server):
                 peak[0] = max(peak[0], running[0])
             try:
                 # Anonymous agents: their sequence (and pool place) is freed when they end.
-                llm = ChatPolyKV(base_url=server, pool_id=pid, temperature=0, max_tokens=24, max_retries=0)
+                llm = ChatPolyKV(base_url=server, pool_id=pid, temperature=0, max_tokens=12, max_retries=0, timeout=600)
                 msg = llm.invoke([SystemMessage(SYSTEM), HumanMessage(f"Worker {state['index']}: name a number.")],
                                  ignore_eos=True, reservation_id=state["reservation_id"])
             finally:
@@ -106,7 +106,7 @@ def test_a_conversation_that_fills_its_context_compacts_once_and_continues(compa
         sys_pool = client.create_pool(messages=[{"role": "system", "content": SYSTEM}])
         state = {"messages": [SystemMessage(SYSTEM)], "pool_id": sys_pool["pool_id"], "system_pool_id": sys_pool["pool_id"],
                  "session_id": "filler", "compaction": {}}
-        summariser = ChatPolyKV(base_url=compact_server, temperature=0, max_tokens=48)
+        summariser = ChatPolyKV(base_url=compact_server, temperature=0, max_tokens=48, timeout=600)
         node = CompactionNode(summariser, client, threshold=0.5, keep_last=2)
         filler = " ".join(f"Fact {i}: the meeting room {i} has {i + 3} chairs." for i in range(12))
         compactions, turns_after, pressures = 0, 0, []
@@ -117,7 +117,7 @@ def test_a_conversation_that_fills_its_context_compacts_once_and_continues(compa
                 state = {**state, "pool_id": update["pool_id"], "messages": update["messages"][1:], "compaction": update["compaction"]}
                 # Never twice in a row without growth: asked again at once, it holds.
                 assert node(state) == {}
-            llm = ChatPolyKV(base_url=compact_server, pool_id=state["pool_id"], session_id="filler", temperature=0, max_tokens=40)
+            llm = ChatPolyKV(base_url=compact_server, pool_id=state["pool_id"], session_id="filler", temperature=0, max_tokens=24, timeout=600)
             ask = HumanMessage(f"Turn {turn}. {filler} How many chairs are in room {turn}?")
             reply = llm.invoke(state["messages"] + [ask], ignore_eos=True)
             assert reply.content
