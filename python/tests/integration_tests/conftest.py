@@ -20,7 +20,7 @@ def small_server():
 @pytest.fixture(scope="session")
 def compact_server():
     """A 1,024-cell server with room for a neighbour, the conversation and a summariser."""
-    with LocalServer("-c", "1024", "--parallel", "3", "--pool-grace-ms", "0") as base:
+    with LocalServer("-c", "1024", "--parallel", "3", "--pool-grace-ms", "0", "-t", "1") as base:
         yield base
 
 
