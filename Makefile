@@ -39,8 +39,12 @@ test-go:
 	POLYKV_REQUIRE_MODEL=1 go test -count=1 -timeout 20m ./...
 	./scripts/fuzz.sh
 
+# polykv-langgraph as a langchain partner package: lint (ruff), types (mypy), unit tests
+# with sockets disabled (no network), then the integration tests against live servers.
 test-python:
-	cd python && PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv POLYKV_REQUIRE_BROWSER=1 "$(VENV)/bin/python" -m pytest -q -p no:cacheprovider tests
+	cd python && "$(VENV)/bin/ruff" check --no-cache . && "$(VENV)/bin/mypy" --no-incremental --cache-dir=/dev/null \
+	  && PYTHONPATH=$(CURDIR)/python "$(VENV)/bin/python" -m pytest -q -p no:cacheprovider tests/unit_tests --disable-socket --allow-unix-socket \
+	  && PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv POLYKV_REQUIRE_BROWSER=1 "$(VENV)/bin/python" -m pytest -q -p no:cacheprovider tests/integration_tests
 
 demo: build model venv
 	PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" scripts/demo.py

@@ -93,6 +93,7 @@ type Input struct {
 	Expected      int     // expected_tokens of the caller (0: not given)
 	KnownSession  *bool   // set when the caller named a session
 	Pressure      float64 // compaction pressure, 0..1
+	Reserved      int     // granted, unused reservations (already in PoolSessions and NWarming)
 }
 
 // IdleFreshness is how long a settled mean stays good for the idle-gap estimate.
@@ -115,6 +116,7 @@ type Verdict struct {
 	NWarming              int      `json:"n_warming"`
 	NActive               int      `json:"n_active"`
 	NPoolSessions         int      `json:"n_pool_sessions"`
+	NReserved             int      `json:"n_reserved"`
 	Guaranteed            bool     `json:"guaranteed"`
 	ProjectedIdleEstimate bool     `json:"projected_idle_estimate"`
 	CompactionPressure    float64  `json:"compaction_pressure"`
@@ -133,7 +135,7 @@ const DefaultMarginalCells = 256
 // physical), continuation, the guaranteed minimum, settling, KV headroom, the tps floor.
 func Decide(in Input) Verdict {
 	v := Verdict{
-		FreeCells: in.FreeCells, NWarming: in.NWarming, NActive: len(in.ActiveTPS), NPoolSessions: in.PoolSessions,
+		FreeCells: in.FreeCells, NWarming: in.NWarming, NActive: len(in.ActiveTPS), NPoolSessions: in.PoolSessions, NReserved: in.Reserved,
 		Settling: in.Settling, KnownSession: in.KnownSession, TargetTPS: in.Policy.TargetTPS, Mode: in.Policy.Mode,
 		CompactionPressure: clamp01(in.Pressure),
 	}

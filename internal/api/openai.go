@@ -44,6 +44,7 @@ type genParams struct {
 	PoolID           json.RawMessage `json:"pool_id"`
 	SharedPrefixN    *int            `json:"shared_prefix_n_tokens"`
 	Overcommit       bool            `json:"overcommit"`
+	ReservationID    *string         `json:"reservation_id"`
 }
 
 type chatRequest struct {
@@ -146,6 +147,15 @@ func (s *Server) toEngine(g *genParams) (engine.Request, *apiError) {
 			return req, badRequest("shared_prefix_n_tokens must not be negative, got %d", *g.SharedPrefixN)
 		}
 		req.SharedPrefixN = g.SharedPrefixN
+	}
+	if g.ReservationID != nil {
+		if !has {
+			return req, badRequest("reservation_id needs pool_id")
+		}
+		if len(*g.ReservationID) > 256 {
+			return req, badRequest("reservation_id is longer than 256 bytes")
+		}
+		req.ReservationID = *g.ReservationID
 	}
 	if g.N != nil && *g.N != 1 {
 		return req, badRequest("n: only 1 choice per request is supported, got %d", *g.N)
@@ -467,6 +477,9 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *gen
 	if req.Overcommit && req.HasPool {
 		s.log.Info("overcommit: admission gate skipped", "pool", req.PoolID, "session", req.SessionID)
 	}
+	if gate.Reserved {
+		w.Header().Set("X-PolyKV-Reservation", "used")
+	}
 	if gate.Checked {
 		w.Header().Set("X-Sessions-Remaining", strconv.Itoa(gate.SessionsRemaining))
 		if gate.Warned {
@@ -519,7 +532,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *gen
 	body := map[string]any{
 		"id": id, "object": object, "created": created, "model": s.info.ModelID,
 		"choices": []any{choice}, "usage": s.usage(len(req.Prompt), ev), "timings": timings(ev.Stats),
-		"session_id": req.SessionID,
+		"session_id": req.SessionID, "context": ev.Stats.Ctx,
 	}
 	if ev.Stats.Pool != 0 {
 		body["pool_id"] = ev.Stats.Pool
@@ -651,6 +664,7 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 			last := chunk("", nil, reason)
 			last["timings"] = timings(ev.Stats)
 			last["session_id"] = req.SessionID
+			last["context"] = ev.Stats.Ctx
 			if ev.Stats.Pool != 0 {
 				last["pool_id"] = ev.Stats.Pool
 			}

@@ -19,6 +19,7 @@ func (s *Server) routeTPS(mux *http.ServeMux) {
 	mux.HandleFunc("GET /polykv/pools/{id}/capacity", s.handleCapacity)
 	mux.HandleFunc("GET /polykv/pools/{id}/admission", s.handleGetAdmission)
 	mux.HandleFunc("POST /polykv/pools/{id}/admission", s.handleSetAdmission)
+	s.routeReservations(mux)
 	if s.metrics != nil {
 		mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.Registry, promhttp.HandlerOpts{}))
 	}

@@ -64,6 +64,9 @@ type poolAdmission struct {
 	hasDrop     bool
 	settledMean float64
 	settledAt   time.Time
+	// Granted, unused reservations (reservations.go), by id.
+	reservations    map[string]*reservation
+	nextReservation uint64
 }
 
 func (s *Scheduler) admissionOf(id int) *poolAdmission {
@@ -181,6 +184,48 @@ func (s *Scheduler) pressure() float64 {
 	return fill
 }
 
+// graceCells counts the cells of released pools that nothing uses any more: they are
+// reclaimed once --pool-grace-ms has passed, so a session's pressure treats them as
+// free. (Compaction releases the old working pool; counting its cells as used for the
+// grace period made the next turn look full and compact again.)
+func (s *Scheduler) graceCells() int {
+	n := 0
+	for _, p := range s.pools.All() {
+		if p.State == pool.Released && p.Sessions == 0 && len(p.Children) == 0 {
+			n += p.OwnCells()
+		}
+	}
+	return n
+}
+
+// SessionCtx is one session's own context pressure (issue 13): what its sequence
+// holds against what it can still grow into. Idle neighbours' cells (evictable) and
+// released pools in their grace period count as free, so a busy neighbour that is
+// only idle does not push this session to compact.
+type SessionCtx struct {
+	SessionID         string  `json:"session_id,omitempty"`
+	PoolID            *int    `json:"pool_id"` // the pool its sequence is attached to now (nil: none)
+	CtxUsed           int     `json:"ctx_used"`
+	CtxHeadroomTokens int     `json:"ctx_headroom_tokens"`
+	CtxPressure       float64 `json:"ctx_pressure"`
+}
+
+// sessionContext computes sl's own pressure: used / (used + headroom), where headroom
+// is bounded by positions (n_ctx) and by the cells sl could get.
+func (s *Scheduler) sessionContext(sl *slot) SessionCtx {
+	used := len(sl.tokens)
+	free := s.cfg.NCtx - s.usedCells() + s.evictableCells(sl) + s.graceCells()
+	c := SessionCtx{SessionID: sl.session, CtxUsed: used, CtxHeadroomTokens: s.headroom(used, free)}
+	if sl.base != nil {
+		id := sl.base.ID
+		c.PoolID = &id
+	}
+	if used > 0 {
+		c.CtxPressure = float64(used) / float64(used+c.CtxHeadroomTokens)
+	}
+	return c
+}
+
 // capacityInput gathers a pool's admission snapshot.
 func (s *Scheduler) capacityInput(p *pool.Pool, expected int, session string) admission.Input {
 	pa := s.admissionOf(p.ID)
@@ -189,12 +234,6 @@ func (s *Scheduler) capacityInput(p *pool.Pool, expected int, session string) ad
 		Policy: pa.policy, Now: s.now, PoolSessions: p.Sessions + s.pendingAdmits(p), ActiveTPS: rates, NWarming: warming,
 		DropEWMA: pa.dropEWMA, HasDrop: pa.hasDrop, SettledMean: pa.settledMean, SettledAt: pa.settledAt,
 		FreeCells: s.freeForNew(), TotalCells: s.cfg.NCtx, Expected: expected, Pressure: s.pressure(),
-	}
-	if pa.settling || s.pendingAdmits(p) > 0 {
-		in.Settling = true
-		if pa.settling {
-			in.SettleLeft = time.Duration(pa.policy.SettleMaxMs)*time.Millisecond - s.now.Sub(pa.settleStart)
-		}
 	}
 	own, n := 0, 0
 	for _, sl := range s.slots {
@@ -205,6 +244,24 @@ func (s *Scheduler) capacityInput(p *pool.Pool, expected int, session string) ad
 	}
 	if n > 0 {
 		in.MarginalCells = float64(own) / float64(n)
+	}
+	// A granted reservation is a session that has not arrived yet: it takes a place
+	// (so the guarantee and the floor see it), is warming (so the pool is settling until
+	// it has been measured) and will need cells.
+	marginal := in.MarginalCells
+	if marginal <= 0 {
+		marginal = admission.DefaultMarginalCells
+	}
+	nres, rcells := pa.liveReservations(s.now, marginal)
+	in.Reserved = nres
+	in.PoolSessions += nres
+	in.NWarming += nres
+	in.FreeCells = max(0, in.FreeCells-rcells)
+	if pa.settling || s.pendingAdmits(p) > 0 || nres > 0 {
+		in.Settling = true
+		if pa.settling {
+			in.SettleLeft = time.Duration(pa.policy.SettleMaxMs)*time.Millisecond - s.now.Sub(pa.settleStart)
+		}
 	}
 	if session != "" {
 		_, known := s.seen[session]
@@ -224,10 +281,13 @@ func (s *Scheduler) pendingAdmits(p *pool.Pool) int {
 	return n
 }
 
-// CapacityReport is /capacity's answer for one pool.
+// CapacityReport is /capacity's answer for one pool. With a session_id that holds a
+// sequence it also carries that session's own context pressure.
 type CapacityReport struct {
 	PoolID int `json:"pool_id"`
 	admission.Verdict
+	SessionPressure *float64    `json:"session_pressure,omitempty"`
+	Session         *SessionCtx `json:"session,omitempty"`
 }
 
 // capacity answers GET /polykv/pools/{id}/capacity (message QueryCapacity).
@@ -236,7 +296,12 @@ func (s *Scheduler) capacity(id, expected int, session string) (CapacityReport, 
 	if err != nil {
 		return CapacityReport{}, err
 	}
-	return CapacityReport{PoolID: id, Verdict: admission.Decide(s.capacityInput(p, expected, session))}, nil
+	rep := CapacityReport{PoolID: id, Verdict: admission.Decide(s.capacityInput(p, expected, session))}
+	if sl, ok := s.bySession[session]; ok && session != "" {
+		c := s.sessionContext(sl)
+		rep.Session, rep.SessionPressure = &c, &c.CtxPressure
+	}
+	return rep, nil
 }
 
 // SaturatedError is an enforced pool refusing a new session (HTTP 429).
@@ -258,6 +323,7 @@ func (e *SaturatedError) Is(target error) bool { return target == ErrSaturated }
 // Gate is what the enforced gate said about a submitted request.
 type Gate struct {
 	Checked           bool // the pool is enforced and the request was a new session
+	Reserved          bool // the request used a live reservation: admitted when it was granted
 	Held              bool // waiting for capacity (settling, or on_saturation=queue)
 	Warned            bool // admitted over the floor (on_saturation=warn)
 	SessionsRemaining int
@@ -268,6 +334,11 @@ type Gate struct {
 // the task, or an error to refuse it.
 func (s *Scheduler) gate(t *task) (Gate, error) {
 	p := t.pool
+	// A reservation is consumed by any request of its pool that names it (a
+	// continuation too), so a used reservation never lingers until its expiry.
+	if s.useReservation(t) {
+		return Gate{Reserved: true}, nil
+	}
 	if p == nil || !t.newSession || t.req.Overcommit {
 		return Gate{}, nil
 	}
@@ -341,6 +412,7 @@ type SessionTPS struct {
 	CtxUsed           int     `json:"ctx_used"`
 	CtxTotal          int     `json:"ctx_total"`
 	CtxHeadroomTokens int     `json:"ctx_headroom_tokens"`
+	CtxPressure       float64 `json:"ctx_pressure"` // the session's own pressure (sessionContext)
 }
 
 // TPSSnapshot is one event of GET /polykv/tps.
@@ -362,7 +434,7 @@ func (s *Scheduler) headroom(used, free int) int {
 
 func (s *Scheduler) sessionTPS(sl *slot, free int) SessionTPS {
 	st := SessionTPS{SessionID: sl.session, Seq: sl.seq, State: slotState(sl), CtxUsed: len(sl.tokens), CtxTotal: s.cfg.NCtx,
-		CtxHeadroomTokens: s.headroom(len(sl.tokens), free)}
+		CtxHeadroomTokens: s.headroom(len(sl.tokens), free), CtxPressure: s.sessionContext(sl).CtxPressure}
 	if sl.base != nil {
 		id := sl.base.ID
 		st.PoolID = &id

@@ -642,6 +642,7 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 		stats.PromptTime = s.now.Sub(t.admitted)
 	}
 	stats.TPS = t.ewma.Rate()
+	stats.Ctx = s.sessionContext(sl)
 	s.events = append(s.events, Event{Task: t.id, Text: t.text.flush(), Done: true, Finish: reason, Truncated: truncated, Err: err, Stats: stats})
 	s.samplers = append(s.samplers, SamplerOp{Task: t.id, Free: true})
 	s.obs = append(s.obs, Observation{Kind: ObsQuery, Pool: stats.Pool, PromptTokens: len(t.req.Prompt), CachedTokens: t.cacheN})

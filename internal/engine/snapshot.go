@@ -22,6 +22,7 @@ type SlotInfo struct {
 	CtxUsed   int     `json:"ctx_used"`
 	CtxTotal  int     `json:"ctx_total"`
 	Headroom  int     `json:"ctx_headroom_tokens"`
+	Pressure  float64 `json:"ctx_pressure"` // the session's own context pressure
 }
 
 func slotState(sl *slot) string {
@@ -44,7 +45,7 @@ func (s *Scheduler) Slots() []SlotInfo {
 		}
 		st := s.sessionTPS(sl, free)
 		info := SlotInfo{Seq: sl.seq, SessionID: sl.session, State: slotState(sl), NPast: len(sl.tokens), Shared: sl.shared,
-			TPSEWMA: st.TPSEWMA, CtxUsed: st.CtxUsed, CtxTotal: st.CtxTotal, Headroom: st.CtxHeadroomTokens}
+			TPSEWMA: st.TPSEWMA, CtxUsed: st.CtxUsed, CtxTotal: st.CtxTotal, Headroom: st.CtxHeadroomTokens, Pressure: st.CtxPressure}
 		if sl.base != nil {
 			id := sl.base.ID
 			info.PoolID = &id

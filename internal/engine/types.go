@@ -45,6 +45,9 @@ type Request struct {
 	PoolID        int
 	SharedPrefixN *int
 	Overcommit    bool // skip an enforced pool's admission gate (logged by the API)
+	// ReservationID names a granted reservation of the pool (POST
+	// /polykv/pools/{id}/reservations): the request uses it instead of the gate.
+	ReservationID string
 }
 
 // Finish reasons, as OpenAI names them.
@@ -66,6 +69,7 @@ type Stats struct {
 	Pool        int           // pool the sequence is attached to (0: none)
 	Shared      int           // leading tokens borrowed from that pool
 	TPS         float64       // experienced decode tps (EWMA) at the end
+	Ctx         SessionCtx    // the sequence's own context pressure at the end
 }
 
 // TokenLogprob is one sampled token with its log-probability and, when the task asked

@@ -59,6 +59,7 @@ class Sub(TypedDict, total=False):
     headroom_sessions: Annotated[int, _last]
     mean_active_tps: Annotated[float, _last]
     capacity: Annotated[dict, capacity_reducer]
+    reservation_id: Annotated[str, _last]
     results: Annotated[list, operator.add]
 
 
@@ -75,28 +76,25 @@ def build(base_url: str, client: PolyKVClient, n: int):
     def fan_out(state: Main):
         return [Send("gate", {"task_pool": state["task_pool"], "question": q, "index": i}) for i, q in enumerate(QUESTIONS[:n])]
 
-    gate = capacity_gate(client, spawn="sub_agent", hold="held", pool_key="task_pool", wait_for_capacity=True, max_wait_s=30, send=True)
+    # Each branch reserves its place atomically; a held branch re-enters the gate in the
+    # next superstep, after the sub-agents granted in this one have run.
+    gate = capacity_gate(client, spawn="sub_agent", hold="gate", pool_key="task_pool", send=True, hold_delay_s=0.2)
 
     def sub_agent(state: Sub):
         llm = ChatPolyKV(base_url=base_url, pool_id=state["task_pool"], session_id=f"sub-{state['index']}", temperature=0, max_tokens=48)
-        msg = llm.invoke([system, task, HumanMessage(state["question"])])
+        msg = llm.invoke([system, task, HumanMessage(state["question"])], reservation_id=state["reservation_id"])
         md = msg.response_metadata
         return {"results": [{"agent": state["index"], "question": state["question"], "answer": msg.content.strip(),
                              "tps": md["session_tps"], "cached": msg.usage_metadata["input_token_details"]["cache_read"],
                              "prompt": msg.usage_metadata["input_tokens"]}]}
 
-    def held(state: Sub):
-        return {"results": [{"agent": state["index"], "question": state["question"], "answer": "(held: no capacity)", "tps": 0, "cached": 0, "prompt": 0}]}
-
     g = StateGraph(Main)
     g.add_node("plan", plan)
     g.add_node("gate", gate)
     g.add_node("sub_agent", sub_agent)
-    g.add_node("held", held)
     g.add_edge(START, "plan")
     g.add_conditional_edges("plan", fan_out, ["gate"])
     g.add_edge("sub_agent", END)
-    g.add_edge("held", END)
     return g.compile()
 
 
@@ -110,7 +108,7 @@ def main() -> None:
     base = server.start() if server else args.base_url
     try:
         with PolyKVClient(base) as client:
-            out = build(base, client, args.agents).invoke({})
+            out = build(base, client, args.agents).invoke({}, {"recursion_limit": 100})
             for r in sorted(out["results"], key=lambda r: r["agent"]):
                 print(f"[sub-{r['agent']}] {r['question']}\n  -> {r['answer']}\n"
                       f"  {r['cached']} of {r['prompt']} prompt tokens from the pool, {r['tps']:.1f} tok/s experienced")

@@ -4,27 +4,42 @@ from .chat_model import ChatPolyKV
 from .client import (
     AsyncPolyKVClient,
     CapacityError,
+    InvalidRequestError,
     PolyKVClient,
+    PolyKVConnectionError,
+    PolyKVContextOverflowError,
     PolyKVError,
+    PolyKVTimeoutError,
     PoolNotFoundError,
     PoolSaturatedError,
     PrefixContractError,
+    ServerError,
 )
 from .compaction import CompactionNode
 from .graph import capacity_gate, capacity_reducer
-from .tools import make_pool_tools
+from .local_server import LocalServer, find_polykv
+from .tools import bound_tools, create_model_pool, make_pool_tools
 
 __all__ = [
     "AsyncPolyKVClient",
     "CapacityError",
     "ChatPolyKV",
     "CompactionNode",
+    "InvalidRequestError",
+    "LocalServer",
     "PolyKVClient",
+    "PolyKVConnectionError",
+    "PolyKVContextOverflowError",
     "PolyKVError",
+    "PolyKVTimeoutError",
     "PoolNotFoundError",
     "PoolSaturatedError",
     "PrefixContractError",
+    "ServerError",
+    "bound_tools",
     "capacity_gate",
     "capacity_reducer",
+    "create_model_pool",
+    "find_polykv",
     "make_pool_tools",
 ]

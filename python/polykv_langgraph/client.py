@@ -6,6 +6,14 @@ import json
 from typing import Any, AsyncIterator, Iterator, Sequence
 
 import httpx
+from langchain_core.exceptions import (
+    ContextOverflowError,
+    ModelAPIError,
+    ModelConnectionError,
+    ModelInvalidRequestError,
+    ModelRateLimitError,
+    ModelTimeoutError,
+)
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8080"
 
@@ -21,7 +29,13 @@ class PolyKVError(Exception):
         self.body = body or {}
 
 
-class PoolSaturatedError(PolyKVError):
+# Every error is also the matching langchain-core type, so LangChain code that catches
+# those (SummarizationMiddleware reacts to ContextOverflowError, retry middleware to
+# ModelRateLimitError, ...) works with PolyKV unchanged, and code catching PolyKVError
+# keeps working too.
+
+
+class PoolSaturatedError(PolyKVError, ModelRateLimitError):
     """429: an enforced pool refused a new session. ``retry_after`` is in seconds."""
 
     def __init__(self, status: int, message: str, type_: str = "", body: dict | None = None, retry_after: float | None = None):
@@ -30,16 +44,57 @@ class PoolSaturatedError(PolyKVError):
         self.capacity = (body or {}).get("error", {}).get("capacity")
 
 
-class PoolNotFoundError(PolyKVError):
-    """404: the pool (or session) does not exist or was released."""
+class PoolNotFoundError(PolyKVError, ModelInvalidRequestError):
+    """404: the pool (or session, or reservation) does not exist or was released."""
 
 
-class PrefixContractError(PolyKVError):
+class PrefixContractError(PolyKVError, ModelInvalidRequestError):
     """409: a fork's prefix does not match its parent, or the operation's order is wrong."""
 
 
-class CapacityError(PolyKVError):
-    """503: sequence ids, queue slots or cells are exhausted."""
+class CapacityError(PolyKVError, ModelAPIError):
+    """503: sequence ids, queue slots or cells are exhausted (retryable)."""
+
+
+class InvalidRequestError(PolyKVError, ModelInvalidRequestError):
+    """400: the server refused the request as malformed or out of range."""
+
+
+class PolyKVContextOverflowError(PolyKVError, ContextOverflowError):
+    """400 ``exceed_context_size_error``: the prompt does not fit the server's context."""
+
+
+class ServerError(PolyKVError, ModelAPIError):
+    """5xx other than 503: the server failed."""
+
+
+class PolyKVConnectionError(PolyKVError, ModelConnectionError):
+    """The server could not be reached (after the retries)."""
+
+
+class PolyKVTimeoutError(PolyKVError, ModelTimeoutError):
+    """The request timed out (after the retries)."""
+
+
+def error_for(status: int, body: Any, text: str = "", retry_after: str | None = None) -> PolyKVError:
+    """The typed error for an error response of the server."""
+    if not isinstance(body, dict):
+        body = {"error": {"message": text}}
+    err = body.get("error", {}) if isinstance(body.get("error"), dict) else {}
+    msg, typ = err.get("message", text), err.get("type", "")
+    if status == 429:
+        try:
+            ra = float(retry_after) if retry_after else None
+        except ValueError:
+            ra = None
+        return PoolSaturatedError(status, msg, typ, body, retry_after=ra)
+    if status == 400 and typ == "exceed_context_size_error":
+        return PolyKVContextOverflowError(status, msg, typ, body)
+    by_status: dict[int, type[PolyKVError]] = {404: PoolNotFoundError, 409: PrefixContractError, 503: CapacityError}
+    cls = by_status.get(status)
+    if cls is None:
+        cls = ServerError if status >= 500 else InvalidRequestError if 400 <= status < 500 else PolyKVError
+    return cls(status, msg, typ, body)
 
 
 def _raise_for(resp: httpx.Response) -> None:
@@ -48,15 +103,15 @@ def _raise_for(resp: httpx.Response) -> None:
     try:
         body = resp.json()
     except ValueError:
-        body = {"error": {"message": resp.text}}
-    err = body.get("error", {}) if isinstance(body, dict) else {}
-    msg, typ = err.get("message", resp.text), err.get("type", "")
-    status = resp.status_code
-    if status == 429:
-        ra = resp.headers.get("Retry-After")
-        raise PoolSaturatedError(status, msg, typ, body, retry_after=float(ra) if ra else None)
-    cls = {404: PoolNotFoundError, 409: PrefixContractError, 503: CapacityError}.get(status, PolyKVError)
-    raise cls(status, msg, typ, body)
+        body = None
+    raise error_for(resp.status_code, body, resp.text, resp.headers.get("Retry-After"))
+
+
+def transport_error(e: httpx.TransportError) -> PolyKVError:
+    """Map an httpx transport failure to the langchain-core typed error."""
+    if isinstance(e, httpx.TimeoutException):
+        return PolyKVTimeoutError(0, f"request timed out: {e!r}", "timeout")
+    return PolyKVConnectionError(0, f"cannot reach the server: {e!r}", "connection_error")
 
 
 def _prefix_body(tokens=None, prompt=None, messages=None, from_session=None) -> dict:
@@ -70,10 +125,12 @@ class _Routes:
     """Request builders shared by the sync and async clients (no I/O here)."""
 
     @staticmethod
-    def create_pool(tokens=None, prompt=None, messages=None, from_session=None, pin=False):
+    def create_pool(tokens=None, prompt=None, messages=None, from_session=None, pin=False, tools=None):
         body = _prefix_body(tokens, prompt, messages, from_session)
         if pin:
             body["pin"] = True
+        if tools:
+            body["tools"] = tools
         return "POST", "/polykv/pools", body
 
     @staticmethod
@@ -83,6 +140,12 @@ class _Routes:
         if pin:
             body["pin"] = True
         return "POST", f"/polykv/pools/{pool_id}/fork", body
+
+
+    @staticmethod
+    def reserve(pool_id: int, ttl_ms: int | None, expected_tokens: int | None) -> tuple[str, str, dict]:
+        body = {k: v for k, v in {"ttl_ms": ttl_ms, "expected_tokens": expected_tokens}.items() if v is not None}
+        return "POST", f"/polykv/pools/{pool_id}/reservations", body
 
 
 class PolyKVClient:
@@ -108,8 +171,10 @@ class PolyKVClient:
 
     # pools
     def create_pool(self, *, tokens: Sequence[int] | None = None, prompt: str | None = None, messages: list[dict] | None = None,
-                    from_session: str | None = None, pin: bool = False) -> dict:
-        return self._call(*_Routes.create_pool(list(tokens) if tokens is not None else None, prompt, messages, from_session, pin))
+                    from_session: str | None = None, pin: bool = False, tools: list[dict] | None = None) -> dict:
+        """Create a root pool. ``tools`` (OpenAI format) go with ``messages`` so the pool
+        renders like a chat request with those tools (server side: issue 11)."""
+        return self._call(*_Routes.create_pool(list(tokens) if tokens is not None else None, prompt, messages, from_session, pin, tools))
 
     def fork_pool(self, pool_id: int, branch_pos: int, *, tokens: Sequence[int] | None = None, prompt: str | None = None,
                   messages: list[dict] | None = None, from_session: str | None = None, pin: bool = False) -> dict:
@@ -151,6 +216,15 @@ class PolyKVClient:
 
     def set_admission(self, pool_id: int, **policy: Any) -> dict:
         return self._call("POST", f"/polykv/pools/{pool_id}/admission", policy)
+
+    def reserve(self, pool_id: int, *, ttl_ms: int | None = None, expected_tokens: int | None = None) -> dict:
+        """Atomically reserve one new-session slot of the pool: ``{reservation_id,
+        granted, verdict}``. A granted reservation counts as a session until a request
+        carrying ``reservation_id`` uses it, it is released, or ``ttl_ms`` passes."""
+        return self._call(*_Routes.reserve(pool_id, ttl_ms, expected_tokens))
+
+    def release_reservation(self, pool_id: int, reservation_id: str) -> dict:
+        return self._call("DELETE", f"/polykv/pools/{pool_id}/reservations/{reservation_id}")
 
     def admission(self, pool_id: int) -> dict:
         return self._call("GET", f"/polykv/pools/{pool_id}/admission")
@@ -194,7 +268,7 @@ class PolyKVClient:
         if (compacted_tokens is None) == (compacted_text is None):
             raise ValueError("give exactly one of compacted_tokens or compacted_text")
         base = self.pool(ancestor_pool)["tokens"][:branch_pos]
-        tail = list(compacted_tokens) if compacted_tokens is not None else self.tokenize(compacted_text, add_special=False)
+        tail = list(compacted_tokens) if compacted_tokens is not None else self.tokenize(str(compacted_text), add_special=False)
         new = self.fork_pool(ancestor_pool, branch_pos, tokens=base + tail)
         if release_pool is not None and release_pool != ancestor_pool:
             new["released"] = self.release_subtree(release_pool)
@@ -222,8 +296,8 @@ class AsyncPolyKVClient:
         _raise_for(resp)
         return resp.json()
 
-    async def create_pool(self, *, tokens=None, prompt=None, messages=None, from_session=None, pin=False) -> dict:
-        return await self._call(*_Routes.create_pool(list(tokens) if tokens is not None else None, prompt, messages, from_session, pin))
+    async def create_pool(self, *, tokens=None, prompt=None, messages=None, from_session=None, pin=False, tools=None) -> dict:
+        return await self._call(*_Routes.create_pool(list(tokens) if tokens is not None else None, prompt, messages, from_session, pin, tools))
 
     async def fork_pool(self, pool_id, branch_pos, *, tokens=None, prompt=None, messages=None, from_session=None, pin=False) -> dict:
         return await self._call(*_Routes.fork_pool(pool_id, branch_pos, list(tokens) if tokens is not None else None, prompt, messages, from_session, pin))
@@ -262,6 +336,12 @@ class AsyncPolyKVClient:
 
     async def set_admission(self, pool_id: int, **policy: Any) -> dict:
         return await self._call("POST", f"/polykv/pools/{pool_id}/admission", policy)
+
+    async def reserve(self, pool_id: int, *, ttl_ms: int | None = None, expected_tokens: int | None = None) -> dict:
+        return await self._call(*_Routes.reserve(pool_id, ttl_ms, expected_tokens))
+
+    async def release_reservation(self, pool_id: int, reservation_id: str) -> dict:
+        return await self._call("DELETE", f"/polykv/pools/{pool_id}/reservations/{reservation_id}")
 
     async def admission(self, pool_id: int) -> dict:
         return await self._call("GET", f"/polykv/pools/{pool_id}/admission")

@@ -3,29 +3,60 @@
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, Callable, Optional, TypeVar, Union
 
+from langchain_core.messages import SystemMessage
 from langchain_core.tools import BaseTool, StructuredTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from .client import PolyKVClient, PolyKVError
 
+F = TypeVar("F", bound=Callable[..., Any])
 
-def _safe(fn):
+
+def bound_tools(model: Any) -> list[dict]:
+    """The OpenAI-format tools bound to ``model`` (a ``model.bind_tools(...)`` result, or
+    a plain model: none)."""
+    tools = (getattr(model, "kwargs", None) or {}).get("tools") or []
+    return [t if isinstance(t, dict) and t.get("type") == "function" else convert_to_openai_tool(t) for t in tools]
+
+
+def create_model_pool(client: PolyKVClient, model: Any, system: Union[str, SystemMessage], *, pin: bool = False) -> dict:
+    """Create a root pool holding the prefix that ``ChatPolyKV`` requests of ``model``
+    start with: the system message, rendered by the server's chat template together
+    with the tools bound to ``model`` (``bind_tools``), exactly as a chat request with
+    that system message and those tools renders. Attach the agent with
+    ``ChatPolyKV(pool_id=pool["pool_id"], ...)``.
+
+    Status: the server takes ``tools`` on pool creation with the model-prompt issue
+    (issue 11), being done separately. Until that lands the server ignores ``tools``
+    here and the pool holds the system message alone; a tool-bound model's requests then
+    share the pool only up to where the template inserts the tool descriptions (for
+    SmolLM2, inside the system message), so fewer tokens are reused. Without tools the
+    pool already matches exactly."""
+    text = system.content if isinstance(system, SystemMessage) else system
+    tools = bound_tools(model)
+    return client.create_pool(messages=[{"role": "system", "content": text}], tools=tools or None, pin=pin)
+
+
+def _safe(fn: F) -> F:
     """Tools answer errors as data: an agent should read "pool 7 has children", not crash."""
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except PolyKVError as e:
             return {"error": {"status": e.status, "type": e.type, "message": e.message}}
 
-    return wrapper
+    return wrapper  # type: ignore[return-value]
 
 
 def make_pool_tools(client: PolyKVClient) -> list[BaseTool]:
     """create_pool, fork_pool, pool_status, session_tps, capacity and release_pool,
-    bound to ``client``."""
+    bound to ``client``, for an agent that manages its own pool tree. To create the pool
+    a tool-bound agent itself attaches to, use :func:`create_model_pool` (its tools
+    part depends on issue 11, see there)."""
 
     @_safe
     def create_pool(prompt: Optional[str] = None, system_message: Optional[str] = None, from_session: Optional[str] = None,

@@ -17,6 +17,13 @@ def small_server():
         yield base
 
 
+@pytest.fixture(scope="session")
+def compact_server():
+    """A 1,024-cell server with room for a neighbour, the conversation and a summariser."""
+    with LocalServer("-c", "1024", "--parallel", "3", "--pool-grace-ms", "0", "-t", "1") as base:
+        yield base
+
+
 def pytest_collection_modifyitems(items):
     """Mark the standard-suite tests the tiny model cannot pass as xfail, with reasons."""
     for item in items:

@@ -96,6 +96,7 @@ class GateState(TypedDict, total=False):
     headroom_sessions: int
     mean_active_tps: float
     capacity: Annotated[dict, capacity_reducer]
+    reservation_id: str
     route: str
 
 
@@ -114,14 +115,17 @@ def test_gate_routes_under_enforced_pool(server, client):
     pool = system_pool(client, SYSTEM + " Gate test.")
     pid = pool["pool_id"]
     graph = gate_graph(client)
-    assert graph.invoke({"pool_id": pid})["route"] == "spawn"  # guaranteed first session
+    spawned = graph.invoke({"pool_id": pid})
+    assert spawned["route"] == "spawn" and spawned["reservation_id"]  # guaranteed first session, reserved
     client.set_admission(pid, target_tps_per_session=1e6, mode="enforced", on_saturation="reject", settle_tokens=8)
     first = ChatPolyKV(base_url=server, pool_id=pid, session_id="gate-first", max_tokens=200, temperature=0)
     done = threading.Event()
     result = {}
 
     def run():
-        result["msg"] = first.invoke([SystemMessage(SYSTEM + " Gate test."), HumanMessage("Count to fifty.")], ignore_eos=True)
+        # The spawned agent's first request uses the gate's reservation.
+        result["msg"] = first.invoke([SystemMessage(SYSTEM + " Gate test."), HumanMessage("Count to fifty.")], ignore_eos=True,
+                                     reservation_id=spawned["reservation_id"])
         done.set()
 
     t = threading.Thread(target=run)

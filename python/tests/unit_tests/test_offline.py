@@ -7,13 +7,13 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langgraph.types import Command
 
 from polykv_langgraph import (
+    CapacityError,
     ChatPolyKV,
     CompactionNode,
     PolyKVClient,
     PoolNotFoundError,
     PoolSaturatedError,
     PrefixContractError,
-    CapacityError,
     capacity_gate,
     capacity_reducer,
     make_pool_tools,
@@ -40,6 +40,10 @@ class FakeServer:
 
     def client(self):
         return PolyKVClient("http://polykv.test", transport=httpx.MockTransport(self))
+
+    def bodies(self, path="/v1/chat/completions"):
+        """Bodies of the requests to path (the chat model also asks /v1/models once)."""
+        return [r[2] for r in self.requests if r[1] == path]
 
 
 def err(status, typ, msg, headers=None):
@@ -105,7 +109,7 @@ def test_chat_model_request_and_metadata():
     fs.on("POST", "/v1/chat/completions", chat_response("hello", headers={"X-Sessions-Remaining": "3"}))
     llm = model_for(fs, temperature=0, max_tokens=16, overcommit=True, stop=["END"])
     out = llm.invoke([SystemMessage("sys"), HumanMessage("hi")])
-    body = fs.requests[0][2]
+    body = fs.bodies()[0]
     assert body["pool_id"] == 4 and body["session_id"] == "s1" and body["overcommit"] is True
     assert body["temperature"] == 0 and body["max_tokens"] == 16 and body["stop"] == ["END"]
     assert body["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
@@ -128,11 +132,11 @@ def test_chat_model_tool_calls_and_history():
     llm = model_for(fs).bind_tools([add], tool_choice="any")
     out = llm.invoke("1+2?")
     assert out.tool_calls == [{"name": "add", "args": {"a": 1, "b": 2}, "id": "call_1", "type": "tool_call"}]
-    body = fs.requests[0][2]
+    body = fs.bodies()[0]
     assert body["tool_choice"] == "required" and body["tools"][0]["function"]["name"] == "add"
     # A tool round trip is sent back in OpenAI's shapes.
     model_for(fs).invoke([HumanMessage("1+2?"), out, ToolMessage("3", tool_call_id="call_1")])
-    hist = fs.requests[1][2]["messages"]
+    hist = fs.bodies()[1]["messages"]
     assert hist[1]["tool_calls"][0]["function"]["name"] == "add" and hist[2] == {"role": "tool", "tool_call_id": "call_1", "content": "3"}
 
 
@@ -168,7 +172,7 @@ def test_chat_model_retries_429_then_raises():
     fs.on("POST", "/v1/chat/completions", err(429, "pool_saturated_error", "full", {"Retry-After": "0"}))
     with pytest.raises(PoolSaturatedError):
         model_for(fs, max_retries=2).invoke("hi")
-    assert len(fs.requests) == 3
+    assert len(fs.bodies()) == 3
 
 
 def capacity(ok, **kw):
@@ -179,7 +183,7 @@ def capacity(ok, **kw):
 def test_capacity_gate_routes():
     fs = FakeServer()
     fs.on("GET", "/polykv/pools/4/capacity", capacity(True))
-    gate = capacity_gate(fs.client(), spawn="spawn", hold="hold")
+    gate = capacity_gate(fs.client(), spawn="spawn", hold="hold", reserve=False)
     cmd = gate({"pool_id": 4})
     assert isinstance(cmd, Command) and cmd.goto == "spawn"
     assert cmd.update["capacity_ok"] is True and cmd.update["headroom_sessions"] == 5 and cmd.update["mean_active_tps"] == 30.0
@@ -191,7 +195,7 @@ def test_capacity_gate_waits_for_settle():
     fs = FakeServer()
     answers = iter([capacity(False, settling=True, settle_remaining_ms=10), capacity(True)])
     fs.on("GET", "/polykv/pools/4/capacity", lambda r, b: next(answers)(r, b))
-    cmd = capacity_gate(fs.client(), spawn="go", hold="wait", pool_id=4, wait_for_capacity=True, poll_s=0.01)({})
+    cmd = capacity_gate(fs.client(), spawn="go", hold="wait", pool_id=4, wait_for_capacity=True, poll_s=0.01, reserve=False)({})
     assert cmd.goto == "go" and len(fs.requests) == 2
 
 
@@ -211,30 +215,85 @@ def test_tools_answer_errors_as_data():
 
 
 class FakeSummarizer(ChatPolyKV):
+    def served_model(self):
+        return "fake"
+
     def _generate(self, messages, stop=None, run_manager=None, **kwargs):
         from langchain_core.outputs import ChatGeneration, ChatResult
         return ChatResult(generations=[ChatGeneration(message=AIMessage("they discussed X"))])
 
 
-def test_compaction_node_reroots_and_releases():
+def session_capacity(pressure, used, headroom=1000, server_wide=0.1):
+    return lambda req, body: httpx.Response(200, json={
+        "can_admit": True, "compaction_pressure": server_wide,
+        "session_pressure": pressure, "session": {"ctx_used": used, "ctx_headroom_tokens": headroom, "ctx_pressure": pressure}})
+
+
+def compaction_server():
     fs = FakeServer()
-    fs.on("GET", "/polykv/pools/5/capacity", capacity(True, compaction_pressure=0.93))
     fs.on("GET", "/polykv/pools/4", lambda r, b: httpx.Response(200, json={"pool_id": 4, "prefix_len": 12, "children": [5]}))
     fs.on("GET", "/polykv/pools/5", lambda r, b: httpx.Response(200, json={"pool_id": 5, "children": []}))
+    fs.on("GET", "/polykv/pools/6", lambda r, b: httpx.Response(200, json={"pool_id": 6, "children": []}))
     fs.on("POST", "/polykv/pools/4/fork", lambda r, b: httpx.Response(201, json={"pool_id": 6, "prefix_len": 40}))
     fs.on("DELETE", "/polykv/pools/5", lambda r, b: httpx.Response(200, json={"released": True}))
-    node = CompactionNode(FakeSummarizer(), fs.client(), threshold=0.8, keep_last=1, session_key=None)
-    state = {"pool_id": 5, "system_pool_id": 4, "messages": [SystemMessage("sys"), HumanMessage("a"), AIMessage("b"), HumanMessage("c")]}
+    fs.on("DELETE", "/polykv/pools/6", lambda r, b: httpx.Response(200, json={"released": True}))
+    fs.on("POST", "/tokenize", lambda r, b: httpx.Response(200, json={"tokens": [1] * 10}))
+    return fs
+
+
+def test_compaction_node_reroots_and_releases():
+    fs = compaction_server()
+    fs.on("GET", "/polykv/pools/5/capacity", session_capacity(0.93, 900, 60))
+    node = CompactionNode(FakeSummarizer(), fs.client(), threshold=0.8, keep_last=1)
+    state = {"pool_id": 5, "system_pool_id": 4, "session_id": "s1",
+             "messages": [SystemMessage("sys"), HumanMessage("a"), AIMessage("b"), HumanMessage("c")]}
     update = node(state)
+    assert fs.requests[0][3] == {"session_id": "s1"}  # the session's own pressure is asked for
     fork = [r for r in fs.requests if r[1] == "/polykv/pools/4/fork"][0][2]
     assert fork["branch_pos"] == 12 and fork["messages"][0] == {"role": "system", "content": "sys"}
     assert "they discussed X" in fork["messages"][1]["content"]
     assert update["pool_id"] == 6 and update["compaction"]["released"] == [5]
+    assert update["compaction"]["ctx_before"] == 900 and update["compaction"]["ctx_after"] == 40 + 10
     kept = update["messages"][1:]
     assert [m.content for m in kept][-1] == "c" and kept[0].content == "sys"
     # Below the threshold it does nothing.
-    fs.on("GET", "/polykv/pools/5/capacity", capacity(True, compaction_pressure=0.1))
+    fs.on("GET", "/polykv/pools/5/capacity", session_capacity(0.1, 90))
     assert node(state) == {}
+
+
+def test_compaction_reads_the_sessions_own_pressure_not_the_servers():
+    """Issue 13: a busy server (server-wide pressure 0.95) with a short conversation."""
+    fs = compaction_server()
+    fs.on("GET", "/polykv/pools/5/capacity", session_capacity(0.05, 60, 1100, server_wide=0.95))
+    node = CompactionNode(FakeSummarizer(), fs.client(), threshold=0.3)
+    state = {"pool_id": 5, "system_pool_id": 4, "session_id": "s1", "messages": [SystemMessage("sys"), HumanMessage("a")]}
+    assert node(state) == {}
+    # No session: nothing to measure, nothing fires (the server-wide figure is not the session's).
+    assert node({**state, "session_id": None}) == {}
+
+
+def test_compaction_hysteresis_never_twice_without_growth():
+    fs = compaction_server()
+    fs.on("GET", "/polykv/pools/5/capacity", session_capacity(0.9, 900, 100))
+    node = CompactionNode(FakeSummarizer(), fs.client(), threshold=0.3, keep_last=1)
+    msgs = [SystemMessage("sys"), HumanMessage("a"), AIMessage("b"), HumanMessage("c")]
+    state = {"pool_id": 5, "system_pool_id": 4, "session_id": "s1", "messages": msgs}
+    first = node(state)
+    assert first["compaction"]["count"] == 1 and first["compaction"]["ctx_after"] == 50
+    state = {**state, "pool_id": 6, "compaction": first["compaction"]}
+    # Called again before the session ran on the new pool: its stale context is no growth.
+    stale = session_capacity(0.9, 900, 100)
+    fs.on("GET", "/polykv/pools/6/capacity", lambda r, b: httpx.Response(200, json={**stale(r, b).json(), "session": {
+        "ctx_used": 900, "ctx_headroom_tokens": 100, "ctx_pressure": 0.9, "pool_id": 5}}))
+    assert node(state) == {}
+    # Still over the threshold right after (a long summary, say): no second compaction
+    # until the session grew by half of what the first one freed (900 -> 50: 425 tokens).
+    for used in (50, 120, 470):
+        fs.on("GET", "/polykv/pools/6/capacity", session_capacity(0.5, used))
+        assert node(state) == {}, used
+    fs.on("GET", "/polykv/pools/6/capacity", session_capacity(0.6, 480))
+    second = node(state)
+    assert second["compaction"]["count"] == 2 and second["compaction"]["released"] == [6]
 
 
 def test_capacity_gate_interrupt_blocks_until_resumed():
@@ -255,7 +314,7 @@ def test_capacity_gate_interrupt_blocks_until_resumed():
     answers = [capacity(False), capacity(True)]
     fs.on("GET", "/polykv/pools/4/capacity", lambda r, b: answers.pop(0)(r, b) if len(answers) > 1 else answers[0](r, b))
     g = StateGraph(S)
-    g.add_node("gate", capacity_gate(fs.client(), spawn="spawn", hold="hold", use_interrupt=True))
+    g.add_node("gate", capacity_gate(fs.client(), spawn="spawn", hold="hold", use_interrupt=True, reserve=False))
     g.add_node("spawn", lambda s: {"route": "spawn"})
     g.add_node("hold", lambda s: {"route": "hold"})
     g.add_edge(START, "gate")
@@ -267,3 +326,70 @@ def test_capacity_gate_interrupt_blocks_until_resumed():
     assert "__interrupt__" in first and first["__interrupt__"][0].value["reason"] == "projected mean tps below floor"
     resumed = graph.invoke(Command(resume=True), cfg)  # capacity came back meanwhile
     assert resumed["route"] == "spawn" and resumed["capacity_ok"] is True
+
+
+def reservation_server(limit):
+    """A fake pool that grants at most `limit` reservations at once (the real server
+    decides them one at a time on its engine goroutine)."""
+    fs = FakeServer()
+    fs.granted = []
+    fs.limit = limit
+
+    def reserve(req, body):
+        if len(fs.granted) < fs.limit:
+            rid = f"rsv-{len(fs.granted)}"
+            fs.granted.append(rid)
+            return httpx.Response(200, json={"granted": True, "reservation_id": rid, "verdict": {"can_admit": True, "reason": "guaranteed minimum"}})
+        return httpx.Response(200, json={"granted": False, "reservation_id": None,
+                                         "verdict": {"can_admit": False, "reason": "measurement settling", "settling": True, "settle_remaining_ms": 0}})
+
+    fs.on("POST", "/polykv/pools/4/reservations", reserve)
+    return fs
+
+
+def fanout_graph(gate):
+    import operator
+    from typing import Annotated, TypedDict
+
+    from langgraph.graph import START, StateGraph
+    from langgraph.types import Send
+
+    class Main(TypedDict, total=False):
+        pool_id: int
+        spawned: Annotated[list, operator.add]
+        held: Annotated[list, operator.add]
+
+    g = StateGraph(Main)
+    g.add_node("gate", gate)
+    g.add_node("agent", lambda s: {"spawned": [(s["index"], s["reservation_id"])]})
+    g.add_node("held", lambda s: {"held": [s["index"]]})
+    g.add_conditional_edges(START, lambda s: [Send("gate", {"pool_id": s["pool_id"], "index": i}) for i in range(6)])
+    return g
+
+
+def test_capacity_gate_reserves_so_a_send_fanout_cannot_overshoot():
+    fs = reservation_server(limit=2)
+    out = fanout_graph(capacity_gate(fs.client(), spawn="agent", hold="held", send=True)).compile().invoke({"pool_id": 4})
+    assert len(out["spawned"]) == 2 and len(out["held"]) == 4
+    # Each spawned branch carries its own reservation, to send with its first request.
+    assert sorted(r for _, r in out["spawned"]) == ["rsv-0", "rsv-1"]
+    assert len(fs.bodies("/polykv/pools/4/reservations")) == 6 and not fs.bodies("/polykv/pools/4/capacity")
+    assert fs.bodies("/polykv/pools/4/reservations")[0] == {"ttl_ms": 30000}
+
+
+def test_several_interrupted_gates_resume_at_once():
+    """Four branches held by use_interrupt resume with one Command(resume={id: ...})."""
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    fs = reservation_server(limit=2)
+    gate = capacity_gate(fs.client(), spawn="agent", hold="held", send=True, use_interrupt=True)
+    graph = fanout_graph(gate).compile(checkpointer=InMemorySaver())
+    cfg = {"configurable": {"thread_id": "fan"}}
+    first = graph.invoke({"pool_id": 4}, cfg)
+    pending = graph.get_state(cfg).interrupts
+    assert len(first["__interrupt__"]) == 4 and len(pending) == 4
+    assert {i.value["reason"] for i in pending} == {"measurement settling"}
+    fs.limit = 6  # capacity came back: the first agents finished
+    out = graph.invoke(Command(resume={i.id: True for i in pending}), cfg)
+    assert len(out["spawned"]) == 6 and not out.get("held")
+    assert sorted(r for _, r in out["spawned"]) == sorted(fs.granted)
