@@ -61,16 +61,15 @@ func (s *Server) handleReserve(w http.ResponseWriter, r *http.Request) {
 		}
 		expected = *body.ExpectedTokens
 	}
-	var rep engine.ReservationReport
-	err := s.eng.Do(r.Context(), func(sc *engine.Scheduler) (err error) {
-		rep, err = sc.Reserve(id, ttl, expected, time.Now())
-		return err
-	})
+	res, err := s.eng.Send(r.Context(), engine.Reserve{Pool: id, TTL: ttl, ExpectedTokens: expected})
+	if err == nil {
+		err = res.Err
+	}
 	if err != nil {
 		writeAPIError(w, reservationError(err))
 		return
 	}
-	writeJSON(w, http.StatusOK, rep)
+	writeJSON(w, http.StatusOK, res.Reservation)
 }
 
 func (s *Server) handleReleaseReservation(w http.ResponseWriter, r *http.Request) {
@@ -80,9 +79,10 @@ func (s *Server) handleReleaseReservation(w http.ResponseWriter, r *http.Request
 		return
 	}
 	rid := r.PathValue("rid")
-	err := s.eng.Do(r.Context(), func(sc *engine.Scheduler) error {
-		return sc.ReleaseReservation(id, rid, time.Now())
-	})
+	res, err := s.eng.Send(r.Context(), engine.ReleaseReservation{Pool: id, ID: rid})
+	if err == nil {
+		err = res.Err
+	}
 	if err != nil {
 		writeAPIError(w, reservationError(err))
 		return

@@ -3,7 +3,8 @@
 // The Scheduler is a deterministic state machine in the spirit of etcd's raft: it does
 // no I/O and reads no clock. Everything from outside enters as a typed message (Submit,
 // Cancel, CreatePool, ReleasePool, PinPool, EvictPool, FlushPool, SetAdmission,
-// QueryCapacity, Tick: messages.go) through one entry, Step(now, msg), which answers
+// QueryCapacity, Reserve, ReleaseReservation, Tick: messages.go) through one entry,
+// Step(now, msg), which answers
 // with a Result. Each step of the model is a Plan: sampler and sequence operations to
 // perform, and one batch holding a decode token for every generating task plus prompt
 // chunks (chunked prefill) within the batch budget. The backend's sampled tokens go

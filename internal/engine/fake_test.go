@@ -285,3 +285,12 @@ func (h *harness) capacityOf(id, expected int, session string) (CapacityReport, 
 	r := h.send(QueryCapacity{Pool: id, ExpectedTokens: expected, Session: session})
 	return r.Capacity, r.Err
 }
+
+func (h *harness) tryReserve(id int, ttl time.Duration, expected int) (ReservationReport, error) {
+	r := h.send(Reserve{Pool: id, TTL: ttl, ExpectedTokens: expected})
+	return r.Reservation, r.Err
+}
+
+func (h *harness) releaseReservation(id int, rid string) error {
+	return h.send(ReleaseReservation{Pool: id, ID: rid}).Err
+}

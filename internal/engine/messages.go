@@ -58,31 +58,50 @@ type QueryCapacity struct {
 	Session        string
 }
 
+// Reserve asks for an atomic admission reservation on a pool (a fan-out branch's
+// place): granted reservations count as warming sessions in every later verdict until
+// a request carrying the id uses it, it is released or it expires. TTL 0: the default.
+// Result: Reservation.
+type Reserve struct {
+	Pool           int
+	TTL            time.Duration
+	ExpectedTokens int
+}
+
+// ReleaseReservation gives a reservation back unused.
+type ReleaseReservation struct {
+	Pool int
+	ID   string
+}
+
 // Tick lets time pass: idle sessions expire, released pools are reclaimed, settle
 // windows close and held requests are let in or refused. Plan does the same first.
 type Tick struct{}
 
-func (Submit) isMsg()        {}
-func (Cancel) isMsg()        {}
-func (CreatePool) isMsg()    {}
-func (ReleasePool) isMsg()   {}
-func (PinPool) isMsg()       {}
-func (EvictPool) isMsg()     {}
-func (FlushPool) isMsg()     {}
-func (SetAdmission) isMsg()  {}
-func (QueryCapacity) isMsg() {}
-func (Tick) isMsg()          {}
+func (Submit) isMsg()             {}
+func (Cancel) isMsg()             {}
+func (CreatePool) isMsg()         {}
+func (ReleasePool) isMsg()        {}
+func (PinPool) isMsg()            {}
+func (EvictPool) isMsg()          {}
+func (FlushPool) isMsg()          {}
+func (SetAdmission) isMsg()       {}
+func (QueryCapacity) isMsg()      {}
+func (Tick) isMsg()               {}
+func (Reserve) isMsg()            {}
+func (ReleaseReservation) isMsg() {}
 
 // Result is the scheduler's answer to one message; which fields are set depends on the
 // message (see each type). Err is the refusal, mapped to an HTTP status by the API.
 type Result struct {
-	Task      TaskID
-	Gate      Gate
-	Pool      int
-	Flushed   Flushed
-	Capacity  CapacityReport
-	Admission admission.Policy
-	Err       error
+	Task        TaskID
+	Gate        Gate
+	Pool        int
+	Flushed     Flushed
+	Capacity    CapacityReport
+	Admission   admission.Policy
+	Reservation ReservationReport
+	Err         error
 }
 
 // Flushed is what FlushPool freed.
@@ -119,6 +138,11 @@ func (s *Scheduler) Step(now time.Time, m Msg) Result {
 	case QueryCapacity:
 		c, err := s.capacity(m.Pool, m.ExpectedTokens, m.Session)
 		return Result{Pool: m.Pool, Capacity: c, Err: err}
+	case Reserve:
+		rep, err := s.reserve(m.Pool, m.TTL, m.ExpectedTokens)
+		return Result{Pool: m.Pool, Reservation: rep, Err: err}
+	case ReleaseReservation:
+		return Result{Pool: m.Pool, Err: s.releaseReservation(m.Pool, m.ID)}
 	case Tick:
 		s.advance()
 	default:

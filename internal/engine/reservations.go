@@ -64,11 +64,11 @@ func (pa *poolAdmission) liveReservations(now time.Time, marginal float64) (int,
 	return len(pa.reservations), cells
 }
 
-// Reserve decides one reservation for pool id: granted when the pool's verdict (with
-// every earlier reservation counted) admits a new session. ttl 0 means
-// DefaultReservationTTL.
-func (s *Scheduler) Reserve(id int, ttl time.Duration, expected int, now time.Time) (ReservationReport, error) {
-	s.now = now
+// reserve decides one reservation for pool id (message Reserve): granted when the
+// pool's verdict (with every earlier reservation counted) admits a new session. ttl 0
+// means DefaultReservationTTL.
+func (s *Scheduler) reserve(id int, ttl time.Duration, expected int) (ReservationReport, error) {
+	now := s.now
 	p, err := s.getLive(id)
 	if err != nil {
 		return ReservationReport{}, err
@@ -102,9 +102,9 @@ func (s *Scheduler) Reserve(id int, ttl time.Duration, expected int, now time.Ti
 	return rep, nil
 }
 
-// ReleaseReservation gives a reservation back unused.
-func (s *Scheduler) ReleaseReservation(id int, rid string, now time.Time) error {
-	s.now = now
+// releaseReservation gives a reservation back unused (message ReleaseReservation).
+func (s *Scheduler) releaseReservation(id int, rid string) error {
+	now := s.now
 	if _, err := s.getLive(id); err != nil {
 		return err
 	}

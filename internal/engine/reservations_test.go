@@ -19,7 +19,7 @@ func fanoutPolicy() admission.Policy {
 
 func (h *harness) reserve(id int, ttl time.Duration) ReservationReport {
 	h.t.Helper()
-	r, err := h.s.Reserve(id, ttl, 0, h.now)
+	r, err := h.tryReserve(id, ttl, 0)
 	if err != nil {
 		h.t.Fatal(err)
 	}
@@ -55,7 +55,7 @@ func TestReservationsCannotOvershootAFanOut(t *testing.T) {
 		t.Fatalf("with two reservations outstanding: %+v", c.Verdict)
 	}
 	// A branch without a reservation is held by the enforced gate (settling).
-	_, g, err := h.s.SubmitGated(agentReq(prefix, id, "x", 5), h.now)
+	_, g, err := h.submitGated(agentReq(prefix, id, "x", 5))
 	if err != nil || !g.Held {
 		t.Fatalf("unreserved branch: %v %+v", err, g)
 	}
@@ -65,7 +65,7 @@ func TestReservationsCannotOvershootAFanOut(t *testing.T) {
 	for i, rid := range granted {
 		req := agentReq(prefix, id, "r"+string(rune('a'+i)), 30)
 		req.ReservationID = rid
-		tid, g, err := h.s.SubmitGated(req, h.now)
+		tid, g, err := h.submitGated(req)
 		if err != nil || g.Held || !g.Reserved {
 			t.Fatalf("reserved branch %d: %v %+v", i, err, g)
 		}
@@ -78,7 +78,7 @@ func TestReservationsCannotOvershootAFanOut(t *testing.T) {
 	// A used reservation cannot be used twice: the request goes through the gate.
 	again := agentReq(prefix, id, "dup", 5)
 	again.ReservationID = granted[0]
-	if _, g, err := h.s.SubmitGated(again, h.now); (err == nil && !g.Held) || g.Reserved {
+	if _, g, err := h.submitGated(again); (err == nil && !g.Held) || g.Reserved {
 		t.Fatalf("reused reservation passed: %v %+v", err, g)
 	}
 	h.collect()
@@ -105,23 +105,23 @@ func TestReservationExpiryAndRelease(t *testing.T) {
 	// An expired reservation no longer admits: the request is gated like any other.
 	req := agentReq(prefix, id, "late", 5)
 	req.ReservationID = *a.ReservationID
-	if _, g, _ := h.s.SubmitGated(req, h.now); g.Reserved {
+	if _, g, _ := h.submitGated(req); g.Reserved {
 		t.Fatal("an expired reservation was used")
 	}
 	h.collect()
-	if err := h.s.ReleaseReservation(id, *b.ReservationID, h.now); err != nil {
+	if err := h.releaseReservation(id, *b.ReservationID); err != nil {
 		t.Fatal(err)
 	}
-	if err := h.s.ReleaseReservation(id, *b.ReservationID, h.now); !errors.Is(err, ErrReservationNotFound) {
+	if err := h.releaseReservation(id, *b.ReservationID); !errors.Is(err, ErrReservationNotFound) {
 		t.Fatalf("second release: %v", err)
 	}
 	if c := h.capacity(id); c.NReserved != 0 {
 		t.Fatalf("released reservation still counted: %+v", c.Verdict)
 	}
-	if _, err := h.s.Reserve(id, 11*time.Minute, 0, h.now); err == nil {
+	if _, err := h.tryReserve(id, 11*time.Minute, 0); err == nil {
 		t.Fatal("a ttl over the maximum was accepted")
 	}
-	if _, err := h.s.Reserve(999, 0, 0, h.now); err == nil {
+	if _, err := h.tryReserve(999, 0, 0); err == nil {
 		t.Fatal("a reservation on an unknown pool was accepted")
 	}
 }
@@ -135,7 +135,7 @@ func TestReservationsTakeCells(t *testing.T) {
 	free := h.capacity(id).FreeCells
 	n := 0
 	for range 100 {
-		r, err := h.s.Reserve(id, 0, 1000, h.now)
+		r, err := h.tryReserve(id, 0, 1000)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -197,7 +197,7 @@ func TestSessionPressureIsPerSession(t *testing.T) {
 	h.run()
 	// A released pool in its grace period holds cells that will be reclaimed: free.
 	pid := h.createPool(PoolSpec{Tokens: seqTokens(5000, 500)})
-	if err := h.s.ReleasePool(pid, h.now); err != nil {
+	if err := h.releasePool(pid); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := h.s.Pool(pid); err != nil {
@@ -208,14 +208,14 @@ func TestSessionPressureIsPerSession(t *testing.T) {
 	}
 	// /capacity?session_id= reports it too.
 	root := h.createPool(PoolSpec{Tokens: seqTokens(7000, 10)})
-	c, err := h.s.Capacity(root, 0, "small", h.now)
+	c, err := h.capacityOf(root, 0, "small")
 	if err != nil || c.Session == nil || c.SessionPressure == nil || *c.SessionPressure != c.Session.CtxPressure || c.Session.CtxUsed != ev.Stats.Ctx.CtxUsed {
 		t.Fatalf("capacity with session_id: %v %+v", err, c)
 	}
 	if c.Session.PoolID != nil {
 		t.Fatalf("small is on no pool, reported %v", *c.Session.PoolID)
 	}
-	if c2, _ := h.s.Capacity(root, 0, "nobody", h.now); c2.Session != nil {
+	if c2, _ := h.capacityOf(root, 0, "nobody"); c2.Session != nil {
 		t.Fatal("an unknown session got a context report")
 	}
 	for _, sl := range h.s.Slots() {
