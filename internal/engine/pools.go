@@ -91,6 +91,7 @@ func (s *Scheduler) CreatePool(spec PoolSpec, now time.Time) (int, TaskID, error
 			}
 			s.ops = append(s.ops, SeqOp{Kind: OpSeqCp, Src: src.seq, Seq: p.ID, P0: 0, P1: len(tokens)})
 			p.Filled, p.State, p.UserPinned = len(tokens), pool.Resident, spec.Pin
+			s.prefixStored(p)
 			s.attach(src, p, len(tokens))
 			src.lastUsed = now
 			return p.ID, 0, nil
@@ -136,6 +137,7 @@ func (s *Scheduler) poolMaterialized(t *task) {
 	p.State = pool.Resident
 	p.Filled = p.L()
 	p.LastAccess = s.now
+	s.prefixStored(p)
 	stats := Stats{PromptN: p.L() - p.D, CacheN: p.D, PromptTime: s.now.Sub(t.admitted), Seq: p.ID, Pool: p.ID}
 	s.removeRunning(t)
 	delete(s.poolSeqs, p.ID)
@@ -167,6 +169,7 @@ func (s *Scheduler) abandonPool(p *pool.Pool, restoring bool) {
 
 // evictPool drops a pool's own cells, keeping the object so it can be restored.
 func (s *Scheduler) evictPool(p *pool.Pool) {
+	s.prefixRemoved(p)
 	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.ID, P0: 0, P1: -1})
 	p.State = pool.Evicted
 	p.Filled = 0
@@ -174,6 +177,7 @@ func (s *Scheduler) evictPool(p *pool.Pool) {
 
 // reclaim frees a released pool's sequence and id.
 func (s *Scheduler) reclaim(p *pool.Pool) {
+	s.prefixRemoved(p)
 	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.ID, P0: 0, P1: -1})
 	p.Filled = 0
 	delete(s.admission, p.ID)

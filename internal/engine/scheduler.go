@@ -21,8 +21,9 @@ type Config struct {
 	BytesPerCell int64         // KV bytes of one cell, for status reports
 	// PoolsUnsupported, when set, is why pool operations are refused (recurrent models).
 	PoolsUnsupported string
-	TPSTau           time.Duration // EWMA time constant of experienced tps (default 2 s)
-	Observer         Observer      // optional sink for TTFT, inter-token latency, queries
+	TPSTau           time.Duration  // EWMA time constant of experienced tps (default 2 s)
+	Observer         Observer       // optional sink for TTFT, inter-token latency, queries
+	Prefixes         PrefixObserver // optional sink for pool prefixes entering/leaving the cache (KV events)
 }
 
 // MaxSeqs is the largest n_seq_max llama.cpp accepts.
@@ -195,6 +196,7 @@ func (s *Scheduler) SubmitGated(req Request, now time.Time) (TaskID, Gate, error
 	if len(req.Prompt) >= s.cfg.NCtx {
 		return 0, Gate{}, fmt.Errorf("%w: %d prompt tokens, context size %d", ErrPromptTooLong, len(req.Prompt), s.cfg.NCtx)
 	}
+	req = s.resolvePoolKey(req)
 	var p *pool.Pool
 	if req.HasPool {
 		var err error

@@ -41,6 +41,10 @@ type Request struct {
 	PoolID        int
 	SharedPrefixN *int
 	Overcommit    bool // skip an enforced pool's admission gate (logged by the API)
+	// PoolKey, when set and HasPool is not, names a pool by content (its prefix hash):
+	// the request attaches to the live pool with that key if this replica holds one,
+	// and otherwise runs unpooled (never an error: a router may send it anywhere).
+	PoolKey *uint64
 }
 
 // Finish reasons, as OpenAI names them.
