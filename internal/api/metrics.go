@@ -19,6 +19,7 @@ type Metrics struct {
 	hits     *prometheus.CounterVec
 	queries  *prometheus.CounterVec
 	eng      *engine.Engine
+	cacheCfg *prometheus.GaugeVec
 }
 
 // NewMetrics registers the collectors. Attach the engine with SetEngine before serving.
@@ -32,8 +33,22 @@ func NewMetrics() *Metrics {
 		Help: "Prompt tokens served from the KV cache (pool prefix or the session's own cells) instead of prefilled."}, []string{"pool"})
 	m.queries = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "polykv_queries_total",
 		Help: "Generation requests completed."}, []string{"pool"})
-	m.Registry.MustRegister(m.ttft, m.itl, m.hits, m.queries, m)
+	m.cacheCfg = prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "polykv_cache_config_info",
+		Help: "KV cache configuration as labels (value 1), in the shape of vllm:cache_config_info: block_size is the KV-event block size in tokens, num_gpu_blocks the cache's cells divided by it."},
+		[]string{"block_size", "num_gpu_blocks"})
+	m.Registry.MustRegister(m.ttft, m.itl, m.hits, m.queries, m.cacheCfg, m)
 	return m
+}
+
+// SetCacheConfig publishes the cache-config info gauge that llm-d's metrics extractor
+// reads (cacheInfoSpec): the block size used for KV events and the whole cache in
+// blocks of that size.
+func (m *Metrics) SetCacheConfig(blockSize, nCtx int) {
+	if blockSize < 1 {
+		return
+	}
+	m.cacheCfg.Reset()
+	m.cacheCfg.WithLabelValues(strconv.Itoa(blockSize), strconv.Itoa(nCtx/blockSize)).Set(1)
 }
 
 // SetEngine gives the scrape-time collector its snapshot source.
