@@ -5,6 +5,7 @@ package app
 import (
 	"fmt"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/polykv/polykv/internal/api"
 	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/kvevents"
 	"github.com/polykv/polykv/internal/llama"
 	"github.com/polykv/polykv/internal/runner"
 	"github.com/polykv/polykv/internal/tps"
@@ -31,6 +33,11 @@ type Config struct {
 	PoolGrace  time.Duration // --pool-grace-ms
 	FlashAttn  string        // --flash-attn: on (default), off, auto
 	TPSTau     time.Duration // --tps-tau-ms: EWMA time constant of experienced tps
+	// KV events for llm-d's precise-prefix scorer (off when KVEventsEndpoint is "").
+	KVEventsEndpoint string        // --kv-events-endpoint, e.g. tcp://127.0.0.2:5557 (bound)
+	KVBlockSize      int           // --kv-block-size (default kvevents.DefaultBlockSize)
+	KVEventsPodID    string        // topic pod id (default: the host name)
+	KVEventsHold     time.Duration // how long the first message waits for a subscriber
 }
 
 // Defaults fills unset fields.
@@ -65,6 +72,9 @@ func (c *Config) Defaults() {
 	if c.PoolGrace == 0 {
 		c.PoolGrace = 30 * time.Second
 	}
+	if c.KVBlockSize == 0 {
+		c.KVBlockSize = kvevents.DefaultBlockSize
+	}
 }
 
 // FlashAttn maps a --flash-attn value to llama.cpp's setting. On is the default: with
@@ -88,6 +98,8 @@ type App struct {
 	Ctx    *llama.Context
 	Engine *engine.Engine
 	API    *api.Server
+	// KVEvents publishes pool prefixes over ZMQ (nil when off).
+	KVEvents *kvevents.Publisher
 }
 
 // Open loads the model and starts the engine.
@@ -100,6 +112,9 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		MaxQueue: cfg.MaxQueue, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace}
 	if err := ecfg.Validate(); err != nil {
 		return nil, err
+	}
+	if cfg.KVBlockSize < 1 {
+		return nil, fmt.Errorf("--kv-block-size must be positive, got %d", cfg.KVBlockSize)
 	}
 	switch cfg.FlashAttn {
 	case "", "off", "on", "auto":
@@ -131,17 +146,36 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		return nil, err
 	}
 	metrics := api.NewMetrics()
+	metrics.SetCacheConfig(cfg.KVBlockSize, cfg.NCtx)
 	ecfg.Observer = metrics
 	ecfg.TPSTau = cfg.TPSTau
+	id := strings.TrimSuffix(filepath.Base(cfg.ModelPath), filepath.Ext(cfg.ModelPath))
+	var pub *kvevents.Publisher
+	if cfg.KVEventsEndpoint != "" {
+		podID := cfg.KVEventsPodID
+		if podID == "" {
+			podID, _ = os.Hostname()
+		}
+		pub, err = kvevents.Open(kvevents.Config{Endpoint: cfg.KVEventsEndpoint, BlockSize: cfg.KVBlockSize,
+			PodID: podID, Model: id, HoldFirst: cfg.KVEventsHold, Log: log})
+		if err != nil {
+			ctx.Free()
+			model.Free()
+			return nil, err
+		}
+		ecfg.Prefixes = pub
+	}
 	sched, err := engine.NewScheduler(ecfg, runner.Vocab{M: model})
 	if err != nil {
+		if pub != nil {
+			_ = pub.Close()
+		}
 		ctx.Free()
 		model.Free()
 		return nil, err
 	}
 	eng := engine.New(sched, runner.NewBackend(model, ctx, log))
 	metrics.SetEngine(eng)
-	id := strings.TrimSuffix(filepath.Base(cfg.ModelPath), filepath.Ext(cfg.ModelPath))
 	info := api.Info{
 		ModelID: id, ModelPath: cfg.ModelPath, ModelDesc: model.Desc(), NCtx: cfg.NCtx, NCtxTrain: model.NCtxTrain(),
 		Parallel: cfg.Parallel, NBatch: cfg.NBatch, NVocab: model.NVocab(), ChatTemplate: model.ChatTemplate(), Started: time.Now(),
@@ -152,12 +186,15 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		info.TPSTauMs = cfg.TPSTau.Milliseconds()
 	}
 	srv := api.New(eng, model, runner.NewChatRenderer(model), info, metrics, log)
-	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv}, nil
+	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv, KVEvents: pub}, nil
 }
 
 // Close stops the engine, then frees the context and the model.
 func (a *App) Close() {
 	a.Engine.Close()
+	if a.KVEvents != nil { // after the engine: it reports no change once closed
+		_ = a.KVEvents.Close()
+	}
 	a.Ctx.Free()
 	a.Model.Free()
 }
