@@ -240,3 +240,11 @@ func (p *Publisher) send(events []any) {
 	}
 	p.Sent.Add(1)
 }
+
+// Addr is the address the PUB socket listens on (useful with port 0).
+func (p *Publisher) Addr() string {
+	if a := p.sock.Addr(); a != nil {
+		return a.String()
+	}
+	return ""
+}
