@@ -31,7 +31,9 @@ func (s *Server) handleChatRender(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]any{"token_ids": nonNil(toks)})
 }
 
-// handleCompletionsRender answers the token ids a text completion would prefill.
+// handleCompletionsRender answers the token ids a text completion would prefill. As
+// vLLM's does, it answers an array with one {"token_ids"} per prompt (llm-d's
+// token-producer decodes it so); PolyKV takes exactly one prompt per request.
 func (s *Server) handleCompletionsRender(w http.ResponseWriter, r *http.Request) {
 	var req completionRequest
 	if e := s.decodeBody(w, r, &req); e != nil {
@@ -43,7 +45,7 @@ func (s *Server) handleCompletionsRender(w http.ResponseWriter, r *http.Request)
 		writeAPIError(w, e)
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"token_ids": nonNil(toks)})
+	writeJSON(w, http.StatusOK, []map[string]any{{"token_ids": nonNil(toks)}})
 }
 
 // SessionHeader carries the session id when the body has none: llm-d's

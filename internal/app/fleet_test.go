@@ -212,9 +212,20 @@ func TestFleetKVEventsRenderAndPoolKeys(t *testing.T) {
 		t.Fatal("render differs between replicas")
 	}
 	// Text render equals /tokenize with special tokens (what /v1/completions prefills).
-	_, _, outT := postHeaders(t, a.base+"/v1/completions/render", map[string]any{"prompt": "Hello fleet"}, nil)
-	if want := tokenize(t, a.app, "Hello fleet"); !slices.Equal(tokenIDs(t, outT), want) {
-		t.Fatalf("completions render %v, want %v", tokenIDs(t, outT), want)
+	// It is an array with one entry per prompt, as vLLM's (what llm-d decodes).
+	buf, _ := json.Marshal(map[string]any{"prompt": "Hello fleet", "model": "any"})
+	resp, err := http.Post(a.base+"/v1/completions/render", "application/json", strings.NewReader(string(buf)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var outT []map[string]any
+	err = json.NewDecoder(resp.Body).Decode(&outT)
+	resp.Body.Close()
+	if err != nil || len(outT) != 1 {
+		t.Fatalf("completions render: %v, %d entries; want an array of one", err, len(outT))
+	}
+	if want := tokenize(t, a.app, "Hello fleet"); !slices.Equal(tokenIDs(t, outT[0]), want) {
+		t.Fatalf("completions render %v, want %v", tokenIDs(t, outT[0]), want)
 	}
 
 	// A pool on A over the chat's system block: BlockStored carries exactly the rendered
@@ -300,8 +311,8 @@ func TestFleetKVEventsRenderAndPoolKeys(t *testing.T) {
 		t.Fatalf("second turn of agent-7 on C reused %d tokens, want at least %d", n, len(rendered)-1)
 	}
 	// Streamed, what was reused follows the body as a trailer.
-	buf, _ := json.Marshal(maps(keyed, map[string]any{"stream": true}))
-	resp, err := http.Post(a.base+"/v1/chat/completions", "application/json", strings.NewReader(string(buf)))
+	buf, _ = json.Marshal(maps(keyed, map[string]any{"stream": true}))
+	resp, err = http.Post(a.base+"/v1/chat/completions", "application/json", strings.NewReader(string(buf)))
 	if err != nil {
 		t.Fatal(err)
 	}
