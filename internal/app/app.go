@@ -38,6 +38,10 @@ type Config struct {
 	KVBlockSize      int           // --kv-block-size (default kvevents.DefaultBlockSize)
 	KVEventsPodID    string        // topic pod id (default: the host name)
 	KVEventsHold     time.Duration // how long the first message waits for a subscriber
+	// Alias is the model name served (/v1/models, responses, the KV-event topic);
+	// default: the model file's base name. A router hashes blocks with the request's
+	// model name, so requests must name the model by this.
+	Alias string // --alias
 }
 
 // Defaults fills unset fields.
@@ -150,6 +154,9 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	ecfg.Observer = metrics
 	ecfg.TPSTau = cfg.TPSTau
 	id := strings.TrimSuffix(filepath.Base(cfg.ModelPath), filepath.Ext(cfg.ModelPath))
+	if cfg.Alias != "" {
+		id = cfg.Alias
+	}
 	var pub *kvevents.Publisher
 	if cfg.KVEventsEndpoint != "" {
 		podID := cfg.KVEventsPodID
