@@ -96,7 +96,8 @@ func startReplica(t *testing.T, ip, zmqEndpoint string) *replica {
 	if zmqEndpoint == "" {
 		zmqEndpoint = "tcp://" + ip + ":0"
 	}
-	cfg := Config{ModelPath: modelPath(t), NCtx: 1024, Parallel: 2, MaxPools: 4, PoolGrace: time.Nanosecond,
+	// One thread each: three engines share the cores, and ggml spins at its barriers.
+	cfg := Config{ModelPath: modelPath(t), NCtx: 1024, Parallel: 2, MaxPools: 4, PoolGrace: time.Nanosecond, Threads: 1,
 		KVEventsEndpoint: zmqEndpoint, KVEventsPodID: ln.Addr().String(), KVEventsHold: 15 * time.Second}
 	a, err := Open(cfg, nil)
 	if err != nil {
