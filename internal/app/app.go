@@ -34,10 +34,9 @@ type Config struct {
 	FlashAttn  string        // --flash-attn: on (default), off, auto
 	TPSTau     time.Duration // --tps-tau-ms: EWMA time constant of experienced tps
 	// KV events for llm-d's precise-prefix scorer (off when KVEventsEndpoint is "").
-	KVEventsEndpoint string        // --kv-events-endpoint, e.g. tcp://127.0.0.2:5557 (bound)
-	KVBlockSize      int           // --kv-block-size (default kvevents.DefaultBlockSize)
-	KVEventsPodID    string        // topic pod id (default: the host name)
-	KVEventsHold     time.Duration // how long the first message waits for a subscriber
+	KVEventsEndpoint string // --kv-events-endpoint, e.g. tcp://127.0.0.2:5557 (bound)
+	KVBlockSize      int    // --kv-block-size (default kvevents.DefaultBlockSize)
+	KVEventsPodID    string // topic pod id (default: the host name)
 	// Alias is the model name served (/v1/models, responses, the KV-event topic);
 	// default: the model file's base name. A router hashes blocks with the request's
 	// model name, so requests must name the model by this.
@@ -164,7 +163,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 			podID, _ = os.Hostname()
 		}
 		pub, err = kvevents.Open(kvevents.Config{Endpoint: cfg.KVEventsEndpoint, BlockSize: cfg.KVBlockSize,
-			PodID: podID, Model: id, HoldFirst: cfg.KVEventsHold, Log: log})
+			PodID: podID, Model: id, Log: log})
 		if err != nil {
 			ctx.Free()
 			model.Free()

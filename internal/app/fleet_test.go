@@ -98,7 +98,7 @@ func startReplica(t *testing.T, ip, zmqEndpoint string) *replica {
 	}
 	// One thread each: three engines share the cores, and ggml spins at its barriers.
 	cfg := Config{ModelPath: modelPath(t), NCtx: 1024, Parallel: 2, MaxPools: 4, PoolGrace: time.Nanosecond, Threads: 1,
-		KVEventsEndpoint: zmqEndpoint, KVEventsPodID: ln.Addr().String(), KVEventsHold: 15 * time.Second}
+		KVEventsEndpoint: zmqEndpoint, KVEventsPodID: ln.Addr().String()}
 	a, err := Open(cfg, nil)
 	if err != nil {
 		ln.Close()

@@ -23,11 +23,13 @@
 package kvevents
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -90,10 +92,6 @@ type Config struct {
 	BlockSize int    // tokens per block (DefaultBlockSize when 0)
 	PodID     string // topic's pod id (the EPP keys events by the address it dialled)
 	Model     string // topic's model name: the name requests use
-	// HoldFirst is how long the first message (AllBlocksCleared) waits for a
-	// subscriber: a PUB socket drops what it sends while nobody is connected, and
-	// changes made meanwhile wait behind it, in order. 0 sends at once.
-	HoldFirst time.Duration
 	Log       *slog.Logger
 }
 
@@ -104,17 +102,35 @@ type change struct {
 
 // Publisher is an engine.PrefixObserver that sends KV events over ZMQ. The engine
 // goroutine only queues changes; a goroutine of the publisher encodes and sends them.
+//
+// A PUB socket drops what it sends while nobody is subscribed, and a subscriber that
+// joins later sees nothing of the past. So the publisher keeps a mirror of the pools
+// that are resident and, each time the socket goes from no subscriber to some, it
+// sends a snapshot first: AllBlocksCleared, then BlockStored for every resident pool
+// (parents before children), then live changes. A router that starts after PolyKV, or
+// restarts, so learns the whole state without vLLM's replay socket. Sequence numbers
+// count the messages sent, from 0 for the first subscriber.
 type Publisher struct {
-	cfg     Config
-	topic   string
-	sock    zmq4.Socket
-	ch      chan change
-	done    chan struct{}
-	closing sync.Once
-	seq     uint64 // next sequence number (publisher goroutine only)
-	// Sent and Dropped count messages sent and changes lost to a full queue.
-	Sent    atomic.Uint64
-	Dropped atomic.Uint64
+	cfg      Config
+	topic    string
+	sock     zmq4.Socket
+	ch       chan change
+	done     chan struct{}
+	closing  sync.Once
+	seq      uint64           // next sequence number (publisher goroutine only)
+	live     bool             // someone was subscribed at the last look
+	resident map[int]resident // pool id → its stored prefix (publisher goroutine only)
+	order    uint64
+	// Sent, Snapshots and Dropped count messages sent, snapshots sent to newly joined
+	// subscribers, and changes lost to a full queue.
+	Sent      atomic.Uint64
+	Snapshots atomic.Uint64
+	Dropped   atomic.Uint64
+}
+
+type resident struct {
+	c     engine.PrefixChange
+	order uint64 // when it was stored: a parent is always stored before its child
 }
 
 // queueLen bounds the changes waiting to be sent. A change is one pool becoming
@@ -122,8 +138,8 @@ type Publisher struct {
 // (and counts) rather than block the engine.
 const queueLen = 1 << 14
 
-// Open binds the PUB socket and queues AllBlocksCleared as message 0, so a router
-// forgets whatever an earlier run of this replica announced.
+// Open binds the PUB socket. The first subscriber receives AllBlocksCleared as
+// message 0, so a router forgets whatever an earlier run of this replica announced.
 func Open(cfg Config) (*Publisher, error) {
 	if cfg.BlockSize == 0 {
 		cfg.BlockSize = DefaultBlockSize
@@ -140,7 +156,7 @@ func Open(cfg Config) (*Publisher, error) {
 		return nil, fmt.Errorf("kv events: bind %s: %w", cfg.Endpoint, err)
 	}
 	p := &Publisher{cfg: cfg, topic: "kv@" + cfg.PodID + "@" + cfg.Model, sock: sock,
-		ch: make(chan change, queueLen), done: make(chan struct{})}
+		ch: make(chan change, queueLen), done: make(chan struct{}), resident: map[int]resident{}}
 	go p.run()
 	return p, nil
 }
@@ -177,34 +193,82 @@ func (p *Publisher) Close() error {
 
 type subscribed interface{ Topics() []string }
 
+// subscriberPoll is how often the publisher looks for a newly joined subscriber while
+// no change arrives.
+const subscriberPoll = 20 * time.Millisecond
+
 func (p *Publisher) run() {
 	defer close(p.done)
-	if s, ok := p.sock.(subscribed); ok && p.cfg.HoldFirst > 0 {
-		deadline := time.Now().Add(p.cfg.HoldFirst)
-		for len(s.Topics()) == 0 && time.Now().Before(deadline) {
-			time.Sleep(10 * time.Millisecond)
-		}
-	}
-	p.send([]any{[]any{TagAllBlocksCleared}})
-	for ch := range p.ch {
-		events := p.events(nil, ch)
-		// Batch what else is already queued into the same message.
-	more:
-		for len(events) < 256 {
-			select {
-			case next, ok := <-p.ch:
-				if !ok {
+	tick := time.NewTicker(subscriberPoll)
+	defer tick.Stop()
+	for {
+		select {
+		case ch, ok := <-p.ch:
+			if !ok {
+				return
+			}
+			p.look() // a snapshot, if any, goes out before this change
+			var events []any
+			events = p.take(events, ch)
+			// Batch what else is already queued into the same message.
+		more:
+			for len(events) < 256 {
+				select {
+				case next, ok := <-p.ch:
+					if !ok {
+						break more
+					}
+					events = p.take(events, next)
+				default:
 					break more
 				}
-				events = p.events(events, next)
-			default:
-				break more
 			}
-		}
-		if len(events) > 0 {
-			p.send(events)
+			if p.live && len(events) > 0 {
+				p.send(events)
+			}
+		case <-tick.C:
+			p.look()
 		}
 	}
+}
+
+// look notices subscribers joining (and sends them the snapshot) or all leaving.
+func (p *Publisher) look() {
+	s, ok := p.sock.(subscribed)
+	has := !ok || len(s.Topics()) > 0
+	switch {
+	case has && !p.live:
+		p.live = true
+		p.snapshot()
+	case !has:
+		p.live = false
+	}
+}
+
+// snapshot sends AllBlocksCleared and the resident pools, parents first.
+func (p *Publisher) snapshot() {
+	pools := make([]resident, 0, len(p.resident))
+	for _, r := range p.resident {
+		pools = append(pools, r)
+	}
+	slices.SortFunc(pools, func(a, b resident) int { return cmp.Compare(a.order, b.order) })
+	events := []any{[]any{TagAllBlocksCleared}}
+	for _, r := range pools {
+		events = p.events(events, change{stored: true, c: r.c})
+	}
+	p.send(events)
+	p.Snapshots.Add(1)
+}
+
+// take applies ch to the mirror and appends its event.
+func (p *Publisher) take(events []any, ch change) []any {
+	if ch.stored {
+		p.order++
+		p.resident[ch.c.Pool] = resident{c: ch.c, order: p.order}
+	} else {
+		delete(p.resident, ch.c.Pool)
+	}
+	return p.events(events, ch)
 }
 
 // events appends ch's event (none when the pool owns no full block).

@@ -59,7 +59,7 @@ func TestOwnedBlocksFullBlocksAndParentChain(t *testing.T) {
 
 // TestPublisherWireFormat subscribes over real ZMQ and decodes what a router would.
 func TestPublisherWireFormat(t *testing.T) {
-	pub, err := Open(Config{Endpoint: "tcp://127.0.0.1:0", BlockSize: 16, PodID: "pod-a", Model: "m", HoldFirst: 5 * time.Second})
+	pub, err := Open(Config{Endpoint: "tcp://127.0.0.1:0", BlockSize: 16, PodID: "pod-a", Model: "m"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -75,6 +75,7 @@ func TestPublisherWireFormat(t *testing.T) {
 	if err := sub.SetOption(zmq4.OptionSubscribe, "kv@"); err != nil {
 		t.Fatal(err)
 	}
+	waitSnapshot(t, pub, 1)
 	toks := seqTokens(35, 10)
 	c := prefix(0, toks)
 	pub.PrefixStored(c)
@@ -106,5 +107,71 @@ func TestPublisherWireFormat(t *testing.T) {
 	}
 	if got[1].Seq < 1 || got[2].Seq < got[1].Seq {
 		t.Fatalf("sequence numbers %d, %d after 0", got[1].Seq, got[2].Seq)
+	}
+}
+
+func waitSnapshot(t *testing.T, pub *Publisher, n uint64) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); pub.Snapshots.Load() < n; {
+		if time.Now().After(deadline) {
+			t.Fatal("no subscriber seen within 10 s")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func dialSub(t *testing.T, ctx context.Context, pub *Publisher) zmq4.Socket {
+	t.Helper()
+	sub := zmq4.NewSub(ctx)
+	if err := sub.Dial("tcp://" + pub.Addr()); err != nil {
+		t.Fatal(err)
+	}
+	if err := sub.SetOption(zmq4.OptionSubscribe, "kv@"); err != nil {
+		t.Fatal(err)
+	}
+	return sub
+}
+
+// TestLateSubscriberGetsSnapshot: pools stored before anyone listens reach a router
+// that subscribes later, parents before children, after AllBlocksCleared, at seq 0;
+// a removed pool is not in the snapshot.
+func TestLateSubscriberGetsSnapshot(t *testing.T) {
+	pub, err := Open(Config{Endpoint: "tcp://127.0.0.1:0", PodID: "p", Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	root := seqTokens(40, 1)
+	childToks := append(slices.Clone(root), seqTokens(30, 900)...)
+	gone := prefix(0, seqTokens(20, 5000))
+	gone.Pool = 9
+	pub.PrefixStored(prefix(0, root))
+	child := prefix(40, childToks)
+	child.Pool = 2
+	pub.PrefixStored(child)
+	pub.PrefixStored(gone)
+	pub.PrefixRemoved(gone)
+	time.Sleep(100 * time.Millisecond) // nobody listens: nothing is sent
+	if n := pub.Sent.Load(); n != 0 {
+		t.Fatalf("%d messages sent with no subscriber", n)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	sub := dialSub(t, ctx, pub)
+	defer sub.Close()
+	msg, err := sub.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := Decode(msg.Frames)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Seq != 0 || len(m.Events) != 3 || m.Events[0].Tag != TagAllBlocksCleared {
+		t.Fatalf("snapshot seq %d with %d events, want seq 0: AllBlocksCleared, root, child", m.Seq, len(m.Events))
+	}
+	rb, cb := OwnedBlocks(prefix(0, root), 16), OwnedBlocks(child, 16)
+	if !slices.Equal(m.Events[1].Hashes, rb.Hashes) || !slices.Equal(m.Events[2].Hashes, cb.Hashes) || *m.Events[2].Parent != rb.Hashes[1] {
+		t.Fatalf("snapshot is not root then child chained to it: %+v", m.Events[1:])
 	}
 }
