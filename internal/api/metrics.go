@@ -112,3 +112,14 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descWaiting, prometheus.GaugeValue, float64(usage.Waiting))
 	ch <- prometheus.MustNewConstMetric(descKVRatio, prometheus.GaugeValue, float64(usage.CellsUsed)/float64(max(1, usage.CellsMax)))
 }
+
+// AddKVEvents exports the KV-event publisher's counters: messages sent, snapshots
+// sent to newly joined subscribers, and changes dropped because its queue was full
+// (non-zero means a router's view of this replica is stale).
+func (m *Metrics) AddKVEvents(sent, snapshots, dropped func() float64) {
+	m.Registry.MustRegister(
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "polykv_kv_events_messages_total", Help: "KV-event messages sent over ZMQ."}, sent),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "polykv_kv_events_snapshots_total", Help: "KV-event snapshots (AllBlocksCleared + resident pools) sent when a subscriber joined."}, snapshots),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "polykv_kv_events_dropped_total", Help: "Pool changes dropped because the KV-event queue was full."}, dropped),
+	)
+}

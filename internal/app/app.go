@@ -170,6 +170,9 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 			return nil, err
 		}
 		ecfg.Prefixes = pub
+		metrics.AddKVEvents(func() float64 { return float64(pub.Sent.Load()) },
+			func() float64 { return float64(pub.Snapshots.Load()) },
+			func() float64 { return float64(pub.Dropped.Load()) })
 	}
 	sched, err := engine.NewScheduler(ecfg, runner.Vocab{M: model})
 	if err != nil {

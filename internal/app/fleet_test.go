@@ -358,7 +358,7 @@ func TestFleetKVEventsRenderAndPoolKeys(t *testing.T) {
 
 	// Protocol metrics parse with Prometheus' parser, under the names the shipped
 	// engineConfigs name.
-	checkProtocolMetrics(t, a.base)
+	checkProtocolMetrics(t, a.base, seqs[0])
 	for i, r := range []*replica{a, b} {
 		select {
 		case m := <-r.sub.msgs:
@@ -380,7 +380,7 @@ func maps(base, extra map[string]any) map[string]any {
 	return out
 }
 
-func checkProtocolMetrics(t *testing.T, base string) {
+func checkProtocolMetrics(t *testing.T, base string, received uint64) {
 	t.Helper()
 	resp, err := http.Get(base + "/metrics")
 	if err != nil {
@@ -409,6 +409,19 @@ func checkProtocolMetrics(t *testing.T, base string) {
 	usage := families["polykv_kv_usage_ratio"].GetMetric()[0].GetGauge().GetValue()
 	if usage <= 0 || usage > 1 {
 		t.Fatalf("kv usage %g, want a fraction in (0, 1] with a pool resident", usage)
+	}
+	counter := func(name string) float64 {
+		f := families[name]
+		if f == nil || len(f.GetMetric()) != 1 {
+			t.Fatalf("%s missing", name)
+		}
+		return f.GetMetric()[0].GetCounter().GetValue()
+	}
+	if sent := counter("polykv_kv_events_messages_total"); sent != float64(received) {
+		t.Fatalf("polykv_kv_events_messages_total %g, the subscriber received %d", sent, received)
+	}
+	if counter("polykv_kv_events_snapshots_total") != 1 || counter("polykv_kv_events_dropped_total") != 0 {
+		t.Fatal("want one snapshot (the test's subscriber) and no dropped change")
 	}
 	labels := map[string]string{}
 	for _, l := range families["polykv_cache_config_info"].GetMetric()[0].GetLabel() {
