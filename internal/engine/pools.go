@@ -233,6 +233,7 @@ func (s *Scheduler) ReleasePool(id int, now time.Time) error {
 	if p.State == pool.Materializing {
 		return fmt.Errorf("%w: pool %d is still materializing", pool.ErrConflict, id)
 	}
+	s.prefixRemoved(p)
 	p.State = pool.Released
 	p.UserPinned = false
 	p.ReleasedAt = now

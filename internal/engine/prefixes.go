@@ -36,10 +36,13 @@ func (s *Scheduler) prefixStored(p *pool.Pool) {
 	}
 }
 
-// prefixRemoved reports a pool whose cells are about to go. Only a fully materialized
-// pool was ever reported stored; a half-built one that is abandoned never was.
+// prefixRemoved reports a pool that no new request can reuse: released (its cells
+// stay until the sessions on it end and the grace time passes, but nothing new may
+// attach, so a router must stop sending its prefix here) or about to lose its cells.
+// Only a fully materialized pool was ever reported stored (a half-built one that is
+// abandoned never was), and a released one was reported when it was released.
 func (s *Scheduler) prefixRemoved(p *pool.Pool) {
-	if o := s.cfg.Prefixes; o != nil && p.L() > 0 && p.Filled == p.L() {
+	if o := s.cfg.Prefixes; o != nil && p.State != pool.Released && p.L() > 0 && p.Filled == p.L() {
 		o.PrefixRemoved(prefixChange(p))
 	}
 }

@@ -31,19 +31,19 @@ func TestPrefixObserverFollowsResidency(t *testing.T) {
 	if !slices.Equal(log.calls, want) {
 		t.Fatalf("after create: %v, want %v", log.calls, want)
 	}
-	// Release the child: reported removed once its cells are reclaimed (after grace).
+	// Release the child: reported removed at once (nothing new may attach), and not
+	// again when its cells are reclaimed after the grace time.
 	if err := h.s.ReleasePool(p1, h.now); err != nil {
 		t.Fatal(err)
 	}
-	h.step()
-	if len(log.calls) != 2 {
-		t.Fatalf("removed before reclaim: %v", log.calls)
+	want = append(want, fmt.Sprintf("-%d@40/60", p1))
+	if !slices.Equal(log.calls, want) {
+		t.Fatalf("after release: %v, want %v", log.calls, want)
 	}
 	h.now = h.now.Add(2 * time.Second)
 	h.step()
-	want = append(want, fmt.Sprintf("-%d@40/60", p1))
-	if !slices.Equal(log.calls, want) {
-		t.Fatalf("after reclaim: %v, want %v", log.calls, want)
+	if _, err := h.s.Pool(p1); err == nil || !slices.Equal(log.calls, want) {
+		t.Fatalf("after reclaim (pool gone: %v): %v, want %v", err, log.calls, want)
 	}
 	// Evict the root, then attach: removed, then stored again when restored.
 	if err := h.s.EvictPool(p0, h.now); err != nil {
