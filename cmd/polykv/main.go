@@ -91,9 +91,16 @@ func serve(args []string) error {
 	host := fs.String("host", "127.0.0.1", "address to listen on")
 	port := fs.Int("port", 8080, "port to listen on (0: any free port)")
 	verbose := fs.Bool("v", false, "debug logging")
+	fs.StringVar(&cfg.KVEventsEndpoint, "kv-events-endpoint", "", "publish KV events (vLLM format, for llm-d's precise-prefix scorer) on this ZMQ PUB endpoint, e.g. tcp://127.0.0.2:5557 (off when empty)")
+	fs.IntVar(&cfg.KVBlockSize, "kv-block-size", cfg.KVBlockSize, "tokens per block in KV events and polykv_cache_config_info (16: vLLM's and llm-d's default)")
+	fs.StringVar(&cfg.Alias, "alias", "", "model name to serve (default: the model file's base name); requests routed by llm-d must use it as \"model\"")
+	fs.StringVar(&cfg.KVEventsPodID, "kv-events-pod-id", "", "pod id in the KV-event topic kv@<pod-id>@<model> (default: host:port)")
 	_ = fs.Parse(args)
 	if err := loadAPIKeys(); err != nil {
 		return err
+	}
+	if cfg.KVEventsPodID == "" {
+		cfg.KVEventsPodID = net.JoinHostPort(*host, fmt.Sprint(*port))
 	}
 	level := slog.LevelInfo
 	if *verbose {

@@ -18,6 +18,7 @@ type Metrics struct {
 	hits     *prometheus.CounterVec
 	queries  *prometheus.CounterVec
 	eng      *engine.Engine
+	cacheCfg *prometheus.GaugeVec
 }
 
 // NewMetrics registers the collectors. Attach the engine with SetEngine before serving.
@@ -31,8 +32,22 @@ func NewMetrics() *Metrics {
 		Help: "Prompt tokens served from the KV cache (pool prefix or the session's own cells) instead of prefilled."}, []string{"pool"})
 	m.queries = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "polykv_queries_total",
 		Help: "Generation requests completed."}, []string{"pool"})
-	m.Registry.MustRegister(m.ttft, m.itl, m.hits, m.queries, m)
+	m.cacheCfg = prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "polykv_cache_config_info",
+		Help: "KV cache configuration as labels (value 1), in the shape of vllm:cache_config_info: block_size is the KV-event block size in tokens, num_gpu_blocks the cache's cells divided by it."},
+		[]string{"block_size", "num_gpu_blocks"})
+	m.Registry.MustRegister(m.ttft, m.itl, m.hits, m.queries, m.cacheCfg, m)
 	return m
+}
+
+// SetCacheConfig publishes the cache-config info gauge that llm-d's metrics extractor
+// reads (cacheInfoSpec): the block size used for KV events and the whole cache in
+// blocks of that size.
+func (m *Metrics) SetCacheConfig(blockSize, nCtx int) {
+	if blockSize < 1 {
+		return
+	}
+	m.cacheCfg.Reset()
+	m.cacheCfg.WithLabelValues(strconv.Itoa(blockSize), strconv.Itoa(nCtx/blockSize)).Set(1)
 }
 
 // SetEngine gives the scrape-time collector its snapshot source.
@@ -90,4 +105,15 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descRunning, prometheus.GaugeValue, float64(usage.Running))
 	ch <- prometheus.MustNewConstMetric(descWaiting, prometheus.GaugeValue, float64(usage.Waiting))
 	ch <- prometheus.MustNewConstMetric(descKVRatio, prometheus.GaugeValue, float64(usage.CellsUsed)/float64(max(1, usage.CellsMax)))
+}
+
+// AddKVEvents exports the KV-event publisher's counters: messages sent, snapshots
+// sent to newly joined subscribers, and changes dropped because its queue was full
+// (non-zero means a router's view of this replica is stale).
+func (m *Metrics) AddKVEvents(sent, snapshots, dropped func() float64) {
+	m.Registry.MustRegister(
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "polykv_kv_events_messages_total", Help: "KV-event messages sent over ZMQ."}, sent),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "polykv_kv_events_snapshots_total", Help: "KV-event snapshots (AllBlocksCleared + resident pools) sent when a subscriber joined."}, snapshots),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "polykv_kv_events_dropped_total", Help: "Pool changes dropped because the KV-event queue was full."}, dropped),
+	)
 }

@@ -43,6 +43,7 @@ type genParams struct {
 	SessionID        *string         `json:"session_id"`
 	PoolID           json.RawMessage `json:"pool_id"`
 	SharedPrefixN    *int            `json:"shared_prefix_n_tokens"`
+	PoolKey          *string         `json:"pool_key"`
 	Overcommit       bool            `json:"overcommit"`
 	ReservationID    *string         `json:"reservation_id"`
 }
@@ -139,6 +140,16 @@ func (s *Server) toEngine(g *genParams) (engine.Request, *apiError) {
 		return req, e
 	}
 	req.HasPool, req.PoolID = has, id
+	if g.PoolKey != nil {
+		if has {
+			return req, badRequest("pass pool_id or pool_key, not both")
+		}
+		key, e := parsePoolKey(*g.PoolKey)
+		if e != nil {
+			return req, e
+		}
+		req.PoolKey = &key
+	}
 	if g.SharedPrefixN != nil {
 		if !has {
 			return req, badRequest("shared_prefix_n_tokens needs pool_id")
@@ -314,34 +325,43 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, e)
 		return
 	}
-	msgs, e := parseMessages(req.Messages)
-	if e != nil {
-		writeAPIError(w, e)
-		return
-	}
+	sessionFromHeader(r, &req.genParams)
 	ereq, e := s.toEngine(&req.genParams)
 	if e != nil {
 		writeAPIError(w, e)
 		return
 	}
-	plan, e := s.planTools(&req)
+	toks, plan, e := s.chatPrompt(&req)
 	if e != nil {
 		writeAPIError(w, e)
 		return
 	}
 	ereq.Sampling.Grammar = plan.grammar
+	ereq.Prompt = toks
+	s.generate(w, r, kindChat, &req.genParams, ereq, &plan)
+}
+
+// chatPrompt is the one path from a chat request to the tokens it prefills (messages,
+// tools and the chat template): the completion handler and the render endpoint share
+// it, so what a router tokenizes through render is what the request prefills.
+func (s *Server) chatPrompt(req *chatRequest) ([]int32, toolPlan, *apiError) {
+	msgs, e := parseMessages(req.Messages)
+	if e != nil {
+		return nil, toolPlan{}, e
+	}
+	plan, e := s.planTools(req)
+	if e != nil {
+		return nil, plan, e
+	}
 	prompt, err := s.chat.Render(msgs, plan.tools, true)
 	if err != nil {
-		writeAPIError(w, renderError(err))
-		return
+		return nil, plan, renderError(err)
 	}
 	toks, err := s.tok.Tokenize(prompt, true, true)
 	if err != nil {
-		writeAPIError(w, badRequest("%v", err))
-		return
+		return nil, plan, badRequest("%v", err)
 	}
-	ereq.Prompt = toks
-	s.generate(w, r, kindChat, &req.genParams, ereq, &plan)
+	return toks, plan, nil
 }
 
 func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
@@ -350,6 +370,7 @@ func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, e)
 		return
 	}
+	sessionFromHeader(r, &req.genParams)
 	ereq, e := s.toEngine(&req.genParams)
 	if e != nil {
 		writeAPIError(w, e)
@@ -584,6 +605,8 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 	h.Set("Cache-Control", "no-cache")
 	h.Set("Connection", "keep-alive")
 	h.Set("X-Accel-Buffering", "no")
+	// What was reused is known only at the end: it follows the body as a trailer.
+	h.Set("Trailer", "X-Cached-Prefix-Tokens")
 	w.WriteHeader(http.StatusOK)
 	pending := &first
 	object := "text_completion"
@@ -661,6 +684,7 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 			} else if ev.Text != "" && !send(chunk(ev.Text, nil, nil)) {
 				return
 			}
+			h.Set("X-Cached-Prefix-Tokens", strconv.Itoa(ev.Stats.CacheN))
 			last := chunk("", nil, reason)
 			last["timings"] = timings(ev.Stats)
 			last["session_id"] = req.SessionID

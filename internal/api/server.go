@@ -97,6 +97,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("GET /slots", s.handleSlots)
 	s.routePools(mux)
 	s.routeTPS(mux)
+	s.routeFleet(mux)
 	ui.Register(mux) // the dashboard page: GET /ui/ (and GET / redirects there)
 	// No catch-all "/" route: it would match every method and turn a wrong method
 	// into 404; routeErrors answers unmatched requests with JSON 404 or 405 + Allow.

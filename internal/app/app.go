@@ -5,6 +5,7 @@ package app
 import (
 	"fmt"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/polykv/polykv/internal/api"
 	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/kvevents"
 	"github.com/polykv/polykv/internal/llama"
 	"github.com/polykv/polykv/internal/runner"
 	"github.com/polykv/polykv/internal/tps"
@@ -38,20 +40,30 @@ type Config struct {
 	// APIKeys (--api-key, --api-key-file): when any is set, every route but /health
 	// needs "Authorization: Bearer KEY" with one of them. None: the server is open.
 	APIKeys []string
+
+	// KV events for llm-d's precise-prefix scorer (off when KVEventsEndpoint is "").
+	KVEventsEndpoint string // --kv-events-endpoint, e.g. tcp://127.0.0.2:5557 (bound)
+	KVBlockSize      int    // --kv-block-size
+	KVEventsPodID    string // topic pod id (default: the host name)
+	// Alias is the model name served (/v1/models, responses, the KV-event topic);
+	// default: the model file's base name. A router hashes blocks with the request's
+	// model name, so requests must name the model by this.
+	Alias string // --alias
 }
 
 // DefaultConfig is the configuration `polykv serve` runs with when no flag is given.
 func DefaultConfig() Config {
 	return Config{
-		NCtx:       4096,
-		Parallel:   4,
-		NBatch:     512,
-		MaxQueue:   64,
-		SessionTTL: 30 * time.Minute,
-		MaxPools:   16,
-		PoolGrace:  30 * time.Second,
-		FlashAttn:  "on",
-		TPSTau:     tps.DefaultTau,
+		NCtx:        4096,
+		Parallel:    4,
+		NBatch:      512,
+		MaxQueue:    64,
+		SessionTTL:  30 * time.Minute,
+		MaxPools:    16,
+		PoolGrace:   30 * time.Second,
+		FlashAttn:   "on",
+		TPSTau:      tps.DefaultTau,
+		KVBlockSize: kvevents.DefaultBlockSize,
 	}
 }
 
@@ -78,6 +90,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("--session-ttl and --pool-grace-ms must not be negative")
 	case c.TPSTau <= 0:
 		return fmt.Errorf("--tps-tau must be positive, got %s", c.TPSTau)
+	case c.KVBlockSize < 1:
+		return fmt.Errorf("--kv-block-size must be positive, got %d", c.KVBlockSize)
 	}
 	switch c.FlashAttn {
 	case "off", "on", "auto":
@@ -108,6 +122,8 @@ type App struct {
 	Ctx    *llama.Context
 	Engine *engine.Engine
 	API    *api.Server
+	// KVEvents publishes pool prefixes over ZMQ (nil when off).
+	KVEvents *kvevents.Publisher
 }
 
 // Open loads the model and starts the engine.
@@ -146,15 +162,43 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		return nil, err
 	}
 	metrics := api.NewMetrics()
+	metrics.SetCacheConfig(cfg.KVBlockSize, cfg.NCtx)
+	id := strings.TrimSuffix(filepath.Base(cfg.ModelPath), filepath.Ext(cfg.ModelPath))
+	if cfg.Alias != "" {
+		id = cfg.Alias
+	}
+	var pub *kvevents.Publisher
+	if cfg.KVEventsEndpoint != "" {
+		podID := cfg.KVEventsPodID
+		if podID == "" {
+			podID, _ = os.Hostname()
+		}
+		pub, err = kvevents.Open(kvevents.Config{Endpoint: cfg.KVEventsEndpoint, BlockSize: cfg.KVBlockSize,
+			PodID: podID, Model: id, Log: log})
+		if err != nil {
+			ctx.Free()
+			model.Free()
+			return nil, err
+		}
+		metrics.AddKVEvents(func() float64 { return float64(pub.Sent.Load()) },
+			func() float64 { return float64(pub.Snapshots.Load()) },
+			func() float64 { return float64(pub.Dropped.Load()) })
+	}
 	sched, err := engine.NewScheduler(ecfg, runner.Vocab{M: model})
 	if err != nil {
+		if pub != nil {
+			_ = pub.Close()
+		}
 		ctx.Free()
 		model.Free()
 		return nil, err
 	}
-	eng := engine.New(sched, runner.NewBackend(model, ctx, log), metrics)
+	var obs engine.Observer = metrics
+	if pub != nil {
+		obs = observers{metrics, pub} // the engine hands it the pool prefix changes too
+	}
+	eng := engine.New(sched, runner.NewBackend(model, ctx, log), obs)
 	metrics.SetEngine(eng)
-	id := strings.TrimSuffix(filepath.Base(cfg.ModelPath), filepath.Ext(cfg.ModelPath))
 	info := api.Info{
 		ModelID: id, ModelPath: cfg.ModelPath, ModelDesc: model.Desc(), NCtx: cfg.NCtx, NCtxTrain: model.NCtxTrain(),
 		Parallel: cfg.Parallel, NBatch: cfg.NBatch, NVocab: model.NVocab(), ChatTemplate: model.ChatTemplate(), Started: time.Now(),
@@ -163,12 +207,22 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	info.TPSTauMs = cfg.TPSTau.Milliseconds()
 	srv := api.New(eng, model, runner.NewChatRenderer(model), info, metrics, log)
 	srv.RequireAPIKeys(cfg.APIKeys)
-	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv}, nil
+	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv, KVEvents: pub}, nil
+}
+
+// observers is the metrics and the KV-event publisher as one engine Observer: the
+// metrics take the measurements, the publisher the pool prefix changes.
+type observers struct {
+	*api.Metrics
+	*kvevents.Publisher
 }
 
 // Close stops the engine, then frees the context and the model.
 func (a *App) Close() {
 	a.Engine.Close()
+	if a.KVEvents != nil { // after the engine: it reports no change once closed
+		_ = a.KVEvents.Close()
+	}
 	a.Ctx.Free()
 	a.Model.Free()
 }

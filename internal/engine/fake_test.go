@@ -148,6 +148,9 @@ type harness struct {
 	be     *fakeBackend
 	now    time.Time
 	events map[TaskID][]Event
+	// prefixes, when set, receives the pool prefix observations as the engine would
+	// hand them over.
+	prefixes PrefixObserver
 	// stepCost scripts how long a decode step takes (default 10 ms); a cost that grows
 	// with the batch makes per-session tps fall as sessions join, deterministically.
 	stepCost func(batch []BatchEntry) time.Duration
@@ -163,6 +166,16 @@ func newHarness(t *testing.T, cfg Config) *harness {
 }
 
 func (h *harness) collect() {
+	if h.prefixes != nil {
+		for _, o := range h.s.Observations() {
+			switch o.Kind {
+			case ObsPrefixStored:
+				h.prefixes.PrefixStored(o.Prefix)
+			case ObsPrefixRemoved:
+				h.prefixes.PrefixRemoved(o.Prefix)
+			}
+		}
+	}
 	for _, ev := range h.s.Events() {
 		h.events[ev.Task] = append(h.events[ev.Task], ev)
 	}

@@ -24,9 +24,11 @@ type ObsKind int
 
 // Measurements the scheduler makes.
 const (
-	ObsTTFT         ObsKind = iota // a task's first token: D since submission, on Pool
-	ObsTokenLatency                // D between a task's consecutive tokens
-	ObsQuery                       // a finished request: PromptTokens, CachedTokens, on Pool
+	ObsTTFT          ObsKind = iota // a task's first token: D since submission, on Pool
+	ObsTokenLatency                 // D between a task's consecutive tokens
+	ObsQuery                        // a finished request: PromptTokens, CachedTokens, on Pool
+	ObsPrefixStored                 // a pool's prefix became resident: Prefix
+	ObsPrefixRemoved                // a pool's prefix can no longer be reused here: Prefix
 )
 
 // Observation is one measurement made during a step.
@@ -35,12 +37,23 @@ type Observation struct {
 	Pool                       int
 	D                          time.Duration
 	PromptTokens, CachedTokens int
+	Prefix                     PrefixChange
 }
 
-// Observe hands observations to o.
+// Observe hands observations to o; the prefix changes only when o also implements
+// PrefixObserver.
 func Observe(o Observer, obs []Observation) {
+	po, _ := o.(PrefixObserver)
 	for _, x := range obs {
 		switch x.Kind {
+		case ObsPrefixStored:
+			if po != nil {
+				po.PrefixStored(x.Prefix)
+			}
+		case ObsPrefixRemoved:
+			if po != nil {
+				po.PrefixRemoved(x.Prefix)
+			}
 		case ObsTTFT:
 			o.TTFT(x.Pool, x.D)
 		case ObsTokenLatency:

@@ -94,6 +94,7 @@ func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 			s.check(p.Fill(len(tokens)))
 			s.check(p.Materialized(now))
 			s.check(p.SetPin(spec.Pin, now))
+			s.prefixStored(p)
 			s.attach(src, p, len(tokens))
 			src.lastUsed = now
 			return p.ID, 0, nil
@@ -136,6 +137,7 @@ func (s *Scheduler) restore(p *pool.Pool) {
 func (s *Scheduler) poolMaterialized(t *task) {
 	p := t.pool
 	s.check(p.Materialized(s.now))
+	s.prefixStored(p)
 	stats := Stats{PromptN: p.L() - p.D, CacheN: p.D, PromptTime: s.now.Sub(t.admitted), Seq: p.Seq, Pool: p.ID}
 	s.removeRunning(t)
 	delete(s.poolSeqs, p.ID)
@@ -165,8 +167,12 @@ func (s *Scheduler) abandonPool(p *pool.Pool, restoring bool) {
 
 // evictPool drops a pool's own cells, keeping the object so it can be restored.
 func (s *Scheduler) evictPool(p *pool.Pool) error {
+	announced := prefixAnnounced(p)
 	if err := p.Evict(); err != nil {
 		return err
+	}
+	if announced {
+		s.prefixRemoved(p)
 	}
 	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.Seq, P0: 0, P1: -1})
 	return nil
@@ -174,6 +180,7 @@ func (s *Scheduler) evictPool(p *pool.Pool) error {
 
 // reclaim frees a released pool's sequence and its sequence id.
 func (s *Scheduler) reclaim(p *pool.Pool) {
+	// Its prefix was reported removed when it was released.
 	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.Seq, P0: 0, P1: -1})
 	delete(s.admission, p.ID)
 	s.check(s.pools.Reclaim(p))
@@ -226,8 +233,12 @@ func (s *Scheduler) releasePool(id int) error {
 	// Released children only wait for their grace time or their last session; they
 	// keep the parent's cells alive by membership until reclaimed (expire reclaims a
 	// parent only after its children), so they need not block the parent's release.
+	announced := prefixAnnounced(p)
 	if err := p.Release(now); err != nil {
 		return err
+	}
+	if announced {
+		s.prefixRemoved(p)
 	}
 	// Idle sessions lose their KV now; running ones when their turn ends.
 	for _, sl := range s.slots {

@@ -206,6 +206,7 @@ func (s *Scheduler) submit(req Request) (TaskID, Gate, error) {
 	if len(req.Prompt) >= s.cfg.NCtx {
 		return 0, Gate{}, fmt.Errorf("%w: %d prompt tokens, context size %d", ErrPromptTooLong, len(req.Prompt), s.cfg.NCtx)
 	}
+	req = s.resolvePoolKey(req)
 	var p *pool.Pool
 	if req.HasPool {
 		var err error

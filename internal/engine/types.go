@@ -48,6 +48,10 @@ type Request struct {
 	// ReservationID names a granted reservation of the pool (POST
 	// /polykv/pools/{id}/reservations): the request uses it instead of the gate.
 	ReservationID string
+	// PoolKey, when set and HasPool is not, names a pool by content (its prefix hash):
+	// the request attaches to the live pool with that key if this replica holds one,
+	// and otherwise runs unpooled (never an error: a router may send it anywhere).
+	PoolKey *uint64
 }
 
 // Finish reasons, as OpenAI names them.

@@ -1,0 +1,74 @@
+package api
+
+import (
+	"net/http"
+	"strconv"
+	"strings"
+)
+
+// Routes and request fields for running several replicas behind a router (llm-d's
+// endpoint picker): render endpoints the router tokenizes through, the x-session-id
+// header and content-addressed pool keys.
+
+func (s *Server) routeFleet(mux *http.ServeMux) {
+	mux.HandleFunc("POST /v1/chat/completions/render", s.handleChatRender)
+	mux.HandleFunc("POST /v1/completions/render", s.handleCompletionsRender)
+}
+
+// handleChatRender answers the token ids a chat request would prefill, without
+// running it: the same messages, tools and template path as /v1/chat/completions.
+func (s *Server) handleChatRender(w http.ResponseWriter, r *http.Request) {
+	var req chatRequest
+	if e := s.decodeBody(w, r, &req); e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	toks, _, e := s.chatPrompt(&req)
+	if e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"token_ids": nonNil(toks)})
+}
+
+// handleCompletionsRender answers the token ids a text completion would prefill. As
+// vLLM's does, it answers an array with one {"token_ids"} per prompt (llm-d's
+// token-producer decodes it so); PolyKV takes exactly one prompt per request.
+func (s *Server) handleCompletionsRender(w http.ResponseWriter, r *http.Request) {
+	var req completionRequest
+	if e := s.decodeBody(w, r, &req); e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	toks, e := s.completionPrompt(req.Prompt)
+	if e != nil {
+		writeAPIError(w, e)
+		return
+	}
+	writeJSON(w, http.StatusOK, []map[string]any{{"token_ids": nonNil(toks)}})
+}
+
+// SessionHeader carries the session id when the body has none: llm-d's
+// session-affinity scorer routes by it, so the replica it picks keeps the session.
+const SessionHeader = "X-Session-Id"
+
+// sessionFromHeader uses the x-session-id header as session_id unless the body sets one.
+func sessionFromHeader(r *http.Request, g *genParams) {
+	if g.SessionID != nil {
+		return
+	}
+	if v := strings.TrimSpace(r.Header.Get(SessionHeader)); v != "" {
+		g.SessionID = &v
+	}
+}
+
+// parsePoolKey reads a pool key: a pool's prefix_hash (hexadecimal, as pool status
+// reports it; an optional 0x is accepted).
+func parsePoolKey(v string) (uint64, *apiError) {
+	h := strings.TrimPrefix(strings.ToLower(strings.TrimSpace(v)), "0x")
+	key, err := strconv.ParseUint(h, 16, 64)
+	if err != nil || h == "" {
+		return 0, badRequest("pool_key must be a pool's prefix_hash (up to 16 hexadecimal digits), got %q", v)
+	}
+	return key, nil
+}

@@ -1,0 +1,430 @@
+package app
+
+// A fleet of three replicas on loopback addresses, as llm-d's router sees them: KV
+// events over ZMQ, render endpoints, pool keys, x-session-id and protocol metrics.
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
+	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/kvevents"
+	"github.com/polykv/polykv/internal/pool"
+)
+
+type replica struct {
+	ip, base, zmq string
+	app           *App
+	srv           *httptest.Server
+	sub           *subscriber
+}
+
+// subscriber receives one replica's KV events, decoded as llm-d decodes them.
+type subscriber struct {
+	cancel context.CancelFunc
+	msgs   chan kvevents.Message
+	errs   chan error
+}
+
+func subscribe(t *testing.T, endpoint string) *subscriber {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	sock := zmq4.NewSub(ctx)
+	if err := sock.Dial(endpoint); err != nil {
+		cancel()
+		t.Fatalf("dial %s: %v", endpoint, err)
+	}
+	if err := sock.SetOption(zmq4.OptionSubscribe, "kv@"); err != nil {
+		t.Fatal(err)
+	}
+	s := &subscriber{cancel: cancel, msgs: make(chan kvevents.Message, 256), errs: make(chan error, 1)}
+	go func() {
+		defer sock.Close()
+		for {
+			msg, err := sock.Recv()
+			if err != nil {
+				return // cancelled
+			}
+			m, err := kvevents.Decode(msg.Frames)
+			if err != nil {
+				s.errs <- err
+				return
+			}
+			s.msgs <- m
+		}
+	}()
+	t.Cleanup(cancel)
+	return s
+}
+
+// next returns the next message, failing after a timeout.
+func (s *subscriber) next(t *testing.T) kvevents.Message {
+	t.Helper()
+	select {
+	case m := <-s.msgs:
+		return m
+	case err := <-s.errs:
+		t.Fatalf("kv events do not decode: %v", err)
+	case <-time.After(20 * time.Second):
+		t.Fatal("no kv event within 20 s")
+	}
+	return kvevents.Message{}
+}
+
+func startReplica(t *testing.T, ip, zmqEndpoint string) *replica {
+	t.Helper()
+	ln, err := net.Listen("tcp", ip+":0")
+	if err != nil {
+		t.Skipf("cannot listen on %s (loopback aliases are Linux's 127.0.0.0/8): %v", ip, err)
+	}
+	if zmqEndpoint == "" {
+		zmqEndpoint = "tcp://" + ip + ":0"
+	}
+	// One thread each: three engines share the cores, and ggml spins at its barriers.
+	cfg := Config{ModelPath: modelPath(t), NCtx: 1024, Parallel: 2, MaxPools: 4, PoolGrace: time.Nanosecond, Threads: 1,
+		KVEventsEndpoint: zmqEndpoint, KVEventsPodID: ln.Addr().String()}
+	a, err := Open(cfg, nil)
+	if err != nil {
+		ln.Close()
+		t.Fatal(err)
+	}
+	srv := httptest.NewUnstartedServer(a.API.Handler())
+	srv.Listener.Close()
+	srv.Listener = ln
+	srv.Start()
+	r := &replica{ip: ip, base: srv.URL, zmq: "tcp://" + a.KVEvents.Addr(), app: a, srv: srv}
+	r.sub = subscribe(t, r.zmq)
+	t.Cleanup(r.stop)
+	return r
+}
+
+func (r *replica) stop() {
+	if r.srv != nil {
+		r.srv.Close()
+		r.app.Close()
+		r.srv = nil
+	}
+}
+
+// stored collects the next BlockStored events until n blocks have arrived, checking
+// consecutive sequence numbers from *seq.
+func expectMsg(t *testing.T, r *replica, seq *uint64) kvevents.Message {
+	t.Helper()
+	m := r.sub.next(t)
+	if m.Seq != *seq {
+		t.Fatalf("%s: sequence number %d, want %d (consecutive from 0)", r.ip, m.Seq, *seq)
+	}
+	*seq++
+	if want := "kv@" + strings.TrimPrefix(r.base, "http://") + "@SmolLM2-135M-Instruct.Q4_1"; m.Topic != want {
+		t.Fatalf("topic %q, want %q", m.Topic, want)
+	}
+	return m
+}
+
+func expectEvent(t *testing.T, r *replica, seq *uint64, tag string) kvevents.Event {
+	t.Helper()
+	m := expectMsg(t, r, seq)
+	if len(m.Events) != 1 || m.Events[0].Tag != tag {
+		t.Fatalf("%s: events %+v, want one %s", r.ip, m.Events, tag)
+	}
+	ev := m.Events[0]
+	if tag == kvevents.TagBlockStored {
+		if ev.BlockSize != 16 || len(ev.Hashes) == 0 || len(ev.Tokens) != len(ev.Hashes)*ev.BlockSize {
+			t.Fatalf("BlockStored breaks the full-block rule: %d hashes, %d tokens, block size %d", len(ev.Hashes), len(ev.Tokens), ev.BlockSize)
+		}
+	}
+	return ev
+}
+
+func postHeaders(t *testing.T, url string, body any, hdr map[string]string) (int, http.Header, map[string]any) {
+	t.Helper()
+	buf, _ := json.Marshal(body)
+	req, _ := http.NewRequest(http.MethodPost, url, strings.NewReader(string(buf)))
+	req.Header.Set("Content-Type", "application/json")
+	for k, v := range hdr {
+		req.Header.Set(k, v)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	raw, _ := io.ReadAll(resp.Body)
+	var out map[string]any
+	if err := json.Unmarshal(raw, &out); err != nil {
+		t.Fatalf("%s: %d %q", url, resp.StatusCode, raw)
+	}
+	return resp.StatusCode, resp.Header, out
+}
+
+func tokenIDs(t *testing.T, out map[string]any) []int32 {
+	t.Helper()
+	raw, ok := out["token_ids"].([]any)
+	if !ok {
+		t.Fatalf("no token_ids in %v", out)
+	}
+	ids := make([]int32, len(raw))
+	for i, v := range raw {
+		ids[i] = int32(v.(float64))
+	}
+	return ids
+}
+
+func TestFleetKVEventsRenderAndPoolKeys(t *testing.T) {
+	ips := []string{"127.0.0.2", "127.0.0.3", "127.0.0.4"}
+	var reps []*replica
+	seqs := make([]uint64, len(ips))
+	for _, ip := range ips {
+		reps = append(reps, startReplica(t, ip, ""))
+	}
+	a, b, c := reps[0], reps[1], reps[2]
+	// Every replica starts its stream with AllBlocksCleared at sequence 0.
+	for i, r := range reps {
+		expectEvent(t, r, &seqs[i], kvevents.TagAllBlocksCleared)
+	}
+
+	system := longSystem(t, a.app, 100)
+	chatBody := map[string]any{"messages": []map[string]any{{"role": "system", "content": system}, {"role": "user", "content": "Which tool finds documents about topic 14?"}},
+		"max_tokens": 8, "temperature": 0}
+	// Render: the chat request's prompt tokens, the same on every replica.
+	code, _, out := postHeaders(t, a.base+"/v1/chat/completions/render", chatBody, nil)
+	if code != 200 {
+		t.Fatalf("render: %d %v", code, out)
+	}
+	rendered := tokenIDs(t, out)
+	_, _, outC := postHeaders(t, c.base+"/v1/chat/completions/render", chatBody, nil)
+	if !slices.Equal(tokenIDs(t, outC), rendered) {
+		t.Fatal("render differs between replicas")
+	}
+	// Text render equals /tokenize with special tokens (what /v1/completions prefills).
+	// It is an array with one entry per prompt, as vLLM's (what llm-d decodes).
+	buf, _ := json.Marshal(map[string]any{"prompt": "Hello fleet", "model": "any"})
+	resp, err := http.Post(a.base+"/v1/completions/render", "application/json", strings.NewReader(string(buf)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var outT []map[string]any
+	err = json.NewDecoder(resp.Body).Decode(&outT)
+	resp.Body.Close()
+	if err != nil || len(outT) != 1 {
+		t.Fatalf("completions render: %v, %d entries; want an array of one", err, len(outT))
+	}
+	if want := tokenize(t, a.app, "Hello fleet"); !slices.Equal(tokenIDs(t, outT[0]), want) {
+		t.Fatalf("completions render %v, want %v", tokenIDs(t, outT[0]), want)
+	}
+
+	// A pool on A over the chat's system block: BlockStored carries exactly the rendered
+	// prompt's leading full blocks.
+	created := createPool(t, a.base, map[string]any{"messages": []map[string]any{{"role": "system", "content": system}}})
+	poolA := num(created["pool_id"])
+	var info engine.PoolInfo
+	get(t, fmt.Sprintf("%s/polykv/pools/%d", a.base, poolA), &info)
+	L := len(info.Tokens)
+	if L < 32 || !slices.Equal(rendered[:L], info.Tokens) {
+		t.Fatalf("pool prefix (%d tokens) is not a prefix of the rendered chat", L)
+	}
+	root := expectEvent(t, a, &seqs[0], kvevents.TagBlockStored)
+	full := L / 16 * 16
+	if root.Parent != nil || !slices.Equal(root.Tokens, rendered[:full]) {
+		t.Fatalf("root BlockStored: parent %v, tokens %d; want no parent and the render's first %d tokens", root.Parent, len(root.Tokens), full)
+	}
+	rolling := pool.RollingHash(rendered)
+	for k, h := range root.Hashes {
+		if h != rolling[16*k+15] {
+			t.Fatalf("block %d hash %x, want the prefix hash at token %d", k, h, 16*k+15)
+		}
+	}
+
+	// A child extending the pool chains to the root's last announced block.
+	childToks := append(slices.Clone(info.Tokens), suffixTokens(t, a.app, " The user asks about search tools and rankings, in detail, with examples.")...)
+	code, fork := forkPool(t, a.base, poolA, L, map[string]any{"tokens": childToks})
+	if code != 201 {
+		t.Fatalf("fork: %d %v", code, fork)
+	}
+	child := expectEvent(t, a, &seqs[0], kvevents.TagBlockStored)
+	t.Logf("pool: %d tokens, %d blocks; child: %d tokens, %d own blocks; render: %d tokens", L, len(root.Hashes), len(childToks), len(child.Hashes), len(rendered))
+	if len(childToks)/16 <= L/16 {
+		t.Fatalf("the child (%d tokens) must own a full block past the root's %d", len(childToks), L)
+	}
+	{
+		first := L / 16
+		if child.Parent == nil || *child.Parent != root.Hashes[first-1] {
+			t.Fatalf("child's parent hash %v, want the root's block %d (%x)", child.Parent, first-1, root.Hashes[first-1])
+		}
+		if !slices.Equal(child.Tokens, childToks[first*16:len(childToks)/16*16]) {
+			t.Fatal("child's BlockStored tokens are not its own blocks")
+		}
+	}
+
+	// The same system block as a pool on B announces the same hashes: a fleet-wide name.
+	createdB := createPool(t, b.base, map[string]any{"messages": []map[string]any{{"role": "system", "content": system}}})
+	if createdB["prefix_hash"] != created["prefix_hash"] {
+		t.Fatalf("prefix_hash differs across replicas: %v vs %v", createdB["prefix_hash"], created["prefix_hash"])
+	}
+	rootB := expectEvent(t, b, &seqs[1], kvevents.TagBlockStored)
+	if !slices.Equal(rootB.Hashes, root.Hashes) {
+		t.Fatal("the same prefix announces different block hashes on two replicas")
+	}
+
+	// pool_key with x-session-id: A attaches, C (no such pool) prefills and answers
+	// the same greedy tokens.
+	key := created["prefix_hash"].(string)
+	keyed := withFields(chatBody, map[string]any{"pool_key": key})
+	codeA, hA, outA := postHeaders(t, a.base+"/v1/chat/completions", keyed, map[string]string{"x-session-id": "agent-7"})
+	codeC, hC, outC2 := postHeaders(t, c.base+"/v1/chat/completions", keyed, map[string]string{"x-session-id": "agent-7"})
+	if codeA != 200 || codeC != 200 {
+		t.Fatalf("pool_key requests: A %d %v, C %d %v", codeA, outA, codeC, outC2)
+	}
+	if got, _ := strconv.Atoi(hA.Get("X-Cached-Prefix-Tokens")); got != L || hA.Get("X-Pool-Id") != strconv.Itoa(poolA) {
+		t.Fatalf("A: X-Cached-Prefix-Tokens %q, X-Pool-Id %q; want %d from pool %d", hA.Get("X-Cached-Prefix-Tokens"), hA.Get("X-Pool-Id"), L, poolA)
+	}
+	if hC.Get("X-Cached-Prefix-Tokens") != "0" || hC.Get("X-Pool-Id") != "" {
+		t.Fatalf("C lacks the pool: X-Cached-Prefix-Tokens %q, X-Pool-Id %q; want 0 and none", hC.Get("X-Cached-Prefix-Tokens"), hC.Get("X-Pool-Id"))
+	}
+	msg := func(o map[string]any) string {
+		return o["choices"].([]any)[0].(map[string]any)["message"].(map[string]any)["content"].(string)
+	}
+	if msg(outA) != msg(outC2) {
+		t.Fatalf("pooled reply %q differs from the unpooled one %q", msg(outA), msg(outC2))
+	}
+	if outA["session_id"] != "agent-7" || outC2["session_id"] != "agent-7" {
+		t.Fatalf("x-session-id not used as the session: %v / %v", outA["session_id"], outC2["session_id"])
+	}
+	// A second turn of the session on C reuses its own cells.
+	_, hC2, _ := postHeaders(t, c.base+"/v1/chat/completions", keyed, map[string]string{"x-session-id": "agent-7"})
+	if n, _ := strconv.Atoi(hC2.Get("X-Cached-Prefix-Tokens")); n < len(rendered)-1 {
+		t.Fatalf("second turn of agent-7 on C reused %d tokens, want at least %d", n, len(rendered)-1)
+	}
+	// Streamed, what was reused follows the body as a trailer.
+	buf, _ = json.Marshal(withFields(keyed, map[string]any{"stream": true}))
+	resp, err = http.Post(a.base+"/v1/chat/completions", "application/json", strings.NewReader(string(buf)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if got := resp.Trailer.Get("X-Cached-Prefix-Tokens"); got != strconv.Itoa(L) {
+		t.Fatalf("streamed X-Cached-Prefix-Tokens trailer %q, want %d", got, L)
+	}
+	if code, _, out := postHeaders(t, a.base+"/v1/chat/completions", withFields(keyed, map[string]any{"pool_id": poolA}), nil); code != 400 {
+		t.Fatalf("pool_id with pool_key: %d %v, want 400", code, out)
+	}
+
+	// Release the child: BlockRemoved with its hashes (no new request may attach).
+	req, _ := http.NewRequest(http.MethodDelete, fmt.Sprintf("%s/polykv/pools/%d", a.base, num(fork["pool_id"])), nil)
+	if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("release child: %v %v", resp, err)
+	}
+	if len(child.Hashes) > 0 {
+		rm := expectEvent(t, a, &seqs[0], kvevents.TagBlockRemoved)
+		if !slices.Equal(rm.Hashes, child.Hashes) {
+			t.Fatalf("BlockRemoved %x, want the child's %x", rm.Hashes, child.Hashes)
+		}
+	}
+	// Evict B's pool: BlockRemoved with the root's hashes.
+	if code, out := post(t, fmt.Sprintf("%s/polykv/pools/%d/evict", b.base, num(createdB["pool_id"])), map[string]any{}); code != 200 {
+		t.Fatalf("evict: %d %v", code, out)
+	}
+	if rm := expectEvent(t, b, &seqs[1], kvevents.TagBlockRemoved); !slices.Equal(rm.Hashes, rootB.Hashes) {
+		t.Fatalf("evict BlockRemoved %x, want %x", rm.Hashes, rootB.Hashes)
+	}
+
+	// Restart C on the same endpoint: a new stream, AllBlocksCleared at sequence 0.
+	zmqC := c.zmq
+	c.stop()
+	c2 := startReplica(t, "127.0.0.4", zmqC)
+	var seqC2 uint64
+	expectEvent(t, c2, &seqC2, kvevents.TagAllBlocksCleared)
+	seqs[2] = 0
+
+	// Protocol metrics parse with Prometheus' parser, under the names the shipped
+	// engineConfigs name.
+	checkProtocolMetrics(t, a.base, seqs[0])
+	for i, r := range []*replica{a, b} {
+		select {
+		case m := <-r.sub.msgs:
+			t.Fatalf("%s: unexpected event %+v (seq %d)", r.ip, m, seqs[i])
+		default:
+		}
+	}
+}
+
+// withFields returns a copy of base with extra set.
+func withFields(base, extra map[string]any) map[string]any {
+	out := map[string]any{}
+	for k, v := range base {
+		out[k] = v
+	}
+	for k, v := range extra {
+		out[k] = v
+	}
+	return out
+}
+
+func checkProtocolMetrics(t *testing.T, base string, received uint64) {
+	t.Helper()
+	resp, err := http.Get(base + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := parser.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatalf("/metrics does not parse: %v", err)
+	}
+	cfgYAML, err := os.ReadFile("../../deploy/engine-configs.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	specs := regexp.MustCompile(`(\w+Spec): "([^"]+)"`).FindAllStringSubmatch(string(cfgYAML), -1)
+	if len(specs) != 4 {
+		t.Fatalf("deploy/engine-configs.yaml: %d specs, want 4", len(specs))
+	}
+	for _, s := range specs {
+		f := families[s[2]]
+		if f == nil || len(f.GetMetric()) != 1 || f.GetType().String() != "GAUGE" {
+			t.Fatalf("%s names %s, which /metrics does not carry as one gauge: %v", s[1], s[2], f)
+		}
+	}
+	usage := families["polykv_kv_usage_ratio"].GetMetric()[0].GetGauge().GetValue()
+	if usage <= 0 || usage > 1 {
+		t.Fatalf("kv usage %g, want a fraction in (0, 1] with a pool resident", usage)
+	}
+	counter := func(name string) float64 {
+		f := families[name]
+		if f == nil || len(f.GetMetric()) != 1 {
+			t.Fatalf("%s missing", name)
+		}
+		return f.GetMetric()[0].GetCounter().GetValue()
+	}
+	if sent := counter("polykv_kv_events_messages_total"); sent != float64(received) {
+		t.Fatalf("polykv_kv_events_messages_total %g, the subscriber received %d", sent, received)
+	}
+	if counter("polykv_kv_events_snapshots_total") != 1 || counter("polykv_kv_events_dropped_total") != 0 {
+		t.Fatal("want one snapshot (the test's subscriber) and no dropped change")
+	}
+	labels := map[string]string{}
+	for _, l := range families["polykv_cache_config_info"].GetMetric()[0].GetLabel() {
+		labels[l.GetName()] = l.GetValue()
+	}
+	if labels["block_size"] != "16" || labels["num_gpu_blocks"] != "64" {
+		t.Fatalf("cache config info %v, want block_size 16 and num_gpu_blocks 1024/16 = 64", labels)
+	}
+}
