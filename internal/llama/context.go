@@ -39,6 +39,9 @@ type Context struct {
 	batch C.struct_llama_batch
 	nb    int // batch capacity
 	n     int // tokens currently in the batch
+
+	compactBuf  unsafe.Pointer // C buffer reused by Compact (grows, never shrinks)
+	compactSize C.size_t
 }
 
 // NewContext creates a context for model.
@@ -83,6 +86,10 @@ func (c *Context) Free() {
 	if c.c != nil {
 		C.llama_batch_free(c.batch)
 		C.llama_free(c.c)
+		if c.compactBuf != nil {
+			C.free(c.compactBuf)
+			c.compactBuf = nil
+		}
 		c.c = nil
 	}
 }
@@ -176,6 +183,49 @@ func (c *Context) SeqPosMin(seq int) int {
 // SeqPosMax is the largest position held by seq, or -1 when empty.
 func (c *Context) SeqPosMax(seq int) int {
 	return int(C.llama_memory_seq_pos_max(c.mem, C.llama_seq_id(seq)))
+}
+
+// Compact moves every used KV cell to the bottom of the cache, cells 0..used-1, keeping
+// their relative order, their positions and every sequence membership (shared pool cells
+// stay shared), and points the cache's search head at the first free cell.
+//
+// Why: llama.cpp places a batch's tokens in the first free cells from its head, and
+// removing cells moves the head down to the hole they leave. A sequence that keeps
+// decoding then gets its next cells below its older ones, and the CPU attention kernel
+// accumulates over a sequence's cells in cell order, so the same token's logits come out
+// rounded differently than on a quiet server. With no holes every new cell lands above
+// all existing ones, so each sequence's cells stay in position order whatever other
+// sequences did. This build of llama.cpp has no defragmentation (it was removed in
+// favour of nothing), but restoring the whole-cache state (llama_state_seq_*_data with
+// seq_id -1) writes the saved cells contiguously from cell 0 in saved (= cell) order.
+//
+// Cost: one copy of the used cells out and back in and a clear of the K/V buffers. On
+// failure the cache may be empty (llama.cpp clears it when a restore fails); the caller
+// must treat that as fatal for every sequence.
+func (c *Context) Compact() error {
+	size := C.llama_state_seq_get_size(c.c, -1)
+	if size == 0 {
+		return errors.New("compact: llama.cpp reports an empty state")
+	}
+	if size > c.compactSize {
+		if c.compactBuf != nil {
+			C.free(c.compactBuf)
+		}
+		c.compactBuf = C.malloc(size)
+		if c.compactBuf == nil {
+			c.compactSize = 0
+			return errors.New("compact: out of memory")
+		}
+		c.compactSize = size
+	}
+	buf := (*C.uint8_t)(c.compactBuf)
+	if n := C.llama_state_seq_get_data(c.c, buf, size, -1); n != size {
+		return fmt.Errorf("compact: saved %d of %d bytes", uint64(n), uint64(size))
+	}
+	if n := C.llama_state_seq_set_data(c.c, buf, size, -1); n != size {
+		return fmt.Errorf("compact: restored %d of %d bytes; the KV cache was cleared", uint64(n), uint64(size))
+	}
+	return nil
 }
 
 // MemoryClear empties the whole KV cache.

@@ -17,6 +17,12 @@ type Backend struct {
 	model    *llama.Model
 	samplers map[engine.TaskID]*sampler
 	log      *slog.Logger
+
+	// holes is set when cells were removed since the last Decode: the next Decode
+	// compacts the cache first (see Decode).
+	holes bool
+	// Compactions counts cache compactions (read by tests and the benchmark).
+	Compactions int
 }
 
 type sampler struct {
@@ -35,7 +41,22 @@ func NewBackend(model *llama.Model, ctx *llama.Context, log *slog.Logger) *Backe
 }
 
 // Decode implements engine.Backend.
+//
+// If cells were removed since the last batch, the cache is compacted first. That keeps
+// every sequence's cells in cell order == position order, which is what makes greedy
+// output independent of other traffic: llama.cpp would otherwise put the next tokens of
+// a running sequence into the hole below its older cells, and attention would sum over
+// that sequence's cells in a different order than on a quiet server (different
+// rounding, different logits). See llama.Context.Compact.
 func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
+	if b.holes {
+		if err := b.ctx.Compact(); err != nil {
+			b.log.Error("KV cache compaction failed; cached sequences may be lost", "err", err)
+			return nil, err
+		}
+		b.holes = false
+		b.Compactions++
+	}
 	b.ctx.BatchClear()
 	for _, e := range batch {
 		if _, err := b.ctx.BatchAdd(e.Token, e.Pos, e.Seq, e.Sample); err != nil {
@@ -80,8 +101,14 @@ func logSoftmaxAt(logits []float32, tok llama.Token) float32 {
 	return float32(float64(logits[tok]-mx) - math.Log(sum))
 }
 
-// SeqRm implements engine.Backend.
-func (b *Backend) SeqRm(seq, p0, p1 int) bool { return b.ctx.SeqRm(seq, p0, p1) }
+// SeqRm implements engine.Backend. Removing cells that seq holds leaves a hole that the
+// next Decode compacts away.
+func (b *Backend) SeqRm(seq, p0, p1 int) bool {
+	if hi := b.ctx.SeqPosMax(seq); hi >= 0 && hi >= p0 && (p1 < 0 || b.ctx.SeqPosMin(seq) < p1) {
+		b.holes = true
+	}
+	return b.ctx.SeqRm(seq, p0, p1)
+}
 
 // SeqCp implements engine.Backend.
 func (b *Backend) SeqCp(src, dst, p0, p1 int) { b.ctx.SeqCp(src, dst, p0, p1) }
@@ -148,7 +175,7 @@ func (b *Backend) ProbeFits(seq, n int, tok llama.Token) (bool, error) {
 	if b.ctx.SeqPosMax(seq) >= 0 {
 		return false, fmt.Errorf("probe: sequence %d is not empty", seq)
 	}
-	defer b.ctx.SeqRm(seq, 0, -1)
+	defer b.SeqRm(seq, 0, -1)
 	for pos := 0; pos < n; {
 		b.ctx.BatchClear()
 		for ; pos < n && b.ctx.BatchLen() < b.ctx.BatchCap(); pos++ {
