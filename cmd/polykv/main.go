@@ -69,6 +69,10 @@ func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
 	fs.IntVar(&cfg.MaxQueue, "queue", 64, "requests that may wait for a sequence; more get 503")
 	fs.DurationVar(&cfg.SessionTTL, "session-ttl", 30*time.Minute, "idle sessions older than this lose their KV")
 	fs.StringVar(&cfg.FlashAttn, "flash-attn", "on", "flash attention: on, off or auto. On keeps logits independent of batch shape (pooled == unpooled greedy tokens, bit for bit); off prefills ~1.5x faster at 2k context on CPU but numerics then vary with batch shape")
+	fs.StringVar(&cfg.CacheTypeK, "cache-type-k", "f16", "K cache type: f16, q8_0, q4_0 (tested), or f32, bf16, q4_1, iq4_nl, q5_0, q5_1")
+	fs.StringVar(&cfg.CacheTypeK, "ctk", "f16", "same as --cache-type-k")
+	fs.StringVar(&cfg.CacheTypeV, "cache-type-v", "f16", "V cache type (as --cache-type-k); a quantized V cache needs --flash-attn on")
+	fs.StringVar(&cfg.CacheTypeV, "ctv", "f16", "same as --cache-type-v")
 	fs.DurationVar(&cfg.TPSTau, "tps-tau", 2*time.Second, "time constant of the per-session experienced tps EWMA")
 	fs.Func("max-pools", "shared-prefix pools (sequence ids reserved above --parallel; default 16, 0 = none)", func(v string) error {
 		n, err := strconv.Atoi(v)

@@ -31,6 +31,8 @@ type Config struct {
 	PoolGrace  time.Duration // --pool-grace-ms
 	FlashAttn  string        // --flash-attn: on (default), off, auto
 	TPSTau     time.Duration // --tps-tau-ms: EWMA time constant of experienced tps
+	CacheTypeK string        // --cache-type-k: f16 (default), q8_0, q4_0, ...
+	CacheTypeV string        // --cache-type-v: as CacheTypeK; quantized needs flash attention
 }
 
 // Defaults fills unset fields.
@@ -106,11 +108,25 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	default:
 		return nil, fmt.Errorf("--flash-attn must be off, on or auto, got %q", cfg.FlashAttn)
 	}
+	tk, tv := llama.CacheType(cfg.CacheTypeK), llama.CacheType(cfg.CacheTypeV)
+	for _, c := range []struct {
+		flag string
+		t    llama.CacheType
+	}{{"--cache-type-k", tk}, {"--cache-type-v", tv}} {
+		if !c.t.Valid() {
+			return nil, fmt.Errorf("%s %q: want one of %s", c.flag, string(c.t), llama.CacheTypeNames)
+		}
+	}
+	if tv.Quantized() && cfg.FlashAttn == "off" {
+		return nil, fmt.Errorf("--cache-type-v %s needs --flash-attn on (llama.cpp cannot use a quantized V cache without it)", tv)
+	}
 	model, err := llama.LoadModel(cfg.ModelPath)
 	if err != nil {
 		return nil, err
 	}
-	ecfg.BytesPerCell = model.KVBytesPerCell()
+	// Bytes per cell from the real element types: pool and session KV accounting
+	// (own_kv_bytes, marginal_kv_bytes, ...) scale with them.
+	ecfg.BytesPerCell = model.KVBytesPerCellTyped(tk, tv)
 	if model.IsRecurrent() || model.IsHybrid() {
 		// Recurrent state is one blob per sequence, not cells per position: a prefix
 		// cannot be shared by sequence membership.
@@ -124,7 +140,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	fa := FlashAttn(cfg.FlashAttn)
 	ctx, err := llama.NewContext(model, llama.ContextParams{FlashAttn: fa,
 		NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: cfg.Parallel + cfg.MaxPools,
-		NThreads: cfg.Threads, KVUnified: true,
+		NThreads: cfg.Threads, KVUnified: true, TypeK: tk, TypeV: tv,
 	})
 	if err != nil {
 		model.Free()

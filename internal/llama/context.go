@@ -22,13 +22,16 @@ import (
 
 // ContextParams configures a llama.cpp context.
 type ContextParams struct {
-	NCtx      int  // KV cells in the (unified) cache
-	NBatch    int  // max tokens per llama_decode call
-	NUBatch   int  // physical micro-batch size
-	NSeqMax   int  // distinct sequence ids (sessions + pools)
-	NThreads  int  // threads for generation and batch processing
-	KVUnified bool // one cell buffer shared by all sequences (required for prefix sharing)
-	FlashAttn int  // -1 auto (llama.cpp decides), 0 off, 1 on
+	NCtx      int       // KV cells in the (unified) cache
+	NBatch    int       // max tokens per llama_decode call
+	NUBatch   int       // physical micro-batch size
+	NSeqMax   int       // distinct sequence ids (sessions + pools)
+	NThreads  int       // threads for generation and batch processing
+	KVUnified bool      // one cell buffer shared by all sequences (required for prefix sharing)
+	FlashAttn int       // -1 auto (llama.cpp decides), 0 off, 1 on
+	TypeK     CacheType // K cache element type ("" = f16)
+	TypeV     CacheType // V cache element type ("" = f16); quantized V needs FlashAttn 1
+	SWAFull   bool      // full-size sliding-window cache (see NewContext)
 }
 
 // Context is a llama.cpp context: the KV cache and the compute graph. One goroutine only.
@@ -55,7 +58,23 @@ func NewContext(model *Model, p ContextParams) (*Context, error) {
 	if p.NUBatch <= 0 || p.NUBatch > p.NBatch {
 		p.NUBatch = p.NBatch
 	}
+	tk, err := p.TypeK.ggml()
+	if err != nil {
+		return nil, fmt.Errorf("new context: K cache: %w", err)
+	}
+	tv, err := p.TypeV.ggml()
+	if err != nil {
+		return nil, fmt.Errorf("new context: V cache: %w", err)
+	}
+	if p.TypeV.Quantized() && p.FlashAttn == 0 {
+		// llama.cpp refuses a quantized V cache without flash attention (the plain
+		// attention path multiplies by V transposed, which quantized rows cannot be).
+		return nil, fmt.Errorf("new context: a quantized V cache (%s) needs flash attention (--flash-attn on)", p.TypeV)
+	}
 	cp := C.llama_context_default_params()
+	cp.type_k = tk
+	cp.type_v = tv
+	cp.swa_full = C.bool(p.SWAFull)
 	cp.n_ctx = C.uint32_t(p.NCtx)
 	cp.n_batch = C.uint32_t(p.NBatch)
 	cp.n_ubatch = C.uint32_t(p.NUBatch)
@@ -226,6 +245,13 @@ func (c *Context) Compact() error {
 		return fmt.Errorf("compact: restored %d of %d bytes; the KV cache was cleared", uint64(n), uint64(size))
 	}
 	return nil
+}
+
+// SeqStateSize is the size of seq's saved state (llama_state_seq_get_size): its cells'
+// positions and memberships plus their K and V rows in every layer, as llama.cpp stores
+// them. Tests use it to check KV byte accounting against the real cache types.
+func (c *Context) SeqStateSize(seq int) int64 {
+	return int64(C.llama_state_seq_get_size(c.c, C.llama_seq_id(seq)))
 }
 
 // MemoryClear empties the whole KV cache.
