@@ -33,6 +33,8 @@ type Config struct {
 	TPSTau     time.Duration // --tps-tau-ms: EWMA time constant of experienced tps
 	CacheTypeK string        // --cache-type-k: f16 (default), q8_0, q4_0, ...
 	CacheTypeV string        // --cache-type-v: as CacheTypeK; quantized needs flash attention
+
+	noSWAAnchors bool // tests only: show what goes wrong without runner SWA anchors
 }
 
 // Defaults fills unset fields.
@@ -138,9 +140,29 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		}
 	}
 	fa := FlashAttn(cfg.FlashAttn)
+	nSeq := cfg.Parallel + cfg.MaxPools
+	// Sliding-window models (Gemma 3): a full-size SWA cache (swa_full), so a pool keeps
+	// every position of its prefix in the SWA layers too, and shadow sequences that stop
+	// llama.cpp from reusing out-of-window cells (runner.EnableSWAAnchors). Both cost
+	// memory (the SWA layers hold n_ctx cells) and the shadows halve the sequence ids.
+	swa := model.NSWA() > 0 && !cfg.noSWAAnchors
+	ctxSeqs := nSeq
+	if swa {
+		ctxSeqs = 2 * nSeq
+		if ctxSeqs > engine.MaxSeqs {
+			model.Free()
+			return nil, fmt.Errorf("this model uses sliding-window attention, which needs two sequence ids per session or pool: --parallel + --max-pools must be at most %d, got %d", engine.MaxSeqs/2, nSeq)
+		}
+		if cfg.NUBatch < cfg.NBatch && cfg.NBatch > model.NSWA() {
+			// Within one llama_decode a later micro-batch could reuse the cells of an
+			// earlier one before they are anchored.
+			model.Free()
+			return nil, fmt.Errorf("with a sliding-window model (window %d) --batch above the window needs --ubatch equal to --batch", model.NSWA())
+		}
+	}
 	ctx, err := llama.NewContext(model, llama.ContextParams{FlashAttn: fa,
-		NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: cfg.Parallel + cfg.MaxPools,
-		NThreads: cfg.Threads, KVUnified: true, TypeK: tk, TypeV: tv,
+		NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: ctxSeqs,
+		NThreads: cfg.Threads, KVUnified: true, TypeK: tk, TypeV: tv, SWAFull: model.NSWA() > 0,
 	})
 	if err != nil {
 		model.Free()
@@ -155,7 +177,11 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		model.Free()
 		return nil, err
 	}
-	eng := engine.New(sched, runner.NewBackend(model, ctx, log))
+	backend := runner.NewBackend(model, ctx, log)
+	if swa {
+		backend.EnableSWAAnchors(nSeq)
+	}
+	eng := engine.New(sched, backend)
 	metrics.SetEngine(eng)
 	id := strings.TrimSuffix(filepath.Base(cfg.ModelPath), filepath.Ext(cfg.ModelPath))
 	info := api.Info{

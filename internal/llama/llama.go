@@ -138,6 +138,9 @@ func (m *Model) NHeadKV() int { return int(C.llama_model_n_head_kv(m.m)) }
 // NEmbd is the embedding width.
 func (m *Model) NEmbd() int { return int(C.llama_model_n_embd(m.m)) }
 
+// NSWA is the sliding-window size of the model's SWA layers (0 when it has none).
+func (m *Model) NSWA() int { return int(C.llama_model_n_swa(m.m)) }
+
 // IsRecurrent reports a recurrent-memory model (Mamba, RWKV, ...).
 func (m *Model) IsRecurrent() bool { return bool(C.llama_model_is_recurrent(m.m)) }
 

@@ -23,7 +23,22 @@ type Backend struct {
 	holes bool
 	// Compactions counts cache compactions (read by tests and the benchmark).
 	Compactions int
+
+	// anchor >= 0 turns on SWA anchors (see EnableSWAAnchors): sequence q's anchor is
+	// q + anchor.
+	anchor int
 }
+
+// EnableSWAAnchors makes every cell of a sliding-window model's cache non-reusable
+// while its sequence holds it. llama.cpp's SWA cache hands out a cell held by a single
+// sequence as soon as its position falls out of that sequence's window; a pool's cells
+// would then be overwritten although a fork or an attach at an earlier branch point
+// still needs them, and a running sequence's next cell could land below its newer ones
+// (see Decode). A cell with two members is never reused, so each sequence q gets a
+// shadow sequence q+offset that holds exactly q's cells: SeqRm and SeqCp are mirrored
+// on it and Decode adds it to q's new cells. The engine's ids are 0..offset-1; the
+// context needs 2×offset sequence ids. Nothing is computed for the shadows.
+func (b *Backend) EnableSWAAnchors(offset int) { b.anchor = offset }
 
 type sampler struct {
 	s        *llama.Sampler
@@ -66,6 +81,9 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 	if err := b.ctx.Decode(); err != nil {
 		return nil, err
 	}
+	if b.anchor > 0 {
+		b.anchorNewCells(batch)
+	}
 	var out []engine.Sampled
 	for i, e := range batch {
 		if !e.Sample {
@@ -107,11 +125,40 @@ func (b *Backend) SeqRm(seq, p0, p1 int) bool {
 	if hi := b.ctx.SeqPosMax(seq); hi >= 0 && hi >= p0 && (p1 < 0 || b.ctx.SeqPosMin(seq) < p1) {
 		b.holes = true
 	}
+	if b.anchor > 0 {
+		b.ctx.SeqRm(seq+b.anchor, p0, p1)
+	}
 	return b.ctx.SeqRm(seq, p0, p1)
 }
 
+// anchorNewCells adds each sequence's shadow to the cells the batch just wrote (the
+// batch's positions of a sequence are new to it: the engine never rewrites a position
+// it holds).
+func (b *Backend) anchorNewCells(batch []engine.BatchEntry) {
+	type span struct{ lo, hi int }
+	spans := map[int]span{}
+	var order []int
+	for _, e := range batch {
+		sp, ok := spans[e.Seq]
+		if !ok {
+			sp = span{e.Pos, e.Pos}
+			order = append(order, e.Seq)
+		}
+		sp.lo, sp.hi = min(sp.lo, e.Pos), max(sp.hi, e.Pos)
+		spans[e.Seq] = sp
+	}
+	for _, q := range order {
+		b.ctx.SeqCp(q, q+b.anchor, spans[q].lo, spans[q].hi+1)
+	}
+}
+
 // SeqCp implements engine.Backend.
-func (b *Backend) SeqCp(src, dst, p0, p1 int) { b.ctx.SeqCp(src, dst, p0, p1) }
+func (b *Backend) SeqCp(src, dst, p0, p1 int) {
+	b.ctx.SeqCp(src, dst, p0, p1)
+	if b.anchor > 0 {
+		b.ctx.SeqCp(src, dst+b.anchor, p0, p1)
+	}
+}
 
 // NewSampler implements engine.Backend.
 func (b *Backend) NewSampler(task engine.TaskID, p engine.SamplingParams, logprobs bool, history []engine.Token) {
