@@ -46,7 +46,7 @@ demo: build model venv
 	PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" python/examples/fanout.py --start-server --agents 4
 
 bench: build model
-	./bin/polykv bench -m "$(POLYKV_MODEL)"
+	./bin/polykv bench -m "$(POLYKV_MODEL)" --prefill-models "$(POLYKV_MODEL),$(POLYKV_MODEL_GEMMA)"
 
 clean:
 	rm -rf bin

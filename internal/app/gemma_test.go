@@ -5,6 +5,9 @@ package app
 // (window 512) with global ones, which is what pools must survive.
 
 import (
+	"bytes"
+	"encoding/json"
+	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
@@ -84,4 +87,37 @@ func serve(t testing.TB, a *App) string {
 	ts := httptest.NewServer(a.API.Handler())
 	t.Cleanup(ts.Close)
 	return ts.URL
+}
+
+// TestGemmaExhaustionAndStreaming: the context-exhaustion and streaming behaviour of the
+// core suite on Gemma (completions: this GGUF ships no chat template).
+func TestGemmaExhaustionAndStreaming(t *testing.T) {
+	a, err := Open(Config{ModelPath: gemmaPath(t), NCtx: 64, Parallel: 1, MaxPools: 1}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Close)
+	base := serve(t, a)
+	code, out := post(t, base+"/v1/completions", map[string]any{"prompt": "Once upon a time", "ignore_eos": true, "temperature": 0})
+	if code != 200 {
+		t.Fatalf("%d %v", code, out)
+	}
+	ch := out["choices"].([]any)[0].(map[string]any)
+	if ch["finish_reason"] != "length" || out["truncated"] != true || num(out["usage"].(map[string]any)["total_tokens"]) != 65 {
+		t.Fatalf("exhaustion: finish %v truncated %v usage %v", ch["finish_reason"], out["truncated"], out["usage"])
+	}
+	b, _ := json.Marshal(map[string]any{"prompt": "The capital of France is", "max_tokens": 8, "stream": true, "temperature": 0, "ignore_eos": true})
+	resp, err := http.Post(base+"/v1/completions", "application/json", bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	text, finish := readCompletionSSE(t, resp)
+	if finish != "length" || text == "" {
+		t.Fatalf("stream: finish %q text %q", finish, text)
+	}
+	var props map[string]any
+	get(t, base+"/props", &props)
+	if used := props["usage"].(map[string]any)["kv_cells_used"].(float64); used != 0 {
+		t.Fatalf("%v KV cells still used after both requests ended", used)
+	}
 }
