@@ -15,6 +15,9 @@ export CGO_CFLAGS := -O3 -march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 export CGO_CXXFLAGS := -O3 -march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 export POLYKV_CACHE ?= $(HOME)/.cache/polykv
 export POLYKV_MODEL ?= $(POLYKV_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
+# Second model family (Gemma 3 270M, sliding-window attention): real-model tests that
+# run on both models read it from here and skip it (or fail under make test) when absent.
+export POLYKV_MODEL_GEMMA ?= $(POLYKV_CACHE)/models/gemma-3-270m-q4_k_m.gguf
 VENV ?= $(POLYKV_CACHE)/venv
 
 .PHONY: build model test test-go test-python demo bench venv browser clean env
@@ -52,11 +55,11 @@ demo: build model venv
 	PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" python/examples/fanout.py --start-server --agents 4
 
 bench: build model
-	./bin/polykv bench -m "$(POLYKV_MODEL)"
+	./bin/polykv bench -m "$(POLYKV_MODEL)" --prefill-models "$(POLYKV_MODEL),$(POLYKV_MODEL_GEMMA)"
 
 clean:
 	rm -rf bin
 
 # `eval "$(make -s env)"` lets plain go build/test/vet find llama.h in this shell.
 env:
-	@echo 'export CGO_CPPFLAGS="$(CGO_CPPFLAGS)" CGO_CFLAGS="$(CGO_CFLAGS)" CGO_CXXFLAGS="$(CGO_CXXFLAGS)" POLYKV_MODEL="$(POLYKV_MODEL)"'
+	@echo 'export CGO_CPPFLAGS="$(CGO_CPPFLAGS)" CGO_CFLAGS="$(CGO_CFLAGS)" CGO_CXXFLAGS="$(CGO_CXXFLAGS)" POLYKV_MODEL="$(POLYKV_MODEL)" POLYKV_MODEL_GEMMA="$(POLYKV_MODEL_GEMMA)"'

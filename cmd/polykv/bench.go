@@ -35,7 +35,11 @@ func bench(args []string) error {
 	nGen := fs.Int("n", 128, "tokens each session decodes")
 	reps := fs.Int("reps", 2, "repetitions per measurement (best is reported)")
 	cpuProfile := fs.String("cpuprofile", "", "write a Go CPU profile of the server runs to this file")
-	workload := fs.String("workload", "all", "decode (server vs raw loop), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on) or all")
+	workload := fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on) or all")
+	var pf prefillBench
+	fs.StringVar(&pf.models, "prefill-models", "", "prefill: comma-separated GGUF files (default: -m); missing files are skipped")
+	fs.StringVar(&pf.types, "prefill-cache-types", "f16,q8_0,q4_0", "prefill: KV cache types (K and V alike)")
+	fs.StringVar(&pf.lengths, "prefill-tokens", "128,2000", "prefill: prompt lengths")
 	var fo fanout
 	fs.IntVar(&fo.root, "fanout-root", 2000, "fan-out: tokens of the shared root prefix")
 	fs.IntVar(&fo.suffix, "fanout-suffix", 100, "fan-out: tokens each agent adds")
@@ -53,6 +57,8 @@ func bench(args []string) error {
 		return fo.run(cfg, *fanN)
 	case "ramp":
 		return rp.run(cfg)
+	case "prefill":
+		return pf.run(cfg, *reps)
 	}
 	if *workload != "decode" && *workload != "all" {
 		return fmt.Errorf("bench: unknown workload %q", *workload)
@@ -84,6 +90,10 @@ func bench(args []string) error {
 		fmt.Printf("%4d  %14.1f  %12.1f  %10.3f\n", b, raw, srv, srv/raw)
 	}
 	if *workload == "all" {
+		fmt.Println()
+		if err := pf.run(cfg, *reps); err != nil {
+			return err
+		}
 		fmt.Println()
 		if err := fo.run(cfg, *fanN); err != nil {
 			return err

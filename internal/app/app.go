@@ -36,6 +36,8 @@ type Config struct {
 	PoolGrace  time.Duration // --pool-grace-ms; 0: no grace
 	FlashAttn  string        // --flash-attn: on, off, auto
 	TPSTau     time.Duration // --tps-tau: EWMA time constant of experienced tps
+	CacheTypeK string        // --cache-type-k: f16, q8_0, q4_0, ...
+	CacheTypeV string        // --cache-type-v: as CacheTypeK; quantized needs flash attention
 
 	// APIKeys (--api-key, --api-key-file): when any is set, every route but /health
 	// needs "Authorization: Bearer KEY" with one of them. None: the server is open.
@@ -49,6 +51,8 @@ type Config struct {
 	// default: the model file's base name. A router hashes blocks with the request's
 	// model name, so requests must name the model by this.
 	Alias string // --alias
+
+	noSWAAnchors bool // tests only: show what goes wrong without runner SWA anchors
 }
 
 // DefaultConfig is the configuration `polykv serve` runs with when no flag is given.
@@ -63,6 +67,8 @@ func DefaultConfig() Config {
 		PoolGrace:   30 * time.Second,
 		FlashAttn:   "on",
 		TPSTau:      tps.DefaultTau,
+		CacheTypeK:  "f16",
+		CacheTypeV:  "f16",
 		KVBlockSize: kvevents.DefaultBlockSize,
 	}
 }
@@ -137,11 +143,25 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	if err := ecfg.Validate(); err != nil {
 		return nil, err
 	}
+	tk, tv := llama.CacheType(cfg.CacheTypeK), llama.CacheType(cfg.CacheTypeV)
+	for _, c := range []struct {
+		flag string
+		t    llama.CacheType
+	}{{"--cache-type-k", tk}, {"--cache-type-v", tv}} {
+		if !c.t.Valid() {
+			return nil, fmt.Errorf("%s %q: want one of %s", c.flag, string(c.t), llama.CacheTypeNames)
+		}
+	}
+	if tv.Quantized() && cfg.FlashAttn == "off" {
+		return nil, fmt.Errorf("--cache-type-v %s needs --flash-attn on (llama.cpp cannot use a quantized V cache without it)", tv)
+	}
 	model, err := llama.LoadModel(cfg.ModelPath)
 	if err != nil {
 		return nil, err
 	}
-	ecfg.BytesPerCell = model.KVBytesPerCell()
+	// Bytes per cell from the real element types: pool and session KV accounting
+	// (own_kv_bytes, marginal_kv_bytes, ...) scale with them.
+	ecfg.BytesPerCell = model.KVBytesPerCellTyped(tk, tv)
 	if model.IsRecurrent() || model.IsHybrid() {
 		// Recurrent state is one blob per sequence, not cells per position: a prefix
 		// cannot be shared by sequence membership.
@@ -153,9 +173,29 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		}
 	}
 	fa := FlashAttn(cfg.FlashAttn)
+	nSeq := cfg.Parallel + cfg.MaxPools
+	// Sliding-window models (Gemma 3): a full-size SWA cache (swa_full), so a pool keeps
+	// every position of its prefix in the SWA layers too, and shadow sequences that stop
+	// llama.cpp from reusing out-of-window cells (runner.EnableSWAAnchors). Both cost
+	// memory (the SWA layers hold n_ctx cells) and the shadows halve the sequence ids.
+	swa := model.NSWA() > 0 && !cfg.noSWAAnchors
+	ctxSeqs := nSeq
+	if swa {
+		ctxSeqs = 2 * nSeq
+		if ctxSeqs > engine.MaxSeqs {
+			model.Free()
+			return nil, fmt.Errorf("this model uses sliding-window attention, which needs two sequence ids per session or pool: --parallel + --max-pools must be at most %d, got %d", engine.MaxSeqs/2, nSeq)
+		}
+		if cfg.NUBatch < cfg.NBatch && cfg.NBatch > model.NSWA() {
+			// Within one llama_decode a later micro-batch could reuse the cells of an
+			// earlier one before they are anchored.
+			model.Free()
+			return nil, fmt.Errorf("with a sliding-window model (window %d) --batch above the window needs --ubatch equal to --batch", model.NSWA())
+		}
+	}
 	ctx, err := llama.NewContext(model, llama.ContextParams{FlashAttn: fa,
-		NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: cfg.Parallel + cfg.MaxPools,
-		NThreads: cfg.Threads, KVUnified: true,
+		NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: ctxSeqs,
+		NThreads: cfg.Threads, KVUnified: true, TypeK: tk, TypeV: tv, SWAFull: model.NSWA() > 0,
 	})
 	if err != nil {
 		model.Free()
@@ -197,7 +237,11 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	if pub != nil {
 		obs = observers{metrics, pub} // the engine hands it the pool prefix changes too
 	}
-	eng := engine.New(sched, runner.NewBackend(model, ctx, log), obs)
+	backend := runner.NewBackend(model, ctx, log)
+	if swa {
+		backend.EnableSWAAnchors(nSeq)
+	}
+	eng := engine.New(sched, backend, obs)
 	metrics.SetEngine(eng)
 	info := api.Info{
 		ModelID: id, ModelPath: cfg.ModelPath, ModelDesc: model.Desc(), NCtx: cfg.NCtx, NCtxTrain: model.NCtxTrain(),

@@ -48,10 +48,11 @@ func withDefaults(over Config) Config {
 	cfg := DefaultConfig()
 	dst, src := reflect.ValueOf(&cfg).Elem(), reflect.ValueOf(over)
 	for i := range src.NumField() {
-		if !src.Field(i).IsZero() {
+		if dst.Field(i).CanSet() && !src.Field(i).IsZero() {
 			dst.Field(i).Set(src.Field(i))
 		}
 	}
+	cfg.noSWAAnchors = over.noSWAAnchors // unexported: reflect cannot set it
 	return cfg
 }
 

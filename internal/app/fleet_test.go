@@ -99,7 +99,7 @@ func startReplica(t *testing.T, ip, zmqEndpoint string) *replica {
 	// One thread each: three engines share the cores, and ggml spins at its barriers.
 	cfg := Config{ModelPath: modelPath(t), NCtx: 1024, Parallel: 2, MaxPools: 4, PoolGrace: time.Nanosecond, Threads: 1,
 		KVEventsEndpoint: zmqEndpoint, KVEventsPodID: ln.Addr().String()}
-	a, err := Open(cfg, nil)
+	a, err := Open(withDefaults(cfg), nil)
 	if err != nil {
 		ln.Close()
 		t.Fatal(err)

@@ -22,13 +22,16 @@ import (
 
 // ContextParams configures a llama.cpp context.
 type ContextParams struct {
-	NCtx      int  // KV cells in the (unified) cache
-	NBatch    int  // max tokens per llama_decode call
-	NUBatch   int  // physical micro-batch size
-	NSeqMax   int  // distinct sequence ids (sessions + pools)
-	NThreads  int  // threads for generation and batch processing
-	KVUnified bool // one cell buffer shared by all sequences (required for prefix sharing)
-	FlashAttn int  // -1 auto (llama.cpp decides), 0 off, 1 on
+	NCtx      int       // KV cells in the (unified) cache
+	NBatch    int       // max tokens per llama_decode call
+	NUBatch   int       // physical micro-batch size
+	NSeqMax   int       // distinct sequence ids (sessions + pools)
+	NThreads  int       // threads for generation and batch processing
+	KVUnified bool      // one cell buffer shared by all sequences (required for prefix sharing)
+	FlashAttn int       // -1 auto (llama.cpp decides), 0 off, 1 on
+	TypeK     CacheType // K cache element type ("" = f16)
+	TypeV     CacheType // V cache element type ("" = f16); quantized V needs FlashAttn 1
+	SWAFull   bool      // full-size sliding-window cache (see NewContext)
 }
 
 // Context is a llama.cpp context: the KV cache and the compute graph. One goroutine only.
@@ -39,6 +42,9 @@ type Context struct {
 	batch C.struct_llama_batch
 	nb    int // batch capacity
 	n     int // tokens currently in the batch
+
+	compactBuf  unsafe.Pointer // C buffer reused by Compact (grows, never shrinks)
+	compactSize C.size_t
 }
 
 // NewContext creates a context for model.
@@ -52,7 +58,23 @@ func NewContext(model *Model, p ContextParams) (*Context, error) {
 	if p.NUBatch <= 0 || p.NUBatch > p.NBatch {
 		p.NUBatch = p.NBatch
 	}
+	tk, err := p.TypeK.ggml()
+	if err != nil {
+		return nil, fmt.Errorf("new context: K cache: %w", err)
+	}
+	tv, err := p.TypeV.ggml()
+	if err != nil {
+		return nil, fmt.Errorf("new context: V cache: %w", err)
+	}
+	if p.TypeV.Quantized() && p.FlashAttn == 0 {
+		// llama.cpp refuses a quantized V cache without flash attention (the plain
+		// attention path multiplies by V transposed, which quantized rows cannot be).
+		return nil, fmt.Errorf("new context: a quantized V cache (%s) needs flash attention (--flash-attn on)", p.TypeV)
+	}
 	cp := C.llama_context_default_params()
+	cp.type_k = tk
+	cp.type_v = tv
+	cp.swa_full = C.bool(p.SWAFull)
 	cp.n_ctx = C.uint32_t(p.NCtx)
 	cp.n_batch = C.uint32_t(p.NBatch)
 	cp.n_ubatch = C.uint32_t(p.NUBatch)
@@ -83,6 +105,10 @@ func (c *Context) Free() {
 	if c.c != nil {
 		C.llama_batch_free(c.batch)
 		C.llama_free(c.c)
+		if c.compactBuf != nil {
+			C.free(c.compactBuf)
+			c.compactBuf = nil
+		}
 		c.c = nil
 	}
 }
@@ -176,6 +202,56 @@ func (c *Context) SeqPosMin(seq int) int {
 // SeqPosMax is the largest position held by seq, or -1 when empty.
 func (c *Context) SeqPosMax(seq int) int {
 	return int(C.llama_memory_seq_pos_max(c.mem, C.llama_seq_id(seq)))
+}
+
+// Compact moves every used KV cell to the bottom of the cache, cells 0..used-1, keeping
+// their relative order, their positions and every sequence membership (shared pool cells
+// stay shared), and points the cache's search head at the first free cell.
+//
+// Why: llama.cpp places a batch's tokens in the first free cells from its head, and
+// removing cells moves the head down to the hole they leave. A sequence that keeps
+// decoding then gets its next cells below its older ones, and the CPU attention kernel
+// accumulates over a sequence's cells in cell order, so the same token's logits come out
+// rounded differently than on a quiet server. With no holes every new cell lands above
+// all existing ones, so each sequence's cells stay in position order whatever other
+// sequences did. This build of llama.cpp has no defragmentation (it was removed in
+// favour of nothing), but restoring the whole-cache state (llama_state_seq_*_data with
+// seq_id -1) writes the saved cells contiguously from cell 0 in saved (= cell) order.
+//
+// Cost: one copy of the used cells out and back in and a clear of the K/V buffers. On
+// failure the cache may be empty (llama.cpp clears it when a restore fails); the caller
+// must treat that as fatal for every sequence.
+func (c *Context) Compact() error {
+	size := C.llama_state_seq_get_size(c.c, -1)
+	if size == 0 {
+		return errors.New("compact: llama.cpp reports an empty state")
+	}
+	if size > c.compactSize {
+		if c.compactBuf != nil {
+			C.free(c.compactBuf)
+		}
+		c.compactBuf = C.malloc(size)
+		if c.compactBuf == nil {
+			c.compactSize = 0
+			return errors.New("compact: out of memory")
+		}
+		c.compactSize = size
+	}
+	buf := (*C.uint8_t)(c.compactBuf)
+	if n := C.llama_state_seq_get_data(c.c, buf, size, -1); n != size {
+		return fmt.Errorf("compact: saved %d of %d bytes", uint64(n), uint64(size))
+	}
+	if n := C.llama_state_seq_set_data(c.c, buf, size, -1); n != size {
+		return fmt.Errorf("compact: restored %d of %d bytes; the KV cache was cleared", uint64(n), uint64(size))
+	}
+	return nil
+}
+
+// SeqStateSize is the size of seq's saved state (llama_state_seq_get_size): its cells'
+// positions and memberships plus their K and V rows in every layer, as llama.cpp stores
+// them. Tests use it to check KV byte accounting against the real cache types.
+func (c *Context) SeqStateSize(seq int) int64 {
+	return int64(C.llama_state_seq_get_size(c.c, C.llama_seq_id(seq)))
 }
 
 // MemoryClear empties the whole KV cache.

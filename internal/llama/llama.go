@@ -138,6 +138,9 @@ func (m *Model) NHeadKV() int { return int(C.llama_model_n_head_kv(m.m)) }
 // NEmbd is the embedding width.
 func (m *Model) NEmbd() int { return int(C.llama_model_n_embd(m.m)) }
 
+// NSWA is the sliding-window size of the model's SWA layers (0 when it has none).
+func (m *Model) NSWA() int { return int(C.llama_model_n_swa(m.m)) }
+
 // IsRecurrent reports a recurrent-memory model (Mamba, RWKV, ...).
 func (m *Model) IsRecurrent() bool { return bool(C.llama_model_is_recurrent(m.m)) }
 
@@ -282,10 +285,61 @@ func (m *Model) ApplyChatTemplate(tmpl string, msgs []ChatMessage, addAssistant 
 	return "", errors.New("chat template: buffer sizing failed")
 }
 
+// CacheType is a KV cache element type, named as llama-server's --cache-type-k/-v
+// name them: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1. "" means f16.
+type CacheType string
+
+var cacheTypes = map[CacheType]C.enum_ggml_type{
+	"f32": C.GGML_TYPE_F32, "f16": C.GGML_TYPE_F16, "bf16": C.GGML_TYPE_BF16,
+	"q8_0": C.GGML_TYPE_Q8_0, "q4_0": C.GGML_TYPE_Q4_0, "q4_1": C.GGML_TYPE_Q4_1,
+	"iq4_nl": C.GGML_TYPE_IQ4_NL, "q5_0": C.GGML_TYPE_Q5_0, "q5_1": C.GGML_TYPE_Q5_1,
+}
+
+// CacheTypeNames lists the accepted names, for flag help and errors.
+const CacheTypeNames = "f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1"
+
+func (t CacheType) ggml() (C.enum_ggml_type, error) {
+	if t == "" {
+		return C.GGML_TYPE_F16, nil
+	}
+	g, ok := cacheTypes[t]
+	if !ok {
+		return 0, fmt.Errorf("unknown cache type %q (one of %s)", string(t), CacheTypeNames)
+	}
+	return g, nil
+}
+
+// Valid reports whether t names a cache type ("" counts as f16).
+func (t CacheType) Valid() bool { _, err := t.ggml(); return err == nil }
+
+// Quantized reports a block-quantized type (anything but f32, f16 and bf16).
+func (t CacheType) Quantized() bool {
+	switch t {
+	case "", "f32", "f16", "bf16":
+		return false
+	}
+	return t.Valid()
+}
+
+// rowBytes is the size of n elements of type t, as ggml stores them (whole blocks).
+func (t CacheType) rowBytes(n int64) int64 {
+	g, err := t.ggml()
+	if err != nil || n <= 0 {
+		return 0
+	}
+	return int64(C.ggml_row_size(g, C.int64_t(n)))
+}
+
 // KVBytesPerCell is the size of one KV cell (one token position across all layers) with
-// llama.cpp's default f16 cache: n_layer × n_head_kv × (key_length + value_length) × 2
-// bytes, the head sizes read from the GGUF (n_embd / n_head when absent).
-func (m *Model) KVBytesPerCell() int64 {
+// an f16 cache: see KVBytesPerCellTyped.
+func (m *Model) KVBytesPerCell() int64 { return m.KVBytesPerCellTyped("", "") }
+
+// KVBytesPerCellTyped is the size of one KV cell (one token position across all
+// layers) with K and V caches of types tk and tv: per layer one K row of
+// n_head_kv × key_length elements and one V row of n_head_kv × value_length, sized by
+// ggml_row_size (quantized types store whole blocks), the head sizes read from the GGUF
+// (n_embd / n_head when absent).
+func (m *Model) KVBytesPerCellTyped(tk, tv CacheType) int64 {
 	if m.NHead() == 0 {
 		return 0
 	}
@@ -298,8 +352,8 @@ func (m *Model) KVBytesPerCell() int64 {
 	if v, err := strconv.Atoi(m.Meta(arch + ".attention.value_length")); err == nil && v > 0 {
 		headV = int64(v)
 	}
-	const f16 = 2
-	return int64(m.NLayer()) * int64(m.NHeadKV()) * (headK + headV) * f16
+	kv := int64(m.NHeadKV())
+	return int64(m.NLayer()) * (tk.rowBytes(kv*headK) + tv.rowBytes(kv*headV))
 }
 
 // SystemInfo is llama.cpp's description of the CPU features ggml was built with.

@@ -17,7 +17,28 @@ type Backend struct {
 	model    *llama.Model
 	samplers map[engine.TaskID]*sampler
 	log      *slog.Logger
+
+	// holes is set when cells were removed since the last Decode: the next Decode
+	// compacts the cache first (see Decode).
+	holes bool
+	// Compactions counts cache compactions (read by tests and the benchmark).
+	Compactions int
+
+	// anchor >= 0 turns on SWA anchors (see EnableSWAAnchors): sequence q's anchor is
+	// q + anchor.
+	anchor int
 }
+
+// EnableSWAAnchors makes every cell of a sliding-window model's cache non-reusable
+// while its sequence holds it. llama.cpp's SWA cache hands out a cell held by a single
+// sequence as soon as its position falls out of that sequence's window; a pool's cells
+// would then be overwritten although a fork or an attach at an earlier branch point
+// still needs them, and a running sequence's next cell could land below its newer ones
+// (see Decode). A cell with two members is never reused, so each sequence q gets a
+// shadow sequence q+offset that holds exactly q's cells: SeqRm and SeqCp are mirrored
+// on it and Decode adds it to q's new cells. The engine's ids are 0..offset-1; the
+// context needs 2×offset sequence ids. Nothing is computed for the shadows.
+func (b *Backend) EnableSWAAnchors(offset int) { b.anchor = offset }
 
 type sampler struct {
 	s        *llama.Sampler
@@ -36,7 +57,22 @@ func NewBackend(model *llama.Model, ctx *llama.Context, log *slog.Logger) *Backe
 }
 
 // Decode implements engine.Backend.
+//
+// If cells were removed since the last batch, the cache is compacted first. That keeps
+// every sequence's cells in cell order == position order, which is what makes greedy
+// output independent of other traffic: llama.cpp would otherwise put the next tokens of
+// a running sequence into the hole below its older cells, and attention would sum over
+// that sequence's cells in a different order than on a quiet server (different
+// rounding, different logits). See llama.Context.Compact.
 func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
+	if b.holes {
+		if err := b.ctx.Compact(); err != nil {
+			b.log.Error("KV cache compaction failed; cached sequences may be lost", "err", err)
+			return nil, err
+		}
+		b.holes = false
+		b.Compactions++
+	}
 	b.ctx.BatchClear()
 	for _, e := range batch {
 		if _, err := b.ctx.BatchAdd(e.Token, e.Pos, e.Seq, e.Sample); err != nil {
@@ -45,6 +81,9 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 	}
 	if err := b.ctx.Decode(); err != nil {
 		return nil, err
+	}
+	if b.anchor > 0 {
+		b.anchorNewCells(batch)
 	}
 	var out []engine.Sampled
 	for i, e := range batch {
@@ -114,11 +153,46 @@ func logprobs(logits []float32, tok llama.Token, n int) (float32, []engine.Token
 	return lp, top
 }
 
-// SeqRm implements engine.Backend.
-func (b *Backend) SeqRm(seq, p0, p1 int) bool { return b.ctx.SeqRm(seq, p0, p1) }
+// SeqRm implements engine.Backend. Removing cells that seq holds leaves a hole that the
+// next Decode compacts away.
+func (b *Backend) SeqRm(seq, p0, p1 int) bool {
+	if hi := b.ctx.SeqPosMax(seq); hi >= 0 && hi >= p0 && (p1 < 0 || b.ctx.SeqPosMin(seq) < p1) {
+		b.holes = true
+	}
+	if b.anchor > 0 {
+		b.ctx.SeqRm(seq+b.anchor, p0, p1)
+	}
+	return b.ctx.SeqRm(seq, p0, p1)
+}
+
+// anchorNewCells adds each sequence's shadow to the cells the batch just wrote (the
+// batch's positions of a sequence are new to it: the engine never rewrites a position
+// it holds).
+func (b *Backend) anchorNewCells(batch []engine.BatchEntry) {
+	type span struct{ lo, hi int }
+	spans := map[int]span{}
+	var order []int
+	for _, e := range batch {
+		sp, ok := spans[e.Seq]
+		if !ok {
+			sp = span{e.Pos, e.Pos}
+			order = append(order, e.Seq)
+		}
+		sp.lo, sp.hi = min(sp.lo, e.Pos), max(sp.hi, e.Pos)
+		spans[e.Seq] = sp
+	}
+	for _, q := range order {
+		b.ctx.SeqCp(q, q+b.anchor, spans[q].lo, spans[q].hi+1)
+	}
+}
 
 // SeqCp implements engine.Backend.
-func (b *Backend) SeqCp(src, dst, p0, p1 int) { b.ctx.SeqCp(src, dst, p0, p1) }
+func (b *Backend) SeqCp(src, dst, p0, p1 int) {
+	b.ctx.SeqCp(src, dst, p0, p1)
+	if b.anchor > 0 {
+		b.ctx.SeqCp(src, dst+b.anchor, p0, p1)
+	}
+}
 
 // NewSampler implements engine.Backend.
 func (b *Backend) NewSampler(task engine.TaskID, p engine.SamplingParams, logprobs bool, history []engine.Token) {
@@ -192,7 +266,7 @@ func (b *Backend) ProbeFits(seq, n int, tok llama.Token) (bool, error) {
 	if b.ctx.SeqPosMax(seq) >= 0 {
 		return false, fmt.Errorf("probe: sequence %d is not empty", seq)
 	}
-	defer b.ctx.SeqRm(seq, 0, -1)
+	defer b.SeqRm(seq, 0, -1)
 	for pos := 0; pos < n; {
 		b.ctx.BatchClear()
 		for ; pos < n && b.ctx.BatchLen() < b.ctx.BatchCap(); pos++ {
