@@ -16,10 +16,12 @@ import (
 	"os"
 	"os/signal"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/polykv/polykv/internal/app"
+	"github.com/polykv/polykv/internal/chat"
 )
 
 func usage() {
@@ -69,6 +71,8 @@ func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
 	fs.IntVar(&cfg.MaxQueue, "queue", 64, "requests that may wait for a sequence; more get 503")
 	fs.DurationVar(&cfg.SessionTTL, "session-ttl", 30*time.Minute, "idle sessions older than this lose their KV")
 	fs.StringVar(&cfg.FlashAttn, "flash-attn", "on", "flash attention: on, off or auto. On keeps logits independent of batch shape (pooled == unpooled greedy tokens, bit for bit); off prefills ~1.5x faster at 2k context on CPU but numerics then vary with batch shape")
+	fs.StringVar(&cfg.ChatTemplate, "chat-template", "", "chat template to use instead of the GGUF's: a built-in name ("+strings.Join(chat.BuiltinTemplateNames(), ", ")+") or Jinja source")
+	fs.StringVar(&cfg.ChatTemplateFile, "chat-template-file", "", "Jinja chat template file to use instead of the GGUF's")
 	fs.DurationVar(&cfg.TPSTau, "tps-tau", 2*time.Second, "time constant of the per-session experienced tps EWMA")
 	fs.Func("max-pools", "shared-prefix pools (sequence ids reserved above --parallel; default 16, 0 = none)", func(v string) error {
 		n, err := strconv.Atoi(v)

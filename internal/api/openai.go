@@ -89,7 +89,7 @@ func parseMessages(raw json.RawMessage) ([]chat.Message, *apiError) {
 		if err != nil {
 			return nil, badRequest("messages[%d]: %v", i, err)
 		}
-		msg := chat.Message{Role: m.Role, Content: text, Name: m.Name, ToolCallID: m.ToolCallID}
+		msg := chat.Message{Role: m.Role, Content: text, NullContent: isNull(m.Content), Name: m.Name, ToolCallID: m.ToolCallID}
 		if m.Role == "tool" && m.ToolCallID == "" {
 			return nil, badRequest("messages[%d]: a tool message needs tool_call_id", i)
 		}
@@ -567,8 +567,11 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *gen
 // renderError maps a chat-template failure: the template refusing the conversation is
 // the caller's 400; anything else is ours.
 func renderError(err error) *apiError {
-	if errors.Is(err, chat.ErrTemplateRaised) {
+	switch {
+	case errors.Is(err, chat.ErrTemplateRaised):
 		return badRequest("the model's chat template refused these messages: %v", err)
+	case errors.Is(err, chat.ErrNoTemplate), errors.Is(err, chat.ErrTemplateFailed):
+		return badRequest("%v", err)
 	}
 	return &apiError{status: http.StatusInternalServerError, typ: "server_error", msg: "chat template: " + err.Error()}
 }

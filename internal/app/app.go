@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/polykv/polykv/internal/api"
+	"github.com/polykv/polykv/internal/chat"
 	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/llama"
 	"github.com/polykv/polykv/internal/runner"
@@ -31,6 +32,10 @@ type Config struct {
 	PoolGrace  time.Duration // --pool-grace-ms
 	FlashAttn  string        // --flash-attn: on (default), off, auto
 	TPSTau     time.Duration // --tps-tau-ms: EWMA time constant of experienced tps
+	// ChatTemplate (--chat-template NAME or inline Jinja) and ChatTemplateFile
+	// (--chat-template-file PATH) override the GGUF's tokenizer.chat_template.
+	ChatTemplate     string
+	ChatTemplateFile string
 }
 
 // Defaults fills unset fields.
@@ -110,6 +115,16 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	if err != nil {
 		return nil, err
 	}
+	tmplSrc, tmplFrom, err := chat.ResolveTemplate(model.ChatTemplate(), cfg.ChatTemplate, cfg.ChatTemplateFile)
+	if err != nil {
+		model.Free()
+		return nil, err
+	}
+	renderer := runner.NewChatRenderer(model, tmplSrc)
+	if err := renderer.Err(); err != nil && log != nil {
+		log.Warn("no usable chat template: chat requests will answer 400; pass --chat-template NAME or --chat-template-file PATH",
+			"template", tmplFrom, "reason", err, "builtin_names", strings.Join(chat.BuiltinTemplateNames(), ","))
+	}
 	ecfg.BytesPerCell = model.KVBytesPerCell()
 	if model.IsRecurrent() || model.IsHybrid() {
 		// Recurrent state is one blob per sequence, not cells per position: a prefix
@@ -144,14 +159,14 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	id := strings.TrimSuffix(filepath.Base(cfg.ModelPath), filepath.Ext(cfg.ModelPath))
 	info := api.Info{
 		ModelID: id, ModelPath: cfg.ModelPath, ModelDesc: model.Desc(), NCtx: cfg.NCtx, NCtxTrain: model.NCtxTrain(),
-		Parallel: cfg.Parallel, NBatch: cfg.NBatch, NVocab: model.NVocab(), ChatTemplate: model.ChatTemplate(), Started: time.Now(),
+		Parallel: cfg.Parallel, NBatch: cfg.NBatch, NVocab: model.NVocab(), ChatTemplate: tmplSrc, Started: time.Now(),
 		MaxPools: cfg.MaxPools, PoolGraceMs: cfg.PoolGrace.Milliseconds(), BytesPerCell: ecfg.BytesPerCell, PoolsUnsupported: ecfg.PoolsUnsupported,
 	}
 	info.TPSTauMs = tps.DefaultTau.Milliseconds()
 	if cfg.TPSTau > 0 {
 		info.TPSTauMs = cfg.TPSTau.Milliseconds()
 	}
-	srv := api.New(eng, model, runner.NewChatRenderer(model), info, metrics, log)
+	srv := api.New(eng, model, renderer, info, metrics, log)
 	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv}, nil
 }
 

@@ -75,12 +75,8 @@ func TestDetectFormat(t *testing.T) {
 
 const chatml = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nDefault system<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 
-func noFallback(t *testing.T) Fallback {
-	return func([]Message, bool) (string, error) { t.Fatal("fallback used"); return "", nil }
-}
-
 func TestRenderJinja(t *testing.T) {
-	r := NewRenderer(chatml, "", "<|im_end|>", noFallback(t))
+	r := NewRenderer(chatml, "", "<|im_end|>")
 	if r.Path() != PathJinja {
 		t.Fatalf("path %s", r.Path())
 	}
@@ -94,7 +90,7 @@ func TestRenderJinja(t *testing.T) {
 }
 
 func TestRenderInjectsToolsForTemplatesWithout(t *testing.T) {
-	r := NewRenderer(chatml, "", "", noFallback(t))
+	r := NewRenderer(chatml, "", "")
 	tools := []Tool{{Type: "function", Function: ToolFunction{Name: "get_weather", Description: "Weather for a city",
 		Parameters: json.RawMessage(`{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}`)}}}
 	got, err := r.Render([]Message{{Role: "system", Content: "Be brief."}, {Role: "user", Content: "Paris?"}}, tools, true)
@@ -111,7 +107,7 @@ func TestRenderInjectsToolsForTemplatesWithout(t *testing.T) {
 func TestRenderToolHistoryThroughTemplate(t *testing.T) {
 	tmpl := `{% for m in messages %}[{{ m.role }}]{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}{% else %}{{ m.content }}{% endif %}{% if m.tool_call_id %} (for {{ m.tool_call_id }}){% endif %}
 {% endfor %}{% if tools %}TOOLS {{ tools | tojson }}{% endif %}`
-	r := NewRenderer(tmpl, "", "", noFallback(t))
+	r := NewRenderer(tmpl, "", "")
 	msgs := []Message{
 		{Role: "user", Content: "2+2?"},
 		{Role: "assistant", ToolCalls: []ToolCall{{ID: "call_1", Type: "function", Function: FunctionCall{Name: "add", Arguments: `{"a": 2, "b": 2}`}}}},
@@ -122,26 +118,33 @@ func TestRenderToolHistoryThroughTemplate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{`CALL add {"a": 2, "b": 2}`, "[tool]4 (for call_1)", `TOOLS [{"function": {"description": "", "name": "add", "parameters": {"type": "object"}}, "type": "function"}]`} {
+	for _, want := range []string{`CALL add {"a": 2, "b": 2}`, "[tool]4 (for call_1)", `TOOLS [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]`} {
 		if !strings.Contains(got, want) {
 			t.Fatalf("render lacks %q:\n%s", want, got)
 		}
 	}
 }
 
-func TestRenderRaiseExceptionAndFallback(t *testing.T) {
-	r := NewRenderer(`{{ raise_exception("roles must alternate") }}`, "", "", noFallback(t))
+func TestRenderRaiseExceptionAndNoTemplate(t *testing.T) {
+	r := NewRenderer(`{{ raise_exception("roles must alternate") }}`, "", "")
 	if _, err := r.Render([]Message{{Role: "user", Content: "x"}}, nil, true); !errors.Is(err, ErrTemplateRaised) || !strings.Contains(err.Error(), "roles must alternate") {
 		t.Fatalf("raise_exception: %v", err)
 	}
-	used := false
-	fb := func(msgs []Message, add bool) (string, error) { used = true; return "fallback", nil }
-	bad := NewRenderer(`{% for %}`, "", "", fb)
-	if bad.Path() != PathFallback {
-		t.Fatalf("path %s", bad.Path())
+	// No silent fallback: a template that does not compile, or none at all, refuses
+	// every render with an error naming the flag that fixes it.
+	for _, src := range []string{`{% for %}`, ""} {
+		bad := NewRenderer(src, "", "")
+		if bad.Path() != PathNone || bad.Err() == nil {
+			t.Fatalf("%q: path %s err %v", src, bad.Path(), bad.Err())
+		}
+		_, err := bad.Render([]Message{{Role: "user", Content: "x"}}, []Tool{{Type: "function", Function: ToolFunction{Name: "f"}}}, true)
+		if !errors.Is(err, ErrNoTemplate) || !strings.Contains(err.Error(), "--chat-template") {
+			t.Fatalf("%q: %v", src, err)
+		}
 	}
-	if out, err := bad.Render([]Message{{Role: "user", Content: "x"}}, nil, true); err != nil || out != "fallback" || !used {
-		t.Fatalf("fallback: %q %v", out, err)
+	// An engine failure that is not raise_exception is its own error, not a fallback.
+	if _, err := NewRenderer(`{{ messages[0].content.nope() }}`, "", "").Render([]Message{{Role: "user", Content: "x"}}, nil, true); !errors.Is(err, ErrTemplateFailed) {
+		t.Fatalf("engine failure: %v", err)
 	}
 }
 
