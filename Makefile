@@ -17,7 +17,7 @@ export POLYKV_CACHE ?= $(HOME)/.cache/polykv
 export POLYKV_MODEL ?= $(POLYKV_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 VENV ?= $(POLYKV_CACHE)/venv
 
-.PHONY: build model test test-go test-python demo bench venv clean env
+.PHONY: build model templates test test-go test-python demo bench venv clean env
 
 build:
 	go build -o bin/polykv ./cmd/polykv
@@ -25,10 +25,14 @@ build:
 model:
 	./scripts/fetch-model.sh
 
+# llama.cpp's chat templates for the template corpus test (internal/chat/corpus_test.go).
+templates:
+	./scripts/fetch-templates.sh
+
 venv:
 	./scripts/venv.sh "$(VENV)"
 
-test: build model venv test-go test-python
+test: build model templates venv test-go test-python
 
 test-go:
 	go vet ./...

@@ -52,6 +52,7 @@ type chatRequest struct {
 	ToolChoice        json.RawMessage `json:"tool_choice"`
 	ParallelToolCalls *bool           `json:"parallel_tool_calls"`
 	ResponseFormat    json.RawMessage `json:"response_format"`
+	templateOptions                   // chat_template_kwargs, reasoning_effort (template.go)
 }
 
 // parseMessages validates OpenAI chat messages (tool calls and tool results included)
@@ -328,9 +329,9 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ereq.Sampling.Grammar = plan.grammar
-	prompt, err := s.chat.Render(msgs, plan.tools, true)
-	if err != nil {
-		writeAPIError(w, renderError(err))
+	prompt, e := s.renderChat(msgs, plan.tools, true, req.templateOptions)
+	if e != nil {
+		writeAPIError(w, e)
 		return
 	}
 	toks, err := s.tok.Tokenize(prompt, true, true)

@@ -93,6 +93,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("GET /slots", s.handleSlots)
 	s.routePools(mux)
 	s.routeTPS(mux)
+	s.routeTemplate(mux)
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "not_found_error", fmt.Sprintf("no route for %s %s", r.Method, r.URL.Path))
 	})
@@ -266,7 +267,7 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, errorFor(err))
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]any{
+	props := map[string]any{
 		"model":              s.info.ModelID,
 		"model_path":         s.info.ModelPath,
 		"model_desc":         s.info.ModelDesc,
@@ -296,7 +297,11 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 				"stream_interval_ms_default": 500,
 			},
 		},
-	})
+	}
+	for k, v := range s.templateProps() {
+		props[k] = v
+	}
+	writeJSON(w, http.StatusOK, props)
 }
 
 func (s *Server) handleSlots(w http.ResponseWriter, r *http.Request) {

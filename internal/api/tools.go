@@ -22,30 +22,11 @@ var toolNameRE = regexp.MustCompile(`^[a-zA-Z0-9_-]{1,64}$`)
 // compiles the grammar they call for. Errors are 400s naming the field.
 func (s *Server) planTools(req *chatRequest) (toolPlan, *apiError) {
 	var plan toolPlan
-	if !isNull(req.Tools) {
-		if err := json.Unmarshal(req.Tools, &plan.tools); err != nil {
-			return plan, badRequest("tools must be an array of {type: \"function\", function: {name, description, parameters}}")
-		}
-		seen := map[string]bool{}
-		for i, t := range plan.tools {
-			if t.Type != "function" {
-				return plan, badRequest("tools[%d].type must be \"function\", got %q", i, t.Type)
-			}
-			if !toolNameRE.MatchString(t.Function.Name) {
-				return plan, badRequest("tools[%d].function.name %q must be 1-64 letters, digits, _ or -", i, t.Function.Name)
-			}
-			if seen[t.Function.Name] {
-				return plan, badRequest("tools[%d]: duplicate function name %q", i, t.Function.Name)
-			}
-			seen[t.Function.Name] = true
-			if p := bytes.TrimSpace(t.Function.Parameters); len(p) > 0 && !isNull(p) {
-				var obj map[string]any
-				if err := json.Unmarshal(p, &obj); err != nil {
-					return plan, badRequest("tools[%d].function.parameters must be a JSON schema object", i)
-				}
-			}
-		}
+	tools, e := parseTools(req.Tools)
+	if e != nil {
+		return plan, e
 	}
+	plan.tools = tools
 	// Grammar-forced calls allow several only when asked for explicitly: left open, a
 	// small model repeats the call until max_tokens.
 	plan.parallel = req.ParallelToolCalls != nil && *req.ParallelToolCalls
@@ -106,6 +87,38 @@ func (s *Server) planTools(req *chatRequest) (toolPlan, *apiError) {
 		}
 	}
 	return plan, nil
+}
+
+// parseTools validates an OpenAI tools array (chat requests and pools share it, so a
+// pool built with tools renders exactly the start of a chat with the same tools).
+func parseTools(raw json.RawMessage) ([]chat.Tool, *apiError) {
+	if isNull(raw) {
+		return nil, nil
+	}
+	var tools []chat.Tool
+	if err := json.Unmarshal(raw, &tools); err != nil {
+		return nil, badRequest("tools must be an array of {type: \"function\", function: {name, description, parameters}}")
+	}
+	seen := map[string]bool{}
+	for i, t := range tools {
+		if t.Type != "function" {
+			return nil, badRequest("tools[%d].type must be \"function\", got %q", i, t.Type)
+		}
+		if !toolNameRE.MatchString(t.Function.Name) {
+			return nil, badRequest("tools[%d].function.name %q must be 1-64 letters, digits, _ or -", i, t.Function.Name)
+		}
+		if seen[t.Function.Name] {
+			return nil, badRequest("tools[%d]: duplicate function name %q", i, t.Function.Name)
+		}
+		seen[t.Function.Name] = true
+		if p := bytes.TrimSpace(t.Function.Parameters); len(p) > 0 && !isNull(p) {
+			var obj map[string]any
+			if err := json.Unmarshal(p, &obj); err != nil {
+				return nil, badRequest("tools[%d].function.parameters must be a JSON schema object", i)
+			}
+		}
+	}
+	return tools, nil
 }
 
 func parseToolChoice(raw json.RawMessage) (string, string, *apiError) {
