@@ -144,8 +144,9 @@ func referencePython(t *testing.T) string {
 func family(name string) string {
 	n := strings.ToLower(name)
 	for _, f := range []struct{ key, fam string }{
+		{"deepseek-r1", "DeepSeek R1"}, {"deepseek", "DeepSeek V3/V4"},
 		{"gpt-oss", "GPT-OSS"}, {"qwen3-coder", "Qwen3-Coder"}, {"qwen3.5", "Qwen 3.5"}, {"qwq", "Qwen"}, {"qwen", "Qwen"},
-		{"hermes", "Hermes"}, {"llama-3", "Llama 3.x"}, {"firefunction", "Llama 3.x"}, {"deepseek-r1", "DeepSeek R1"}, {"deepseek", "DeepSeek V3/V4"},
+		{"hermes", "Hermes"}, {"llama-3", "Llama 3.x"}, {"firefunction", "Llama 3.x"},
 		{"devstral", "Mistral"}, {"mistral", "Mistral"}, {"ministral", "Mistral"}, {"gemma", "Gemma"}, {"granite", "Granite"},
 		{"glm", "GLM"}, {"kimi", "Kimi"}, {"command-r", "Command R"}, {"cohere", "Command R"}, {"functionary", "Functionary"},
 		{"lfm", "LFM2"}, {"minimax", "MiniMax"}, {"nemotron", "Nemotron"}, {"smollm", "SmolLM"}, {"phi", "Phi"}, {"apriel", "Apriel"},
@@ -162,6 +163,7 @@ type corpusResult struct {
 	template, cas  string
 	refErr, ourErr string
 	same           bool
+	injected       bool // tools given to a template that cannot show them: PolyKV describes them itself
 	diffAt         int
 	ref, ours      string
 }
@@ -236,6 +238,7 @@ func TestTemplateCorpus(t *testing.T) {
 				}
 			}
 			res.same = res.refErr == "" && res.ourErr == "" && res.ours == res.ref
+			res.injected = len(tools) > 0 && !strings.Contains(templates[name], "tools")
 			if !res.same && res.refErr == "" && res.ourErr == "" {
 				res.diffAt = firstDiff(res.ref, res.ours)
 			}
@@ -244,10 +247,10 @@ func TestTemplateCorpus(t *testing.T) {
 	}
 
 	// Per-family table (and per-template detail with -v).
-	type agg struct{ refOK, same, ourErr, templates int }
+	type agg struct{ refOK, same, ourErr, injected, templates int }
 	fams := map[string]*agg{}
 	perTemplate := map[string]*agg{}
-	total, totalSame := 0, 0
+	total, totalSame, totalInjected := 0, 0, 0
 	for _, r := range results {
 		f := family(r.template)
 		if fams[f] == nil {
@@ -270,10 +273,13 @@ func TestTemplateCorpus(t *testing.T) {
 		} else if r.ourErr != "" {
 			fams[f].ourErr++
 			perTemplate[r.template].ourErr++
+		} else if r.injected {
+			fams[f].injected++
+			totalInjected++
 		}
 	}
 	var table strings.Builder
-	table.WriteString("| family | templates | pairs transformers renders | identical | PolyKV error |\n|---|---|---|---|---|\n")
+	table.WriteString("| family | templates | pairs transformers renders | identical | PolyKV error | differ: tools described by PolyKV |\n|---|---|---|---|---|---|\n")
 	famNames := make([]string, 0, len(fams))
 	for f := range fams {
 		famNames = append(famNames, f)
@@ -281,9 +287,9 @@ func TestTemplateCorpus(t *testing.T) {
 	sort.Strings(famNames)
 	for _, f := range famNames {
 		a := fams[f]
-		fmt.Fprintf(&table, "| %s | %d | %d | %d | %d |\n", f, a.templates, a.refOK, a.same, a.ourErr)
+		fmt.Fprintf(&table, "| %s | %d | %d | %d | %d | %d |\n", f, a.templates, a.refOK, a.same, a.ourErr, a.injected)
 	}
-	fmt.Fprintf(&table, "| **all** | %d | %d | %d (%.1f%%) | |\n", len(templates), total, totalSame, 100*float64(totalSame)/float64(max(total, 1)))
+	fmt.Fprintf(&table, "| **all** | %d | %d | %d (%.1f%%) | | %d |\n", len(templates), total, totalSame, 100*float64(totalSame)/float64(max(total, 1)), totalInjected)
 	t.Logf("template corpus (%s), %d conversations:\n%s", corpusVersion, len(cases), table.String())
 	if p := os.Getenv("POLYKV_CORPUS_REPORT"); p != "" {
 		var detail strings.Builder
