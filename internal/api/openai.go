@@ -538,7 +538,8 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *gen
 		object = "chat.completion"
 		msg := map[string]any{"role": "assistant", "content": res.text.String()}
 		if plan != nil && plan.parse {
-			content, calls := chat.Parse(s.format(), res.text.String())
+			parsed := chat.ParseWith(s.format(), res.text.String(), plan.tools)
+			content, calls := parsed.Content, parsed.Calls
 			if len(calls) > 0 {
 				msg["tool_calls"] = toolCallsJSON(calls)
 				msg["content"] = nilIfEmpty(content)
@@ -589,7 +590,7 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 	// streams, the call is held and sent as tool-call deltas once it parses.
 	var calls *chat.CallStream
 	if plan != nil && plan.parse {
-		calls = chat.NewCallStream(s.format())
+		calls = chat.NewCallStreamWith(s.format(), plan.tools)
 	}
 	flusher, _ := w.(http.Flusher)
 	// Headers wait for the first event: a request held by an admission gate (or failed
@@ -666,7 +667,8 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 			reason := finishReason(ev)
 			if calls != nil {
 				released := calls.Push(ev.Text)
-				rest, parsed := calls.Finish()
+				fin := calls.Finish()
+				rest, parsed := fin.Content, fin.Calls
 				if content := released + rest; content != "" && !send(chunk(content, nil, nil)) {
 					return
 				}

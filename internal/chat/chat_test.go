@@ -12,7 +12,7 @@ func TestParseHermes(t *testing.T) {
 		name, in, content string
 		calls             []string // name:args
 	}{
-		{"one call", `<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>`, "", []string{`get_weather:{"city":"Paris"}`}},
+		{"one call", `<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>`, "", []string{`get_weather:{"city": "Paris"}`}},
 		{"text around", "Let me check.\n<tool_call>\n{\"name\":\"f\",\"arguments\":{}}\n</tool_call>\nDone.", "Let me check.\n\nDone.", []string{"f:{}"}},
 		{"two calls", `<tool_call>{"name":"a","arguments":{"x":1}}</tool_call><tool_call>{"name":"b","arguments":"{\"y\": 2}"}</tool_call>`, "", []string{`a:{"x":1}`, `b:{"y": 2}`}},
 		{"malformed json stays content", `<tool_call>{"name": "f", "arguments": {</tool_call>`, `<tool_call>{"name": "f", "arguments": {</tool_call>`, nil},
@@ -37,11 +37,11 @@ func TestParseHermes(t *testing.T) {
 
 func TestParseLlama3(t *testing.T) {
 	content, calls := Parse(FormatLlama3, `<|python_tag|>{"name": "search", "parameters": {"q": "go"}}`)
-	if content != "" || len(calls) != 1 || calls[0].Function.Name != "search" || calls[0].Function.Arguments != `{"q":"go"}` {
+	if content != "" || len(calls) != 1 || calls[0].Function.Name != "search" || calls[0].Function.Arguments != `{"q": "go"}` {
 		t.Fatalf("python tag: %q %+v", content, calls)
 	}
 	_, calls = Parse(FormatLlama3, `{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"k": true}}`)
-	if len(calls) != 2 || calls[1].Function.Arguments != `{"k":true}` {
+	if len(calls) != 2 || calls[1].Function.Arguments != `{"k": true}` {
 		t.Fatalf("two calls: %+v", calls)
 	}
 	for _, in := range []string{`The answer is 4.`, `{"not": "a call"}`, `{"name": "a", "parameters": {}} trailing words`, `{"name": "a", "param`} {
@@ -53,7 +53,7 @@ func TestParseLlama3(t *testing.T) {
 
 func TestParseMistral(t *testing.T) {
 	content, calls := Parse(FormatMistral, `Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "neg", "arguments": {"x": 3}}]`)
-	if content != "Sure." || len(calls) != 2 || calls[0].Function.Arguments != `{"a":1,"b":2}` {
+	if content != "Sure." || len(calls) != 2 || calls[0].Function.Arguments != `{"a": 1, "b": 2}` || len(calls[0].ID) != 9 {
 		t.Fatalf("mistral: %q %+v", content, calls)
 	}
 	for _, in := range []string{`[TOOL_CALLS][{"name": "add", "arguments": {`, `[TOOL_CALLS] nonsense`, `[TOOL_CALLS][{"arguments": {}}]`} {
@@ -193,8 +193,9 @@ func TestCallStreamReleasesTextBeforeACall(t *testing.T) {
 	if out != "Let me check. " {
 		t.Fatalf("released %q", out)
 	}
-	content, calls := c.Finish()
-	if content != "" || len(calls) != 1 || calls[0].Function.Arguments != `{"x":1}` {
+	fin := c.Finish()
+	content, calls := fin.Content, fin.Calls
+	if content != "" || len(calls) != 1 || calls[0].Function.Arguments != `{"x": 1}` {
 		t.Fatalf("finish: %q %+v", content, calls)
 	}
 	// A partial marker that turns out not to be one is released at the end.
@@ -203,13 +204,15 @@ func TestCallStreamReleasesTextBeforeACall(t *testing.T) {
 	if got != "a <toolbox> b" {
 		t.Fatalf("false marker: %q", got)
 	}
-	if content, calls := c.Finish(); content != "" || calls != nil {
+	if fin := c.Finish(); fin.Content != "" || fin.Calls != nil {
+		content, calls := fin.Content, fin.Calls
 		t.Fatalf("nothing should remain: %q %v", content, calls)
 	}
 	// A call that does not parse is returned as content.
 	c = NewCallStream(FormatHermes)
 	c.Push("<tool_call>{broken")
-	if content, calls := c.Finish(); content != "<tool_call>{broken" || calls != nil {
+	if fin := c.Finish(); fin.Content != "<tool_call>{broken" || fin.Calls != nil {
+		content, calls := fin.Content, fin.Calls
 		t.Fatalf("broken call: %q %v", content, calls)
 	}
 	// Llama-3: a reply opening with JSON is held; prose streams.
@@ -217,7 +220,7 @@ func TestCallStreamReleasesTextBeforeACall(t *testing.T) {
 	if c.Push("  ") != "" || c.Push(`{"name": "f", "parameters": {}}`) != "" {
 		t.Fatal("llama3 call released")
 	}
-	if _, calls := c.Finish(); len(calls) != 1 {
+	if fin := c.Finish(); len(fin.Calls) != 1 {
 		t.Fatal("llama3 call not parsed")
 	}
 	c = NewCallStream(FormatLlama3)
