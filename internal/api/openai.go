@@ -62,6 +62,7 @@ func parseMessages(raw json.RawMessage) ([]chat.Message, *apiError) {
 		Role       string          `json:"role"`
 		Content    json.RawMessage `json:"content"`
 		Name       string          `json:"name"`
+		Reasoning  string          `json:"reasoning_content"`
 		ToolCallID string          `json:"tool_call_id"`
 		ToolCalls  []struct {
 			ID       string `json:"id"`
@@ -90,7 +91,7 @@ func parseMessages(raw json.RawMessage) ([]chat.Message, *apiError) {
 		if err != nil {
 			return nil, badRequest("messages[%d]: %v", i, err)
 		}
-		msg := chat.Message{Role: m.Role, Content: text, NullContent: isNull(m.Content), Name: m.Name, ToolCallID: m.ToolCallID}
+		msg := chat.Message{Role: m.Role, Content: text, NullContent: isNull(m.Content), Name: m.Name, ToolCallID: m.ToolCallID, ReasoningContent: m.Reasoning}
 		if m.Role == "tool" && m.ToolCallID == "" {
 			return nil, badRequest("messages[%d]: a tool message needs tool_call_id", i)
 		}
@@ -334,6 +335,7 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, e)
 		return
 	}
+	plan.reply.ThinkingOpen = chat.PromptOpensThinking(prompt)
 	toks, err := s.tok.Tokenize(prompt, true, true)
 	if err != nil {
 		writeAPIError(w, badRequest("%v", err))
@@ -537,14 +539,8 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *gen
 	if k == kindChat {
 		object = "chat.completion"
 		msg := map[string]any{"role": "assistant", "content": res.text.String()}
-		if plan != nil && plan.parse {
-			parsed := chat.ParseWith(s.format(), res.text.String(), plan.tools)
-			content, calls := parsed.Content, parsed.Calls
-			if len(calls) > 0 {
-				msg["tool_calls"] = toolCallsJSON(calls)
-				msg["content"] = nilIfEmpty(content)
-				choice["finish_reason"] = "tool_calls"
-			}
+		if plan != nil {
+			msg = replyMessage(plan, res.text.String(), choice) // reasoning, content, tool calls (tools.go)
 		}
 		choice["message"] = msg
 	} else {
@@ -588,9 +584,10 @@ func nilIfEmpty(s string) any {
 func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genParams, req engine.Request, st *engine.Stream, id string, created int64, plan *toolPlan) {
 	// With tools in play the reply may turn into a call: text before the call's marker
 	// streams, the call is held and sent as tool-call deltas once it parses.
-	var calls *chat.CallStream
-	if plan != nil && plan.parse {
-		calls = chat.NewCallStreamWith(s.format(), plan.tools)
+	// Thinking models: reasoning streams as delta.reasoning_content (tools.go's plan).
+	var calls *chat.ReplyStream
+	if plan != nil {
+		calls = chat.NewReplyStream(plan.reply)
 	}
 	flusher, _ := w.(http.Flusher)
 	// Headers wait for the first event: a request held by an admission gate (or failed
@@ -666,9 +663,12 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 			}
 			reason := finishReason(ev)
 			if calls != nil {
-				released := calls.Push(ev.Text)
+				thought, released := calls.Push(ev.Text)
 				fin := calls.Finish()
 				rest, parsed := fin.Content, fin.Calls
+				if thought += fin.Reasoning; thought != "" && !send(reasoningChunk(chunk("", nil, nil), thought)) {
+					return
+				}
 				if content := released + rest; content != "" && !send(chunk(content, nil, nil)) {
 					return
 				}
@@ -714,7 +714,15 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 			continue
 		}
 		if calls != nil {
-			if out := calls.Push(ev.Text); out != "" && !send(chunk(out, nil, nil)) {
+			thought, out := calls.Push(ev.Text)
+			if thought != "" && !send(reasoningChunk(chunk("", nil, nil), thought)) {
+				return
+			}
+			var lps []engine.TokenLogprob
+			if out == ev.Text {
+				lps = ev.Tokens // passed through unchanged: its tokens' logprobs still apply
+			}
+			if out != "" && !send(chunk(out, lps, nil)) {
 				return
 			}
 			continue

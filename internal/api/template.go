@@ -16,6 +16,24 @@ type templateOptions struct {
 	// ReasoningEffort is given to templates as reasoning_effort (GPT-OSS reads it),
 	// unless chat_template_kwargs sets it already.
 	ReasoningEffort *string `json:"reasoning_effort"`
+	// ReasoningFormat is llama-server's reasoning_format: "none" leaves a thinking
+	// model's reasoning in content; "deepseek" and "auto" (default) return it as
+	// reasoning_content.
+	ReasoningFormat *string `json:"reasoning_format"`
+}
+
+// reasoning reports whether reasoning goes to reasoning_content.
+func (o templateOptions) reasoning() (bool, *apiError) {
+	if o.ReasoningFormat == nil {
+		return true, nil
+	}
+	switch chat.ReasoningFormat(*o.ReasoningFormat) {
+	case chat.ReasoningNone:
+		return false, nil
+	case chat.ReasoningDeepSeek, chat.ReasoningAuto, "deepseek-legacy":
+		return true, nil
+	}
+	return false, badRequest("reasoning_format must be none, deepseek or auto, got %q", *o.ReasoningFormat)
 }
 
 // kwargs merges reasoning_effort into chat_template_kwargs, keeping the client's order.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"regexp"
+	"strings"
 
 	"github.com/polykv/polykv/internal/chat"
 )
@@ -14,6 +15,9 @@ type toolPlan struct {
 	parse    bool        // parse tool calls out of the reply
 	grammar  string      // constrained decoding ("" = free)
 	parallel bool
+	// reply says how the generated text splits into reasoning, content and calls
+	// (ThinkingOpen is set once the prompt is rendered).
+	reply chat.ReplyOptions
 }
 
 var toolNameRE = regexp.MustCompile(`^[a-zA-Z0-9_-]{1,64}$`)
@@ -71,6 +75,12 @@ func (s *Server) planTools(req *chatRequest) (toolPlan, *apiError) {
 		}
 		plan.grammar = chat.CallGrammar(format, g, plan.parallel && choice == "required")
 	}
+	reasoning, e := req.templateOptions.reasoning()
+	if e != nil {
+		return plan, e
+	}
+	plan.reply = chat.ReplyOptions{Format: format, Tools: plan.tools, Calls: plan.parse, Reasoning: reasoning,
+		Forced: choice == "required" || choice == "named"}
 	rf, e := s.responseFormatGrammar(req.ResponseFormat)
 	if e != nil {
 		return plan, e
@@ -211,4 +221,32 @@ func toolCallDeltas(calls []chat.ToolCall) [][]map[string]any {
 		}
 	}
 	return out
+}
+
+// replyMessage builds the chat message from the generated text: reasoning_content,
+// content and tool_calls as the plan says (finish_reason "tool_calls" when calls came).
+func replyMessage(plan *toolPlan, text string, choice map[string]any) map[string]any {
+	msg := map[string]any{"role": "assistant", "content": text}
+	p := chat.ParseReply(plan.reply, text)
+	if p.Reasoning == "" && len(p.Calls) == 0 && !plan.reply.Forced && p.Content == strings.TrimSpace(text) {
+		return msg // nothing to split out: the text as generated
+	}
+	msg["content"] = p.Content
+	if p.Reasoning != "" {
+		msg["reasoning_content"] = p.Reasoning
+	}
+	if len(p.Calls) > 0 {
+		msg["tool_calls"] = toolCallsJSON(p.Calls)
+		msg["content"] = nilIfEmpty(p.Content)
+		choice["finish_reason"] = "tool_calls"
+	} else if plan.reply.Forced {
+		msg["content"] = nilIfEmpty(p.Content) // a forced call cut short: no half call
+	}
+	return msg
+}
+
+// reasoningChunk turns a stream chunk into a delta.reasoning_content one.
+func reasoningChunk(c map[string]any, text string) map[string]any {
+	c["choices"].([]any)[0].(map[string]any)["delta"] = map[string]any{"reasoning_content": text}
+	return c
 }

@@ -35,6 +35,9 @@ type Message struct {
 	Name        string
 	ToolCallID  string
 	ToolCalls   []ToolCall
+	// ReasoningContent is an assistant turn's reasoning, given back by the client;
+	// thinking templates (Qwen3, GLM, …) read message.reasoning_content.
+	ReasoningContent string
 }
 
 // Tool is an OpenAI function tool. Raw keeps the client's JSON so the template sees
@@ -241,6 +244,9 @@ func templateMessages(msgs []Message) jinja.Value {
 		}
 		if m.Name != "" {
 			d.Set("name", jinja.NewString(m.Name))
+		}
+		if m.ReasoningContent != "" {
+			d.Set("reasoning_content", jinja.NewString(m.ReasoningContent))
 		}
 		if m.ToolCallID != "" {
 			d.Set("tool_call_id", jinja.NewString(m.ToolCallID))
