@@ -1,6 +1,10 @@
 package app
 
 import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -102,4 +106,70 @@ func TestChatTemplateOverrideAndMissingTemplate(t *testing.T) {
 	if _, err := Open(Config{ModelPath: modelPath(t), ChatTemplate: "no-such-template"}, nil); err == nil || !strings.Contains(err.Error(), "chatml") {
 		t.Fatalf("unknown --chat-template name: %v", err)
 	}
+}
+
+func TestForcedCallOutOfTokensIsLengthWithoutHalfCall(t *testing.T) {
+	_, base := startServer(t, Config{NCtx: 1024, Parallel: 1, MaxPools: -1})
+	body := map[string]any{
+		"messages":    []any{map[string]any{"role": "user", "content": "Weather in Paris?"}},
+		"tools":       []any{weatherTool},
+		"tool_choice": "required", "temperature": 0, "max_tokens": 6,
+	}
+	code, out := post(t, base+"/v1/chat/completions", body)
+	if code != 200 {
+		t.Fatalf("%d %v", code, out)
+	}
+	ch := out["choices"].([]any)[0].(map[string]any)
+	msg := ch["message"].(map[string]any)
+	if ch["finish_reason"] != "length" || msg["tool_calls"] != nil || (msg["content"] != nil && msg["content"] != "") {
+		t.Fatalf("forced call cut short: finish %v message %v", ch["finish_reason"], msg)
+	}
+	// Streamed: no content delta carries the half call either.
+	body["stream"] = true
+	events := streamEvents(t, base, body)
+	var finish any
+	for _, ev := range events {
+		for _, c := range ev["choices"].([]any) {
+			c := c.(map[string]any)
+			if d, _ := c["delta"].(map[string]any); d != nil {
+				if s, _ := d["content"].(string); s != "" || d["tool_calls"] != nil {
+					t.Fatalf("streamed a half call: %v", d)
+				}
+			}
+			if c["finish_reason"] != nil {
+				finish = c["finish_reason"]
+			}
+		}
+	}
+	if finish != "length" {
+		t.Fatalf("streamed finish_reason %v", finish)
+	}
+}
+
+// streamEvents posts a streaming request and returns its JSON chunks.
+func streamEvents(t testing.TB, base string, body map[string]any) []map[string]any {
+	t.Helper()
+	buf, _ := json.Marshal(body)
+	resp, err := http.Post(base+"/v1/chat/completions", "application/json", bytes.NewReader(buf))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var out []map[string]any
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		data, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok || data == "[DONE]" {
+			continue
+		}
+		var ev map[string]any
+		if err := json.Unmarshal([]byte(data), &ev); err != nil {
+			t.Fatalf("chunk %q: %v", data, err)
+		}
+		if ev["choices"] == nil {
+			t.Fatalf("chunk without choices: %v", ev)
+		}
+		out = append(out, ev)
+	}
+	return out
 }
