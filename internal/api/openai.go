@@ -587,7 +587,9 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 	// Thinking models: reasoning streams as delta.reasoning_content (tools.go's plan).
 	var calls *chat.ReplyStream
 	if plan != nil {
-		calls = chat.NewReplyStream(plan.reply)
+		o := plan.reply
+		o.Stream = true // call headers and arguments go out as they are generated
+		calls = chat.NewReplyStream(o)
 	}
 	flusher, _ := w.(http.Flusher)
 	// Headers wait for the first event: a request held by an admission gate (or failed
@@ -672,12 +674,8 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 				if content := released + rest; content != "" && !send(chunk(content, nil, nil)) {
 					return
 				}
-				for _, d := range toolCallDeltas(parsed) {
-					c := chunk("", nil, nil)
-					c["choices"].([]any)[0].(map[string]any)["delta"] = map[string]any{"tool_calls": d}
-					if !send(c) {
-						return
-					}
+				if !sendCallDeltas(send, chunk("", nil, nil), calls.Deltas()) {
+					return
 				}
 				if len(parsed) > 0 {
 					reason = "tool_calls"
@@ -723,6 +721,9 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 				lps = ev.Tokens // passed through unchanged: its tokens' logprobs still apply
 			}
 			if out != "" && !send(chunk(out, lps, nil)) {
+				return
+			}
+			if !sendCallDeltas(send, chunk("", nil, nil), calls.Deltas()) {
 				return
 			}
 			continue

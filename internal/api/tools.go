@@ -3,6 +3,7 @@ package api
 import (
 	"bytes"
 	"encoding/json"
+	"maps"
 	"regexp"
 	"strings"
 
@@ -206,21 +207,26 @@ func toolCallsJSON(calls []chat.ToolCall) []map[string]any {
 	return out
 }
 
-// toolCallDeltas streams calls as OpenAI does: a first delta per call with its id and
-// name, then the arguments in pieces.
-func toolCallDeltas(calls []chat.ToolCall) [][]map[string]any {
-	var out [][]map[string]any
-	for i, c := range calls {
-		out = append(out, []map[string]any{{"index": i, "id": c.ID, "type": "function", "function": map[string]any{"name": c.Function.Name, "arguments": ""}}})
-		args := c.Function.Arguments
-		const piece = 16
-		for len(args) > 0 {
-			n := min(piece, len(args))
-			out = append(out, []map[string]any{{"index": i, "function": map[string]any{"arguments": args[:n]}}})
-			args = args[n:]
+// sendCallDeltas sends tool-call pieces as OpenAI streams them, one chunk each: the
+// first piece of a call with its index, id, type and name, then its arguments as they
+// were generated. base is an empty chunk to fill; false means the client is gone.
+func sendCallDeltas(send func(any) bool, base map[string]any, deltas []chat.CallDelta) bool {
+	for _, d := range deltas {
+		var tc map[string]any
+		if d.Name != "" {
+			tc = map[string]any{"index": d.Index, "id": d.ID, "type": "function", "function": map[string]any{"name": d.Name, "arguments": d.Args}}
+		} else {
+			tc = map[string]any{"index": d.Index, "function": map[string]any{"arguments": d.Args}}
+		}
+		c := maps.Clone(base)
+		choice := maps.Clone(base["choices"].([]any)[0].(map[string]any))
+		choice["delta"] = map[string]any{"tool_calls": []map[string]any{tc}}
+		c["choices"] = []any{choice}
+		if !send(c) {
+			return false
 		}
 	}
-	return out
+	return true
 }
 
 // replyMessage builds the chat message from the generated text: reasoning_content,

@@ -194,3 +194,69 @@ func TestDetectFormatOnCorpus(t *testing.T) {
 		}
 	}
 }
+
+// With live calls, the deltas sent during and after the reply rebuild exactly the calls
+// Finish returns; for formats with JSON arguments they arrive while the call is written.
+func TestLiveCallDeltasEveryFamily(t *testing.T) {
+	for _, c := range familyCases {
+		if len(c.calls) == 0 {
+			continue
+		}
+		for step := 1; step <= 5; step += 2 {
+			s := NewCallStreamWith(c.format, familyTools).LiveCalls()
+			var deltas []CallDelta
+			early := 0
+			for i := 0; i < len(c.text); i += step {
+				s.Push(c.text[i:min(i+step, len(c.text))])
+				d := s.Deltas()
+				for _, x := range d {
+					if x.Args != "" {
+						early++
+					}
+				}
+				deltas = append(deltas, d...)
+			}
+			fin := s.Finish()
+			deltas = append(deltas, s.Deltas()...)
+			var rebuilt []ToolCall
+			for _, d := range deltas {
+				if d.Index == len(rebuilt) {
+					if d.ID == "" || d.Name == "" {
+						t.Fatalf("%s: first delta of call %d lacks id or name: %+v", c.name, d.Index, d)
+					}
+					rebuilt = append(rebuilt, ToolCall{ID: d.ID, Type: "function", Function: FunctionCall{Name: d.Name}})
+				}
+				rebuilt[d.Index].Function.Arguments += d.Args
+			}
+			if len(rebuilt) != len(fin.Calls) {
+				t.Fatalf("%s step %d: deltas rebuild %+v, Finish %+v", c.name, step, rebuilt, fin.Calls)
+			}
+			for i := range rebuilt {
+				if rebuilt[i] != fin.Calls[i] {
+					t.Fatalf("%s step %d: call %d rebuilt %+v, Finish %+v", c.name, step, i, rebuilt[i], fin.Calls[i])
+				}
+			}
+			re := callHeads[c.format]
+			if jsonArgs := re != nil && re.MatchString(c.text) && !strings.Contains(c.text, "```"); jsonArgs && early == 0 {
+				t.Fatalf("%s: no arguments streamed before the reply ended", c.name)
+			}
+		}
+	}
+	// A call cut short after its start streamed: no calls, no content repeating it.
+	s := NewCallStreamWith(FormatHermes, familyTools).LiveCalls()
+	s.Push(`<tool_call>{"name": "add", "arguments": {"a": 1, "b"`)
+	if d := s.Deltas(); len(d) != 2 || d[0].Name != "add" || d[1].Args != `{"a": 1, "b"` {
+		t.Fatalf("partial deltas %+v", d)
+	}
+	if fin := s.Finish(); !fin.Truncated || fin.Content != "" || len(fin.Calls) != 0 {
+		t.Fatalf("cut short: %+v", fin)
+	}
+}
+
+func TestJSONValuePrefix(t *testing.T) {
+	for in, want := range map[string]int{`{"a": 1}, "x"`: 8, `{"a": "b\`: 7, `{"a": [1, `: 9, `{"a"  `: 4, `nope`: 0, `{}`: 2} {
+		if n, _ := jsonValuePrefix(in); n != want {
+			t.Errorf("%q: %d, want %d", in, n, want)
+		}
+	}
+}

@@ -41,6 +41,8 @@ type ReplyOptions struct {
 	Reasoning bool
 	// ThinkingOpen: the prompt ended inside a think block (PromptOpensThinking).
 	ThinkingOpen bool
+	// Stream: calls are streamed as generated (Deltas), not only returned by Finish.
+	Stream bool
 	// Forced: a grammar forces a call (tool_choice required or a named function). A
 	// call cut short (max_tokens) is then dropped, not returned as content.
 	Forced bool
@@ -76,6 +78,9 @@ func NewReplyStream(o ReplyOptions) *ReplyStream {
 	r := &ReplyStream{o: o}
 	if o.Calls || o.structured() {
 		r.calls = NewCallStreamWith(o.Format, o.Tools)
+		if o.Stream {
+			r.calls.LiveCalls()
+		}
 	}
 	if !o.Reasoning || o.structured() {
 		r.state = 2
@@ -134,6 +139,14 @@ func (r *ReplyStream) Push(text string) (reasoning, content string) {
 	}
 }
 
+// Deltas returns the tool-call pieces ready to send (ReplyOptions.Stream).
+func (r *ReplyStream) Deltas() []CallDelta {
+	if r.calls == nil {
+		return nil
+	}
+	return r.calls.Deltas()
+}
+
 // Finish returns what is left: reasoning still buffered, the held content, the calls.
 func (r *ReplyStream) Finish() Parsed {
 	var p Parsed
@@ -152,6 +165,7 @@ func (r *ReplyStream) Finish() Parsed {
 		p.Content += fin.Content
 		p.Reasoning += fin.Reasoning
 		p.Calls = fin.Calls
+		p.Truncated = fin.Truncated
 		if !r.o.Calls {
 			p.Calls = nil // structured formats without tools: no calls were offered
 		}

@@ -15,10 +15,17 @@ type CallStream struct {
 	inCall   bool // a call started: hold the rest
 	decided  bool // the reply's first visible character was seen
 	holdAll  bool // formats whose replies are structured throughout: parse at the end
+	live     bool // stream call headers and arguments as they are generated
+	streamed []streamedCall
+	deltas   []CallDelta
 }
 
 // NewCallStream returns a CallStream for the format.
 func NewCallStream(f Format) *CallStream { return NewCallStreamWith(f, nil) }
+
+// LiveCalls makes the stream send each call's header and arguments as they are
+// generated (Deltas); without it calls come whole from Finish.
+func (c *CallStream) LiveCalls() *CallStream { c.live = true; return c }
 
 // NewCallStreamWith returns a CallStream that parses with the declared tools.
 func NewCallStreamWith(f Format, tools []Tool) *CallStream {
@@ -59,7 +66,13 @@ func (c *CallStream) opensWithJSON() bool {
 // Push adds generated text and returns what can be sent to the client now.
 func (c *CallStream) Push(text string) string {
 	c.buf.WriteString(text)
-	if c.inCall || c.holdAll {
+	if c.holdAll {
+		return ""
+	}
+	if c.inCall {
+		if c.live {
+			c.streamArgs()
+		}
 		return ""
 	}
 	pending := c.buf.String()[c.sent:]
@@ -84,6 +97,9 @@ func (c *CallStream) Push(text string) string {
 			c.decided = true
 			if c.opensWithJSON() && trimmed[0] == '{' {
 				c.inCall = true
+				if c.live {
+					c.streamArgs()
+				}
 				return ""
 			}
 		}
@@ -97,6 +113,9 @@ func (c *CallStream) Push(text string) string {
 	if first >= 0 {
 		c.inCall = true
 		c.sent += first
+		if c.live {
+			c.streamArgs()
+		}
 		return pending[:first]
 	}
 	safe := len(pending)
@@ -117,8 +136,14 @@ func (c *CallStream) Finish() Parsed {
 		return Parsed{Content: rest} // nothing held but the start of a marker that never came
 	}
 	p := ParseWith(c.format, rest, c.tools)
-	if len(p.Calls) == 0 && p.Reasoning == "" && !c.holdAll {
+	if len(p.Calls) == 0 && p.Reasoning == "" && !c.holdAll && len(c.streamed) == 0 {
 		return Parsed{Content: rest}
+	}
+	if c.live && !c.finalDeltas(p.Calls) {
+		// Pieces of a call already went out and the whole does not parse as that call
+		// (cut short by max_tokens, or malformed after a valid start): no calls, and
+		// the held text is not repeated as content (the client holds it as a call).
+		return Parsed{Reasoning: p.Reasoning, Truncated: true}
 	}
 	return p
 }

@@ -106,6 +106,9 @@ type Parsed struct {
 	Content   string
 	Reasoning string
 	Calls     []ToolCall
+	// Truncated: the calls were streamed in part and did not finish (their arguments
+	// are what was sent, not necessarily complete JSON).
+	Truncated bool
 }
 
 // Parse splits generated text into content and tool calls. Text that is not a
