@@ -185,6 +185,11 @@ func (r *Renderer) RenderOpts(msgs []Message, tools []Tool, o Options) (string, 
 		}
 		d := kw.AsDict()
 		for _, k := range d.Keys {
+			switch k {
+			case "messages", "tools", "documents", "add_generation_prompt":
+				// transformers refuses these too (render() gets them twice).
+				return "", fmt.Errorf("%w: chat_template_kwargs must not set %q", ErrTemplateFailed, k)
+			}
 			data[k] = d.Data[k]
 		}
 	}

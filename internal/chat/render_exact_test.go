@@ -89,6 +89,9 @@ func TestRenderChatTemplateKwargs(t *testing.T) {
 	if _, err := r.RenderOpts(nil, nil, Options{Kwargs: json.RawMessage(`[1]`)}); err == nil || !strings.Contains(err.Error(), "chat_template_kwargs") {
 		t.Fatalf("non-object kwargs: %v", err)
 	}
+	if _, err := r.RenderOpts(nil, nil, Options{Kwargs: json.RawMessage(`{"messages": []}`)}); err == nil || !strings.Contains(err.Error(), `"messages"`) {
+		t.Fatalf("kwargs overriding messages: %v", err)
+	}
 }
 
 func TestResolveTemplate(t *testing.T) {
