@@ -66,16 +66,21 @@ func ParseReply(o ReplyOptions, text string) Parsed {
 // ReplyStream splits a reply as it is generated: reasoning and content deltas as
 // they arrive, tool calls when the reply ends (CallStream).
 type ReplyStream struct {
-	o     ReplyOptions
-	calls *CallStream
-	buf   string // text not yet classified (a possible partial tag)
-	state int    // 0: reply start, 1: in reasoning, 2: content
-	close string
+	o       ReplyOptions
+	calls   *CallStream
+	harmony *harmonyStream
+	buf     string // text not yet classified (a possible partial tag)
+	state   int    // 0: reply start, 1: in reasoning, 2: content
+	close   string
 }
 
 // NewReplyStream returns a stream for o.
 func NewReplyStream(o ReplyOptions) *ReplyStream {
 	r := &ReplyStream{o: o}
+	if o.Format == FormatHarmony {
+		r.harmony = &harmonyStream{tools: o.Tools}
+		return r
+	}
 	if o.Calls || o.structured() {
 		r.calls = NewCallStreamWith(o.Format, o.Tools)
 		if o.Stream {
@@ -99,6 +104,13 @@ func (r *ReplyStream) content(s string) string {
 
 // Push adds generated text and returns the reasoning and content to send now.
 func (r *ReplyStream) Push(text string) (reasoning, content string) {
+	if r.harmony != nil {
+		reasoning, content = r.harmony.push(text)
+		if !r.o.Reasoning {
+			reasoning, content = "", reasoning+content
+		}
+		return reasoning, content
+	}
 	r.buf += text
 	for {
 		switch r.state {
@@ -141,6 +153,14 @@ func (r *ReplyStream) Push(text string) (reasoning, content string) {
 
 // Deltas returns the tool-call pieces ready to send (ReplyOptions.Stream).
 func (r *ReplyStream) Deltas() []CallDelta {
+	if r.harmony != nil {
+		if !r.o.Calls || !r.o.Stream {
+			return nil
+		}
+		d := r.harmony.deltas
+		r.harmony.deltas = nil
+		return d
+	}
 	if r.calls == nil {
 		return nil
 	}
@@ -150,6 +170,25 @@ func (r *ReplyStream) Deltas() []CallDelta {
 // Finish returns what is left: reasoning still buffered, the held content, the calls.
 func (r *ReplyStream) Finish() Parsed {
 	var p Parsed
+	if r.harmony != nil {
+		p.Reasoning, p.Content, p.Calls, p.Truncated = r.harmony.finish()
+		if !r.o.Reasoning {
+			p.Reasoning, p.Content = "", p.Reasoning+p.Content
+		}
+		if !r.o.Calls {
+			p.Calls, p.Truncated = nil, false
+		}
+		if !r.o.Stream {
+			r.harmony.deltas = nil
+			for i := range p.Calls {
+				p.Calls[i].ID = NewCallIDFor(FormatHarmony)
+			}
+		}
+		if r.o.Forced && len(p.Calls) == 0 {
+			p.Content = ""
+		}
+		return p
+	}
 	switch r.state {
 	case 1:
 		p.Reasoning = r.buf // unclosed: everything was reasoning

@@ -77,3 +77,39 @@ func TestReasoningContentReachesTheTemplate(t *testing.T) {
 		t.Fatalf("%q", out)
 	}
 }
+
+func TestHarmonyStreamsReasoningAndArguments(t *testing.T) {
+	text := `<|channel|>analysis<|message|>Need weather; call tool.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Tokyo"}<|call|>`
+	s := NewReplyStream(ReplyOptions{Format: FormatHarmony, Tools: familyTools, Calls: true, Reasoning: true, Stream: true})
+	var reasoning strings.Builder
+	var deltas []CallDelta
+	argsEarly := false
+	for i := 0; i < len(text); i += 3 {
+		r, c := s.Push(text[i:min(i+3, len(text))])
+		if c != "" {
+			t.Fatalf("content %q from a call reply", c)
+		}
+		reasoning.WriteString(r)
+		d := s.Deltas()
+		for _, x := range d {
+			argsEarly = argsEarly || (x.Args != "" && i+3 < len(text))
+		}
+		deltas = append(deltas, d...)
+	}
+	fin := s.Finish()
+	deltas = append(deltas, s.Deltas()...)
+	if strings.TrimSpace(reasoning.String()) != "Need weather; call tool." || !argsEarly {
+		t.Fatalf("reasoning %q, args streamed early %v", reasoning.String(), argsEarly)
+	}
+	args := ""
+	for _, d := range deltas[1:] {
+		args += d.Args
+	}
+	if len(fin.Calls) != 1 || deltas[0].Name != "get_weather" || deltas[0].ID != fin.Calls[0].ID || args != fin.Calls[0].Function.Arguments || args != `{"city": "Tokyo"}` {
+		t.Fatalf("deltas %+v, calls %+v", deltas, fin.Calls)
+	}
+	// Plain text (no Harmony markers) comes back as written.
+	if p := ParseReply(ReplyOptions{Format: FormatHarmony, Reasoning: true}, "just text"); p.Content != "just text" {
+		t.Fatalf("plain: %+v", p)
+	}
+}
