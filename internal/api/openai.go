@@ -582,9 +582,9 @@ func nilIfEmpty(s string) any {
 }
 
 func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genParams, req engine.Request, st *engine.Stream, id string, created int64, plan *toolPlan) {
-	// With tools in play the reply may turn into a call: text before the call's marker
-	// streams, the call is held and sent as tool-call deltas once it parses.
-	// Thinking models: reasoning streams as delta.reasoning_content (tools.go's plan).
+	// Chat replies go through chat.ReplyStream: reasoning streams as
+	// delta.reasoning_content, content as it is generated, and a tool call as
+	// delta.tool_calls from its marker on (name first, then arguments as written).
 	var calls *chat.ReplyStream
 	if plan != nil {
 		o := plan.reply
