@@ -6,12 +6,15 @@ import (
 	"github.com/polykv/polykv/internal/chat/jinja"
 )
 
-// compile parses a chat template with github.com/ardanlabs/jinja. Why this engine: it
-// is a maintained pure-Go Jinja written for GGUF chat templates (used by Ardan Labs'
-// llama.cpp-family Go server), with transformers' trim_blocks/lstrip_blocks on, an
-// insertion-ordered dict, Python string methods and loop controls, and it is tested
-// byte-for-byte against jinja2. gonja, which we used before, failed 23 of llama.cpp's
-// 70 templates and walks Go maps in random order.
+// compile parses a chat template with internal/chat/jinja, a fork of
+// github.com/ardanlabs/jinja v1.8.0. Why this engine: it is a maintained pure-Go Jinja
+// written for GGUF chat templates (Ardan Labs' llama.cpp-family Go server uses it), with
+// transformers' trim_blocks/lstrip_blocks on, insertion-ordered dicts, Python string
+// methods and loop controls, tested byte for byte against jinja2. Why a fork: the gaps
+// left for exactness with transformers (tojson arguments, None/float printing, Markup,
+// dict() order) sit in unexported code without extension points, and its newer releases
+// need a newer Go than ours; the changes are listed in jinja/FORK.md. gonja, which we
+// used before, failed 23 of llama.cpp's 70 templates and walked Go maps in random order.
 func compile(source string) (*jinja.Template, error) {
 	return jinja.Compile(source)
 }

@@ -67,6 +67,8 @@ func TestRenderPythonValuesAndTransformersGlobals(t *testing.T) {
 		`{{ {'a': "it's", 'b': none, 'c': [true]} }}`:                        `{'a': "it's", 'b': None, 'c': [True]}`,
 		// trim_blocks and lstrip_blocks, as transformers sets them.
 		"a\n  {% if true %}\nb\n  {% endif %}\nc": "a\nb\nc",
+		// |safe gives Markup; Markup + str escapes the str, as jinja2 does (functionary v3.1).
+		`{{ "<b>"|safe + '"x" & y' }}|{{ '<i>' + "<b>"|safe }}|{{ "a"|safe + "b"|safe }}`: `<b>&#34;x&#34; &amp; y|&lt;i&gt;<b>|ab`,
 		// loopcontrols.
 		`{% for i in range(5) %}{% if i == 1 %}{% continue %}{% endif %}{% if i == 3 %}{% break %}{% endif %}{{ i }}{% endfor %}`: `02`,
 	}

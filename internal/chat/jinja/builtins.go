@@ -715,7 +715,17 @@ func filterSafe(args []Value, kwargs map[string]Value) (Value, error) {
 	if len(args) == 0 {
 		return NewString(""), nil
 	}
-	return args[0], nil
+	v := args[0]
+	if v.kind != KindString {
+		v = NewString(printValue(v))
+	}
+	v.safe = true // PolyKV fork: Markup, as jinja2 returns
+	return v, nil
+}
+
+// escapeMarkup is markupsafe.escape.
+func escapeMarkup(s string) string {
+	return strings.NewReplacer("&", "&amp;", "<", "&lt;", ">", "&gt;", `"`, "&#34;", "'", "&#39;").Replace(s)
 }
 
 func filterReplace(args []Value, kwargs map[string]Value) (Value, error) {

@@ -817,6 +817,23 @@ func (e *evaluator) evalBinary(n *binExpr) (Value, error) {
 
 	switch n.op {
 	case "+":
+		if left.kind == KindString && right.kind == KindString && left.safe != right.safe {
+			// PolyKV fork: Markup + str escapes the str (and str + Markup), giving Markup.
+			l, r := left.AsString(), right.AsString()
+			if !left.safe {
+				l = escapeMarkup(l)
+			} else {
+				r = escapeMarkup(r)
+			}
+			v := NewString(l + r)
+			v.safe = true
+			return v, nil
+		}
+		if left.safe && right.safe {
+			v := addValues(left, right)
+			v.safe = true
+			return v, nil
+		}
 		return addValues(left, right), nil
 	case "-":
 		return subValues(left, right), nil

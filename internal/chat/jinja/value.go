@@ -35,6 +35,9 @@ const (
 type Value struct {
 	kind Kind
 	v    any
+	// safe marks a string as markupsafe.Markup (PolyKV fork): the |safe filter makes
+	// one, and jinja2 then escapes plain strings concatenated to it with +.
+	safe bool
 }
 
 // Undefined returns an undefined value.
