@@ -17,13 +17,17 @@ export POLYKV_CACHE ?= $(HOME)/.cache/polykv
 export POLYKV_MODEL ?= $(POLYKV_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 VENV ?= $(POLYKV_CACHE)/venv
 
-.PHONY: build model templates test test-go test-python demo bench venv clean env
+.PHONY: build model gemma templates test test-go test-python demo bench venv clean env
 
 build:
 	go build -o bin/polykv ./cmd/polykv
 
 model:
 	./scripts/fetch-model.sh
+
+# The second test model (Gemma 3 270M, no chat template in its GGUF) for the template tests.
+gemma:
+	./scripts/fetch-gemma.sh
 
 # llama.cpp's chat templates for the template corpus test (internal/chat/corpus_test.go).
 templates:
@@ -32,7 +36,7 @@ templates:
 venv:
 	./scripts/venv.sh "$(VENV)"
 
-test: build model templates venv test-go test-python
+test: build model gemma templates venv test-go test-python
 
 test-go:
 	go vet ./...

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -172,4 +173,67 @@ func streamEvents(t testing.TB, base string, body map[string]any) []map[string]a
 		out = append(out, ev)
 	}
 	return out
+}
+
+// gemmaPath is the second test model (scripts/fetch-gemma.sh): Gemma 3 270M, whose GGUF
+// ships no chat template.
+func gemmaPath(t testing.TB) string {
+	t.Helper()
+	home, _ := os.UserHomeDir()
+	cache := os.Getenv("POLYKV_CACHE")
+	if cache == "" {
+		cache = filepath.Join(home, ".cache", "polykv")
+	}
+	p := filepath.Join(cache, "models", "gemma-3-270m-q4_k_m.gguf")
+	if _, err := os.Stat(p); err != nil {
+		if os.Getenv("POLYKV_REQUIRE_MODEL") != "" {
+			t.Fatalf("Gemma test model missing (%v): run `make gemma`", err)
+		}
+		t.Skipf("Gemma test skipped: %s is missing; run `make gemma`", p)
+	}
+	return p
+}
+
+func TestGemmaWithoutTemplateThenBuiltin(t *testing.T) {
+	path := gemmaPath(t)
+	open := func(cfg Config) string {
+		cfg.ModelPath, cfg.NCtx, cfg.Parallel, cfg.MaxPools = path, 1024, 1, -1
+		a, err := Open(cfg, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if a.Model.ChatTemplate() != "" {
+			t.Fatalf("this Gemma GGUF was expected to ship no chat template")
+		}
+		ts := httptest.NewServer(a.API.Handler())
+		t.Cleanup(func() { ts.Close(); a.Close() })
+		return ts.URL
+	}
+	msgs := []any{map[string]any{"role": "user", "content": "What is the weather in Paris?"}}
+	base := open(Config{})
+	code, out := post(t, base+"/v1/chat/completions", map[string]any{"messages": msgs, "max_tokens": 4})
+	msg, _ := out["error"].(map[string]any)["message"].(string)
+	if code != 400 || !strings.Contains(msg, "--chat-template") {
+		t.Fatalf("Gemma without a template: %d %v", code, out)
+	}
+	// --chat-template gemma: Gemma's own turn format, and tools through it.
+	base = open(Config{ChatTemplate: "gemma"})
+	code, out = post(t, base+"/apply-template", map[string]any{"messages": msgs})
+	if code != 200 || out["prompt"] != "<bos><start_of_turn>user\nWhat is the weather in Paris?<end_of_turn>\n<start_of_turn>model\n" {
+		t.Fatalf("gemma template: %d %q", code, out["prompt"])
+	}
+	code, out = post(t, base+"/v1/chat/completions", map[string]any{"messages": msgs, "tools": []any{weatherTool},
+		"tool_choice": "required", "temperature": 0, "max_tokens": 80})
+	if code != 200 {
+		t.Fatalf("gemma tool call: %d %v", code, out)
+	}
+	calls, _ := out["choices"].([]any)[0].(map[string]any)["message"].(map[string]any)["tool_calls"].([]any)
+	if len(calls) != 1 {
+		t.Fatalf("gemma forced call: %v", out["choices"])
+	}
+	fn := calls[0].(map[string]any)["function"].(map[string]any)
+	if fn["name"] != "get_weather" {
+		t.Fatalf("gemma called %v", fn)
+	}
+	validateArgs(t, "get_weather", fn["arguments"].(string))
 }
