@@ -119,9 +119,6 @@ func NewRenderer(source, bos, eos string) *Renderer {
 // Err is nil when the template compiled, else why chat requests will be refused.
 func (r *Renderer) Err() error { return r.compileErr }
 
-// Source is the template text in use.
-func (r *Renderer) Source() string { return r.source }
-
 // BOS and EOS are the token texts the template sees as bos_token and eos_token.
 func (r *Renderer) BOS() string { return r.bos }
 
