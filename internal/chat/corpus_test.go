@@ -238,6 +238,9 @@ func TestTemplateCorpus(t *testing.T) {
 				}
 			}
 			res.same = res.refErr == "" && res.ourErr == "" && res.ours == res.ref
+			if strings.Contains(templates[name], "[AVAILABLE_TOOLS]") && strings.HasPrefix(c.Name, "tools_first_turn") && !strings.Contains(res.ours, "[AVAILABLE_TOOLS]") {
+				t.Errorf("%s/%s: Mistral tools block missing", name, c.Name)
+			}
 			res.injected = len(tools) > 0 && !strings.Contains(templates[name], "tools")
 			if !res.same && res.refErr == "" && res.ourErr == "" {
 				res.diffAt = firstDiff(res.ref, res.ours)
