@@ -76,7 +76,8 @@ func parseMessages(raw json.RawMessage) ([]chat.Message, *apiError) {
 	if isNull(raw) {
 		return nil, badRequest("messages must be a non-empty array")
 	}
-	if err := json.Unmarshal(raw, &in); err != nil {
+	var raws []json.RawMessage
+	if err := json.Unmarshal(raw, &in); err != nil || json.Unmarshal(raw, &raws) != nil {
 		return nil, badRequest("messages must be an array of {role, content} objects")
 	}
 	if len(in) == 0 {
@@ -91,7 +92,7 @@ func parseMessages(raw json.RawMessage) ([]chat.Message, *apiError) {
 		if err != nil {
 			return nil, badRequest("messages[%d]: %v", i, err)
 		}
-		msg := chat.Message{Role: m.Role, Content: text, NullContent: isNull(m.Content), Name: m.Name, ToolCallID: m.ToolCallID, ReasoningContent: m.Reasoning}
+		msg := chat.Message{Role: m.Role, Content: text, NullContent: isNull(m.Content), Name: m.Name, ToolCallID: m.ToolCallID, ReasoningContent: m.Reasoning, Raw: raws[i]}
 		if m.Role == "tool" && m.ToolCallID == "" {
 			return nil, badRequest("messages[%d]: a tool message needs tool_call_id", i)
 		}

@@ -76,12 +76,13 @@ func messagesFromHF(t *testing.T, raw json.RawMessage) []Message {
 			} `json:"function"`
 		} `json:"tool_calls"`
 	}
-	if err := json.Unmarshal(raw, &in); err != nil {
+	var raws []json.RawMessage
+	if err := json.Unmarshal(raw, &in); err != nil || json.Unmarshal(raw, &raws) != nil {
 		t.Fatal(err)
 	}
 	out := make([]Message, len(in))
 	for i, m := range in {
-		out[i] = Message{Role: m.Role, ToolCallID: m.ToolCallID, NullContent: m.Content == nil}
+		out[i] = Message{Role: m.Role, ToolCallID: m.ToolCallID, NullContent: m.Content == nil, Raw: raws[i]}
 		if m.Content != nil {
 			out[i].Content = *m.Content
 		}

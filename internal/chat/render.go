@@ -38,6 +38,9 @@ type Message struct {
 	// ReasoningContent is an assistant turn's reasoning, given back by the client;
 	// thinking templates (Qwen3, GLM, …) read message.reasoning_content.
 	ReasoningContent string
+	// Raw is the client's message object: its other keys (GPT-OSS's "thinking", …)
+	// reach the template too, in the client's order, as transformers passes them.
+	Raw json.RawMessage
 }
 
 // Tool is an OpenAI function tool. Raw keeps the client's JSON so the template sees
@@ -233,6 +236,11 @@ func templateMessages(msgs []Message) jinja.Value {
 	items := make([]jinja.Value, len(msgs))
 	for i, m := range msgs {
 		v := jinja.NewDict()
+		if len(m.Raw) > 0 {
+			if raw, err := orderedJSON(m.Raw); err == nil && raw.IsDict() {
+				v = raw // the fields below replace theirs in place, keeping the order
+			}
+		}
 		d := v.AsDict()
 		role := m.Role
 		if role == "developer" {

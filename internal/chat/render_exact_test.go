@@ -38,6 +38,14 @@ func TestRenderKeepsClientKeyOrderAndIsDeterministic(t *testing.T) {
 	}
 }
 
+func TestRenderPassesTheClientsMessageKeys(t *testing.T) {
+	raw := json.RawMessage(`{"thinking": "hmm", "role": "developer", "content": [{"type": "text", "text": "be brief"}], "x": {"b": 1, "a": 2}}`)
+	out := renderOne(t, `{% for k, v in messages[0] | items %}{{ k }}={{ v }};{% endfor %}`, []Message{{Role: "developer", Content: "be brief", Raw: raw}}, nil)
+	if out != "thinking=hmm;role=system;content=be brief;x={'b': 1, 'a': 2};" {
+		t.Fatalf("%q", out)
+	}
+}
+
 func TestRenderToJSONArgumentsAsJSONDumps(t *testing.T) {
 	msgs := []Message{{Role: "user", Content: "é \"q\" <b> \u2028 \x01"}}
 	cases := map[string]string{
