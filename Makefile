@@ -20,13 +20,18 @@ export POLYKV_MODEL ?= $(POLYKV_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 export POLYKV_MODEL_GEMMA ?= $(POLYKV_CACHE)/models/gemma-3-270m-q4_k_m.gguf
 VENV ?= $(POLYKV_CACHE)/venv
 
-.PHONY: build model test test-go test-python demo bench venv browser clean env
+.PHONY: build model templates test test-go test-python demo bench venv browser clean env
 
 build:
 	go build -o bin/polykv ./cmd/polykv
 
 model:
 	./scripts/fetch-model.sh
+
+# The second test model (Gemma 3 270M, no chat template in its GGUF) for the template tests.
+# llama.cpp's chat templates for the template corpus test (internal/chat/corpus_test.go).
+templates:
+	./scripts/fetch-templates.sh
 
 venv:
 	./scripts/venv.sh "$(VENV)"
@@ -35,7 +40,7 @@ venv:
 browser:
 	./scripts/install-browser.sh
 
-test: build model venv browser test-go test-python
+test: build model templates venv browser test-go test-python
 
 test-go:
 	go vet ./...

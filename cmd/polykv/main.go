@@ -16,10 +16,12 @@ import (
 	"os"
 	"os/signal"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/polykv/polykv/internal/app"
+	"github.com/polykv/polykv/internal/chat"
 )
 
 func usage() {
@@ -75,6 +77,8 @@ func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
 	fs.StringVar(&cfg.CacheTypeK, "ctk", cfg.CacheTypeK, "same as --cache-type-k")
 	fs.StringVar(&cfg.CacheTypeV, "cache-type-v", cfg.CacheTypeV, "V cache type (as --cache-type-k); a quantized V cache needs --flash-attn on")
 	fs.StringVar(&cfg.CacheTypeV, "ctv", cfg.CacheTypeV, "same as --cache-type-v")
+	fs.StringVar(&cfg.ChatTemplate, "chat-template", cfg.ChatTemplate, "chat template to use instead of the GGUF's: a built-in name ("+strings.Join(chat.BuiltinTemplateNames(), ", ")+") or Jinja source")
+	fs.StringVar(&cfg.ChatTemplateFile, "chat-template-file", cfg.ChatTemplateFile, "Jinja chat template file to use instead of the GGUF's")
 	fs.DurationVar(&cfg.TPSTau, "tps-tau", cfg.TPSTau, "time constant of the per-session experienced tps EWMA")
 	fs.IntVar(&cfg.MaxPools, "max-pools", cfg.MaxPools, "shared-prefix pools: sequence ids reserved above --parallel (0: no pools)")
 	fs.Func("pool-grace-ms", fmt.Sprintf("a pool is not reclaimed or evicted within this many ms of its last use (default %d)", cfg.PoolGrace.Milliseconds()), func(v string) error {

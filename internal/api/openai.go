@@ -55,6 +55,7 @@ type chatRequest struct {
 	ToolChoice        json.RawMessage `json:"tool_choice"`
 	ParallelToolCalls *bool           `json:"parallel_tool_calls"`
 	ResponseFormat    json.RawMessage `json:"response_format"`
+	templateOptions                   // chat_template_kwargs, reasoning_effort (template.go)
 }
 
 // parseMessages validates OpenAI chat messages (tool calls and tool results included)
@@ -64,6 +65,7 @@ func parseMessages(raw json.RawMessage) ([]chat.Message, *apiError) {
 		Role       string          `json:"role"`
 		Content    json.RawMessage `json:"content"`
 		Name       string          `json:"name"`
+		Reasoning  string          `json:"reasoning_content"`
 		ToolCallID string          `json:"tool_call_id"`
 		ToolCalls  []struct {
 			ID       string `json:"id"`
@@ -77,7 +79,8 @@ func parseMessages(raw json.RawMessage) ([]chat.Message, *apiError) {
 	if isNull(raw) {
 		return nil, badRequest("messages must be a non-empty array")
 	}
-	if err := json.Unmarshal(raw, &in); err != nil {
+	var raws []json.RawMessage
+	if err := json.Unmarshal(raw, &in); err != nil || json.Unmarshal(raw, &raws) != nil {
 		return nil, badRequest("messages must be an array of {role, content} objects")
 	}
 	if len(in) == 0 {
@@ -92,7 +95,7 @@ func parseMessages(raw json.RawMessage) ([]chat.Message, *apiError) {
 		if err != nil {
 			return nil, badRequest("messages[%d]: %v", i, err)
 		}
-		msg := chat.Message{Role: m.Role, Content: text, Name: m.Name, ToolCallID: m.ToolCallID}
+		msg := chat.Message{Role: m.Role, Content: text, NullContent: isNull(m.Content), Name: m.Name, ToolCallID: m.ToolCallID, ReasoningContent: m.Reasoning, Raw: raws[i]}
 		if m.Role == "tool" && m.ToolCallID == "" {
 			return nil, badRequest("messages[%d]: a tool message needs tool_call_id", i)
 		}
@@ -353,10 +356,11 @@ func (s *Server) chatPrompt(req *chatRequest) ([]int32, toolPlan, *apiError) {
 	if e != nil {
 		return nil, plan, e
 	}
-	prompt, err := s.chat.Render(msgs, plan.tools, true)
-	if err != nil {
-		return nil, plan, renderError(err)
+	prompt, e := s.renderChat(msgs, plan.tools, true, req.templateOptions)
+	if e != nil {
+		return nil, plan, e
 	}
+	plan.reply.ThinkingOpen = chat.PromptOpensThinking(prompt)
 	toks, err := s.tok.Tokenize(prompt, true, true)
 	if err != nil {
 		return nil, plan, badRequest("%v", err)
@@ -538,13 +542,8 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *gen
 	if k == kindChat {
 		object = "chat.completion"
 		msg := map[string]any{"role": "assistant", "content": res.text.String()}
-		if plan != nil && plan.parse {
-			content, calls := chat.Parse(s.format(), res.text.String())
-			if len(calls) > 0 {
-				msg["tool_calls"] = toolCallsJSON(calls)
-				msg["content"] = nilIfEmpty(content)
-				choice["finish_reason"] = "tool_calls"
-			}
+		if plan != nil {
+			msg = replyMessage(plan, res.text.String(), choice) // reasoning, content, tool calls (tools.go)
 		}
 		choice["message"] = msg
 	} else {
@@ -569,8 +568,11 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *gen
 // renderError maps a chat-template failure: the template refusing the conversation is
 // the caller's 400; anything else is ours.
 func renderError(err error) *apiError {
-	if errors.Is(err, chat.ErrTemplateRaised) {
+	switch {
+	case errors.Is(err, chat.ErrTemplateRaised):
 		return badRequest("the model's chat template refused these messages: %v", err)
+	case errors.Is(err, chat.ErrNoTemplate), errors.Is(err, chat.ErrTemplateFailed):
+		return badRequest("%v", err)
 	}
 	return &apiError{status: http.StatusInternalServerError, typ: "server_error", msg: "chat template: " + err.Error()}
 }
@@ -583,11 +585,14 @@ func nilIfEmpty(s string) any {
 }
 
 func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genParams, req engine.Request, st *engine.Stream, id string, created int64, plan *toolPlan) {
-	// With tools in play the reply may turn into a call: text before the call's marker
-	// streams, the call is held and sent as tool-call deltas once it parses.
-	var calls *chat.CallStream
-	if plan != nil && plan.parse {
-		calls = chat.NewCallStream(s.format())
+	// Chat replies go through chat.ReplyStream: reasoning streams as
+	// delta.reasoning_content, content as it is generated, and a tool call as
+	// delta.tool_calls from its marker on (name first, then arguments as written).
+	var calls *chat.ReplyStream
+	if plan != nil {
+		o := plan.reply
+		o.Stream = true // call headers and arguments go out as they are generated
+		calls = chat.NewReplyStream(o)
 	}
 	flusher, _ := w.(http.Flusher)
 	// Headers wait for the first event: a request held by an admission gate (or failed
@@ -666,17 +671,17 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 			}
 			reason := finishReason(ev)
 			if calls != nil {
-				released := calls.Push(ev.Text)
-				rest, parsed := calls.Finish()
+				thought, released := calls.Push(ev.Text)
+				fin := calls.Finish()
+				rest, parsed := fin.Content, fin.Calls
+				if thought += fin.Reasoning; thought != "" && !send(reasoningChunk(chunk("", nil, nil), thought)) {
+					return
+				}
 				if content := released + rest; content != "" && !send(chunk(content, nil, nil)) {
 					return
 				}
-				for _, d := range toolCallDeltas(parsed) {
-					c := chunk("", nil, nil)
-					c["choices"].([]any)[0].(map[string]any)["delta"] = map[string]any{"tool_calls": d}
-					if !send(c) {
-						return
-					}
+				if !sendCallDeltas(send, chunk("", nil, nil), calls.Deltas()) {
+					return
 				}
 				if len(parsed) > 0 {
 					reason = "tool_calls"
@@ -715,7 +720,18 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genPa
 			continue
 		}
 		if calls != nil {
-			if out := calls.Push(ev.Text); out != "" && !send(chunk(out, nil, nil)) {
+			thought, out := calls.Push(ev.Text)
+			if thought != "" && !send(reasoningChunk(chunk("", nil, nil), thought)) {
+				return
+			}
+			var lps []engine.TokenLogprob
+			if out == ev.Text {
+				lps = ev.Tokens // passed through unchanged: its tokens' logprobs still apply
+			}
+			if out != "" && !send(chunk(out, lps, nil)) {
+				return
+			}
+			if !sendCallDeltas(send, chunk("", nil, nil), calls.Deltas()) {
 				return
 			}
 			continue

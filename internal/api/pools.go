@@ -13,6 +13,7 @@ type poolBody struct {
 	Tokens      *[]int32        `json:"tokens"`
 	Prompt      *string         `json:"prompt"`
 	Messages    json.RawMessage `json:"messages"`
+	Tools       json.RawMessage `json:"tools"` // with messages: rendered as a chat with these tools renders its start
 	FromSession *string         `json:"from_session"`
 	BranchPos   *int            `json:"branch_pos"`
 	Pin         bool            `json:"pin"`
@@ -81,6 +82,9 @@ func (s *Server) prefixTokens(b *poolBody) ([]int32, string, *apiError) {
 	if n != 1 {
 		return nil, "", badRequest("give exactly one of tokens, prompt, messages or from_session (got %d)", n)
 	}
+	if !isNull(b.Tools) && isNull(b.Messages) {
+		return nil, "", badRequest("tools are rendered with messages: give messages too")
+	}
 	switch {
 	case b.Tokens != nil:
 		if len(*b.Tokens) == 0 {
@@ -109,8 +113,13 @@ func (s *Server) prefixTokens(b *poolBody) ([]int32, string, *apiError) {
 	if e != nil {
 		return nil, "", e
 	}
-	// Rendered as the start of a conversation, exactly as a chat request renders it.
-	text, err := s.chat.Render(msgs, nil, false)
+	tools, e := parseTools(b.Tools)
+	if e != nil {
+		return nil, "", e
+	}
+	// Rendered as the start of a conversation, exactly as a chat request with the same
+	// tools renders it, so agents bound to tools share the system + tools prefix.
+	text, err := s.chat.Render(msgs, tools, false)
 	if err != nil {
 		return nil, "", renderError(err)
 	}

@@ -97,6 +97,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("GET /slots", s.handleSlots)
 	s.routePools(mux)
 	s.routeTPS(mux)
+	s.routeTemplate(mux)
 	s.routeFleet(mux)
 	ui.Register(mux) // the dashboard page: GET /ui/ (and GET / redirects there)
 	// No catch-all "/" route: it would match every method and turn a wrong method
@@ -268,7 +269,7 @@ func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
 func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 	snap := s.eng.Snapshot()
 	usage, floors := snap.Usage, snap.Floors
-	writeJSON(w, http.StatusOK, map[string]any{
+	props := map[string]any{
 		"model":              s.info.ModelID,
 		"model_path":         s.info.ModelPath,
 		"model_desc":         s.info.ModelDesc,
@@ -298,7 +299,11 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 				"stream_interval_ms_default": 500,
 			},
 		},
-	})
+	}
+	for k, v := range s.templateProps() {
+		props[k] = v
+	}
+	writeJSON(w, http.StatusOK, props)
 }
 
 func (s *Server) handleSlots(w http.ResponseWriter, r *http.Request) {

@@ -3,7 +3,9 @@ package api
 import (
 	"bytes"
 	"encoding/json"
+	"maps"
 	"regexp"
+	"strings"
 
 	"github.com/polykv/polykv/internal/chat"
 )
@@ -14,6 +16,9 @@ type toolPlan struct {
 	parse    bool        // parse tool calls out of the reply
 	grammar  string      // constrained decoding ("" = free)
 	parallel bool
+	// reply says how the generated text splits into reasoning, content and calls
+	// (ThinkingOpen is set once the prompt is rendered).
+	reply chat.ReplyOptions
 }
 
 var toolNameRE = regexp.MustCompile(`^[a-zA-Z0-9_-]{1,64}$`)
@@ -22,30 +27,11 @@ var toolNameRE = regexp.MustCompile(`^[a-zA-Z0-9_-]{1,64}$`)
 // compiles the grammar they call for. Errors are 400s naming the field.
 func (s *Server) planTools(req *chatRequest) (toolPlan, *apiError) {
 	var plan toolPlan
-	if !isNull(req.Tools) {
-		if err := json.Unmarshal(req.Tools, &plan.tools); err != nil {
-			return plan, badRequest("tools must be an array of {type: \"function\", function: {name, description, parameters}}")
-		}
-		seen := map[string]bool{}
-		for i, t := range plan.tools {
-			if t.Type != "function" {
-				return plan, badRequest("tools[%d].type must be \"function\", got %q", i, t.Type)
-			}
-			if !toolNameRE.MatchString(t.Function.Name) {
-				return plan, badRequest("tools[%d].function.name %q must be 1-64 letters, digits, _ or -", i, t.Function.Name)
-			}
-			if seen[t.Function.Name] {
-				return plan, badRequest("tools[%d]: duplicate function name %q", i, t.Function.Name)
-			}
-			seen[t.Function.Name] = true
-			if p := bytes.TrimSpace(t.Function.Parameters); len(p) > 0 && !isNull(p) {
-				var obj map[string]any
-				if err := json.Unmarshal(p, &obj); err != nil {
-					return plan, badRequest("tools[%d].function.parameters must be a JSON schema object", i)
-				}
-			}
-		}
+	tools, e := parseTools(req.Tools)
+	if e != nil {
+		return plan, e
 	}
+	plan.tools = tools
 	// Grammar-forced calls allow several only when asked for explicitly: left open, a
 	// small model repeats the call until max_tokens.
 	plan.parallel = req.ParallelToolCalls != nil && *req.ParallelToolCalls
@@ -90,6 +76,12 @@ func (s *Server) planTools(req *chatRequest) (toolPlan, *apiError) {
 		}
 		plan.grammar = chat.CallGrammar(format, g, plan.parallel && choice == "required")
 	}
+	reasoning, e := req.templateOptions.reasoning()
+	if e != nil {
+		return plan, e
+	}
+	plan.reply = chat.ReplyOptions{Format: format, Tools: plan.tools, Calls: plan.parse, Reasoning: reasoning,
+		Forced: choice == "required" || choice == "named"}
 	rf, e := s.responseFormatGrammar(req.ResponseFormat)
 	if e != nil {
 		return plan, e
@@ -106,6 +98,38 @@ func (s *Server) planTools(req *chatRequest) (toolPlan, *apiError) {
 		}
 	}
 	return plan, nil
+}
+
+// parseTools validates an OpenAI tools array (chat requests and pools share it, so a
+// pool built with tools renders exactly the start of a chat with the same tools).
+func parseTools(raw json.RawMessage) ([]chat.Tool, *apiError) {
+	if isNull(raw) {
+		return nil, nil
+	}
+	var tools []chat.Tool
+	if err := json.Unmarshal(raw, &tools); err != nil {
+		return nil, badRequest("tools must be an array of {type: \"function\", function: {name, description, parameters}}")
+	}
+	seen := map[string]bool{}
+	for i, t := range tools {
+		if t.Type != "function" {
+			return nil, badRequest("tools[%d].type must be \"function\", got %q", i, t.Type)
+		}
+		if !toolNameRE.MatchString(t.Function.Name) {
+			return nil, badRequest("tools[%d].function.name %q must be 1-64 letters, digits, _ or -", i, t.Function.Name)
+		}
+		if seen[t.Function.Name] {
+			return nil, badRequest("tools[%d]: duplicate function name %q", i, t.Function.Name)
+		}
+		seen[t.Function.Name] = true
+		if p := bytes.TrimSpace(t.Function.Parameters); len(p) > 0 && !isNull(p) {
+			var obj map[string]any
+			if err := json.Unmarshal(p, &obj); err != nil {
+				return nil, badRequest("tools[%d].function.parameters must be a JSON schema object", i)
+			}
+		}
+	}
+	return tools, nil
 }
 
 func parseToolChoice(raw json.RawMessage) (string, string, *apiError) {
@@ -183,19 +207,52 @@ func toolCallsJSON(calls []chat.ToolCall) []map[string]any {
 	return out
 }
 
-// toolCallDeltas streams calls as OpenAI does: a first delta per call with its id and
-// name, then the arguments in pieces.
-func toolCallDeltas(calls []chat.ToolCall) [][]map[string]any {
-	var out [][]map[string]any
-	for i, c := range calls {
-		out = append(out, []map[string]any{{"index": i, "id": c.ID, "type": "function", "function": map[string]any{"name": c.Function.Name, "arguments": ""}}})
-		args := c.Function.Arguments
-		const piece = 16
-		for len(args) > 0 {
-			n := min(piece, len(args))
-			out = append(out, []map[string]any{{"index": i, "function": map[string]any{"arguments": args[:n]}}})
-			args = args[n:]
+// sendCallDeltas sends tool-call pieces as OpenAI streams them, one chunk each: the
+// first piece of a call with its index, id, type and name, then its arguments as they
+// were generated. base is an empty chunk to fill; false means the client is gone.
+func sendCallDeltas(send func(any) bool, base map[string]any, deltas []chat.CallDelta) bool {
+	for _, d := range deltas {
+		var tc map[string]any
+		if d.Name != "" {
+			tc = map[string]any{"index": d.Index, "id": d.ID, "type": "function", "function": map[string]any{"name": d.Name, "arguments": d.Args}}
+		} else {
+			tc = map[string]any{"index": d.Index, "function": map[string]any{"arguments": d.Args}}
+		}
+		c := maps.Clone(base)
+		choice := maps.Clone(base["choices"].([]any)[0].(map[string]any))
+		choice["delta"] = map[string]any{"tool_calls": []map[string]any{tc}}
+		c["choices"] = []any{choice}
+		if !send(c) {
+			return false
 		}
 	}
-	return out
+	return true
+}
+
+// replyMessage builds the chat message from the generated text: reasoning_content,
+// content and tool_calls as the plan says (finish_reason "tool_calls" when calls came).
+func replyMessage(plan *toolPlan, text string, choice map[string]any) map[string]any {
+	msg := map[string]any{"role": "assistant", "content": text}
+	p := chat.ParseReply(plan.reply, text)
+	if p.Reasoning == "" && len(p.Calls) == 0 && !plan.reply.Forced && p.Content == strings.TrimSpace(text) {
+		return msg // nothing to split out: the text as generated
+	}
+	msg["content"] = p.Content
+	if p.Reasoning != "" {
+		msg["reasoning_content"] = p.Reasoning
+	}
+	if len(p.Calls) > 0 {
+		msg["tool_calls"] = toolCallsJSON(p.Calls)
+		msg["content"] = nilIfEmpty(p.Content)
+		choice["finish_reason"] = "tool_calls"
+	} else if plan.reply.Forced {
+		msg["content"] = nilIfEmpty(p.Content) // a forced call cut short: no half call
+	}
+	return msg
+}
+
+// reasoningChunk turns a stream chunk into a delta.reasoning_content one.
+func reasoningChunk(c map[string]any, text string) map[string]any {
+	c["choices"].([]any)[0].(map[string]any)["delta"] = map[string]any{"reasoning_content": text}
+	return c
 }

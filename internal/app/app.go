@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/polykv/polykv/internal/api"
+	"github.com/polykv/polykv/internal/chat"
 	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/kvevents"
 	"github.com/polykv/polykv/internal/llama"
@@ -38,6 +39,10 @@ type Config struct {
 	TPSTau     time.Duration // --tps-tau: EWMA time constant of experienced tps
 	CacheTypeK string        // --cache-type-k: f16, q8_0, q4_0, ...
 	CacheTypeV string        // --cache-type-v: as CacheTypeK; quantized needs flash attention
+	// ChatTemplate (--chat-template NAME or inline Jinja) and ChatTemplateFile
+	// (--chat-template-file PATH) override the GGUF's tokenizer.chat_template.
+	ChatTemplate     string
+	ChatTemplateFile string
 
 	// APIKeys (--api-key, --api-key-file): when any is set, every route but /health
 	// needs "Authorization: Bearer KEY" with one of them. None: the server is open.
@@ -159,6 +164,16 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	if err != nil {
 		return nil, err
 	}
+	tmplSrc, tmplFrom, err := chat.ResolveTemplate(model.ChatTemplate(), cfg.ChatTemplate, cfg.ChatTemplateFile)
+	if err != nil {
+		model.Free()
+		return nil, err
+	}
+	renderer := runner.NewChatRenderer(model, tmplSrc)
+	if err := renderer.Err(); err != nil && log != nil {
+		log.Warn("no usable chat template: chat requests will answer 400; pass --chat-template NAME or --chat-template-file PATH",
+			"template", tmplFrom, "reason", err, "builtin_names", strings.Join(chat.BuiltinTemplateNames(), ","))
+	}
 	// Bytes per cell from the real element types: pool and session KV accounting
 	// (own_kv_bytes, marginal_kv_bytes, ...) scale with them.
 	ecfg.BytesPerCell = model.KVBytesPerCellTyped(tk, tv)
@@ -245,11 +260,11 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	metrics.SetEngine(eng)
 	info := api.Info{
 		ModelID: id, ModelPath: cfg.ModelPath, ModelDesc: model.Desc(), NCtx: cfg.NCtx, NCtxTrain: model.NCtxTrain(),
-		Parallel: cfg.Parallel, NBatch: cfg.NBatch, NVocab: model.NVocab(), ChatTemplate: model.ChatTemplate(), Started: time.Now(),
+		Parallel: cfg.Parallel, NBatch: cfg.NBatch, NVocab: model.NVocab(), ChatTemplate: tmplSrc, Started: time.Now(),
 		MaxPools: cfg.MaxPools, PoolGraceMs: cfg.PoolGrace.Milliseconds(), BytesPerCell: ecfg.BytesPerCell, PoolsUnsupported: ecfg.PoolsUnsupported,
 	}
 	info.TPSTauMs = cfg.TPSTau.Milliseconds()
-	srv := api.New(eng, model, runner.NewChatRenderer(model), info, metrics, log)
+	srv := api.New(eng, model, renderer, info, metrics, log)
 	srv.RequireAPIKeys(cfg.APIKeys)
 	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv, KVEvents: pub}, nil
 }

@@ -68,7 +68,7 @@ func TestTemplateRenderingMatchesLlamaCpp(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer m.Free()
-	r := runner.NewChatRenderer(m)
+	r := runner.NewChatRenderer(m, m.ChatTemplate())
 	if r.Path() != chat.PathJinja {
 		t.Fatalf("SmolLM2's template is not rendered by Jinja: %s", r.Path())
 	}

@@ -12,7 +12,7 @@ func TestParseHermes(t *testing.T) {
 		name, in, content string
 		calls             []string // name:args
 	}{
-		{"one call", `<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>`, "", []string{`get_weather:{"city":"Paris"}`}},
+		{"one call", `<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>`, "", []string{`get_weather:{"city": "Paris"}`}},
 		{"text around", "Let me check.\n<tool_call>\n{\"name\":\"f\",\"arguments\":{}}\n</tool_call>\nDone.", "Let me check.\n\nDone.", []string{"f:{}"}},
 		{"two calls", `<tool_call>{"name":"a","arguments":{"x":1}}</tool_call><tool_call>{"name":"b","arguments":"{\"y\": 2}"}</tool_call>`, "", []string{`a:{"x":1}`, `b:{"y": 2}`}},
 		{"malformed json stays content", `<tool_call>{"name": "f", "arguments": {</tool_call>`, `<tool_call>{"name": "f", "arguments": {</tool_call>`, nil},
@@ -37,11 +37,11 @@ func TestParseHermes(t *testing.T) {
 
 func TestParseLlama3(t *testing.T) {
 	content, calls := Parse(FormatLlama3, `<|python_tag|>{"name": "search", "parameters": {"q": "go"}}`)
-	if content != "" || len(calls) != 1 || calls[0].Function.Name != "search" || calls[0].Function.Arguments != `{"q":"go"}` {
+	if content != "" || len(calls) != 1 || calls[0].Function.Name != "search" || calls[0].Function.Arguments != `{"q": "go"}` {
 		t.Fatalf("python tag: %q %+v", content, calls)
 	}
 	_, calls = Parse(FormatLlama3, `{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"k": true}}`)
-	if len(calls) != 2 || calls[1].Function.Arguments != `{"k":true}` {
+	if len(calls) != 2 || calls[1].Function.Arguments != `{"k": true}` {
 		t.Fatalf("two calls: %+v", calls)
 	}
 	for _, in := range []string{`The answer is 4.`, `{"not": "a call"}`, `{"name": "a", "parameters": {}} trailing words`, `{"name": "a", "param`} {
@@ -53,7 +53,7 @@ func TestParseLlama3(t *testing.T) {
 
 func TestParseMistral(t *testing.T) {
 	content, calls := Parse(FormatMistral, `Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "neg", "arguments": {"x": 3}}]`)
-	if content != "Sure." || len(calls) != 2 || calls[0].Function.Arguments != `{"a":1,"b":2}` {
+	if content != "Sure." || len(calls) != 2 || calls[0].Function.Arguments != `{"a": 1, "b": 2}` || len(calls[0].ID) != 9 {
 		t.Fatalf("mistral: %q %+v", content, calls)
 	}
 	for _, in := range []string{`[TOOL_CALLS][{"name": "add", "arguments": {`, `[TOOL_CALLS] nonsense`, `[TOOL_CALLS][{"arguments": {}}]`} {
@@ -75,12 +75,8 @@ func TestDetectFormat(t *testing.T) {
 
 const chatml = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nDefault system<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 
-func noFallback(t *testing.T) Fallback {
-	return func([]Message, bool) (string, error) { t.Fatal("fallback used"); return "", nil }
-}
-
 func TestRenderJinja(t *testing.T) {
-	r := NewRenderer(chatml, "", "<|im_end|>", noFallback(t))
+	r := NewRenderer(chatml, "", "<|im_end|>")
 	if r.Path() != PathJinja {
 		t.Fatalf("path %s", r.Path())
 	}
@@ -94,7 +90,7 @@ func TestRenderJinja(t *testing.T) {
 }
 
 func TestRenderInjectsToolsForTemplatesWithout(t *testing.T) {
-	r := NewRenderer(chatml, "", "", noFallback(t))
+	r := NewRenderer(chatml, "", "")
 	tools := []Tool{{Type: "function", Function: ToolFunction{Name: "get_weather", Description: "Weather for a city",
 		Parameters: json.RawMessage(`{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}`)}}}
 	got, err := r.Render([]Message{{Role: "system", Content: "Be brief."}, {Role: "user", Content: "Paris?"}}, tools, true)
@@ -111,7 +107,7 @@ func TestRenderInjectsToolsForTemplatesWithout(t *testing.T) {
 func TestRenderToolHistoryThroughTemplate(t *testing.T) {
 	tmpl := `{% for m in messages %}[{{ m.role }}]{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}{% else %}{{ m.content }}{% endif %}{% if m.tool_call_id %} (for {{ m.tool_call_id }}){% endif %}
 {% endfor %}{% if tools %}TOOLS {{ tools | tojson }}{% endif %}`
-	r := NewRenderer(tmpl, "", "", noFallback(t))
+	r := NewRenderer(tmpl, "", "")
 	msgs := []Message{
 		{Role: "user", Content: "2+2?"},
 		{Role: "assistant", ToolCalls: []ToolCall{{ID: "call_1", Type: "function", Function: FunctionCall{Name: "add", Arguments: `{"a": 2, "b": 2}`}}}},
@@ -122,26 +118,33 @@ func TestRenderToolHistoryThroughTemplate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{`CALL add {"a": 2, "b": 2}`, "[tool]4 (for call_1)", `TOOLS [{"function": {"description": "", "name": "add", "parameters": {"type": "object"}}, "type": "function"}]`} {
+	for _, want := range []string{`CALL add {"a": 2, "b": 2}`, "[tool]4 (for call_1)", `TOOLS [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]`} {
 		if !strings.Contains(got, want) {
 			t.Fatalf("render lacks %q:\n%s", want, got)
 		}
 	}
 }
 
-func TestRenderRaiseExceptionAndFallback(t *testing.T) {
-	r := NewRenderer(`{{ raise_exception("roles must alternate") }}`, "", "", noFallback(t))
+func TestRenderRaiseExceptionAndNoTemplate(t *testing.T) {
+	r := NewRenderer(`{{ raise_exception("roles must alternate") }}`, "", "")
 	if _, err := r.Render([]Message{{Role: "user", Content: "x"}}, nil, true); !errors.Is(err, ErrTemplateRaised) || !strings.Contains(err.Error(), "roles must alternate") {
 		t.Fatalf("raise_exception: %v", err)
 	}
-	used := false
-	fb := func(msgs []Message, add bool) (string, error) { used = true; return "fallback", nil }
-	bad := NewRenderer(`{% for %}`, "", "", fb)
-	if bad.Path() != PathFallback {
-		t.Fatalf("path %s", bad.Path())
+	// No silent fallback: a template that does not compile, or none at all, refuses
+	// every render with an error naming the flag that fixes it.
+	for _, src := range []string{`{% for %}`, ""} {
+		bad := NewRenderer(src, "", "")
+		if bad.Path() != PathNone || bad.Err() == nil {
+			t.Fatalf("%q: path %s err %v", src, bad.Path(), bad.Err())
+		}
+		_, err := bad.Render([]Message{{Role: "user", Content: "x"}}, []Tool{{Type: "function", Function: ToolFunction{Name: "f"}}}, true)
+		if !errors.Is(err, ErrNoTemplate) || !strings.Contains(err.Error(), "--chat-template") {
+			t.Fatalf("%q: %v", src, err)
+		}
 	}
-	if out, err := bad.Render([]Message{{Role: "user", Content: "x"}}, nil, true); err != nil || out != "fallback" || !used {
-		t.Fatalf("fallback: %q %v", out, err)
+	// An engine failure that is not raise_exception is its own error, not a fallback.
+	if _, err := NewRenderer(`{{ messages[0].content.nope() }}`, "", "").Render([]Message{{Role: "user", Content: "x"}}, nil, true); !errors.Is(err, ErrTemplateFailed) {
+		t.Fatalf("engine failure: %v", err)
 	}
 }
 
@@ -190,8 +193,9 @@ func TestCallStreamReleasesTextBeforeACall(t *testing.T) {
 	if out != "Let me check. " {
 		t.Fatalf("released %q", out)
 	}
-	content, calls := c.Finish()
-	if content != "" || len(calls) != 1 || calls[0].Function.Arguments != `{"x":1}` {
+	fin := c.Finish()
+	content, calls := fin.Content, fin.Calls
+	if content != "" || len(calls) != 1 || calls[0].Function.Arguments != `{"x": 1}` {
 		t.Fatalf("finish: %q %+v", content, calls)
 	}
 	// A partial marker that turns out not to be one is released at the end.
@@ -200,13 +204,15 @@ func TestCallStreamReleasesTextBeforeACall(t *testing.T) {
 	if got != "a <toolbox> b" {
 		t.Fatalf("false marker: %q", got)
 	}
-	if content, calls := c.Finish(); content != "" || calls != nil {
+	if fin := c.Finish(); fin.Content != "" || fin.Calls != nil {
+		content, calls := fin.Content, fin.Calls
 		t.Fatalf("nothing should remain: %q %v", content, calls)
 	}
 	// A call that does not parse is returned as content.
 	c = NewCallStream(FormatHermes)
 	c.Push("<tool_call>{broken")
-	if content, calls := c.Finish(); content != "<tool_call>{broken" || calls != nil {
+	if fin := c.Finish(); fin.Content != "<tool_call>{broken" || fin.Calls != nil {
+		content, calls := fin.Content, fin.Calls
 		t.Fatalf("broken call: %q %v", content, calls)
 	}
 	// Llama-3: a reply opening with JSON is held; prose streams.
@@ -214,7 +220,7 @@ func TestCallStreamReleasesTextBeforeACall(t *testing.T) {
 	if c.Push("  ") != "" || c.Push(`{"name": "f", "parameters": {}}`) != "" {
 		t.Fatal("llama3 call released")
 	}
-	if _, calls := c.Finish(); len(calls) != 1 {
+	if fin := c.Finish(); len(fin.Calls) != 1 {
 		t.Fatal("llama3 call not parsed")
 	}
 	c = NewCallStream(FormatLlama3)

@@ -1,23 +1,15 @@
 // Package chat renders OpenAI-style conversations (with tools) into prompt text using
 // the model's own Jinja chat template, and parses tool calls back out of generated
-// text. It is pure Go: the caller supplies llama.cpp's built-in renderer as fallback.
+// text. It is pure Go.
 package chat
 
 import (
-	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"strings"
-	"sync"
-	"time"
 
-	"github.com/nikolalohinski/gonja/v2"
-	"github.com/nikolalohinski/gonja/v2/builtins"
-	"github.com/nikolalohinski/gonja/v2/config"
-	"github.com/nikolalohinski/gonja/v2/exec"
-	"github.com/nikolalohinski/gonja/v2/loaders"
+	"github.com/polykv/polykv/internal/chat/jinja"
 )
 
 // ToolCall is an OpenAI tool call (function.arguments is a JSON string).
@@ -35,17 +27,40 @@ type FunctionCall struct {
 
 // Message is one turn of a conversation.
 type Message struct {
-	Role       string
-	Content    string
-	Name       string
-	ToolCallID string
-	ToolCalls  []ToolCall
+	Role string
+	// Content is the text; NullContent says the client sent null or nothing (an
+	// assistant turn that only calls tools), which templates see as none, not "".
+	Content     string
+	NullContent bool
+	Name        string
+	ToolCallID  string
+	ToolCalls   []ToolCall
+	// ReasoningContent is an assistant turn's reasoning, given back by the client;
+	// thinking templates (Qwen3, GLM, …) read message.reasoning_content.
+	ReasoningContent string
+	// Raw is the client's message object: its other keys (GPT-OSS's "thinking", …)
+	// reach the template too, in the client's order, as transformers passes them.
+	Raw json.RawMessage
 }
 
-// Tool is an OpenAI function tool.
+// Tool is an OpenAI function tool. Raw keeps the client's JSON so the template sees
+// its keys in the order the client wrote them (transformers passes the dicts through).
 type Tool struct {
-	Type     string       `json:"type"`
-	Function ToolFunction `json:"function"`
+	Type     string          `json:"type"`
+	Function ToolFunction    `json:"function"`
+	Raw      json.RawMessage `json:"-"`
+}
+
+// UnmarshalJSON decodes a tool and keeps its raw bytes for order-preserving rendering.
+func (t *Tool) UnmarshalJSON(b []byte) error {
+	type plain Tool
+	var p plain
+	if err := json.Unmarshal(b, &p); err != nil {
+		return err
+	}
+	*t = Tool(p)
+	t.Raw = append(json.RawMessage(nil), b...)
+	return nil
 }
 
 // ToolFunction describes a callable function; Parameters is a JSON schema.
@@ -57,179 +72,135 @@ type ToolFunction struct {
 
 // Path names how prompts are rendered, for /props.
 const (
-	PathJinja    = "jinja"
-	PathBuiltin  = "llama_chat_apply_template"
-	PathFallback = "llama_chat_apply_template (the Jinja template did not compile)"
+	PathJinja = "jinja"
+	// PathNone: no usable template; chat requests answer 400 naming --chat-template.
+	PathNone = "none"
 )
-
-// Fallback renders plain role/content messages (llama_chat_apply_template).
-type Fallback func(msgs []Message, addGenerationPrompt bool) (string, error)
-
-// Renderer renders with the model's Jinja template, falling back to llama.cpp's
-// built-in template detection when the Jinja template cannot be used.
-type Renderer struct {
-	source    string
-	tmpl      *exec.Template
-	compileMu sync.Mutex // gonja templates are not documented as safe for concurrent use
-	bos, eos  string
-	fallback  Fallback
-	format    Format
-	usesTools bool
-	path      string
-}
-
-// NewRenderer compiles source (the GGUF tokenizer.chat_template). A template that
-// does not compile leaves the fallback as the only path.
-func NewRenderer(source, bos, eos string, fallback Fallback) *Renderer {
-	r := &Renderer{source: source, bos: bos, eos: eos, fallback: fallback, format: DetectFormat(source),
-		usesTools: strings.Contains(source, "tools"), path: PathBuiltin}
-	if source == "" {
-		return r
-	}
-	tmpl, err := compile(source)
-	if err != nil {
-		r.path = PathFallback
-		return r
-	}
-	r.tmpl, r.path = tmpl, PathJinja
-	return r
-}
-
-var silenceOnce sync.Once
-
-func compile(source string) (*exec.Template, error) {
-	silenceOnce.Do(func() { gonja.SetLoggerOutput(io.Discard) })
-	cfg := config.New()
-	// HF templates rely on trim_blocks/lstrip_blocks being off and undefined being
-	// falsy (Jinja's default), so the default config is what they expect.
-	loader, err := loaders.NewFileSystemLoader("")
-	if err != nil {
-		return nil, err
-	}
-	root := "chat-template"
-	shifted, err := loaders.NewShiftedLoader(root, strings.NewReader(source), loader)
-	if err != nil {
-		return nil, err
-	}
-	env := &exec.Environment{
-		Context:           exec.EmptyContext().Update(builtins.GlobalFunctions).Update(builtins.GlobalVariables).Update(helpers()),
-		Filters:           builtins.Filters.Update(exec.NewFilterSet(map[string]exec.FilterFunction{"tojson": filterToJSON})),
-		Tests:             builtins.Tests,
-		ControlStructures: builtins.ControlStructures,
-		Methods:           builtins.Methods,
-	}
-	return exec.NewTemplate(root, cfg, shifted, env)
-}
 
 // ErrTemplateRaised is a template's own raise_exception: the conversation broke a rule
 // of the model's template (roles must alternate, say), so it is the caller's error.
 var ErrTemplateRaised = errors.New("chat template raised an exception")
 
-func helpers() *exec.Context {
-	return exec.NewContext(map[string]any{
-		"raise_exception": func(msg string) (string, error) {
-			return "", fmt.Errorf("%w: %s", ErrTemplateRaised, msg)
-		},
-		"strftime_now": func(format string) string { return strftime(time.Now(), format) },
-	})
+// ErrNoTemplate means the model has no chat template (or one that does not compile)
+// and none was given on the command line: the client's 400, naming the flag that fixes it.
+var ErrNoTemplate = errors.New("the model has no usable chat template; start the server with --chat-template NAME or --chat-template-file PATH")
+
+// ErrTemplateFailed is a template that compiled but could not render this
+// conversation for a reason other than its own raise_exception.
+var ErrTemplateFailed = errors.New("chat template failed to render")
+
+// Renderer renders with a Jinja template the way transformers' apply_chat_template
+// does. A template that cannot be used makes every Render fail with ErrNoTemplate:
+// there is no silent fallback that would drop tools or tool turns.
+type Renderer struct {
+	source     string
+	tmpl       *jinja.Template
+	compileErr error
+	bos, eos   string
+	format     Format
+	usesTools  bool
 }
 
-// filterToJSON is HF's tojson: Python json.dumps separators (", " and ": "), no HTML
-// escaping, non-ASCII kept.
-func filterToJSON(_ *exec.Evaluator, in *exec.Value, params *exec.VarArgs) *exec.Value {
-	if in.IsError() {
-		return in
+// NewRenderer compiles source (the GGUF tokenizer.chat_template or an override). Err
+// reports why it cannot be used, for a startup warning.
+func NewRenderer(source, bos, eos string) *Renderer {
+	r := &Renderer{source: source, bos: bos, eos: eos, format: DetectFormat(source),
+		usesTools: strings.Contains(source, "tools")}
+	if strings.TrimSpace(source) == "" {
+		r.compileErr = errors.New("no chat template")
+		return r
 	}
-	indent := 0
-	if v, ok := params.KwArgs["indent"]; ok && v.IsInteger() {
-		indent = v.Integer()
-	}
-	out, err := pyJSON(in.Interface(), indent)
+	tmpl, err := compile(source)
 	if err != nil {
-		return exec.AsValue(exec.ErrInvalidCall(err))
+		r.compileErr = err
+		return r
 	}
-	return exec.AsSafeValue(out)
+	r.tmpl = tmpl
+	return r
 }
+
+// Err is nil when the template compiled, else why chat requests will be refused.
+func (r *Renderer) Err() error { return r.compileErr }
+
+// BOS and EOS are the token texts the template sees as bos_token and eos_token.
+func (r *Renderer) BOS() string { return r.bos }
+
+// EOS is the end-of-sequence token text given to the template.
+func (r *Renderer) EOS() string { return r.eos }
 
 // Path says which renderer is in use.
-func (r *Renderer) Path() string { return r.path }
+func (r *Renderer) Path() string {
+	if r.tmpl == nil {
+		return PathNone
+	}
+	return PathJinja
+}
 
 // Format is the tool-call format the template implies.
 func (r *Renderer) Format() Format { return r.format }
 
+// Options are the render inputs beyond messages and tools.
+type Options struct {
+	AddGenerationPrompt bool
+	// Kwargs are extra template variables (chat_template_kwargs), in the client's order.
+	Kwargs json.RawMessage
+}
+
 // Render renders msgs (and tools, if any) into prompt text.
 func (r *Renderer) Render(msgs []Message, tools []Tool, addGenerationPrompt bool) (string, error) {
+	return r.RenderOpts(msgs, tools, Options{AddGenerationPrompt: addGenerationPrompt})
+}
+
+// RenderOpts renders with explicit options.
+func (r *Renderer) RenderOpts(msgs []Message, tools []Tool, o Options) (string, error) {
+	if r.tmpl == nil {
+		return "", fmt.Errorf("%w (%v)", ErrNoTemplate, r.compileErr)
+	}
 	if len(tools) > 0 && !r.usesTools {
+		// The template cannot show tools: describe them in the system message instead,
+		// so a small model without tool training can still call them (documented).
 		msgs = injectTools(msgs, tools)
 		tools = nil
 	}
-	if r.tmpl == nil {
-		if len(tools) > 0 || hasToolTurns(msgs) {
-			return r.fallback(flattenToolTurns(msgs), addGenerationPrompt)
-		}
-		return r.fallback(msgs, addGenerationPrompt)
-	}
-	ctx := exec.NewContext(map[string]any{
+	data := globals()
+	for k, v := range map[string]jinja.Value{
 		"messages":              templateMessages(msgs),
-		"add_generation_prompt": addGenerationPrompt,
-		"bos_token":             r.bos,
-		"eos_token":             r.eos,
-	})
+		"add_generation_prompt": jinja.NewBool(o.AddGenerationPrompt),
+		"bos_token":             jinja.NewString(r.bos),
+		"eos_token":             jinja.NewString(r.eos),
+		// transformers passes tools=None and documents=None when there are none: a
+		// template's "tools is defined" is then true and "tools is not none" false.
+		"tools":     jinja.None(),
+		"documents": jinja.None(),
+	} {
+		data[k] = v
+	}
 	if len(tools) > 0 {
-		ctx.Set("tools", templateTools(tools))
+		data["tools"] = templateTools(tools)
 	}
-	r.compileMu.Lock()
-	defer r.compileMu.Unlock()
-	var buf bytes.Buffer
-	if err := r.tmpl.Execute(&buf, ctx); err != nil {
-		if errors.Is(err, ErrTemplateRaised) {
-			return "", err
+	if len(o.Kwargs) > 0 && string(o.Kwargs) != "null" {
+		kw, err := orderedJSON(o.Kwargs)
+		if err != nil || !kw.IsDict() {
+			return "", fmt.Errorf("%w: chat_template_kwargs must be a JSON object", ErrTemplateFailed)
 		}
-		if strings.Contains(err.Error(), ErrTemplateRaised.Error()) {
-			// gonja reports the helper's error as text: keep the sentinel for callers.
-			return "", fmt.Errorf("%w (%v)", ErrTemplateRaised, err)
-		}
-		return r.fallback(flattenToolTurns(msgs), addGenerationPrompt)
-	}
-	return buf.String(), nil
-}
-
-func hasToolTurns(msgs []Message) bool {
-	for _, m := range msgs {
-		if m.Role == "tool" || len(m.ToolCalls) > 0 {
-			return true
-		}
-	}
-	return false
-}
-
-// flattenToolTurns writes tool calls and results as text, for renderers that only know
-// role/content turns.
-func flattenToolTurns(msgs []Message) []Message {
-	out := make([]Message, 0, len(msgs))
-	for _, m := range msgs {
-		switch {
-		case len(m.ToolCalls) > 0:
-			var b strings.Builder
-			b.WriteString(m.Content)
-			for _, c := range m.ToolCalls {
-				fmt.Fprintf(&b, "<tool_call>{\"name\": %q, \"arguments\": %s}</tool_call>", c.Function.Name, argsOrEmpty(c.Function.Arguments))
+		d := kw.AsDict()
+		for _, k := range d.Keys {
+			switch k {
+			case "messages", "tools", "documents", "add_generation_prompt":
+				// transformers refuses these too (render() gets them twice).
+				return "", fmt.Errorf("%w: chat_template_kwargs must not set %q", ErrTemplateFailed, k)
 			}
-			out = append(out, Message{Role: "assistant", Content: b.String()})
-		case m.Role == "tool":
-			out = append(out, Message{Role: "user", Content: "<tool_response>\n" + m.Content + "\n</tool_response>"})
-		default:
-			out = append(out, m)
+			data[k] = d.Data[k]
 		}
 	}
-	return out
-}
-
-func argsOrEmpty(a string) string {
-	if json.Valid([]byte(a)) {
-		return a
+	out, err := r.tmpl.RenderValues(data)
+	if err != nil {
+		if isRaised(err) {
+			return "", fmt.Errorf("%w: %s", ErrTemplateRaised, raisedMessage(err))
+		}
+		return "", fmt.Errorf("%w: %v", ErrTemplateFailed, err)
 	}
-	return "{}"
+	return out, nil
 }
 
 // injectTools describes the tools in the system message for templates that cannot
@@ -238,8 +209,7 @@ func injectTools(msgs []Message, tools []Tool) []Message {
 	var b strings.Builder
 	b.WriteString("You can call functions to help with the user's request. The functions are described by JSON schemas:\n<tools>\n")
 	for _, t := range tools {
-		line, _ := pyJSON(map[string]any{"type": "function", "function": map[string]any{
-			"name": t.Function.Name, "description": t.Function.Description, "parameters": rawOrEmpty(t.Function.Parameters)}}, 0)
+		line, _ := jinja.DumpJSON(toolValue(t), jinja.JSONOptions{ItemSep: ", ", KeySep: ": "})
 		b.WriteString(line)
 		b.WriteString("\n")
 	}
@@ -249,6 +219,7 @@ func injectTools(msgs []Message, tools []Tool) []Message {
 		first := msgs[0]
 		first.Role = "system"
 		first.Content = strings.TrimRight(first.Content, "\n") + "\n\n" + b.String()
+		first.NullContent = false
 		out = append(out, first)
 		msgs = msgs[1:]
 	} else {
@@ -257,92 +228,93 @@ func injectTools(msgs []Message, tools []Tool) []Message {
 	return append(out, msgs...)
 }
 
-func rawOrEmpty(r json.RawMessage) any {
-	var v any
-	if len(r) == 0 || json.Unmarshal(r, &v) != nil {
-		return map[string]any{"type": "object", "properties": map[string]any{}}
-	}
-	return v
-}
-
-func templateMessages(msgs []Message) []any {
-	out := make([]any, len(msgs))
+// templateMessages builds the messages as transformers hands them to the template:
+// role and content first, content none when the client sent null, arguments as an
+// object (in the client's key order) when they are JSON, as llama.cpp and HF templates
+// expect.
+func templateMessages(msgs []Message) jinja.Value {
+	items := make([]jinja.Value, len(msgs))
 	for i, m := range msgs {
+		v := jinja.NewDict()
+		if len(m.Raw) > 0 {
+			if raw, err := orderedJSON(m.Raw); err == nil && raw.IsDict() {
+				v = raw // the fields below replace theirs in place, keeping the order
+			}
+		}
+		d := v.AsDict()
 		role := m.Role
 		if role == "developer" {
 			role = "system"
 		}
-		mm := map[string]any{"role": role, "content": m.Content}
+		d.Set("role", jinja.NewString(role))
+		if m.NullContent {
+			d.Set("content", jinja.None())
+		} else {
+			d.Set("content", jinja.NewString(m.Content))
+		}
 		if m.Name != "" {
-			mm["name"] = m.Name
+			d.Set("name", jinja.NewString(m.Name))
+		}
+		if m.ReasoningContent != "" {
+			d.Set("reasoning_content", jinja.NewString(m.ReasoningContent))
 		}
 		if m.ToolCallID != "" {
-			mm["tool_call_id"] = m.ToolCallID
+			d.Set("tool_call_id", jinja.NewString(m.ToolCallID))
 		}
 		if len(m.ToolCalls) > 0 {
-			calls := make([]any, len(m.ToolCalls))
+			calls := make([]jinja.Value, len(m.ToolCalls))
 			for j, c := range m.ToolCalls {
-				var args any = c.Function.Arguments
-				var parsed map[string]any
-				if json.Unmarshal([]byte(c.Function.Arguments), &parsed) == nil {
-					args = parsed // HF templates iterate or tojson the arguments object
+				cv := jinja.NewDict()
+				cd := cv.AsDict()
+				cd.Set("id", jinja.NewString(c.ID))
+				cd.Set("type", jinja.NewString("function"))
+				fv := jinja.NewDict()
+				fd := fv.AsDict()
+				fd.Set("name", jinja.NewString(c.Function.Name))
+				args := jinja.NewString(c.Function.Arguments)
+				if a, err := orderedJSON([]byte(c.Function.Arguments)); err == nil && a.IsDict() {
+					args = a
 				}
-				calls[j] = map[string]any{"id": c.ID, "type": "function", "function": map[string]any{"name": c.Function.Name, "arguments": args}}
+				fd.Set("arguments", args)
+				cd.Set("function", fv)
+				calls[j] = cv
 			}
-			mm["tool_calls"] = calls
+			d.Set("tool_calls", jinja.NewList(calls))
 		}
-		out[i] = mm
+		items[i] = v
 	}
-	return out
+	return jinja.NewList(items)
 }
 
-func templateTools(tools []Tool) []any {
-	out := make([]any, len(tools))
+func templateTools(tools []Tool) jinja.Value {
+	items := make([]jinja.Value, len(tools))
 	for i, t := range tools {
-		out[i] = map[string]any{"type": "function", "function": map[string]any{
-			"name": t.Function.Name, "description": t.Function.Description, "parameters": rawOrEmpty(t.Function.Parameters)}}
+		items[i] = toolValue(t)
 	}
-	return out
+	return jinja.NewList(items)
 }
 
-// strftime formats the subset of C strftime HF templates use (%Y %m %d %B %b %H %M %S %A %a %j %%).
-func strftime(t time.Time, f string) string {
-	var b strings.Builder
-	for i := 0; i < len(f); i++ {
-		if f[i] != '%' || i+1 == len(f) {
-			b.WriteByte(f[i])
-			continue
-		}
-		i++
-		switch f[i] {
-		case 'Y':
-			fmt.Fprintf(&b, "%04d", t.Year())
-		case 'm':
-			fmt.Fprintf(&b, "%02d", int(t.Month()))
-		case 'd':
-			fmt.Fprintf(&b, "%02d", t.Day())
-		case 'B':
-			b.WriteString(t.Month().String())
-		case 'b':
-			b.WriteString(t.Month().String()[:3])
-		case 'H':
-			fmt.Fprintf(&b, "%02d", t.Hour())
-		case 'M':
-			fmt.Fprintf(&b, "%02d", t.Minute())
-		case 'S':
-			fmt.Fprintf(&b, "%02d", t.Second())
-		case 'A':
-			b.WriteString(t.Weekday().String())
-		case 'a':
-			b.WriteString(t.Weekday().String()[:3])
-		case 'j':
-			fmt.Fprintf(&b, "%03d", t.YearDay())
-		case '%':
-			b.WriteByte('%')
-		default:
-			b.WriteByte('%')
-			b.WriteByte(f[i])
+// toolValue is the client's tool object in its own key order; a tool built in Go
+// (no raw JSON) gets OpenAI's order: type, function{name, description, parameters}.
+func toolValue(t Tool) jinja.Value {
+	if len(t.Raw) > 0 {
+		if v, err := orderedJSON(t.Raw); err == nil {
+			return v
 		}
 	}
-	return b.String()
+	fv := jinja.NewDict()
+	fd := fv.AsDict()
+	fd.Set("name", jinja.NewString(t.Function.Name))
+	if t.Function.Description != "" {
+		fd.Set("description", jinja.NewString(t.Function.Description))
+	}
+	if len(t.Function.Parameters) > 0 {
+		if p, err := orderedJSON(t.Function.Parameters); err == nil {
+			fd.Set("parameters", p)
+		}
+	}
+	v := jinja.NewDict()
+	v.AsDict().Set("type", jinja.NewString("function"))
+	v.AsDict().Set("function", fv)
+	return v
 }

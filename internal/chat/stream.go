@@ -4,72 +4,148 @@ import "strings"
 
 // CallStream sits between generated text and a streaming client when tools are in
 // play: text that cannot belong to a tool call is released as it arrives; from the
-// format's call marker on (or, for Llama-3, a reply that opens with a JSON object)
-// everything is held, and Finish parses it into content and calls.
+// format's call marker on (or a reply that opens with a JSON object, for formats whose
+// calls are bare JSON) everything is held, and Finish parses it into content and calls.
 type CallStream struct {
-	format  Format
-	buf     strings.Builder
-	sent    int  // bytes of buf already released
-	inCall  bool // a call started: hold the rest
-	decided bool // Llama-3: the first visible character was seen
+	format   Format
+	tools    []Tool
+	triggers []string
+	buf      strings.Builder
+	sent     int  // bytes of buf already released
+	inCall   bool // a call started: hold the rest
+	decided  bool // the reply's first visible character was seen
+	holdAll  bool // formats whose replies are structured throughout: parse at the end
+	live     bool // stream call headers and arguments as they are generated
+	streamed []streamedCall
+	deltas   []CallDelta
 }
 
 // NewCallStream returns a CallStream for the format.
-func NewCallStream(f Format) *CallStream { return &CallStream{format: f} }
+func NewCallStream(f Format) *CallStream { return NewCallStreamWith(f, nil) }
 
-func (c *CallStream) marker() string {
-	switch c.format {
-	case FormatMistral:
-		return "[TOOL_CALLS]"
-	case FormatHermes:
-		return hermesOpen
+// LiveCalls makes the stream send each call's header and arguments as they are
+// generated (Deltas); without it calls come whole from Finish.
+func (c *CallStream) LiveCalls() *CallStream { c.live = true; return c }
+
+// NewCallStreamWith returns a CallStream that parses with the declared tools.
+func NewCallStreamWith(f Format, tools []Tool) *CallStream {
+	c := &CallStream{format: f, tools: tools, triggers: callTriggers(f)}
+	switch f {
+	case FormatHarmony, FormatCommandR7B:
+		c.holdAll = true
 	}
-	return ""
+	return c
+}
+
+// callTriggers are the texts that open a call in each format. "<tool_call>" is in every
+// list: grammar-forced calls use Hermes tags when a format has no grammar of its own.
+func callTriggers(f Format) []string {
+	t := map[Format][]string{
+		FormatMistral:        {"[TOOL_CALLS]"},
+		FormatMistralArgs:    {"[TOOL_CALLS]"},
+		FormatDeepSeek:       {"<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"},
+		FormatDeepSeekDSML:   {"<｜DSML｜function_calls>"},
+		FormatKimiK2:         {"<|tool_calls_section_begin|>"},
+		FormatMiniMax:        {"<minimax:tool_call>"},
+		FormatGranite:        {"<|tool_call|>"},
+		FormatFunctionaryV31: {"<function=", "<|python_tag|>"},
+		FormatFunctionaryV32: {">>>"},
+		FormatLFM2:           {"<|tool_call_start|>"},
+		// Llama 3.x may write its JSON call after some text: hold from where a call
+		// object would start (llama.cpp triggers on the same shapes).
+		FormatLlama3: {"<|python_tag|>", `{"name"`, `{"type"`, `{ "name"`, `{ "type"`},
+	}[f]
+	return append(t, "<tool_call>")
+}
+
+// opensWithJSON: formats whose call may be a bare JSON object at the reply's start.
+func (c *CallStream) opensWithJSON() bool {
+	return c.format == FormatLlama3 || c.format == FormatHermes
 }
 
 // Push adds generated text and returns what can be sent to the client now.
 func (c *CallStream) Push(text string) string {
 	c.buf.WriteString(text)
+	if c.holdAll {
+		return ""
+	}
 	if c.inCall {
+		if c.live {
+			c.streamArgs()
+		}
 		return ""
 	}
 	pending := c.buf.String()[c.sent:]
-	if c.format == FormatLlama3 {
-		if !c.decided {
-			trimmed := strings.TrimLeft(pending, " \t\r\n")
-			if trimmed == "" {
+	if !c.decided {
+		trimmed := strings.TrimLeft(pending, " \t\r\n")
+		if trimmed == "" {
+			return ""
+		}
+		if c.format == FormatFunctionaryV32 {
+			// The reply names its recipient first: "all\n" is text, anything else a call.
+			if len(trimmed) < len("all\n") && strings.HasPrefix("all\n", trimmed) {
 				return ""
 			}
 			c.decided = true
-			if trimmed[0] == '{' || strings.HasPrefix(trimmed, "<") {
+			if !strings.HasPrefix(trimmed, "all\n") {
 				c.inCall = true
 				return ""
 			}
+			c.sent += len(pending) - len(trimmed) + len("all\n")
+			pending = c.buf.String()[c.sent:]
+		} else {
+			c.decided = true
+			if c.opensWithJSON() && trimmed[0] == '{' {
+				c.inCall = true
+				if c.live {
+					c.streamArgs()
+				}
+				return ""
+			}
 		}
-		c.sent += len(pending)
-		return pending
 	}
-	m := c.marker()
-	if i := strings.Index(pending, m); i >= 0 {
+	first := -1
+	for _, m := range c.triggers {
+		if i := strings.Index(pending, m); i >= 0 && (first < 0 || i < first) {
+			first = i
+		}
+	}
+	if first >= 0 {
 		c.inCall = true
-		c.sent += i
-		return pending[:i]
+		c.sent += first
+		if c.live {
+			c.streamArgs()
+		}
+		return pending[:first]
 	}
-	safe := len(pending) - partialSuffix([]byte(pending), []byte(m))
+	safe := len(pending)
+	for _, m := range c.triggers {
+		safe = min(safe, len(pending)-partialSuffix([]byte(pending), []byte(m)))
+	}
 	c.sent += safe
 	return pending[:safe]
 }
 
-// Finish parses what was held: the content not yet sent, and the tool calls. Held
-// text that is not a well-formed call comes back as content.
-func (c *CallStream) Finish() (string, []ToolCall) {
+// Finish parses what was held: the content not yet sent, reasoning (formats that
+// carry it in their own syntax), and the tool calls. Held text that is not a
+// well-formed call comes back as content.
+func (c *CallStream) Finish() Parsed {
 	rest := c.buf.String()[c.sent:]
 	c.sent = c.buf.Len()
-	content, calls := Parse(c.format, rest)
-	if len(calls) == 0 {
-		return rest, nil
+	if !c.inCall && !c.holdAll {
+		return Parsed{Content: rest} // nothing held but the start of a marker that never came
 	}
-	return content, calls
+	p := ParseWith(c.format, rest, c.tools)
+	if len(p.Calls) == 0 && p.Reasoning == "" && !c.holdAll && len(c.streamed) == 0 {
+		return Parsed{Content: rest}
+	}
+	if c.live && !c.finalDeltas(p.Calls) {
+		// Pieces of a call already went out and the whole does not parse as that call
+		// (cut short by max_tokens, or malformed after a valid start): no calls, and
+		// the held text is not repeated as content (the client holds it as a call).
+		return Parsed{Reasoning: p.Reasoning, Truncated: true}
+	}
+	return p
 }
 
 // partialSuffix is the length of the longest suffix of b that is a proper prefix of s.

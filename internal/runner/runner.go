@@ -240,22 +240,11 @@ func (v Vocab) Piece(tok engine.Token) []byte { return v.M.TokenPiece(tok, false
 // IsEOG implements engine.Vocab.
 func (v Vocab) IsEOG(tok engine.Token) bool { return v.M.IsEOG(tok) }
 
-// NewChatRenderer renders with the model's Jinja template, falling back to
-// llama_chat_apply_template (the model's template through llama.cpp's built-in
-// detection) when the template is missing or does not work in Go.
-func NewChatRenderer(m *llama.Model) *chat.Renderer {
-	fallback := func(msgs []chat.Message, addGenerationPrompt bool) (string, error) {
-		lm := make([]llama.ChatMessage, len(msgs))
-		for i, msg := range msgs {
-			role := msg.Role
-			if role == "developer" {
-				role = "system" // OpenAI's newer name; templates know "system"
-			}
-			lm[i] = llama.ChatMessage{Role: role, Content: msg.Content}
-		}
-		return m.ApplyChatTemplate("", lm, addGenerationPrompt)
-	}
-	return chat.NewRenderer(m.ChatTemplate(), string(m.TokenPiece(m.BOS(), true)), string(m.TokenPiece(m.EOS(), true)), fallback)
+// NewChatRenderer renders with source (the model's Jinja template or a command-line
+// override) the way transformers does. There is no llama_chat_apply_template fallback:
+// it would silently drop tools and tool turns, so an unusable template is a 400.
+func NewChatRenderer(m *llama.Model, source string) *chat.Renderer {
+	return chat.NewRenderer(source, string(m.TokenPiece(m.BOS(), true)), string(m.TokenPiece(m.EOS(), true)))
 }
 
 // ProbeFits reports whether n more cells can be written to the cache right now, by
