@@ -34,6 +34,9 @@ type Config struct {
 	PoolGrace  time.Duration // --pool-grace-ms; 0: no grace
 	FlashAttn  string        // --flash-attn: on, off, auto
 	TPSTau     time.Duration // --tps-tau: EWMA time constant of experienced tps
+	GPULayers  string        // -ngl/--n-gpu-layers: auto, all or N (see ParseGPULayers)
+	Device     string        // --device: GPU device names, comma-separated; "": every GPU; none: CPU
+	SplitMode  string        // --split-mode: layer, row or none (several GPUs)
 }
 
 // DefaultConfig is the configuration `polykv serve` runs with when no flag is given.
@@ -48,6 +51,8 @@ func DefaultConfig() Config {
 		PoolGrace:  30 * time.Second,
 		FlashAttn:  "on",
 		TPSTau:     tps.DefaultTau,
+		GPULayers:  "auto",
+		SplitMode:  "layer",
 	}
 }
 
@@ -74,6 +79,14 @@ func (c Config) Validate() error {
 		return fmt.Errorf("--session-ttl and --pool-grace-ms must not be negative")
 	case c.TPSTau <= 0:
 		return fmt.Errorf("--tps-tau must be positive, got %s", c.TPSTau)
+	}
+	if _, _, err := ParseGPULayers(c.GPULayers); err != nil {
+		return err
+	}
+	switch c.SplitMode {
+	case "layer", "row", "none":
+	default:
+		return fmt.Errorf("--split-mode must be layer, row or none, got %q", c.SplitMode)
 	}
 	switch c.FlashAttn {
 	case "off", "on", "auto":
@@ -104,6 +117,8 @@ type App struct {
 	Ctx    *llama.Context
 	Engine *engine.Engine
 	API    *api.Server
+	// Offload is where the model runs (CPU, or which GPU devices hold how many layers).
+	Offload Offload
 }
 
 // Open loads the model and starts the engine.
@@ -117,9 +132,16 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	if err := ecfg.Validate(); err != nil {
 		return nil, err
 	}
-	model, err := llama.LoadModel(cfg.ModelPath)
+	model, off, err := LoadModel(cfg)
 	if err != nil {
 		return nil, err
+	}
+	if log != nil {
+		if off.GPULayers == 0 {
+			log.Info("running on the CPU", "reason", off.CPUReason)
+		} else {
+			log.Info("GPU offload", "backend", off.Backend, "gpu_layers", off.GPULayers, "layers", off.Layers, "devices", strings.Join(off.GPUDevices, ","))
+		}
 	}
 	ecfg.BytesPerCell = model.KVBytesPerCell()
 	if model.IsRecurrent() || model.IsHybrid() {
@@ -158,8 +180,9 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		MaxPools: cfg.MaxPools, PoolGraceMs: cfg.PoolGrace.Milliseconds(), BytesPerCell: ecfg.BytesPerCell, PoolsUnsupported: ecfg.PoolsUnsupported,
 	}
 	info.TPSTauMs = cfg.TPSTau.Milliseconds()
+	info.Compute = off
 	srv := api.New(eng, model, runner.NewChatRenderer(model), info, metrics, log)
-	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv}, nil
+	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv, Offload: off}, nil
 }
 
 // Close stops the engine, then frees the context and the model.
