@@ -101,7 +101,12 @@ func (o Offload) Summary() string {
 // > 0 or all, or --device NAME) and no such GPU exists: a silent CPU run would be a surprise
 // an order of magnitude slower than the user planned for.
 func PlanOffload(cfg Config, devices []llama.Device, libs []llama.BackendLoad) (Offload, error) {
-	o := Offload{Requested: cfg.GPULayers, SplitMode: cfg.SplitMode, Devices: devices, Libraries: libs, Backend: "CPU"}
+	// Empty lists, not nil: /props shows [] rather than null.
+	o := Offload{Requested: cfg.GPULayers, SplitMode: cfg.SplitMode, Devices: devices, Libraries: libs, Backend: "CPU",
+		GPUDevices: []string{}}
+	if o.Libraries == nil {
+		o.Libraries = []llama.BackendLoad{}
+	}
 	layers, required, err := ParseGPULayers(cfg.GPULayers)
 	if err != nil {
 		return o, err
@@ -208,7 +213,7 @@ func LoadModel(cfg Config) (*llama.Model, Offload, error) {
 	off, err := PlanOffload(cfg, llama.Devices(), libs)
 	off.LibraryDirs = dirs
 	if err != nil {
-		return nil, off, err
+		return nil, off, fmt.Errorf("%w (library directories: %s)", err, strings.Join(dirs, ", "))
 	}
 	model, err := llama.LoadModelWith(cfg.ModelPath, off.params)
 	if err != nil {
