@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The GPU verification of issue 16, for a session that is lent an NVIDIA machine (the
-# `run` tool). Nothing is built on the GPU machine: everything is built here and carried.
+# `run` tool). Everything is built here and carried, the CUDA library too when it could be
+# built here (see pack).
 #
-#   scripts/gpu-check.sh pack     HERE. Needs `make build-cuda` (lib/) and the model. Builds
+#   scripts/gpu-check.sh pack     HERE. Needs the model, and `make build-cuda` (lib/): without
+#                                 lib/ it packs ggml's sources and `run` builds the library on
+#                                 the GPU machine first (nvcc 13.0 is there; costs device
+#                                 minutes, so build here when the 2 cores allow). Builds
 #                                 bin/polykv and the internal/app test binary (stripped), tars
 #                                 them with lib/'s CUDA backend and the model, and splits the
 #                                 archive into bundles .gpu/1, .gpu/2, ... (gitignored) of at
@@ -34,14 +38,24 @@ case "$MODE" in
 pack)
   set -e
   cd "$ROOT"
-  [ -f lib/libggml-cuda.so ] || { echo "gpu-check: lib/libggml-cuda.so missing: make build-cuda CUDA_ARCHS=90" >&2; exit 1; }
   MODEL="${POLYKV_MODEL:-$HOME/.cache/polykv/models/$MODEL_NAME}"
   [ -f "$MODEL" ] || { echo "gpu-check: model missing: make model" >&2; exit 1; }
   eval "$(make -s env)"
   rm -rf .gpu && mkdir -p .gpu/payload/lib
   go build -ldflags='-s -w' -o .gpu/payload/polykv ./cmd/polykv
   go test -c -ldflags='-s -w' -o .gpu/payload/app.test ./internal/app
-  cp -a lib/libggml-cuda.so lib/libggml-base.so* lib/libcudart.so.13 .gpu/payload/lib/
+  if [ -f lib/libggml-cuda.so ]; then
+    cp -a lib/libggml-cuda.so lib/libggml-base.so* lib/libcudart.so.13 .gpu/payload/lib/
+  else
+    # Fallback when `make build-cuda` could not run here (it takes hours on 2 shared
+    # cores): carry ggml's sources (9 MB) and build there with the image's nvcc 13.0 on
+    # 16 cores (a few minutes of the device budget, recorded in build.txt).
+    echo "gpu-check: lib/libggml-cuda.so missing: the sources go along and 'run' builds it there" >&2
+    OLLAMA_DIR="$(go list -m -f '{{.Dir}}' github.com/ollama/ollama)"
+    mkdir -p .gpu/payload/src/ml/backend/ggml
+    cp "$OLLAMA_DIR/CMakeLists.txt" .gpu/payload/src/
+    cp -r "$OLLAMA_DIR/ml/backend/ggml/ggml" .gpu/payload/src/ml/backend/ggml/
+  fi
   ln -s "$MODEL" ".gpu/payload/$MODEL_NAME"
   tar -C .gpu/payload -chf - . | gzip -1 | split -b 56M -d -a 1 - .gpu/part.
   rm -rf .gpu/payload
@@ -72,12 +86,27 @@ run)
   done
   for i in $(seq 1 "$k"); do cat "$STAGE/part.$i"; done | gzip -dc | tar -C "$STAGE" -xf - || exit 1
   export POLYKV_MODEL="$STAGE/$MODEL_NAME" POLYKV_LIBRARY_PATH="$STAGE/lib"
-  # cuBLAS from the machine: python's nvidia/cu13 wheels (torch cu130), else a CUDA install.
+  : > "$OUT/summary.txt"
+  if [ ! -f "$STAGE/lib/libggml-cuda.so" ] && [ -d "$STAGE/src" ]; then
+    # Same settings as scripts/build-gpu.sh, one architecture (the H200's).
+    NVCC="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
+    t0=$SECONDS
+    { cmake -S "$STAGE/src" -B "$STAGE/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
+        '-DCMAKE_INSTALL_RPATH=$ORIGIN' -DGGML_NATIVE=OFF -DCMAKE_CUDA_COMPILER="$NVCC" \
+        -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" -DGGML_CUDA_NO_VMM=ON &&
+      cmake --build "$STAGE/build" --target ggml-cuda -j "$(nproc)"; } > "$OUT/build.txt" 2>&1
+    echo "== build on the device: rc $? in $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+    mkdir -p "$STAGE/lib"
+    cp -a "$STAGE"/build/lib/ollama/libggml-cuda.so "$STAGE"/build/lib/ollama/libggml-base.so* "$STAGE/lib/" 2>>"$OUT/summary.txt"
+    ls -la "$STAGE/lib" >> "$OUT/summary.txt"
+  fi
+  # cuBLAS (and, for a library built there, cudart) from the machine: python's nvidia/cu13
+  # wheels (torch cu130), else a CUDA install.
   cublas="$(python3 -c 'import nvidia, os; [print(os.path.join(p, "cu13", "lib")) for p in nvidia.__path__]' 2>/dev/null | head -1)"
   for d in "$cublas" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
     [ -n "$d" ] && [ -e "$d/libcublasLt.so.13" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
   done
-  echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}" | tee "$OUT/summary.txt"
+  echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}" | tee -a "$OUT/summary.txt"
   { nvidia-smi; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } > "$OUT/nvidia-smi.txt" 2>&1
   BIN="$STAGE/polykv"
   "$BIN" serve --list-devices > "$OUT/devices.txt" 2>&1
