@@ -6,16 +6,17 @@ package llama
 #include "llama.h"
 #include "ggml-backend.h"
 
-// polykv_dl_check opens path the way ggml will (RTLD_NOW) and closes it again, so a missing
+// polykv_dl_check opens path the way ggml will (RTLD_NOW | RTLD_LOCAL), so a missing
 // dependency (libcudart, libvulkan, ...) comes back as dlerror's text instead of the silent
-// NULL that ggml_backend_load gives. Returns NULL when the library opens.
+// NULL that ggml_backend_load gives. Returns NULL when the library opens. The handle is
+// kept, not closed: ggml_backend_load's own dlopen then finds the library already mapped
+// instead of unloading and reloading the CUDA runtime and cuBLAS (hundreds of MB).
 static const char * polykv_dl_check(const char * path) {
 	void * h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
 	if (h == NULL) {
 		const char * e = dlerror();
 		return e ? e : "dlopen failed";
 	}
-	dlclose(h);
 	return NULL;
 }
 
