@@ -48,7 +48,7 @@ func bench(args []string) error {
 	fs.Float64Var(&rp.floorFr, "ramp-floor", 0.6, "spawn ramp: floor as a fraction of one session's tps")
 	_ = fs.Parse(args)
 	cfg = cfg.Resolved()
-	if err := printDevice(cfg); err != nil {
+	if err := printDevice(os.Stdout, cfg); err != nil {
 		return err
 	}
 	switch *workload {

@@ -72,12 +72,12 @@ func benchPrompt(s int) string {
 
 // printDevice prints the device the benchmark runs on, before any figure, so every table
 // says whether it is a CPU or a GPU run.
-func printDevice(cfg app.Config) error {
+func printDevice(w io.Writer, cfg app.Config) error {
 	m, off, err := app.LoadModel(cfg)
 	if err != nil {
 		return err
 	}
 	m.Free()
-	fmt.Printf("device: %s\n", off.Summary())
+	fmt.Fprintf(w, "device: %s\n", off.Summary())
 	return nil
 }

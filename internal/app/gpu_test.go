@@ -10,6 +10,7 @@ import (
 	"encoding/json"
 	"log/slog"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -211,24 +212,13 @@ func TestCPUFallbackAndProps(t *testing.T) {
 
 func httptestProps(t *testing.T, a *App) []byte {
 	t.Helper()
-	req, _ := http.NewRequest(http.MethodGet, "/props", nil)
-	rec := &recorder{header: http.Header{}}
-	a.API.Handler().ServeHTTP(rec, req)
-	if rec.code != 0 && rec.code != http.StatusOK {
-		t.Fatalf("/props: %d %s", rec.code, rec.body.String())
+	rec := httptest.NewRecorder()
+	a.API.Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/props", nil))
+	if rec.Code != http.StatusOK {
+		t.Fatalf("/props: %d %s", rec.Code, rec.Body.String())
 	}
-	return rec.body.Bytes()
+	return rec.Body.Bytes()
 }
-
-type recorder struct {
-	header http.Header
-	body   bytes.Buffer
-	code   int
-}
-
-func (r *recorder) Header() http.Header         { return r.header }
-func (r *recorder) Write(b []byte) (int, error) { return r.body.Write(b) }
-func (r *recorder) WriteHeader(code int)        { r.code = code }
 
 // A file that is not a loadable library is reported with the loader's reason and the
 // server falls back to the CPU; asking for layers then names the broken file.
