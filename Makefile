@@ -68,3 +68,21 @@ clean:
 # `eval "$(make -s env)"` lets plain go build/test/vet find llama.h in this shell.
 env:
 	@echo 'export CGO_CPPFLAGS="$(CGO_CPPFLAGS)" CGO_CFLAGS="$(CGO_CFLAGS)" CGO_CXXFLAGS="$(CGO_CXXFLAGS)" POLYKV_MODEL="$(POLYKV_MODEL)" POLYKV_MODEL_GEMMA="$(POLYKV_MODEL_GEMMA)"'
+
+# GPU backends (README "GPU"): ggml's CUDA or Vulkan backend, built with CMake from the
+# ollama module's sources into lib/ beside bin/ and loaded by bin/polykv at run time; the Go
+# build above is unchanged. CUDA_ARCHS is CMake's architecture list (one arch builds much
+# faster: make build-cuda CUDA_ARCHS=90); GPU_JOBS is the compile parallelism.
+CUDA_ARCHS ?= 80;86;89;90
+GPU_JOBS ?= 2
+
+.PHONY: build-cuda build-vulkan clean-gpu
+
+build-cuda:
+	CUDA_ARCHS='$(CUDA_ARCHS)' GPU_JOBS='$(GPU_JOBS)' OLLAMA_DIR='$(OLLAMA_DIR)' ./scripts/build-gpu.sh cuda
+
+build-vulkan:
+	GPU_JOBS='$(GPU_JOBS)' OLLAMA_DIR='$(OLLAMA_DIR)' ./scripts/build-gpu.sh vulkan
+
+clean-gpu:
+	rm -rf build lib

@@ -52,6 +52,9 @@ func bench(args []string) error {
 	fs.Float64Var(&rp.floorFr, "ramp-floor", 0.6, "spawn ramp: floor as a fraction of one session's tps")
 	_ = fs.Parse(args)
 	cfg = cfg.Resolved()
+	if err := printDevice(os.Stdout, cfg); err != nil {
+		return err
+	}
 	switch *workload {
 	case "fanout":
 		return fo.run(cfg, *fanN)
@@ -66,8 +69,8 @@ func bench(args []string) error {
 	var bs []int
 	for _, f := range strings.Split(*sizes, ",") {
 		b, err := strconv.Atoi(strings.TrimSpace(f))
-		if err != nil || b < 1 || b > len(benchPrompts) {
-			return fmt.Errorf("bench: bad session count %q (1..%d)", f, len(benchPrompts))
+		if err != nil || b < 1 || b > maxBenchSessions {
+			return fmt.Errorf("bench: bad session count %q (1..%d)", f, maxBenchSessions)
 		}
 		bs = append(bs, b)
 	}
@@ -107,7 +110,7 @@ func bench(args []string) error {
 // rawLoop measures B sessions decoding nGen greedy tokens each straight over the
 // binding: one prefill batch, then one batch of B tokens per step. No scheduler, no HTTP.
 func rawLoop(cfg app.Config, b, nGen int) (float64, error) {
-	model, err := llama.LoadModel(cfg.ModelPath)
+	model, _, err := app.LoadModel(cfg)
 	if err != nil {
 		return 0, err
 	}
@@ -130,7 +133,7 @@ func rawLoop(cfg app.Config, b, nGen int) (float64, error) {
 	pos := make([]int, b)
 	idx := make([]int, b)
 	for s := range b {
-		toks, err := model.Tokenize(benchPrompts[s], true, true)
+		toks, err := model.Tokenize(benchPrompt(s), true, true)
 		if err != nil {
 			return 0, err
 		}
@@ -207,7 +210,7 @@ func serverRun(cfg app.Config, b, nGen int, profile string) (float64, error) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			body, _ := json.Marshal(map[string]any{"prompt": benchPrompts[s], "max_tokens": nGen, "temperature": 0, "ignore_eos": true})
+			body, _ := json.Marshal(map[string]any{"prompt": benchPrompt(s), "max_tokens": nGen, "temperature": 0, "ignore_eos": true})
 			resp, err := http.Post(url, "application/json", bytes.NewReader(body))
 			if err != nil {
 				errs[s] = err

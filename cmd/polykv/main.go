@@ -89,6 +89,7 @@ func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
 		cfg.PoolGrace = time.Duration(n) * time.Millisecond
 		return nil
 	})
+	gpuFlags(fs, cfg)
 }
 
 func serve(args []string) error {

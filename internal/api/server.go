@@ -59,6 +59,8 @@ type Info struct {
 	// PoolsUnsupported is why pools are off for this model ("" when they work).
 	PoolsUnsupported string
 	TPSTauMs         int64
+	// Compute is where the model runs (devices, GPU layers), as app.Offload describes it.
+	Compute any
 }
 
 // Server holds the handlers' dependencies.
@@ -283,6 +285,7 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 		"chat_template_path": s.chat.Path(),
 		"tool_call_format":   s.format(),
 		"usage":              usage,
+		"compute":            s.info.Compute,
 		"polykv": map[string]any{
 			"max_pools":         s.info.MaxPools,
 			"pool_grace_ms":     s.info.PoolGraceMs,

@@ -55,7 +55,10 @@ type Config struct {
 	// Alias is the model name served (/v1/models, responses, the KV-event topic);
 	// default: the model file's base name. A router hashes blocks with the request's
 	// model name, so requests must name the model by this.
-	Alias string // --alias
+	Alias     string // --alias
+	GPULayers string // -ngl/--n-gpu-layers: auto, all or N (see ParseGPULayers)
+	Device    string // --device: GPU device names, comma-separated; "": every GPU; none: CPU
+	SplitMode string // --split-mode: layer, row or none (several GPUs)
 
 	noSWAAnchors bool // tests only: show what goes wrong without runner SWA anchors
 }
@@ -75,6 +78,8 @@ func DefaultConfig() Config {
 		CacheTypeK:  "f16",
 		CacheTypeV:  "f16",
 		KVBlockSize: kvevents.DefaultBlockSize,
+		GPULayers:   "auto",
+		SplitMode:   "layer",
 	}
 }
 
@@ -103,6 +108,14 @@ func (c Config) Validate() error {
 		return fmt.Errorf("--tps-tau must be positive, got %s", c.TPSTau)
 	case c.KVBlockSize < 1:
 		return fmt.Errorf("--kv-block-size must be positive, got %d", c.KVBlockSize)
+	}
+	if _, _, err := ParseGPULayers(c.GPULayers); err != nil {
+		return err
+	}
+	switch c.SplitMode {
+	case "layer", "row", "none":
+	default:
+		return fmt.Errorf("--split-mode must be layer, row or none, got %q", c.SplitMode)
 	}
 	switch c.FlashAttn {
 	case "off", "on", "auto":
@@ -135,6 +148,8 @@ type App struct {
 	API    *api.Server
 	// KVEvents publishes pool prefixes over ZMQ (nil when off).
 	KVEvents *kvevents.Publisher
+	// Offload is where the model runs (CPU, or which GPU devices hold how many layers).
+	Offload Offload
 }
 
 // Open loads the model and starts the engine.
@@ -160,9 +175,16 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	if tv.Quantized() && cfg.FlashAttn == "off" {
 		return nil, fmt.Errorf("--cache-type-v %s needs --flash-attn on (llama.cpp cannot use a quantized V cache without it)", tv)
 	}
-	model, err := llama.LoadModel(cfg.ModelPath)
+	model, off, err := LoadModel(cfg)
 	if err != nil {
 		return nil, err
+	}
+	if log != nil {
+		if off.GPULayers == 0 {
+			log.Info("running on the CPU", "reason", off.CPUReason)
+		} else {
+			log.Info("GPU offload", "backend", off.Backend, "gpu_layers", off.GPULayers, "layers", off.Layers, "devices", strings.Join(off.GPUDevices, ","))
+		}
 	}
 	tmplSrc, tmplFrom, err := chat.ResolveTemplate(model.ChatTemplate(), cfg.ChatTemplate, cfg.ChatTemplateFile)
 	if err != nil {
@@ -264,9 +286,10 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		MaxPools: cfg.MaxPools, PoolGraceMs: cfg.PoolGrace.Milliseconds(), BytesPerCell: ecfg.BytesPerCell, PoolsUnsupported: ecfg.PoolsUnsupported,
 	}
 	info.TPSTauMs = cfg.TPSTau.Milliseconds()
+	info.Compute = off
 	srv := api.New(eng, model, renderer, info, metrics, log)
 	srv.RequireAPIKeys(cfg.APIKeys)
-	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv, KVEvents: pub}, nil
+	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv, KVEvents: pub, Offload: off}, nil
 }
 
 // observers is the metrics and the KV-event publisher as one engine Observer: the

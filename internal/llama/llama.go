@@ -69,22 +69,8 @@ type Model struct {
 	path  string
 }
 
-// LoadModel loads a GGUF model from path into CPU memory (mmap).
-func LoadModel(path string) (*Model, error) {
-	Init()
-	if _, err := os.Stat(path); err != nil {
-		return nil, fmt.Errorf("load model: %w", err)
-	}
-	params := C.llama_model_default_params()
-	params.n_gpu_layers = 0
-	cpath := C.CString(path)
-	defer C.free(unsafe.Pointer(cpath))
-	m := C.llama_model_load_from_file(cpath, params)
-	if m == nil {
-		return nil, fmt.Errorf("load model %s: llama.cpp could not load the file", path)
-	}
-	return &Model{m: m, vocab: C.llama_model_get_vocab(m), path: path}, nil
-}
+// LoadModel loads a GGUF model from path into CPU memory (mmap), with no GPU offload.
+func LoadModel(path string) (*Model, error) { return LoadModelWith(path, ModelParams{}) }
 
 // Free releases the model. No context created from it may be used afterwards.
 func (m *Model) Free() {
