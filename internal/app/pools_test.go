@@ -380,9 +380,13 @@ func TestFromSessionAndReclaim(t *testing.T) {
 	if len(st.Pools) != 0 {
 		t.Fatalf("released pool not reclaimed: %+v", st.Pools)
 	}
-	// Its id and cells are reusable.
+	// Its sequence and cells are reusable; its id is not: a kept id answers 404 and can
+	// never name the new prefix.
 	again := createPool(t, base, map[string]any{"prompt": "A fresh root."})
-	if num(again["pool_id"]) != id {
-		t.Fatalf("new pool id %v, want the reclaimed %d", again["pool_id"], id)
+	if num(again["pool_id"]) == id {
+		t.Fatalf("new pool got the reclaimed id %d", id)
+	}
+	if code := get(t, fmt.Sprintf("%s/polykv/pools/%d", base, id), &map[string]any{}); code != 404 {
+		t.Fatalf("GET of the reclaimed pool id %d: %d, want 404", id, code)
 	}
 }
