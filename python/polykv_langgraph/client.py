@@ -173,7 +173,7 @@ class PolyKVClient:
     def create_pool(self, *, tokens: Sequence[int] | None = None, prompt: str | None = None, messages: list[dict] | None = None,
                     from_session: str | None = None, pin: bool = False, tools: list[dict] | None = None) -> dict:
         """Create a root pool. ``tools`` (OpenAI format) go with ``messages`` so the pool
-        renders like a chat request with those tools (server side: issue 11)."""
+        renders like a chat request with those tools."""
         return self._call(*_Routes.create_pool(list(tokens) if tokens is not None else None, prompt, messages, from_session, pin, tools))
 
     def fork_pool(self, pool_id: int, branch_pos: int, *, tokens: Sequence[int] | None = None, prompt: str | None = None,

@@ -28,12 +28,8 @@ def create_model_pool(client: PolyKVClient, model: Any, system: Union[str, Syste
     that system message and those tools renders. Attach the agent with
     ``ChatPolyKV(pool_id=pool["pool_id"], ...)``.
 
-    Status: the server takes ``tools`` on pool creation with the model-prompt issue
-    (issue 11), being done separately. Until that lands the server ignores ``tools``
-    here and the pool holds the system message alone; a tool-bound model's requests then
-    share the pool only up to where the template inserts the tool descriptions (for
-    SmolLM2, inside the system message), so fewer tokens are reused. Without tools the
-    pool already matches exactly."""
+    The server renders ``messages`` with ``tools`` on pool creation exactly as a chat
+    request with those tools renders its start, so the whole prefix is shared."""
     text = system.content if isinstance(system, SystemMessage) else system
     tools = bound_tools(model)
     return client.create_pool(messages=[{"role": "system", "content": text}], tools=tools or None, pin=pin)
@@ -55,8 +51,7 @@ def _safe(fn: F) -> F:
 def make_pool_tools(client: PolyKVClient) -> list[BaseTool]:
     """create_pool, fork_pool, pool_status, session_tps, capacity and release_pool,
     bound to ``client``, for an agent that manages its own pool tree. To create the pool
-    a tool-bound agent itself attaches to, use :func:`create_model_pool` (its tools
-    part depends on issue 11, see there)."""
+    a tool-bound agent itself attaches to, use :func:`create_model_pool`."""
 
     @_safe
     def create_pool(prompt: Optional[str] = None, system_message: Optional[str] = None, from_session: Optional[str] = None,
