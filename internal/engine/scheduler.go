@@ -401,7 +401,8 @@ func (s *Scheduler) admit() {
 		}
 		s.seat(t, sl, pl)
 		if free < need {
-			s.freeCells(need+s.reservedPrefill(), sl, 0)
+			// Seated, t is prefilling: reservedPrefill now counts its need too.
+			s.freeCells(s.reservedPrefill(), sl, 0)
 		}
 		s.queue = slices.Delete(s.queue, i, i+1)
 	}

@@ -435,3 +435,26 @@ func TestObservationsComeOutOfTheStep(t *testing.T) {
 		t.Fatal("Observations does not drain")
 	}
 }
+
+// Admission evicts only what the new prompt needs: the least recently used idle session
+// goes, a second one that is not needed keeps its cache.
+func TestAdmissionEvictsOnlyWhatItNeeds(t *testing.T) {
+	h := newHarness(t, Config{NCtx: 100, Parallel: 3, NBatch: 64, MaxQueue: 4})
+	h.submit(Request{Prompt: seqTokens(1, 39), SessionID: "A", MaxTokens: 2}) // holds 40 cells
+	h.run()
+	h.submit(Request{Prompt: seqTokens(100, 29), SessionID: "B", MaxTokens: 2}) // holds 30 cells
+	h.run()
+	// 30 cells free; a 40-token prompt needs A's 40, not B's as well.
+	id := h.submit(Request{Prompt: seqTokens(200, 40), MaxTokens: 1})
+	h.run()
+	if ev, ok := h.done(id); !ok || ev.Err != nil {
+		t.Fatalf("new request: %+v", ev)
+	}
+	sessions := map[string]int{}
+	for _, sl := range h.s.Slots() {
+		sessions[sl.SessionID] = sl.NPast
+	}
+	if _, ok := sessions["A"]; ok || sessions["B"] != 30 {
+		t.Fatalf("sessions after admission %v: want A evicted (LRU) and B's 30 cells kept", sessions)
+	}
+}
