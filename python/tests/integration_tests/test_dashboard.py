@@ -228,10 +228,12 @@ def test_dashboard_shows_live_tree(live, browser):
     # The tree: 4 pools, nested as created (G inside A inside root, B inside root), and
     # the evicted spare root.
     _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "li[data-pool]")) == 5, what="5 pools")
-    sel = lambda *ids: " ".join(f"li[data-pool='{pools[i]}']" for i in ids)
+    def sel(*ids):
+        return " ".join(f"li[data-pool='{pools[i]}']" for i in ids)
     for path in (("root", "A", "G"), ("root", "B")):
         assert browser.find_elements(By.CSS_SELECTOR, "#tree > " + sel(*path)), path
-    edge = lambda name: browser.find_element(By.CSS_SELECTOR, sel(name) + " > .pool .edge").text
+    def edge(name):
+        return browser.find_element(By.CSS_SELECTOR, sel(name) + " > .pool .edge").text
     assert edge("root") == "root"
     assert edge("A") == f"extends #{pools['root']}"
     assert edge("B") == f"branches #{pools['root']} @{live['branch_pos_B']}"
@@ -273,7 +275,8 @@ def test_dashboard_shows_live_tree(live, browser):
     # Live values move: more tps events, more decoded tokens for every agent, more chart
     # points (waited for, not slept: the shared 2-core machine stalls the stream at times).
     before, ev0 = _rows(browser), _events(browser)
-    pts = lambda d: int(d.find_element(By.ID, "tps-chart").get_attribute("data-points"))
+    def pts(d):
+        return int(d.find_element(By.ID, "tps-chart").get_attribute("data-points"))
     pts0 = pts(browser)
     _wait(browser, lambda d: _events(d) >= ev0 + 3, what="3 more tps events")
     _wait(browser, lambda d: pts(d) > pts0, what="chart grows")
@@ -375,7 +378,8 @@ def test_dashboard_with_api_key(live, browser):
         assert browser.find_elements(By.CSS_SELECTOR, "li[data-pool]") == []
         _save(browser, "dashboard-key-needed.png")
         # Waiting for the key, the page stops asking (no request storm of 401s).
-        refused = lambda: sum(1 for p, ok in proxy.seen if not ok and not _public(p))
+        def refused():
+            return sum(1 for p, ok in proxy.seen if not ok and not _public(p))
         n = refused()
         time.sleep(2)
         assert refused() - n <= 1
