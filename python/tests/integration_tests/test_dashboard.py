@@ -29,7 +29,7 @@ import pytest
 from polykv_langgraph.local_server import LocalServer
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "ui"
+ARTIFACTS = Path(__file__).resolve().parents[3] / "artifacts" / "ui"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--disable-dev-shm-usage", "--window-size=1440,1500"]
