@@ -20,8 +20,6 @@ import (
 	"time"
 
 	"github.com/go-zeromq/zmq4"
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
 
 	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/kvevents"
@@ -379,16 +377,7 @@ func withFields(base, extra map[string]any) map[string]any {
 
 func checkProtocolMetrics(t *testing.T, base string, received uint64) {
 	t.Helper()
-	resp, err := http.Get(base + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	parser := expfmt.NewTextParser(model.UTF8Validation)
-	families, err := parser.TextToMetricFamilies(resp.Body)
-	if err != nil {
-		t.Fatalf("/metrics does not parse: %v", err)
-	}
+	families := scrapeMetrics(t, base)
 	cfgYAML, err := os.ReadFile("../../deploy/engine-configs.yaml")
 	if err != nil {
 		t.Fatal(err)

@@ -12,6 +12,7 @@ import (
 	"sync"
 	"testing"
 
+	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
@@ -112,16 +113,7 @@ func TestMetricsExposition(t *testing.T) {
 	get(t, fmt.Sprintf("%s/polykv/pools/%d", base, id), &info)
 	post(t, base+"/v1/completions", map[string]any{"prompt": append(slices.Clone(info.Tokens), 42), "pool_id": id, "session_id": "m1", "max_tokens": 8})
 	post(t, base+"/v1/completions", map[string]any{"prompt": "unpooled", "max_tokens": 4})
-	resp, err := http.Get(base + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	parser := expfmt.NewTextParser(model.UTF8Validation)
-	families, err := parser.TextToMetricFamilies(resp.Body)
-	if err != nil {
-		t.Fatalf("/metrics does not parse: %v", err)
-	}
+	families := scrapeMetrics(t, base)
 	for _, name := range []string{"polykv_gen_throughput_tps", "polykv_pool_kv_bytes", "polykv_pool_sessions", "polykv_prefix_cache_hits_total",
 		"polykv_queries_total", "polykv_time_to_first_token_seconds", "polykv_inter_token_latency_seconds", "polykv_requests_running",
 		"polykv_requests_waiting", "polykv_kv_usage_ratio"} {
@@ -238,4 +230,20 @@ func TestPooledSessionPastContextKeepsPoolIntact(t *testing.T) {
 	if cacheN != len(rootToks) || !slices.Equal(got, want) {
 		t.Fatalf("after the truncated session: cache_n %d (want %d), tokens equal %v", cacheN, len(rootToks), slices.Equal(got, want))
 	}
+}
+
+// scrapeMetrics reads /metrics and parses it with Prometheus' own text parser.
+func scrapeMetrics(t *testing.T, base string) map[string]*dto.MetricFamily {
+	t.Helper()
+	resp, err := http.Get(base + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := parser.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatalf("/metrics does not parse: %v", err)
+	}
+	return families
 }
