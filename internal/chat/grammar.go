@@ -13,7 +13,9 @@ import (
 // matches exactly the JSON values the schema accepts (within the supported subset):
 // type (string, integer, number, boolean, null, array, object, or a list of them),
 // properties + required (properties kept in schema order, no extra keys), items,
-// enum, const, anyOf/oneOf, maxLength, and {} / true for any value. Anything else that
+// enum, const, anyOf/oneOf, maxLength, and {} / true for any value. oneOf compiles as
+// anyOf: a value matching two branches is not excluded (a grammar cannot say "exactly
+// one" without expanding every overlap), so such schemas should use disjoint branches. Anything else that
 // constrains values ($ref, allOf, not, pattern, ...) is refused with the keyword named,
 // since ignoring it would let the model produce JSON the schema rejects.
 //
@@ -331,19 +333,22 @@ func (c *gbnf) typed(s *ordered, t, name string) (string, error) {
 	case "integer", "number", "boolean", "null":
 		return c.prim(t), nil
 	case "array":
-		items, ok := s.vals["items"]
-		if !ok {
-			return c.prim("array"), nil
-		}
-		item, err := c.visit(items, c.fresh(sanitize(name)+"-item"))
-		if err != nil {
-			return "", err
-		}
-		c.prim("space")
 		lo, hi, err := itemBounds(s)
 		if err != nil {
 			return "", err
 		}
+		items, ok := s.vals["items"]
+		if !ok && lo == 0 && hi < 0 {
+			return c.prim("array"), nil
+		}
+		// Without items any value may be an item, but minItems/maxItems still hold.
+		item := c.prim("value")
+		if ok {
+			if item, err = c.visit(items, c.fresh(sanitize(name)+"-item")); err != nil {
+				return "", err
+			}
+		}
+		c.prim("space")
 		rest := "*"
 		switch {
 		case hi == 0:
@@ -421,12 +426,15 @@ func (c *gbnf) objectBody(s *ordered, name string) (string, error) {
 			body += ` ( "," space ` + o + ` )?`
 		}
 	case len(opt) > 0:
-		// Optional properties in schema order; a later one only after an earlier one.
-		inner := opt[len(opt)-1]
+		// Any subset of the optional properties, in schema order. rest-i matches a
+		// non-empty subset of opt[i:]: opt[i] then maybe more, or skip opt[i]. A named
+		// rule per i keeps the grammar linear in the number of properties (inlining
+		// would double it per property).
+		next := c.define(c.fresh(sanitize(name)+"-rest"), opt[len(opt)-1])
 		for i := len(opt) - 2; i >= 0; i-- {
-			inner = opt[i] + ` ( "," space ` + inner + ` )?`
+			next = c.define(c.fresh(sanitize(name)+"-rest"), fmt.Sprintf(`%s ( "," space %s )? | %s`, opt[i], next, next))
 		}
-		body = "( " + inner + " )?"
+		body = "( " + next + " )?"
 	}
 	return fmt.Sprintf(`"{" space %s "}" space`, body), nil
 }
