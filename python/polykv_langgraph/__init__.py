@@ -3,6 +3,7 @@
 from .chat_model import ChatPolyKV
 from .client import (
     AsyncPolyKVClient,
+    AuthenticationError,
     CapacityError,
     InvalidRequestError,
     PolyKVClient,
@@ -22,6 +23,7 @@ from .tools import bound_tools, create_model_pool, make_pool_tools
 
 __all__ = [
     "AsyncPolyKVClient",
+    "AuthenticationError",
     "CapacityError",
     "ChatPolyKV",
     "CompactionNode",

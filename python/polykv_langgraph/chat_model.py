@@ -22,9 +22,9 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
-from .client import DEFAULT_BASE_URL, PolyKVError, _raise_for, error_for, transport_error
+from .client import DEFAULT_BASE_URL, PolyKVError, _raise_for, auth_headers, error_for, transport_error
 
 _RETRY_STATUSES = (429, 503)
 _DONE = object()
@@ -58,6 +58,8 @@ class ChatPolyKV(BaseChatModel):
     seed: Optional[int] = None
     logprobs: Optional[bool] = None
     """Ask for the log-probability of every sampled token (``response_metadata["logprobs"]``)."""
+    api_key: Optional[SecretStr] = Field(default=None, exclude=True)
+    """Key for a server started with ``--api-key``; None reads ``POLYKV_API_KEY``."""
     transport: Any = Field(default=None, exclude=True)
     async_transport: Any = Field(default=None, exclude=True)
 
@@ -81,7 +83,7 @@ class ChatPolyKV(BaseChatModel):
 
     def _client(self) -> httpx.Client:
         if self._http is None:
-            self._http = httpx.Client(base_url=self.base_url, timeout=self.timeout, transport=self.transport)
+            self._http = httpx.Client(base_url=self.base_url, timeout=self.timeout, transport=self.transport, headers=self._auth())
         return self._http
 
     def _aclient(self) -> httpx.AsyncClient:
@@ -90,9 +92,13 @@ class ChatPolyKV(BaseChatModel):
         loop = asyncio.get_running_loop()
         client = self._ahttp.get(loop)
         if client is None or client.is_closed:
-            client = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, transport=self.async_transport)
+            client = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, transport=self.async_transport,
+                                       headers=self._auth())
             self._ahttp[loop] = client
         return client
+
+    def _auth(self) -> dict[str, str]:
+        return auth_headers(self.api_key.get_secret_value() if self.api_key is not None else None)
 
     def close(self) -> None:
         """Close the synchronous HTTP client (it is reopened on the next call)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, AsyncIterator, Iterator, Sequence
 
 import httpx
@@ -16,6 +17,18 @@ from langchain_core.exceptions import (
 )
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8080"
+API_KEY_ENV = "POLYKV_API_KEY"
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The Authorization header for a server started with ``--api-key``.
+
+    ``api_key`` None falls back to the ``POLYKV_API_KEY`` environment variable (as the
+    OpenAI client reads ``OPENAI_API_KEY``); an empty string sends no header.
+    """
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 class PolyKVError(Exception):
@@ -56,6 +69,10 @@ class CapacityError(PolyKVError, ModelAPIError):
     """503: sequence ids, queue slots or cells are exhausted (retryable)."""
 
 
+class AuthenticationError(PolyKVError, ModelAPIError):
+    """401: the server wants an API key (``api_key=`` or ``POLYKV_API_KEY``) it did not get."""
+
+
 class InvalidRequestError(PolyKVError, ModelInvalidRequestError):
     """400: the server refused the request as malformed or out of range."""
 
@@ -90,7 +107,7 @@ def error_for(status: int, body: Any, text: str = "", retry_after: str | None = 
         return PoolSaturatedError(status, msg, typ, body, retry_after=ra)
     if status == 400 and typ == "exceed_context_size_error":
         return PolyKVContextOverflowError(status, msg, typ, body)
-    by_status: dict[int, type[PolyKVError]] = {404: PoolNotFoundError, 409: PrefixContractError, 503: CapacityError}
+    by_status: dict[int, type[PolyKVError]] = {401: AuthenticationError, 404: PoolNotFoundError, 409: PrefixContractError, 503: CapacityError}
     cls = by_status.get(status)
     if cls is None:
         cls = ServerError if status >= 500 else InvalidRequestError if 400 <= status < 500 else PolyKVError
@@ -151,9 +168,11 @@ class _Routes:
 class PolyKVClient:
     """Synchronous client. Every method raises a PolyKVError subclass on failure."""
 
-    def __init__(self, base_url: str = DEFAULT_BASE_URL, timeout: float = 120.0, transport: httpx.BaseTransport | None = None):
+    def __init__(self, base_url: str = DEFAULT_BASE_URL, timeout: float = 120.0, transport: httpx.BaseTransport | None = None,
+                 api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport)
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport,
+                                  headers=auth_headers(api_key))
 
     def close(self) -> None:
         self._http.close()
@@ -278,9 +297,11 @@ class PolyKVClient:
 class AsyncPolyKVClient:
     """Asynchronous twin of PolyKVClient."""
 
-    def __init__(self, base_url: str = DEFAULT_BASE_URL, timeout: float = 120.0, transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(self, base_url: str = DEFAULT_BASE_URL, timeout: float = 120.0, transport: httpx.AsyncBaseTransport | None = None,
+                 api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, transport=transport)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, transport=transport,
+                                  headers=auth_headers(api_key))
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -7,6 +7,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langgraph.types import Command
 
 from polykv_langgraph import (
+    AuthenticationError,
     CapacityError,
     ChatPolyKV,
     CompactionNode,
@@ -393,3 +394,32 @@ def test_several_interrupted_gates_resume_at_once():
     out = graph.invoke(Command(resume={i.id: True for i in pending}), cfg)
     assert len(out["spawned"]) == 6 and not out.get("held")
     assert sorted(r for _, r in out["spawned"]) == sorted(fs.granted)
+
+
+def test_api_key_is_sent_from_argument_or_env_and_401_is_typed(monkeypatch):
+    seen: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        if request.headers.get("authorization") != "Bearer k1":
+            return httpx.Response(401, json={"error": {"code": 401, "type": "authentication_error", "message": "Invalid API Key"}})
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "smol"}]})
+        return chat_response("hi")(request, None) if request.url.path == "/v1/chat/completions" else httpx.Response(200, json={"pools": []})
+
+    monkeypatch.delenv("POLYKV_API_KEY", raising=False)
+    PolyKVClient("http://polykv.test", transport=httpx.MockTransport(handler), api_key="k1").pools()
+    assert seen[-1] == "Bearer k1"
+    monkeypatch.setenv("POLYKV_API_KEY", "k1")
+    PolyKVClient("http://polykv.test", transport=httpx.MockTransport(handler)).pools()
+    assert seen[-1] == "Bearer k1"
+    with pytest.raises(AuthenticationError) as e:
+        PolyKVClient("http://polykv.test", transport=httpx.MockTransport(handler), api_key="").pools()
+    assert seen[-1] is None and e.value.status == 401
+    monkeypatch.delenv("POLYKV_API_KEY")
+    llm = ChatPolyKV(base_url="http://polykv.test", transport=httpx.MockTransport(handler), api_key="k1", max_retries=0)
+    assert llm.invoke("hello").content == "hi"
+    assert seen[-1] == "Bearer k1"
+    assert "k1" not in repr(llm)  # a SecretStr: logs and tracebacks do not show the key
+    with pytest.raises(AuthenticationError):
+        ChatPolyKV(base_url="http://polykv.test", transport=httpx.MockTransport(handler), api_key="wrong", max_retries=0).invoke("x")
