@@ -53,7 +53,9 @@ type story struct {
 	names map[TaskID]string
 	pools map[string]int
 	rsv   map[string]string // reservation name → id
-	out   strings.Builder
+	// nended is how many of the harness's ended tasks were printed.
+	nended int
+	out    strings.Builder
 }
 
 func (st *story) printf(format string, args ...any) { fmt.Fprintf(&st.out, format, args...) }
@@ -316,12 +318,15 @@ func verdictLine(v admission.Verdict) string {
 	return line
 }
 
-// ended prints the tasks that finished since the last call.
+// ended prints the tasks that finished since the last call, in the order they ended
+// (not in map order: that made stories where two tasks end in one step flaky).
 func (st *story) ended() {
-	for id, evs := range st.h.events {
-		if len(evs) == 0 || !evs[len(evs)-1].Done || st.names[id] == "" {
+	for ; st.nended < len(st.h.ended); st.nended++ {
+		id := st.h.ended[st.nended]
+		if st.names[id] == "" {
 			continue
 		}
+		evs := st.h.events[id]
 		ev := evs[len(evs)-1]
 		text := st.h.text(id)
 		line := fmt.Sprintf("%s: done %s cache_n=%d prompt_n=%d predicted=%d seq=%d", st.names[id], ev.Finish, ev.Stats.CacheN, ev.Stats.PromptN, ev.Stats.PredictedN, ev.Stats.Seq)
