@@ -20,6 +20,9 @@ import (
 type Controller struct {
 	pools map[int]*poolState
 	held  []heldEntry // new sessions held by an enforced pool's gate, in arrival order
+	// seen holds the session ids seated before, and when last: their next requests are
+	// continuations, never gated.
+	seen map[string]time.Time
 }
 
 // poolState is one pool's policy and measurements.
@@ -56,7 +59,33 @@ type reservation struct {
 // NewController returns a controller that knows no pool yet: every pool starts with
 // DefaultPolicy.
 func NewController() *Controller {
-	return &Controller{pools: map[int]*poolState{}}
+	return &Controller{pools: map[int]*poolState{}, seen: map[string]time.Time{}}
+}
+
+// Known sessions. A session the scheduler has seated before is a continuation: its
+// next request is never gated and opens no settle window, whatever pool it names.
+
+// SessionSeated records that a named session got a sequence at now.
+func (c *Controller) SessionSeated(session string, now time.Time) {
+	if session != "" {
+		c.seen[session] = now
+	}
+}
+
+// Known reports whether a session was seated before (and not forgotten since).
+func (c *Controller) Known(session string) bool {
+	_, ok := c.seen[session]
+	return ok
+}
+
+// ForgetSessions forgets the sessions last seated more than keep before now: their
+// next request is a new session again.
+func (c *Controller) ForgetSessions(now time.Time, keep time.Duration) {
+	for id, at := range c.seen {
+		if now.Sub(at) > keep {
+			delete(c.seen, id)
+		}
+	}
 }
 
 func (c *Controller) state(pool int) *poolState {

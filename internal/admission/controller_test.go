@@ -307,3 +307,20 @@ func TestReservationLimit(t *testing.T) {
 }
 
 func abs(x float64) float64 { return max(x, -x) }
+
+func TestKnownSessions(t *testing.T) {
+	c := NewController()
+	if c.Known("A") {
+		t.Fatal("a session known before it was seated")
+	}
+	c.SessionSeated("", t0) // anonymous requests are never continuations
+	c.SessionSeated("A", t0)
+	c.SessionSeated("B", t0.Add(time.Minute))
+	if !c.Known("A") || !c.Known("B") || c.Known("") {
+		t.Fatal("seated sessions not known")
+	}
+	c.ForgetSessions(t0.Add(time.Hour+time.Second), time.Hour)
+	if c.Known("A") || !c.Known("B") {
+		t.Fatal("forgetting: A was last seated over an hour ago, B not")
+	}
+}

@@ -212,7 +212,7 @@ func (s *Scheduler) poolFacts(p *pool.Pool, expected int, session string) admiss
 		f.MarginalCells = float64(own) / float64(n)
 	}
 	if session != "" {
-		_, known := s.seen[session]
+		known := s.adm.Known(session)
 		f.KnownSession = &known
 	}
 	return f

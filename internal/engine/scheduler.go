@@ -146,12 +146,12 @@ type Scheduler struct {
 	tasks     map[TaskID]*task
 	nextID    TaskID
 	now       time.Time
-	// adm is all per-pool admission state: policies, settle windows, holds, reservations.
+	// adm is all admission state: per-pool policies, settle windows, holds and
+	// reservations, and the sessions seen before (continuations are never gated).
 	adm       *admission.Controller
-	seen      map[string]time.Time // session ids admitted before: continuations are never gated
-	agg       tps.EWMA             // aggregate decode tokens/s
-	aggPrompt tps.EWMA             // aggregate prompt tokens/s
-	planAt    time.Time            // when the batch being decoded was planned
+	agg       tps.EWMA  // aggregate decode tokens/s
+	aggPrompt tps.EWMA  // aggregate prompt tokens/s
+	planAt    time.Time // when the batch being decoded was planned
 
 	ops      []SeqOp
 	samplers []SamplerOp
@@ -187,7 +187,7 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	}
 	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
 		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools), poolSeqs: map[int]*slot{},
-		adm: admission.NewController(), seen: map[string]time.Time{},
+		adm: admission.NewController(),
 		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau)}
 	for i := range cfg.Parallel {
 		s.slots = append(s.slots, &slot{seq: i})
@@ -222,8 +222,7 @@ func (s *Scheduler) submit(req Request) (TaskID, Gate, error) {
 	}
 	t := s.newTask(kindGenerate, req, p)
 	if p != nil {
-		_, known := s.seen[req.SessionID]
-		t.newSession = req.SessionID == "" || !known
+		t.newSession = req.SessionID == "" || !s.adm.Known(req.SessionID)
 	}
 	g, until, err := s.gate(t)
 	if err != nil {
@@ -455,9 +454,7 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 		s.samplers = append(s.samplers, SamplerOp{Task: t.id, Params: t.req.Sampling, Logprobs: t.req.Logprobs, History: t.req.Prompt})
 		t.cacheN = len(sl.tokens)
 		t.ewma = tps.NewEWMA(s.cfg.TPSTau)
-		if t.req.SessionID != "" {
-			s.seen[t.req.SessionID] = s.now
-		}
+		s.adm.SessionSeated(t.req.SessionID, s.now)
 	}
 	sl.task = t
 	sl.lastUsed = s.now
