@@ -301,6 +301,9 @@ func (c *Controller) Held() int { return len(c.held) }
 // HeldKeys lists the held requests in arrival order (a copy: Review and Unhold may
 // remove from the list while the caller walks it).
 func (c *Controller) HeldKeys() []uint64 {
+	if len(c.held) == 0 {
+		return nil // the common case, on every step: no allocation
+	}
 	out := make([]uint64, len(c.held))
 	for i, h := range c.held {
 		out[i] = h.key
