@@ -1,7 +1,10 @@
 // Package admission decides whether a pool can take one more session (design §4.4, §6,
-// §13.3, §14). It is a pure function of a snapshot: the engine gathers the inputs on its
-// goroutine, this package does the arithmetic, and the same verdict serves the advisory
-// /capacity route and the enforced gate.
+// §13.3, §14). Decide is a pure function of a pool's snapshot; the Controller
+// (controller.go) holds all admission state between decisions (policies, settle
+// windows, the measured-drop forecast, held requests, reservations) and reads no clock.
+// The scheduler feeds it facts on the engine goroutine and acts on its decisions, and
+// the same verdict serves the advisory /capacity route, reservations and the enforced
+// gate.
 package admission
 
 import (

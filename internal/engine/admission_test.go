@@ -128,7 +128,7 @@ func TestEnforcedRejectWarnQueue(t *testing.T) {
 				}
 				h.collect()
 				h.steps(5)
-				if _, ok := h.done(id2); ok || len(h.s.gated) != 1 {
+				if _, ok := h.done(id2); ok || h.s.adm.Held() != 1 {
 					t.Fatal("queued session ran while the floor was at risk")
 				}
 				h.run() // the first session ends; the held one is let in and runs
@@ -166,7 +166,7 @@ func TestSettlingHoldsInsteadOfRejecting(t *testing.T) {
 	}
 	h.collect()
 	h.steps(20) // settle completes after 10 tokens of "a"
-	if len(h.s.gated) != 0 {
+	if h.s.adm.Held() != 0 {
 		t.Fatal("held session not released after the settle")
 	}
 	// With a floor that cannot hold, a held session is refused once the settle ends.

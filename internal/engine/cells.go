@@ -159,11 +159,7 @@ func (s *Scheduler) expire() {
 			}
 		}
 	}
-	for id, at := range s.seen {
-		if s.now.Sub(at) > max(s.cfg.SessionTTL, time.Hour) {
-			delete(s.seen, id)
-		}
-	}
+	s.adm.ForgetSessions(s.now, max(s.cfg.SessionTTL, time.Hour))
 	for _, p := range s.pools.All() {
 		if p.Reclaimable(s.now, s.cfg.PoolGrace) {
 			s.reclaim(p)

@@ -44,6 +44,13 @@
 // context is never shifted. Pools (package pool) change state only through their
 // lifecycle verbs; a verb the scheduler's request breaks is counted (Violations).
 //
+// Admission state (policies, settle windows, the measured-drop forecast, requests held
+// by an enforced gate, reservations, the sessions seen before) lives in an
+// admission.Controller, pure like the scheduler: the scheduler hands it facts about a
+// pool (poolFacts), reports what happened (a new session seated, a settle window's
+// progress, a request naming a reservation) and acts on its decisions (admit, warn,
+// hold, refuse with a SaturatedError). Held requests count against the queue bound.
+//
 // Tests: most scheduling rules are tested against a fake backend (fake_test.go) in
 // milliseconds, as data-driven stories (testdata/stories) and by fuzzing random
 // message sequences (FuzzSchedulerInvariants).

@@ -148,6 +148,7 @@ type harness struct {
 	be     *fakeBackend
 	now    time.Time
 	events map[TaskID][]Event
+	ended  []TaskID // tasks in the order their Done event came
 	// prefixes, when set, receives the pool prefix observations as the engine would
 	// hand them over.
 	prefixes PrefixObserver
@@ -178,6 +179,9 @@ func (h *harness) collect() {
 	}
 	for _, ev := range h.s.Events() {
 		h.events[ev.Task] = append(h.events[ev.Task], ev)
+		if ev.Done {
+			h.ended = append(h.ended, ev.Task)
+		}
 	}
 }
 

@@ -4,20 +4,28 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/polykv/polykv/internal/admission"
 )
 
 // FuzzSchedulerInvariants drives the scheduler with a random sequence of messages
 // (submits with and without sessions and pools, cancels, pool creation, forks,
-// releases, evictions, pins, flushes, steps and clock jumps) against the fake backend,
+// releases, evictions, pins, flushes, admission policies, reservations, steps and
+// clock jumps) against the fake backend,
 // which fails any batch that breaks position contiguity or overflows the cache. After
 // every step: ownership accounting equals the physical cells, no lifecycle verb was
-// refused, sequence ids stay in range. At the end, with everything cancelled, released
+// refused, sequence ids stay in range, every request the admission gate holds is a
+// live task that holds no sequence. At the end, with everything cancelled, released
 // and expired: no cell, session, sampler, task or pool is left.
 func FuzzSchedulerInvariants(f *testing.F) {
 	f.Add([]byte{4, 20, 0, 2, 0, 0, 8, 3, 1, 1, 9, 8, 8, 2, 0, 1, 5, 0, 10, 6, 0, 8, 8, 9, 3})
 	f.Add([]byte{1, 0, 30, 1, 1, 30, 1, 2, 30, 1, 0, 30, 8, 8, 8, 8, 3, 0, 8})
 	f.Add([]byte{4, 10, 0, 5, 0, 10, 5, 0, 3, 7, 1, 6, 0, 6, 1, 2, 0, 12, 8, 8, 9, 9, 8, 6, 0})
 	f.Add([]byte{0, 60, 0, 61, 0, 62, 0, 63, 0, 64, 0, 65, 8, 8, 8, 3, 2, 3, 0, 8})
+	// An enforced queue pool: a reservation is granted; A is held (the reservation is
+	// an unmeasured session), B uses the reservation, C is held behind B's settle.
+	f.Add([]byte{4, 0, 20, 0, 7, 0, 4, 1, 2, 0, 1, 5, 2, 1, 8, 1, 7, 0, 5, 2, 10, 0, 0, 30, 1, 0, 7, 0, 0, 0, 1,
+		0, 0, 30, 1, 0, 7, 1, 0, 0, 0, 0, 8, 3, 0, 0, 30, 1, 0, 7, 2, 0, 0, 1, 8, 3, 9, 3, 8, 3, 8, 3})
 	f.Fuzz(func(t *testing.T, data []byte) {
 		cfg := Config{NCtx: 256, Parallel: 3, MaxPools: 3, NBatch: 16, MaxQueue: 4,
 			SessionTTL: time.Minute, PoolGrace: time.Second, BytesPerCell: 10}
@@ -25,6 +33,7 @@ func FuzzSchedulerInvariants(f *testing.F) {
 		families := [][]Token{seqTokens(100, 60), seqTokens(300, 60), append(seqTokens(100, 20), seqTokens(500, 40)...)}
 		var pools []int
 		var tasks []TaskID
+		var rsv []string // reservation ids granted
 		next := func() int {
 			if len(data) == 0 {
 				return 0
@@ -56,6 +65,9 @@ func FuzzSchedulerInvariants(f *testing.F) {
 				}
 				if next()%2 == 0 {
 					req.HasPool, req.PoolID = true, pick()
+					if len(rsv) > 0 && next()%2 == 0 {
+						req.ReservationID = rsv[next()%len(rsv)]
+					}
 				}
 				if id, err := h.trySubmit(req); err == nil {
 					tasks = append(tasks, id)
@@ -81,7 +93,7 @@ func FuzzSchedulerInvariants(f *testing.F) {
 				_ = h.releasePool(pick())
 			case 7:
 				id := pick()
-				switch next() % 4 {
+				switch next() % 6 {
 				case 0:
 					_ = h.evictPool(id)
 				case 1:
@@ -90,6 +102,18 @@ func FuzzSchedulerInvariants(f *testing.F) {
 					_ = h.pinPool(id, false)
 				case 3:
 					_, _, _ = h.flushPool(id)
+				case 4:
+					p := admission.DefaultPolicy()
+					p.Mode = []string{admission.ModeAdvisory, admission.ModeEnforced, admission.ModeEnforced}[next()%3]
+					p.OnSaturation = []string{admission.OnReject, admission.OnWarn, admission.OnQueue}[next()%3]
+					p.TargetTPS = float64(next() % 80)
+					p.GuaranteeMinSessions = next() % 3
+					p.SettleTokens, p.SettleMaxMs, p.QueueTimeoutMs = next()%8, int64(next()%4)*500, int64(next()%4)*1000
+					_ = h.setAdmission(id, p)
+				case 5:
+					if r, err := h.tryReserve(id, time.Duration(next()%4)*time.Second, next()%40); err == nil && r.Granted {
+						rsv = append(rsv, *r.ReservationID)
+					}
 				}
 			case 8:
 				for range 1 + next()%4 {
@@ -119,8 +143,8 @@ func FuzzSchedulerInvariants(f *testing.F) {
 		if c, u := h.be.cells(), h.s.Usage(); c != 0 || u.Sessions != 0 || u.Pools != 0 || u.Running != 0 || u.Waiting != 0 {
 			t.Fatalf("leaked after drain: %d cells, usage %+v, pools %+v, tracked %v", c, u, h.s.Pools().Pools, pools)
 		}
-		if len(h.be.samplers) != 0 || len(h.s.tasks) != 0 {
-			t.Fatalf("leaked after drain: %d samplers, %d tasks", len(h.be.samplers), len(h.s.tasks))
+		if len(h.be.samplers) != 0 || len(h.s.tasks) != 0 || h.s.adm.Held() != 0 {
+			t.Fatalf("leaked after drain: %d samplers, %d tasks, %d held", len(h.be.samplers), len(h.s.tasks), h.s.adm.Held())
 		}
 	})
 }
@@ -138,4 +162,9 @@ func (h *harness) checkStep(cfg Config) {
 	apply(h.be, Plan{Samplers: h.s.samplers, SeqOps: h.s.ops})
 	h.s.samplers, h.s.ops = nil, nil
 	h.checkAccounting()
+	for _, key := range h.s.adm.HeldKeys() {
+		if t, ok := h.s.tasks[TaskID(key)]; !ok || t.slot != nil || slices.Contains(h.s.queue, t) {
+			h.t.Fatalf("held request %d is not a waiting task outside the queue", key)
+		}
+	}
 }

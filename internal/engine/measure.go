@@ -64,54 +64,23 @@ func Observe(o Observer, obs []Observation) {
 	}
 }
 
-// poolAdmission is a pool's admission policy and measurement state (§14.2).
-type poolAdmission struct {
-	policy admission.Policy
-	// The settle window after the last new-session admit.
-	settleTask  *task
-	settleStart time.Time
-	meanAtAdmit float64
-	settling    bool
-	// Measured-drop forecast and the last settled mean (for the idle-gap estimate).
-	dropEWMA    float64
-	hasDrop     bool
-	settledMean float64
-	settledAt   time.Time
-	// Granted, unused reservations (reservations.go), by id.
-	reservations    map[string]*reservation
-	nextReservation uint64
-}
-
-func (s *Scheduler) admissionOf(id int) *poolAdmission {
-	pa, ok := s.admission[id]
-	if !ok {
-		pa = &poolAdmission{policy: admission.DefaultPolicy()}
-		s.admission[id] = pa
-	}
-	return pa
-}
-
 // setAdmission patches a pool's policy (message SetAdmission) and returns it.
 func (s *Scheduler) setAdmission(id int, patch admission.Patch) (admission.Policy, error) {
 	if _, err := s.getLive(id); err != nil {
 		return admission.Policy{}, err
 	}
-	pa := s.admissionOf(id)
-	p := patch.Apply(pa.policy)
-	if err := p.Validate(); err != nil {
+	p, err := s.adm.SetPolicy(id, patch)
+	if err != nil {
 		return admission.Policy{}, fmt.Errorf("%w: %v", pool.ErrBadRequest, err)
 	}
-	pa.policy = p
 	return p, nil
 }
 
 // Floors lists the pools with a tps floor set, and the floor.
 func (s *Scheduler) Floors() map[string]float64 {
 	out := map[string]float64{}
-	for id, pa := range s.admission {
-		if pa.policy.TargetTPS > 0 {
-			out[fmt.Sprint(id)] = pa.policy.TargetTPS
-		}
+	for id, floor := range s.adm.Floors() {
+		out[fmt.Sprint(id)] = floor
 	}
 	return out
 }
@@ -139,47 +108,32 @@ func (s *Scheduler) poolRates(p *pool.Pool, all bool) ([]float64, int) {
 	return rates, warming
 }
 
-// settle advances every pool's settle window; a finished window folds the measured
-// drop of mean tps into the forecast.
+// settle reports progress to every open settle window of the admission controller
+// (which closes finished ones and folds the measured drop of mean tps into the
+// forecast).
 func (s *Scheduler) settle() {
-	for id, pa := range s.admission {
-		if !pa.settling {
-			continue
+	for _, w := range s.adm.Windows() {
+		decoded, ended := 0, true
+		if t, ok := s.tasks[TaskID(w.Key)]; ok {
+			decoded, ended = t.generated, false
 		}
-		t := pa.settleTask
-		_, alive := s.tasks[t.id]
-		if !admission.SettleDone(pa.policy, pa.settleStart, s.now, t.generated, !alive) {
-			continue
+		var rates []float64
+		if p, err := s.pools.Get(w.Pool); err == nil {
+			rates, _ = s.poolRates(p, false)
 		}
-		pa.settling = false
-		pa.settleTask = nil
-		p, err := s.pools.Get(id)
-		if err != nil {
-			continue
-		}
-		rates, _ := s.poolRates(p, false)
-		if len(rates) == 0 {
-			continue
-		}
-		mean := tps.Mean(rates)
-		if pa.meanAtAdmit > 0 {
-			pa.dropEWMA = admission.FoldDrop(pa.dropEWMA, pa.hasDrop, pa.meanAtAdmit, mean)
-			pa.hasDrop = true
-		}
-		pa.settledMean, pa.settledAt = mean, s.now
+		s.adm.Progress(s.now, w.Pool, decoded, ended, rates)
 	}
 }
 
-// startSettle opens the settle window for a new session admitted to p.
+// startSettle tells the admission controller that a new session was seated on its pool
+// (which opens the pool's settle window).
 func (s *Scheduler) startSettle(t *task) {
 	p := t.slot.base
 	if p == nil || !t.newSession {
 		return
 	}
-	pa := s.admissionOf(p.ID)
 	rates, _ := s.poolRates(p, false)
-	pa.settling, pa.settleTask, pa.settleStart = true, t, s.now
-	pa.meanAtAdmit = tps.Mean(rates)
+	s.adm.Seated(s.now, p.ID, uint64(t.id), rates)
 }
 
 // freeForNew is the cells a new session could get: free plus idle sessions' (evictable).
@@ -239,13 +193,12 @@ func (s *Scheduler) sessionContext(sl *slot) SessionCtx {
 	return c
 }
 
-// capacityInput gathers a pool's admission snapshot.
-func (s *Scheduler) capacityInput(p *pool.Pool, expected int, session string) admission.Input {
-	pa := s.admissionOf(p.ID)
+// poolFacts gathers what the admission controller needs to know about pool p now;
+// expected and session describe the asker (0 and "": not given).
+func (s *Scheduler) poolFacts(p *pool.Pool, expected int, session string) admission.Facts {
 	rates, warming := s.poolRates(p, false)
-	in := admission.Input{
-		Policy: pa.policy, Now: s.now, PoolSessions: p.Sessions + s.pendingAdmits(p), ActiveTPS: rates, NWarming: warming,
-		DropEWMA: pa.dropEWMA, HasDrop: pa.hasDrop, SettledMean: pa.settledMean, SettledAt: pa.settledAt,
+	f := admission.Facts{
+		Sessions: p.Sessions, Pending: s.pendingAdmits(p), Rates: rates, Warming: warming,
 		FreeCells: s.freeForNew(), TotalCells: s.cfg.NCtx, Expected: expected, Pressure: s.pressure(),
 	}
 	own, n := 0, 0
@@ -256,31 +209,13 @@ func (s *Scheduler) capacityInput(p *pool.Pool, expected int, session string) ad
 		}
 	}
 	if n > 0 {
-		in.MarginalCells = float64(own) / float64(n)
-	}
-	// A granted reservation is a session that has not arrived yet: it takes a place
-	// (so the guarantee and the floor see it), is warming (so the pool is settling until
-	// it has been measured) and will need cells.
-	marginal := in.MarginalCells
-	if marginal <= 0 {
-		marginal = admission.DefaultMarginalCells
-	}
-	nres, rcells := pa.liveReservations(s.now, marginal)
-	in.Reserved = nres
-	in.PoolSessions += nres
-	in.NWarming += nres
-	in.FreeCells = max(0, in.FreeCells-rcells)
-	if pa.settling || s.pendingAdmits(p) > 0 || nres > 0 {
-		in.Settling = true
-		if pa.settling {
-			in.SettleLeft = time.Duration(pa.policy.SettleMaxMs)*time.Millisecond - s.now.Sub(pa.settleStart)
-		}
+		f.MarginalCells = float64(own) / float64(n)
 	}
 	if session != "" {
-		_, known := s.seen[session]
-		in.KnownSession = &known
+		known := s.adm.Known(session)
+		f.KnownSession = &known
 	}
-	return in
+	return f
 }
 
 // pendingAdmits counts new sessions let through the gate but not yet on a sequence.
@@ -309,7 +244,7 @@ func (s *Scheduler) capacity(id, expected int, session string) (CapacityReport, 
 	if err != nil {
 		return CapacityReport{}, err
 	}
-	rep := CapacityReport{PoolID: id, Verdict: admission.Decide(s.capacityInput(p, expected, session))}
+	rep := CapacityReport{PoolID: id, Verdict: s.adm.Verdict(s.now, id, s.poolFacts(p, expected, session))}
 	if sl, ok := s.bySession[session]; ok && session != "" {
 		c := s.sessionContext(sl)
 		rep.Session, rep.SessionPressure = &c, &c.CtxPressure
@@ -343,72 +278,57 @@ type Gate struct {
 	Verdict           admission.Verdict
 }
 
-// gate applies an enforced pool's policy to a new session. It returns whether to hold
-// the task, or an error to refuse it.
-func (s *Scheduler) gate(t *task) (Gate, error) {
+// gate asks the admission controller about a new session and says what it decided.
+// A Held gate comes with the deadline of the wait and is not yet recorded: submit
+// holds the request once the queue bound allows. An error refuses the request.
+func (s *Scheduler) gate(t *task) (Gate, time.Time, error) {
 	p := t.pool
 	// A reservation is consumed by any request of its pool that names it (a
 	// continuation too), so a used reservation never lingers until its expiry.
-	if s.useReservation(t) {
-		return Gate{Reserved: true}, nil
+	if p != nil && s.adm.UseReservation(s.now, p.ID, t.req.ReservationID) {
+		return Gate{Reserved: true}, time.Time{}, nil
 	}
 	if p == nil || !t.newSession || t.req.Overcommit {
-		return Gate{}, nil
+		return Gate{}, time.Time{}, nil
 	}
-	pa := s.admissionOf(p.ID)
-	if !pa.policy.Enforced() {
-		return Gate{}, nil
+	d := s.adm.Gate(s.now, p.ID, s.poolFacts(p, 0, ""))
+	if !d.Checked {
+		return Gate{}, time.Time{}, nil
 	}
-	v := admission.Decide(s.capacityInput(p, 0, ""))
-	g := Gate{Checked: true, SessionsRemaining: v.HeadroomSessions, Verdict: v}
-	if v.CanAdmit {
-		return g, nil
-	}
-	switch {
-	case pa.policy.OnSaturation == admission.OnWarn:
+	g := Gate{Checked: true, SessionsRemaining: d.Verdict.HeadroomSessions, Verdict: d.Verdict}
+	switch d.Action {
+	case admission.Warn:
 		g.Warned = true
-		return g, nil
-	case v.Reason == admission.ReasonSettling:
-		// Slow the spawn just enough: hold until the measurement settles (bounded).
-		t.gateDeadline = s.now.Add(time.Duration(pa.policy.SettleMaxMs)*time.Millisecond + time.Second)
-	case pa.policy.OnSaturation == admission.OnQueue:
-		t.gateDeadline = s.now.Add(time.Duration(pa.policy.QueueTimeoutMs) * time.Millisecond)
-	default:
-		return g, &SaturatedError{Pool: p.ID, Verdict: v}
+	case admission.Hold:
+		g.Held = true
+	case admission.Refuse:
+		return g, time.Time{}, &SaturatedError{Pool: p.ID, Verdict: d.Verdict}
 	}
-	g.Held = true
-	return g, nil
+	return g, d.Until, nil
 }
 
-// releaseGated lets held tasks through once their pool can admit, in arrival order,
-// and refuses those whose wait ran out.
+// releaseGated asks the admission controller again about each held request, in
+// arrival order: it is let into the queue, refused, or stays held. A pool released
+// while the request waited fails it.
 func (s *Scheduler) releaseGated() {
-	for i := 0; i < len(s.gated); {
-		t := s.gated[i]
+	for _, key := range s.adm.HeldKeys() {
+		t := s.tasks[TaskID(key)]
 		if t.pool.State == pool.Released {
-			s.dropGated(i, fmt.Errorf("%w: pool %d was released while the request waited", pool.ErrNotFound, t.pool.ID))
+			s.adm.Unhold(key)
+			s.dropGated(t, fmt.Errorf("%w: pool %d was released while the request waited", pool.ErrNotFound, t.pool.ID))
 			continue
 		}
-		v := admission.Decide(s.capacityInput(t.pool, 0, ""))
-		pol := s.admissionOf(t.pool.ID).policy
-		switch {
-		case v.CanAdmit:
-			s.gated = append(s.gated[:i], s.gated[i+1:]...)
+		// Facts per request: one let in before is pending, and keeps the pool settling.
+		switch d := s.adm.Review(s.now, key, s.poolFacts(t.pool, 0, "")); d.Action {
+		case admission.Admit:
 			s.queue = append(s.queue, t)
-			continue
-		case !s.now.Before(t.gateDeadline),
-			// Held only for the settle: once measured, a reject pool answers at once.
-			v.Reason != admission.ReasonSettling && pol.OnSaturation == admission.OnReject:
-			s.dropGated(i, &SaturatedError{Pool: t.pool.ID, Verdict: v})
-			continue
+		case admission.Refuse:
+			s.dropGated(t, &SaturatedError{Pool: t.pool.ID, Verdict: d.Verdict})
 		}
-		i++
 	}
 }
 
-func (s *Scheduler) dropGated(i int, err error) {
-	t := s.gated[i]
-	s.gated = append(s.gated[:i], s.gated[i+1:]...)
+func (s *Scheduler) dropGated(t *task, err error) {
 	delete(s.tasks, t.id)
 	s.events = append(s.events, Event{Task: t.id, Done: true, Finish: FinishError, Err: err})
 }

@@ -182,7 +182,7 @@ func (s *Scheduler) evictPool(p *pool.Pool) error {
 func (s *Scheduler) reclaim(p *pool.Pool) {
 	// Its prefix was reported removed when it was released.
 	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.Seq, P0: 0, P1: -1})
-	delete(s.admission, p.ID)
+	s.adm.Forget(p.ID)
 	s.check(s.pools.Reclaim(p))
 }
 

@@ -5,6 +5,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/polykv/polykv/internal/admission"
 	"github.com/polykv/polykv/internal/pool"
 	"github.com/polykv/polykv/internal/tps"
 )
@@ -117,8 +118,7 @@ type task struct {
 	lastTok   time.Time
 	ewma      tps.EWMA
 	// newSession: attaching to a pool as a session it has not seen (gated, settled).
-	newSession   bool
-	gateDeadline time.Time
+	newSession bool
 }
 
 func (t *task) prefilling() bool { return t.slot != nil && len(t.slot.tokens) < len(t.req.Prompt) }
@@ -146,12 +146,12 @@ type Scheduler struct {
 	tasks     map[TaskID]*task
 	nextID    TaskID
 	now       time.Time
-	admission map[int]*poolAdmission
-	gated     []*task              // new sessions held by an enforced pool's gate
-	seen      map[string]time.Time // session ids admitted before: continuations are never gated
-	agg       tps.EWMA             // aggregate decode tokens/s
-	aggPrompt tps.EWMA             // aggregate prompt tokens/s
-	planAt    time.Time            // when the batch being decoded was planned
+	// adm is all admission state: per-pool policies, settle windows, holds and
+	// reservations, and the sessions seen before (continuations are never gated).
+	adm       *admission.Controller
+	agg       tps.EWMA  // aggregate decode tokens/s
+	aggPrompt tps.EWMA  // aggregate prompt tokens/s
+	planAt    time.Time // when the batch being decoded was planned
 
 	ops      []SeqOp
 	samplers []SamplerOp
@@ -187,7 +187,7 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	}
 	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
 		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools), poolSeqs: map[int]*slot{},
-		admission: map[int]*poolAdmission{}, seen: map[string]time.Time{},
+		adm: admission.NewController(),
 		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau)}
 	for i := range cfg.Parallel {
 		s.slots = append(s.slots, &slot{seq: i})
@@ -217,26 +217,25 @@ func (s *Scheduler) submit(req Request) (TaskID, Gate, error) {
 	s.admit()
 	// Requests an enforced pool's gate holds are waiting too: they count against the
 	// bound, or a saturated pool would let an unbounded number pile up.
-	if waiting := len(s.queue) + len(s.gated); waiting >= s.cfg.MaxQueue && !s.canStartNow(req) {
+	if waiting := len(s.queue) + s.adm.Held(); waiting >= s.cfg.MaxQueue && !s.canStartNow(req) {
 		return 0, Gate{}, fmt.Errorf("%w (%d waiting)", ErrQueueFull, waiting)
 	}
 	t := s.newTask(kindGenerate, req, p)
 	if p != nil {
-		_, known := s.seen[req.SessionID]
-		t.newSession = req.SessionID == "" || !known
+		t.newSession = req.SessionID == "" || !s.adm.Known(req.SessionID)
 	}
-	g, err := s.gate(t)
+	g, until, err := s.gate(t)
 	if err != nil {
 		delete(s.tasks, t.id)
 		return 0, g, err
 	}
 	if g.Held {
 		// A held request waits however free the sequences are: it always counts.
-		if waiting := len(s.queue) + len(s.gated); waiting >= s.cfg.MaxQueue {
+		if waiting := len(s.queue) + s.adm.Held(); waiting >= s.cfg.MaxQueue {
 			delete(s.tasks, t.id)
-			return 0, g, fmt.Errorf("%w (%d waiting, %d of them held by pool %d's admission gate)", ErrQueueFull, waiting, len(s.gated), p.ID)
+			return 0, g, fmt.Errorf("%w (%d waiting, %d of them held by pool %d's admission gate)", ErrQueueFull, waiting, s.adm.Held(), p.ID)
 		}
-		s.gated = append(s.gated, t)
+		s.adm.Hold(uint64(t.id), p.ID, until)
 		return t.id, g, nil
 	}
 	s.queue = append(s.queue, t)
@@ -278,7 +277,7 @@ func (s *Scheduler) cancel(id TaskID) {
 	}
 	if t.slot == nil {
 		s.queue = slices.DeleteFunc(s.queue, func(q *task) bool { return q == t })
-		s.gated = slices.DeleteFunc(s.gated, func(q *task) bool { return q == t })
+		s.adm.Unhold(uint64(t.id))
 		delete(s.tasks, id)
 		if t.kind == kindMaterialize {
 			s.abandonPool(t.pool, t.restore)
@@ -305,7 +304,7 @@ func (s *Scheduler) Observations() []Observation {
 }
 
 // Idle reports that nothing is waiting or running.
-func (s *Scheduler) Idle() bool { return len(s.queue) == 0 && len(s.running) == 0 && len(s.gated) == 0 }
+func (s *Scheduler) Idle() bool { return len(s.queue) == 0 && len(s.running) == 0 && s.adm.Held() == 0 }
 
 // pickSlot chooses the sequence for t without side effects: its session's own, else
 // an empty one, else the least recently used idle session's.
@@ -455,9 +454,7 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 		s.samplers = append(s.samplers, SamplerOp{Task: t.id, Params: t.req.Sampling, Logprobs: t.req.Logprobs, History: t.req.Prompt})
 		t.cacheN = len(sl.tokens)
 		t.ewma = tps.NewEWMA(s.cfg.TPSTau)
-		if t.req.SessionID != "" {
-			s.seen[t.req.SessionID] = s.now
-		}
+		s.adm.SessionSeated(t.req.SessionID, s.now)
 	}
 	sl.task = t
 	sl.lastUsed = s.now

@@ -115,11 +115,7 @@ func (s *Scheduler) Snapshot(now time.Time) *Snapshot {
 		unsupported: s.cfg.PoolsUnsupported}
 	for _, p := range s.pools.All() {
 		sn.tokens[p.ID] = p.Tokens
-		if pa, ok := s.admission[p.ID]; ok {
-			sn.admission[p.ID] = pa.policy
-		} else {
-			sn.admission[p.ID] = admission.DefaultPolicy()
-		}
+		sn.admission[p.ID] = s.adm.Policy(p.ID)
 	}
 	return sn
 }

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"cmp"
 	"fmt"
 	"slices"
 	"strconv"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/cockroachdb/datadriven"
 
+	"github.com/polykv/polykv/internal/admission"
 	"github.com/polykv/polykv/internal/pool"
 )
 
@@ -21,8 +23,8 @@ import (
 //
 // Commands:
 //
-//	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR
-//	submit name=X prompt=1..6;99 [session=S] [max=N] [pool=P] [shared=N]
+//	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR [cost=perdecode]
+//	submit name=X prompt=1..6;99 [session=S] [max=N] [pool=P] [shared=N] [reservation=R] [overcommit]
 //	pool name=P prompt=... [parent=Q d=N] [pin]   create (or fork) and materialize
 //	release|evict|pin|unpin|flush pool=P
 //	cancel name=X
@@ -30,6 +32,13 @@ import (
 //	run               step until idle; prints what ended
 //	advance d=DUR     move the clock
 //	state             sessions, pools and cells (checked against the fake cache)
+//	admission pool=P [mode=M] [on=S] [floor=F] [guarantee=N] [settle_tokens=N] [settle_ms=N] [queue_ms=N]
+//	capacity pool=P [expected=N] [session=S]   the admission verdict now
+//	reserve name=R pool=P [ttl=DUR] [expected=N]
+//	unreserve name=R pool=P
+//
+// cost=perdecode makes a step cost 10 ms per sampled token (see perDecodeCost), so
+// per-session tps falls as sessions join and admission has something to measure.
 func TestStories(t *testing.T) {
 	datadriven.Walk(t, "testdata/stories", func(t *testing.T, path string) {
 		st := &story{t: t}
@@ -43,7 +52,10 @@ type story struct {
 	tasks map[string]TaskID
 	names map[TaskID]string
 	pools map[string]int
-	out   strings.Builder
+	rsv   map[string]string // reservation name → id
+	// nended is how many of the harness's ended tasks were printed.
+	nended int
+	out    strings.Builder
 }
 
 func (st *story) printf(format string, args ...any) { fmt.Fprintf(&st.out, format, args...) }
@@ -73,12 +85,19 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 				cfg.PoolGrace = dur(t, d, v)
 			case "ttl":
 				cfg.SessionTTL = dur(t, d, v)
+			case "cost":
+				if v != "perdecode" {
+					d.Fatalf(t, "unknown cost %s", v)
+				}
 			default:
 				d.Fatalf(t, "unknown config key %s", a.Key)
 			}
 		}
 		st.h = newHarness(t, cfg)
-		st.tasks, st.names, st.pools = map[string]TaskID{}, map[TaskID]string{}, map[string]int{}
+		if arg(d, "cost") == "perdecode" {
+			st.h.stepCost = perDecodeCost
+		}
+		st.tasks, st.names, st.pools, st.rsv = map[string]TaskID{}, map[TaskID]string{}, map[string]int{}, map[string]string{}
 		return "ok"
 	case "submit":
 		name := arg(d, "name")
@@ -93,12 +112,29 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 			n := atoi(t, d, v)
 			req.SharedPrefixN = &n
 		}
-		id, err := st.h.trySubmit(req)
+		if v := arg(d, "reservation"); v != "" {
+			req.ReservationID = st.rsv[v]
+			if req.ReservationID == "" {
+				req.ReservationID = v // a literal id (unknown, or never granted)
+			}
+		}
+		req.Overcommit = d.HasArg("overcommit")
+		id, g, err := st.h.submitGated(req)
 		if err != nil {
 			return fmt.Sprintf("%s: error: %v", name, err)
 		}
 		st.tasks[name], st.names[id] = id, name
 		st.h.collect()
+		switch {
+		case g.Reserved:
+			return name + ": queued (reservation used)"
+		case g.Held:
+			return fmt.Sprintf("%s: held (%s)", name, g.Verdict.Reason)
+		case g.Warned:
+			return fmt.Sprintf("%s: queued over the policy (%s)", name, g.Verdict.Reason)
+		case g.Checked:
+			return fmt.Sprintf("%s: queued (%s)", name, g.Verdict.Reason)
+		}
 		return name + ": queued"
 	case "pool":
 		return st.pool(t, d)
@@ -151,6 +187,8 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 		return "ok"
 	case "state":
 		st.state()
+	case "admission", "capacity", "reserve", "unreserve":
+		return st.admission(t, d)
 	default:
 		d.Fatalf(t, "unknown command %s", d.Cmd)
 	}
@@ -188,12 +226,107 @@ func (st *story) pool(t *testing.T, d *datadriven.TestData) string {
 	return fmt.Sprintf("%s: pool %d on seq %d, prefix %d, own %d, %s", name, id, st.h.poolSeq(id), info.PrefixLen, info.OwnLen, info.State)
 }
 
-// ended prints the tasks that finished since the last call.
+// admission runs the admission commands.
+func (st *story) admission(t *testing.T, d *datadriven.TestData) string {
+	id := st.poolID(arg(d, "pool"))
+	num := func(key string) int {
+		if v := arg(d, key); v != "" {
+			return atoi(t, d, v)
+		}
+		return 0
+	}
+	switch d.Cmd {
+	case "admission":
+		var pt admission.Patch
+		if v := arg(d, "mode"); v != "" {
+			pt.Mode = &v
+		}
+		if v := arg(d, "on"); v != "" {
+			pt.OnSaturation = &v
+		}
+		if v := arg(d, "floor"); v != "" {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil {
+				d.Fatalf(t, "bad floor %q", v)
+			}
+			pt.TargetTPS = &f
+		}
+		if v := arg(d, "guarantee"); v != "" {
+			n := atoi(t, d, v)
+			pt.GuaranteeMinSessions = &n
+		}
+		for key, dst := range map[string]**int64{"settle_ms": &pt.SettleMaxMs, "queue_ms": &pt.QueueTimeoutMs} {
+			if v := arg(d, key); v != "" {
+				n := int64(atoi(t, d, v))
+				*dst = &n
+			}
+		}
+		if v := arg(d, "settle_tokens"); v != "" {
+			n := atoi(t, d, v)
+			pt.SettleTokens = &n
+		}
+		r := st.h.send(SetAdmission{Pool: id, Patch: pt})
+		if r.Err != nil {
+			return "error: " + r.Err.Error()
+		}
+		p := r.Admission
+		return fmt.Sprintf("%s on_saturation=%s floor=%g guarantee=%d settle_tokens=%d settle_ms=%d queue_ms=%d",
+			p.Mode, p.OnSaturation, p.TargetTPS, p.GuaranteeMinSessions, p.SettleTokens, p.SettleMaxMs, p.QueueTimeoutMs)
+	case "capacity":
+		c, err := st.h.capacityOf(id, num("expected"), arg(d, "session"))
+		if err != nil {
+			return "error: " + err.Error()
+		}
+		return verdictLine(c.Verdict)
+	case "reserve":
+		rep, err := st.h.tryReserve(id, dur(t, d, cmp.Or(arg(d, "ttl"), "0s")), num("expected"))
+		if err != nil {
+			return "error: " + err.Error()
+		}
+		if !rep.Granted {
+			return "refused: " + verdictLine(rep.Verdict)
+		}
+		st.rsv[arg(d, "name")] = *rep.ReservationID
+		return fmt.Sprintf("granted %s expires_in_ms=%d", *rep.ReservationID, rep.ExpiresInMs)
+	case "unreserve":
+		rid := cmp.Or(st.rsv[arg(d, "name")], arg(d, "name"))
+		if err := st.h.send(ReleaseReservation{Pool: id, ID: rid}).Err; err != nil {
+			return "error: " + err.Error()
+		}
+		return "ok"
+	}
+	return ""
+}
+
+// verdictLine prints the parts of a verdict a story checks, in a fixed order.
+func verdictLine(v admission.Verdict) string {
+	f := func(p *float64) string {
+		if p == nil {
+			return "-"
+		}
+		return strconv.FormatFloat(*p, 'f', 1, 64)
+	}
+	line := fmt.Sprintf("can_admit=%v reason=%q sessions=%d warming=%d active=%d reserved=%d free=%d mean=%s projected=%s drop=%s",
+		v.CanAdmit, v.Reason, v.NPoolSessions, v.NWarming, v.NActive, v.NReserved, v.FreeCells,
+		f(v.MeanActiveTPS), f(v.ProjectedIfAdmitted), f(v.DropPerAdmitEWMA))
+	if v.Settling {
+		line += fmt.Sprintf(" settling=%dms", v.SettleRemainingMs)
+	}
+	if !v.CanAdmit {
+		line += fmt.Sprintf(" retry_after=%ds", v.RetryAfterS)
+	}
+	return line
+}
+
+// ended prints the tasks that finished since the last call, in the order they ended
+// (not in map order: that made stories where two tasks end in one step flaky).
 func (st *story) ended() {
-	for id, evs := range st.h.events {
-		if len(evs) == 0 || !evs[len(evs)-1].Done || st.names[id] == "" {
+	for ; st.nended < len(st.h.ended); st.nended++ {
+		id := st.h.ended[st.nended]
+		if st.names[id] == "" {
 			continue
 		}
+		evs := st.h.events[id]
 		ev := evs[len(evs)-1]
 		text := st.h.text(id)
 		line := fmt.Sprintf("%s: done %s cache_n=%d prompt_n=%d predicted=%d seq=%d", st.names[id], ev.Finish, ev.Stats.CacheN, ev.Stats.PromptN, ev.Stats.PredictedN, ev.Stats.Seq)
@@ -261,7 +394,11 @@ func (st *story) state() {
 	s.samplers, s.ops = nil, nil
 	st.h.checkAccounting()
 	u := s.Usage()
-	st.printf("cells: %d of %d; running %d, waiting %d\n", st.h.be.cells(), u.CellsMax, u.Running, u.Waiting)
+	st.printf("cells: %d of %d; running %d, waiting %d", st.h.be.cells(), u.CellsMax, u.Running, u.Waiting)
+	if n := s.adm.Held(); n > 0 {
+		st.printf(", held %d", n) // by an enforced pool's gate
+	}
+	st.printf("\n")
 }
 
 func (st *story) poolID(name string) int {
