@@ -2,6 +2,7 @@
 package runner
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"math"
@@ -23,6 +24,9 @@ type Backend struct {
 	holes bool
 	// Compactions counts cache compactions (read by tests and the benchmark).
 	Compactions int
+	// GrammarFailures counts tasks whose grammar failed while sampling and that went
+	// on unconstrained (see dropGrammar; read by tests).
+	GrammarFailures int
 
 	// anchor >= 0 turns on SWA anchors (see EnableSWAAnchors): sequence q's anchor is
 	// q + anchor.
@@ -43,7 +47,8 @@ func (b *Backend) EnableSWAAnchors(offset int) { b.anchor = offset }
 type sampler struct {
 	s        *llama.Sampler
 	logprobs bool
-	nProbs   int // alternatives reported with each token (with logprobs)
+	nProbs   int                  // alternatives reported with each token (with logprobs)
+	params   engine.SamplingParams // to rebuild the chain without its grammar
 }
 
 var _ engine.Backend = (*Backend)(nil)
@@ -94,7 +99,12 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 		if !ok {
 			return nil, fmt.Errorf("no sampler for task %d", e.Task)
 		}
-		tok := smp.s.Sample(b.ctx, i)
+		tok, err := smp.s.Sample(b.ctx, i)
+		if err != nil {
+			if tok, err = b.dropGrammar(e.Task, smp, i, tok, err); err != nil {
+				return nil, err
+			}
+		}
 		s := engine.Sampled{Token: tok}
 		if smp.logprobs {
 			s.Logprob, s.Top = logprobs(b.ctx.Logits(i), tok, smp.nProbs)
@@ -207,10 +217,47 @@ func (b *Backend) NewSampler(task engine.TaskID, p engine.SamplingParams, logpro
 	// Prompt tokens prime the penalties, never a grammar (it constrains output only).
 	if p.Grammar == "" && (p.RepeatPenalty != 0 && p.RepeatPenalty != 1 || p.FrequencyPenalty != 0 || p.PresencePenalty != 0) {
 		for _, t := range history {
-			s.Accept(t)
+			_ = s.Accept(t) // no grammar in the chain: nothing to fail
 		}
 	}
-	b.samplers[task] = &sampler{s: s, logprobs: logprobs, nProbs: p.NProbs}
+	b.samplers[task] = &sampler{s: s, logprobs: logprobs, nProbs: p.NProbs, params: p}
+}
+
+// dropGrammar handles a grammar failure of task's sampler at batch index i: llama.cpp
+// found that the output no longer fits the grammar (with a lazy grammar: the text that
+// completed the trigger does not start a well-formed call), and the sampler can only be
+// freed. The task goes on with the same chain minus the grammar, keeping the token
+// already drawn (drawn >= 0: it came from the model's unmasked distribution, since a
+// grammar failure on accept means the trigger fired inside that very token) or drawing
+// again from the same logits.
+//
+// Why not end the request: a lazy grammar constrains free text only once a call has
+// started, so what the model wrote so far is valid output, and the reply parser keeps
+// anything that does not form a well-formed call as content, never as a call; ending
+// here would cut the reply mid-sentence and could leave half a call tag in content.
+// Only this task's chain changes: other sequences in the batch keep their samplers.
+// (The new chain's penalty history and RNG start afresh.)
+func (b *Backend) dropGrammar(task engine.TaskID, smp *sampler, i int, drawn llama.Token, cause error) (llama.Token, error) {
+	if !errors.Is(cause, llama.ErrGrammar) {
+		return -1, cause
+	}
+	b.GrammarFailures++
+	b.log.Warn("grammar failed; the task continues unconstrained", "task", task, "err", cause)
+	p := smp.params
+	p.Grammar, p.GrammarTriggers = "", nil
+	s, err := llama.NewSampler(b.model, samplerParams(p))
+	if err != nil {
+		return -1, err
+	}
+	smp.s.Free()
+	smp.s, smp.params = s, p
+	if drawn >= 0 {
+		if err := s.Accept(drawn); err != nil {
+			return -1, err
+		}
+		return drawn, nil
+	}
+	return s.Sample(b.ctx, i)
 }
 
 // samplerParams is the part of the engine's parameters that builds the llama.cpp chain
@@ -220,7 +267,16 @@ func samplerParams(p engine.SamplingParams) llama.SamplerParams {
 		Temperature: p.Temperature, TopK: p.TopK, TopP: p.TopP, MinP: p.MinP, Seed: p.Seed,
 		RepeatPenalty: p.RepeatPenalty, RepeatLastN: p.RepeatLastN,
 		FrequencyPenalty: p.FrequencyPenalty, PresencePenalty: p.PresencePenalty, Grammar: p.Grammar,
+		GrammarTriggers: triggers(p.GrammarTriggers),
 	}
+}
+
+func triggers(ts []engine.GrammarTrigger) []llama.GrammarTrigger {
+	var out []llama.GrammarTrigger
+	for _, t := range ts {
+		out = append(out, llama.GrammarTrigger{Word: t.Word, Pattern: t.Pattern})
+	}
+	return out
 }
 
 // FreeSampler implements engine.Backend.
