@@ -47,7 +47,7 @@ func (b *Backend) EnableSWAAnchors(offset int) { b.anchor = offset }
 type sampler struct {
 	s        *llama.Sampler
 	logprobs bool
-	nProbs   int                  // alternatives reported with each token (with logprobs)
+	nProbs   int                   // alternatives reported with each token (with logprobs)
 	params   engine.SamplingParams // to rebuild the chain without its grammar
 }
 
