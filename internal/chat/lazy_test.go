@@ -1,0 +1,122 @@
+package chat
+
+import (
+	"encoding/json"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+var lazyTools = []Tool{
+	{Type: "function", Function: ToolFunction{Name: "get_weather", Parameters: json.RawMessage(`{"type":"object","properties":{"city":{"type":"string"},"unit":{"enum":["C","F"]}},"required":["city"]}`)}},
+	{Type: "function", Function: ToolFunction{Name: "get_time", Parameters: json.RawMessage(`{"type":"object","properties":{"zone":{"type":"string"}},"required":["zone"]}`)}},
+}
+
+// Each family's auto grammar starts on the family's own call opener, and only there.
+func TestAutoGrammarTriggersPerFamily(t *testing.T) {
+	words := map[Format][]string{
+		FormatHermes:         {"<tool_call>"},
+		FormatLlama3:         {"<|python_tag|>"},
+		FormatMistral:        {"[TOOL_CALLS]"},
+		FormatMistralArgs:    {"[TOOL_CALLS]"},
+		FormatGranite:        {"<|tool_call|>"},
+		FormatCommandR7B:     {"<|START_ACTION|>"},
+		FormatKimiK2:         {"<|tool_calls_section_begin|>"},
+		FormatDeepSeek:       {"<｜tool▁calls▁begin｜>"},
+		FormatFunctionaryV31: {"<function="},
+	}
+	for f, want := range words {
+		g, trig, ok, err := AutoGrammar(f, lazyTools, false)
+		if err != nil || !ok {
+			t.Fatalf("%s: ok %v err %v", f, ok, err)
+		}
+		var got []string
+		for _, tr := range trig {
+			if tr.Word != "" {
+				got = append(got, tr.Word)
+			}
+		}
+		if strings.Join(got, ",") != strings.Join(want, ",") {
+			t.Errorf("%s: trigger words %q, want %q", f, got, want)
+		}
+		// The grammar's start is the trigger word: llama.cpp feeds it from there.
+		if !strings.Contains(g, "root ::= ") || !strings.Contains(g, strings.Trim(q(want[0]), `"`)) {
+			t.Errorf("%s: grammar does not start with its trigger:\n%s", f, g)
+		}
+		for _, name := range []string{"get_weather", "get_time"} {
+			if !strings.Contains(g, name) {
+				t.Errorf("%s: grammar lacks tool %s", f, name)
+			}
+		}
+	}
+	for _, f := range []Format{FormatQwenXML, FormatGLM, FormatMiniMax, FormatDeepSeekDSML, FormatHarmony, FormatLFM2, FormatFunctionaryV32} {
+		if _, _, ok, err := AutoGrammar(f, lazyTools, false); ok || err != nil {
+			t.Errorf("%s: a lazy grammar for a family without one (ok %v, err %v)", f, ok, err)
+		}
+	}
+	if _, _, ok, _ := AutoGrammar(FormatHermes, nil, false); ok {
+		t.Error("a grammar without tools")
+	}
+}
+
+// The pattern triggers (bare JSON calls) fire on a call object that names a declared
+// tool, and not on other JSON or prose. llama.cpp matches them against the whole output
+// (std::regex_match); Go's regexp reads the same syntax, anchored here.
+func TestAutoGrammarPatternTriggers(t *testing.T) {
+	cases := []struct {
+		f          Format
+		fire, keep []string
+	}{
+		{FormatHermes,
+			[]string{`{"name": "get_weather"`, ` {"name":"get_time", "arguments": {`},
+			[]string{`{"name": "other"`, `Sure: {"name": "get_weather"`, `{"city": "Paris"}`, `{"name": "get_weathe`}},
+		{FormatLlama3,
+			[]string{`{"name": "get_weather"`, `Calling it: {"name": "get_time", "parameters": {}}`},
+			[]string{`{"name": "other"`, `The JSON is {"a": 1}`}},
+	}
+	for _, c := range cases {
+		_, trig, _, _ := AutoGrammar(c.f, lazyTools, false)
+		var res []*regexp.Regexp
+		for _, tr := range trig {
+			if tr.Pattern != "" {
+				res = append(res, regexp.MustCompile(`^(?:`+tr.Pattern+`)$`))
+			}
+		}
+		if len(res) == 0 {
+			t.Fatalf("%s: no pattern trigger", c.f)
+		}
+		fires := func(s string) bool {
+			for _, re := range res {
+				if re.MatchString(s) {
+					return true
+				}
+			}
+			return false
+		}
+		for _, s := range c.fire {
+			if !fires(s) {
+				t.Errorf("%s: %q does not trigger", c.f, s)
+			}
+		}
+		for _, s := range c.keep {
+			if fires(s) {
+				t.Errorf("%s: %q triggers", c.f, s)
+			}
+		}
+	}
+}
+
+// Tools whose schemas both use $defs with the same names get separate rules.
+func TestAutoGrammarSeparatesToolRefs(t *testing.T) {
+	tools := []Tool{
+		{Function: ToolFunction{Name: "a", Parameters: json.RawMessage(`{"$defs":{"x":{"type":"string"}},"type":"object","properties":{"v":{"$ref":"#/$defs/x"}}}`)}},
+		{Function: ToolFunction{Name: "b", Parameters: json.RawMessage(`{"$defs":{"x":{"type":"integer"}},"type":"object","properties":{"v":{"$ref":"#/$defs/x"}}}`)}},
+	}
+	g, _, _, err := AutoGrammar(FormatHermes, tools, false)
+	if err != nil || !strings.Contains(g, "t0-ref--defs-x ::= string") || !strings.Contains(g, "t1-ref--defs-x ::= integer") {
+		t.Fatalf("err %v\n%s", err, g)
+	}
+	if _, _, _, err := AutoGrammar(FormatHermes, []Tool{{Function: ToolFunction{Name: "p", Parameters: json.RawMessage(`{"type":"string","pattern":"^a"}`)}}}, false); err == nil {
+		t.Fatal("an unsupported schema keyword was accepted")
+	}
+}
