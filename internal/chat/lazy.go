@@ -161,3 +161,36 @@ func (c *gbnf) toolArgs(tools []Tool) ([]string, error) {
 
 // q is a GBNF string literal for s.
 func q(s string) string { return strconv.Quote(s) }
+
+// TriggersAfterThinking adapts auto's triggers to a reply that starts inside a think
+// block (PromptOpensThinking): a call opener written while reasoning is not a call,
+// so every trigger first needs the block's closing tag. Words become patterns, since a
+// trigger token would fire anywhere.
+func TriggersAfterThinking(triggers []Trigger) []Trigger {
+	var closes []string
+	for _, tag := range thinkTags {
+		closes = append(closes, regexQuote(tag[1]))
+	}
+	after := `[\s\S]*?(?:` + strings.Join(closes, "|") + `)`
+	out := make([]Trigger, 0, len(triggers))
+	for _, t := range triggers {
+		if t.Word != "" {
+			out = append(out, Trigger{Pattern: after + `[\s\S]*?(` + regexQuote(t.Word) + `)[\s\S]*`})
+			continue
+		}
+		out = append(out, Trigger{Pattern: after + t.Pattern})
+	}
+	return out
+}
+
+// regexQuote quotes s for an ECMAScript regular expression.
+func regexQuote(s string) string {
+	var b strings.Builder
+	for _, r := range s {
+		if strings.ContainsRune(`.^$|()*+?[]{}\`, r) {
+			b.WriteByte('\\')
+		}
+		b.WriteRune(r)
+	}
+	return b.String()
+}

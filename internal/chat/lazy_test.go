@@ -120,3 +120,37 @@ func TestAutoGrammarSeparatesToolRefs(t *testing.T) {
 		t.Fatal("an unsupported schema keyword was accepted")
 	}
 }
+
+// With a prompt that opens a think block, a call opener inside the reasoning does not
+// trigger the grammar; the same opener after the block closes does.
+func TestTriggersAfterThinking(t *testing.T) {
+	_, trig, _, _ := AutoGrammar(FormatHermes, lazyTools, false)
+	th := TriggersAfterThinking(trig)
+	if len(th) != len(trig) {
+		t.Fatalf("%d triggers, want %d", len(th), len(trig))
+	}
+	var res []*regexp.Regexp
+	for _, tr := range th {
+		if tr.Word != "" {
+			t.Fatalf("a word trigger survives: %q (its token would fire inside reasoning)", tr.Word)
+		}
+		res = append(res, regexp.MustCompile(`^(?:`+tr.Pattern+`)$`))
+	}
+	fires := func(s string) string {
+		for _, re := range res {
+			if m := re.FindStringSubmatch(s); m != nil {
+				return m[1]
+			}
+		}
+		return ""
+	}
+	if got := fires("I could use <tool_call> here, or answer directly."); got != "" {
+		t.Fatalf("fired inside reasoning: %q", got)
+	}
+	if got := fires("Use the tool.</think>\n\n<tool_call>\n{"); got != "<tool_call>" {
+		t.Fatalf("after reasoning: %q, want the opener", got)
+	}
+	if got := fires("Done.</think>{\"name\": \"get_time\""); got != `{"name": "get_time"` {
+		t.Fatalf("bare call after reasoning: %q", got)
+	}
+}
