@@ -12,9 +12,9 @@ import (
 
 // toolPlan is what a chat request asks of tools and output structure.
 type toolPlan struct {
-	tools    []chat.Tool // rendered into the prompt ("none" renders none)
-	parse    bool        // parse tool calls out of the reply
-	grammar  string      // constrained decoding ("" = free)
+	tools   []chat.Tool // rendered into the prompt ("none" renders none)
+	parse   bool        // parse tool calls out of the reply
+	grammar string      // constrained decoding ("" = free)
 	// triggers make grammar lazy (tool_choice auto): free text until one appears.
 	triggers []chat.Trigger
 	parallel bool
