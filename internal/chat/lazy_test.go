@@ -154,3 +154,56 @@ func TestTriggersAfterThinking(t *testing.T) {
 		t.Fatalf("bare call after reasoning: %q", got)
 	}
 }
+
+// Mistral Nemo and Granite lists and Qwen3-Coder XML calls stream while they are
+// written: the header once the name is complete, arguments before the reply ends (XML:
+// parameter by parameter), and the deltas rebuild exactly the calls Finish returns.
+func TestListAndXMLCallsStream(t *testing.T) {
+	cases := []struct {
+		f     Format
+		text  string
+		early []string // argument pieces that must have gone out before the reply ended
+	}{
+		{FormatMistral, `[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Lyon", "list": [{"x": 1}, {"name": "add", "arguments": {}}]}, "id": "a1B2c3D4e"}, {"name": "add", "arguments": {"a": 1, "b": 2}, "id": "Zz9Yy8Xx7"}]`,
+			[]string{`{"city": "Lyon"`, `{"a": 1`}},
+		{FormatGranite, `<|tool_call|>[{"name": "add", "arguments": {"a": 7, "b": 8}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]`,
+			[]string{`{"a": 7`, `{"city": "Oslo"`}},
+		{FormatQwenXML, "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
+			[]string{`{"city": "New York"`, `, "days": 3`, `{"a": 1}`}},
+	}
+	for _, c := range cases {
+		s := NewCallStreamWith(c.f, familyTools).LiveCalls()
+		var deltas []CallDelta
+		var earlyArgs []string
+		for i := 0; i < len(c.text); i += 3 {
+			s.Push(c.text[i:min(i+3, len(c.text))])
+			for _, d := range s.Deltas() {
+				deltas = append(deltas, d)
+				earlyArgs = append(earlyArgs, d.Args)
+			}
+		}
+		fin := s.Finish()
+		deltas = append(deltas, s.Deltas()...)
+		joined := strings.Join(earlyArgs, "")
+		for _, want := range c.early {
+			if !strings.Contains(joined, want) {
+				t.Errorf("%s: %q was not streamed before the end (streamed %q)", c.f, want, earlyArgs)
+			}
+		}
+		var rebuilt []ToolCall
+		for _, d := range deltas {
+			if d.Index == len(rebuilt) {
+				rebuilt = append(rebuilt, ToolCall{ID: d.ID, Type: "function", Function: FunctionCall{Name: d.Name}})
+			}
+			rebuilt[d.Index].Function.Arguments += d.Args
+		}
+		if len(rebuilt) != 2 || len(fin.Calls) != 2 {
+			t.Fatalf("%s: rebuilt %+v, Finish %+v", c.f, rebuilt, fin)
+		}
+		for i := range rebuilt {
+			if rebuilt[i] != fin.Calls[i] {
+				t.Errorf("%s: call %d rebuilt %+v, Finish %+v", c.f, i, rebuilt[i], fin.Calls[i])
+			}
+		}
+	}
+}
