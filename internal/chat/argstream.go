@@ -66,7 +66,7 @@ func (c *CallStream) streamArgs() {
 			continue
 		}
 		prevEnd := -1 // list formats: where the previous call's arguments ended
-		i := -1 // index of the call m starts
+		i := -1       // index of the call m starts
 		for _, m := range ms {
 			if listFormat(c.format) && re == callHeads[c.format] {
 				first := held[m[0]] != '}'
