@@ -293,27 +293,30 @@ type GrammarTrigger struct {
 // the output no longer fits it. The sampler is unusable afterwards.
 var ErrGrammar = errors.New("grammar")
 
-// Sampler is a llama.cpp sampler chain. It keeps state (RNG, penalty history).
+// Sampler is a llama.cpp sampler chain, with its grammar (if any) kept apart so that
+// it can be dropped while the chain goes on. It keeps state (RNG, penalty history).
 type Sampler struct {
 	s *C.struct_llama_sampler
-	// failed is set once a grammar failed: llama.cpp leaves the grammar with no
-	// parse stacks, and the next apply would abort the process (GGML_ASSERT).
+	g *C.struct_llama_sampler // grammar, applied before the chain; nil: none
+	// failed is set once the grammar failed: llama.cpp leaves it with no parse
+	// stacks, and the next apply would abort the process (GGML_ASSERT).
 	failed error
 }
 
 // NewSampler builds the chain: grammar → penalties → top-k → top-p → min-p →
 // temperature → dist, or grammar → penalties → greedy when Temperature <= 0. The
 // grammar (if any) masks every token that would break it, so the draw is always valid.
+// The grammar is a sampler of its own, applied before the chain (as llama.cpp's
+// common_sampler does), so DropGrammar can end it without touching the chain.
 func NewSampler(m *Model, p SamplerParams) (*Sampler, error) {
-	chain := C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
+	var g *C.struct_llama_sampler
 	if p.Grammar != "" {
-		g, err := m.grammarSampler(p.Grammar, p.GrammarTriggers)
-		if err != nil {
-			C.llama_sampler_free(chain)
+		var err error
+		if g, err = m.grammarSampler(p.Grammar, p.GrammarTriggers); err != nil {
 			return nil, err
 		}
-		C.llama_sampler_chain_add(chain, g)
 	}
+	chain := C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
 	if (p.RepeatPenalty != 0 && p.RepeatPenalty != 1) || p.FrequencyPenalty != 0 || p.PresencePenalty != 0 {
 		rp := p.RepeatPenalty
 		if rp == 0 {
@@ -327,7 +330,7 @@ func NewSampler(m *Model, p SamplerParams) (*Sampler, error) {
 	}
 	if p.Temperature <= 0 {
 		C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
-		return &Sampler{s: chain}, nil
+		return &Sampler{s: chain, g: g}, nil
 	}
 	if p.TopK > 0 {
 		C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_k(C.int32_t(p.TopK)))
@@ -340,7 +343,7 @@ func NewSampler(m *Model, p SamplerParams) (*Sampler, error) {
 	}
 	C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(C.float(p.Temperature)))
 	C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(C.uint32_t(p.Seed)))
-	return &Sampler{s: chain}, nil
+	return &Sampler{s: chain, g: g}, nil
 }
 
 // regexSpecial are the characters std::regex (ECMAScript) treats as syntax.
@@ -421,32 +424,37 @@ func (m *Model) CheckGrammar(g string) error {
 	return nil
 }
 
-// Accept records tok in the chain as if it had been sampled: the penalties' history,
-// and a grammar's state (an error wrapping ErrGrammar when tok does not fit it).
+// Accept records tok as if it had been sampled: in the chain (the penalties' history)
+// and in the grammar (an error wrapping ErrGrammar when tok does not fit it; the chain
+// has recorded tok all the same).
 func (s *Sampler) Accept(tok Token) error {
-	if s.failed != nil {
-		return s.failed
-	}
 	var errBuf [256]C.char
-	if C.polykv_sampler_accept(s.s, C.llama_token(tok), &errBuf[0], C.size_t(len(errBuf))) != C.POLYKV_SAMPLE_OK {
-		s.failed = fmt.Errorf("%w: token %d: %s", ErrGrammar, tok, C.GoString(&errBuf[0]))
-		return s.failed
+	if s.g != nil {
+		if s.failed != nil {
+			return s.failed
+		}
+		if C.polykv_sampler_accept(s.g, C.llama_token(tok), &errBuf[0], C.size_t(len(errBuf))) != C.POLYKV_SAMPLE_OK {
+			s.failed = fmt.Errorf("%w: token %d: %s", ErrGrammar, tok, C.GoString(&errBuf[0]))
+		}
 	}
-	return nil
+	if C.polykv_sampler_accept(s.s, C.llama_token(tok), &errBuf[0], C.size_t(len(errBuf))) != C.POLYKV_SAMPLE_OK {
+		return fmt.Errorf("accept: %s", C.GoString(&errBuf[0]))
+	}
+	return s.failed
 }
 
-// Sample picks a token from batch index i of ctx's last Decode and accepts it. When a
+// Sample picks a token from batch index i of ctx's last Decode and accepts it. When the
 // grammar fails (the text after a lazy trigger, or the drawn token, does not fit it;
-// or it masks every token) the error wraps ErrGrammar; the returned token is the draw
-// when there was one (-1 otherwise), and the sampler refuses every later call: only
-// Free may follow.
+// or it masks every token) the error wraps ErrGrammar and the returned token is the
+// draw when there was one (the chain has accepted it), else -1; the sampler then
+// refuses to sample until DropGrammar.
 func (s *Sampler) Sample(ctx *Context, i int) (Token, error) {
 	if s.failed != nil {
 		return -1, s.failed
 	}
 	var errBuf [256]C.char
 	tok := C.llama_token(-1)
-	r := C.polykv_sampler_sample(s.s, ctx.c, C.int32_t(i), &tok, &errBuf[0], C.size_t(len(errBuf)))
+	r := C.polykv_sampler_sample(s.g, s.s, ctx.c, C.int32_t(i), &tok, &errBuf[0], C.size_t(len(errBuf)))
 	switch r {
 	case C.POLYKV_SAMPLE_OK:
 		return Token(tok), nil
@@ -460,8 +468,22 @@ func (s *Sampler) Sample(ctx *Context, i int) (Token, error) {
 	return -1, s.failed
 }
 
-// Free releases the chain.
+// HasGrammar reports whether a grammar still constrains the sampler.
+func (s *Sampler) HasGrammar() bool { return s.g != nil }
+
+// DropGrammar frees the grammar (failed or not): the chain goes on unconstrained, with
+// its RNG and penalty history intact.
+func (s *Sampler) DropGrammar() {
+	if s.g != nil {
+		C.llama_sampler_free(s.g)
+		s.g = nil
+	}
+	s.failed = nil
+}
+
+// Free releases the chain and the grammar.
 func (s *Sampler) Free() {
+	s.DropGrammar()
 	if s.s != nil {
 		C.llama_sampler_free(s.s)
 		s.s = nil

@@ -50,6 +50,14 @@ func TestLazyGrammarBrokenAfterTriggerIsAnError(t *testing.T) {
 	if _, err2 := s.Sample(nil, 0); !errors.Is(err2, ErrGrammar) {
 		t.Fatalf("a failed sampler sampled again: %v", err2)
 	}
+	// Without its grammar the chain goes on.
+	s.DropGrammar()
+	if s.HasGrammar() {
+		t.Fatal("grammar still there")
+	}
+	if err := acceptText(t, m, s, "<tool_call>[oops again"); err != nil {
+		t.Fatalf("after DropGrammar: %v", err)
+	}
 }
 
 // The same grammar accepts a well-formed call after free text, and a strict (not lazy)

@@ -36,8 +36,8 @@ extern "C" struct llama_sampler * polykv_grammar_init(const struct llama_vocab *
 	return nullptr;
 }
 
-extern "C" int polykv_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx,
-	llama_token * out, char * err, size_t err_len) {
+extern "C" int polykv_sampler_sample(struct llama_sampler * grammar, struct llama_sampler * chain,
+	struct llama_context * ctx, int32_t idx, llama_token * out, char * err, size_t err_len) {
 	// One candidate buffer per thread, reused: only the engine goroutine samples, and
 	// llama.cpp itself allocates this vector on every call.
 	thread_local std::vector<llama_token_data> cur;
@@ -53,7 +53,10 @@ extern "C" int polykv_sampler_sample(struct llama_sampler * smpl, struct llama_c
 			cur[id] = llama_token_data{id, logits[id], 0.0f};
 		}
 		llama_token_data_array cur_p = {cur.data(), cur.size(), -1, false};
-		llama_sampler_apply(smpl, &cur_p);
+		if (grammar != nullptr) {
+			llama_sampler_apply(grammar, &cur_p);
+		}
+		llama_sampler_apply(chain, &cur_p);
 		// llama_sampler_sample asserts here (an abort); when the grammar masked every
 		// candidate, greedy still picks one, with logit -inf: neither may be accepted,
 		// since a grammar aborts (GGML_ABORT, uncatchable) on an end-of-generation
@@ -75,7 +78,17 @@ extern "C" int polykv_sampler_sample(struct llama_sampler * smpl, struct llama_c
 		set_err(err, err_len, "unknown C++ exception");
 		return POLYKV_SAMPLE_APPLY_FAILED;
 	}
-	return polykv_sampler_accept(smpl, *out, err, err_len) == POLYKV_SAMPLE_OK ? POLYKV_SAMPLE_OK : POLYKV_SAMPLE_ACCEPT_FAILED;
+	// The chain takes the token whatever the grammar says: it was drawn, and the
+	// caller keeps it when it drops a failed grammar.
+	int r = POLYKV_SAMPLE_OK;
+	if (grammar != nullptr && polykv_sampler_accept(grammar, *out, err, err_len) != POLYKV_SAMPLE_OK) {
+		r = POLYKV_SAMPLE_ACCEPT_FAILED;
+	}
+	char chain_err[8];
+	if (polykv_sampler_accept(chain, *out, r == POLYKV_SAMPLE_OK ? err : chain_err, r == POLYKV_SAMPLE_OK ? err_len : sizeof chain_err) != POLYKV_SAMPLE_OK) {
+		r = POLYKV_SAMPLE_ACCEPT_FAILED;
+	}
+	return r;
 }
 
 extern "C" int polykv_sampler_accept(struct llama_sampler * smpl, llama_token tok, char * err, size_t err_len) {

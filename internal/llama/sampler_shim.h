@@ -32,12 +32,13 @@ struct llama_sampler * polykv_grammar_init(const struct llama_vocab * vocab, con
 	int lazy, const char ** patterns, size_t n_patterns, const llama_token * tokens, size_t n_tokens,
 	char * err, size_t err_len);
 
-// polykv_sampler_sample is llama_sampler_sample without its aborts: it applies the chain
-// to batch index idx's logits, draws, and accepts the draw into the chain. On
-// POLYKV_SAMPLE_ACCEPT_FAILED *out holds the drawn token. After any failure the chain's
-// grammar state is undefined and the chain must only be freed.
-int polykv_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx,
-	llama_token * out, char * err, size_t err_len);
+// polykv_sampler_sample is llama_sampler_sample without its aborts, over a grammar
+// sampler (NULL: none) followed by a chain: it applies both to batch index idx's
+// logits, draws, and accepts the draw into both. On POLYKV_SAMPLE_ACCEPT_FAILED *out
+// holds the drawn token, which the chain has accepted. After a failure the grammar's
+// state is undefined and it must only be freed; the chain stays usable.
+int polykv_sampler_sample(struct llama_sampler * grammar, struct llama_sampler * chain,
+	struct llama_context * ctx, int32_t idx, llama_token * out, char * err, size_t err_len);
 
 // polykv_sampler_accept is llama_sampler_accept that reports an exception instead of
 // letting it unwind.

@@ -109,3 +109,46 @@ func TestAutoGrammarsFitFamilyCalls(t *testing.T) {
 		}
 	}
 }
+
+// A lazy grammar watches at most lazyFreeTextLimit bytes of free text (llama.cpp's
+// trigger regex would overflow the stack on long text): without a trigger by then the
+// grammar is dropped; with one it stays.
+func TestLazyGrammarDroppedAfterLongFreeText(t *testing.T) {
+	m := testModel(t)
+	b := NewBackend(m, nil, nil)
+	g, trig, _, _ := chat.AutoGrammar(chat.FormatHermes, weather, false)
+	p := engine.SamplingParams{Grammar: g}
+	for _, tr := range trig {
+		p.GrammarTriggers = append(p.GrammarTriggers, engine.GrammarTrigger{Word: tr.Word, Pattern: tr.Pattern})
+	}
+	for _, c := range []struct {
+		text string
+		keep bool
+	}{
+		{strings.Repeat("Some free text about the weather. ", 400), false},
+		{"Let me check. <tool_call>" + strings.Repeat(" and more", 1200), true},
+		{`{"name": "get_weather"` + strings.Repeat(" and more", 1200), true},
+	} {
+		b.NewSampler(1, p, false, nil)
+		smp := b.samplers[1]
+		toks, _ := m.Tokenize(c.text, false, false)
+		n := 0
+		for _, tok := range toks {
+			b.watchFreeText(1, smp, tok)
+			n += len(m.TokenPiece(tok, true))
+			if n < lazyFreeTextLimit && (!smp.s.HasGrammar() || smp.lazy == nil) {
+				t.Fatalf("stopped watching after %d bytes", n)
+			}
+		}
+		if n < lazyFreeTextLimit {
+			t.Fatalf("text of %d bytes is too short for the test", n)
+		}
+		if smp.s.HasGrammar() != c.keep || smp.lazy != nil {
+			t.Errorf("%.30q…: grammar kept %v, want %v (still watching: %v)", c.text, smp.s.HasGrammar(), c.keep, smp.lazy != nil)
+		}
+		b.FreeSampler(1)
+	}
+	if len(b.samplers) != 0 {
+		t.Fatal("sampler leaked")
+	}
+}

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"regexp"
+	"strings"
 
 	"github.com/polykv/polykv/internal/chat"
 	"github.com/polykv/polykv/internal/engine"
@@ -47,9 +49,20 @@ func (b *Backend) EnableSWAAnchors(offset int) { b.anchor = offset }
 type sampler struct {
 	s        *llama.Sampler
 	logprobs bool
-	nProbs   int                   // alternatives reported with each token (with logprobs)
-	params   engine.SamplingParams // to rebuild the chain without its grammar
+	nProbs   int // alternatives reported with each token (with logprobs)
+	// lazy are the triggers of a lazy grammar while the free text before them is
+	// watched (see watchFreeText); text is that free text.
+	lazy []engine.GrammarTrigger
+	text []byte
 }
+
+// lazyFreeTextLimit bounds the free text a lazy grammar watches for its triggers.
+// llama.cpp matches the trigger regexes against all the output so far after every
+// token with std::regex, whose libstdc++ matcher recurses once per character: on an
+// 8 MiB thread stack it overflows (a crash no exception handler sees) somewhere between
+// 20,000 and 50,000 characters. So after this many bytes without a trigger the grammar
+// is dropped and the reply goes on unconstrained.
+const lazyFreeTextLimit = 8 << 10
 
 var _ engine.Backend = (*Backend)(nil)
 
@@ -104,6 +117,9 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 			if tok, err = b.dropGrammar(e.Task, smp, i, tok, err); err != nil {
 				return nil, err
 			}
+		}
+		if smp.lazy != nil {
+			b.watchFreeText(e.Task, smp, tok)
 		}
 		s := engine.Sampled{Token: tok}
 		if smp.logprobs {
@@ -220,44 +236,75 @@ func (b *Backend) NewSampler(task engine.TaskID, p engine.SamplingParams, logpro
 			_ = s.Accept(t) // no grammar in the chain: nothing to fail
 		}
 	}
-	b.samplers[task] = &sampler{s: s, logprobs: logprobs, nProbs: p.NProbs, params: p}
+	smp := &sampler{s: s, logprobs: logprobs, nProbs: p.NProbs}
+	if s.HasGrammar() && len(p.GrammarTriggers) > 0 {
+		smp.lazy = p.GrammarTriggers
+	}
+	b.samplers[task] = smp
+}
+
+// watchFreeText adds tok to a lazy grammar's free text; at lazyFreeTextLimit it stops
+// watching: when no trigger occurs in the text (checked here with Go's regexp, which
+// does not recurse) the grammar is dropped before llama.cpp's trigger buffer gets long
+// enough to crash the process; when one does, the grammar is constraining already and
+// its buffer no longer grows.
+func (b *Backend) watchFreeText(task engine.TaskID, smp *sampler, tok llama.Token) {
+	if !smp.s.HasGrammar() {
+		smp.lazy, smp.text = nil, nil
+		return
+	}
+	smp.text = append(smp.text, b.model.TokenPiece(tok, true)...)
+	if len(smp.text) < lazyFreeTextLimit {
+		return
+	}
+	if !triggered(smp.lazy, string(smp.text)) {
+		smp.s.DropGrammar()
+		b.log.Info("no tool-call trigger in the first free text; the reply goes on without its grammar", "task", task, "bytes", len(smp.text))
+	}
+	smp.lazy, smp.text = nil, nil
+}
+
+// triggered reports whether text holds one of the triggers as llama.cpp matches them
+// (a word anywhere; a pattern over the whole text). A pattern Go cannot compile counts
+// as not triggered: dropping the grammar is the safe side.
+func triggered(ts []engine.GrammarTrigger, text string) bool {
+	for _, t := range ts {
+		if t.Word != "" && strings.Contains(text, t.Word) {
+			return true
+		}
+		if t.Pattern != "" {
+			if re, err := regexp.Compile(`^(?:` + t.Pattern + `)$`); err == nil && re.MatchString(text) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // dropGrammar handles a grammar failure of task's sampler at batch index i: llama.cpp
 // found that the output no longer fits the grammar (with a lazy grammar: the text that
-// completed the trigger does not start a well-formed call), and the sampler can only be
-// freed. The task goes on with the same chain minus the grammar, keeping the token
-// already drawn (drawn >= 0: it came from the model's unmasked distribution, since a
-// grammar failure on accept means the trigger fired inside that very token) or drawing
-// again from the same logits.
+// completed the trigger does not start a well-formed call), and the grammar can only be
+// freed. The task goes on with its chain alone (RNG and penalty history intact),
+// keeping the token already drawn (drawn >= 0: a grammar failing on accept means the
+// trigger fired inside that very token, drawn from the unmasked distribution; the
+// chain has accepted it) or drawing again from the same logits.
 //
 // Why not end the request: a lazy grammar constrains free text only once a call has
 // started, so what the model wrote so far is valid output, and the reply parser keeps
 // anything that does not form a well-formed call as content, never as a call; ending
 // here would cut the reply mid-sentence and could leave half a call tag in content.
-// Only this task's chain changes: other sequences in the batch keep their samplers.
-// (The new chain's penalty history and RNG start afresh.)
+// Only this task's sampler changes: other sequences in the batch keep theirs.
 func (b *Backend) dropGrammar(task engine.TaskID, smp *sampler, i int, drawn llama.Token, cause error) (llama.Token, error) {
 	if !errors.Is(cause, llama.ErrGrammar) {
 		return -1, cause
 	}
 	b.GrammarFailures++
 	b.log.Warn("grammar failed; the task continues unconstrained", "task", task, "err", cause)
-	p := smp.params
-	p.Grammar, p.GrammarTriggers = "", nil
-	s, err := llama.NewSampler(b.model, samplerParams(p))
-	if err != nil {
-		return -1, err
-	}
-	smp.s.Free()
-	smp.s, smp.params = s, p
+	smp.s.DropGrammar()
 	if drawn >= 0 {
-		if err := s.Accept(drawn); err != nil {
-			return -1, err
-		}
 		return drawn, nil
 	}
-	return s.Sample(b.ctx, i)
+	return smp.s.Sample(b.ctx, i)
 }
 
 // samplerParams is the part of the engine's parameters that builds the llama.cpp chain
