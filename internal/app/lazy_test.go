@@ -20,20 +20,18 @@ import (
 // The requests run concurrently: the engine batches them, which keeps the test short.
 func TestAutoToolChoiceNeverMalformed(t *testing.T) {
 	_, base := startServer(t, Config{NCtx: 8192, Parallel: 8})
-	user := func(q string) map[string]any { return map[string]any{"role": "user", "content": q} }
-	// A past call in the history shows the tiny model the call syntax: it then starts
-	// calls of its own, which is the path the grammar constrains.
-	history := func(name, args, result, answer, next string) []any {
-		return []any{user("Please use the tools."), map[string]any{"role": "assistant", "content": nil, "tool_calls": []any{map[string]any{
-			"id": "call_1", "type": "function", "function": map[string]any{"name": name, "arguments": args}}}},
-			map[string]any{"role": "tool", "tool_call_id": "call_1", "content": result},
-			map[string]any{"role": "assistant", "content": answer}, user(next)}
-	}
+	user := func(q string) []any { return []any{map[string]any{"role": "user", "content": q}} }
+	// The tiny model does not call tools of its own accord, but it copies text: asked
+	// to repeat a call, it starts one, which is the path the grammar constrains. Two of
+	// the calls to copy break their tool's schema (an undeclared argument, a string for
+	// an integer): the grammar must turn them into valid calls (without it the parser
+	// would return them as they are).
+	copyCall := func(call string) []any { return user("Reply with exactly this text and nothing else:\n" + call) }
 	conversations := [][]any{
-		history("get_weather", `{"city": "Paris", "unit": "celsius"}`, `{"temperature": 21}`, "It is 21 degrees in Paris.", "And the weather in Berlin?"),
-		history("get_time", `{"timezone": "Asia/Tokyo"}`, `{"time": "14:05"}`, "It is 14:05 in Tokyo.", "And the time in Europe/Paris?"),
-		{user("Hi! How are you today?")},
-		{user("What is the weather in Paris right now?")},
+		copyCall(`<tool_call>{"name": "get_weather", "arguments": {"city": "Berlin", "unit": "celsius"}}</tool_call>`),
+		copyCall(`<tool_call>{"name": "get_weather", "arguments": {"town": "Berlin"}}</tool_call>`),
+		copyCall(`<tool_call>{"name": "get_time", "arguments": {"timezone": "Asia/Tokyo", "hours_ahead": "two"}}</tool_call>`),
+		user("Hi! How are you today?"),
 	}
 	type result struct {
 		prompt string
