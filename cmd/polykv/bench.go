@@ -151,7 +151,9 @@ func rawLoop(cfg app.Config, b, nGen int) (float64, error) {
 	}
 	next := make([]llama.Token, b)
 	for s := range b {
-		next[s] = samplers[s].Sample(ctx, idx[s])
+		if next[s], err = samplers[s].Sample(ctx, idx[s]); err != nil {
+			return 0, err
+		}
 	}
 	for step := 1; step < nGen; step++ {
 		ctx.BatchClear()
@@ -167,7 +169,9 @@ func rawLoop(cfg app.Config, b, nGen int) (float64, error) {
 			return 0, err
 		}
 		for s := range b {
-			next[s] = samplers[s].Sample(ctx, idx[s])
+			if next[s], err = samplers[s].Sample(ctx, idx[s]); err != nil {
+				return 0, err
+			}
 		}
 	}
 	return float64(b*nGen) / time.Since(start).Seconds(), nil

@@ -340,6 +340,9 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ereq.Sampling.Grammar = plan.grammar
+	for _, t := range plan.triggers {
+		ereq.Sampling.GrammarTriggers = append(ereq.Sampling.GrammarTriggers, engine.GrammarTrigger{Word: t.Word, Pattern: t.Pattern})
+	}
 	ereq.Prompt = toks
 	s.generate(w, r, kindChat, &req.genParams, ereq, &plan)
 }
@@ -361,6 +364,9 @@ func (s *Server) chatPrompt(req *chatRequest) ([]int32, toolPlan, *apiError) {
 		return nil, plan, e
 	}
 	plan.reply.ThinkingOpen = chat.PromptOpensThinking(prompt)
+	if plan.reply.ThinkingOpen {
+		plan.triggers = chat.TriggersAfterThinking(plan.triggers)
+	}
 	toks, err := s.tok.Tokenize(prompt, true, true)
 	if err != nil {
 		return nil, plan, badRequest("%v", err)

@@ -12,9 +12,11 @@ import (
 
 // toolPlan is what a chat request asks of tools and output structure.
 type toolPlan struct {
-	tools    []chat.Tool // rendered into the prompt ("none" renders none)
-	parse    bool        // parse tool calls out of the reply
-	grammar  string      // constrained decoding ("" = free)
+	tools   []chat.Tool // rendered into the prompt ("none" renders none)
+	parse   bool        // parse tool calls out of the reply
+	grammar string      // constrained decoding ("" = free)
+	// triggers make grammar lazy (tool_choice auto): free text until one appears.
+	triggers []chat.Trigger
 	parallel bool
 	// reply says how the generated text splits into reasoning, content and calls
 	// (ThinkingOpen is set once the prompt is rendered).
@@ -52,6 +54,15 @@ func (s *Server) planTools(req *chatRequest) (toolPlan, *apiError) {
 		plan.tools = nil
 	case "auto":
 		plan.parse = len(plan.tools) > 0
+		// Free text until the family's call syntax starts, then a well-formed call
+		// of a declared tool (families without a call grammar stay free).
+		g, trig, ok, err := chat.AutoGrammar(format, plan.tools, plan.parallel)
+		if err != nil {
+			return plan, badRequest("tools: a parameters schema cannot be compiled to a grammar: %v", err)
+		}
+		if ok {
+			plan.grammar, plan.triggers = g, trig
+		}
 	case "required", "named":
 		plan.parse = true
 		callable := plan.tools
@@ -87,6 +98,10 @@ func (s *Server) planTools(req *chatRequest) (toolPlan, *apiError) {
 		return plan, e
 	}
 	if rf != "" {
+		if plan.triggers != nil {
+			// The whole reply must fit response_format: no call can start in it.
+			plan.grammar, plan.triggers = "", nil
+		}
 		if plan.grammar != "" {
 			return plan, badRequest("response_format cannot be combined with tool_choice %q: the reply is a tool call", choice)
 		}

@@ -24,7 +24,18 @@ var callHeads = map[Format]*regexp.Regexp{
 	FormatKimiK2:         regexp.MustCompile(`<\|tool_call_begin\|>\s*(?:functions\.)?([A-Za-z0-9_.-]+?)(?::\d+)?\s*<\|tool_call_argument_begin\|>`),
 	FormatDeepSeek:       regexp.MustCompile(`<｜tool▁call▁begin｜>([A-Za-z0-9_.-]+)<｜tool▁sep｜>`),
 	FormatFunctionaryV31: regexp.MustCompile(`<function=([A-Za-z0-9_.-]+)>`),
+	// List formats: the first call after the list's opening, later ones after the
+	// previous call object's "}," (listGap checks that this "}" closes that call).
+	FormatMistral: regexp.MustCompile(`(?:\[TOOL_CALLS\]\s*\[|\}\s*,)\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*`),
+	FormatGranite: regexp.MustCompile(`(?:<\|tool_call\|>\s*\[|\}\s*,)\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"arguments"\s*:\s*`),
 }
+
+// listGap is what may stand between a listed call's arguments and the "}" that closes
+// its object: nothing, or Mistral Nemo's model-given id.
+var listGap = regexp.MustCompile(`^\s*(?:,\s*"id"\s*:\s*"[^"\\]*"\s*)?$`)
+
+// listFormats write their calls as one JSON list.
+func listFormat(f Format) bool { return f == FormatMistral || f == FormatGranite }
 
 // forced-grammar calls are Hermes-tagged in every format without a grammar of its own.
 var hermesHead = callHeads[FormatHermes]
@@ -38,6 +49,10 @@ type streamedCall struct {
 // header once its name is complete, then its arguments as far as they are written.
 func (c *CallStream) streamArgs() {
 	held := c.buf.String()[c.sent:]
+	if c.format == FormatQwenXML && !strings.HasPrefix(strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(held), "<tool_call>")), "{") {
+		c.streamXMLArgs(held)
+		return
+	}
 	heads := []*regexp.Regexp{hermesHead}
 	if re := callHeads[c.format]; re != nil && re != hermesHead {
 		heads = append([]*regexp.Regexp{re}, heads...)
@@ -50,7 +65,19 @@ func (c *CallStream) streamArgs() {
 		if len(ms) == 0 {
 			continue
 		}
-		for i, m := range ms {
+		prevEnd := -1 // list formats: where the previous call's arguments ended
+		i := -1       // index of the call m starts
+		for _, m := range ms {
+			if listFormat(c.format) && re == callHeads[c.format] {
+				first := held[m[0]] != '}'
+				if i < 0 && !first {
+					return // not a list of calls: wait for the end
+				}
+				if !first && (prevEnd < 0 || prevEnd > m[0] || !listGap.MatchString(held[prevEnd:m[0]])) {
+					continue // a "}," inside the arguments, not the end of a call
+				}
+			}
+			i++
 			name := held[m[2]:m[3]]
 			if name == "function" || !c.knownTool(name) {
 				return // DeepSeek R1's form, or not a declared tool: wait for the end
@@ -74,7 +101,10 @@ func (c *CallStream) streamArgs() {
 			if i >= len(c.streamed) || c.streamed[i].name != name {
 				return
 			}
-			n, _ := jsonValuePrefix(held[m[1]:])
+			n, complete := jsonValuePrefix(held[m[1]:])
+			if complete {
+				prevEnd = m[1] + n
+			}
 			if sent := c.streamed[i].args; n > len(sent) {
 				more := held[m[1] : m[1]+n]
 				if !strings.HasPrefix(more, sent) {
@@ -184,4 +214,75 @@ func jsonValuePrefix(s string) (int, bool) {
 		last-- // hold a lone trailing backslash
 	}
 	return max(last, 0), false
+}
+
+// xmlHead is a Qwen3-Coder / Qwen 3.5 call's start: its function name is complete.
+var xmlHead = regexp.MustCompile(`<tool_call>\s*<function=([A-Za-z0-9_.-]+)>`)
+
+// streamXMLArgs streams Qwen3-Coder XML calls: the header once the function's name is
+// complete, then the JSON arguments one parameter at a time, as each </parameter>
+// closes (a value's type, and so its JSON form, is only known once it is whole); the
+// closing brace with </function>. The pieces are exactly the prefixes of what ParseWith
+// builds from the whole call, so Finish agrees with them.
+func (c *CallStream) streamXMLArgs(held string) {
+	ms := xmlHead.FindAllStringSubmatchIndex(held, -1)
+	for i, m := range ms {
+		name := held[m[2]:m[3]]
+		if !c.knownTool(name) {
+			return
+		}
+		if i == len(c.streamed) {
+			id := NewCallIDFor(c.format)
+			c.streamed = append(c.streamed, streamedCall{id: id, name: name})
+			c.deltas = append(c.deltas, CallDelta{Index: i, ID: id, Name: name})
+		}
+		if i >= len(c.streamed) || c.streamed[i].name != name {
+			return
+		}
+		body := held[m[1]:]
+		if i+1 < len(ms) {
+			body = held[m[1]:ms[i+1][0]]
+		}
+		args := xmlArgsPrefix(body, (&parser{tools: c.tools}).schemaFor(name))
+		if sent := c.streamed[i].args; len(args) > len(sent) {
+			if !strings.HasPrefix(args, sent) {
+				return
+			}
+			c.deltas = append(c.deltas, CallDelta{Index: i, Args: args[len(sent):]})
+			c.streamed[i].args = args
+		}
+	}
+}
+
+// xmlArgsPrefix is the JSON arguments of the complete <parameter=K>V</parameter>
+// blocks at the start of body (without the closing brace), or the whole object once
+// </function> closes the call; "" while no parameter is complete.
+func xmlArgsPrefix(body string, types map[string]string) string {
+	args := newArgs(types)
+	rest := body
+	for {
+		r := strings.TrimSpace(rest)
+		if strings.HasPrefix(r, "</function>") {
+			return args.String()
+		}
+		r, ok := strings.CutPrefix(r, "<parameter=")
+		if !ok {
+			break
+		}
+		k, r, ok := strings.Cut(r, ">")
+		if !ok {
+			break
+		}
+		v, after, ok := strings.Cut(r, "</parameter>")
+		if !ok {
+			break
+		}
+		v = strings.TrimSuffix(strings.TrimPrefix(v, "\n"), "\n")
+		args.add(k, v)
+		rest = after
+	}
+	if args.n == 0 {
+		return ""
+	}
+	return args.b.String()
 }

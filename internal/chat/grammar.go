@@ -102,7 +102,8 @@ func readValue(dec *json.Decoder) (any, error) {
 type gbnf struct {
 	rules map[string]string
 	n     int
-	root  any // for local $ref
+	root  any    // for local $ref
+	refNS string // prefix of $ref rule names, so several schemas share one grammar
 }
 
 func (c *gbnf) String() string {
@@ -446,7 +447,7 @@ func (c *gbnf) ref(ref string) (string, error) {
 	if !ok {
 		return "", fmt.Errorf("$ref %q: only local references (#/...) are supported", ref)
 	}
-	name := "ref-" + sanitize(path)
+	name := c.refNS + "ref-" + sanitize(path)
 	if _, done := c.rules[name]; done {
 		return name, nil
 	}

@@ -23,10 +23,21 @@ type SamplingParams struct {
 	FrequencyPenalty float32
 	PresencePenalty  float32
 	Grammar          string // GBNF constraining every sampled token ("" = none)
+	// GrammarTriggers make Grammar lazy: free text until a trigger appears, the
+	// grammar from there on (tool_choice auto). None: Grammar constrains from the start.
+	GrammarTriggers []GrammarTrigger
 	// NProbs is how many most likely alternatives to report with each sampled token
 	// when the task asks for logprobs (llama.cpp's n_probs; OpenAI's top_logprobs).
 	// It changes nothing about the draw.
 	NProbs int
+}
+
+// GrammarTrigger starts a lazy grammar: Word is literal text anywhere in the output;
+// Pattern is a regular expression (ECMAScript) over the whole output so far whose
+// first capture group starts the constrained text. One of the two is set.
+type GrammarTrigger struct {
+	Word    string
+	Pattern string
 }
 
 // Request is one generation request, already tokenized.

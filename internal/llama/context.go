@@ -3,6 +3,7 @@ package llama
 /*
 #include <stdlib.h>
 #include "llama.h"
+#include "sampler_shim.h"
 
 static void polykv_batch_set(struct llama_batch * b, int i, llama_token tok, llama_pos pos, llama_seq_id seq, int logits) {
 	b->token[i] = tok;
@@ -17,6 +18,7 @@ import "C"
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"unsafe"
 )
 
@@ -269,26 +271,52 @@ type SamplerParams struct {
 	FrequencyPenalty float32
 	PresencePenalty  float32
 	Grammar          string // GBNF with a root rule; "" = unconstrained
+	// GrammarTriggers make Grammar lazy (llama.cpp's lazy grammars): tokens are free
+	// until one of the triggers appears in the output, and the grammar constrains the
+	// output from the trigger on (the trigger text itself must fit the grammar's start).
+	// None: Grammar constrains from the first token.
+	GrammarTriggers []GrammarTrigger
 }
 
-// Sampler is a llama.cpp sampler chain. It keeps state (RNG, penalty history).
+// GrammarTrigger is one way a lazy grammar starts. Exactly one field is set.
+type GrammarTrigger struct {
+	// Word is literal text anywhere in the output; the grammar starts at the word.
+	// When the word is a single token of the vocabulary, that token triggers too.
+	Word string
+	// Pattern is a regular expression (ECMAScript syntax, as std::regex) that must
+	// match the whole output so far; the grammar starts at its first non-empty
+	// capture group (or at the match when there is none).
+	Pattern string
+}
+
+// ErrGrammar wraps every failure of a grammar while sampling: llama.cpp found that
+// the output no longer fits it. The sampler is unusable afterwards.
+var ErrGrammar = errors.New("grammar")
+
+// Sampler is a llama.cpp sampler chain, with its grammar (if any) kept apart so that
+// it can be dropped while the chain goes on. It keeps state (RNG, penalty history).
 type Sampler struct {
 	s *C.struct_llama_sampler
+	g *C.struct_llama_sampler // grammar, applied before the chain; nil: none
+	// failed is set once the grammar failed: llama.cpp leaves it with no parse
+	// stacks, and the next apply would abort the process (GGML_ASSERT).
+	failed error
 }
 
 // NewSampler builds the chain: grammar → penalties → top-k → top-p → min-p →
 // temperature → dist, or grammar → penalties → greedy when Temperature <= 0. The
 // grammar (if any) masks every token that would break it, so the draw is always valid.
+// The grammar is a sampler of its own, applied before the chain (as llama.cpp's
+// common_sampler does), so DropGrammar can end it without touching the chain.
 func NewSampler(m *Model, p SamplerParams) (*Sampler, error) {
-	chain := C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
+	var g *C.struct_llama_sampler
 	if p.Grammar != "" {
-		g, err := m.grammarSampler(p.Grammar)
-		if err != nil {
-			C.llama_sampler_free(chain)
+		var err error
+		if g, err = m.grammarSampler(p.Grammar, p.GrammarTriggers); err != nil {
 			return nil, err
 		}
-		C.llama_sampler_chain_add(chain, g)
 	}
+	chain := C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
 	if (p.RepeatPenalty != 0 && p.RepeatPenalty != 1) || p.FrequencyPenalty != 0 || p.PresencePenalty != 0 {
 		rp := p.RepeatPenalty
 		if rp == 0 {
@@ -302,7 +330,7 @@ func NewSampler(m *Model, p SamplerParams) (*Sampler, error) {
 	}
 	if p.Temperature <= 0 {
 		C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
-		return &Sampler{s: chain}, nil
+		return &Sampler{s: chain, g: g}, nil
 	}
 	if p.TopK > 0 {
 		C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_k(C.int32_t(p.TopK)))
@@ -315,24 +343,80 @@ func NewSampler(m *Model, p SamplerParams) (*Sampler, error) {
 	}
 	C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(C.float(p.Temperature)))
 	C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(C.uint32_t(p.Seed)))
-	return &Sampler{s: chain}, nil
+	return &Sampler{s: chain, g: g}, nil
 }
 
-func (m *Model) grammarSampler(g string) (*C.struct_llama_sampler, error) {
+// regexSpecial are the characters std::regex (ECMAScript) treats as syntax.
+const regexSpecial = `.^$|()*+?[]{}\`
+
+// escapeRegex quotes s for std::regex.
+func escapeRegex(s string) string {
+	var b strings.Builder
+	for _, r := range s {
+		if strings.ContainsRune(regexSpecial, r) {
+			b.WriteByte('\\')
+		}
+		b.WriteRune(r)
+	}
+	return b.String()
+}
+
+// TriggerPatterns is how NewSampler hands triggers to llama.cpp: a Word becomes
+// "anything, then the word, then anything" with the word as the capture group (as
+// llama.cpp's common/sampling.cpp does), plus its token when the word is one token.
+func (m *Model) TriggerPatterns(triggers []GrammarTrigger) ([]string, []Token) {
+	var pats []string
+	var toks []Token
+	for _, t := range triggers {
+		if t.Pattern != "" {
+			pats = append(pats, t.Pattern)
+			continue
+		}
+		if t.Word == "" {
+			continue
+		}
+		pats = append(pats, `[\s\S]*?(`+escapeRegex(t.Word)+`)[\s\S]*`)
+		if ids, err := m.Tokenize(t.Word, false, true); err == nil && len(ids) == 1 && string(m.TokenPiece(ids[0], true)) == t.Word {
+			toks = append(toks, ids[0])
+		}
+	}
+	return pats, toks
+}
+
+func (m *Model) grammarSampler(g string, triggers []GrammarTrigger) (*C.struct_llama_sampler, error) {
 	cg := C.CString(g)
 	defer C.free(unsafe.Pointer(cg))
-	root := C.CString("root")
-	defer C.free(unsafe.Pointer(root))
-	s := C.llama_sampler_init_grammar(m.vocab, cg, root)
+	pats, toks := m.TriggerPatterns(triggers)
+	lazy := 0
+	if len(triggers) > 0 {
+		lazy = 1
+	}
+	// C arrays: cgo forbids passing Go memory that holds Go pointers.
+	var cpats **C.char
+	if len(pats) > 0 {
+		cpats = (**C.char)(C.malloc(C.size_t(len(pats)) * C.size_t(unsafe.Sizeof(uintptr(0)))))
+		defer C.free(unsafe.Pointer(cpats))
+		ps := unsafe.Slice(cpats, len(pats))
+		for i, p := range pats {
+			ps[i] = C.CString(p)
+			defer C.free(unsafe.Pointer(ps[i]))
+		}
+	}
+	var ctoks *C.llama_token
+	if len(toks) > 0 {
+		ctoks = (*C.llama_token)(unsafe.Pointer(&toks[0]))
+	}
+	var errBuf [256]C.char
+	s := C.polykv_grammar_init(m.vocab, cg, C.int(lazy), cpats, C.size_t(len(pats)), ctoks, C.size_t(len(toks)), &errBuf[0], C.size_t(len(errBuf)))
 	if s == nil {
-		return nil, errors.New("grammar: llama.cpp could not parse the grammar")
+		return nil, fmt.Errorf("grammar: %s", C.GoString(&errBuf[0]))
 	}
 	return s, nil
 }
 
 // CheckGrammar reports whether llama.cpp accepts a GBNF grammar (with a root rule).
 func (m *Model) CheckGrammar(g string) error {
-	s, err := m.grammarSampler(g)
+	s, err := m.grammarSampler(g, nil)
 	if err != nil {
 		return err
 	}
@@ -340,16 +424,66 @@ func (m *Model) CheckGrammar(g string) error {
 	return nil
 }
 
-// Accept records tok in the chain's history (for penalties) without sampling.
-func (s *Sampler) Accept(tok Token) { C.llama_sampler_accept(s.s, C.llama_token(tok)) }
-
-// Sample picks a token from batch index i of ctx's last Decode and accepts it.
-func (s *Sampler) Sample(ctx *Context, i int) Token {
-	return Token(C.llama_sampler_sample(s.s, ctx.c, C.int32_t(i)))
+// Accept records tok as if it had been sampled: in the chain (the penalties' history)
+// and in the grammar (an error wrapping ErrGrammar when tok does not fit it; the chain
+// has recorded tok all the same).
+func (s *Sampler) Accept(tok Token) error {
+	var errBuf [256]C.char
+	if s.g != nil {
+		if s.failed != nil {
+			return s.failed
+		}
+		if C.polykv_sampler_accept(s.g, C.llama_token(tok), &errBuf[0], C.size_t(len(errBuf))) != C.POLYKV_SAMPLE_OK {
+			s.failed = fmt.Errorf("%w: token %d: %s", ErrGrammar, tok, C.GoString(&errBuf[0]))
+		}
+	}
+	if C.polykv_sampler_accept(s.s, C.llama_token(tok), &errBuf[0], C.size_t(len(errBuf))) != C.POLYKV_SAMPLE_OK {
+		return fmt.Errorf("accept: %s", C.GoString(&errBuf[0]))
+	}
+	return s.failed
 }
 
-// Free releases the chain.
+// Sample picks a token from batch index i of ctx's last Decode and accepts it. When the
+// grammar fails (the text after a lazy trigger, or the drawn token, does not fit it;
+// or it masks every token) the error wraps ErrGrammar and the returned token is the
+// draw when there was one (the chain has accepted it), else -1; the sampler then
+// refuses to sample until DropGrammar.
+func (s *Sampler) Sample(ctx *Context, i int) (Token, error) {
+	if s.failed != nil {
+		return -1, s.failed
+	}
+	var errBuf [256]C.char
+	tok := C.llama_token(-1)
+	r := C.polykv_sampler_sample(s.g, s.s, ctx.c, C.int32_t(i), &tok, &errBuf[0], C.size_t(len(errBuf)))
+	switch r {
+	case C.POLYKV_SAMPLE_OK:
+		return Token(tok), nil
+	case C.POLYKV_SAMPLE_BAD_INDEX:
+		return -1, fmt.Errorf("sample: batch index %d has no logits", i)
+	case C.POLYKV_SAMPLE_ACCEPT_FAILED:
+		s.failed = fmt.Errorf("%w: token %d does not fit: %s", ErrGrammar, int32(tok), C.GoString(&errBuf[0]))
+		return Token(tok), s.failed
+	}
+	s.failed = fmt.Errorf("%w: %s", ErrGrammar, C.GoString(&errBuf[0]))
+	return -1, s.failed
+}
+
+// HasGrammar reports whether a grammar still constrains the sampler.
+func (s *Sampler) HasGrammar() bool { return s.g != nil }
+
+// DropGrammar frees the grammar (failed or not): the chain goes on unconstrained, with
+// its RNG and penalty history intact.
+func (s *Sampler) DropGrammar() {
+	if s.g != nil {
+		C.llama_sampler_free(s.g)
+		s.g = nil
+	}
+	s.failed = nil
+}
+
+// Free releases the chain and the grammar.
 func (s *Sampler) Free() {
+	s.DropGrammar()
 	if s.s != nil {
 		C.llama_sampler_free(s.s)
 		s.s = nil

@@ -4,7 +4,9 @@
 // It covers what the engine needs and nothing else: model and context lifetime, batches
 // and llama_decode, the sequence operations of the unified KV cache, logits, the
 // sampler chain, tokenization and chat templates. C failures come back as Go errors;
-// nothing here panics across the boundary.
+// nothing here panics across the boundary, and the C++ exceptions llama.cpp's grammar
+// code throws are caught in sampler_shim.cpp before they could reach cgo (where any
+// exception aborts the process).
 //
 // Concurrency: a Context (and everything that decodes or samples with it) belongs to one
 // goroutine. Model methods that only read the vocabulary or metadata (Tokenize,

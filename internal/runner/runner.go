@@ -2,9 +2,12 @@
 package runner
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"math"
+	"regexp"
+	"strings"
 
 	"github.com/polykv/polykv/internal/chat"
 	"github.com/polykv/polykv/internal/engine"
@@ -23,6 +26,9 @@ type Backend struct {
 	holes bool
 	// Compactions counts cache compactions (read by tests and the benchmark).
 	Compactions int
+	// GrammarFailures counts tasks whose grammar failed while sampling and that went
+	// on unconstrained (see dropGrammar; read by tests).
+	GrammarFailures int
 
 	// anchor >= 0 turns on SWA anchors (see EnableSWAAnchors): sequence q's anchor is
 	// q + anchor.
@@ -44,7 +50,19 @@ type sampler struct {
 	s        *llama.Sampler
 	logprobs bool
 	nProbs   int // alternatives reported with each token (with logprobs)
+	// lazy are the triggers of a lazy grammar while the free text before them is
+	// watched (see watchFreeText); text is that free text.
+	lazy []engine.GrammarTrigger
+	text []byte
 }
+
+// lazyFreeTextLimit bounds the free text a lazy grammar watches for its triggers.
+// llama.cpp matches the trigger regexes against all the output so far after every
+// token with std::regex, whose libstdc++ matcher recurses once per character: on an
+// 8 MiB thread stack it overflows (a crash no exception handler sees) somewhere between
+// 20,000 and 50,000 characters. So after this many bytes without a trigger the grammar
+// is dropped and the reply goes on unconstrained.
+const lazyFreeTextLimit = 8 << 10
 
 var _ engine.Backend = (*Backend)(nil)
 
@@ -94,7 +112,15 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 		if !ok {
 			return nil, fmt.Errorf("no sampler for task %d", e.Task)
 		}
-		tok := smp.s.Sample(b.ctx, i)
+		tok, err := smp.s.Sample(b.ctx, i)
+		if err != nil {
+			if tok, err = b.dropGrammar(e.Task, smp, i, tok, err); err != nil {
+				return nil, err
+			}
+		}
+		if smp.lazy != nil {
+			b.watchFreeText(e.Task, smp, tok)
+		}
 		s := engine.Sampled{Token: tok}
 		if smp.logprobs {
 			s.Logprob, s.Top = logprobs(b.ctx.Logits(i), tok, smp.nProbs)
@@ -207,10 +233,78 @@ func (b *Backend) NewSampler(task engine.TaskID, p engine.SamplingParams, logpro
 	// Prompt tokens prime the penalties, never a grammar (it constrains output only).
 	if p.Grammar == "" && (p.RepeatPenalty != 0 && p.RepeatPenalty != 1 || p.FrequencyPenalty != 0 || p.PresencePenalty != 0) {
 		for _, t := range history {
-			s.Accept(t)
+			_ = s.Accept(t) // no grammar in the chain: nothing to fail
 		}
 	}
-	b.samplers[task] = &sampler{s: s, logprobs: logprobs, nProbs: p.NProbs}
+	smp := &sampler{s: s, logprobs: logprobs, nProbs: p.NProbs}
+	if s.HasGrammar() && len(p.GrammarTriggers) > 0 {
+		smp.lazy = p.GrammarTriggers
+	}
+	b.samplers[task] = smp
+}
+
+// watchFreeText adds tok to a lazy grammar's free text; at lazyFreeTextLimit it stops
+// watching: when no trigger occurs in the text (checked here with Go's regexp, which
+// does not recurse) the grammar is dropped before llama.cpp's trigger buffer gets long
+// enough to crash the process; when one does, the grammar is constraining already and
+// its buffer no longer grows.
+func (b *Backend) watchFreeText(task engine.TaskID, smp *sampler, tok llama.Token) {
+	if !smp.s.HasGrammar() {
+		smp.lazy, smp.text = nil, nil
+		return
+	}
+	smp.text = append(smp.text, b.model.TokenPiece(tok, true)...)
+	if len(smp.text) < lazyFreeTextLimit {
+		return
+	}
+	if !triggered(smp.lazy, string(smp.text)) {
+		smp.s.DropGrammar()
+		b.log.Info("no tool-call trigger in the first free text; the reply goes on without its grammar", "task", task, "bytes", len(smp.text))
+	}
+	smp.lazy, smp.text = nil, nil
+}
+
+// triggered reports whether text holds one of the triggers as llama.cpp matches them
+// (a word anywhere; a pattern over the whole text). A pattern Go cannot compile counts
+// as not triggered: dropping the grammar is the safe side.
+func triggered(ts []engine.GrammarTrigger, text string) bool {
+	for _, t := range ts {
+		if t.Word != "" && strings.Contains(text, t.Word) {
+			return true
+		}
+		if t.Pattern != "" {
+			if re, err := regexp.Compile(`^(?:` + t.Pattern + `)$`); err == nil && re.MatchString(text) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// dropGrammar handles a grammar failure of task's sampler at batch index i: llama.cpp
+// found that the output no longer fits the grammar (with a lazy grammar: the text that
+// completed the trigger does not start a well-formed call), and the grammar can only be
+// freed. The task goes on with its chain alone (RNG and penalty history intact),
+// keeping the token already drawn (drawn >= 0: a grammar failing on accept means the
+// trigger fired inside that very token, drawn from the unmasked distribution; the
+// chain has accepted it) or drawing again from the same logits.
+//
+// Why not end the request: a lazy grammar constrains free text only once a call has
+// started, so what the model wrote so far is valid output, and the reply parser keeps
+// anything that does not form a well-formed call as content, never as a call; ending
+// here would cut the reply mid-sentence and could leave half a call tag in content.
+// Only this task's sampler changes: other sequences in the batch keep theirs.
+func (b *Backend) dropGrammar(task engine.TaskID, smp *sampler, i int, drawn llama.Token, cause error) (llama.Token, error) {
+	if !errors.Is(cause, llama.ErrGrammar) {
+		return -1, cause
+	}
+	b.GrammarFailures++
+	b.log.Warn("grammar failed; the task continues unconstrained", "task", task, "err", cause)
+	smp.s.DropGrammar()
+	if drawn >= 0 {
+		return drawn, nil
+	}
+	return smp.s.Sample(b.ctx, i)
 }
 
 // samplerParams is the part of the engine's parameters that builds the llama.cpp chain
@@ -220,7 +314,16 @@ func samplerParams(p engine.SamplingParams) llama.SamplerParams {
 		Temperature: p.Temperature, TopK: p.TopK, TopP: p.TopP, MinP: p.MinP, Seed: p.Seed,
 		RepeatPenalty: p.RepeatPenalty, RepeatLastN: p.RepeatLastN,
 		FrequencyPenalty: p.FrequencyPenalty, PresencePenalty: p.PresencePenalty, Grammar: p.Grammar,
+		GrammarTriggers: triggers(p.GrammarTriggers),
 	}
+}
+
+func triggers(ts []engine.GrammarTrigger) []llama.GrammarTrigger {
+	var out []llama.GrammarTrigger
+	for _, t := range ts {
+		out = append(out, llama.GrammarTrigger{Word: t.Word, Pattern: t.Pattern})
+	}
+	return out
 }
 
 // FreeSampler implements engine.Backend.

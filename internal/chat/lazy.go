@@ -1,0 +1,196 @@
+package chat
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+)
+
+// Trigger starts a lazy grammar (llama.cpp's lazy grammars): Word is literal text
+// anywhere in the output; Pattern is a regular expression (ECMAScript, as std::regex)
+// that must match the whole output so far, the grammar starting at its first capture
+// group. Exactly one is set.
+type Trigger struct {
+	Word    string
+	Pattern string
+}
+
+// AutoGrammar is tool_choice auto's grammar for format f: free text until the family's
+// own call syntax starts (a trigger), then exactly the family's call syntax with each
+// declared tool's name and argument schema, then the end of the reply (several calls
+// only with parallel). Triggers follow llama.cpp's common/chat.cpp: the family's call
+// opener as a word (a special token when the vocabulary has it), and for families whose
+// calls are bare JSON, a call object naming a declared tool.
+//
+// ok is false for families whose call syntax has no grammar here (argument values
+// as bare text: Qwen3-Coder XML, GLM, MiniMax, DeepSeek V3.2 DSML; Harmony channels;
+// LFM2's Python calls; Functionary v3.2's recipient lines): their auto replies stay
+// unconstrained, and the parser keeps anything that is not a well-formed call as
+// content.
+func AutoGrammar(f Format, tools []Tool, parallel bool) (grammar string, triggers []Trigger, ok bool, err error) {
+	if len(tools) == 0 {
+		return "", nil, false, nil
+	}
+	c := &gbnf{rules: map[string]string{}}
+	args, err := c.toolArgs(tools)
+	if err != nil {
+		return "", nil, false, err
+	}
+	c.prim("space")
+	names := make([]string, len(tools))
+	for i, t := range tools {
+		names[i] = t.Function.Name
+	}
+	// nameStart matches a JSON call object's start naming a declared tool (tool names
+	// are letters, digits, _ and -, none special in a regex).
+	nameStart := `\{\s*"name"\s*:\s*"(?:` + strings.Join(names, "|") + `)"`
+	alts := func(each func(i int, name string) string) string {
+		var out []string
+		for i, t := range tools {
+			out = append(out, each(i, t.Function.Name))
+		}
+		return strings.Join(out, " | ")
+	}
+	// jsonCall is {"<nameKey>": "NAME", "<argsKey>": ARGS} with the arguments' rule.
+	jsonCall := func(nameKey, argsKey string) string {
+		return alts(func(i int, name string) string {
+			return fmt.Sprintf(`"{" space %s space ":" space %s space "," space %s space ":" space %s "}" space`,
+				q(`"`+nameKey+`"`), q(`"`+name+`"`), q(`"`+argsKey+`"`), args[i])
+		})
+	}
+	// list is "[" item ("," item)* "]", the tail only with parallel.
+	list := func(item string) string {
+		if parallel {
+			return fmt.Sprintf(`"[" space %s ("," space %s)* "]" space`, item, item)
+		}
+		return fmt.Sprintf(`"[" space %s "]" space`, item)
+	}
+	// more repeats a call rule after the first one when parallel.
+	more := func(sep, call string) string {
+		if parallel {
+			return fmt.Sprintf(" (%s %s)*", sep, call)
+		}
+		return ""
+	}
+	switch f {
+	case FormatHermes:
+		c.rules["call"] = jsonCall("name", "arguments")
+		c.rules["tagged"] = `"<tool_call>" space call space "</tool_call>"`
+		// A reply that is one bare call object (models served with a Hermes prompt
+		// they were not trained on; ParseWith accepts exactly that) is constrained too.
+		c.rules["root"] = `tagged` + more(`"\n"`, "tagged") + ` | call`
+		triggers = []Trigger{{Word: "<tool_call>"}, {Pattern: `\s*(` + nameStart + `)[\s\S]*`}}
+	case FormatLlama3:
+		c.rules["call"] = jsonCall("name", "parameters")
+		c.rules["root"] = `"<|python_tag|>"? space call` + more(`(";" | "\n") space`, "call")
+		triggers = []Trigger{{Word: "<|python_tag|>"}, {Pattern: `[\s\S]*?(` + nameStart + `)[\s\S]*`}}
+	case FormatMistral:
+		c.rules["call"] = jsonCall("name", "arguments")
+		c.rules["root"] = `"[TOOL_CALLS]" space ` + list("call")
+		triggers = []Trigger{{Word: "[TOOL_CALLS]"}}
+	case FormatMistralArgs:
+		c.rules["call"] = `"[TOOL_CALLS]" (` + alts(func(i int, name string) string {
+			return fmt.Sprintf(`%s "[ARGS]" %s`, q(name), args[i])
+		}) + ")"
+		c.rules["root"] = "call" + more(`space`, "call")
+		triggers = []Trigger{{Word: "[TOOL_CALLS]"}}
+	case FormatGranite:
+		c.rules["call"] = jsonCall("name", "arguments")
+		c.rules["root"] = `"<|tool_call|>" space ` + list("call")
+		triggers = []Trigger{{Word: "<|tool_call|>"}}
+	case FormatCommandR7B:
+		c.prim("string")
+		c.rules["call"] = alts(func(i int, name string) string {
+			return fmt.Sprintf(`"{" space %s space ":" space string "," space %s space ":" space %s space "," space %s space ":" space %s "}" space`,
+				q(`"tool_call_id"`), q(`"tool_name"`), q(`"`+name+`"`), q(`"parameters"`), args[i])
+		})
+		c.rules["root"] = `"<|START_ACTION|>" space ` + list("call") + ` "<|END_ACTION|>"`
+		triggers = []Trigger{{Word: "<|START_ACTION|>"}}
+	case FormatKimiK2:
+		c.rules["call"] = `"<|tool_call_begin|>" (` + alts(func(i int, name string) string {
+			return fmt.Sprintf(`%s ":" [0-9]{1,3} "<|tool_call_argument_begin|>" %s`, q("functions."+name), args[i])
+		}) + `) "<|tool_call_end|>"`
+		c.rules["root"] = `"<|tool_calls_section_begin|>" space call` + more("space", "call") + ` space "<|tool_calls_section_end|>"`
+		triggers = []Trigger{{Word: "<|tool_calls_section_begin|>"}}
+	case FormatDeepSeek:
+		// R1 writes "function<｜tool▁sep｜>NAME\n```json\n{...}\n```", V3.1 "NAME<｜tool▁sep｜>{...}".
+		c.rules["call"] = `"<｜tool▁call▁begin｜>" (` + alts(func(i int, name string) string {
+			return fmt.Sprintf(`"function<｜tool▁sep｜>" %s %s %s %s | %s "<｜tool▁sep｜>" %s`,
+				q(name), q("\n```json\n"), args[i], q("\n```"), q(name), args[i])
+		}) + `) "<｜tool▁call▁end｜>"`
+		c.rules["root"] = `"<｜tool▁calls▁begin｜>" space call` + more("space", "call") + ` space "<｜tool▁calls▁end｜>"`
+		triggers = []Trigger{{Word: "<｜tool▁calls▁begin｜>"}}
+	case FormatFunctionaryV31:
+		c.rules["call"] = alts(func(i int, name string) string {
+			return fmt.Sprintf(`%s space %s "</function>"`, q("<function="+name+">"), args[i])
+		})
+		c.rules["root"] = "call" + more("space", "call")
+		triggers = []Trigger{{Word: "<function="}}
+	default:
+		return "", nil, false, nil
+	}
+	return c.String(), triggers, true, nil
+}
+
+// toolArgs compiles each tool's parameters schema into the grammar as rule args-I and
+// returns the rule names. A tool without parameters takes an empty object.
+func (c *gbnf) toolArgs(tools []Tool) ([]string, error) {
+	out := make([]string, len(tools))
+	for i, t := range tools {
+		params := []byte(`{"type": "object", "properties": {}}`)
+		if p := strings.TrimSpace(string(t.Function.Parameters)); p != "" && p != "null" {
+			params = []byte(p)
+		}
+		node, err := parseOrdered(params)
+		if err != nil {
+			return nil, fmt.Errorf("tool %q: parameters are not valid JSON: %w", t.Function.Name, err)
+		}
+		c.root, c.refNS = node, fmt.Sprintf("t%d-", i)
+		name := fmt.Sprintf("args-%d", i)
+		r, err := c.visit(node, name)
+		if err != nil {
+			return nil, fmt.Errorf("tool %q: %w", t.Function.Name, err)
+		}
+		if r != name {
+			c.rules[name] = r
+		}
+		out[i] = name
+	}
+	return out, nil
+}
+
+// q is a GBNF string literal for s.
+func q(s string) string { return strconv.Quote(s) }
+
+// TriggersAfterThinking adapts auto's triggers to a reply that starts inside a think
+// block (PromptOpensThinking): a call opener written while reasoning is not a call,
+// so every trigger first needs the block's closing tag. Words become patterns, since a
+// trigger token would fire anywhere.
+func TriggersAfterThinking(triggers []Trigger) []Trigger {
+	var closes []string
+	for _, tag := range thinkTags {
+		closes = append(closes, regexQuote(tag[1]))
+	}
+	after := `[\s\S]*?(?:` + strings.Join(closes, "|") + `)`
+	out := make([]Trigger, 0, len(triggers))
+	for _, t := range triggers {
+		if t.Word != "" {
+			out = append(out, Trigger{Pattern: after + `[\s\S]*?(` + regexQuote(t.Word) + `)[\s\S]*`})
+			continue
+		}
+		out = append(out, Trigger{Pattern: after + t.Pattern})
+	}
+	return out
+}
+
+// regexQuote quotes s for an ECMAScript regular expression.
+func regexQuote(s string) string {
+	var b strings.Builder
+	for _, r := range s {
+		if strings.ContainsRune(`.^$|()*+?[]{}\`, r) {
+			b.WriteByte('\\')
+		}
+		b.WriteRune(r)
+	}
+	return b.String()
+}

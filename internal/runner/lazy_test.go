@@ -1,0 +1,154 @@
+package runner
+
+import (
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/polykv/polykv/internal/chat"
+	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/llama"
+)
+
+func testModel(t *testing.T) *llama.Model {
+	t.Helper()
+	p := os.Getenv("POLYKV_MODEL")
+	if p == "" {
+		home, _ := os.UserHomeDir()
+		p = filepath.Join(home, ".cache", "polykv", "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+	}
+	if _, err := os.Stat(p); err != nil {
+		if os.Getenv("POLYKV_REQUIRE_MODEL") != "" {
+			t.Fatalf("test model missing (%v): run `make model` first", err)
+		}
+		t.Skipf("real-model test skipped: %s is missing", p)
+	}
+	llama.Init()
+	m, err := llama.LoadModel(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(m.Free)
+	return m
+}
+
+var weather = []chat.Tool{
+	{Type: "function", Function: chat.ToolFunction{Name: "get_weather", Parameters: json.RawMessage(`{"type":"object","properties":{"city":{"type":"string"},"unit":{"enum":["C","F"]}},"required":["city"]}`)}},
+	{Type: "function", Function: chat.ToolFunction{Name: "get_time", Parameters: json.RawMessage(`{"type":"object","properties":{"zone":{"type":"string"}},"required":["zone"]}`)}},
+}
+
+// Every family's auto grammar, run by llama.cpp's own grammar engine as a lazy sampler:
+// a real call of the family after free text fits (and the family's parser reads it
+// back as that call), and the same call with an argument the schema does not declare
+// fails with ErrGrammar at the bad token (never an abort).
+func TestAutoGrammarsFitFamilyCalls(t *testing.T) {
+	m := testModel(t)
+	cases := []struct {
+		f    chat.Format
+		call string // @A stands for the arguments object
+	}{
+		{chat.FormatHermes, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": @A}\n</tool_call>"},
+		{chat.FormatHermes, `{"name": "get_weather", "arguments": @A}`},
+		{chat.FormatLlama3, `<|python_tag|>{"name": "get_weather", "parameters": @A}`},
+		{chat.FormatLlama3, `{"name": "get_weather", "parameters": @A}`},
+		{chat.FormatMistral, `[TOOL_CALLS][{"name": "get_weather", "arguments": @A}]`},
+		{chat.FormatMistralArgs, `[TOOL_CALLS]get_weather[ARGS]@A`},
+		{chat.FormatGranite, `<|tool_call|>[{"name": "get_weather", "arguments": @A}]`},
+		{chat.FormatCommandR7B, "<|START_ACTION|>[\n    {\"tool_call_id\": \"0\", \"tool_name\": \"get_weather\", \"parameters\": @A}\n]<|END_ACTION|>"},
+		{chat.FormatKimiK2, `<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>@A<|tool_call_end|><|tool_calls_section_end|>`},
+		{chat.FormatDeepSeek, `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>@A<｜tool▁call▁end｜><｜tool▁calls▁end｜>`},
+		{chat.FormatDeepSeek, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n@A\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"},
+		{chat.FormatFunctionaryV31, `<function=get_weather>@A</function>`},
+	}
+	const good, bad = `{"city": "Paris", "unit": "C"}`, `{"town": "Paris"}`
+	for _, c := range cases {
+		g, trig, ok, err := chat.AutoGrammar(c.f, weather, false)
+		if err != nil || !ok {
+			t.Fatalf("%s: ok %v err %v", c.f, ok, err)
+		}
+		if err := m.CheckGrammar(g); err != nil {
+			t.Fatalf("%s: llama.cpp refuses the grammar: %v\n%s", c.f, err, g)
+		}
+		prefix := "Let me check that. " // free text before the trigger
+		if c.f == chat.FormatHermes && strings.HasPrefix(c.call, "{") {
+			prefix = "" // a bare Hermes call object is a call only as the whole reply
+		}
+		run := func(args string) error {
+			p := engine.SamplingParams{Grammar: g}
+			for _, tr := range trig {
+				p.GrammarTriggers = append(p.GrammarTriggers, engine.GrammarTrigger{Word: tr.Word, Pattern: tr.Pattern})
+			}
+			s, err := llama.NewSampler(m, samplerParams(p))
+			if err != nil {
+				t.Fatalf("%s: %v", c.f, err)
+			}
+			defer s.Free()
+			toks, err := m.Tokenize(prefix+strings.ReplaceAll(c.call, "@A", args), false, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, tok := range toks {
+				if err := s.Accept(tok); err != nil {
+					return err
+				}
+			}
+			return nil
+		}
+		if err := run(good); err != nil {
+			t.Errorf("%s: a well-formed call does not fit: %v\n%s", c.f, err, c.call)
+		}
+		if err := run(bad); !errors.Is(err, llama.ErrGrammar) {
+			t.Errorf("%s: an undeclared argument fits (err %v)\n%s", c.f, err, c.call)
+		}
+		p := chat.ParseWith(c.f, prefix+strings.ReplaceAll(c.call, "@A", good), weather)
+		if len(p.Calls) != 1 || p.Calls[0].Function.Name != "get_weather" || !strings.Contains(p.Calls[0].Function.Arguments, "Paris") {
+			t.Errorf("%s: the parser does not read the call back: %+v", c.f, p)
+		}
+	}
+}
+
+// A lazy grammar watches at most lazyFreeTextLimit bytes of free text (llama.cpp's
+// trigger regex would overflow the stack on long text): without a trigger by then the
+// grammar is dropped; with one it stays.
+func TestLazyGrammarDroppedAfterLongFreeText(t *testing.T) {
+	m := testModel(t)
+	b := NewBackend(m, nil, nil)
+	g, trig, _, _ := chat.AutoGrammar(chat.FormatHermes, weather, false)
+	p := engine.SamplingParams{Grammar: g}
+	for _, tr := range trig {
+		p.GrammarTriggers = append(p.GrammarTriggers, engine.GrammarTrigger{Word: tr.Word, Pattern: tr.Pattern})
+	}
+	for _, c := range []struct {
+		text string
+		keep bool
+	}{
+		{strings.Repeat("Some free text about the weather. ", 400), false},
+		{"Let me check. <tool_call>" + strings.Repeat(" and more", 1200), true},
+		{`{"name": "get_weather"` + strings.Repeat(" and more", 1200), true},
+	} {
+		b.NewSampler(1, p, false, nil)
+		smp := b.samplers[1]
+		toks, _ := m.Tokenize(c.text, false, false)
+		n := 0
+		for _, tok := range toks {
+			b.watchFreeText(1, smp, tok)
+			n += len(m.TokenPiece(tok, true))
+			if n < lazyFreeTextLimit && (!smp.s.HasGrammar() || smp.lazy == nil) {
+				t.Fatalf("stopped watching after %d bytes", n)
+			}
+		}
+		if n < lazyFreeTextLimit {
+			t.Fatalf("text of %d bytes is too short for the test", n)
+		}
+		if smp.s.HasGrammar() != c.keep || smp.lazy != nil {
+			t.Errorf("%.30q…: grammar kept %v, want %v (still watching: %v)", c.text, smp.s.HasGrammar(), c.keep, smp.lazy != nil)
+		}
+		b.FreeSampler(1)
+	}
+	if len(b.samplers) != 0 {
+		t.Fatal("sampler leaked")
+	}
+}
