@@ -89,6 +89,9 @@ func (c *CallStream) Push(text string) string {
 			c.decided = true
 			if !strings.HasPrefix(trimmed, "all\n") {
 				c.inCall = true
+				if c.live {
+					c.streamArgs() // as a later Push would: the outcome must not depend on the split
+				}
 				return ""
 			}
 			c.sent += len(pending) - len(trimmed) + len("all\n")
