@@ -500,4 +500,3 @@ func renderError(err error) *apiError {
 	}
 	return &apiError{status: http.StatusInternalServerError, typ: "server_error", msg: "chat template: " + err.Error()}
 }
-

@@ -42,12 +42,12 @@ type reservation struct {
 
 // ReservationReport is the answer of POST /polykv/pools/{id}/reservations.
 type ReservationReport struct {
-	PoolID        int     `json:"pool_id"`
-	ReservationID *string `json:"reservation_id"` // nil when not granted
-	Granted       bool    `json:"granted"`
-	ExpiresInMs   int64   `json:"expires_in_ms,omitempty"`
+	PoolID        int
+	ReservationID *string // nil when not granted
+	Granted       bool
+	ExpiresInMs   int64
 	// Verdict is the verdict the reservation was decided by (before counting it).
-	Verdict admission.Verdict `json:"verdict"`
+	Verdict admission.Verdict
 }
 
 // liveReservations drops pa's expired reservations and returns how many remain and
