@@ -77,47 +77,85 @@ const (
 )
 
 // toEngine validates the shared fields and builds the engine request (without prompt).
+// The checks run in a fixed order, so a request with several faults always gets the
+// same error.
 func (s *Server) toEngine(g *wire.GenParams) (engine.Request, *apiError) {
 	var req engine.Request
-	id, has, e := parsePoolID(g.PoolID)
+	if e := poolFields(g, &req); e != nil {
+		return req, e
+	}
+	if g.N != nil && *g.N != 1 {
+		return req, badRequest("n: only 1 choice per request is supported, got %d", *g.N)
+	}
+	n, e := s.maxTokens(g)
 	if e != nil {
 		return req, e
+	}
+	req.MaxTokens = n
+	if req.Sampling, e = s.sampling(g); e != nil {
+		return req, e
+	}
+	if req.Stop, e = parseStop(g.Stop); e != nil {
+		return req, e
+	}
+	req.IgnoreEOS = g.IgnoreEOS
+	req.Overcommit = g.Overcommit
+	if req.Logprobs, req.Sampling.NProbs, e = parseLogprobs(g.Logprobs, g.TopLogprobs); e != nil {
+		return req, e
+	}
+	if g.SessionID != nil {
+		if len(*g.SessionID) > 256 {
+			return req, badRequest("session_id is longer than 256 bytes")
+		}
+		req.SessionID = *g.SessionID
+	}
+	return req, nil
+}
+
+// poolFields reads pool_id or pool_key and the fields that need a pool.
+func poolFields(g *wire.GenParams, req *engine.Request) *apiError {
+	id, has, e := parsePoolID(g.PoolID)
+	if e != nil {
+		return e
 	}
 	req.HasPool, req.PoolID = has, id
 	if g.PoolKey != nil {
 		if has {
-			return req, badRequest("pass pool_id or pool_key, not both")
+			return badRequest("pass pool_id or pool_key, not both")
 		}
 		key, e := parsePoolKey(*g.PoolKey)
 		if e != nil {
-			return req, e
+			return e
 		}
 		req.PoolKey = &key
 	}
 	if g.SharedPrefixN != nil {
 		if !has {
-			return req, badRequest("shared_prefix_n_tokens needs pool_id")
+			return badRequest("shared_prefix_n_tokens needs pool_id")
 		}
 		if *g.SharedPrefixN < 0 {
-			return req, badRequest("shared_prefix_n_tokens must not be negative, got %d", *g.SharedPrefixN)
+			return badRequest("shared_prefix_n_tokens must not be negative, got %d", *g.SharedPrefixN)
 		}
 		req.SharedPrefixN = g.SharedPrefixN
 	}
 	if g.ReservationID != nil {
 		if !has {
-			return req, badRequest("reservation_id needs pool_id")
+			return badRequest("reservation_id needs pool_id")
 		}
 		if len(*g.ReservationID) > 256 {
-			return req, badRequest("reservation_id is longer than 256 bytes")
+			return badRequest("reservation_id is longer than 256 bytes")
 		}
 		req.ReservationID = *g.ReservationID
 	}
-	if g.N != nil && *g.N != 1 {
-		return req, badRequest("n: only 1 choice per request is supported, got %d", *g.N)
-	}
-	// OpenAI refuses max_tokens 0 (it would generate nothing, and llama-server's
-	// reading of 0, "unlimited", surprises OpenAI clients); -1 stays llama-server's
-	// "no limit". max_completion_tokens, OpenAI's newer name, wins when both are sent.
+	return nil
+}
+
+// maxTokens reads the generation limit (0: none). OpenAI refuses max_tokens 0 (it
+// would generate nothing, and llama-server's reading of 0, "unlimited", surprises
+// OpenAI clients); -1 stays llama-server's "no limit". max_completion_tokens, OpenAI's
+// newer name, wins when both are sent.
+func (s *Server) maxTokens(g *wire.GenParams) (int, *apiError) {
+	n := 0
 	for _, f := range []struct {
 		name string
 		v    *int
@@ -125,43 +163,71 @@ func (s *Server) toEngine(g *wire.GenParams) (engine.Request, *apiError) {
 		switch {
 		case f.v == nil:
 		case *f.v < 1 && *f.v != -1:
-			return req, invalidParam(f.name, "Invalid '%s': integer below minimum value. Expected a value >= 1, but got %d instead.", f.name, *f.v)
+			return 0, invalidParam(f.name, "Invalid '%s': integer below minimum value. Expected a value >= 1, but got %d instead.", f.name, *f.v)
 		case *f.v > s.info.NCtx:
-			return req, invalidParam(f.name, "Invalid '%s': %d exceeds the context size %d.", f.name, *f.v, s.info.NCtx)
+			return 0, invalidParam(f.name, "Invalid '%s': %d exceeds the context size %d.", f.name, *f.v, s.info.NCtx)
 		case *f.v > 0:
-			req.MaxTokens = *f.v
+			n = *f.v
 		default: // -1
-			req.MaxTokens = 0
+			n = 0
 		}
 	}
+	return n, nil
+}
+
+// sampling reads the sampler fields over llama-server's defaults.
+func (s *Server) sampling(g *wire.GenParams) (engine.SamplingParams, *apiError) {
 	sp := engine.SamplingParams{Temperature: defaultTemperature, TopK: defaultTopK, TopP: defaultTopP, MinP: defaultMinP, RepeatPenalty: 1}
+	if e := truncation(g, &sp); e != nil {
+		return sp, e
+	}
+	if e := s.penalties(g, &sp); e != nil {
+		return sp, e
+	}
+	if g.Seed != nil {
+		sp.Seed = uint32(*g.Seed)
+	} else {
+		var b [4]byte
+		_, _ = rand.Read(b[:])
+		sp.Seed = binary.LittleEndian.Uint32(b[:])
+	}
+	return sp, nil
+}
+
+// truncation reads temperature and the candidate cuts (top_p, top_k, min_p).
+func truncation(g *wire.GenParams, sp *engine.SamplingParams) *apiError {
 	if v := g.Temperature; v != nil {
 		if *v < 0 || *v > 2 {
-			return req, badRequest("temperature must be in [0, 2], got %g", *v)
+			return badRequest("temperature must be in [0, 2], got %g", *v)
 		}
 		sp.Temperature = float32(*v)
 	}
 	if v := g.TopP; v != nil {
 		if *v < 0 || *v > 1 {
-			return req, badRequest("top_p must be in [0, 1], got %g", *v)
+			return badRequest("top_p must be in [0, 1], got %g", *v)
 		}
 		sp.TopP = float32(*v)
 	}
 	if v := g.TopK; v != nil {
 		if *v < 0 {
-			return req, badRequest("top_k must not be negative, got %d", *v)
+			return badRequest("top_k must not be negative, got %d", *v)
 		}
 		sp.TopK = *v
 	}
 	if v := g.MinP; v != nil {
 		if *v < 0 || *v > 1 {
-			return req, badRequest("min_p must be in [0, 1], got %g", *v)
+			return badRequest("min_p must be in [0, 1], got %g", *v)
 		}
 		sp.MinP = float32(*v)
 	}
+	return nil
+}
+
+// penalties reads the repetition penalties.
+func (s *Server) penalties(g *wire.GenParams, sp *engine.SamplingParams) *apiError {
 	for name, v := range map[string]*float64{"presence_penalty": g.PresencePenalty, "frequency_penalty": g.FrequencyPenalty} {
 		if v != nil && (*v < -2 || *v > 2) {
-			return req, badRequest("%s must be in [-2, 2], got %g", name, *v)
+			return badRequest("%s must be in [-2, 2], got %g", name, *v)
 		}
 	}
 	if v := g.PresencePenalty; v != nil {
@@ -172,44 +238,17 @@ func (s *Server) toEngine(g *wire.GenParams) (engine.Request, *apiError) {
 	}
 	if v := g.RepeatPenalty; v != nil {
 		if *v <= 0 || *v > 10 {
-			return req, badRequest("repeat_penalty must be in (0, 10], got %g", *v)
+			return badRequest("repeat_penalty must be in (0, 10], got %g", *v)
 		}
 		sp.RepeatPenalty = float32(*v)
 	}
 	if v := g.RepeatLastN; v != nil {
 		if *v < -1 || *v > s.info.NCtx {
-			return req, badRequest("repeat_last_n must be in [-1, n_ctx], got %d", *v)
+			return badRequest("repeat_last_n must be in [-1, n_ctx], got %d", *v)
 		}
 		sp.RepeatLastN = *v
 	}
-	if g.Seed != nil {
-		sp.Seed = uint32(*g.Seed)
-	} else {
-		var b [4]byte
-		_, _ = rand.Read(b[:])
-		sp.Seed = binary.LittleEndian.Uint32(b[:])
-	}
-	req.Sampling = sp
-	stops, e := parseStop(g.Stop)
-	if e != nil {
-		return req, e
-	}
-	req.Stop = stops
-	req.IgnoreEOS = g.IgnoreEOS
-	req.Overcommit = g.Overcommit
-	lp, n, e := parseLogprobs(g.Logprobs, g.TopLogprobs)
-	if e != nil {
-		return req, e
-	}
-	req.Logprobs = lp
-	req.Sampling.NProbs = n
-	if g.SessionID != nil {
-		if len(*g.SessionID) > 256 {
-			return req, badRequest("session_id is longer than 256 bytes")
-		}
-		req.SessionID = *g.SessionID
-	}
-	return req, nil
+	return nil
 }
 
 func isNull(raw json.RawMessage) bool {

@@ -54,27 +54,9 @@ func (s *Server) planTools(req *wire.ChatRequest) (toolPlan, *apiError) {
 		plan.parse = len(plan.tools) > 0
 	case "required", "named":
 		plan.parse = true
-		callable := plan.tools
-		if choice == "named" {
-			callable = nil
-			for _, t := range plan.tools {
-				if t.Function.Name == named {
-					callable = []chat.Tool{t}
-				}
-			}
-			if callable == nil {
-				return plan, badRequest("tool_choice names function %q, which is not in tools", named)
-			}
+		if plan.grammar, e = forcedCallGrammar(format, plan.tools, named, plan.parallel && choice == "required"); e != nil {
+			return plan, e
 		}
-		schema, err := chat.CallSchema(format, callable)
-		if err != nil {
-			return plan, badRequest("tools: %v", err)
-		}
-		g, err := chat.SchemaToGBNF(schema)
-		if err != nil {
-			return plan, badRequest("tools: a parameters schema cannot be compiled to a grammar: %v", err)
-		}
-		plan.grammar = chat.CallGrammar(format, g, plan.parallel && choice == "required")
 	}
 	reasoning, e := reasoning(req.TemplateOptions)
 	if e != nil {
@@ -98,6 +80,32 @@ func (s *Server) planTools(req *wire.ChatRequest) (toolPlan, *apiError) {
 		}
 	}
 	return plan, nil
+}
+
+// forcedCallGrammar is the grammar of tool_choice "required" (named "") or a named
+// function: the reply is a call of one of the callable tools.
+func forcedCallGrammar(format chat.Format, tools []chat.Tool, named string, parallel bool) (string, *apiError) {
+	callable := tools
+	if named != "" {
+		callable = nil
+		for _, t := range tools {
+			if t.Function.Name == named {
+				callable = []chat.Tool{t}
+			}
+		}
+		if callable == nil {
+			return "", badRequest("tool_choice names function %q, which is not in tools", named)
+		}
+	}
+	schema, err := chat.CallSchema(format, callable)
+	if err != nil {
+		return "", badRequest("tools: %v", err)
+	}
+	g, err := chat.SchemaToGBNF(schema)
+	if err != nil {
+		return "", badRequest("tools: a parameters schema cannot be compiled to a grammar: %v", err)
+	}
+	return chat.CallGrammar(format, g, parallel), nil
 }
 
 // parseTools validates an OpenAI tools array (chat requests and pools share it, so a
