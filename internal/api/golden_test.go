@@ -221,6 +221,7 @@ func TestGolden(t *testing.T) {
 	main, tools, keyed := goldenCases()
 	dir := filepath.Join("testdata", "golden")
 	var index strings.Builder
+	written := map[string]bool{}
 	run := func(base string, cases []goldenCase) {
 		for _, c := range cases {
 			status, head, body := goldenDo(t, base, c)
@@ -235,6 +236,7 @@ func TestGolden(t *testing.T) {
 				}
 			}
 			index.WriteString("\n")
+			written[c.name+ext] = true
 			api.CheckGolden(t, filepath.Join(dir, c.name+ext), normalize(body))
 		}
 	}
@@ -246,6 +248,13 @@ func TestGolden(t *testing.T) {
 	keyBase, _ := newServer(t, enginetest.Bytes("a"), "secret")
 	run(keyBase, keyed)
 	api.CheckGolden(t, filepath.Join(dir, "index.txt"), []byte(index.String()))
+	// A file no case wrote is stale (a renamed case, or a reply that changed type).
+	files, _ := filepath.Glob(filepath.Join(dir, "*"))
+	for _, f := range files {
+		if name := filepath.Base(f); !written[name] && name != "index.txt" && name != "errors.txt" {
+			t.Errorf("%s: no case writes it; remove it", f)
+		}
+	}
 }
 
 func goldenDo(t *testing.T, base string, c goldenCase) (int, http.Header, []byte) {
