@@ -29,35 +29,46 @@ func tokens(text string) []engine.TokenLogprob {
 	return out
 }
 
+// pushPieces sends text pieces (byte tokens each) and joins the chunks' text and
+// text offsets.
+func pushPieces(t *testing.T, c *chunker, pieces ...string) (string, []int) {
+	t.Helper()
+	var text strings.Builder
+	var offsets []int
+	for _, piece := range pieces {
+		out, end := c.event(engine.Event{Text: piece, Tokens: tokens(piece)})
+		if end != streamOpen {
+			t.Fatalf("piece %q ends the stream (%v)", piece, end)
+		}
+		if piece == "" && len(out) != 0 {
+			t.Fatalf("an empty event gives chunks %v", out)
+		}
+		for _, v := range out {
+			ch := v.(wire.TextChunk)
+			if ch.ID != "id-1" || ch.Created != 42 || ch.Choices[0].FinishReason != nil {
+				t.Fatalf("chunk %+v", ch)
+			}
+			text.WriteString(ch.Choices[0].Text)
+			offsets = append(offsets, ch.Choices[0].Logprobs.TextOffset...)
+		}
+	}
+	return text.String(), offsets
+}
+
+func jsonOf(v any) string {
+	b, _ := json.Marshal(v)
+	return string(b)
+}
+
 func TestChunkerTextStream(t *testing.T) {
 	c := testChunker(kindText, true, true, nil)
 	if got := c.start(); len(got) != 0 {
 		t.Fatalf("a text stream starts with %v, want nothing", got)
 	}
-	var text strings.Builder
-	var offsets []int
-	for _, piece := range []string{"ab", "", "é", "c"} {
-		ev := engine.Event{Text: piece, Tokens: tokens(piece)}
-		out, end := c.event(ev)
-		if end != streamOpen {
-			t.Fatalf("piece %q ends the stream (%v)", piece, end)
-		}
-		if piece == "" {
-			if len(out) != 0 {
-				t.Fatalf("an empty event gives chunks %v", out)
-			}
-			continue
-		}
-		ch := out[0].(wire.TextChunk)
-		if ch.ID != "id-1" || ch.Created != 42 || ch.Object != "text_completion" || ch.Choices[0].FinishReason != nil {
-			t.Fatalf("chunk %+v", ch)
-		}
-		text.WriteString(ch.Choices[0].Text)
-		offsets = append(offsets, ch.Choices[0].Logprobs.TextOffset...)
-	}
 	// text_offset counts characters across chunks: é is two tokens at one offset.
-	if want := []int{0, 1, 2, 2, 3}; text.String() != "abéc" || !slices.Equal(offsets, want) {
-		t.Fatalf("text %q offsets %v, want abéc %v", text.String(), offsets, want)
+	text, offsets := pushPieces(t, c, "ab", "", "é", "c")
+	if want := []int{0, 1, 2, 2, 3}; text != "abéc" || !slices.Equal(offsets, want) {
+		t.Fatalf("text %q offsets %v, want abéc %v", text, offsets, want)
 	}
 	done := engine.Event{Done: true, Finish: engine.FinishLength, Text: "!", Truncated: true,
 		Stats: engine.Stats{PromptN: 3, PredictedN: 6, Pool: 4, Ctx: engine.SessionCtx{CtxUsed: 9}}}
@@ -65,21 +76,16 @@ func TestChunkerTextStream(t *testing.T) {
 	if end != streamDone || len(out) != 3 {
 		t.Fatalf("done: %d chunks, end %v", len(out), end)
 	}
-	if tail := out[0].(wire.TextChunk); tail.Choices[0].Text != "!" || tail.Choices[0].Logprobs != nil || tail.Timings != nil {
-		t.Fatalf("the withheld text goes out first, without logprobs or stats: %+v", tail)
-	}
-	last := out[1].(wire.TextChunk)
-	if *last.Choices[0].FinishReason != "length" || last.PoolID != 4 || !last.Truncated || *last.SessionID != "s" ||
-		last.Context.CtxUsed != 9 || last.Timings.PredictedN != 6 || last.Usage != nil {
-		t.Fatalf("last chunk %+v", last)
-	}
-	usage := out[2].(wire.TextChunk)
-	if len(usage.Choices) != 0 || usage.Usage == nil || usage.Usage.TotalTokens != 9 || usage.Timings != nil {
-		t.Fatalf("usage chunk %+v", usage)
-	}
-	b, _ := json.Marshal(usage)
-	if want := `{"choices":[],"created":42,"id":"id-1","model":"m","object":"text_completion","usage":{"completion_tokens":6,"prompt_tokens":3,"prompt_tokens_details":{"cached_tokens":0},"total_tokens":9}}`; string(b) != want {
-		t.Fatalf("usage chunk\n got %s\nwant %s", b, want)
+	// The withheld text goes out first, without logprobs or stats; then the finish
+	// with the stats; then the usage.
+	for i, want := range []string{
+		`{"choices":[{"finish_reason":null,"index":0,"logprobs":null,"text":"!"}],"created":42,"id":"id-1","model":"m","object":"text_completion"}`,
+		`{"choices":[{"finish_reason":"length","index":0,"logprobs":null,"text":""}],"context":{"pool_id":null,"ctx_used":9,"ctx_headroom_tokens":0,"ctx_pressure":0},"created":42,"id":"id-1","model":"m","object":"text_completion","pool_id":4,"session_id":"s","timings":{"cache_n":0,"predicted_ms":0,"predicted_n":6,"predicted_per_second":0,"predicted_per_token_ms":0,"prompt_ms":0,"prompt_n":3,"prompt_per_second":0,"prompt_per_token_ms":0,"tps_ewma":0},"truncated":true}`,
+		`{"choices":[],"created":42,"id":"id-1","model":"m","object":"text_completion","usage":{"completion_tokens":6,"prompt_tokens":3,"prompt_tokens_details":{"cached_tokens":0},"total_tokens":9}}`,
+	} {
+		if got := jsonOf(out[i]); got != want {
+			t.Errorf("chunk %d\n got %s\nwant %s", i, got, want)
+		}
 	}
 }
 
@@ -94,46 +100,53 @@ func TestChunkerChatToolCall(t *testing.T) {
 	if d := start[0].(wire.ChatChunk).Choices[0].Delta; d.Role != "assistant" || d.Content == nil || *d.Content != "" {
 		t.Fatalf("role chunk delta %+v", d)
 	}
-	var reasoning, content, args strings.Builder
-	var names []string
-	collect := func(out []any) {
-		for _, v := range out {
-			d := v.(wire.ChatChunk).Choices[0].Delta
-			reasoning.WriteString(d.ReasoningContent)
-			if d.Content != nil {
-				content.WriteString(*d.Content)
-			}
-			for _, tc := range d.ToolCalls {
-				if tc.Function.Name != "" {
-					names = append(names, tc.Function.Name)
-					if tc.ID == "" || tc.Type != "function" {
-						t.Fatalf("a call's first piece lacks id or type: %+v", tc)
-					}
-				}
-				args.WriteString(tc.Function.Arguments)
-			}
-		}
-	}
+	var got chatStreamed
 	reply := `<think>hm</think>ok <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>`
 	for i := 0; i < len(reply); i += 5 {
 		out, end := c.event(engine.Event{Text: reply[i:min(i+5, len(reply))]})
 		if end != streamOpen {
 			t.Fatal("the stream ended early")
 		}
-		collect(out)
+		got.add(t, out)
 	}
 	out, end := c.event(engine.Event{Done: true, Finish: engine.FinishStop})
 	if end != streamDone {
 		t.Fatalf("end %v", end)
 	}
-	collect(out[:len(out)-1])
+	got.add(t, out[:len(out)-1])
 	last := out[len(out)-1].(wire.ChatChunk)
 	if *last.Choices[0].FinishReason != "tool_calls" {
 		t.Fatalf("finish_reason %q, want tool_calls", *last.Choices[0].FinishReason)
 	}
-	if reasoning.String() != "hm" || strings.TrimSpace(content.String()) != "ok" || len(names) != 1 || names[0] != "f" ||
-		!json.Valid([]byte(args.String())) {
-		t.Fatalf("reasoning %q content %q calls %v args %q", reasoning.String(), content.String(), names, args.String())
+	if got.reasoning.String() != "hm" || strings.TrimSpace(got.content.String()) != "ok" || !slices.Equal(got.names, []string{"f"}) ||
+		!json.Valid([]byte(got.args.String())) {
+		t.Fatalf("reasoning %q content %q calls %v args %q", got.reasoning.String(), got.content.String(), got.names, got.args.String())
+	}
+}
+
+// chatStreamed joins a chat stream's deltas.
+type chatStreamed struct {
+	reasoning, content, args strings.Builder
+	names                    []string
+}
+
+func (c *chatStreamed) add(t *testing.T, out []any) {
+	t.Helper()
+	for _, v := range out {
+		d := v.(wire.ChatChunk).Choices[0].Delta
+		c.reasoning.WriteString(d.ReasoningContent)
+		if d.Content != nil {
+			c.content.WriteString(*d.Content)
+		}
+		for _, tc := range d.ToolCalls {
+			if tc.Function.Name != "" {
+				c.names = append(c.names, tc.Function.Name)
+				if tc.ID == "" || tc.Type != "function" {
+					t.Fatalf("a call's first piece lacks id or type: %+v", tc)
+				}
+			}
+			c.args.WriteString(tc.Function.Arguments)
+		}
 	}
 }
 
