@@ -39,13 +39,13 @@ const (
 
 // Policy is a pool's admission policy, as set by POST /polykv/pools/{id}/admission.
 type Policy struct {
-	TargetTPS            float64 `json:"target_tps_per_session"`
-	Mode                 string  `json:"mode"`
-	OnSaturation         string  `json:"on_saturation"`
-	GuaranteeMinSessions int     `json:"guarantee_min_sessions"`
-	SettleTokens         int     `json:"settle_tokens"`
-	SettleMaxMs          int64   `json:"settle_max_ms"`
-	QueueTimeoutMs       int64   `json:"queue_timeout_ms"`
+	TargetTPS            float64
+	Mode                 string
+	OnSaturation         string
+	GuaranteeMinSessions int
+	SettleTokens         int
+	SettleMaxMs          int64
+	QueueTimeoutMs       int64
 }
 
 // DefaultPolicy is the policy of a pool nobody configured: advisory, no floor.
@@ -104,29 +104,29 @@ const IdleFreshness = 30 * time.Second
 
 // Verdict is /capacity's answer.
 type Verdict struct {
-	CanAdmit              bool     `json:"can_admit"`
-	Reason                string   `json:"reason"`
-	MeanActiveTPS         *float64 `json:"mean_active_tps"`
-	ProjectedIfAdmitted   *float64 `json:"projected_mean_tps_if_admitted"`
-	ProjectedModel        *float64 `json:"projected_mean_tps_model"`
-	ProjectedMeasured     *float64 `json:"projected_mean_tps_measured"`
-	DropPerAdmitEWMA      *float64 `json:"drop_per_admit_ewma"`
-	HeadroomSessions      int      `json:"headroom_sessions"`
-	KVHeadroomPct         float64  `json:"kv_headroom_pct"`
-	FreeCells             int      `json:"kv_cells_free"`
-	Settling              bool     `json:"settling"`
-	SettleRemainingMs     int64    `json:"settle_remaining_ms"`
-	NWarming              int      `json:"n_warming"`
-	NActive               int      `json:"n_active"`
-	NPoolSessions         int      `json:"n_pool_sessions"`
-	NReserved             int      `json:"n_reserved"`
-	Guaranteed            bool     `json:"guaranteed"`
-	ProjectedIdleEstimate bool     `json:"projected_idle_estimate"`
-	CompactionPressure    float64  `json:"compaction_pressure"`
-	KnownSession          *bool    `json:"known_session,omitempty"`
-	TargetTPS             float64  `json:"target_tps_per_session"`
-	Mode                  string   `json:"mode"`
-	RetryAfterS           int      `json:"retry_after_s"`
+	CanAdmit              bool
+	Reason                string
+	MeanActiveTPS         *float64
+	ProjectedIfAdmitted   *float64
+	ProjectedModel        *float64
+	ProjectedMeasured     *float64
+	DropPerAdmitEWMA      *float64
+	HeadroomSessions      int
+	KVHeadroomPct         float64
+	FreeCells             int
+	Settling              bool
+	SettleRemainingMs     int64
+	NWarming              int
+	NActive               int
+	NPoolSessions         int
+	NReserved             int
+	Guaranteed            bool
+	ProjectedIdleEstimate bool
+	CompactionPressure    float64
+	KnownSession          *bool
+	TargetTPS             float64
+	Mode                  string
+	RetryAfterS           int
 }
 
 func ptr(v float64) *float64 { return &v }

@@ -4,6 +4,8 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+
+	"github.com/polykv/polykv/internal/api/wire"
 )
 
 // Routes and request fields for running several replicas behind a router (llm-d's
@@ -18,7 +20,7 @@ func (s *Server) routeFleet(mux *http.ServeMux) {
 // handleChatRender answers the token ids a chat request would prefill, without
 // running it: the same messages, tools and template path as /v1/chat/completions.
 func (s *Server) handleChatRender(w http.ResponseWriter, r *http.Request) {
-	var req chatRequest
+	var req wire.ChatRequest
 	if e := s.decodeBody(w, r, &req); e != nil {
 		writeAPIError(w, e)
 		return
@@ -28,14 +30,14 @@ func (s *Server) handleChatRender(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, e)
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"token_ids": nonNil(toks)})
+	writeJSON(w, http.StatusOK, wire.Rendered{TokenIDs: nonNil(toks)})
 }
 
 // handleCompletionsRender answers the token ids a text completion would prefill. As
 // vLLM's does, it answers an array with one {"token_ids"} per prompt (llm-d's
 // token-producer decodes it so); PolyKV takes exactly one prompt per request.
 func (s *Server) handleCompletionsRender(w http.ResponseWriter, r *http.Request) {
-	var req completionRequest
+	var req wire.CompletionRequest
 	if e := s.decodeBody(w, r, &req); e != nil {
 		writeAPIError(w, e)
 		return
@@ -45,7 +47,7 @@ func (s *Server) handleCompletionsRender(w http.ResponseWriter, r *http.Request)
 		writeAPIError(w, e)
 		return
 	}
-	writeJSON(w, http.StatusOK, []map[string]any{{"token_ids": nonNil(toks)}})
+	writeJSON(w, http.StatusOK, []wire.Rendered{{TokenIDs: nonNil(toks)}})
 }
 
 // SessionHeader carries the session id when the body has none: llm-d's
@@ -53,7 +55,7 @@ func (s *Server) handleCompletionsRender(w http.ResponseWriter, r *http.Request)
 const SessionHeader = "X-Session-Id"
 
 // sessionFromHeader uses the x-session-id header as session_id unless the body sets one.
-func sessionFromHeader(r *http.Request, g *genParams) {
+func sessionFromHeader(r *http.Request, g *wire.GenParams) {
 	if g.SessionID != nil {
 		return
 	}

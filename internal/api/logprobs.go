@@ -6,6 +6,7 @@ import (
 	"strings"
 	"unicode/utf8"
 
+	"github.com/polykv/polykv/internal/api/wire"
 	"github.com/polykv/polykv/internal/engine"
 )
 
@@ -16,7 +17,7 @@ const maxTopLogprobs = 20
 // invalidParam is a 400 naming the offending field in OpenAI's "param".
 func invalidParam(param, format string, args ...any) *apiError {
 	e := badRequest(format, args...)
-	e.extra = map[string]any{"param": param}
+	e.extra = wire.Error{Param: param}
 	return e
 }
 
@@ -59,53 +60,53 @@ func boundsError(param string, v int) *apiError {
 	return invalidParam(param, "Invalid '%s': integer above maximum value. Expected a value <= %d, but got %d instead.", param, maxTopLogprobs, v)
 }
 
-// logprobsJSON renders tokens with their logprobs in the route's shape. Chat:
+// chatLogprobs are tokens with their logprobs in OpenAI's chat shape:
 // {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}], id}]}.
-// Legacy completions: {tokens, token_logprobs, top_logprobs: [{token: logprob}],
-// text_offset, token_ids}; offs carries text_offset across a stream's chunks.
-func (s *Server) logprobsJSON(k kind, lps []engine.TokenLogprob, offs *textOffsets) any {
-	if k == kindChat {
-		entry := func(lp engine.TokenLogprob) map[string]any {
-			piece := s.tok.TokenPiece(lp.Token, false)
-			bs := make([]int, len(piece))
-			for j, c := range piece {
-				bs[j] = int(c)
-			}
-			return map[string]any{"token": string(piece), "logprob": lp.Logprob, "bytes": bs}
+func (s *Server) chatLogprobs(lps []engine.TokenLogprob) *wire.ChatLogprobs {
+	entry := func(tok engine.Token) (string, []int) {
+		piece := s.tok.TokenPiece(tok, false)
+		bs := make([]int, len(piece))
+		for j, c := range piece {
+			bs[j] = int(c)
 		}
-		content := make([]map[string]any, len(lps))
-		for i, lp := range lps {
-			e := entry(lp)
-			top := make([]map[string]any, len(lp.Top))
-			for j, alt := range lp.Top {
-				top[j] = entry(alt)
-			}
-			e["top_logprobs"] = top
-			e["id"] = lp.Token
-			content[i] = e
-		}
-		return map[string]any{"content": content}
+		return string(piece), bs
 	}
-	toks := make([]string, len(lps))
-	vals := make([]float32, len(lps))
-	tops := make([]map[string]float32, len(lps))
-	textOffset := make([]int, len(lps))
-	ids := make([]int32, len(lps))
+	content := make([]wire.TokenLogprob, len(lps))
+	for i, lp := range lps {
+		e := wire.TokenLogprob{ID: lp.Token, Logprob: lp.Logprob, TopLogprobs: make([]wire.TopLogprob, len(lp.Top))}
+		e.Token, e.Bytes = entry(lp.Token)
+		for j, alt := range lp.Top {
+			t := &e.TopLogprobs[j]
+			t.Token, t.Bytes = entry(alt.Token)
+			t.Logprob = alt.Logprob
+		}
+		content[i] = e
+	}
+	return &wire.ChatLogprobs{Content: content}
+}
+
+// textLogprobs are tokens with their logprobs in the legacy completions shape:
+// {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset, token_ids};
+// offs carries text_offset across a stream's chunks.
+func (s *Server) textLogprobs(lps []engine.TokenLogprob, offs *textOffsets) *wire.TextLogprobs {
+	out := &wire.TextLogprobs{Tokens: make([]string, len(lps)), TokenLogprobs: make([]float32, len(lps)),
+		TopLogprobs: make([]map[string]float32, len(lps)), TextOffset: make([]int, len(lps)), TokenIDs: make([]int32, len(lps))}
 	for i, lp := range lps {
 		piece := s.tok.TokenPiece(lp.Token, false)
-		toks[i] = legacyToken(piece)
-		vals[i] = lp.Logprob
-		ids[i] = lp.Token
-		textOffset[i] = offs.next(piece)
-		tops[i] = make(map[string]float32, len(lp.Top))
+		out.Tokens[i] = legacyToken(piece)
+		out.TokenLogprobs[i] = lp.Logprob
+		out.TokenIDs[i] = lp.Token
+		out.TextOffset[i] = offs.next(piece)
+		top := make(map[string]float32, len(lp.Top))
 		for _, alt := range lp.Top {
 			key := legacyToken(s.tok.TokenPiece(alt.Token, false))
-			if _, dup := tops[i][key]; !dup { // most likely first: keep the first
-				tops[i][key] = alt.Logprob
+			if _, dup := top[key]; !dup { // most likely first: keep the first
+				top[key] = alt.Logprob
 			}
 		}
+		out.TopLogprobs[i] = top
 	}
-	return map[string]any{"tokens": toks, "token_logprobs": vals, "top_logprobs": tops, "text_offset": textOffset, "token_ids": ids}
+	return out
 }
 
 // legacyToken is a token's text in the legacy shape: the piece itself when it is valid

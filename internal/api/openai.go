@@ -13,69 +13,15 @@ import (
 	"strings"
 	"time"
 
+	"github.com/polykv/polykv/internal/api/wire"
 	"github.com/polykv/polykv/internal/chat"
 	"github.com/polykv/polykv/internal/engine"
 )
 
-// genParams are the generation fields shared by chat and text completions.
-type genParams struct {
-	Model               string          `json:"model"`
-	MaxTokens           *int            `json:"max_tokens"`
-	MaxCompletionTokens *int            `json:"max_completion_tokens"`
-	Temperature         *float64        `json:"temperature"`
-	TopP                *float64        `json:"top_p"`
-	TopK                *int            `json:"top_k"`
-	MinP                *float64        `json:"min_p"`
-	Seed                *int64          `json:"seed"`
-	Stop                json.RawMessage `json:"stop"`
-	Stream              bool            `json:"stream"`
-	StreamOptions       *struct {
-		IncludeUsage bool `json:"include_usage"`
-	} `json:"stream_options"`
-	N                *int            `json:"n"`
-	PresencePenalty  *float64        `json:"presence_penalty"`
-	FrequencyPenalty *float64        `json:"frequency_penalty"`
-	RepeatPenalty    *float64        `json:"repeat_penalty"`
-	RepeatLastN      *int            `json:"repeat_last_n"`
-	IgnoreEOS        bool            `json:"ignore_eos"`
-	Logprobs         json.RawMessage `json:"logprobs"`
-	TopLogprobs      *int            `json:"top_logprobs"`
-	SessionID        *string         `json:"session_id"`
-	PoolID           json.RawMessage `json:"pool_id"`
-	SharedPrefixN    *int            `json:"shared_prefix_n_tokens"`
-	PoolKey          *string         `json:"pool_key"`
-	Overcommit       bool            `json:"overcommit"`
-	ReservationID    *string         `json:"reservation_id"`
-}
-
-type chatRequest struct {
-	genParams
-	Messages          json.RawMessage `json:"messages"`
-	Tools             json.RawMessage `json:"tools"`
-	ToolChoice        json.RawMessage `json:"tool_choice"`
-	ParallelToolCalls *bool           `json:"parallel_tool_calls"`
-	ResponseFormat    json.RawMessage `json:"response_format"`
-	templateOptions                   // chat_template_kwargs, reasoning_effort (template.go)
-}
-
 // parseMessages validates OpenAI chat messages (tool calls and tool results included)
 // and flattens their content to text.
 func parseMessages(raw json.RawMessage) ([]chat.Message, *apiError) {
-	var in []struct {
-		Role       string          `json:"role"`
-		Content    json.RawMessage `json:"content"`
-		Name       string          `json:"name"`
-		Reasoning  string          `json:"reasoning_content"`
-		ToolCallID string          `json:"tool_call_id"`
-		ToolCalls  []struct {
-			ID       string `json:"id"`
-			Type     string `json:"type"`
-			Function struct {
-				Name      string          `json:"name"`
-				Arguments json.RawMessage `json:"arguments"`
-			} `json:"function"`
-		} `json:"tool_calls"`
-	}
+	var in []wire.ChatMessage
 	if isNull(raw) {
 		return nil, badRequest("messages must be a non-empty array")
 	}
@@ -95,7 +41,7 @@ func parseMessages(raw json.RawMessage) ([]chat.Message, *apiError) {
 		if err != nil {
 			return nil, badRequest("messages[%d]: %v", i, err)
 		}
-		msg := chat.Message{Role: m.Role, Content: text, NullContent: isNull(m.Content), Name: m.Name, ToolCallID: m.ToolCallID, ReasoningContent: m.Reasoning, Raw: raws[i]}
+		msg := chat.Message{Role: m.Role, Content: text, NullContent: isNull(m.Content), Name: m.Name, ToolCallID: m.ToolCallID, ReasoningContent: m.ReasoningContent, Raw: raws[i]}
 		if m.Role == "tool" && m.ToolCallID == "" {
 			return nil, badRequest("messages[%d]: a tool message needs tool_call_id", i)
 		}
@@ -122,11 +68,6 @@ func parseMessages(raw json.RawMessage) ([]chat.Message, *apiError) {
 	return msgs, nil
 }
 
-type completionRequest struct {
-	genParams
-	Prompt json.RawMessage `json:"prompt"`
-}
-
 // Defaults follow llama-server's.
 const (
 	defaultTemperature = 0.8
@@ -136,47 +77,85 @@ const (
 )
 
 // toEngine validates the shared fields and builds the engine request (without prompt).
-func (s *Server) toEngine(g *genParams) (engine.Request, *apiError) {
+// The checks run in a fixed order, so a request with several faults always gets the
+// same error.
+func (s *Server) toEngine(g *wire.GenParams) (engine.Request, *apiError) {
 	var req engine.Request
-	id, has, e := parsePoolID(g.PoolID)
+	if e := poolFields(g, &req); e != nil {
+		return req, e
+	}
+	if g.N != nil && *g.N != 1 {
+		return req, badRequest("n: only 1 choice per request is supported, got %d", *g.N)
+	}
+	n, e := s.maxTokens(g)
 	if e != nil {
 		return req, e
+	}
+	req.MaxTokens = n
+	if req.Sampling, e = s.sampling(g); e != nil {
+		return req, e
+	}
+	if req.Stop, e = parseStop(g.Stop); e != nil {
+		return req, e
+	}
+	req.IgnoreEOS = g.IgnoreEOS
+	req.Overcommit = g.Overcommit
+	if req.Logprobs, req.Sampling.NProbs, e = parseLogprobs(g.Logprobs, g.TopLogprobs); e != nil {
+		return req, e
+	}
+	if g.SessionID != nil {
+		if len(*g.SessionID) > 256 {
+			return req, badRequest("session_id is longer than 256 bytes")
+		}
+		req.SessionID = *g.SessionID
+	}
+	return req, nil
+}
+
+// poolFields reads pool_id or pool_key and the fields that need a pool.
+func poolFields(g *wire.GenParams, req *engine.Request) *apiError {
+	id, has, e := parsePoolID(g.PoolID)
+	if e != nil {
+		return e
 	}
 	req.HasPool, req.PoolID = has, id
 	if g.PoolKey != nil {
 		if has {
-			return req, badRequest("pass pool_id or pool_key, not both")
+			return badRequest("pass pool_id or pool_key, not both")
 		}
 		key, e := parsePoolKey(*g.PoolKey)
 		if e != nil {
-			return req, e
+			return e
 		}
 		req.PoolKey = &key
 	}
 	if g.SharedPrefixN != nil {
 		if !has {
-			return req, badRequest("shared_prefix_n_tokens needs pool_id")
+			return badRequest("shared_prefix_n_tokens needs pool_id")
 		}
 		if *g.SharedPrefixN < 0 {
-			return req, badRequest("shared_prefix_n_tokens must not be negative, got %d", *g.SharedPrefixN)
+			return badRequest("shared_prefix_n_tokens must not be negative, got %d", *g.SharedPrefixN)
 		}
 		req.SharedPrefixN = g.SharedPrefixN
 	}
 	if g.ReservationID != nil {
 		if !has {
-			return req, badRequest("reservation_id needs pool_id")
+			return badRequest("reservation_id needs pool_id")
 		}
 		if len(*g.ReservationID) > 256 {
-			return req, badRequest("reservation_id is longer than 256 bytes")
+			return badRequest("reservation_id is longer than 256 bytes")
 		}
 		req.ReservationID = *g.ReservationID
 	}
-	if g.N != nil && *g.N != 1 {
-		return req, badRequest("n: only 1 choice per request is supported, got %d", *g.N)
-	}
-	// OpenAI refuses max_tokens 0 (it would generate nothing, and llama-server's
-	// reading of 0, "unlimited", surprises OpenAI clients); -1 stays llama-server's
-	// "no limit". max_completion_tokens, OpenAI's newer name, wins when both are sent.
+	return nil
+}
+
+// maxTokens reads the generation limit (0: none). OpenAI refuses max_tokens 0 (it
+// would generate nothing, and llama-server's reading of 0, "unlimited", surprises
+// OpenAI clients); -1 stays llama-server's "no limit". max_completion_tokens, OpenAI's
+// newer name, wins when both are sent.
+func (s *Server) maxTokens(g *wire.GenParams) (int, *apiError) {
+	n := 0
 	for _, f := range []struct {
 		name string
 		v    *int
@@ -184,43 +163,71 @@ func (s *Server) toEngine(g *genParams) (engine.Request, *apiError) {
 		switch {
 		case f.v == nil:
 		case *f.v < 1 && *f.v != -1:
-			return req, invalidParam(f.name, "Invalid '%s': integer below minimum value. Expected a value >= 1, but got %d instead.", f.name, *f.v)
+			return 0, invalidParam(f.name, "Invalid '%s': integer below minimum value. Expected a value >= 1, but got %d instead.", f.name, *f.v)
 		case *f.v > s.info.NCtx:
-			return req, invalidParam(f.name, "Invalid '%s': %d exceeds the context size %d.", f.name, *f.v, s.info.NCtx)
+			return 0, invalidParam(f.name, "Invalid '%s': %d exceeds the context size %d.", f.name, *f.v, s.info.NCtx)
 		case *f.v > 0:
-			req.MaxTokens = *f.v
+			n = *f.v
 		default: // -1
-			req.MaxTokens = 0
+			n = 0
 		}
 	}
+	return n, nil
+}
+
+// sampling reads the sampler fields over llama-server's defaults.
+func (s *Server) sampling(g *wire.GenParams) (engine.SamplingParams, *apiError) {
 	sp := engine.SamplingParams{Temperature: defaultTemperature, TopK: defaultTopK, TopP: defaultTopP, MinP: defaultMinP, RepeatPenalty: 1}
+	if e := truncation(g, &sp); e != nil {
+		return sp, e
+	}
+	if e := s.penalties(g, &sp); e != nil {
+		return sp, e
+	}
+	if g.Seed != nil {
+		sp.Seed = uint32(*g.Seed)
+	} else {
+		var b [4]byte
+		_, _ = rand.Read(b[:])
+		sp.Seed = binary.LittleEndian.Uint32(b[:])
+	}
+	return sp, nil
+}
+
+// truncation reads temperature and the candidate cuts (top_p, top_k, min_p).
+func truncation(g *wire.GenParams, sp *engine.SamplingParams) *apiError {
 	if v := g.Temperature; v != nil {
 		if *v < 0 || *v > 2 {
-			return req, badRequest("temperature must be in [0, 2], got %g", *v)
+			return badRequest("temperature must be in [0, 2], got %g", *v)
 		}
 		sp.Temperature = float32(*v)
 	}
 	if v := g.TopP; v != nil {
 		if *v < 0 || *v > 1 {
-			return req, badRequest("top_p must be in [0, 1], got %g", *v)
+			return badRequest("top_p must be in [0, 1], got %g", *v)
 		}
 		sp.TopP = float32(*v)
 	}
 	if v := g.TopK; v != nil {
 		if *v < 0 {
-			return req, badRequest("top_k must not be negative, got %d", *v)
+			return badRequest("top_k must not be negative, got %d", *v)
 		}
 		sp.TopK = *v
 	}
 	if v := g.MinP; v != nil {
 		if *v < 0 || *v > 1 {
-			return req, badRequest("min_p must be in [0, 1], got %g", *v)
+			return badRequest("min_p must be in [0, 1], got %g", *v)
 		}
 		sp.MinP = float32(*v)
 	}
+	return nil
+}
+
+// penalties reads the repetition penalties.
+func (s *Server) penalties(g *wire.GenParams, sp *engine.SamplingParams) *apiError {
 	for name, v := range map[string]*float64{"presence_penalty": g.PresencePenalty, "frequency_penalty": g.FrequencyPenalty} {
 		if v != nil && (*v < -2 || *v > 2) {
-			return req, badRequest("%s must be in [-2, 2], got %g", name, *v)
+			return badRequest("%s must be in [-2, 2], got %g", name, *v)
 		}
 	}
 	if v := g.PresencePenalty; v != nil {
@@ -231,44 +238,17 @@ func (s *Server) toEngine(g *genParams) (engine.Request, *apiError) {
 	}
 	if v := g.RepeatPenalty; v != nil {
 		if *v <= 0 || *v > 10 {
-			return req, badRequest("repeat_penalty must be in (0, 10], got %g", *v)
+			return badRequest("repeat_penalty must be in (0, 10], got %g", *v)
 		}
 		sp.RepeatPenalty = float32(*v)
 	}
 	if v := g.RepeatLastN; v != nil {
 		if *v < -1 || *v > s.info.NCtx {
-			return req, badRequest("repeat_last_n must be in [-1, n_ctx], got %d", *v)
+			return badRequest("repeat_last_n must be in [-1, n_ctx], got %d", *v)
 		}
 		sp.RepeatLastN = *v
 	}
-	if g.Seed != nil {
-		sp.Seed = uint32(*g.Seed)
-	} else {
-		var b [4]byte
-		_, _ = rand.Read(b[:])
-		sp.Seed = binary.LittleEndian.Uint32(b[:])
-	}
-	req.Sampling = sp
-	stops, e := parseStop(g.Stop)
-	if e != nil {
-		return req, e
-	}
-	req.Stop = stops
-	req.IgnoreEOS = g.IgnoreEOS
-	req.Overcommit = g.Overcommit
-	lp, n, e := parseLogprobs(g.Logprobs, g.TopLogprobs)
-	if e != nil {
-		return req, e
-	}
-	req.Logprobs = lp
-	req.Sampling.NProbs = n
-	if g.SessionID != nil {
-		if len(*g.SessionID) > 256 {
-			return req, badRequest("session_id is longer than 256 bytes")
-		}
-		req.SessionID = *g.SessionID
-	}
-	return req, nil
+	return nil
 }
 
 func isNull(raw json.RawMessage) bool {
@@ -303,10 +283,7 @@ func flattenContent(raw json.RawMessage) (string, error) {
 	if json.Unmarshal(raw, &s) == nil {
 		return s, nil
 	}
-	var parts []struct {
-		Type string  `json:"type"`
-		Text *string `json:"text"`
-	}
+	var parts []wire.ContentPart
 	if err := json.Unmarshal(raw, &parts); err != nil {
 		return "", fmt.Errorf("content must be a string or an array of content parts")
 	}
@@ -323,13 +300,13 @@ func flattenContent(raw json.RawMessage) (string, error) {
 var knownRoles = map[string]bool{"system": true, "developer": true, "user": true, "assistant": true, "tool": true}
 
 func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
-	var req chatRequest
+	var req wire.ChatRequest
 	if e := s.decodeBody(w, r, &req); e != nil {
 		writeAPIError(w, e)
 		return
 	}
-	sessionFromHeader(r, &req.genParams)
-	ereq, e := s.toEngine(&req.genParams)
+	sessionFromHeader(r, &req.GenParams)
+	ereq, e := s.toEngine(&req.GenParams)
 	if e != nil {
 		writeAPIError(w, e)
 		return
@@ -344,13 +321,13 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		ereq.Sampling.GrammarTriggers = append(ereq.Sampling.GrammarTriggers, engine.GrammarTrigger{Word: t.Word, Pattern: t.Pattern})
 	}
 	ereq.Prompt = toks
-	s.generate(w, r, kindChat, &req.genParams, ereq, &plan)
+	s.generate(w, r, kindChat, &req.GenParams, ereq, &plan)
 }
 
 // chatPrompt is the one path from a chat request to the tokens it prefills (messages,
 // tools and the chat template): the completion handler and the render endpoint share
 // it, so what a router tokenizes through render is what the request prefills.
-func (s *Server) chatPrompt(req *chatRequest) ([]int32, toolPlan, *apiError) {
+func (s *Server) chatPrompt(req *wire.ChatRequest) ([]int32, toolPlan, *apiError) {
 	msgs, e := parseMessages(req.Messages)
 	if e != nil {
 		return nil, toolPlan{}, e
@@ -359,7 +336,7 @@ func (s *Server) chatPrompt(req *chatRequest) ([]int32, toolPlan, *apiError) {
 	if e != nil {
 		return nil, plan, e
 	}
-	prompt, e := s.renderChat(msgs, plan.tools, true, req.templateOptions)
+	prompt, e := s.renderChat(msgs, plan.tools, true, req.TemplateOptions)
 	if e != nil {
 		return nil, plan, e
 	}
@@ -375,13 +352,13 @@ func (s *Server) chatPrompt(req *chatRequest) ([]int32, toolPlan, *apiError) {
 }
 
 func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
-	var req completionRequest
+	var req wire.CompletionRequest
 	if e := s.decodeBody(w, r, &req); e != nil {
 		writeAPIError(w, e)
 		return
 	}
-	sessionFromHeader(r, &req.genParams)
-	ereq, e := s.toEngine(&req.genParams)
+	sessionFromHeader(r, &req.GenParams)
+	ereq, e := s.toEngine(&req.GenParams)
 	if e != nil {
 		writeAPIError(w, e)
 		return
@@ -392,7 +369,7 @@ func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ereq.Prompt = toks
-	s.generate(w, r, kindText, &req.genParams, ereq, nil)
+	s.generate(w, r, kindText, &req.GenParams, ereq, nil)
 }
 
 // completionPrompt accepts a string, a one-element array of strings, or token ids.
@@ -445,49 +422,6 @@ func newID(prefix string) string {
 	return prefix + hex.EncodeToString(b[:])
 }
 
-// result accumulates a finished generation.
-type result struct {
-	text     strings.Builder
-	logprobs []engine.TokenLogprob
-	done     engine.Event
-}
-
-func (s *Server) usage(promptN int, ev engine.Event) map[string]any {
-	return map[string]any{
-		"prompt_tokens":         promptN,
-		"completion_tokens":     ev.Stats.PredictedN,
-		"total_tokens":          promptN + ev.Stats.PredictedN,
-		"prompt_tokens_details": map[string]any{"cached_tokens": ev.Stats.CacheN},
-	}
-}
-
-func timings(st engine.Stats) map[string]any {
-	t := llamaTimings(st)
-	t["tps_ewma"] = st.TPS
-	return t
-}
-
-func llamaTimings(st engine.Stats) map[string]any {
-	pms := float64(st.PromptTime.Microseconds()) / 1000
-	gms := float64(st.PredictTime.Microseconds()) / 1000
-	t := map[string]any{
-		"cache_n":   st.CacheN,
-		"prompt_n":  st.PromptN,
-		"prompt_ms": pms, "predicted_n": st.PredictedN, "predicted_ms": gms,
-		"prompt_per_token_ms": 0.0, "prompt_per_second": 0.0,
-		"predicted_per_token_ms": 0.0, "predicted_per_second": 0.0,
-	}
-	if st.PromptN > 0 && pms > 0 {
-		t["prompt_per_token_ms"] = pms / float64(st.PromptN)
-		t["prompt_per_second"] = 1000 * float64(st.PromptN) / pms
-	}
-	if st.PredictedN > 0 && gms > 0 {
-		t["predicted_per_token_ms"] = gms / float64(st.PredictedN)
-		t["predicted_per_second"] = 1000 * float64(st.PredictedN) / gms
-	}
-	return t
-}
-
 func finishReason(ev engine.Event) string {
 	if ev.Finish == engine.FinishLength {
 		return "length"
@@ -495,12 +429,22 @@ func finishReason(ev engine.Event) string {
 	return "stop"
 }
 
-func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *genParams, req engine.Request, plan *toolPlan) {
+// generation is one submitted completion, what its reply is built from.
+type generation struct {
+	k       kind
+	id      string
+	created int64
+	req     engine.Request
+	plan    *toolPlan // chat only
+}
+
+func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *wire.GenParams, req engine.Request, plan *toolPlan) {
 	st, gate, err := s.eng.Submit(r.Context(), req)
 	if err != nil {
 		e := errorFor(err)
 		if e.typ == "exceed_context_size_error" {
-			e.extra = map[string]any{"n_prompt_tokens": len(req.Prompt), "n_ctx": s.info.NCtx}
+			n, nctx := len(req.Prompt), s.info.NCtx
+			e.extra = wire.Error{NPromptTokens: &n, NCtx: &nctx}
 		}
 		writeAPIError(w, e)
 		return
@@ -508,67 +452,86 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *gen
 	if req.Overcommit && req.HasPool {
 		s.log.Info("overcommit: admission gate skipped", "pool", req.PoolID, "session", req.SessionID)
 	}
-	if gate.Reserved {
-		w.Header().Set("X-PolyKV-Reservation", "used")
-	}
-	if gate.Checked {
-		w.Header().Set("X-Sessions-Remaining", strconv.Itoa(gate.SessionsRemaining))
-		if gate.Warned {
-			w.Header().Set("X-PolyKV-Warning", fmt.Sprintf("pool %d admitted this session over its policy: %s", req.PoolID, gate.Verdict.Reason))
-		}
-	}
+	gateHeaders(w.Header(), req, gate)
 	// Whatever happens to this handler, the task must not outlive it.
 	defer st.Cancel()
-	id := newID(map[kind]string{kindChat: "chatcmpl-", kindText: "cmpl-"}[k])
-	created := time.Now().Unix()
+	gen := generation{k: k, id: newID(map[kind]string{kindChat: "chatcmpl-", kindText: "cmpl-"}[k]),
+		created: time.Now().Unix(), req: req, plan: plan}
 	if g.Stream {
-		s.stream(w, r, k, g, req, st, id, created, plan)
+		s.stream(w, r, st, s.newChunker(gen, g.StreamOptions != nil && g.StreamOptions.IncludeUsage))
 		return
 	}
 	evs, err := st.Collect(r.Context())
 	if err != nil || len(evs) == 0 {
 		return // client gone; the deferred Cancel frees the sequence
 	}
-	var res result
+	var text strings.Builder
+	var lps []engine.TokenLogprob
 	for _, ev := range evs {
-		res.text.WriteString(ev.Text)
-		res.logprobs = append(res.logprobs, ev.Tokens...)
+		text.WriteString(ev.Text)
+		lps = append(lps, ev.Tokens...)
 	}
-	res.done = evs[len(evs)-1]
-	ev := res.done
+	ev := evs[len(evs)-1]
 	if ev.Err != nil {
 		writeAPIError(w, errorFor(ev.Err))
 		return
 	}
-	choice := map[string]any{"index": 0, "finish_reason": finishReason(ev), "logprobs": nil}
-	if req.Logprobs {
-		choice["logprobs"] = s.logprobsJSON(k, res.logprobs, &textOffsets{})
-	}
-	object := "text_completion"
-	if k == kindChat {
-		object = "chat.completion"
-		msg := map[string]any{"role": "assistant", "content": res.text.String()}
-		if plan != nil {
-			msg = replyMessage(plan, res.text.String(), choice) // reasoning, content, tool calls (tools.go)
-		}
-		choice["message"] = msg
-	} else {
-		choice["text"] = res.text.String()
-	}
-	body := map[string]any{
-		"id": id, "object": object, "created": created, "model": s.info.ModelID,
-		"choices": []any{choice}, "usage": s.usage(len(req.Prompt), ev), "timings": timings(ev.Stats),
-		"session_id": req.SessionID, "context": ev.Stats.Ctx,
-	}
 	if ev.Stats.Pool != 0 {
-		body["pool_id"] = ev.Stats.Pool
 		w.Header().Set("X-Pool-Id", strconv.Itoa(ev.Stats.Pool))
 	}
 	w.Header().Set("X-Cached-Prefix-Tokens", strconv.Itoa(ev.Stats.CacheN))
-	if ev.Truncated {
-		body["truncated"] = true
+	writeJSON(w, http.StatusOK, s.completion(gen, text.String(), lps, ev))
+}
+
+// gateHeaders report what an enforced pool's admission gate decided.
+func gateHeaders(h http.Header, req engine.Request, gate engine.Gate) {
+	if gate.Reserved {
+		h.Set("X-PolyKV-Reservation", "used")
 	}
-	writeJSON(w, http.StatusOK, body)
+	if gate.Checked {
+		h.Set("X-Sessions-Remaining", strconv.Itoa(gate.SessionsRemaining))
+		if gate.Warned {
+			h.Set("X-PolyKV-Warning", fmt.Sprintf("pool %d admitted this session over its policy: %s", req.PoolID, gate.Verdict.Reason))
+		}
+	}
+}
+
+// completion is a finished generation's reply: a wire.ChatCompletion or a
+// wire.TextCompletion.
+func (s *Server) completion(gen generation, text string, lps []engine.TokenLogprob, ev engine.Event) any {
+	if gen.k == kindText {
+		choice := wire.TextChoice{FinishReason: finishReason(ev), Text: text}
+		if gen.req.Logprobs {
+			choice.Logprobs = s.textLogprobs(lps, &textOffsets{})
+		}
+		out := wire.TextCompletion{Object: "text_completion", Choices: []wire.TextChoice{choice}}
+		completionTail(s, &out, gen, ev)
+		return out
+	}
+	choice := wire.ChatChoice{FinishReason: finishReason(ev), Message: wire.Message{Role: "assistant", Content: &text}}
+	if gen.req.Logprobs {
+		choice.Logprobs = s.chatLogprobs(lps)
+	}
+	if gen.plan != nil {
+		// reasoning, content and tool calls (tools.go)
+		var calls bool
+		choice.Message, calls = replyMessage(gen.plan, text)
+		if calls {
+			choice.FinishReason = "tool_calls"
+		}
+	}
+	out := wire.ChatCompletion{Object: "chat.completion", Choices: []wire.ChatChoice{choice}}
+	completionTail(s, &out, gen, ev)
+	return out
+}
+
+// completionTail fills the members chat and text completions share.
+func completionTail[C any](s *Server, out *wire.Completion[C], gen generation, ev engine.Event) {
+	out.ID, out.Created, out.Model = gen.id, gen.created, s.info.ModelID
+	out.Usage = wireUsageOf(len(gen.req.Prompt), ev.Stats)
+	out.Timings = wireTimings(ev.Stats)
+	out.SessionID, out.Context = gen.req.SessionID, wireSessionCtx(ev.Stats.Ctx)
+	out.PoolID, out.Truncated = ev.Stats.Pool, ev.Truncated
 }
 
 // renderError maps a chat-template failure: the template refusing the conversation is
@@ -581,169 +544,4 @@ func renderError(err error) *apiError {
 		return badRequest("%v", err)
 	}
 	return &apiError{status: http.StatusInternalServerError, typ: "server_error", msg: "chat template: " + err.Error()}
-}
-
-func nilIfEmpty(s string) any {
-	if s == "" {
-		return nil
-	}
-	return s
-}
-
-func (s *Server) stream(w http.ResponseWriter, r *http.Request, k kind, g *genParams, req engine.Request, st *engine.Stream, id string, created int64, plan *toolPlan) {
-	// Chat replies go through chat.ReplyStream: reasoning streams as
-	// delta.reasoning_content, content as it is generated, and a tool call as
-	// delta.tool_calls from its marker on (name first, then arguments as written).
-	var calls *chat.ReplyStream
-	if plan != nil {
-		o := plan.reply
-		o.Stream = true // call headers and arguments go out as they are generated
-		calls = chat.NewReplyStream(o)
-	}
-	flusher, _ := w.(http.Flusher)
-	// Headers wait for the first event: a request held by an admission gate (or failed
-	// before its first token) can still answer with a proper status.
-	first, ok, err := st.Next(r.Context())
-	if err != nil || !ok {
-		return
-	}
-	if first.Done && first.Err != nil {
-		writeAPIError(w, errorFor(first.Err))
-		return
-	}
-	h := w.Header()
-	h.Set("Content-Type", "text/event-stream")
-	h.Set("Cache-Control", "no-cache")
-	h.Set("Connection", "keep-alive")
-	h.Set("X-Accel-Buffering", "no")
-	// What was reused is known only at the end: it follows the body as a trailer.
-	h.Set("Trailer", "X-Cached-Prefix-Tokens")
-	w.WriteHeader(http.StatusOK)
-	pending := &first
-	object := "text_completion"
-	if k == kindChat {
-		object = "chat.completion.chunk"
-	}
-	send := func(v any) bool {
-		b, _ := json.Marshal(v)
-		if _, err := fmt.Fprintf(w, "data: %s\n\n", b); err != nil {
-			return false
-		}
-		if flusher != nil {
-			flusher.Flush()
-		}
-		return true
-	}
-	offsets := &textOffsets{} // legacy text_offset counts on across chunks
-	chunk := func(text string, lps []engine.TokenLogprob, finish any) map[string]any {
-		choice := map[string]any{"index": 0, "finish_reason": finish, "logprobs": nil}
-		if req.Logprobs && len(lps) > 0 {
-			choice["logprobs"] = s.logprobsJSON(k, lps, offsets)
-		}
-		if k == kindChat {
-			delta := map[string]any{}
-			if text != "" {
-				delta["content"] = text
-			}
-			choice["delta"] = delta
-		} else {
-			choice["text"] = text
-		}
-		return map[string]any{"id": id, "object": object, "created": created, "model": s.info.ModelID, "choices": []any{choice}}
-	}
-	if k == kindChat {
-		first := chunk("", nil, nil)
-		first["choices"].([]any)[0].(map[string]any)["delta"] = map[string]any{"role": "assistant", "content": ""}
-		if !send(first) {
-			return
-		}
-	}
-	for {
-		var ev engine.Event
-		if pending != nil {
-			ev, pending = *pending, nil
-		} else {
-			var ok bool
-			var err error
-			if ev, ok, err = st.Next(r.Context()); err != nil || !ok {
-				return
-			}
-		}
-		if ev.Done {
-			if ev.Err != nil {
-				e := errorFor(ev.Err)
-				send(map[string]any{"error": map[string]any{"code": e.status, "type": e.typ, "message": e.msg}})
-				return
-			}
-			reason := finishReason(ev)
-			if calls != nil {
-				thought, released := calls.Push(ev.Text)
-				fin := calls.Finish()
-				rest, parsed := fin.Content, fin.Calls
-				if thought += fin.Reasoning; thought != "" && !send(reasoningChunk(chunk("", nil, nil), thought)) {
-					return
-				}
-				if content := released + rest; content != "" && !send(chunk(content, nil, nil)) {
-					return
-				}
-				if !sendCallDeltas(send, chunk("", nil, nil), calls.Deltas()) {
-					return
-				}
-				if len(parsed) > 0 {
-					reason = "tool_calls"
-				}
-			} else if ev.Text != "" && !send(chunk(ev.Text, nil, nil)) {
-				return
-			}
-			h.Set("X-Cached-Prefix-Tokens", strconv.Itoa(ev.Stats.CacheN))
-			last := chunk("", nil, reason)
-			last["timings"] = timings(ev.Stats)
-			last["session_id"] = req.SessionID
-			last["context"] = ev.Stats.Ctx
-			if ev.Stats.Pool != 0 {
-				last["pool_id"] = ev.Stats.Pool
-			}
-			if ev.Truncated {
-				last["truncated"] = true
-			}
-			if !send(last) {
-				return
-			}
-			if g.StreamOptions != nil && g.StreamOptions.IncludeUsage {
-				u := map[string]any{"id": id, "object": object, "created": created, "model": s.info.ModelID,
-					"choices": []any{}, "usage": s.usage(len(req.Prompt), ev)}
-				if !send(u) {
-					return
-				}
-			}
-			fmt.Fprint(w, "data: [DONE]\n\n")
-			if flusher != nil {
-				flusher.Flush()
-			}
-			return
-		}
-		if ev.Text == "" && len(ev.Tokens) == 0 {
-			continue
-		}
-		if calls != nil {
-			thought, out := calls.Push(ev.Text)
-			if thought != "" && !send(reasoningChunk(chunk("", nil, nil), thought)) {
-				return
-			}
-			var lps []engine.TokenLogprob
-			if out == ev.Text {
-				lps = ev.Tokens // passed through unchanged: its tokens' logprobs still apply
-			}
-			if out != "" && !send(chunk(out, lps, nil)) {
-				return
-			}
-			if !sendCallDeltas(send, chunk("", nil, nil), calls.Deltas()) {
-				return
-			}
-			continue
-		}
-		if !send(chunk(ev.Text, ev.Tokens, nil)) {
-			return
-		}
-	}
 }

@@ -5,19 +5,9 @@ import (
 	"net/http"
 	"strconv"
 
+	"github.com/polykv/polykv/internal/api/wire"
 	"github.com/polykv/polykv/internal/engine"
 )
-
-// poolBody is the body of create and fork: exactly one prefix source.
-type poolBody struct {
-	Tokens      *[]int32        `json:"tokens"`
-	Prompt      *string         `json:"prompt"`
-	Messages    json.RawMessage `json:"messages"`
-	Tools       json.RawMessage `json:"tools"` // with messages: rendered as a chat with these tools renders its start
-	FromSession *string         `json:"from_session"`
-	BranchPos   *int            `json:"branch_pos"`
-	Pin         bool            `json:"pin"`
-}
 
 func (s *Server) routePools(mux *http.ServeMux) {
 	mux.HandleFunc("POST /polykv/pools", s.handleCreatePool)
@@ -62,17 +52,17 @@ func (s *Server) poolAction(msg func(id int) engine.Msg) http.HandlerFunc {
 			return
 		}
 		info.Tokens = nil
-		out := map[string]any{"pool": info}
+		out := wire.PoolCommand{Pool: wirePool(info)}
 		if _, flush := m.(engine.FlushPool); flush {
-			out["flushed_sessions"] = res.Flushed.Sessions
-			out["freed_kv_bytes"] = int64(res.Flushed.Cells) * s.info.BytesPerCell
+			freed := int64(res.Flushed.Cells) * s.info.BytesPerCell
+			out.FlushedSessions, out.FreedKVBytes = &res.Flushed.Sessions, &freed
 		}
 		writeJSON(w, http.StatusOK, out)
 	}
 }
 
 // prefixTokens turns a create/fork body into the prefix tokens (or a session name).
-func (s *Server) prefixTokens(b *poolBody) ([]int32, string, *apiError) {
+func (s *Server) prefixTokens(b *wire.PoolRequest) ([]int32, string, *apiError) {
 	n := 0
 	for _, set := range []bool{b.Tokens != nil, b.Prompt != nil, !isNull(b.Messages), b.FromSession != nil} {
 		if set {
@@ -134,7 +124,7 @@ func (s *Server) prefixTokens(b *poolBody) ([]int32, string, *apiError) {
 }
 
 func (s *Server) handleCreatePool(w http.ResponseWriter, r *http.Request) {
-	var b poolBody
+	var b wire.PoolRequest
 	if e := s.decodeBody(w, r, &b); e != nil {
 		writeAPIError(w, e)
 		return
@@ -152,7 +142,7 @@ func (s *Server) handleForkPool(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, e)
 		return
 	}
-	var b poolBody
+	var b wire.PoolRequest
 	if e := s.decodeBody(w, r, &b); e != nil {
 		writeAPIError(w, e)
 		return
@@ -168,7 +158,7 @@ func (s *Server) handleForkPool(w http.ResponseWriter, r *http.Request) {
 	s.createPool(w, r, &b, engine.PoolSpec{HasParent: true, Parent: parent, D: *b.BranchPos})
 }
 
-func (s *Server) createPool(w http.ResponseWriter, r *http.Request, b *poolBody, spec engine.PoolSpec) {
+func (s *Server) createPool(w http.ResponseWriter, r *http.Request, b *wire.PoolRequest, spec engine.PoolSpec) {
 	toks, session, e := s.prefixTokens(b)
 	if e != nil {
 		writeAPIError(w, e)
@@ -186,16 +176,16 @@ func (s *Server) createPool(w http.ResponseWriter, r *http.Request, b *poolBody,
 		return
 	}
 	info.Tokens = nil
-	writeJSON(w, http.StatusCreated, map[string]any{
-		"pool_id": id, "parent": info.Parent, "branch_pos": info.BranchPos, "prefix_len": info.PrefixLen,
-		"own_len": info.OwnLen, "prefix_hash": info.PrefixHash, "state": info.State,
-		"prefilled_tokens": stats.PromptN, "materialize_ms": float64(stats.PromptTime.Microseconds()) / 1000,
-		"zero_copy": session != "" && stats.PromptN == 0, "pool": info,
+	writeJSON(w, http.StatusCreated, wire.PoolCreated{
+		PoolID: id, Parent: info.Parent, BranchPos: info.BranchPos, PrefixLen: info.PrefixLen,
+		OwnLen: info.OwnLen, PrefixHash: info.PrefixHash, State: info.State,
+		PrefilledTokens: stats.PromptN, MaterializeMs: float64(stats.PromptTime.Microseconds()) / 1000,
+		ZeroCopy: session != "" && stats.PromptN == 0, Pool: wirePool(info),
 	})
 }
 
 func (s *Server) handleListPools(w http.ResponseWriter, r *http.Request) {
-	writeJSON(w, http.StatusOK, s.eng.Snapshot().Pools)
+	writeJSON(w, http.StatusOK, wirePools(s.eng.Snapshot().Pools))
 }
 
 func (s *Server) handleGetPool(w http.ResponseWriter, r *http.Request) {
@@ -209,7 +199,7 @@ func (s *Server) handleGetPool(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, errorFor(err))
 		return
 	}
-	writeJSON(w, http.StatusOK, info)
+	writeJSON(w, http.StatusOK, wirePool(info))
 }
 
 func (s *Server) handleReleasePool(w http.ResponseWriter, r *http.Request) {
@@ -228,7 +218,7 @@ func (s *Server) handleReleasePool(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, errorFor(err))
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"pool_id": id, "released": true, "reclaimed": reclaimed})
+	writeJSON(w, http.StatusOK, wire.PoolReleased{PoolID: id, Released: true, Reclaimed: reclaimed})
 }
 
 // parsePoolID reads pool_id from a completion request: an integer (or its string).

@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/polykv/polykv/internal/api/wire"
 	"github.com/polykv/polykv/internal/engine"
 )
 
@@ -34,10 +35,7 @@ func (s *Server) handleReserve(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, e)
 		return
 	}
-	var body struct {
-		TTLMs          *int64 `json:"ttl_ms"`
-		ExpectedTokens *int   `json:"expected_tokens"`
-	}
+	var body wire.ReservationRequest
 	if r.ContentLength != 0 {
 		if e := s.decodeBody(w, r, &body); e != nil {
 			writeAPIError(w, e)
@@ -69,7 +67,7 @@ func (s *Server) handleReserve(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, reservationError(err))
 		return
 	}
-	writeJSON(w, http.StatusOK, res.Reservation)
+	writeJSON(w, http.StatusOK, wireReservation(res.Reservation))
 }
 
 func (s *Server) handleReleaseReservation(w http.ResponseWriter, r *http.Request) {
@@ -87,5 +85,5 @@ func (s *Server) handleReleaseReservation(w http.ResponseWriter, r *http.Request
 		writeAPIError(w, reservationError(err))
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"pool_id": id, "reservation_id": rid, "released": true})
+	writeJSON(w, http.StatusOK, wire.ReservationReleased{PoolID: id, ReservationID: rid, Released: true})
 }

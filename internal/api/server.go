@@ -13,9 +13,9 @@ import (
 	"net/http"
 	"strconv"
 	"time"
-	"unicode/utf8"
 
 	"github.com/polykv/polykv/internal/admission"
+	"github.com/polykv/polykv/internal/api/wire"
 	"github.com/polykv/polykv/internal/chat"
 	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/pool"
@@ -127,10 +127,12 @@ func (s *Server) recoverer(h http.Handler) http.Handler {
 
 // apiError is an error with its HTTP status and OpenAI error type.
 type apiError struct {
-	status  int
-	typ     string
-	msg     string
-	extra   map[string]any
+	status int
+	typ    string
+	msg    string
+	// extra holds the optional members of the error body (param, pool_id, ...);
+	// writeAPIError fills in code, type and message.
+	extra   wire.Error
 	headers map[string]string
 }
 
@@ -148,8 +150,9 @@ func errorFor(err error) *apiError {
 	case errors.As(err, &ae):
 		return ae
 	case errors.As(err, &sat):
+		v := wireVerdict(sat.Verdict)
 		return &apiError{status: http.StatusTooManyRequests, typ: "pool_saturated_error", msg: err.Error(),
-			extra:   map[string]any{"pool_id": sat.Pool, "capacity": sat.Verdict},
+			extra:   wire.Error{PoolID: &sat.Pool, Capacity: &v},
 			headers: map[string]string{"Retry-After": strconv.Itoa(max(1, sat.Verdict.RetryAfterS))}}
 	case errors.Is(err, engine.ErrQueueFull):
 		return &apiError{status: http.StatusServiceUnavailable, typ: "unavailable_error", msg: err.Error()}
@@ -182,11 +185,14 @@ func writeAPIError(w http.ResponseWriter, e *apiError) {
 	for k, v := range e.headers {
 		w.Header().Set(k, v)
 	}
-	body := map[string]any{"code": e.status, "type": e.typ, "message": e.msg}
-	for k, v := range e.extra {
-		body[k] = v
-	}
-	writeJSON(w, e.status, map[string]any{"error": body})
+	writeJSON(w, e.status, e.body())
+}
+
+// body is the error's JSON body.
+func (e *apiError) body() wire.ErrorBody {
+	b := e.extra
+	b.Code, b.Type, b.Message = e.status, e.typ, e.msg
+	return wire.ErrorBody{Error: b}
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
@@ -254,74 +260,61 @@ func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) {
 	case <-s.eng.Done():
 		writeError(w, http.StatusServiceUnavailable, "unavailable_error", "engine stopped")
 	default:
-		writeJSON(w, http.StatusOK, map[string]string{"status": "ok"})
+		writeJSON(w, http.StatusOK, wire.Health{Status: "ok"})
 	}
 }
 
 func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
-	writeJSON(w, http.StatusOK, map[string]any{
-		"object": "list",
-		"data": []map[string]any{{
-			"id": s.info.ModelID, "object": "model", "created": s.info.Started.Unix(), "owned_by": "polykv",
-			"meta": map[string]any{"n_ctx_train": s.info.NCtxTrain, "n_vocab": s.info.NVocab, "desc": s.info.ModelDesc},
-		}},
-	})
+	writeJSON(w, http.StatusOK, wire.ModelList{Object: "list", Data: []wire.Model{{
+		ID: s.info.ModelID, Object: "model", Created: s.info.Started.Unix(), OwnedBy: "polykv",
+		Meta: wire.ModelMeta{NCtxTrain: s.info.NCtxTrain, NVocab: s.info.NVocab, Desc: s.info.ModelDesc},
+	}}})
 }
 
 func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 	snap := s.eng.Snapshot()
-	usage, floors := snap.Usage, snap.Floors
-	props := map[string]any{
-		"model":              s.info.ModelID,
-		"model_path":         s.info.ModelPath,
-		"model_desc":         s.info.ModelDesc,
-		"n_ctx":              s.info.NCtx,
-		"n_ctx_train":        s.info.NCtxTrain,
-		"parallel":           s.info.Parallel,
-		"total_slots":        s.info.Parallel,
-		"n_batch":            s.info.NBatch,
-		"kv_unified":         true,
-		"chat_template":      s.info.ChatTemplate,
-		"chat_template_path": s.chat.Path(),
-		"tool_call_format":   s.format(),
-		"usage":              usage,
-		"compute":            s.info.Compute,
-		"polykv": map[string]any{
-			"max_pools":         s.info.MaxPools,
-			"pool_grace_ms":     s.info.PoolGraceMs,
-			"kv_bytes_per_cell": s.info.BytesPerCell,
-			"n_seq_max":         s.info.Parallel + s.info.MaxPools,
-			"pools_supported":   s.info.PoolsUnsupported == "",
-			"pools_unsupported": s.info.PoolsUnsupported,
-			"admission_default": admission.DefaultPolicy(),
-			"floors":            floors,
-			"tps": map[string]any{
-				"ewma":                       "time-based EWMA of decode tokens/s per session, bias-corrected while young",
-				"tau_ms":                     s.info.TPSTauMs,
-				"warm_min_tokens":            tps.MinWarmTokens,
-				"stream_interval_ms_default": 500,
+	props := wire.Props{
+		Model:            s.info.ModelID,
+		ModelPath:        s.info.ModelPath,
+		ModelDesc:        s.info.ModelDesc,
+		NCtx:             s.info.NCtx,
+		NCtxTrain:        s.info.NCtxTrain,
+		Parallel:         s.info.Parallel,
+		TotalSlots:       s.info.Parallel,
+		NBatch:           s.info.NBatch,
+		KVUnified:        true,
+		ChatTemplate:     s.info.ChatTemplate,
+		ChatTemplatePath: s.chat.Path(),
+		ToolCallFormat:   string(s.format()),
+		Usage:            wireUsage(snap.Usage),
+		Compute:          s.info.Compute,
+		PolyKV: wire.PolyKVProps{
+			MaxPools:         s.info.MaxPools,
+			PoolGraceMs:      s.info.PoolGraceMs,
+			KVBytesPerCell:   s.info.BytesPerCell,
+			NSeqMax:          s.info.Parallel + s.info.MaxPools,
+			PoolsSupported:   s.info.PoolsUnsupported == "",
+			PoolsUnsupported: s.info.PoolsUnsupported,
+			AdmissionDefault: wirePolicy(admission.DefaultPolicy()),
+			Floors:           snap.Floors,
+			TPS: wire.TPSProps{
+				EWMA:                    "time-based EWMA of decode tokens/s per session, bias-corrected while young",
+				TauMs:                   s.info.TPSTauMs,
+				WarmMinTokens:           tps.MinWarmTokens,
+				StreamIntervalMsDefault: 500,
 			},
 		},
 	}
-	for k, v := range s.templateProps() {
-		props[k] = v
-	}
+	s.templateProps(&props)
 	writeJSON(w, http.StatusOK, props)
 }
 
 func (s *Server) handleSlots(w http.ResponseWriter, r *http.Request) {
-	writeJSON(w, http.StatusOK, s.eng.Snapshot().Slots)
-}
-
-type tokenizeRequest struct {
-	Content      *string `json:"content"`
-	AddSpecial   bool    `json:"add_special"`
-	ParseSpecial *bool   `json:"parse_special"`
-	WithPieces   bool    `json:"with_pieces"`
+	writeJSON(w, http.StatusOK, mapSlice(s.eng.Snapshot().Slots, wireSlot))
 }
 
 func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
-	var req tokenizeRequest
+	var req wire.TokenizeRequest
 	if e := s.decodeBody(w, r, &req); e != nil {
 		writeAPIError(w, e)
 		return
@@ -337,41 +330,18 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if !req.WithPieces {
-		writeJSON(w, http.StatusOK, map[string]any{"tokens": nonNil(toks)})
+		writeJSON(w, http.StatusOK, wire.Tokens{Tokens: nonNil(toks)})
 		return
 	}
-	type piece struct {
-		ID    int32 `json:"id"`
-		Piece any   `json:"piece"`
-	}
-	out := make([]piece, len(toks))
+	out := make([]wire.TokenPiece, len(toks))
 	for i, t := range toks {
-		out[i] = piece{ID: t, Piece: pieceJSON(s.tok.TokenPiece(t, true))}
+		out[i] = wire.TokenPiece{ID: t, Piece: s.tok.TokenPiece(t, true)}
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"tokens": out})
-}
-
-// pieceJSON is a token's piece as llama-server's /tokenize returns it: a string when the
-// bytes are valid UTF-8, else the bytes as an array of numbers. A string would turn a
-// piece of a multi-byte character into U+FFFD, and the pieces would no longer join
-// back to the content.
-func pieceJSON(b []byte) any {
-	if utf8.Valid(b) {
-		return string(b)
-	}
-	out := make([]int, len(b))
-	for i, c := range b {
-		out[i] = int(c)
-	}
-	return out
-}
-
-type detokenizeRequest struct {
-	Tokens *[]int32 `json:"tokens"`
+	writeJSON(w, http.StatusOK, wire.TokenPieces{Tokens: out})
 }
 
 func (s *Server) handleDetokenize(w http.ResponseWriter, r *http.Request) {
-	var req detokenizeRequest
+	var req wire.DetokenizeRequest
 	if e := s.decodeBody(w, r, &req); e != nil {
 		writeAPIError(w, e)
 		return
@@ -389,7 +359,7 @@ func (s *Server) handleDetokenize(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, badRequest("%v", err))
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"content": text})
+	writeJSON(w, http.StatusOK, wire.Detokenized{Content: text})
 }
 
 func (s *Server) checkTokens(toks []int32) *apiError {

@@ -35,7 +35,12 @@ func (renderer) Path() string { return "test" }
 // newServer serves the API over an engine whose backend samples script.
 func newServer(t testing.TB, script []engine.Token, keys ...string) (string, *enginetest.Backend) {
 	t.Helper()
-	cfg := engine.Config{NCtx: 512, Parallel: 2, NBatch: 64, MaxQueue: 8}
+	return newServerCfg(t, engine.Config{NCtx: 512, Parallel: 2, NBatch: 64, MaxQueue: 8}, script, keys...)
+}
+
+// newServerCfg is newServer with the engine configuration cfg.
+func newServerCfg(t testing.TB, cfg engine.Config, script []engine.Token, keys ...string) (string, *enginetest.Backend) {
+	t.Helper()
 	sched, err := engine.NewScheduler(cfg, enginetest.Vocab{})
 	if err != nil {
 		t.Fatal(err)
@@ -43,7 +48,7 @@ func newServer(t testing.TB, script []engine.Token, keys ...string) (string, *en
 	be := enginetest.NewBackend(script)
 	eng := engine.New(sched, be, nil)
 	srv := api.New(eng, enginetest.Vocab{}, renderer{}, api.Info{ModelID: "fake", NCtx: cfg.NCtx, Parallel: cfg.Parallel,
-		NBatch: cfg.NBatch, NVocab: enginetest.NVocab}, nil, nil)
+		NBatch: cfg.NBatch, NVocab: enginetest.NVocab, MaxPools: cfg.MaxPools, BytesPerCell: cfg.BytesPerCell}, nil, nil)
 	srv.RequireAPIKeys(keys)
 	ts := httptest.NewServer(srv.Handler())
 	t.Cleanup(func() {

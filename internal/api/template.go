@@ -5,25 +5,12 @@ import (
 	"encoding/json"
 	"net/http"
 
+	"github.com/polykv/polykv/internal/api/wire"
 	"github.com/polykv/polykv/internal/chat"
 )
 
-// templateOptions are the chat-request fields that reach the template itself.
-type templateOptions struct {
-	// ChatTemplateKwargs are extra template variables (llama-server's
-	// chat_template_kwargs, e.g. {"enable_thinking": false} for Qwen3).
-	ChatTemplateKwargs json.RawMessage `json:"chat_template_kwargs"`
-	// ReasoningEffort is given to templates as reasoning_effort (GPT-OSS reads it),
-	// unless chat_template_kwargs sets it already.
-	ReasoningEffort *string `json:"reasoning_effort"`
-	// ReasoningFormat is llama-server's reasoning_format: "none" leaves a thinking
-	// model's reasoning in content; "deepseek" and "auto" (default) return it as
-	// reasoning_content.
-	ReasoningFormat *string `json:"reasoning_format"`
-}
-
 // reasoning reports whether reasoning goes to reasoning_content.
-func (o templateOptions) reasoning() (bool, *apiError) {
+func reasoning(o wire.TemplateOptions) (bool, *apiError) {
 	if o.ReasoningFormat == nil {
 		return true, nil
 	}
@@ -37,7 +24,7 @@ func (o templateOptions) reasoning() (bool, *apiError) {
 }
 
 // kwargs merges reasoning_effort into chat_template_kwargs, keeping the client's order.
-func (o templateOptions) kwargs() (json.RawMessage, *apiError) {
+func kwargs(o wire.TemplateOptions) (json.RawMessage, *apiError) {
 	kw := bytes.TrimSpace(o.ChatTemplateKwargs)
 	if isNull(kw) {
 		kw = nil
@@ -74,8 +61,8 @@ type optsRenderer interface {
 }
 
 // renderChat renders a chat request's prompt with its template options.
-func (s *Server) renderChat(msgs []chat.Message, tools []chat.Tool, addGen bool, o templateOptions) (string, *apiError) {
-	kw, e := o.kwargs()
+func (s *Server) renderChat(msgs []chat.Message, tools []chat.Tool, addGen bool, o wire.TemplateOptions) (string, *apiError) {
+	kw, e := kwargs(o)
 	if e != nil {
 		return "", e
 	}
@@ -99,13 +86,7 @@ func (s *Server) routeTemplate(mux *http.ServeMux) {
 // handleApplyTemplate is llama-server's /apply-template: a chat body in, the prompt the
 // server would generate from out ({prompt}), nothing generated.
 func (s *Server) handleApplyTemplate(w http.ResponseWriter, r *http.Request) {
-	var req struct {
-		Messages            json.RawMessage `json:"messages"`
-		Tools               json.RawMessage `json:"tools"`
-		ToolChoice          json.RawMessage `json:"tool_choice"`
-		AddGenerationPrompt *bool           `json:"add_generation_prompt"`
-		templateOptions
-	}
+	var req wire.ApplyTemplateRequest
 	if e := s.decodeBody(w, r, &req); e != nil {
 		writeAPIError(w, e)
 		return
@@ -127,25 +108,23 @@ func (s *Server) handleApplyTemplate(w http.ResponseWriter, r *http.Request) {
 		tools = nil // as a chat request with tool_choice "none" renders
 	}
 	addGen := req.AddGenerationPrompt == nil || *req.AddGenerationPrompt
-	prompt, e := s.renderChat(msgs, tools, addGen, req.templateOptions)
+	prompt, e := s.renderChat(msgs, tools, addGen, req.TemplateOptions)
 	if e != nil {
 		writeAPIError(w, e)
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"prompt": prompt})
+	writeJSON(w, http.StatusOK, wire.AppliedTemplate{Prompt: prompt})
 }
 
-// templateProps are /props' template fields as llama-server reports them.
-func (s *Server) templateProps() map[string]any {
-	out := map[string]any{"bos_token": "", "eos_token": ""}
+// templateProps sets /props' template fields as llama-server reports them.
+func (s *Server) templateProps(p *wire.Props) {
 	if t, ok := s.chat.(interface {
 		BOS() string
 		EOS() string
 	}); ok {
-		out["bos_token"], out["eos_token"] = t.BOS(), t.EOS()
+		p.BOSToken, p.EOSToken = t.BOS(), t.EOS()
 	}
 	if t, ok := s.chat.(interface{ Err() error }); ok && t.Err() != nil {
-		out["chat_template_error"] = t.Err().Error()
+		p.ChatTemplateError = t.Err().Error()
 	}
-	return out
 }

@@ -3,10 +3,10 @@ package api
 import (
 	"bytes"
 	"encoding/json"
-	"maps"
 	"regexp"
 	"strings"
 
+	"github.com/polykv/polykv/internal/api/wire"
 	"github.com/polykv/polykv/internal/chat"
 )
 
@@ -27,7 +27,7 @@ var toolNameRE = regexp.MustCompile(`^[a-zA-Z0-9_-]{1,64}$`)
 
 // planTools validates tools, tool_choice, parallel_tool_calls and response_format and
 // compiles the grammar they call for. Errors are 400s naming the field.
-func (s *Server) planTools(req *chatRequest) (toolPlan, *apiError) {
+func (s *Server) planTools(req *wire.ChatRequest) (toolPlan, *apiError) {
 	var plan toolPlan
 	tools, e := parseTools(req.Tools)
 	if e != nil {
@@ -65,29 +65,11 @@ func (s *Server) planTools(req *chatRequest) (toolPlan, *apiError) {
 		}
 	case "required", "named":
 		plan.parse = true
-		callable := plan.tools
-		if choice == "named" {
-			callable = nil
-			for _, t := range plan.tools {
-				if t.Function.Name == named {
-					callable = []chat.Tool{t}
-				}
-			}
-			if callable == nil {
-				return plan, badRequest("tool_choice names function %q, which is not in tools", named)
-			}
+		if plan.grammar, e = forcedCallGrammar(format, plan.tools, named, plan.parallel && choice == "required"); e != nil {
+			return plan, e
 		}
-		schema, err := chat.CallSchema(format, callable)
-		if err != nil {
-			return plan, badRequest("tools: %v", err)
-		}
-		g, err := chat.SchemaToGBNF(schema)
-		if err != nil {
-			return plan, badRequest("tools: a parameters schema cannot be compiled to a grammar: %v", err)
-		}
-		plan.grammar = chat.CallGrammar(format, g, plan.parallel && choice == "required")
 	}
-	reasoning, e := req.templateOptions.reasoning()
+	reasoning, e := reasoning(req.TemplateOptions)
 	if e != nil {
 		return plan, e
 	}
@@ -113,6 +95,32 @@ func (s *Server) planTools(req *chatRequest) (toolPlan, *apiError) {
 		}
 	}
 	return plan, nil
+}
+
+// forcedCallGrammar is the grammar of tool_choice "required" (named "") or a named
+// function: the reply is a call of one of the callable tools.
+func forcedCallGrammar(format chat.Format, tools []chat.Tool, named string, parallel bool) (string, *apiError) {
+	callable := tools
+	if named != "" {
+		callable = nil
+		for _, t := range tools {
+			if t.Function.Name == named {
+				callable = []chat.Tool{t}
+			}
+		}
+		if callable == nil {
+			return "", badRequest("tool_choice names function %q, which is not in tools", named)
+		}
+	}
+	schema, err := chat.CallSchema(format, callable)
+	if err != nil {
+		return "", badRequest("tools: %v", err)
+	}
+	g, err := chat.SchemaToGBNF(schema)
+	if err != nil {
+		return "", badRequest("tools: a parameters schema cannot be compiled to a grammar: %v", err)
+	}
+	return chat.CallGrammar(format, g, parallel), nil
 }
 
 // parseTools validates an OpenAI tools array (chat requests and pools share it, so a
@@ -159,12 +167,7 @@ func parseToolChoice(raw json.RawMessage) (string, string, *apiError) {
 		}
 		return "", "", badRequest("tool_choice must be \"auto\", \"none\", \"required\" or {type: \"function\", function: {name}}, got %q", s)
 	}
-	var obj struct {
-		Type     string `json:"type"`
-		Function struct {
-			Name string `json:"name"`
-		} `json:"function"`
-	}
+	var obj wire.ToolChoiceFunction
 	if err := json.Unmarshal(raw, &obj); err != nil || obj.Type != "function" || obj.Function.Name == "" {
 		return "", "", badRequest("tool_choice must be \"auto\", \"none\", \"required\" or {type: \"function\", function: {name}}")
 	}
@@ -175,13 +178,7 @@ func (s *Server) responseFormatGrammar(raw json.RawMessage) (string, *apiError) 
 	if isNull(raw) {
 		return "", nil
 	}
-	var rf struct {
-		Type       string `json:"type"`
-		JSONSchema *struct {
-			Name   string          `json:"name"`
-			Schema json.RawMessage `json:"schema"`
-		} `json:"json_schema"`
-	}
+	var rf wire.ResponseFormat
 	if err := json.Unmarshal(raw, &rf); err != nil {
 		return "", badRequest("response_format must be an object with a type")
 	}
@@ -213,61 +210,41 @@ func (s *Server) format() chat.Format {
 	return chat.FormatHermes
 }
 
-// toolCallsJSON is the OpenAI message.tool_calls array.
-func toolCallsJSON(calls []chat.ToolCall) []map[string]any {
-	out := make([]map[string]any, len(calls))
+// wireToolCalls is the OpenAI message.tool_calls array.
+func wireToolCalls(calls []chat.ToolCall) []wire.ToolCall {
+	out := make([]wire.ToolCall, len(calls))
 	for i, c := range calls {
-		out[i] = map[string]any{"id": c.ID, "type": "function", "function": map[string]any{"name": c.Function.Name, "arguments": c.Function.Arguments}}
+		out[i] = wire.ToolCall{ID: c.ID, Type: "function", Function: wire.ToolCallFunction{Name: c.Function.Name, Arguments: c.Function.Arguments}}
 	}
 	return out
 }
 
-// sendCallDeltas sends tool-call pieces as OpenAI streams them, one chunk each: the
-// first piece of a call with its index, id, type and name, then its arguments as they
-// were generated. base is an empty chunk to fill; false means the client is gone.
-func sendCallDeltas(send func(any) bool, base map[string]any, deltas []chat.CallDelta) bool {
-	for _, d := range deltas {
-		var tc map[string]any
-		if d.Name != "" {
-			tc = map[string]any{"index": d.Index, "id": d.ID, "type": "function", "function": map[string]any{"name": d.Name, "arguments": d.Args}}
-		} else {
-			tc = map[string]any{"index": d.Index, "function": map[string]any{"arguments": d.Args}}
-		}
-		c := maps.Clone(base)
-		choice := maps.Clone(base["choices"].([]any)[0].(map[string]any))
-		choice["delta"] = map[string]any{"tool_calls": []map[string]any{tc}}
-		c["choices"] = []any{choice}
-		if !send(c) {
-			return false
-		}
-	}
-	return true
-}
-
 // replyMessage builds the chat message from the generated text: reasoning_content,
-// content and tool_calls as the plan says (finish_reason "tool_calls" when calls came).
-func replyMessage(plan *toolPlan, text string, choice map[string]any) map[string]any {
-	msg := map[string]any{"role": "assistant", "content": text}
+// content and tool_calls as the plan says; calls reports whether tool calls came
+// (finish_reason "tool_calls").
+func replyMessage(plan *toolPlan, text string) (msg wire.Message, calls bool) {
+	msg = wire.Message{Role: "assistant", Content: &text}
 	p := chat.ParseReply(plan.reply, text)
 	if p.Reasoning == "" && len(p.Calls) == 0 && !plan.reply.Forced && p.Content == strings.TrimSpace(text) {
-		return msg // nothing to split out: the text as generated
+		return msg, false // nothing to split out: the text as generated
 	}
-	msg["content"] = p.Content
-	if p.Reasoning != "" {
-		msg["reasoning_content"] = p.Reasoning
-	}
+	msg.Content = &p.Content
+	msg.ReasoningContent = p.Reasoning
 	if len(p.Calls) > 0 {
-		msg["tool_calls"] = toolCallsJSON(p.Calls)
-		msg["content"] = nilIfEmpty(p.Content)
-		choice["finish_reason"] = "tool_calls"
-	} else if plan.reply.Forced {
-		msg["content"] = nilIfEmpty(p.Content) // a forced call cut short: no half call
+		msg.ToolCalls = wireToolCalls(p.Calls)
+		msg.Content = nilIfEmpty(p.Content)
+		return msg, true
 	}
-	return msg
+	if plan.reply.Forced {
+		msg.Content = nilIfEmpty(p.Content) // a forced call cut short: no half call
+	}
+	return msg, false
 }
 
-// reasoningChunk turns a stream chunk into a delta.reasoning_content one.
-func reasoningChunk(c map[string]any, text string) map[string]any {
-	c["choices"].([]any)[0].(map[string]any)["delta"] = map[string]any{"reasoning_content": text}
-	return c
+// nilIfEmpty is content that is null when empty.
+func nilIfEmpty(s string) *string {
+	if s == "" {
+		return nil
+	}
+	return &s
 }

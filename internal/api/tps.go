@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/polykv/polykv/internal/admission"
+	"github.com/polykv/polykv/internal/api/wire"
 	"github.com/polykv/polykv/internal/engine"
 )
 
@@ -25,8 +26,8 @@ func (s *Server) routeTPS(mux *http.ServeMux) {
 	}
 }
 
-func (s *Server) tpsSnapshot(r *http.Request) (engine.TPSSnapshot, error) {
-	return s.eng.Snapshot().TPS, nil
+func (s *Server) tpsSnapshot() wire.TPS {
+	return wireTPS(s.eng.Snapshot().TPS)
 }
 
 // handleTPS streams tps snapshots as SSE every interval_ms (default 500); ?once=1 or
@@ -46,12 +47,7 @@ func (s *Server) handleTPS(w http.ResponseWriter, r *http.Request) {
 	once := q.Get("once") == "1" || q.Get("once") == "true" ||
 		(strings.Contains(accept, "application/json") && !strings.Contains(accept, "text/event-stream"))
 	if once {
-		snap, err := s.tpsSnapshot(r)
-		if err != nil {
-			writeAPIError(w, errorFor(err))
-			return
-		}
-		writeJSON(w, http.StatusOK, snap)
+		writeJSON(w, http.StatusOK, s.tpsSnapshot())
 		return
 	}
 	flusher, _ := w.(http.Flusher)
@@ -63,11 +59,7 @@ func (s *Server) handleTPS(w http.ResponseWriter, r *http.Request) {
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
 	for {
-		snap, err := s.tpsSnapshot(r)
-		if err != nil {
-			return
-		}
-		b, _ := json.Marshal(snap)
+		b, _ := json.Marshal(s.tpsSnapshot())
 		if _, err := fmt.Fprintf(w, "event: tps\ndata: %s\n\n", b); err != nil {
 			return
 		}
@@ -108,7 +100,7 @@ func (s *Server) handleCapacity(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, errorFor(err))
 		return
 	}
-	writeJSON(w, http.StatusOK, res.Capacity)
+	writeJSON(w, http.StatusOK, wireCapacity(res.Capacity))
 }
 
 func (s *Server) handleGetAdmission(w http.ResponseWriter, r *http.Request) {
@@ -122,7 +114,7 @@ func (s *Server) handleGetAdmission(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, errorFor(err))
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"pool_id": id, "admission": p})
+	writeJSON(w, http.StatusOK, wire.PoolAdmission{PoolID: id, Admission: wirePolicy(p)})
 }
 
 // handleSetAdmission merges the given fields into the pool's current policy.
@@ -132,15 +124,7 @@ func (s *Server) handleSetAdmission(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, e)
 		return
 	}
-	var body struct {
-		TargetTPS            *float64 `json:"target_tps_per_session"`
-		Mode                 *string  `json:"mode"`
-		OnSaturation         *string  `json:"on_saturation"`
-		GuaranteeMinSessions *int     `json:"guarantee_min_sessions"`
-		SettleTokens         *int     `json:"settle_tokens"`
-		SettleMaxMs          *int64   `json:"settle_max_ms"`
-		QueueTimeoutMs       *int64   `json:"queue_timeout_ms"`
-	}
+	var body wire.PolicyPatch
 	if e := s.decodeBody(w, r, &body); e != nil {
 		writeAPIError(w, e)
 		return
@@ -156,5 +140,5 @@ func (s *Server) handleSetAdmission(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, errorFor(err))
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"pool_id": id, "admission": res.Admission})
+	writeJSON(w, http.StatusOK, wire.PoolAdmission{PoolID: id, Admission: wirePolicy(res.Admission)})
 }

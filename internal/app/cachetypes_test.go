@@ -5,7 +5,7 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/api/wire"
 	"github.com/polykv/polykv/internal/llama"
 )
 
@@ -42,7 +42,7 @@ func TestCacheTypesPooledMatchesUnpooled(t *testing.T) {
 			if bpc >= a.Model.KVBytesPerCell() {
 				t.Fatalf("%s cell %d B is not smaller than f16's %d B", ct, bpc, a.Model.KVBytesPerCell())
 			}
-			var info engine.PoolInfo
+			var info wire.PoolInfo
 			get(t, fmt.Sprintf("%s/polykv/pools/%d", base, id), &info)
 			if info.OwnKVBytes != int64(len(rootToks))*bpc {
 				t.Fatalf("root own_kv_bytes %d, want %d cells × %d B", info.OwnKVBytes, len(rootToks), bpc)

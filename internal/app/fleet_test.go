@@ -21,7 +21,7 @@ import (
 
 	"github.com/go-zeromq/zmq4"
 
-	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/api/wire"
 	"github.com/polykv/polykv/internal/kvevents"
 	"github.com/polykv/polykv/internal/pool"
 )
@@ -231,7 +231,7 @@ func TestFleetKVEventsRenderAndPoolKeys(t *testing.T) {
 	// prompt's leading full blocks.
 	created := createPool(t, a.base, map[string]any{"messages": []map[string]any{{"role": "system", "content": system}}})
 	poolA := num(created["pool_id"])
-	var info engine.PoolInfo
+	var info wire.PoolInfo
 	get(t, fmt.Sprintf("%s/polykv/pools/%d", a.base, poolA), &info)
 	L := len(info.Tokens)
 	if L < 32 || !slices.Equal(rendered[:L], info.Tokens) {

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/polykv/polykv/internal/api/wire"
 	"github.com/polykv/polykv/internal/engine"
 )
 
@@ -126,7 +127,7 @@ func TestZeroCopyProofByCapacity(t *testing.T) {
 	if 8*L < 4096 {
 		t.Fatal("the workload would fit without sharing; it proves nothing")
 	}
-	var st engine.PoolsStatus
+	var st wire.PoolsStatus
 	get(t, base+"/polykv/pools", &st)
 	var own int64
 	for _, p := range st.Pools {
@@ -135,12 +136,12 @@ func TestZeroCopyProofByCapacity(t *testing.T) {
 			own += s.MarginalKVBytes
 		}
 	}
-	cells := int(own / st.BytesPerCell)
+	cells := int(own / st.KVBytesPerCell)
 	if cells != st.KVCellsUsed || cells != L+suffixCells {
 		t.Fatalf("Σ own = %d cells, accounting says %d used, expected %d", cells, st.KVCellsUsed, L+suffixCells)
 	}
-	if st.BytesPerCell != 30*3*(64+64)*2 {
-		t.Fatalf("bytes per cell %d, SmolLM2-135M has 30 layers × 3 KV heads × (64+64) × f16", st.BytesPerCell)
+	if st.KVBytesPerCell != 30*3*(64+64)*2 {
+		t.Fatalf("bytes per cell %d, SmolLM2-135M has 30 layers × 3 KV heads × (64+64) × f16", st.KVBytesPerCell)
 	}
 	// The physical cache agrees: exactly the rest of the cells are free.
 	probeFreeCells(t, a, 8, 4096-cells)
@@ -211,7 +212,7 @@ func TestAutoPAndTree(t *testing.T) {
 	if code != 200 || num(out["timings"].(map[string]any)["cache_n"]) != L || num(out["pool_id"]) != id {
 		t.Fatalf("chat attach: %d cache_n %v pool %v, want %d", code, out["timings"], out["pool_id"], L)
 	}
-	var info engine.PoolInfo
+	var info wire.PoolInfo
 	get(t, fmt.Sprintf("%s/polykv/pools/%d", base, id), &info)
 	if len(info.Tokens) != L {
 		t.Fatalf("GET pool returns %d tokens, want %d", len(info.Tokens), L)
@@ -244,7 +245,7 @@ func TestAutoPAndTree(t *testing.T) {
 	if !slices.Equal(info.Children, []int{num(ext["pool_id"]), num(br["pool_id"])}) || !info.Pinned {
 		t.Fatalf("root children %v pinned %v", info.Children, info.Pinned)
 	}
-	var st engine.PoolsStatus
+	var st wire.PoolsStatus
 	get(t, base+"/polykv/pools", &st)
 	if st.TreeDepth != 2 || st.SeqIDsMax != 5 || len(st.Pools) != 3 {
 		t.Fatalf("status %+v", st)
@@ -320,7 +321,7 @@ func TestFromSessionAndReclaim(t *testing.T) {
 	if code != 200 {
 		t.Fatalf("main turn: %d %v", code, out)
 	}
-	var slots []engine.SlotInfo
+	var slots []wire.Slot
 	get(t, base+"/slots", &slots)
 	held := slots[0].NPast
 	snap := createPool(t, base, map[string]any{"from_session": "main"})
@@ -328,7 +329,7 @@ func TestFromSessionAndReclaim(t *testing.T) {
 		t.Fatalf("snapshot: %v (session held %d)", snap, held)
 	}
 	id := num(snap["pool_id"])
-	var info engine.PoolInfo
+	var info wire.PoolInfo
 	get(t, fmt.Sprintf("%s/polykv/pools/%d", base, id), &info)
 	// Forking from a session that added nothing past the snapshot would give an empty child.
 	if code, out := forkPool(t, base, id, held, map[string]any{"from_session": "main"}); code != 400 {
@@ -375,7 +376,7 @@ func TestFromSessionAndReclaim(t *testing.T) {
 		t.Fatalf("release: %v %v", err, resp.Status)
 	}
 	resp.Body.Close()
-	var st engine.PoolsStatus
+	var st wire.PoolsStatus
 	get(t, base+"/polykv/pools", &st)
 	if len(st.Pools) != 0 {
 		t.Fatalf("released pool not reclaimed: %+v", st.Pools)

@@ -9,7 +9,7 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/api/wire"
 )
 
 // Issue 13 over HTTP: six concurrent reservations on a pool whose policy allows two
@@ -18,7 +18,7 @@ import (
 func TestReservationsOverHTTP(t *testing.T) {
 	a, base := startServer(t, Config{NCtx: 2048, Parallel: 4})
 	id := num(createPool(t, base, map[string]any{"prompt": longSystem(t, a, 20)})["pool_id"])
-	var info engine.PoolInfo
+	var info wire.PoolInfo
 	get(t, fmt.Sprintf("%s/polykv/pools/%d", base, id), &info)
 	prompt := func(k int) []int32 { return append(slices.Clone(info.Tokens), int32(100+k)) }
 	if code, out := post(t, fmt.Sprintf("%s/polykv/pools/%d/admission", base, id), map[string]any{

@@ -16,7 +16,7 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
-	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/api/wire"
 )
 
 func TestEWMAMatchesTimings(t *testing.T) {
@@ -33,8 +33,8 @@ func TestEWMAMatchesTimings(t *testing.T) {
 	}
 }
 
-func tpsOnce(t testing.TB, base string) engine.TPSSnapshot {
-	var snap engine.TPSSnapshot
+func tpsOnce(t testing.TB, base string) wire.TPS {
+	var snap wire.TPS
 	if code := get(t, base+"/polykv/tps?once=1", &snap); code != 200 {
 		t.Fatalf("tps once: %d", code)
 	}
@@ -59,14 +59,14 @@ func TestAggregateIsSumAndSSE(t *testing.T) {
 	}
 	sc := bufio.NewScanner(resp.Body)
 	var events []map[string]any
-	var snaps []engine.TPSSnapshot
+	var snaps []wire.TPS
 	for sc.Scan() && len(events) < 6 {
 		data, ok := strings.CutPrefix(sc.Text(), "data: ")
 		if !ok {
 			continue
 		}
 		var m map[string]any
-		var snap engine.TPSSnapshot
+		var snap wire.TPS
 		if json.Unmarshal([]byte(data), &m) != nil || json.Unmarshal([]byte(data), &snap) != nil {
 			t.Fatalf("SSE event is not JSON: %q", data)
 		}
@@ -109,7 +109,7 @@ func TestAggregateIsSumAndSSE(t *testing.T) {
 func TestMetricsExposition(t *testing.T) {
 	a, base := startServer(t, Config{NCtx: 2048, Parallel: 2})
 	id := num(createPool(t, base, map[string]any{"prompt": longSystem(t, a, 40)})["pool_id"])
-	var info engine.PoolInfo
+	var info wire.PoolInfo
 	get(t, fmt.Sprintf("%s/polykv/pools/%d", base, id), &info)
 	post(t, base+"/v1/completions", map[string]any{"prompt": append(slices.Clone(info.Tokens), 42), "pool_id": id, "session_id": "m1", "max_tokens": 8})
 	post(t, base+"/v1/completions", map[string]any{"prompt": "unpooled", "max_tokens": 4})
@@ -149,7 +149,7 @@ func TestMetricsExposition(t *testing.T) {
 func TestEnforcedImpossibleFloorRejectsSecondSession(t *testing.T) {
 	a, base := startServer(t, Config{NCtx: 2048, Parallel: 3})
 	id := num(createPool(t, base, map[string]any{"prompt": longSystem(t, a, 40)})["pool_id"])
-	var info engine.PoolInfo
+	var info wire.PoolInfo
 	get(t, fmt.Sprintf("%s/polykv/pools/%d", base, id), &info)
 	prompt := func(k int) []int32 { return append(slices.Clone(info.Tokens), int32(100+k)) }
 	code, pol := post(t, fmt.Sprintf("%s/polykv/pools/%d/admission", base, id), map[string]any{
@@ -179,7 +179,7 @@ func TestEnforcedImpossibleFloorRejectsSecondSession(t *testing.T) {
 	if code != 200 {
 		t.Fatalf("advisory pool rejected: %d %v", code, out)
 	}
-	var capRep engine.CapacityReport
+	var capRep wire.Capacity
 	get(t, fmt.Sprintf("%s/polykv/pools/%d/capacity?session_id=someone", base, id), &capRep)
 	if capRep.CanAdmit || capRep.NPoolSessions < 1 || capRep.KnownSession == nil || *capRep.KnownSession {
 		t.Fatalf("capacity under an impossible floor: %+v", capRep.Verdict)
@@ -218,7 +218,7 @@ func TestPooledSessionPastContextKeepsPoolIntact(t *testing.T) {
 	if code != 200 || out["truncated"] != true || out["choices"].([]any)[0].(map[string]any)["finish_reason"] != "length" {
 		t.Fatalf("pooled session at n_ctx: %d truncated %v", code, out["truncated"])
 	}
-	var capRep engine.CapacityReport
+	var capRep wire.Capacity
 	get(t, fmt.Sprintf("%s/polykv/pools/%d/capacity?expected_tokens=1000", base, id), &capRep)
 	if capRep.CanAdmit || capRep.Reason != "context headroom exhausted" {
 		t.Fatalf("context arm: %+v", capRep.Verdict)

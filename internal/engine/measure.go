@@ -170,11 +170,11 @@ func (s *Scheduler) graceCells() int {
 // released pools in their grace period count as free, so a busy neighbour that is
 // only idle does not push this session to compact.
 type SessionCtx struct {
-	SessionID         string  `json:"session_id,omitempty"`
-	PoolID            *int    `json:"pool_id"` // the pool its sequence is attached to now (nil: none)
-	CtxUsed           int     `json:"ctx_used"`
-	CtxHeadroomTokens int     `json:"ctx_headroom_tokens"`
-	CtxPressure       float64 `json:"ctx_pressure"`
+	SessionID         string
+	PoolID            *int // the pool its sequence is attached to now (nil: none)
+	CtxUsed           int
+	CtxHeadroomTokens int
+	CtxPressure       float64
 }
 
 // sessionContext computes sl's own pressure: used / (used + headroom), where headroom
@@ -232,10 +232,10 @@ func (s *Scheduler) pendingAdmits(p *pool.Pool) int {
 // CapacityReport is /capacity's answer for one pool. With a session_id that holds a
 // sequence it also carries that session's own context pressure.
 type CapacityReport struct {
-	PoolID int `json:"pool_id"`
+	PoolID int
 	admission.Verdict
-	SessionPressure *float64    `json:"session_pressure,omitempty"`
-	Session         *SessionCtx `json:"session,omitempty"`
+	SessionPressure *float64
+	Session         *SessionCtx
 }
 
 // capacity answers GET /polykv/pools/{id}/capacity (message QueryCapacity).
@@ -335,28 +335,28 @@ func (s *Scheduler) dropGated(t *task, err error) {
 
 // SessionTPS is one session in the tps stream.
 type SessionTPS struct {
-	SessionID         string  `json:"session_id"`
-	Seq               int     `json:"seq_id"`
-	PoolID            *int    `json:"pool_id"`
-	State             string  `json:"state"`
-	TPSEWMA           float64 `json:"tps_ewma"`
-	Warming           bool    `json:"warming"`
-	Decoded           int     `json:"n_decoded"`
-	CtxUsed           int     `json:"ctx_used"`
-	CtxTotal          int     `json:"ctx_total"`
-	CtxHeadroomTokens int     `json:"ctx_headroom_tokens"`
-	CtxPressure       float64 `json:"ctx_pressure"` // the session's own pressure (sessionContext)
+	SessionID         string
+	Seq               int
+	PoolID            *int
+	State             string
+	TPSEWMA           float64
+	Warming           bool
+	Decoded           int
+	CtxUsed           int
+	CtxTotal          int
+	CtxHeadroomTokens int
+	CtxPressure       float64 // the session's own pressure (sessionContext)
 }
 
 // TPSSnapshot is one event of GET /polykv/tps.
 type TPSSnapshot struct {
-	TS            float64      `json:"ts"`
-	AggregateTPS  float64      `json:"aggregate_tps"`
-	PromptTPS     float64      `json:"prompt_tps"`
-	MeanActiveTPS float64      `json:"mean_active_tps"`
-	NActive       int          `json:"n_active"`
-	NWarming      int          `json:"n_warming"`
-	Sessions      []SessionTPS `json:"sessions"`
+	TS            float64
+	AggregateTPS  float64
+	PromptTPS     float64
+	MeanActiveTPS float64
+	NActive       int
+	NWarming      int
+	Sessions      []SessionTPS
 }
 
 // headroom is how many more tokens a sequence holding used tokens can take: bounded

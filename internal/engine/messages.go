@@ -106,8 +106,8 @@ type Result struct {
 
 // Flushed is what FlushPool freed.
 type Flushed struct {
-	Sessions int `json:"flushed_sessions"`
-	Cells    int `json:"freed_cells"`
+	Sessions int
+	Cells    int
 }
 
 // Step applies one message at time now. It is the scheduler's only entry for inputs;

@@ -290,46 +290,46 @@ func (s *Scheduler) flushPool(id int) (int, int, error) {
 
 // PoolSession is a sequence attached to a pool, in a status report.
 type PoolSession struct {
-	SessionID       string  `json:"session_id"`
-	Seq             int     `json:"seq_id"`
-	SuffixNTokens   int     `json:"suffix_n_tokens"`
-	MarginalKVBytes int64   `json:"marginal_kv_bytes"`
-	State           string  `json:"state"`
-	Task            *uint64 `json:"task_id,omitempty"`
+	SessionID       string
+	Seq             int
+	SuffixNTokens   int
+	MarginalKVBytes int64
+	State           string
+	Task            *uint64
 }
 
 // PoolInfo is a copy of one pool's state (§4.2 shape).
 type PoolInfo struct {
-	PoolID         int           `json:"pool_id"`
-	Parent         *int          `json:"parent"`
-	BranchPos      int           `json:"branch_pos"`
-	PrefixLen      int           `json:"prefix_len"`
-	OwnLen         int           `json:"own_len"`
-	OwnKVBytes     int64         `json:"own_kv_bytes"`
-	SubtreeKVBytes int64         `json:"subtree_kv_bytes"`
-	Residency      string        `json:"residency"`
-	State          string        `json:"state"`
-	Pinned         bool          `json:"pinned"`
-	UserPinned     bool          `json:"user_pinned"`
-	OrphanedPin    bool          `json:"orphaned_pin"`
-	LastAccessTS   float64       `json:"last_access_ts"`
-	Children       []int         `json:"children"`
-	Sessions       []PoolSession `json:"sessions"`
-	Depth          int           `json:"tree_depth"` // 1 for a root; the same name as the list's (the deepest)
-	PrefixHash     string        `json:"prefix_hash"`
-	Tokens         []Token       `json:"tokens,omitempty"`
+	PoolID         int
+	Parent         *int
+	BranchPos      int
+	PrefixLen      int
+	OwnLen         int
+	OwnKVBytes     int64
+	SubtreeKVBytes int64
+	Residency      string
+	State          string
+	Pinned         bool
+	UserPinned     bool
+	OrphanedPin    bool
+	LastAccessTS   float64
+	Children       []int
+	Sessions       []PoolSession
+	Depth          int // 1 for a root; the same name as the list's (the deepest)
+	PrefixHash     string
+	Tokens         []Token
 }
 
 // PoolsStatus is a copy of the whole tree.
 type PoolsStatus struct {
-	Pools        []PoolInfo `json:"pools"`
-	TreeDepth    int        `json:"tree_depth"`
-	SeqIDsUsed   int        `json:"seq_ids_used"`
-	SeqIDsMax    int        `json:"seq_ids_max"`
-	PoolsMax     int        `json:"pools_max"`
-	KVCellsUsed  int        `json:"kv_cells_used"`
-	KVCellsMax   int        `json:"kv_cells_max"`
-	BytesPerCell int64      `json:"kv_bytes_per_cell"`
+	Pools        []PoolInfo
+	TreeDepth    int
+	SeqIDsUsed   int
+	SeqIDsMax    int
+	PoolsMax     int
+	KVCellsUsed  int
+	KVCellsMax   int
+	BytesPerCell int64
 }
 
 func (s *Scheduler) poolInfo(p *pool.Pool, withTokens bool) PoolInfo {

@@ -27,12 +27,12 @@ var ErrReservationNotFound = admission.ErrReservationNotFound
 
 // ReservationReport is the answer of POST /polykv/pools/{id}/reservations.
 type ReservationReport struct {
-	PoolID        int     `json:"pool_id"`
-	ReservationID *string `json:"reservation_id"` // nil when not granted
-	Granted       bool    `json:"granted"`
-	ExpiresInMs   int64   `json:"expires_in_ms,omitempty"`
+	PoolID        int
+	ReservationID *string // nil when not granted
+	Granted       bool
+	ExpiresInMs   int64
 	// Verdict is the verdict the reservation was decided by (before counting it).
-	Verdict admission.Verdict `json:"verdict"`
+	Verdict admission.Verdict
 }
 
 // reserve decides one reservation for pool id (message Reserve): granted when the

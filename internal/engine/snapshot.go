@@ -10,19 +10,19 @@ import (
 
 // SlotInfo is a copy of one sequence's state for /slots.
 type SlotInfo struct {
-	Seq       int     `json:"id"`
-	SessionID string  `json:"session_id"`
-	State     string  `json:"state"` // idle | prefill | decode
-	NPast     int     `json:"n_past"`
-	Decoded   int     `json:"n_decoded"`
-	Task      uint64  `json:"task_id,omitempty"`
-	PoolID    *int    `json:"pool_id"`
-	Shared    int     `json:"n_shared"` // leading tokens borrowed from the pool
-	TPSEWMA   float64 `json:"tps_ewma"`
-	CtxUsed   int     `json:"ctx_used"`
-	CtxTotal  int     `json:"ctx_total"`
-	Headroom  int     `json:"ctx_headroom_tokens"`
-	Pressure  float64 `json:"ctx_pressure"` // the session's own context pressure
+	Seq       int
+	SessionID string
+	State     string // idle | prefill | decode
+	NPast     int
+	Decoded   int
+	Task      uint64
+	PoolID    *int
+	Shared    int // leading tokens borrowed from the pool
+	TPSEWMA   float64
+	CtxUsed   int
+	CtxTotal  int
+	Headroom  int
+	Pressure  float64 // the session's own context pressure
 }
 
 func slotState(sl *slot) string {
@@ -61,12 +61,12 @@ func (s *Scheduler) Slots() []SlotInfo {
 
 // Usage is a copy of the engine's load.
 type Usage struct {
-	CellsUsed int `json:"kv_cells_used"`
-	CellsMax  int `json:"kv_cells_max"`
-	Running   int `json:"requests_running"`
-	Waiting   int `json:"requests_waiting"`
-	Sessions  int `json:"sessions"`
-	Pools     int `json:"pools"`
+	CellsUsed int
+	CellsMax  int
+	Running   int
+	Waiting   int
+	Sessions  int
+	Pools     int
 }
 
 // Usage reports the current load.

@@ -1,0 +1,193 @@
+package wire
+
+import (
+	"encoding/json"
+	"unicode/utf8"
+)
+
+// Health is GET /health.
+type Health struct {
+	Status string `json:"status"`
+}
+
+// ModelList is GET /v1/models.
+type ModelList struct {
+	Data   []Model `json:"data"`
+	Object string  `json:"object"` // "list"
+}
+
+// Model is one served model.
+type Model struct {
+	Created int64     `json:"created"`
+	ID      string    `json:"id"`
+	Meta    ModelMeta `json:"meta"`
+	Object  string    `json:"object"` // "model"
+	OwnedBy string    `json:"owned_by"`
+}
+
+// ModelMeta is llama-server's model metadata.
+type ModelMeta struct {
+	Desc      string `json:"desc"`
+	NCtxTrain int    `json:"n_ctx_train"`
+	NVocab    int    `json:"n_vocab"`
+}
+
+// Props is GET /props: llama-server's fields, the engine's load and PolyKV's settings.
+type Props struct {
+	BOSToken          string `json:"bos_token"`
+	ChatTemplate      string `json:"chat_template"`
+	ChatTemplateError string `json:"chat_template_error,omitempty"` // why the template cannot render
+	ChatTemplatePath  string `json:"chat_template_path"`
+	// Compute is where the model runs (app.Offload, which spells its own JSON).
+	Compute        any         `json:"compute"`
+	EOSToken       string      `json:"eos_token"`
+	KVUnified      bool        `json:"kv_unified"`
+	Model          string      `json:"model"`
+	ModelDesc      string      `json:"model_desc"`
+	ModelPath      string      `json:"model_path"`
+	NBatch         int         `json:"n_batch"`
+	NCtx           int         `json:"n_ctx"`
+	NCtxTrain      int         `json:"n_ctx_train"`
+	Parallel       int         `json:"parallel"`
+	PolyKV         PolyKVProps `json:"polykv"`
+	ToolCallFormat string      `json:"tool_call_format"`
+	TotalSlots     int         `json:"total_slots"`
+	Usage          EngineUsage `json:"usage"`
+}
+
+// PolyKVProps are PolyKV's settings in /props.
+type PolyKVProps struct {
+	AdmissionDefault Policy             `json:"admission_default"`
+	Floors           map[string]float64 `json:"floors"` // pool id -> tps floor, for pools with one
+	KVBytesPerCell   int64              `json:"kv_bytes_per_cell"`
+	MaxPools         int                `json:"max_pools"`
+	NSeqMax          int                `json:"n_seq_max"`
+	PoolGraceMs      int64              `json:"pool_grace_ms"`
+	PoolsSupported   bool               `json:"pools_supported"`
+	PoolsUnsupported string             `json:"pools_unsupported"`
+	TPS              TPSProps           `json:"tps"`
+}
+
+// TPSProps describe the tps measurement.
+type TPSProps struct {
+	EWMA                    string `json:"ewma"`
+	StreamIntervalMsDefault int    `json:"stream_interval_ms_default"`
+	TauMs                   int64  `json:"tau_ms"`
+	WarmMinTokens           int    `json:"warm_min_tokens"`
+}
+
+// EngineUsage is the engine's load (in /props).
+type EngineUsage struct {
+	KVCellsUsed     int `json:"kv_cells_used"`
+	KVCellsMax      int `json:"kv_cells_max"`
+	RequestsRunning int `json:"requests_running"`
+	RequestsWaiting int `json:"requests_waiting"`
+	Sessions        int `json:"sessions"`
+	Pools           int `json:"pools"`
+}
+
+// Slot is one session sequence in use, in GET /slots (an array of them).
+type Slot struct {
+	ID                int     `json:"id"`
+	SessionID         string  `json:"session_id"`
+	State             string  `json:"state"` // idle | prefill | decode
+	NPast             int     `json:"n_past"`
+	NDecoded          int     `json:"n_decoded"`
+	TaskID            uint64  `json:"task_id,omitempty"`
+	PoolID            *int    `json:"pool_id"`
+	NShared           int     `json:"n_shared"` // leading tokens borrowed from the pool
+	TPSEWMA           float64 `json:"tps_ewma"`
+	CtxUsed           int     `json:"ctx_used"`
+	CtxTotal          int     `json:"ctx_total"`
+	CtxHeadroomTokens int     `json:"ctx_headroom_tokens"`
+	CtxPressure       float64 `json:"ctx_pressure"` // the session's own context pressure
+}
+
+// TokenizeRequest is POST /tokenize.
+type TokenizeRequest struct {
+	Content      *string `json:"content"`
+	AddSpecial   bool    `json:"add_special"`
+	ParseSpecial *bool   `json:"parse_special"` // default true
+	WithPieces   bool    `json:"with_pieces"`
+}
+
+// Tokens is /tokenize's answer without pieces.
+type Tokens struct {
+	Tokens []int32 `json:"tokens"`
+}
+
+// TokenPieces is /tokenize's answer with_pieces.
+type TokenPieces struct {
+	Tokens []TokenPiece `json:"tokens"`
+}
+
+// TokenPiece is one token with its piece.
+type TokenPiece struct {
+	ID    int32 `json:"id"`
+	Piece Piece `json:"piece"`
+}
+
+// Piece is a token's bytes as llama-server's /tokenize spells them: a string when they
+// are valid UTF-8, else an array of byte values. A string would turn a piece of a
+// multi-byte character into U+FFFD, and the pieces would no longer join back.
+type Piece []byte
+
+// MarshalJSON implements json.Marshaler.
+func (p Piece) MarshalJSON() ([]byte, error) {
+	if utf8.Valid(p) {
+		return json.Marshal(string(p))
+	}
+	out := make([]int, len(p))
+	for i, c := range p {
+		out[i] = int(c)
+	}
+	return json.Marshal(out)
+}
+
+// UnmarshalJSON implements json.Unmarshaler (both spellings).
+func (p *Piece) UnmarshalJSON(b []byte) error {
+	var s string
+	if json.Unmarshal(b, &s) == nil {
+		*p = Piece(s)
+		return nil
+	}
+	var bs []int
+	if err := json.Unmarshal(b, &bs); err != nil {
+		return err
+	}
+	*p = make(Piece, len(bs))
+	for i, c := range bs {
+		(*p)[i] = byte(c)
+	}
+	return nil
+}
+
+// DetokenizeRequest is POST /detokenize.
+type DetokenizeRequest struct {
+	Tokens *[]int32 `json:"tokens"`
+}
+
+// Detokenized is /detokenize's answer.
+type Detokenized struct {
+	Content string `json:"content"`
+}
+
+// ApplyTemplateRequest is POST /apply-template: a chat body, nothing generated.
+type ApplyTemplateRequest struct {
+	Messages            json.RawMessage `json:"messages"`
+	Tools               json.RawMessage `json:"tools"`
+	ToolChoice          json.RawMessage `json:"tool_choice"`
+	AddGenerationPrompt *bool           `json:"add_generation_prompt"` // default true
+	TemplateOptions
+}
+
+// AppliedTemplate is /apply-template's answer.
+type AppliedTemplate struct {
+	Prompt string `json:"prompt"`
+}
+
+// Rendered is one prompt's token ids, as the render routes answer them
+// (/v1/completions/render answers an array of them, one per prompt, as vLLM does).
+type Rendered struct {
+	TokenIDs []int32 `json:"token_ids"`
+}
