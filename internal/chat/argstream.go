@@ -27,7 +27,10 @@ var callHeads = map[Format]*regexp.Regexp{
 	// List formats: the first call after the list's opening, later ones after the
 	// previous call object's "}," (listGap checks that this "}" closes that call).
 	FormatMistral: regexp.MustCompile(`(?:\[TOOL_CALLS\]\s*\[|\}\s*,)\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*`),
-	FormatGranite: regexp.MustCompile(`(?:<\|tool_call\|>\s*\[|\}\s*,)\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"arguments"\s*:\s*`),
+	// Command R7B: the model's tool_call_id is not captured (the name must be group 1);
+	// streamed calls get ids of their own, as for every family without ids.
+	FormatCommandR7B: regexp.MustCompile(`(?:<\|START_ACTION\|>\s*\[|\}\s*,)\s*\{\s*"tool_call_id"\s*:\s*"[^"\\]*"\s*,\s*"tool_name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"parameters"\s*:\s*`),
+	FormatGranite:    regexp.MustCompile(`(?:<\|tool_call\|>\s*\[|\}\s*,)\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"arguments"\s*:\s*`),
 }
 
 // listGap is what may stand between a listed call's arguments and the "}" that closes
@@ -35,7 +38,9 @@ var callHeads = map[Format]*regexp.Regexp{
 var listGap = regexp.MustCompile(`^\s*(?:,\s*"id"\s*:\s*"[^"\\]*"\s*)?$`)
 
 // listFormats write their calls as one JSON list.
-func listFormat(f Format) bool { return f == FormatMistral || f == FormatGranite }
+func listFormat(f Format) bool {
+	return f == FormatMistral || f == FormatGranite || f == FormatCommandR7B
+}
 
 // forced-grammar calls are Hermes-tagged in every format without a grammar of its own.
 var hermesHead = callHeads[FormatHermes]
@@ -175,6 +180,11 @@ func jsonValuePrefix(s string) (int, bool) {
 	last := 0
 	for i := 0; i < len(s); i++ {
 		ch := s[i]
+		if depth == 0 && ch != '{' {
+			// Arguments are a JSON object: anything else is not streamed (once sent, a
+			// prefix cannot be taken back, so a string or scalar must not start one).
+			return 0, false
+		}
 		switch {
 		case inStr:
 			switch {

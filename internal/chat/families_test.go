@@ -119,13 +119,16 @@ func TestParseEveryFamily(t *testing.T) {
 func TestCallStreamEveryFamily(t *testing.T) {
 	for _, c := range familyCases {
 		for step := 1; step <= 7; step++ {
-			s := NewCallStreamWith(c.format, familyTools)
-			var live strings.Builder
+			// The API's path: a ReplyStream (reasoning split, then the CallStream).
+			s := NewReplyStream(ReplyOptions{Format: c.format, Tools: familyTools, Calls: true, Reasoning: true})
+			var live, reasoning strings.Builder
 			for i := 0; i < len(c.text); i += step {
-				live.WriteString(s.Push(c.text[i:min(i+step, len(c.text))]))
+				r, t := s.Push(c.text[i:min(i+step, len(c.text))])
+				live.WriteString(t)
+				reasoning.WriteString(r)
 			}
 			fin := s.Finish()
-			got := Parsed{Content: strings.TrimSpace(live.String() + fin.Content), Reasoning: fin.Reasoning, Calls: fin.Calls}
+			got := Parsed{Content: strings.TrimSpace(live.String() + fin.Content), Reasoning: strings.TrimSpace(reasoning.String() + fin.Reasoning), Calls: fin.Calls}
 			want := c
 			if len(c.calls) == 0 && c.reason == "" {
 				want.content = strings.TrimSpace(contentWhenNoCall(c))

@@ -15,8 +15,11 @@ const (
 )
 
 // thinkTags are the reasoning delimiters of the families that write them as text
-// (Qwen3, DeepSeek R1, GLM, MiniMax, Kimi Thinking, SmolLM3, … and Seed-OSS).
-var thinkTags = [][2]string{{"<think>", "</think>"}, {"<seed:think>", "</seed:think>"}}
+// (Qwen3, DeepSeek R1, GLM, MiniMax, Kimi Thinking, SmolLM3, … Seed-OSS and Command R7B).
+var thinkTags = [][2]string{{"<think>", "</think>"}, {"<seed:think>", "</seed:think>"}, {"<|START_THINKING|>", "<|END_THINKING|>"}}
+
+// responseMarkers wrap Command R7B's answer; they are syntax, not content.
+var responseMarkers = []string{"<|START_RESPONSE|>", "<|END_RESPONSE|>"}
 
 // PromptOpensThinking reports whether the rendered prompt ends inside a think block
 // (DeepSeek R1 and Qwen3 thinking templates end their generation prompt with
@@ -49,8 +52,10 @@ type ReplyOptions struct {
 }
 
 // structured formats carry reasoning and content in their own syntax throughout.
+// (Command R7B's thinking, response and action blocks stream like think tags, plain
+// text and a call list: see thinkTags, responseMarkers and the call heads.)
 func (o ReplyOptions) structured() bool {
-	return o.Format == FormatHarmony || o.Format == FormatCommandR7B
+	return o.Format == FormatHarmony
 }
 
 // ParseReply splits a whole reply into reasoning, content and tool calls.
@@ -70,6 +75,7 @@ type ReplyStream struct {
 	calls   *CallStream
 	harmony *harmonyStream
 	buf     string // text not yet classified (a possible partial tag)
+	marker  string // Command R7B: a possible partial response marker held back
 	state   int    // 0: reply start, 1: in reasoning, 2: content
 	close   string
 }
@@ -96,10 +102,30 @@ func NewReplyStream(o ReplyOptions) *ReplyStream {
 }
 
 func (r *ReplyStream) content(s string) string {
+	if r.o.Format == FormatCommandR7B {
+		s = r.stripMarkers(s, false)
+	}
 	if r.calls != nil {
 		return r.calls.Push(s)
 	}
 	return s
+}
+
+// stripMarkers removes Command R7B's response markers from content, holding back a
+// tail that may be the start of one so the result does not depend on token splits.
+func (r *ReplyStream) stripMarkers(s string, final bool) string {
+	s = r.marker + s
+	for _, m := range responseMarkers {
+		s = strings.ReplaceAll(s, m, "")
+	}
+	keep := 0
+	if !final {
+		for _, m := range responseMarkers {
+			keep = max(keep, partialSuffix([]byte(s), []byte(m)))
+		}
+	}
+	r.marker = s[len(s)-keep:]
+	return s[:len(s)-keep]
 }
 
 // Push adds generated text and returns the reasoning and content to send now.
@@ -199,6 +225,13 @@ func (r *ReplyStream) Finish() Parsed {
 		}
 	}
 	r.buf = ""
+	if r.marker != "" {
+		tail := r.stripMarkers("", true)
+		if r.calls != nil {
+			tail = r.calls.Push(tail)
+		}
+		p.Content += tail
+	}
 	if r.calls != nil {
 		fin := r.calls.Finish()
 		p.Content += fin.Content

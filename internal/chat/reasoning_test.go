@@ -113,3 +113,33 @@ func TestHarmonyStreamsReasoningAndArguments(t *testing.T) {
 		t.Fatalf("plain: %+v", p)
 	}
 }
+
+// TestCommandR7BStreams: Command R7B's thinking streams as reasoning, its response as
+// content without the markers, and its action list as call deltas while written, not
+// all at the end of the reply.
+func TestCommandR7BStreams(t *testing.T) {
+	s := NewReplyStream(ReplyOptions{Format: FormatCommandR7B, Tools: familyTools, Calls: true, Reasoning: true, Stream: true})
+	r, c := s.Push("<|START_THINKING|>I should add")
+	if r != "I should add" || c != "" {
+		t.Fatalf("thinking: reasoning %q content %q", r, c)
+	}
+	s.Push(".<|END_THINKING|><|START_ACTION|>[\n    {\"tool_call_id\": \"0\", \"tool_name\": \"add\", \"parameters\": {\"a\": 1")
+	d := s.Deltas()
+	if len(d) != 2 || d[0].Name != "add" || d[1].Args != `{"a": 1` {
+		t.Fatalf("call deltas before the action ends: %+v", d)
+	}
+	s.Push(", \"b\": 9}}\n]<|END_ACTION|>")
+	fin := s.Finish()
+	if len(fin.Calls) != 1 || fin.Calls[0].Function.Arguments != `{"a": 1, "b": 9}` {
+		t.Fatalf("final %+v", fin)
+	}
+	resp := NewReplyStream(ReplyOptions{Format: FormatCommandR7B, Calls: true, Reasoning: true, Stream: true})
+	var content string
+	for _, piece := range []string{"<|START_RES", "PONSE|>Ten", " apples.<|END_", "RESPONSE|>"} {
+		_, c := resp.Push(piece)
+		content += c
+	}
+	if content += resp.Finish().Content; content != "Ten apples." {
+		t.Fatalf("response content %q", content)
+	}
+}

@@ -31,7 +31,7 @@ func (c *CallStream) LiveCalls() *CallStream { c.live = true; return c }
 func NewCallStreamWith(f Format, tools []Tool) *CallStream {
 	c := &CallStream{format: f, tools: tools, triggers: callTriggers(f)}
 	switch f {
-	case FormatHarmony, FormatCommandR7B:
+	case FormatHarmony:
 		c.holdAll = true
 	}
 	return c
@@ -51,6 +51,7 @@ func callTriggers(f Format) []string {
 		FormatFunctionaryV31: {"<function=", "<|python_tag|>"},
 		FormatFunctionaryV32: {">>>"},
 		FormatLFM2:           {"<|tool_call_start|>"},
+		FormatCommandR7B:     {"<|START_ACTION|>"},
 		// Llama 3.x may write its JSON call after some text: hold from where a call
 		// object would start (llama.cpp triggers on the same shapes).
 		FormatLlama3: {"<|python_tag|>", `{"name"`, `{"type"`, `{ "name"`, `{ "type"`},

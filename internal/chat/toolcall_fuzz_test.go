@@ -21,16 +21,14 @@ type streamOutcome struct {
 	Truncated          bool
 }
 
-// streamReply feeds text to a CallStream in the pieces cuts describes (each byte a
+// streamReply feeds text to a ReplyStream in the pieces cuts describes (each byte a
 // piece length in runes, as the text assembler only ever releases whole characters)
 // and collects what a client would see. Live: calls as assembled from the deltas.
 func streamReply(f Format, text string, cuts []byte, live bool) streamOutcome {
-	cs := NewCallStreamWith(f, familyTools)
-	if live {
-		cs.LiveCalls()
-	}
+	// The API's path: a ReplyStream (reasoning split, then the CallStream).
+	cs := NewReplyStream(ReplyOptions{Format: f, Tools: familyTools, Calls: true, Reasoning: true, Stream: live})
 	var out streamOutcome
-	var content strings.Builder
+	var content, reasoning strings.Builder
 	type assembled struct{ name, args string }
 	var calls []assembled
 	collect := func() {
@@ -54,14 +52,16 @@ func streamReply(f Format, text string, cuts []byte, live bool) streamOutcome {
 				n += size
 			}
 		}
-		content.WriteString(cs.Push(rest[:n]))
+		r, c := cs.Push(rest[:n])
+		content.WriteString(c)
+		reasoning.WriteString(r)
 		collect()
 		rest = rest[n:]
 	}
 	p := cs.Finish()
 	collect()
 	content.WriteString(p.Content)
-	out.Content, out.Reasoning, out.Truncated = content.String(), p.Reasoning, p.Truncated
+	out.Content, out.Reasoning, out.Truncated = content.String(), reasoning.String()+p.Reasoning, p.Truncated
 	if live {
 		for _, c := range calls {
 			out.Calls = append(out.Calls, c.name+" "+c.args)
@@ -77,7 +77,8 @@ func streamReply(f Format, text string, cuts []byte, live bool) streamOutcome {
 // FuzzToolCallParsing checks the tool-call parsers and the streaming splitter on any
 // text in any format: no panic; every parsed call has a name and JSON-object
 // arguments; what a streaming client receives does not depend on how the reply was
-// split into tokens; and streamed calls are the calls the whole reply parses to.
+// split into tokens; and streamed calls are the calls the whole reply parses to
+// (ParseReply: the reasoning split first, as the API does).
 func FuzzToolCallParsing(f *testing.F) {
 	for i, c := range familyCases {
 		fi := 0
@@ -104,7 +105,8 @@ func FuzzToolCallParsing(f *testing.F) {
 			}
 		}
 		var wholeCalls []string
-		for _, c := range whole.Calls {
+		reply := ParseReply(ReplyOptions{Format: format, Tools: familyTools, Calls: true, Reasoning: true}, text)
+		for _, c := range reply.Calls {
 			wholeCalls = append(wholeCalls, c.Function.Name+" "+c.Function.Arguments)
 		}
 		for _, live := range []bool{false, true} {
