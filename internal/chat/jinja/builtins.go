@@ -75,6 +75,19 @@ func builtinRange(args []Value, kwargs map[string]Value) (Value, error) {
 		return Undefined(), fmt.Errorf("range: step must not be zero")
 	}
 
+	// PolyKV fork: jinja2's sandbox refuses ranges over MAX_RANGE (100,000) items,
+	// which also keeps a template (or a client's chat_template_kwargs) from allocating
+	// without bound.
+	const maxRange = 100000
+	n := int64(0)
+	if step > 0 && stop > start {
+		n = (stop - start + step - 1) / step
+	} else if step < 0 && start > stop {
+		n = (start - stop - step - 1) / -step
+	}
+	if n > maxRange {
+		return Undefined(), fmt.Errorf("OverflowError: range too big, the sandbox blocks ranges larger than MAX_RANGE (%d)", maxRange)
+	}
 	var items []Value
 	if step > 0 {
 		for i := start; i < stop; i += step {

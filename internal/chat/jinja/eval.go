@@ -510,6 +510,10 @@ func (e *evaluator) evalAttr(n *attrExpr) (Value, error) {
 	if err != nil {
 		return Undefined(), err
 	}
+	// PolyKV fork: jinja2's sandbox refuses underscore-prefixed attributes.
+	if err := sandboxed(obj, n.attr); err != nil {
+		return Undefined(), err
+	}
 
 	// Dict attribute access.
 	if obj.IsDict() {
@@ -1393,4 +1397,17 @@ func valuesEqual(a, b Value) bool {
 		return true
 	}
 	return a.Equals(b)
+}
+
+// sandboxed applies jinja2's sandbox rules to an attribute access (PolyKV fork):
+// names starting with "_" (is_internal_attribute, the way out of a sandbox) raise
+// jinja2's SecurityError. The mutating methods of lists and dicts stay allowed, as in
+// jinja2's SandboxedEnvironment: transformers' Immutable variant refuses them, but
+// they only touch the template's own values, and Kimi K2's tool loop needs
+// list.append (it fails in transformers and renders in llama.cpp).
+func sandboxed(_ Value, attr string) error {
+	if strings.HasPrefix(attr, "_") {
+		return fmt.Errorf("SecurityError: access to attribute %q is unsafe", attr)
+	}
+	return nil
 }
