@@ -22,6 +22,12 @@ type Config struct {
 	// PoolsUnsupported, when set, is why pool operations are refused (recurrent models).
 	PoolsUnsupported string
 	TPSTau           time.Duration // EWMA time constant of experienced tps (default 2 s)
+	// PrefixCache turns on automatic prefix sharing (issue 12): a new request without a
+	// pool (and without a known session) starts from the longest prefix any resident
+	// sequence holds, by seq_cp, and finished anonymous sequences stay resident as cache
+	// until their cells or sequence ids are needed. Off: such requests prefill their
+	// whole prompt and free their cells when they end (the server's --prefix-cache off).
+	PrefixCache bool
 }
 
 // MaxSeqs is the largest n_seq_max llama.cpp accepts.
