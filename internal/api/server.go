@@ -59,6 +59,8 @@ type Info struct {
 	// PoolsUnsupported is why pools are off for this model ("" when they work).
 	PoolsUnsupported string
 	TPSTauMs         int64
+	// PrefixCache: automatic prefix sharing is on (--prefix-cache).
+	PrefixCache bool
 	// Compute is where the model runs (devices, GPU layers), as app.Offload describes it.
 	Compute any
 }
@@ -294,7 +296,14 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 			"pools_supported":   s.info.PoolsUnsupported == "",
 			"pools_unsupported": s.info.PoolsUnsupported,
 			"admission_default": admission.DefaultPolicy(),
-			"floors":            floors,
+			"prefix_cache": map[string]any{
+				"enabled":          s.info.PrefixCache,
+				"hit_tokens":       usage.CacheHitTokens,
+				"resident_tokens":  usage.CacheCells,
+				"cached_sequences": usage.CacheSeqs,
+				"evictions":        usage.CacheEvictions,
+			},
+			"floors": floors,
 			"tps": map[string]any{
 				"ewma":                       "time-based EWMA of decode tokens/s per session, bias-corrected while young",
 				"tau_ms":                     s.info.TPSTauMs,

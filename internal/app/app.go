@@ -39,9 +39,9 @@ type Config struct {
 	// PrefixCache (--prefix-cache on|off): automatic prefix sharing for requests without
 	// a pool_id (issue 12); off only for comparison.
 	PrefixCache string
-	TPSTau     time.Duration // --tps-tau: EWMA time constant of experienced tps
-	CacheTypeK string        // --cache-type-k: f16, q8_0, q4_0, ...
-	CacheTypeV string        // --cache-type-v: as CacheTypeK; quantized needs flash attention
+	TPSTau      time.Duration // --tps-tau: EWMA time constant of experienced tps
+	CacheTypeK  string        // --cache-type-k: f16, q8_0, q4_0, ...
+	CacheTypeV  string        // --cache-type-v: as CacheTypeK; quantized needs flash attention
 	// ChatTemplate (--chat-template NAME or inline Jinja) and ChatTemplateFile
 	// (--chat-template-file PATH) override the GGUF's tokenizer.chat_template.
 	ChatTemplate     string
@@ -300,6 +300,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		MaxPools: cfg.MaxPools, PoolGraceMs: cfg.PoolGrace.Milliseconds(), BytesPerCell: ecfg.BytesPerCell, PoolsUnsupported: ecfg.PoolsUnsupported,
 	}
 	info.TPSTauMs = cfg.TPSTau.Milliseconds()
+	info.PrefixCache = ecfg.PrefixCache
 	info.Compute = off
 	srv := api.New(eng, model, renderer, info, metrics, log)
 	srv.RequireAPIKeys(cfg.APIKeys)
