@@ -296,19 +296,19 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 			"pools_supported":   s.info.PoolsUnsupported == "",
 			"pools_unsupported": s.info.PoolsUnsupported,
 			"admission_default": admission.DefaultPolicy(),
+			"floors":            floors,
+			"tps": map[string]any{
+				"ewma":                       "time-based EWMA of decode tokens/s per session, bias-corrected while young",
+				"tau_ms":                     s.info.TPSTauMs,
+				"warm_min_tokens":            tps.MinWarmTokens,
+				"stream_interval_ms_default": 500,
+			},
 			"prefix_cache": map[string]any{
 				"enabled":          s.info.PrefixCache,
 				"hit_tokens":       usage.CacheHitTokens,
 				"resident_tokens":  usage.CacheCells,
 				"cached_sequences": usage.CacheSeqs,
 				"evictions":        usage.CacheEvictions,
-			},
-			"floors": floors,
-			"tps": map[string]any{
-				"ewma":                       "time-based EWMA of decode tokens/s per session, bias-corrected while young",
-				"tau_ms":                     s.info.TPSTauMs,
-				"warm_min_tokens":            tps.MinWarmTokens,
-				"stream_interval_ms_default": 500,
 			},
 		},
 	}
