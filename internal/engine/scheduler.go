@@ -382,7 +382,7 @@ func (s *Scheduler) cachedSlot(seq int) *slot {
 // longest prefix of its prompt (issue 12): a request without a pool whose session, if
 // it names one, holds no sequence (a known session continues on its own).
 func (s *Scheduler) prefixCached(t *task) bool {
-	if !s.cfg.PrefixCache || t.kind != kindGenerate || t.pool != nil {
+	if !s.cfg.PrefixCache || t.kind != kindGenerate || t.pool != nil || t.req.NoPrefixCache {
 		return false
 	}
 	if t.req.SessionID != "" {
