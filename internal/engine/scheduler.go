@@ -417,6 +417,25 @@ func (s *Scheduler) donor(prompt []Token) (int, int) {
 	return P, best
 }
 
+// rootDonor finds, with the prefix cache on, the longest prefix of a root pool's
+// tokens that some sequence holds (at most L-1: materialization ends with a prefill
+// step) and a holder to copy it from.
+func (s *Scheduler) rootDonor(p *pool.Pool) (int, int) {
+	if !s.cfg.PrefixCache || p.Parent != nil {
+		return 0, -1
+	}
+	P, n := s.cells.Longest(p.Tokens, p.L()-1)
+	if P == 0 {
+		return 0, -1
+	}
+	donor := -1
+	n.holders.each(func(q int) bool {
+		donor = q
+		return false
+	})
+	return P, donor
+}
+
 // awaitsDonor reports whether t should stay queued because a task still prefilling
 // will soon hold a longer prefix of t's prompt than anything resident now (fan-out:
 // many requests with one long system prompt arrive together). Only committed cells can
@@ -498,15 +517,17 @@ func (s *Scheduler) admit() {
 		pl := s.place(t, sl)
 		kept := pl.keep + pl.attachP + pl.cpP
 		need := len(t.req.Prompt) - kept
-		if t.kind == kindMaterialize {
-			need = t.pool.L() - t.pool.D
-		}
-		free := s.cfg.NCtx - s.usedCells() + pl.freed - s.reservedPrefill()
 		// A donor's cells that this placement copies are not evictable for it.
 		keep, keepTo := -1, 0
 		if pl.cpP > 0 {
 			keep, keepTo = pl.cpFrom, pl.cpP
 		}
+		if t.kind == kindMaterialize {
+			P, donor := s.rootDonor(t.pool)
+			need = t.pool.L() - max(t.pool.D, P)
+			keep, keepTo = donor, P
+		}
+		free := s.cfg.NCtx - s.usedCells() + pl.freed - s.reservedPrefill()
 		if free+s.evictableCellsKeeping(sl, keep, keepTo) < need {
 			return // head-of-line: wait for running tasks to end
 		}
@@ -551,12 +572,20 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 	switch {
 	case t.kind == kindMaterialize:
 		p := t.pool
+		have := p.D
 		if p.Parent != nil && p.D > 0 {
 			s.cpOp(p.Parent.Seq, p.Seq, p.D)
+		} else if P, donor := s.rootDonor(p); P > 0 {
+			// A root pool (new or restored) starts from whatever sequence holds the
+			// longest prefix of it, as a request does: one tree, one mechanism.
+			s.cpOp(donor, p.Seq, P)
+			have = P
+			s.cacheHits += int64(P)
 		}
-		sl.tokens = slices.Clone(p.Tokens[:p.D])
+		sl.tokens = slices.Clone(p.Tokens[:have])
 		sl.shared = p.D
-		s.check(p.Fill(p.D))
+		s.check(p.Fill(have))
+		t.cacheN = have
 	case pl.attachP > 0:
 		s.resetSlot(sl)
 		s.cpOp(t.pool.Seq, sl.seq, pl.attachP)
