@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"math/rand/v2"
 	"slices"
 	"testing"
 	"time"
@@ -39,5 +40,23 @@ func TestWarmCacheCountsAsFree(t *testing.T) {
 	}
 	if u.CacheHitTokens != 100+100 {
 		t.Fatalf("hit tokens %d, want 200 (the takeover's and the session's)", u.CacheHitTokens)
+	}
+}
+
+// TestRandomTrafficWithPrefixCache runs FuzzSchedulerInvariants' body over 200 fixed
+// pseudo-random inputs with and without the prefix cache, so every go test exercises
+// implicit reuse under random traffic (the fuzz seeds alone are few): accounting, the
+// cache, the tree and the slots agree after every step, and every text equals a cold
+// prefill's.
+func TestRandomTrafficWithPrefixCache(t *testing.T) {
+	for i := range 200 {
+		r := rand.New(rand.NewPCG(uint64(i), 12))
+		data := make([]byte, 40+r.IntN(200))
+		for j := range data {
+			data[j] = byte(r.IntN(256))
+		}
+		for _, cache := range []bool{false, true} {
+			fuzzScheduler(t, slices.Clone(data), cache)
+		}
 	}
 }
