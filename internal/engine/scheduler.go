@@ -358,9 +358,13 @@ func (s *Scheduler) pickSlot(t *task) *slot {
 	return lru
 }
 
-// evictsBefore orders idle sequences for reuse and eviction: cached anonymous ones
-// before sessions, then least recently used first.
+// evictsBefore orders idle sequences for reuse: those holding nothing (a session whose
+// KV was flushed) first, then cached anonymous ones, then sessions, each least recently
+// used first.
 func evictsBefore(a, b *slot) bool {
+	if ea, eb := len(a.tokens) == 0, len(b.tokens) == 0; ea != eb {
+		return ea
+	}
 	if ca, cb := a.session == "", b.session == ""; ca != cb {
 		return ca
 	}
