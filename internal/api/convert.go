@@ -44,12 +44,14 @@ func wireSessionCtx(c engine.SessionCtx) wire.SessionCtx {
 
 func wireUsage(u engine.Usage) wire.EngineUsage {
 	return wire.EngineUsage{KVCellsUsed: u.CellsUsed, KVCellsMax: u.CellsMax, RequestsRunning: u.Running,
-		RequestsWaiting: u.Waiting, Sessions: u.Sessions, Pools: u.Pools}
+		RequestsWaiting: u.Waiting, Sessions: u.Sessions, Pools: u.Pools,
+		PrefixCacheHitTokens: u.CacheHitTokens, PrefixCacheCells: u.CacheCells, PrefixCacheSequences: u.CacheSeqs,
+		PrefixCacheEvictions: u.CacheEvictions}
 }
 
 func wireSlot(s engine.SlotInfo) wire.Slot {
 	return wire.Slot{ID: s.Seq, SessionID: s.SessionID, State: s.State, NPast: s.NPast, NDecoded: s.Decoded,
-		TaskID: s.Task, PoolID: s.PoolID, NShared: s.Shared, TPSEWMA: s.TPSEWMA, CtxUsed: s.CtxUsed,
+		TaskID: s.Task, PoolID: s.PoolID, NShared: s.Shared, NOwnCells: s.Own, TPSEWMA: s.TPSEWMA, CtxUsed: s.CtxUsed,
 		CtxTotal: s.CtxTotal, CtxHeadroomTokens: s.Headroom, CtxPressure: s.Pressure}
 }
 

@@ -99,6 +99,7 @@ func (s *Server) toEngine(g *wire.GenParams) (engine.Request, *apiError) {
 		return req, e
 	}
 	req.IgnoreEOS = g.IgnoreEOS
+	req.NoPrefixCache = g.CachePrompt != nil && !*g.CachePrompt
 	req.Overcommit = g.Overcommit
 	if req.Logprobs, req.Sampling.NProbs, e = parseLogprobs(g.Logprobs, g.TopLogprobs); e != nil {
 		return req, e

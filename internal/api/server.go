@@ -59,6 +59,8 @@ type Info struct {
 	// PoolsUnsupported is why pools are off for this model ("" when they work).
 	PoolsUnsupported string
 	TPSTauMs         int64
+	// PrefixCache: automatic prefix sharing is on (--prefix-cache).
+	PrefixCache bool
 	// Compute is where the model runs (devices, GPU layers), as app.Offload describes it.
 	Compute any
 }
@@ -295,6 +297,8 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 			NSeqMax:          s.info.Parallel + s.info.MaxPools,
 			PoolsSupported:   s.info.PoolsUnsupported == "",
 			PoolsUnsupported: s.info.PoolsUnsupported,
+			PrefixCache: wire.PrefixCacheProps{Enabled: s.info.PrefixCache, HitTokens: snap.Usage.CacheHitTokens,
+				ResidentTokens: snap.Usage.CacheCells, CachedSequences: snap.Usage.CacheSeqs, Evictions: snap.Usage.CacheEvictions},
 			AdmissionDefault: wirePolicy(admission.DefaultPolicy()),
 			Floors:           snap.Floors,
 			TPS: wire.TPSProps{

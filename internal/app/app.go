@@ -60,6 +60,10 @@ type Config struct {
 	Device    string // --device: GPU device names, comma-separated; "": every GPU; none: CPU
 	SplitMode string // --split-mode: layer, row or none (several GPUs)
 
+	// PrefixCache (--prefix-cache on|off): automatic prefix sharing for requests without
+	// a pool_id (issue 12); off only for comparison.
+	PrefixCache string
+
 	noSWAAnchors bool // tests only: show what goes wrong without runner SWA anchors
 }
 
@@ -74,6 +78,7 @@ func DefaultConfig() Config {
 		MaxPools:    16,
 		PoolGrace:   30 * time.Second,
 		FlashAttn:   "on",
+		PrefixCache: "on",
 		TPSTau:      tps.DefaultTau,
 		CacheTypeK:  "f16",
 		CacheTypeV:  "f16",
@@ -122,6 +127,11 @@ func (c Config) Validate() error {
 	default:
 		return fmt.Errorf("--flash-attn must be off, on or auto, got %q", c.FlashAttn)
 	}
+	switch c.PrefixCache {
+	case "off", "on":
+	default:
+		return fmt.Errorf("--prefix-cache must be on or off, got %q", c.PrefixCache)
+	}
 	return nil
 }
 
@@ -159,7 +169,8 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		return nil, err
 	}
 	ecfg := engine.Config{NCtx: cfg.NCtx, Parallel: cfg.Parallel, MaxPools: cfg.MaxPools, NBatch: cfg.NBatch,
-		MaxQueue: cfg.MaxQueue, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau}
+		MaxQueue: cfg.MaxQueue, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau,
+		PrefixCache: cfg.PrefixCache == "on"}
 	if err := ecfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -203,6 +214,10 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		// Recurrent state is one blob per sequence, not cells per position: a prefix
 		// cannot be shared by sequence membership.
 		ecfg.PoolsUnsupported = "this model has recurrent (or hybrid) memory, whose state cannot be shared as a token prefix"
+		if ecfg.PrefixCache && log != nil {
+			log.Info("prefix cache off: recurrent memory cannot be shared as a token prefix")
+		}
+		ecfg.PrefixCache = false
 	}
 	if cfg.NCtx > model.NCtxTrain() && model.NCtxTrain() > 0 {
 		if log != nil {
@@ -286,6 +301,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		MaxPools: cfg.MaxPools, PoolGraceMs: cfg.PoolGrace.Milliseconds(), BytesPerCell: ecfg.BytesPerCell, PoolsUnsupported: ecfg.PoolsUnsupported,
 	}
 	info.TPSTauMs = cfg.TPSTau.Milliseconds()
+	info.PrefixCache = ecfg.PrefixCache
 	info.Compute = off
 	srv := api.New(eng, model, renderer, info, metrics, log)
 	srv.RequireAPIKeys(cfg.APIKeys)

@@ -112,7 +112,8 @@ func TestMetricsExposition(t *testing.T) {
 	var info wire.PoolInfo
 	get(t, fmt.Sprintf("%s/polykv/pools/%d", base, id), &info)
 	post(t, base+"/v1/completions", map[string]any{"prompt": append(slices.Clone(info.Tokens), 42), "pool_id": id, "session_id": "m1", "max_tokens": 8})
-	post(t, base+"/v1/completions", map[string]any{"prompt": "unpooled", "max_tokens": 4})
+	// Cold (cache_prompt false): otherwise the prefix cache would reuse its BOS token.
+	post(t, base+"/v1/completions", map[string]any{"prompt": "unpooled", "max_tokens": 4, "cache_prompt": false})
 	families := scrapeMetrics(t, base)
 	for _, name := range []string{"polykv_gen_throughput_tps", "polykv_pool_kv_bytes", "polykv_pool_sessions", "polykv_prefix_cache_hits_total",
 		"polykv_queries_total", "polykv_time_to_first_token_seconds", "polykv_inter_token_latency_seconds", "polykv_requests_running",

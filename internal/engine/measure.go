@@ -144,8 +144,13 @@ func (s *Scheduler) freeForNew() int {
 // pressure is §13.3's compaction pressure: the larger of the cache's fill and the
 // largest session's share of the context.
 func (s *Scheduler) pressure() float64 {
-	fill := float64(s.usedCells()) / float64(s.cfg.NCtx)
+	// Cells only the prefix cache holds are free for the asking: a warm cache is no
+	// pressure.
+	fill := float64(s.usedCells()-s.cacheOnlyCells()) / float64(s.cfg.NCtx)
 	for _, sl := range s.slots {
+		if sl.session == "" && sl.task == nil {
+			continue // a cached anonymous sequence is nobody's context
+		}
 		fill = max(fill, float64(len(sl.tokens))/float64(s.cfg.NCtx))
 	}
 	return fill
@@ -159,7 +164,7 @@ func (s *Scheduler) graceCells() int {
 	n := 0
 	for _, p := range s.pools.All() {
 		if p.State == pool.Released && p.Sessions == 0 && len(p.Children) == 0 {
-			n += p.OwnCells()
+			n += s.poolOwn(p)
 		}
 	}
 	return n
@@ -204,7 +209,7 @@ func (s *Scheduler) poolFacts(p *pool.Pool, expected int, session string) admiss
 	own, n := 0, 0
 	for _, sl := range s.slots {
 		if sl.base == p {
-			own += sl.ownCells()
+			own += s.own(sl)
 			n++
 		}
 	}
@@ -410,7 +415,7 @@ func (s *Scheduler) Metrics(now time.Time) ([]PoolMetric, Usage) {
 	byPool := map[*pool.Pool]*PoolMetric{}
 	none := &PoolMetric{Unattached: true}
 	for _, p := range s.pools.All() {
-		byPool[p] = &PoolMetric{PoolID: p.ID, KVBytes: int64(p.OwnCells()) * s.cfg.BytesPerCell}
+		byPool[p] = &PoolMetric{PoolID: p.ID, KVBytes: int64(s.poolOwn(p)) * s.cfg.BytesPerCell}
 	}
 	for _, sl := range s.slots {
 		m := none
@@ -423,7 +428,7 @@ func (s *Scheduler) Metrics(now time.Time) ([]PoolMetric, Usage) {
 		if sl.task != nil || len(sl.tokens) > 0 {
 			m.Sessions++
 		}
-		m.KVBytes += int64(sl.ownCells()) * s.cfg.BytesPerCell
+		m.KVBytes += int64(s.own(sl)) * s.cfg.BytesPerCell
 		if t := sl.task; t != nil && t.decoding() {
 			m.GenTPS += t.ewma.RateAt(now)
 		}

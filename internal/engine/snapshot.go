@@ -12,21 +12,27 @@ import (
 type SlotInfo struct {
 	Seq       int
 	SessionID string
-	State     string // idle | prefill | decode
+	State     string // idle | prefill | decode | cached
 	NPast     int
 	Decoded   int
 	Task      uint64
 	PoolID    *int
 	Shared    int // leading tokens borrowed from the pool
-	TPSEWMA   float64
-	CtxUsed   int
-	CtxTotal  int
-	Headroom  int
-	Pressure  float64 // the session's own context pressure
+	// Own is the cells attributed to this sequence by ownership (Σ over sequences and
+	// pools == cells in use); the rest of NPast it shares with a pool or with the
+	// sequence it copied a cached prefix from.
+	Own      int
+	TPSEWMA  float64
+	CtxUsed  int
+	CtxTotal int
+	Headroom int
+	Pressure float64 // the session's own context pressure
 }
 
 func slotState(sl *slot) string {
 	switch {
+	case sl.task == nil && sl.session == "" && len(sl.tokens) > 0:
+		return "cached" // a finished anonymous request's sequence, kept as prefix cache
 	case sl.task == nil:
 		return "idle"
 	case sl.task.prefilling():
@@ -44,7 +50,7 @@ func (s *Scheduler) Slots() []SlotInfo {
 			continue
 		}
 		st := s.sessionTPS(sl, free)
-		info := SlotInfo{Seq: sl.seq, SessionID: sl.session, State: slotState(sl), NPast: len(sl.tokens), Shared: sl.shared,
+		info := SlotInfo{Seq: sl.seq, SessionID: sl.session, State: slotState(sl), NPast: len(sl.tokens), Shared: sl.shared, Own: s.own(sl),
 			TPSEWMA: st.TPSEWMA, CtxUsed: st.CtxUsed, CtxTotal: st.CtxTotal, Headroom: st.CtxHeadroomTokens, Pressure: st.CtxPressure}
 		if sl.base != nil {
 			id := sl.base.ID
@@ -67,6 +73,13 @@ type Usage struct {
 	Waiting   int
 	Sessions  int
 	Pools     int
+	// Prefix cache (issue 12): prompt tokens served from cached prefixes so far, the
+	// cells only finished anonymous sequences kept as cache hold (what dropping the
+	// cache would free), those sequences, and how often one lost cells under pressure.
+	CacheHitTokens int64
+	CacheCells     int
+	CacheSeqs      int
+	CacheEvictions int64
 }
 
 // Usage reports the current load.
@@ -83,7 +96,27 @@ func (s *Scheduler) Usage() Usage {
 			waiting++
 		}
 	}
-	return Usage{CellsUsed: s.usedCells(), CellsMax: s.cfg.NCtx, Running: running, Waiting: waiting, Sessions: len(s.bySession), Pools: s.pools.Len()}
+	u := Usage{CellsUsed: s.usedCells(), CellsMax: s.cfg.NCtx, Running: running, Waiting: waiting, Sessions: len(s.bySession), Pools: s.pools.Len(),
+		CacheHitTokens: s.cacheHits, CacheEvictions: s.cacheEvictions}
+	for _, sl := range s.slots {
+		if s.cachedSlot(sl.seq) != nil {
+			u.CacheSeqs++
+		}
+	}
+	u.CacheCells = s.cacheOnlyCells()
+	return u
+}
+
+// cacheOnlyCells counts the cells that only finished anonymous sequences kept as cache
+// hold: what dropping the prefix cache would free.
+func (s *Scheduler) cacheOnlyCells() int {
+	var cached seqSet
+	for _, sl := range s.slots {
+		if s.cachedSlot(sl.seq) != nil {
+			cached.add(sl.seq)
+		}
+	}
+	return s.cells.Freed(cached, -1, 0)
 }
 
 // Snapshot is an immutable copy of everything the HTTP layer reads: the engine

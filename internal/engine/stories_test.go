@@ -23,8 +23,8 @@ import (
 //
 // Commands:
 //
-//	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR [cost=perdecode]
-//	submit name=X prompt=1..6;99 [session=S] [max=N] [pool=P] [shared=N] [reservation=R] [overcommit]
+//	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR [cost=perdecode] [prefixcache=on]
+//	submit name=X prompt=1..6;99 [session=S] [max=N] [pool=P] [shared=N] [reservation=R] [overcommit] [nocache]
 //	pool name=P prompt=... [parent=Q d=N] [pin]   create (or fork) and materialize
 //	release|evict|pin|unpin|flush pool=P
 //	cancel name=X
@@ -89,11 +89,13 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 				if v != "perdecode" {
 					d.Fatalf(t, "unknown cost %s", v)
 				}
+			case "prefixcache":
+				cfg.PrefixCache = v == "on"
 			default:
 				d.Fatalf(t, "unknown config key %s", a.Key)
 			}
 		}
-		st.h = newHarness(t, cfg)
+		st.h, st.nended = newHarness(t, cfg), 0 // a new harness: its ended list starts empty
 		if arg(d, "cost") == "perdecode" {
 			st.h.stepCost = perDecodeCost
 		}
@@ -108,6 +110,7 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 		if v := arg(d, "pool"); v != "" {
 			req.HasPool, req.PoolID = true, st.poolID(v)
 		}
+		req.NoPrefixCache = d.HasArg("nocache")
 		if v := arg(d, "shared"); v != "" {
 			n := atoi(t, d, v)
 			req.SharedPrefixN = &n
@@ -382,13 +385,18 @@ func (st *story) state() {
 		if sl.base != nil {
 			line += fmt.Sprintf(" pool=%d shared=%d", sl.base.ID, sl.shared)
 		}
+		if own := s.own(sl); own != len(sl.tokens)-sl.shared {
+			line += fmt.Sprintf(" own=%d", own) // it shares cells beyond a pool's
+		}
 		if sl.task != nil {
 			line += " busy"
+		} else if sl.session == "" {
+			line += " cached"
 		}
 		st.printf("%s\n", line)
 	}
 	for _, p := range s.pools.All() {
-		st.printf("pool %d: seq%d %s prefix=%d own=%d sessions=%d children=%v pinned=%v\n", p.ID, p.Seq, p.State, p.L(), p.OwnCells(), p.Sessions, pool.ChildIDs(p), p.Pinned())
+		st.printf("pool %d: seq%d %s prefix=%d own=%d sessions=%d children=%v pinned=%v\n", p.ID, p.Seq, p.State, p.L(), s.poolOwn(p), p.Sessions, pool.ChildIDs(p), p.Pinned())
 	}
 	apply(st.h.be, Plan{Samplers: s.samplers, SeqOps: s.ops}) // what the next step would do first
 	s.samplers, s.ops = nil, nil
@@ -399,6 +407,9 @@ func (st *story) state() {
 		st.printf(", held %d", n) // by an enforced pool's gate
 	}
 	st.printf("\n")
+	if s.cfg.PrefixCache {
+		st.printf("prefix cache: hit tokens %d, cached cells %d, evictions %d\n", u.CacheHitTokens, u.CacheCells, u.CacheEvictions)
+	}
 }
 
 func (st *story) poolID(name string) int {

@@ -65,7 +65,17 @@ type PolyKVProps struct {
 	PoolGraceMs      int64              `json:"pool_grace_ms"`
 	PoolsSupported   bool               `json:"pools_supported"`
 	PoolsUnsupported string             `json:"pools_unsupported"`
+	PrefixCache      PrefixCacheProps   `json:"prefix_cache"`
 	TPS              TPSProps           `json:"tps"`
+}
+
+// PrefixCacheProps describe automatic prefix sharing (--prefix-cache) in /props.
+type PrefixCacheProps struct {
+	Enabled         bool  `json:"enabled"`
+	HitTokens       int64 `json:"hit_tokens"`      // prompt tokens served from cached prefixes so far
+	ResidentTokens  int   `json:"resident_tokens"` // cells only cached sequences hold
+	CachedSequences int   `json:"cached_sequences"`
+	Evictions       int64 `json:"evictions"`
 }
 
 // TPSProps describe the tps measurement.
@@ -84,18 +94,24 @@ type EngineUsage struct {
 	RequestsWaiting int `json:"requests_waiting"`
 	Sessions        int `json:"sessions"`
 	Pools           int `json:"pools"`
+	// The prefix cache (engine.Usage's Cache* fields).
+	PrefixCacheHitTokens int64 `json:"prefix_cache_hit_tokens"`
+	PrefixCacheCells     int   `json:"prefix_cache_cells"`
+	PrefixCacheSequences int   `json:"prefix_cache_sequences"`
+	PrefixCacheEvictions int64 `json:"prefix_cache_evictions"`
 }
 
 // Slot is one session sequence in use, in GET /slots (an array of them).
 type Slot struct {
 	ID                int     `json:"id"`
 	SessionID         string  `json:"session_id"`
-	State             string  `json:"state"` // idle | prefill | decode
+	State             string  `json:"state"` // idle | prefill | decode | cached
 	NPast             int     `json:"n_past"`
 	NDecoded          int     `json:"n_decoded"`
 	TaskID            uint64  `json:"task_id,omitempty"`
 	PoolID            *int    `json:"pool_id"`
-	NShared           int     `json:"n_shared"` // leading tokens borrowed from the pool
+	NShared           int     `json:"n_shared"`    // leading tokens borrowed from the pool
+	NOwnCells         int     `json:"n_own_cells"` // cells attributed to it by ownership
 	TPSEWMA           float64 `json:"tps_ewma"`
 	CtxUsed           int     `json:"ctx_used"`
 	CtxTotal          int     `json:"ctx_total"`

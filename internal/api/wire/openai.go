@@ -30,6 +30,9 @@ type GenParams struct {
 	PoolKey             *string         `json:"pool_key"`
 	Overcommit          bool            `json:"overcommit"`
 	ReservationID       *string         `json:"reservation_id"`
+	// CachePrompt false (llama-server's name): prefill the whole prompt rather than
+	// start from a cached prefix of another sequence (a cold reference).
+	CachePrompt *bool `json:"cache_prompt"`
 }
 
 // StreamOptions is OpenAI's stream_options.
