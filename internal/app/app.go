@@ -36,6 +36,9 @@ type Config struct {
 	MaxPools   int           // --max-pools: pool sequence ids reserved above the sessions'
 	PoolGrace  time.Duration // --pool-grace-ms; 0: no grace
 	FlashAttn  string        // --flash-attn: on, off, auto
+	// PrefixCache (--prefix-cache on|off): automatic prefix sharing for requests without
+	// a pool_id (issue 12); off only for comparison.
+	PrefixCache string
 	TPSTau     time.Duration // --tps-tau: EWMA time constant of experienced tps
 	CacheTypeK string        // --cache-type-k: f16, q8_0, q4_0, ...
 	CacheTypeV string        // --cache-type-v: as CacheTypeK; quantized needs flash attention
@@ -74,6 +77,7 @@ func DefaultConfig() Config {
 		MaxPools:    16,
 		PoolGrace:   30 * time.Second,
 		FlashAttn:   "on",
+		PrefixCache: "on",
 		TPSTau:      tps.DefaultTau,
 		CacheTypeK:  "f16",
 		CacheTypeV:  "f16",
@@ -122,6 +126,11 @@ func (c Config) Validate() error {
 	default:
 		return fmt.Errorf("--flash-attn must be off, on or auto, got %q", c.FlashAttn)
 	}
+	switch c.PrefixCache {
+	case "off", "on":
+	default:
+		return fmt.Errorf("--prefix-cache must be on or off, got %q", c.PrefixCache)
+	}
 	return nil
 }
 
@@ -159,7 +168,8 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		return nil, err
 	}
 	ecfg := engine.Config{NCtx: cfg.NCtx, Parallel: cfg.Parallel, MaxPools: cfg.MaxPools, NBatch: cfg.NBatch,
-		MaxQueue: cfg.MaxQueue, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau}
+		MaxQueue: cfg.MaxQueue, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau,
+		PrefixCache: cfg.PrefixCache == "on"}
 	if err := ecfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -203,6 +213,10 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		// Recurrent state is one blob per sequence, not cells per position: a prefix
 		// cannot be shared by sequence membership.
 		ecfg.PoolsUnsupported = "this model has recurrent (or hybrid) memory, whose state cannot be shared as a token prefix"
+		if ecfg.PrefixCache && log != nil {
+			log.Info("prefix cache off: recurrent memory cannot be shared as a token prefix")
+		}
+		ecfg.PrefixCache = false
 	}
 	if cfg.NCtx > model.NCtxTrain() && model.NCtxTrain() > 0 {
 		if log != nil {

@@ -7,15 +7,27 @@ import (
 	"github.com/polykv/polykv/internal/pool"
 )
 
-// usedCells counts physical cells by ownership: each session sequence owns its tokens
-// past what it borrows from its pool, each pool owns its materialized [D, L). A shared
-// cell is counted once, for its owner.
-func (s *Scheduler) usedCells() int {
-	n := s.pools.OwnCells()
-	for _, sl := range s.slots {
-		n += sl.ownCells()
-	}
-	return n
+// usedCells counts the physical cells in use: every run of shared cells once, however
+// many sequences hold it (the cell tree mirrors the cache).
+func (s *Scheduler) usedCells() int { return s.cells.total }
+
+// own is the cells attributed to a sequence by ownership (cellTree): a session's
+// suffix past what it borrows, a pool's [D, L). Σ over every sequence == usedCells.
+func (s *Scheduler) own(sl *slot) int { return s.cells.Owned(sl.seq) }
+
+// poolOwn is a pool's own cells by the same attribution.
+func (s *Scheduler) poolOwn(p *pool.Pool) int { return s.cells.Owned(p.Seq) }
+
+// rmOp plans seq_rm(seq, p0, -1) and takes seq out of those cells in the cell tree.
+func (s *Scheduler) rmOp(seq, p0 int) {
+	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: seq, P0: p0, P1: -1})
+	s.cells.Rm(seq, p0)
+}
+
+// cpOp plans seq_cp(src, dst, 0, p1): dst (empty) shares src's first p1 cells.
+func (s *Scheduler) cpOp(src, dst, p1 int) {
+	s.ops = append(s.ops, SeqOp{Kind: OpSeqCp, Src: src, Seq: dst, P0: 0, P1: p1})
+	s.cells.Cp(src, dst, p1)
 }
 
 // reservedPrefill counts cells promised to prompts already admitted but not prefilled,
@@ -30,15 +42,25 @@ func (s *Scheduler) reservedPrefill() int {
 	return n
 }
 
-// evictable lists idle sessions holding cells of their own, least recently used first.
+// evictable lists idle sequences holding cells, in the order they go under pressure:
+// finished anonymous sequences kept as cache first, then idle sessions, each least
+// recently used first.
 func (s *Scheduler) evictable(except *slot) []*slot {
 	var out []*slot
 	for _, sl := range s.slots {
-		if sl != except && sl.task == nil && sl.session != "" && len(sl.tokens) > 0 {
+		if sl != except && sl.task == nil && len(sl.tokens) > 0 {
 			out = append(out, sl)
 		}
 	}
-	slices.SortFunc(out, func(a, b *slot) int { return a.lastUsed.Compare(b.lastUsed) })
+	slices.SortStableFunc(out, func(a, b *slot) int {
+		if ca, cb := a.session == "", b.session == ""; ca != cb {
+			if ca {
+				return -1
+			}
+			return 1
+		}
+		return a.lastUsed.Compare(b.lastUsed)
+	})
 	return out
 }
 
@@ -55,22 +77,27 @@ func (s *Scheduler) evictablePools() []*pool.Pool {
 	return out
 }
 
-func (s *Scheduler) evictableCells(except *slot) int {
-	n := 0
+// evictableCells counts the cells that evicting every idle sequence but except, and
+// every evictable pool, would free: cells some other (running) sequence shares stay.
+// keep's cells below keepTo are not counted (a placement is about to copy them).
+func (s *Scheduler) evictableCells(except *slot) int { return s.evictableCellsKeeping(except, -1, 0) }
+
+func (s *Scheduler) evictableCellsKeeping(except *slot, keep, keepTo int) int {
+	var set seqSet
 	for _, sl := range s.evictable(except) {
-		n += sl.ownCells()
+		set.add(sl.seq)
 	}
 	for _, p := range s.evictablePools() {
-		n += p.OwnCells()
+		set.add(p.Seq)
 	}
-	return n
+	return s.cells.Freed(set, keep, keepTo)
 }
 
 // resetSlot drops everything a sequence holds and detaches it from its pool; the
 // session (if any) stays bound to the sequence.
 func (s *Scheduler) resetSlot(sl *slot) {
 	if len(sl.tokens) > 0 {
-		s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: sl.seq, P0: 0, P1: -1})
+		s.rmOp(sl.seq, 0)
 	}
 	sl.tokens = nil
 	s.detach(sl)
@@ -102,7 +129,7 @@ func (s *Scheduler) bind(sl *slot, session string) {
 // truncate keeps [0, n) of a sequence; borrowed cells beyond n stop being borrowed.
 func (s *Scheduler) truncate(sl *slot, n int) {
 	if n < len(sl.tokens) {
-		s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: sl.seq, P0: n, P1: -1})
+		s.rmOp(sl.seq, n)
 		sl.tokens = sl.tokens[:n]
 	}
 	if sl.shared > n {
@@ -128,33 +155,45 @@ func (s *Scheduler) detach(sl *slot) {
 	sl.shared = 0
 }
 
-// freeCells evicts idle sessions (LRU first, never except), then idle unpinned pools,
-// until want cells are free or nothing is left to evict; it returns the free count.
-// planned are cells already promised to the batch being built.
+// freeCells makes room until want cells are free or nothing is left to evict, and
+// returns the free count: cached anonymous sequences lose their least recently used
+// unshared tail first (token by token: their prefixes stay as cache as long as
+// possible), then idle sessions go whole (LRU first, never except), then idle unpinned
+// pools. planned are cells already promised to the batch being built.
 func (s *Scheduler) freeCells(want int, except *slot, planned int) int {
-	free := s.cfg.NCtx - s.usedCells() - planned
+	free := func() int { return s.cfg.NCtx - s.usedCells() - planned }
 	for _, sl := range s.evictable(except) {
-		if free >= want {
-			return free
+		if free() >= want {
+			return free()
 		}
-		free += sl.ownCells()
+		if sl.session == "" {
+			if x := s.cells.Exclusive(sl.seq, 0); x > 0 {
+				n := min(x, want-free())
+				s.truncate(sl, len(sl.tokens)-n)
+				if len(sl.tokens) == 0 {
+					s.resetSlot(sl)
+				}
+				s.cacheEvictions++
+			}
+			continue
+		}
 		s.evictSlot(sl)
 	}
 	for _, p := range s.evictablePools() {
-		if free >= want {
-			return free
+		if free() >= want {
+			return free()
 		}
-		free += p.OwnCells()
 		s.check(s.evictPool(p))
 	}
-	return free
+	return free()
 }
 
 // expire drops idle sessions past the TTL and reclaims released pools nothing uses.
 func (s *Scheduler) expire() {
 	if s.cfg.SessionTTL > 0 {
 		for _, sl := range s.slots {
-			if sl.task == nil && sl.session != "" && s.now.Sub(sl.lastUsed) > s.cfg.SessionTTL {
+			// Cached anonymous sequences expire as idle sessions do.
+			if sl.task == nil && (sl.session != "" || len(sl.tokens) > 0) && s.now.Sub(sl.lastUsed) > s.cfg.SessionTTL {
 				s.evictSlot(sl)
 			}
 		}

@@ -192,6 +192,9 @@ func (s *Scheduler) freeForNew() int {
 func (s *Scheduler) pressure() float64 {
 	fill := float64(s.usedCells()) / float64(s.cfg.NCtx)
 	for _, sl := range s.slots {
+		if sl.session == "" && sl.task == nil {
+			continue // a cached anonymous sequence is nobody's context
+		}
 		fill = max(fill, float64(len(sl.tokens))/float64(s.cfg.NCtx))
 	}
 	return fill
@@ -205,7 +208,7 @@ func (s *Scheduler) graceCells() int {
 	n := 0
 	for _, p := range s.pools.All() {
 		if p.State == pool.Released && p.Sessions == 0 && len(p.Children) == 0 {
-			n += p.OwnCells()
+			n += s.poolOwn(p)
 		}
 	}
 	return n
@@ -251,7 +254,7 @@ func (s *Scheduler) capacityInput(p *pool.Pool, expected int, session string) ad
 	own, n := 0, 0
 	for _, sl := range s.slots {
 		if sl.base == p {
-			own += sl.ownCells()
+			own += s.own(sl)
 			n++
 		}
 	}
@@ -490,7 +493,7 @@ func (s *Scheduler) Metrics(now time.Time) ([]PoolMetric, Usage) {
 	byPool := map[*pool.Pool]*PoolMetric{}
 	none := &PoolMetric{Unattached: true}
 	for _, p := range s.pools.All() {
-		byPool[p] = &PoolMetric{PoolID: p.ID, KVBytes: int64(p.OwnCells()) * s.cfg.BytesPerCell}
+		byPool[p] = &PoolMetric{PoolID: p.ID, KVBytes: int64(s.poolOwn(p)) * s.cfg.BytesPerCell}
 	}
 	for _, sl := range s.slots {
 		m := none
@@ -503,7 +506,7 @@ func (s *Scheduler) Metrics(now time.Time) ([]PoolMetric, Usage) {
 		if sl.task != nil || len(sl.tokens) > 0 {
 			m.Sessions++
 		}
-		m.KVBytes += int64(sl.ownCells()) * s.cfg.BytesPerCell
+		m.KVBytes += int64(s.own(sl)) * s.cfg.BytesPerCell
 		if t := sl.task; t != nil && t.decoding() {
 			m.GenTPS += t.ewma.RateAt(now)
 		}

@@ -90,7 +90,7 @@ func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 			if err != nil {
 				return 0, 0, err
 			}
-			s.ops = append(s.ops, SeqOp{Kind: OpSeqCp, Src: src.seq, Seq: p.Seq, P0: 0, P1: len(tokens)})
+			s.cpOp(src.seq, p.Seq, len(tokens))
 			s.check(p.Fill(len(tokens)))
 			s.check(p.Materialized(now))
 			s.check(p.SetPin(spec.Pin, now))
@@ -148,7 +148,7 @@ func (s *Scheduler) poolMaterialized(t *task) {
 // being restored goes back to evicted; a new one is removed and its id returned, after
 // the children queued behind it are cancelled (they cannot be built either).
 func (s *Scheduler) abandonPool(p *pool.Pool, restoring bool) {
-	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.Seq, P0: 0, P1: -1})
+	s.rmOp(p.Seq, 0)
 	delete(s.poolSeqs, p.ID)
 	p.Abandon()
 	if restoring {
@@ -174,14 +174,14 @@ func (s *Scheduler) evictPool(p *pool.Pool) error {
 	if announced {
 		s.prefixRemoved(p)
 	}
-	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.Seq, P0: 0, P1: -1})
+	s.rmOp(p.Seq, 0)
 	return nil
 }
 
 // reclaim frees a released pool's sequence and its sequence id.
 func (s *Scheduler) reclaim(p *pool.Pool) {
 	// Its prefix was reported removed when it was released.
-	s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: p.Seq, P0: 0, P1: -1})
+	s.rmOp(p.Seq, 0)
 	delete(s.admission, p.ID)
 	s.check(s.pools.Reclaim(p))
 }
@@ -281,7 +281,7 @@ func (s *Scheduler) flushPool(id int) (int, int, error) {
 	for _, sl := range s.slots {
 		if sl.base == p && sl.task == nil {
 			n++
-			cells += sl.ownCells()
+			cells += s.own(sl)
 			s.resetSlot(sl)
 		}
 	}
@@ -336,7 +336,7 @@ func (s *Scheduler) poolInfo(p *pool.Pool, withTokens bool) PoolInfo {
 	bpc := s.cfg.BytesPerCell
 	info := PoolInfo{
 		PoolID: p.ID, BranchPos: p.D, PrefixLen: p.L(), OwnLen: p.L() - p.D,
-		OwnKVBytes: int64(p.OwnCells()) * bpc, SubtreeKVBytes: s.subtreeCells(p) * bpc,
+		OwnKVBytes: int64(s.poolOwn(p)) * bpc, SubtreeKVBytes: s.subtreeCells(p) * bpc,
 		Residency: residency(p), State: p.State.String(), Pinned: p.Pinned(), UserPinned: p.UserPinned,
 		OrphanedPin:  p.UserPinned && p.Sessions == 0 && len(p.Children) == 0,
 		LastAccessTS: float64(p.LastAccess.UnixMilli()) / 1000, Children: pool.ChildIDs(p),
@@ -350,7 +350,7 @@ func (s *Scheduler) poolInfo(p *pool.Pool, withTokens bool) PoolInfo {
 		if sl.base != p {
 			continue
 		}
-		ps := PoolSession{SessionID: sl.session, Seq: sl.seq, SuffixNTokens: sl.ownCells(), MarginalKVBytes: int64(sl.ownCells()) * bpc, State: slotState(sl)}
+		ps := PoolSession{SessionID: sl.session, Seq: sl.seq, SuffixNTokens: s.own(sl), MarginalKVBytes: int64(s.own(sl)) * bpc, State: slotState(sl)}
 		if sl.task != nil {
 			id := uint64(sl.task.id)
 			ps.Task = &id
@@ -378,10 +378,10 @@ func residency(p *pool.Pool) string {
 
 // subtreeCells counts own cells of p, its descendants and their attached sequences.
 func (s *Scheduler) subtreeCells(p *pool.Pool) int64 {
-	n := int64(p.OwnCells())
+	n := int64(s.poolOwn(p))
 	for _, sl := range s.slots {
 		if sl.base == p {
-			n += int64(sl.ownCells())
+			n += int64(s.own(sl))
 		}
 	}
 	for _, c := range p.Children {

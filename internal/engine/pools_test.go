@@ -66,7 +66,7 @@ func (h *harness) checkAccounting() {
 	}
 	for _, sl := range h.s.Slots() {
 		if sl.PoolID == nil {
-			own += int64(sl.NPast) * st.BytesPerCell
+			own += int64(sl.Own) * st.BytesPerCell
 		}
 	}
 	if own != int64(h.be.cells())*st.BytesPerCell {

@@ -22,6 +22,12 @@ type Config struct {
 	// PoolsUnsupported, when set, is why pool operations are refused (recurrent models).
 	PoolsUnsupported string
 	TPSTau           time.Duration // EWMA time constant of experienced tps (default 2 s)
+	// PrefixCache turns on automatic prefix sharing (issue 12): a new request without a
+	// pool (and without a known session) starts from the longest prefix any resident
+	// sequence holds, by seq_cp, and finished anonymous sequences stay resident as cache
+	// until their cells or sequence ids are needed. Off: such requests prefill their
+	// whole prompt and free their cells when they end (the server's --prefix-cache off).
+	PrefixCache bool
 }
 
 // MaxSeqs is the largest n_seq_max llama.cpp accepts.
@@ -90,7 +96,6 @@ type slot struct {
 	lastUsed time.Time
 }
 
-func (sl *slot) ownCells() int { return len(sl.tokens) - sl.shared }
 
 type taskKind int
 
@@ -117,7 +122,9 @@ type task struct {
 	lastTok   time.Time
 	ewma      tps.EWMA
 	// newSession: attaching to a pool as a session it has not seen (gated, settled).
-	newSession   bool
+	newSession bool
+	// donorP, donorSeq: where pickSlot found the longest cached prefix (prefix cache).
+	donorP, donorSeq int
 	gateDeadline time.Time
 }
 
@@ -159,6 +166,13 @@ type Scheduler struct {
 	obs      []Observation
 	inflight []inflight
 
+	// cells mirrors the cache: which sequences share which cells (cellTree).
+	cells *cellTree
+	// Prefix cache counters (issue 12): prompt tokens served from cached prefixes,
+	// and evictions of cached anonymous sequences' cells.
+	cacheHits      int64
+	cacheEvictions int64
+
 	// violations counts pool lifecycle verbs that refused a transition the scheduler
 	// asked for: a scheduler bug. It is reported (Usage), never a crash.
 	violations    int
@@ -188,7 +202,7 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
 		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools), poolSeqs: map[int]*slot{},
 		admission: map[int]*poolAdmission{}, seen: map[string]time.Time{},
-		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau)}
+		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau), cells: newCellTree(cfg.Parallel)}
 	for i := range cfg.Parallel {
 		s.slots = append(s.slots, &slot{seq: i})
 	}
@@ -307,8 +321,10 @@ func (s *Scheduler) Observations() []Observation {
 // Idle reports that nothing is waiting or running.
 func (s *Scheduler) Idle() bool { return len(s.queue) == 0 && len(s.running) == 0 && len(s.gated) == 0 }
 
-// pickSlot chooses the sequence for t without side effects: its session's own, else
-// an empty one, else the least recently used idle session's.
+// pickSlot chooses the sequence for t without side effects: its session's own; for an
+// implicit request (prefixCached), an idle cached anonymous sequence holding the
+// longest prefix of its prompt (taken over); else an empty one, else the least
+// recently used idle one (cached anonymous sequences before idle sessions).
 func (s *Scheduler) pickSlot(t *task) *slot {
 	if t.kind == kindMaterialize {
 		return s.poolSeqs[t.pool.ID]
@@ -321,6 +337,13 @@ func (s *Scheduler) pickSlot(t *task) *slot {
 			return sl
 		}
 	}
+	t.donorP, t.donorSeq = 0, -1
+	if s.prefixCached(t) {
+		t.donorP, t.donorSeq = s.donor(t.req.Prompt)
+		if d := s.cachedSlot(t.donorSeq); d != nil {
+			return d
+		}
+	}
 	var lru *slot
 	for _, sl := range s.slots {
 		if sl.task != nil {
@@ -329,19 +352,97 @@ func (s *Scheduler) pickSlot(t *task) *slot {
 		if sl.session == "" && len(sl.tokens) == 0 {
 			return sl
 		}
-		if lru == nil || sl.lastUsed.Before(lru.lastUsed) {
+		if lru == nil || evictsBefore(sl, lru) {
 			lru = sl
 		}
 	}
 	return lru
 }
 
+// evictsBefore orders idle sequences for reuse and eviction: cached anonymous ones
+// before sessions, then least recently used first.
+func evictsBefore(a, b *slot) bool {
+	if ca, cb := a.session == "", b.session == ""; ca != cb {
+		return ca
+	}
+	return a.lastUsed.Before(b.lastUsed)
+}
+
+// cachedSlot returns seq's slot when it is a finished anonymous sequence kept as cache.
+func (s *Scheduler) cachedSlot(seq int) *slot {
+	if seq < 0 || seq >= len(s.slots) {
+		return nil
+	}
+	if sl := s.slots[seq]; sl.task == nil && sl.session == "" && len(sl.tokens) > 0 {
+		return sl
+	}
+	return nil
+}
+
+// prefixCached reports whether t starts from whatever resident sequence holds the
+// longest prefix of its prompt (issue 12): a request without a pool whose session, if
+// it names one, holds no sequence (a known session continues on its own).
+func (s *Scheduler) prefixCached(t *task) bool {
+	if !s.cfg.PrefixCache || t.kind != kindGenerate || t.pool != nil {
+		return false
+	}
+	if t.req.SessionID != "" {
+		if _, ok := s.bySession[t.req.SessionID]; ok {
+			return false
+		}
+	}
+	return true
+}
+
+// donor finds the longest prefix of prompt that some sequence holds (sessions, cached
+// anonymous sequences, running tasks' committed cells, pools), leaving the last prompt
+// token to prefill so there are logits to sample from: its length and a sequence to
+// copy it from, an idle cached one when there is one (it can be taken over), else the
+// lowest id. (0, -1) when nothing matches.
+func (s *Scheduler) donor(prompt []Token) (int, int) {
+	P, n := s.cells.Longest(prompt, len(prompt)-1)
+	if P == 0 {
+		return 0, -1
+	}
+	best := -1
+	n.holders.each(func(q int) bool {
+		if s.cachedSlot(q) != nil {
+			best = q
+			return false
+		}
+		if best < 0 {
+			best = q
+		}
+		return true
+	})
+	return P, best
+}
+
+// awaitsDonor reports whether t should stay queued because a task still prefilling
+// will soon hold a longer prefix of t's prompt than anything resident now (fan-out:
+// many requests with one long system prompt arrive together). Only committed cells can
+// be copied, so t waits until that task's prefill covers the common part.
+func (s *Scheduler) awaitsDonor(t *task) bool {
+	limit := len(t.req.Prompt) - 1
+	have, _ := s.cells.Longest(t.req.Prompt, limit)
+	for _, r := range s.running {
+		if r.prefilling() && min(commonPrefix(r.req.Prompt, t.req.Prompt), limit) > have {
+			return true
+		}
+	}
+	return false
+}
+
 // placement is how a task will sit on its sequence: keep [0, keep) of what the
-// sequence holds (its own cells), or reset it and borrow [0, attachP) from a pool.
+// sequence holds, or reset it and borrow [0, attachP) from a pool, or reset it and
+// share [0, cpP) of sequence cpFrom's cells (implicit prefix sharing).
 type placement struct {
 	keep    int
 	attachP int // > 0: reset the sequence and seq_cp [0, attachP) from the pool
-	freed   int // own cells released by the placement
+	cpFrom  int
+	cpP     int  // > 0: reset the sequence and seq_cp [0, cpP) from cpFrom
+	reused  bool // keep or cpP came from the prefix cache (counted as hits)
+	freed   int  // cells the placement frees (held by this sequence alone)
 }
 
 func (s *Scheduler) place(t *task, sl *slot) placement {
@@ -349,6 +450,12 @@ func (s *Scheduler) place(t *task, sl *slot) placement {
 		return placement{}
 	}
 	prompt := t.req.Prompt
+	if s.prefixCached(t) && t.donorSeq >= 0 {
+		if sl.seq == t.donorSeq {
+			return placement{keep: t.donorP, reused: true, freed: s.cells.Exclusive(sl.seq, t.donorP)}
+		}
+		return placement{cpFrom: t.donorSeq, cpP: t.donorP, reused: true, freed: s.cells.Exclusive(sl.seq, 0)}
+	}
 	own := sl.session != "" && sl.session == t.req.SessionID
 	k := 0
 	if own {
@@ -361,13 +468,13 @@ func (s *Scheduler) place(t *task, sl *slot) placement {
 		}
 		// Continuation on the same pool reuses the session's own cells first.
 		if !(own && sl.base == p && k >= P) && P > 0 {
-			return placement{attachP: P, freed: sl.ownCells()}
+			return placement{attachP: P, freed: s.cells.Exclusive(sl.seq, 0)}
 		}
 	}
 	if !own {
-		return placement{freed: sl.ownCells()}
+		return placement{freed: s.cells.Exclusive(sl.seq, 0)}
 	}
-	return placement{keep: k, freed: sl.ownCells() - (k - min(sl.shared, k))}
+	return placement{keep: k, freed: s.cells.Exclusive(sl.seq, k)}
 }
 
 // admit moves waiting tasks onto sequences in FIFO order. A task whose cells are not
@@ -390,13 +497,18 @@ func (s *Scheduler) admit() {
 			continue
 		}
 		pl := s.place(t, sl)
-		kept := pl.keep + pl.attachP
+		kept := pl.keep + pl.attachP + pl.cpP
 		need := len(t.req.Prompt) - kept
 		if t.kind == kindMaterialize {
 			need = t.pool.L() - t.pool.D
 		}
 		free := s.cfg.NCtx - s.usedCells() + pl.freed - s.reservedPrefill()
-		if free+s.evictableCells(sl) < need {
+		// A donor's cells that this placement copies are not evictable for it.
+		keep, keepTo := -1, 0
+		if pl.cpP > 0 {
+			keep, keepTo = pl.cpFrom, pl.cpP
+		}
+		if free+s.evictableCellsKeeping(sl, keep, keepTo) < need {
 			return // head-of-line: wait for running tasks to end
 		}
 		s.seat(t, sl, pl)
@@ -411,6 +523,9 @@ func (s *Scheduler) admit() {
 // ready reports whether a waiting task's pool dependencies are met, and starts
 // restoring an evicted pool it needs. A pool released while the task waited fails it.
 func (s *Scheduler) ready(t *task) (bool, error) {
+	if s.prefixCached(t) && s.awaitsDonor(t) {
+		return false, nil
+	}
 	need := t.pool
 	if t.kind == kindMaterialize {
 		need = t.pool.Parent
@@ -435,17 +550,21 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 	case t.kind == kindMaterialize:
 		p := t.pool
 		if p.Parent != nil && p.D > 0 {
-			s.ops = append(s.ops, SeqOp{Kind: OpSeqCp, Src: p.Parent.Seq, Seq: p.Seq, P0: 0, P1: p.D})
+			s.cpOp(p.Parent.Seq, p.Seq, p.D)
 		}
 		sl.tokens = slices.Clone(p.Tokens[:p.D])
 		sl.shared = p.D
 		s.check(p.Fill(p.D))
 	case pl.attachP > 0:
 		s.resetSlot(sl)
-		s.ops = append(s.ops, SeqOp{Kind: OpSeqCp, Src: t.pool.Seq, Seq: sl.seq, P0: 0, P1: pl.attachP})
+		s.cpOp(t.pool.Seq, sl.seq, pl.attachP)
 		sl.tokens = slices.Clone(t.req.Prompt[:pl.attachP])
 		s.attach(sl, t.pool, pl.attachP)
-	case sl.session != "" && sl.session == t.req.SessionID:
+	case pl.cpP > 0:
+		s.resetSlot(sl)
+		s.cpOp(pl.cpFrom, sl.seq, pl.cpP)
+		sl.tokens = slices.Clone(t.req.Prompt[:pl.cpP])
+	case pl.reused, sl.session != "" && sl.session == t.req.SessionID:
 		s.truncate(sl, pl.keep)
 	default:
 		s.resetSlot(sl)
@@ -454,6 +573,9 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 		s.bind(sl, t.req.SessionID)
 		s.samplers = append(s.samplers, SamplerOp{Task: t.id, Params: t.req.Sampling, Logprobs: t.req.Logprobs, History: t.req.Prompt})
 		t.cacheN = len(sl.tokens)
+		if pl.reused {
+			s.cacheHits += int64(t.cacheN)
+		}
 		t.ewma = tps.NewEWMA(s.cfg.TPSTau)
 		if t.req.SessionID != "" {
 			s.seen[t.req.SessionID] = s.now
@@ -552,7 +674,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 				continue
 			}
 			// The cells this batch may have written are not trusted: drop them.
-			s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: f.t.slot.seq, P0: len(f.t.slot.tokens), P1: -1})
+			s.rmOp(f.t.slot.seq, len(f.t.slot.tokens))
 			s.finish(f.t, FinishError, false, fmt.Errorf("%w: %v", ErrDecode, err))
 		}
 		return
@@ -562,6 +684,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 	for _, f := range in {
 		t := f.t
 		if f.decode {
+			s.cells.Append(t.slot.seq, []Token{t.next})
 			t.slot.tokens = append(t.slot.tokens, t.next)
 			t.hasNext = false
 			t.ewma.Observe(1, now)
@@ -569,6 +692,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 			t.lastTok = now
 		} else {
 			have := len(t.slot.tokens)
+			s.cells.Append(t.slot.seq, t.req.Prompt[have:have+f.n])
 			t.slot.tokens = append(t.slot.tokens, t.req.Prompt[have:have+f.n]...)
 			if t.kind == kindMaterialize {
 				s.check(t.pool.Fill(len(t.slot.tokens)))
@@ -649,7 +773,15 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 	s.samplers = append(s.samplers, SamplerOp{Task: t.id, Free: true})
 	s.obs = append(s.obs, Observation{Kind: ObsQuery, Pool: stats.Pool, PromptTokens: len(t.req.Prompt), CachedTokens: t.cacheN})
 	s.removeRunning(t)
-	if sl.session == "" || (sl.base != nil && sl.base.State == pool.Released) {
+	switch {
+	case sl.base != nil && sl.base.State == pool.Released:
+		s.evictSlot(sl)
+	case sl.session == "" && s.cfg.PrefixCache:
+		// Kept as cache: its cells stay until they or its sequence are needed. It no
+		// longer counts as a session of its pool (the pool's cells it shares stay
+		// shared by membership, whoever goes first).
+		s.detach(sl)
+	case sl.session == "":
 		s.evictSlot(sl)
 	}
 }

@@ -10,19 +10,23 @@ import (
 
 // SlotInfo is a copy of one sequence's state for /slots.
 type SlotInfo struct {
-	Seq       int     `json:"id"`
-	SessionID string  `json:"session_id"`
-	State     string  `json:"state"` // idle | prefill | decode
-	NPast     int     `json:"n_past"`
-	Decoded   int     `json:"n_decoded"`
-	Task      uint64  `json:"task_id,omitempty"`
-	PoolID    *int    `json:"pool_id"`
-	Shared    int     `json:"n_shared"` // leading tokens borrowed from the pool
-	TPSEWMA   float64 `json:"tps_ewma"`
-	CtxUsed   int     `json:"ctx_used"`
-	CtxTotal  int     `json:"ctx_total"`
-	Headroom  int     `json:"ctx_headroom_tokens"`
-	Pressure  float64 `json:"ctx_pressure"` // the session's own context pressure
+	Seq       int    `json:"id"`
+	SessionID string `json:"session_id"`
+	State     string `json:"state"` // idle | prefill | decode
+	NPast     int    `json:"n_past"`
+	Decoded   int    `json:"n_decoded"`
+	Task      uint64 `json:"task_id,omitempty"`
+	PoolID    *int   `json:"pool_id"`
+	Shared    int    `json:"n_shared"` // leading tokens borrowed from the pool
+	// Own is the cells attributed to this sequence by ownership (Σ over sequences and
+	// pools == cells in use); the rest of NPast it shares with a pool or with the
+	// sequence it copied a cached prefix from.
+	Own      int     `json:"n_own_cells"`
+	TPSEWMA  float64 `json:"tps_ewma"`
+	CtxUsed  int     `json:"ctx_used"`
+	CtxTotal int     `json:"ctx_total"`
+	Headroom int     `json:"ctx_headroom_tokens"`
+	Pressure float64 `json:"ctx_pressure"` // the session's own context pressure
 }
 
 func slotState(sl *slot) string {
@@ -44,7 +48,7 @@ func (s *Scheduler) Slots() []SlotInfo {
 			continue
 		}
 		st := s.sessionTPS(sl, free)
-		info := SlotInfo{Seq: sl.seq, SessionID: sl.session, State: slotState(sl), NPast: len(sl.tokens), Shared: sl.shared,
+		info := SlotInfo{Seq: sl.seq, SessionID: sl.session, State: slotState(sl), NPast: len(sl.tokens), Shared: sl.shared, Own: s.own(sl),
 			TPSEWMA: st.TPSEWMA, CtxUsed: st.CtxUsed, CtxTotal: st.CtxTotal, Headroom: st.CtxHeadroomTokens, Pressure: st.CtxPressure}
 		if sl.base != nil {
 			id := sl.base.ID

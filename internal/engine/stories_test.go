@@ -2,6 +2,7 @@ package engine
 
 import (
 	"fmt"
+	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -190,7 +191,9 @@ func (st *story) pool(t *testing.T, d *datadriven.TestData) string {
 
 // ended prints the tasks that finished since the last call.
 func (st *story) ended() {
-	for id, evs := range st.h.events {
+	ids := slices.Sorted(maps.Keys(st.h.events)) // task order: map order would vary
+	for _, id := range ids {
+		evs := st.h.events[id]
 		if len(evs) == 0 || !evs[len(evs)-1].Done || st.names[id] == "" {
 			continue
 		}

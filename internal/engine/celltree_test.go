@@ -1,0 +1,141 @@
+package engine
+
+import (
+	"math/rand/v2"
+	"slices"
+	"testing"
+)
+
+// TestCellTreeMirrorsCache drives the cell tree and the fake cache with the same random
+// appends, copies and removals: the tree's cells in use, each sequence's tokens and the
+// cells removing a set would free must equal the fake cache's, and ownership must sum
+// to the cells in use.
+func TestCellTreeMirrorsCache(t *testing.T) {
+	const nSeq, firstPool = 8, 6
+	for round := range 200 {
+		r := rand.New(rand.NewPCG(uint64(round), 7))
+		be := newFakeBackend(t, 1<<20)
+		c := newCellTree(firstPool)
+		for range 60 {
+			seq := r.IntN(nSeq)
+			switch r.IntN(4) {
+			case 0, 1:
+				toks := make([]Token, 1+r.IntN(5))
+				for i := range toks {
+					toks[i] = Token(r.IntN(3))
+				}
+				for _, tk := range toks {
+					be.nextCell++
+					be.kv[seq] = append(be.kv[seq], fakeCell{id: be.nextCell, tok: tk})
+				}
+				c.Append(seq, toks)
+			case 2:
+				src := r.IntN(nSeq)
+				if src == seq || len(be.kv[src]) == 0 {
+					continue
+				}
+				p1 := 1 + r.IntN(len(be.kv[src]))
+				be.SeqRm(seq, 0, -1)
+				c.Rm(seq, 0)
+				be.SeqCp(src, seq, 0, p1)
+				c.Cp(src, seq, p1)
+			case 3:
+				q := r.IntN(len(be.kv[seq]) + 1)
+				want := 0
+				for _, cell := range be.kv[seq][q:] {
+					if cellHolders(be, cell.id) == 1 {
+						want++
+					}
+				}
+				if got := c.Exclusive(seq, q); got != want {
+					t.Fatalf("round %d: exclusive(%d, %d) = %d, want %d", round, seq, q, got, want)
+				}
+				be.SeqRm(seq, q, -1)
+				c.Rm(seq, q)
+			}
+			if c.total != be.cells() {
+				t.Fatalf("round %d: tree %d cells, cache %d", round, c.total, be.cells())
+			}
+			sum := 0
+			for q := range nSeq {
+				sum += c.Owned(q)
+				if !slices.Equal(c.tokens(q), be.tokens(q)) {
+					t.Fatalf("round %d: seq %d tree %v cache %v", round, q, c.tokens(q), be.tokens(q))
+				}
+			}
+			if sum != c.total {
+				t.Fatalf("round %d: Σ owned %d != %d cells", round, sum, c.total)
+			}
+			var set seqSet
+			in := map[int]bool{}
+			for q := range nSeq {
+				if r.IntN(2) == 0 {
+					set.add(q)
+					in[q] = true
+				}
+			}
+			want := 0
+			seen := map[int]bool{}
+			for q, cells := range be.kv {
+				for _, cell := range cells {
+					if seen[cell.id] {
+						continue
+					}
+					seen[cell.id] = true
+					all := true
+					for q2, cells2 := range be.kv {
+						if slices.ContainsFunc(cells2, func(x fakeCell) bool { return x.id == cell.id }) && !in[q2] {
+							all = false
+						}
+					}
+					_ = q
+					if all {
+						want++
+					}
+				}
+			}
+			if got := c.Freed(set, -1, 0); got != want {
+				t.Fatalf("round %d: freed %d, want %d", round, got, want)
+			}
+		}
+	}
+}
+
+func cellHolders(be *fakeBackend, id int) int {
+	n := 0
+	for _, cells := range be.kv {
+		if slices.ContainsFunc(cells, func(x fakeCell) bool { return x.id == id }) {
+			n++
+		}
+	}
+	return n
+}
+
+// TestCellTreeLongest: the longest held prefix wins, limited to the prompt's limit.
+func TestCellTreeLongest(t *testing.T) {
+	c := newCellTree(10)
+	c.Append(0, seqTokens(1, 10))
+	c.Cp(0, 1, 6)
+	c.Append(1, []Token{50, 51})
+	c.Append(2, seqTokens(1, 3)) // the same tokens in other cells
+	for _, tc := range []struct {
+		prompt     []Token
+		limit, P   int
+		holderSeqs []int
+	}{
+		{seqTokens(1, 10), 9, 9, []int{0}},
+		{append(seqTokens(1, 6), 50, 51, 52), 8, 8, []int{1}},
+		{append(seqTokens(1, 6), 77), 6, 6, []int{0, 1}},
+		{append(seqTokens(1, 2), 9), 3, 2, []int{0, 1}},
+		{[]Token{99}, 1, 0, nil},
+	} {
+		P, n := c.Longest(tc.prompt, tc.limit)
+		var holders []int
+		if n != nil {
+			n.holders.each(func(q int) bool { holders = append(holders, q); return true })
+		}
+		if P != tc.P || !slices.Equal(holders, tc.holderSeqs) {
+			t.Errorf("Longest(%v, %d) = %d held by %v, want %d by %v", tc.prompt, tc.limit, P, holders, tc.P, tc.holderSeqs)
+		}
+	}
+}
