@@ -4,12 +4,13 @@ import "github.com/polykv/polykv/internal/app"
 
 // cacheReuseOffFlag is how the server flag that turns automatic prefix reuse off is
 // spelled, for the benchmark's headings.
-const cacheReuseOffFlag = "--cache-reuse off"
+const cacheReuseOffFlag = "--prefix-cache off"
 
-// withCacheReuse returns cfg with automatic prefix reuse on or off.
-// TODO(b12): the engine's switch has not landed on this branch yet (p12); until it
-// does, both settings run the same server and "auto" measures no reuse.
+// withCacheReuse returns cfg with automatic prefix reuse on or off (--prefix-cache).
 func withCacheReuse(cfg app.Config, on bool) app.Config {
-	_ = on
+	cfg.PrefixCache = "off"
+	if on {
+		cfg.PrefixCache = "on"
+	}
 	return cfg
 }

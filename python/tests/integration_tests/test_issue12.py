@@ -15,7 +15,7 @@ from typing_extensions import Annotated, TypedDict
 from polykv_langgraph.local_server import LocalServer
 
 SERVER_ARGS = ("-c", "4096", "--parallel", "4", "--pool-grace-ms", "0")
-REUSE_OFF = ("--cache-reuse", "off")
+REUSE_OFF = ("--prefix-cache", "off")
 
 # A system prompt long enough that sharing it is visible in the cell count (~300 tokens).
 SYSTEM = "You are one of several research agents. Call tools, read their results, and report briefly. Tools:\n" + "".join(
