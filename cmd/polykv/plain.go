@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -310,8 +311,8 @@ func percentile(ds []time.Duration, q float64) time.Duration {
 func parseCounts(s string, most int) ([]int, error) {
 	var ns []int
 	for _, a := range strings.Split(s, ",") {
-		var n int
-		if _, err := fmt.Sscanf(strings.TrimSpace(a), "%d", &n); err != nil || n < 1 || n > most {
+		n, err := strconv.Atoi(strings.TrimSpace(a))
+		if err != nil || n < 1 || n > most {
 			return nil, fmt.Errorf("bench: bad count %q (1..%d)", a, most)
 		}
 		ns = append(ns, n)
