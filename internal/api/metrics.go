@@ -80,11 +80,17 @@ var (
 	descRunning  = prometheus.NewDesc("polykv_requests_running", "Generation requests on a sequence.", nil, nil)
 	descWaiting  = prometheus.NewDesc("polykv_requests_waiting", "Generation requests waiting for a sequence.", nil, nil)
 	descKVRatio  = prometheus.NewDesc("polykv_kv_usage_ratio", "Fraction of the unified cache's cells in use.", nil, nil)
+	// The prefix cache (issue 12, --prefix-cache).
+	descCacheImplicit  = prometheus.NewDesc("polykv_prefix_cache_implicit_hit_tokens_total", "Prompt tokens that requests without pool_id (or a known session) took from a resident sequence's prefix by seq_cp instead of prefilling.", nil, nil)
+	descCacheResident  = prometheus.NewDesc("polykv_prefix_cache_resident_tokens", "Cells held only by finished anonymous sequences kept as cache (what dropping the cache would free).", nil, nil)
+	descCacheSeqs      = prometheus.NewDesc("polykv_prefix_cache_sequences", "Finished anonymous sequences kept as cache.", nil, nil)
+	descCacheEvictions = prometheus.NewDesc("polykv_prefix_cache_evictions_total", "Times a cached anonymous sequence lost cells (least recently used tail first) or its sequence id under pressure or expiry.", nil, nil)
 )
 
 // Describe implements prometheus.Collector for the scrape-time gauges.
 func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descGen, descKV, descSessions, descRunning, descWaiting, descKVRatio} {
+	for _, d := range []*prometheus.Desc{descGen, descKV, descSessions, descRunning, descWaiting, descKVRatio,
+		descCacheImplicit, descCacheResident, descCacheSeqs, descCacheEvictions} {
 		ch <- d
 	}
 }
@@ -105,6 +111,10 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descRunning, prometheus.GaugeValue, float64(usage.Running))
 	ch <- prometheus.MustNewConstMetric(descWaiting, prometheus.GaugeValue, float64(usage.Waiting))
 	ch <- prometheus.MustNewConstMetric(descKVRatio, prometheus.GaugeValue, float64(usage.CellsUsed)/float64(max(1, usage.CellsMax)))
+	ch <- prometheus.MustNewConstMetric(descCacheImplicit, prometheus.CounterValue, float64(usage.CacheHitTokens))
+	ch <- prometheus.MustNewConstMetric(descCacheResident, prometheus.GaugeValue, float64(usage.CacheCells))
+	ch <- prometheus.MustNewConstMetric(descCacheSeqs, prometheus.GaugeValue, float64(usage.CacheSeqs))
+	ch <- prometheus.MustNewConstMetric(descCacheEvictions, prometheus.CounterValue, float64(usage.CacheEvictions))
 }
 
 // AddKVEvents exports the KV-event publisher's counters: messages sent, snapshots

@@ -46,6 +46,9 @@ type genParams struct {
 	PoolKey          *string         `json:"pool_key"`
 	Overcommit       bool            `json:"overcommit"`
 	ReservationID    *string         `json:"reservation_id"`
+	// CachePrompt false (llama-server's name): prefill the whole prompt rather than
+	// start from a cached prefix of another sequence (a cold reference).
+	CachePrompt *bool `json:"cache_prompt"`
 }
 
 type chatRequest struct {
@@ -255,6 +258,7 @@ func (s *Server) toEngine(g *genParams) (engine.Request, *apiError) {
 	}
 	req.Stop = stops
 	req.IgnoreEOS = g.IgnoreEOS
+	req.NoPrefixCache = g.CachePrompt != nil && !*g.CachePrompt
 	req.Overcommit = g.Overcommit
 	lp, n, e := parseLogprobs(g.Logprobs, g.TopLogprobs)
 	if e != nil {

@@ -59,6 +59,8 @@ type Info struct {
 	// PoolsUnsupported is why pools are off for this model ("" when they work).
 	PoolsUnsupported string
 	TPSTauMs         int64
+	// PrefixCache: automatic prefix sharing is on (--prefix-cache).
+	PrefixCache bool
 	// Compute is where the model runs (devices, GPU layers), as app.Offload describes it.
 	Compute any
 }
@@ -300,6 +302,13 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 				"tau_ms":                     s.info.TPSTauMs,
 				"warm_min_tokens":            tps.MinWarmTokens,
 				"stream_interval_ms_default": 500,
+			},
+			"prefix_cache": map[string]any{
+				"enabled":          s.info.PrefixCache,
+				"hit_tokens":       usage.CacheHitTokens,
+				"resident_tokens":  usage.CacheCells,
+				"cached_sequences": usage.CacheSeqs,
+				"evictions":        usage.CacheEvictions,
 			},
 		},
 	}

@@ -36,9 +36,6 @@ type Config struct {
 	MaxPools   int           // --max-pools: pool sequence ids reserved above the sessions'
 	PoolGrace  time.Duration // --pool-grace-ms; 0: no grace
 	FlashAttn  string        // --flash-attn: on, off, auto
-	// PrefixCache (--prefix-cache on|off): automatic prefix sharing for requests without
-	// a pool_id (issue 12); off only for comparison.
-	PrefixCache string
 	TPSTau     time.Duration // --tps-tau: EWMA time constant of experienced tps
 	CacheTypeK string        // --cache-type-k: f16, q8_0, q4_0, ...
 	CacheTypeV string        // --cache-type-v: as CacheTypeK; quantized needs flash attention
@@ -62,6 +59,10 @@ type Config struct {
 	GPULayers string // -ngl/--n-gpu-layers: auto, all or N (see ParseGPULayers)
 	Device    string // --device: GPU device names, comma-separated; "": every GPU; none: CPU
 	SplitMode string // --split-mode: layer, row or none (several GPUs)
+
+	// PrefixCache (--prefix-cache on|off): automatic prefix sharing for requests without
+	// a pool_id (issue 12); off only for comparison.
+	PrefixCache string
 
 	noSWAAnchors bool // tests only: show what goes wrong without runner SWA anchors
 }
@@ -300,6 +301,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		MaxPools: cfg.MaxPools, PoolGraceMs: cfg.PoolGrace.Milliseconds(), BytesPerCell: ecfg.BytesPerCell, PoolsUnsupported: ecfg.PoolsUnsupported,
 	}
 	info.TPSTauMs = cfg.TPSTau.Milliseconds()
+	info.PrefixCache = ecfg.PrefixCache
 	info.Compute = off
 	srv := api.New(eng, model, renderer, info, metrics, log)
 	srv.RequireAPIKeys(cfg.APIKeys)

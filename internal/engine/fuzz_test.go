@@ -1,7 +1,9 @@
 package engine
 
 import (
+	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 )
@@ -19,9 +21,19 @@ func FuzzSchedulerInvariants(f *testing.F) {
 	f.Add([]byte{4, 10, 0, 5, 0, 10, 5, 0, 3, 7, 1, 6, 0, 6, 1, 2, 0, 12, 8, 8, 9, 9, 8, 6, 0})
 	f.Add([]byte{0, 60, 0, 61, 0, 62, 0, 63, 0, 64, 0, 65, 8, 8, 8, 3, 2, 3, 0, 8})
 	f.Fuzz(func(t *testing.T, data []byte) {
+		// Every input runs twice: without and with the prefix cache (issue 12).
+		for _, cache := range []bool{false, true} {
+			fuzzScheduler(t, slices.Clone(data), cache)
+		}
+	})
+}
+
+func fuzzScheduler(t *testing.T, data []byte, cache bool) {
+	{
 		cfg := Config{NCtx: 256, Parallel: 3, MaxPools: 3, NBatch: 16, MaxQueue: 4,
-			SessionTTL: time.Minute, PoolGrace: time.Second, BytesPerCell: 10}
+			SessionTTL: time.Minute, PoolGrace: time.Second, BytesPerCell: 10, PrefixCache: cache}
 		h := newHarness(t, cfg)
+		prompts := map[TaskID][]Token{}
 		families := [][]Token{seqTokens(100, 60), seqTokens(300, 60), append(seqTokens(100, 20), seqTokens(500, 40)...)}
 		var pools []int
 		var tasks []TaskID
@@ -59,6 +71,7 @@ func FuzzSchedulerInvariants(f *testing.F) {
 				}
 				if id, err := h.trySubmit(req); err == nil {
 					tasks = append(tasks, id)
+					prompts[id] = req.Prompt
 				}
 			case 3:
 				if len(tasks) > 0 {
@@ -122,7 +135,32 @@ func FuzzSchedulerInvariants(f *testing.F) {
 		if len(h.be.samplers) != 0 || len(h.s.tasks) != 0 {
 			t.Fatalf("leaked after drain: %d samplers, %d tasks", len(h.be.samplers), len(h.s.tasks))
 		}
-	})
+		// Greedy output never depends on what was shared: every task's text is a prefix
+		// of what a cold prefill of its prompt generates (the fake model's next token
+		// depends on every token its sequence holds), all of it when it ran to max_tokens.
+		for id, prompt := range prompts {
+			ev, ok := h.done(id)
+			if !ok {
+				t.Fatalf("task %d never ended", id)
+			}
+			got, want := h.text(id), coldText(prompt, 8)
+			if !strings.HasPrefix(want, got) {
+				t.Fatalf("cache=%v: task %d (prompt %v, cache_n %d) generated %q, a cold prefill %q", cache, id, prompt, ev.Stats.CacheN, got, want)
+			}
+		}
+	}
+}
+
+// coldText is what the fake model generates for prompt, n tokens, on an empty cache.
+func coldText(prompt []Token, n int) string {
+	seq := slices.Clone(prompt)
+	var b strings.Builder
+	for range n {
+		tok := fakeNext(seq)
+		fmt.Fprintf(&b, "<%d>", tok)
+		seq = append(seq, tok)
+	}
+	return b.String()
 }
 
 // checkStep runs one step and checks that every planned sequence id is in range and,
@@ -138,4 +176,19 @@ func (h *harness) checkStep(cfg Config) {
 	apply(h.be, Plan{Samplers: h.s.samplers, SeqOps: h.s.ops})
 	h.s.samplers, h.s.ops = nil, nil
 	h.checkAccounting()
+	// No cell a sequence holds was removed or shifted under it: the cache holds exactly
+	// what each sequence's slot says (a borrower's cells included), and so does the tree.
+	for _, sl := range h.s.slots {
+		if got := h.be.tokens(sl.seq); !slices.Equal(got, sl.tokens) {
+			h.t.Fatalf("seq %d holds %v in the cache, the scheduler thinks %v", sl.seq, got, sl.tokens)
+		}
+		if got := h.s.cells.tokens(sl.seq); !slices.Equal(got, sl.tokens) {
+			h.t.Fatalf("seq %d holds %v in the cell tree, the scheduler thinks %v", sl.seq, got, sl.tokens)
+		}
+	}
+	for _, p := range h.s.pools.All() {
+		if got := h.be.tokens(p.Seq); !slices.Equal(got, p.Tokens[:p.Filled]) {
+			h.t.Fatalf("pool %d (seq %d, %s) holds %v in the cache, want its first %d tokens", p.ID, p.Seq, p.State, got, p.Filled)
+		}
+	}
 }

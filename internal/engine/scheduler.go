@@ -96,7 +96,6 @@ type slot struct {
 	lastUsed time.Time
 }
 
-
 type taskKind int
 
 const (
@@ -125,7 +124,7 @@ type task struct {
 	newSession bool
 	// donorP, donorSeq: where pickSlot found the longest cached prefix (prefix cache).
 	donorP, donorSeq int
-	gateDeadline time.Time
+	gateDeadline     time.Time
 }
 
 func (t *task) prefilling() bool { return t.slot != nil && len(t.slot.tokens) < len(t.req.Prompt) }
@@ -383,7 +382,7 @@ func (s *Scheduler) cachedSlot(seq int) *slot {
 // longest prefix of its prompt (issue 12): a request without a pool whose session, if
 // it names one, holds no sequence (a known session continues on its own).
 func (s *Scheduler) prefixCached(t *task) bool {
-	if !s.cfg.PrefixCache || t.kind != kindGenerate || t.pool != nil {
+	if !s.cfg.PrefixCache || t.kind != kindGenerate || t.pool != nil || t.req.NoPrefixCache {
 		return false
 	}
 	if t.req.SessionID != "" {
@@ -546,6 +545,9 @@ func (s *Scheduler) ready(t *task) (bool, error) {
 
 // seat puts t on sl as placed.
 func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
+	if s.cachedSlot(sl.seq) != nil && !(pl.reused && pl.cpP == 0) {
+		s.cacheEvictions++ // a cached sequence gives up its sequence id
+	}
 	switch {
 	case t.kind == kindMaterialize:
 		p := t.pool

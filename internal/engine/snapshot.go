@@ -71,6 +71,13 @@ type Usage struct {
 	Waiting   int `json:"requests_waiting"`
 	Sessions  int `json:"sessions"`
 	Pools     int `json:"pools"`
+	// Prefix cache (issue 12): prompt tokens served from cached prefixes so far, the
+	// cells only finished anonymous sequences kept as cache hold (what dropping the
+	// cache would free), those sequences, and how often one lost cells under pressure.
+	CacheHitTokens int64 `json:"prefix_cache_hit_tokens"`
+	CacheCells     int   `json:"prefix_cache_cells"`
+	CacheSeqs      int   `json:"prefix_cache_sequences"`
+	CacheEvictions int64 `json:"prefix_cache_evictions"`
 }
 
 // Usage reports the current load.
@@ -87,7 +94,17 @@ func (s *Scheduler) Usage() Usage {
 			waiting++
 		}
 	}
-	return Usage{CellsUsed: s.usedCells(), CellsMax: s.cfg.NCtx, Running: running, Waiting: waiting, Sessions: len(s.bySession), Pools: s.pools.Len()}
+	u := Usage{CellsUsed: s.usedCells(), CellsMax: s.cfg.NCtx, Running: running, Waiting: waiting, Sessions: len(s.bySession), Pools: s.pools.Len(),
+		CacheHitTokens: s.cacheHits, CacheEvictions: s.cacheEvictions}
+	var cached seqSet
+	for _, sl := range s.slots {
+		if s.cachedSlot(sl.seq) != nil {
+			cached.add(sl.seq)
+			u.CacheSeqs++
+		}
+	}
+	u.CacheCells = s.cells.Freed(cached, -1, 0)
+	return u
 }
 
 // Snapshot is an immutable copy of everything the HTTP layer reads: the engine

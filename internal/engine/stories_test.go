@@ -22,7 +22,7 @@ import (
 //
 // Commands:
 //
-//	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR
+//	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR prefixcache=on
 //	submit name=X prompt=1..6;99 [session=S] [max=N] [pool=P] [shared=N]
 //	pool name=P prompt=... [parent=Q d=N] [pin]   create (or fork) and materialize
 //	release|evict|pin|unpin|flush pool=P
@@ -74,6 +74,8 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 				cfg.PoolGrace = dur(t, d, v)
 			case "ttl":
 				cfg.SessionTTL = dur(t, d, v)
+			case "prefixcache":
+				cfg.PrefixCache = v == "on"
 			default:
 				d.Fatalf(t, "unknown config key %s", a.Key)
 			}
@@ -252,8 +254,13 @@ func (st *story) state() {
 		if sl.base != nil {
 			line += fmt.Sprintf(" pool=%d shared=%d", sl.base.ID, sl.shared)
 		}
+		if own := s.own(sl); own != len(sl.tokens)-sl.shared {
+			line += fmt.Sprintf(" own=%d", own) // it shares cells beyond a pool's
+		}
 		if sl.task != nil {
 			line += " busy"
+		} else if sl.session == "" {
+			line += " cached"
 		}
 		st.printf("%s\n", line)
 	}
@@ -265,6 +272,9 @@ func (st *story) state() {
 	st.h.checkAccounting()
 	u := s.Usage()
 	st.printf("cells: %d of %d; running %d, waiting %d\n", st.h.be.cells(), u.CellsMax, u.Running, u.Waiting)
+	if s.cfg.PrefixCache {
+		st.printf("prefix cache: hit tokens %d, cached cells %d, evictions %d\n", u.CacheHitTokens, u.CacheCells, u.CacheEvictions)
+	}
 }
 
 func (st *story) poolID(name string) int {

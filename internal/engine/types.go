@@ -52,6 +52,9 @@ type Request struct {
 	// the request attaches to the live pool with that key if this replica holds one,
 	// and otherwise runs unpooled (never an error: a router may send it anywhere).
 	PoolKey *uint64
+	// NoPrefixCache: do not start from another sequence's cached prefix, prefill the
+	// whole prompt (cache_prompt: false; a cold reference for comparisons).
+	NoPrefixCache bool
 }
 
 // Finish reasons, as OpenAI names them.
