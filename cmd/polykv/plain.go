@@ -110,6 +110,14 @@ func (b *benchServer) peakCells() int {
 	return int(b.peak.Load())
 }
 
+// evictions is how many times the prefix cache gave up cells or a sequence id so far.
+func (b *benchServer) evictions() int64 {
+	if s := b.a.Engine.Snapshot(); s != nil {
+		return s.Usage.CacheEvictions
+	}
+	return 0
+}
+
 func (b *benchServer) Close() {
 	close(b.stop)
 	<-b.done
@@ -181,6 +189,7 @@ type plainFanoutResult struct {
 	peakCells        int
 	cachedMean       float64 // mean cached_tokens over the agents
 	cachedMin        int     // least cached_tokens of any agent but the first to be served
+	evictions        int64   // prefix-cache evictions during the run
 }
 
 func (f plainFanout) run(cfg app.Config, agents string) error {
@@ -196,7 +205,7 @@ func (f plainFanout) run(cfg app.Config, agents string) error {
 	fmt.Println("without pool_id or session_id (pool: the explicit-pool run; auto: automatic prefix reuse; off: " + cacheReuseOffFlag + ")")
 	fmt.Println("TTFT from request to first token; peak cells: most KV cells in use during the run; cached: usage.prompt_tokens_details.cached_tokens")
 	fmt.Println()
-	fmt.Println("   N  config  TTFT p50 ms  TTFT max ms  peak cells  wall s  cached mean  cached min  wall/pool  cells/pool")
+	fmt.Println("   N  config  TTFT p50 ms  TTFT max ms  peak cells  wall s  cached mean  cached min  evictions  wall/pool  cells/pool")
 	var last map[plainMode]plainFanoutResult
 	for _, n := range ns {
 		c := cfg
@@ -215,8 +224,8 @@ func (f plainFanout) run(cfg app.Config, agents string) error {
 				wallR = fmt.Sprintf("%.3f", r.wall.Seconds()/p.wall.Seconds())
 				cellsR = fmt.Sprintf("%.3f", float64(r.peakCells)/float64(p.peakCells))
 			}
-			fmt.Printf("%4d  %-6s  %11.0f  %11.0f  %10d  %6.1f  %11.0f  %10d  %9s  %10s\n", n, m,
-				ms(r.ttftP50), ms(r.ttftMax), r.peakCells, r.wall.Seconds(), r.cachedMean, r.cachedMin, wallR, cellsR)
+			fmt.Printf("%4d  %-6s  %11.0f  %11.0f  %10d  %6.1f  %11.0f  %10d  %9d  %9s  %10s\n", n, m,
+				ms(r.ttftP50), ms(r.ttftMax), r.peakCells, r.wall.Seconds(), r.cachedMean, r.cachedMin, r.evictions, wallR, cellsR)
 		}
 		last = res
 	}
@@ -295,7 +304,7 @@ func (f plainFanout) once(cfg app.Config, mode plainMode, root []int32, suffixes
 	} else {
 		res.cachedMin = cached[0]
 	}
-	res.peakCells = s.peakCells()
+	res.peakCells, res.evictions = s.peakCells(), s.evictions()
 	return res, nil
 }
 
@@ -334,6 +343,7 @@ type agentLoop struct {
 type agentLoopResult struct {
 	wall      time.Duration
 	peakCells int
+	evictions int64
 	prompt    [][]int // [agent][turn] prompt_tokens
 	cached    [][]int // [agent][turn] cached_tokens
 }
@@ -383,10 +393,10 @@ func (l agentLoop) run(cfg app.Config) error {
 		fmt.Println()
 	}
 	fmt.Println()
-	fmt.Println("config  wall s  peak cells  prompt tokens  cached tokens")
+	fmt.Println("config  wall s  peak cells  prompt tokens  cached tokens  evictions")
 	for _, m := range l.modes {
 		r := res[m]
-		fmt.Printf("%-6s  %6.1f  %10d  %13d  %13d\n", m, r.wall.Seconds(), r.peakCells, sumAll(r.prompt), sumAll(r.cached))
+		fmt.Printf("%-6s  %6.1f  %10d  %13d  %13d  %9d\n", m, r.wall.Seconds(), r.peakCells, sumAll(r.prompt), sumAll(r.cached), r.evictions)
 	}
 	if a, ok := res[modeAuto]; ok {
 		if o, ok := res[modeOff]; ok {
@@ -519,7 +529,7 @@ func (l agentLoop) once(cfg app.Config, mode plainMode, system string, tasks []s
 			return res, err
 		}
 	}
-	res.peakCells = s.peakCells()
+	res.peakCells, res.evictions = s.peakCells(), s.evictions()
 	return res, nil
 }
 

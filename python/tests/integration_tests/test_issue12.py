@@ -38,14 +38,18 @@ def cells_used(base: str) -> int:
 @pytest.fixture(scope="module")
 def reuse_server():
     with LocalServer(*SERVER_ARGS) as base:
-        if cache_info(base) is None:
+        info = cache_info(base)
+        if info is None:
             pytest.skip("this server reports no automatic prefix cache (/props polykv.prefix_cache)")
+        assert info["enabled"] is True, info
         yield base
 
 
 @pytest.fixture(scope="module")
 def off_server(reuse_server):
     with LocalServer(*SERVER_ARGS, *REUSE_OFF) as base:
+        info = cache_info(base)
+        assert info is not None and info["enabled"] is False, info
         yield base
 
 
@@ -60,6 +64,7 @@ def test_plain_fanout_shares_the_system_prompt(reuse_server):
     client = client_for(reuse_server)
     n, gen = 3, 8
     before = cells_used(reuse_server)
+    hits_before = cache_info(reuse_server)["hit_tokens"]
 
     class State(TypedDict, total=False):
         task: str
@@ -84,6 +89,8 @@ def test_plain_fanout_shares_the_system_prompt(reuse_server):
     # The first agent to be served may find nothing; every later one finds the system prompt.
     assert all(c >= system_tokens for c in cached[1:]), (cached, system_tokens)
     copy_everything = sum(u.prompt_tokens + u.completion_tokens for u in usages)
+    # /props counts the same reuse the responses report.
+    assert cache_info(reuse_server)["hit_tokens"] - hits_before == sum(cached)
     held = cells_used(reuse_server) - before
     # Each agent's own turn and reply are its own; the system prompt is held once.
     assert 0 < held <= copy_everything - (n - 1) * system_tokens, (held, copy_everything, system_tokens)
