@@ -38,11 +38,17 @@ func (r greedyRun) equal(o greedyRun) bool {
 	return slices.Equal(r.ids, o.ids) && slices.Equal(r.lps, o.lps)
 }
 
+// greedyRunOf completes prompt greedily: attached to a pool (poolID > 0), from the
+// prefix cache (poolID < 0: whatever resident sequence holds the longest prefix), or
+// cold (0: the whole prompt prefilled).
 func greedyRunOf(t testing.TB, base string, prompt []int32, poolID, n int) greedyRun {
 	t.Helper()
 	body := map[string]any{"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 1, "ignore_eos": true}
-	if poolID > 0 {
+	switch {
+	case poolID > 0:
 		body["pool_id"] = poolID
+	case poolID == 0:
+		body["cache_prompt"] = false
 	}
 	code, out := post(t, base+"/v1/completions", body)
 	if code != 200 {
@@ -176,27 +182,32 @@ func TestGreedyUnderTraffic(t *testing.T) {
 		}
 		differ := map[string]int{}
 		var first string
-		for r := range 2 * rounds {
+		// Three kinds: cold, attached to the pool, and from the prefix cache (which the
+		// noise keeps warm with many cached sequences).
+		for r := range 3 * rounds {
 			kind, id := "unpooled", 0
-			if r%2 == 1 {
+			switch r % 3 {
+			case 1:
 				kind, id = "pooled", pool
+			case 2:
+				kind, id = "cached", -1
 			}
 			t0 := time.Now()
 			got := greedyRunOf(t, base, prompt, id, n)
 			if testing.Verbose() {
-				t.Logf("%s %s run %d: %v, equal %v", noise.name, kind, r/2, time.Since(t0).Round(time.Millisecond), got.equal(quiet))
+				t.Logf("%s %s run %d: %v, equal %v", noise.name, kind, r/3, time.Since(t0).Round(time.Millisecond), got.equal(quiet))
 			}
 			if !got.equal(quiet) {
 				differ[kind]++
 				if first == "" {
-					first = fmt.Sprintf("%s run %d: %v (logprobs %v), quiet %v (logprobs %v)", kind, r/2, got.ids, got.lps, quiet.ids, quiet.lps)
+					first = fmt.Sprintf("%s run %d: %v (logprobs %v), quiet %v (logprobs %v)", kind, r/3, got.ids, got.lps, quiet.ids, quiet.lps)
 				}
 			}
 		}
 		close(stop)
 		wg.Wait()
-		t.Logf("%s (%d noise operations): %d of %d unpooled and %d of %d pooled runs differ from the quiet result",
-			noise.name, ops.Load(), differ["unpooled"], rounds, differ["pooled"], rounds)
+		t.Logf("%s (%d noise operations): %d of %d unpooled, %d of %d pooled and %d of %d cached runs differ from the quiet result",
+			noise.name, ops.Load(), differ["unpooled"], rounds, differ["pooled"], rounds, differ["cached"], rounds)
 		if first != "" {
 			t.Errorf("%s: greedy output depends on other traffic; first: %s", noise.name, first)
 		}

@@ -50,10 +50,12 @@ func createPool(t testing.TB, base string, body map[string]any) map[string]any {
 func num(v any) int { return int(v.(float64)) }
 
 // greedyTokens completes prompt tokens greedily, optionally attached to a pool, and
-// returns the generated token ids and the cache_n the server reported.
+// returns the generated token ids and the cache_n the server reported. Without a pool
+// it is a cold reference: the whole prompt is prefilled (cache_prompt false), never
+// started from a prefix the prefix cache holds.
 func greedyTokens(t testing.TB, base string, prompt []int32, poolID int, n int) ([]int, int) {
 	t.Helper()
-	body := map[string]any{"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 1, "ignore_eos": true}
+	body := map[string]any{"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 1, "ignore_eos": true, "cache_prompt": false}
 	if poolID > 0 {
 		body["pool_id"] = poolID
 	}

@@ -194,6 +194,9 @@ func (s *Scheduler) expire() {
 		for _, sl := range s.slots {
 			// Cached anonymous sequences expire as idle sessions do.
 			if sl.task == nil && (sl.session != "" || len(sl.tokens) > 0) && s.now.Sub(sl.lastUsed) > s.cfg.SessionTTL {
+				if sl.session == "" {
+					s.cacheEvictions++
+				}
 				s.evictSlot(sl)
 			}
 		}

@@ -38,7 +38,13 @@
 // Sequence and cell rules: each session sequence holds exactly the tokens listed in its
 // slot at positions 0..n-1. A known session reuses the longest common prefix of its
 // tokens and the new prompt and removes the rest; anonymous tasks free their cells when
-// they end. Admission reserves the cells a prompt needs, evicting idle sessions least
+// they end, unless the prefix cache is on (Config.PrefixCache, issue 12): then a task
+// without a pool or a known session starts from the longest prefix any sequence holds
+// (seq_cp, or taking over a cached sequence), waits while a prefilling task will soon
+// hold a longer one, and its sequence stays as cache when it ends. The cell tree
+// (celltree.go) mirrors which sequences share which cells, exactly as llama.cpp does:
+// it is the cell accounting (used cells, ownership, what an eviction frees) and the
+// longest-prefix index. Admission reserves the cells a prompt needs, evicting idle sessions least
 // recently used first, so two half-prefilled prompts can never deadlock the cache. When
 // no cell is left a generating task stops with finish "length" and Truncated set; the
 // context is never shifted. Pools (package pool) change state only through their

@@ -31,6 +31,8 @@ type SlotInfo struct {
 
 func slotState(sl *slot) string {
 	switch {
+	case sl.task == nil && sl.session == "" && len(sl.tokens) > 0:
+		return "cached" // a finished anonymous request's sequence, kept as prefix cache
 	case sl.task == nil:
 		return "idle"
 	case sl.task.prefilling():

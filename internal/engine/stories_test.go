@@ -23,7 +23,7 @@ import (
 // Commands:
 //
 //	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR prefixcache=on
-//	submit name=X prompt=1..6;99 [session=S] [max=N] [pool=P] [shared=N]
+//	submit name=X prompt=1..6;99 [session=S] [max=N] [pool=P] [shared=N] [nocache]
 //	pool name=P prompt=... [parent=Q d=N] [pin]   create (or fork) and materialize
 //	release|evict|pin|unpin|flush pool=P
 //	cancel name=X
@@ -92,6 +92,7 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 		if v := arg(d, "pool"); v != "" {
 			req.HasPool, req.PoolID = true, st.poolID(v)
 		}
+		req.NoPrefixCache = d.HasArg("nocache")
 		if v := arg(d, "shared"); v != "" {
 			n := atoi(t, d, v)
 			req.SharedPrefixN = &n
