@@ -367,7 +367,10 @@ func (l agentLoop) run(cfg app.Config) error {
 			return fmt.Errorf("agent loop %s: %w", m, err)
 		}
 		res[m] = r
+		// One line as each config ends, so a run cut short still says something.
+		fmt.Printf("%s done: wall %.1f s, peak cells %d, prompt tokens %d, cached %d\n", m, r.wall.Seconds(), r.peakCells, sumAll(r.prompt), sumAll(r.cached))
 	}
+	fmt.Println()
 	fmt.Println("cached: mean cached_tokens of the turn; cached/prev: cached_tokens / the agent's previous prompt_tokens, least and mean over agents")
 	fmt.Print(" turn  prompt tokens")
 	for _, m := range l.modes {
