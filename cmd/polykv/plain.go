@@ -368,7 +368,8 @@ func (l agentLoop) run(cfg app.Config) error {
 		}
 		res[m] = r
 		// One line as each config ends, so a run cut short still says something.
-		fmt.Printf("%s done: wall %.1f s, peak cells %d, prompt tokens %d, cached %d\n", m, r.wall.Seconds(), r.peakCells, sumAll(r.prompt), sumAll(r.cached))
+		fmt.Printf("%s done: wall %.1f s, peak cells %d, prompt tokens %d, cached %d, least cached/prev prompt %.3f\n",
+			m, r.wall.Seconds(), r.peakCells, sumAll(r.prompt), sumAll(r.cached), leastReuse(r))
 	}
 	fmt.Println()
 	fmt.Println("cached: mean cached_tokens of the turn; cached/prev: cached_tokens / the agent's previous prompt_tokens, least and mean over agents")
@@ -405,17 +406,26 @@ func (l agentLoop) run(cfg app.Config) error {
 		if o, ok := res[modeOff]; ok {
 			fmt.Printf("auto/off: wall %.3fx, peak cells %.3fx\n", a.wall.Seconds()/o.wall.Seconds(), float64(a.peakCells)/float64(o.peakCells))
 		}
-		worst := 2.0
-		for ag := range a.prompt {
-			for t := 1; t < l.turns; t++ {
-				worst = min(worst, float64(a.cached[ag][t])/float64(a.prompt[ag][t-1]))
-			}
-		}
 		if l.turns > 1 {
-			fmt.Printf("auto: least cached tokens / previous prompt over all agents and turns 2..%d: %.3f (target >= 0.95)\n", l.turns, worst)
+			fmt.Printf("auto: least cached tokens / previous prompt over all agents and turns 2..%d: %.3f (target >= 0.95)\n", l.turns, leastReuse(a))
 		}
 	}
 	return nil
+}
+
+// leastReuse is the least cached_tokens / the previous turn's prompt_tokens over every
+// agent and turn after the first (0 with a single turn).
+func leastReuse(r agentLoopResult) float64 {
+	worst, any := 2.0, false
+	for ag := range r.prompt {
+		for t := 1; t < len(r.prompt[ag]); t++ {
+			worst, any = min(worst, float64(r.cached[ag][t])/float64(r.prompt[ag][t-1])), true
+		}
+	}
+	if !any {
+		return 0
+	}
+	return worst
 }
 
 func meanAt(v [][]int, t int) float64 {
