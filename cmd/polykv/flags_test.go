@@ -45,3 +45,20 @@ func TestFlagsDistinguishNotGivenFromZero(t *testing.T) {
 		t.Fatalf("given values: %+v", set)
 	}
 }
+
+// --prefix-cache: on by default, off for comparison, anything else refused.
+func TestPrefixCacheFlag(t *testing.T) {
+	if def := parseCore(t); def.PrefixCache != "on" {
+		t.Fatalf("default --prefix-cache %q, want on", def.PrefixCache)
+	}
+	off := parseCore(t, "--prefix-cache", "off")
+	off.ModelPath = "m.gguf"
+	if off.PrefixCache != "off" || off.Validate() != nil {
+		t.Fatalf("--prefix-cache off: %q, %v", off.PrefixCache, off.Validate())
+	}
+	bad := parseCore(t, "--prefix-cache", "2")
+	bad.ModelPath = "m.gguf"
+	if bad.Validate() == nil {
+		t.Fatal("--prefix-cache 2 accepted")
+	}
+}

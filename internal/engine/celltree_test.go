@@ -139,3 +139,33 @@ func TestCellTreeLongest(t *testing.T) {
 		}
 	}
 }
+
+// TestCellTreeFreedKeeps: cells a placement is about to copy from keep are not counted
+// as freed by evicting keep, partially covered runs included.
+func TestCellTreeFreedKeeps(t *testing.T) {
+	c := newCellTree(10)
+	c.Append(0, seqTokens(1, 10))
+	c.Append(0, seqTokens(50, 5)) // still one run: seq 0 holds it alone
+	c.Cp(0, 1, 4)                 // splits at 4: [0,4) shared, [4,15) seq 0's
+	var set seqSet
+	set.add(0)
+	for _, tc := range []struct{ keepTo, want int }{{0, 11}, {4, 11}, {6, 9}, {15, 0}} {
+		if got := c.Freed(set, 0, tc.keepTo); got != tc.want {
+			t.Errorf("evicting seq 0 keeping [0, %d): %d freed, want %d", tc.keepTo, got, tc.want)
+		}
+	}
+	set.add(1)
+	if got := c.Freed(set, -1, 0); got != 15 {
+		t.Errorf("evicting both: %d, want 15", got)
+	}
+	if got := c.Exclusive(0, 0); got != 11 {
+		t.Errorf("exclusive(0) = %d, want 11", got)
+	}
+	if c.Owned(0) != 15 || c.Owned(1) != 0 {
+		t.Errorf("owned: seq 0 %d, seq 1 %d; the writer keeps ownership", c.Owned(0), c.Owned(1))
+	}
+	c.Rm(0, 0)
+	if c.total != 4 || c.Owned(1) != 4 {
+		t.Errorf("after seq 0 lets go: %d cells, seq 1 owns %d; want 4 and 4", c.total, c.Owned(1))
+	}
+}

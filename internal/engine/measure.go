@@ -190,7 +190,9 @@ func (s *Scheduler) freeForNew() int {
 // pressure is §13.3's compaction pressure: the larger of the cache's fill and the
 // largest session's share of the context.
 func (s *Scheduler) pressure() float64 {
-	fill := float64(s.usedCells()) / float64(s.cfg.NCtx)
+	// Cells only the prefix cache holds are free for the asking: a warm cache is no
+	// pressure.
+	fill := float64(s.usedCells()-s.cacheOnlyCells()) / float64(s.cfg.NCtx)
 	for _, sl := range s.slots {
 		if sl.session == "" && sl.task == nil {
 			continue // a cached anonymous sequence is nobody's context

@@ -138,7 +138,7 @@ func (s *Scheduler) poolMaterialized(t *task) {
 	p := t.pool
 	s.check(p.Materialized(s.now))
 	s.prefixStored(p)
-	stats := Stats{PromptN: p.L() - p.D, CacheN: p.D, PromptTime: s.now.Sub(t.admitted), Seq: p.Seq, Pool: p.ID}
+	stats := Stats{PromptN: p.L() - t.cacheN, CacheN: t.cacheN, PromptTime: s.now.Sub(t.admitted), Seq: p.Seq, Pool: p.ID}
 	s.removeRunning(t)
 	delete(s.poolSeqs, p.ID)
 	s.events = append(s.events, Event{Task: t.id, Done: true, Finish: FinishStop, Pool: p.ID, Stats: stats})

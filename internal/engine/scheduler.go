@@ -358,9 +358,13 @@ func (s *Scheduler) pickSlot(t *task) *slot {
 	return lru
 }
 
-// evictsBefore orders idle sequences for reuse and eviction: cached anonymous ones
-// before sessions, then least recently used first.
+// evictsBefore orders idle sequences for reuse: those holding nothing (a session whose
+// KV was flushed) first, then cached anonymous ones, then sessions, each least recently
+// used first.
 func evictsBefore(a, b *slot) bool {
+	if ea, eb := len(a.tokens) == 0, len(b.tokens) == 0; ea != eb {
+		return ea
+	}
 	if ca, cb := a.session == "", b.session == ""; ca != cb {
 		return ca
 	}
@@ -415,6 +419,25 @@ func (s *Scheduler) donor(prompt []Token) (int, int) {
 		return true
 	})
 	return P, best
+}
+
+// rootDonor finds, with the prefix cache on, the longest prefix of a root pool's
+// tokens that some sequence holds (at most L-1: materialization ends with a prefill
+// step) and a holder to copy it from.
+func (s *Scheduler) rootDonor(p *pool.Pool) (int, int) {
+	if !s.cfg.PrefixCache || p.Parent != nil {
+		return 0, -1
+	}
+	P, n := s.cells.Longest(p.Tokens, p.L()-1)
+	if P == 0 {
+		return 0, -1
+	}
+	donor := -1
+	n.holders.each(func(q int) bool {
+		donor = q
+		return false
+	})
+	return P, donor
 }
 
 // awaitsDonor reports whether t should stay queued because a task still prefilling
@@ -498,15 +521,17 @@ func (s *Scheduler) admit() {
 		pl := s.place(t, sl)
 		kept := pl.keep + pl.attachP + pl.cpP
 		need := len(t.req.Prompt) - kept
-		if t.kind == kindMaterialize {
-			need = t.pool.L() - t.pool.D
-		}
-		free := s.cfg.NCtx - s.usedCells() + pl.freed - s.reservedPrefill()
 		// A donor's cells that this placement copies are not evictable for it.
 		keep, keepTo := -1, 0
 		if pl.cpP > 0 {
 			keep, keepTo = pl.cpFrom, pl.cpP
 		}
+		if t.kind == kindMaterialize {
+			P, donor := s.rootDonor(t.pool)
+			need = t.pool.L() - max(t.pool.D, P)
+			keep, keepTo = donor, P
+		}
+		free := s.cfg.NCtx - s.usedCells() + pl.freed - s.reservedPrefill()
 		if free+s.evictableCellsKeeping(sl, keep, keepTo) < need {
 			return // head-of-line: wait for running tasks to end
 		}
@@ -551,12 +576,20 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 	switch {
 	case t.kind == kindMaterialize:
 		p := t.pool
+		have := p.D
 		if p.Parent != nil && p.D > 0 {
 			s.cpOp(p.Parent.Seq, p.Seq, p.D)
+		} else if P, donor := s.rootDonor(p); P > 0 {
+			// A root pool (new or restored) starts from whatever sequence holds the
+			// longest prefix of it, as a request does: one tree, one mechanism.
+			s.cpOp(donor, p.Seq, P)
+			have = P
+			s.cacheHits += int64(P)
 		}
-		sl.tokens = slices.Clone(p.Tokens[:p.D])
+		sl.tokens = slices.Clone(p.Tokens[:have])
 		sl.shared = p.D
-		s.check(p.Fill(p.D))
+		s.check(p.Fill(have))
+		t.cacheN = have
 	case pl.attachP > 0:
 		s.resetSlot(sl)
 		s.cpOp(t.pool.Seq, sl.seq, pl.attachP)

@@ -98,15 +98,25 @@ func (s *Scheduler) Usage() Usage {
 	}
 	u := Usage{CellsUsed: s.usedCells(), CellsMax: s.cfg.NCtx, Running: running, Waiting: waiting, Sessions: len(s.bySession), Pools: s.pools.Len(),
 		CacheHitTokens: s.cacheHits, CacheEvictions: s.cacheEvictions}
+	for _, sl := range s.slots {
+		if s.cachedSlot(sl.seq) != nil {
+			u.CacheSeqs++
+		}
+	}
+	u.CacheCells = s.cacheOnlyCells()
+	return u
+}
+
+// cacheOnlyCells counts the cells that only finished anonymous sequences kept as cache
+// hold: what dropping the prefix cache would free.
+func (s *Scheduler) cacheOnlyCells() int {
 	var cached seqSet
 	for _, sl := range s.slots {
 		if s.cachedSlot(sl.seq) != nil {
 			cached.add(sl.seq)
-			u.CacheSeqs++
 		}
 	}
-	u.CacheCells = s.cells.Freed(cached, -1, 0)
-	return u
+	return s.cells.Freed(cached, -1, 0)
 }
 
 // Snapshot is an immutable copy of everything the HTTP layer reads: the engine

@@ -1,0 +1,62 @@
+package engine
+
+import (
+	"math/rand/v2"
+	"slices"
+	"testing"
+	"time"
+)
+
+// TestWarmCacheCountsAsFree: cells that only cached sequences hold count as free for
+// admission and headroom (a warm cache must not lower capacity), while cells a running
+// request shares with a cached sequence do not.
+func TestWarmCacheCountsAsFree(t *testing.T) {
+	cfg := Config{NCtx: 256, Parallel: 4, MaxPools: 1, NBatch: 32, MaxQueue: 4, SessionTTL: time.Hour, PoolGrace: time.Second, PrefixCache: true}
+	h := newHarness(t, cfg)
+	system := seqTokens(1, 100)
+	for i := range 2 {
+		h.submit(Request{Prompt: append(slices.Clone(system), Token(500+i)), MaxTokens: 4})
+		h.run()
+	}
+	if u := h.s.Usage(); u.CellsUsed == 0 || u.CacheCells != u.CellsUsed || u.CacheSeqs != 1 {
+		// The second request took over the first's cached sequence: one sequence.
+		t.Fatalf("after two requests: %+v", u)
+	}
+	if free := h.s.freeForNew(); free != cfg.NCtx {
+		t.Fatalf("free for a new session %d with only cached cells, want %d", free, cfg.NCtx)
+	}
+	if p := h.s.pressure(); p != 0 {
+		t.Fatalf("pressure %v with only cached cells", p)
+	}
+	// A new session takes the cached sequence over: its 100 cells are no longer free.
+	id := h.submit(Request{Prompt: append(slices.Clone(system), 600, 601), MaxTokens: 50, SessionID: "S"})
+	h.step()
+	if ev, ok := h.done(id); ok {
+		t.Fatalf("ended early: %+v", ev)
+	}
+	u := h.s.Usage()
+	if free, want := h.s.freeForNew(), cfg.NCtx-u.CellsUsed+u.CacheCells; free != want || u.CacheCells >= u.CellsUsed-100 {
+		t.Fatalf("free %d, want %d (usage %+v)", free, want, u)
+	}
+	if u.CacheHitTokens != 100+100 {
+		t.Fatalf("hit tokens %d, want 200 (the takeover's and the session's)", u.CacheHitTokens)
+	}
+}
+
+// TestRandomTrafficWithPrefixCache runs FuzzSchedulerInvariants' body over 200 fixed
+// pseudo-random inputs with and without the prefix cache, so every go test exercises
+// implicit reuse under random traffic (the fuzz seeds alone are few): accounting, the
+// cache, the tree and the slots agree after every step, and every text equals a cold
+// prefill's.
+func TestRandomTrafficWithPrefixCache(t *testing.T) {
+	for i := range 200 {
+		r := rand.New(rand.NewPCG(uint64(i), 12))
+		data := make([]byte, 40+r.IntN(200))
+		for j := range data {
+			data[j] = byte(r.IntN(256))
+		}
+		for _, cache := range []bool{false, true} {
+			fuzzScheduler(t, slices.Clone(data), cache)
+		}
+	}
+}
