@@ -35,7 +35,7 @@ func bench(args []string) error {
 	nGen := fs.Int("n", 128, "tokens each session decodes")
 	reps := fs.Int("reps", 2, "repetitions per measurement (best is reported)")
 	cpuProfile := fs.String("cpuprofile", "", "write a Go CPU profile of the server runs to this file")
-	workload := fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on) or all")
+	workload := fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on), plain-fanout and agent-loop (plain OpenAI client: automatic prefix reuse vs off vs explicit pool), plain (both plain-client workloads) or all")
 	var pf prefillBench
 	fs.StringVar(&pf.models, "prefill-models", "", "prefill: comma-separated GGUF files (default: -m); missing files are skipped")
 	fs.StringVar(&pf.types, "prefill-cache-types", "f16,q8_0,q4_0", "prefill: KV cache types (K and V alike)")
@@ -45,6 +45,15 @@ func bench(args []string) error {
 	fs.IntVar(&fo.suffix, "fanout-suffix", 100, "fan-out: tokens each agent adds")
 	fs.IntVar(&fo.gen, "fanout-gen", 128, "fan-out: tokens each agent decodes")
 	fanN := fs.String("fanout-agents", "1,4,8,16", "fan-out: agent counts N")
+	plainN := fs.String("plain-agents", "1,4,8,16", "plain-fanout: agent counts N (root, suffix and decoded tokens as --fanout-*)")
+	plainModes := fs.String("plain-configs", "pool,auto,off", "plain-fanout: server configs to run: pool (explicit pool), auto (automatic prefix reuse), off (reuse off)")
+	lp := agentLoop{}
+	fs.IntVar(&lp.agents, "loop-agents", 8, "agent-loop: agents")
+	fs.IntVar(&lp.turns, "loop-turns", 6, "agent-loop: turns per agent")
+	fs.IntVar(&lp.system, "loop-system", 500, "agent-loop: tokens of the shared system prompt")
+	fs.IntVar(&lp.tool, "loop-tool", 60, "agent-loop: tokens of each turn's tool result")
+	fs.IntVar(&lp.gen, "loop-gen", 64, "agent-loop: tokens decoded per turn")
+	loopModes := fs.String("loop-configs", "auto,off", "agent-loop: server configs to run: auto, off")
 	var rp ramp
 	fs.IntVar(&rp.agents, "ramp-agents", 10, "spawn ramp: agents that ask to join")
 	fs.DurationVar(&rp.interval, "ramp-interval", 2*time.Second, "spawn ramp: time between join requests")
@@ -52,12 +61,36 @@ func bench(args []string) error {
 	fs.Float64Var(&rp.floorFr, "ramp-floor", 0.6, "spawn ramp: floor as a fraction of one session's tps")
 	_ = fs.Parse(args)
 	cfg = cfg.Resolved()
+	var err error
+	pfo := plainFanout{fanout: fo}
+	if pfo.modes, err = parseModes(*plainModes, modePool, modeAuto, modeOff); err != nil {
+		return err
+	}
+	if lp.modes, err = parseModes(*loopModes, modeAuto, modeOff); err != nil {
+		return err
+	}
+	if lp.agents < 1 || lp.turns < 1 || lp.system < 1 || lp.tool < 1 || lp.gen < 1 {
+		return fmt.Errorf("bench: --loop-* sizes must be at least 1")
+	}
+	plain := func() error {
+		if err := pfo.run(cfg, *plainN); err != nil {
+			return err
+		}
+		fmt.Println()
+		return lp.run(cfg)
+	}
 	if err := printDevice(os.Stdout, cfg); err != nil {
 		return err
 	}
 	switch *workload {
 	case "fanout":
 		return fo.run(cfg, *fanN)
+	case "plain-fanout":
+		return pfo.run(cfg, *plainN)
+	case "agent-loop":
+		return lp.run(cfg)
+	case "plain":
+		return plain()
 	case "ramp":
 		return rp.run(cfg)
 	case "prefill":
@@ -102,7 +135,11 @@ func bench(args []string) error {
 			return err
 		}
 		fmt.Println()
-		return rp.run(cfg)
+		if err := rp.run(cfg); err != nil {
+			return err
+		}
+		fmt.Println()
+		return plain()
 	}
 	return nil
 }
