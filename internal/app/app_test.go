@@ -62,7 +62,9 @@ func withDefaults(over Config) Config {
 func startServer(t testing.TB, cfg Config) (*App, string) {
 	t.Helper()
 	cfg = withDefaults(cfg)
-	cfg.ModelPath = modelPath(t)
+	if cfg.ModelPath == "" {
+		cfg.ModelPath = modelPath(t)
+	}
 	a, err := Open(cfg, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -73,6 +75,27 @@ func startServer(t testing.TB, cfg Config) (*App, string) {
 		a.Close()
 	})
 	return a, ts.URL
+}
+
+// forEachModel runs a core-suite test on SmolLM2 and on Gemma 3 270M (a second
+// architecture: sliding-window attention, another tokenizer and template), each as a
+// subtest with the model's path and template set in cfg. A missing model skips its
+// subtest (fails under make test, like modelPath).
+func forEachModel(t *testing.T, cfg Config, run func(t *testing.T, cfg Config)) {
+	for _, m := range []struct {
+		name     string
+		path     func(testing.TB) string
+		template string
+	}{{"smollm2", modelPath, ""}, {"gemma3", gemmaPath, "gemma"}} {
+		t.Run(m.name, func(t *testing.T) {
+			c := cfg
+			c.ModelPath = m.path(t)
+			if c.ChatTemplate == "" {
+				c.ChatTemplate = m.template
+			}
+			run(t, c)
+		})
+	}
 }
 
 func post(t testing.TB, url string, body any) (int, map[string]any) {
@@ -138,43 +161,45 @@ var otherPrompts = []string{
 }
 
 func TestGreedySameAloneAndInABatch(t *testing.T) {
-	_, base := startServer(t, Config{NCtx: 4096, Parallel: 8})
-	const prompt = "Once upon a time, in a small village by the sea,"
-	const n = 32
-	alone, aloneLP := completion(t, base, prompt, n)
-	if len(alone) != n {
-		t.Fatalf("alone: %d tokens, want %d", len(alone), n)
-	}
-	var wg sync.WaitGroup
-	var batched []int
-	var batchedLP []float64
-	for i := 0; i < 8; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if i == 0 {
-				batched, batchedLP = completion(t, base, prompt, n)
-				return
+	forEachModel(t, Config{NCtx: 4096, Parallel: 8}, func(t *testing.T, cfg Config) {
+		_, base := startServer(t, cfg)
+		const prompt = "Once upon a time, in a small village by the sea,"
+		const n = 32
+		alone, aloneLP := completion(t, base, prompt, n)
+		if len(alone) != n {
+			t.Fatalf("alone: %d tokens, want %d", len(alone), n)
+		}
+		var wg sync.WaitGroup
+		var batched []int
+		var batchedLP []float64
+		for i := 0; i < 8; i++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if i == 0 {
+					batched, batchedLP = completion(t, base, prompt, n)
+					return
+				}
+				completion(t, base, otherPrompts[i-1], n+16) // keeps decoding beside it
+			}()
+		}
+		wg.Wait()
+		maxDelta := 0.0
+		for i := range alone {
+			if i < len(batched) && alone[i] == batched[i] {
+				maxDelta = math.Max(maxDelta, math.Abs(aloneLP[i]-batchedLP[i]))
 			}
-			completion(t, base, otherPrompts[i-1], n+16) // keeps decoding beside it
-		}()
-	}
-	wg.Wait()
-	maxDelta := 0.0
-	for i := range alone {
-		if i < len(batched) && alone[i] == batched[i] {
-			maxDelta = math.Max(maxDelta, math.Abs(aloneLP[i]-batchedLP[i]))
 		}
-	}
-	t.Logf("max |Δ logprob| of the sampled token, alone vs beside 7 decoding sessions: %.2e", maxDelta)
-	for i := range alone {
-		if i >= len(batched) || alone[i] != batched[i] {
-			t.Fatalf("greedy tokens diverge at step %d: alone %v, batched %v", i, alone, batched)
+		t.Logf("max |Δ logprob| of the sampled token, alone vs beside 7 decoding sessions: %.2e", maxDelta)
+		for i := range alone {
+			if i >= len(batched) || alone[i] != batched[i] {
+				t.Fatalf("greedy tokens diverge at step %d: alone %v, batched %v", i, alone, batched)
+			}
 		}
-	}
-	if maxDelta > 0.05 {
-		t.Fatalf("logprobs drift by %.3f between batch shapes", maxDelta)
-	}
+		if maxDelta > 0.05 {
+			t.Fatalf("logprobs drift by %.3f between batch shapes", maxDelta)
+		}
+	})
 }
 
 func TestSessionSecondTurnReusesCache(t *testing.T) {
@@ -267,31 +292,33 @@ func readSSE(t testing.TB, resp *http.Response) (string, string) {
 }
 
 func TestConcurrentStreams(t *testing.T) {
-	_, base := startServer(t, Config{NCtx: 4096, Parallel: 8})
-	var wg sync.WaitGroup
-	for i := 0; i < 8; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			body, _ := json.Marshal(map[string]any{
-				"messages": []map[string]any{{"role": "user", "content": fmt.Sprintf("Count to %d.", i+3)}},
-				"stream":   true, "max_tokens": 24, "stream_options": map[string]any{"include_usage": true},
-			})
-			resp, err := http.Post(base+"/v1/chat/completions", "application/json", bytes.NewReader(body))
-			if err != nil {
-				t.Error(err)
-				return
-			}
-			text, finish := readSSE(t, resp)
-			if finish != "stop" && finish != "length" {
-				t.Errorf("stream %d: finish_reason %q", i, finish)
-			}
-			if text == "" {
-				t.Errorf("stream %d produced no text", i)
-			}
-		}()
-	}
-	wg.Wait()
+	forEachModel(t, Config{NCtx: 4096, Parallel: 8}, func(t *testing.T, cfg Config) {
+		_, base := startServer(t, cfg)
+		var wg sync.WaitGroup
+		for i := 0; i < 8; i++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				body, _ := json.Marshal(map[string]any{
+					"messages": []map[string]any{{"role": "user", "content": fmt.Sprintf("Count to %d.", i+3)}},
+					"stream":   true, "max_tokens": 24, "stream_options": map[string]any{"include_usage": true},
+				})
+				resp, err := http.Post(base+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				text, finish := readSSE(t, resp)
+				if finish != "stop" && finish != "length" {
+					t.Errorf("stream %d: finish_reason %q", i, finish)
+				}
+				if text == "" {
+					t.Errorf("stream %d produced no text", i)
+				}
+			}()
+		}
+		wg.Wait()
+	})
 }
 
 func TestBadInputKeepsServing(t *testing.T) {
@@ -432,19 +459,21 @@ func TestDisconnectFreesSequence(t *testing.T) {
 }
 
 func TestContextExhaustionStopsCleanly(t *testing.T) {
-	_, base := startServer(t, Config{NCtx: 64, Parallel: 1})
-	code, out := post(t, base+"/v1/completions", map[string]any{"prompt": "Once upon a time", "ignore_eos": true, "temperature": 0})
-	if code != 200 {
-		t.Fatalf("%d %v", code, out)
-	}
-	ch := out["choices"].([]any)[0].(map[string]any)
-	usage := out["usage"].(map[string]any)
-	if ch["finish_reason"] != "length" || out["truncated"] != true {
-		t.Fatalf("finish %v truncated %v", ch["finish_reason"], out["truncated"])
-	}
-	if total := usage["total_tokens"].(float64); total != 65 {
-		t.Fatalf("total tokens %v: the last token is sampled at position 63, want 65", total)
-	}
+	forEachModel(t, Config{NCtx: 64, Parallel: 1}, func(t *testing.T, cfg Config) {
+		_, base := startServer(t, cfg)
+		code, out := post(t, base+"/v1/completions", map[string]any{"prompt": "Once upon a time", "ignore_eos": true, "temperature": 0})
+		if code != 200 {
+			t.Fatalf("%d %v", code, out)
+		}
+		ch := out["choices"].([]any)[0].(map[string]any)
+		usage := out["usage"].(map[string]any)
+		if ch["finish_reason"] != "length" || out["truncated"] != true {
+			t.Fatalf("finish %v truncated %v", ch["finish_reason"], out["truncated"])
+		}
+		if total := usage["total_tokens"].(float64); total != 65 {
+			t.Fatalf("total tokens %v: the last token is sampled at position 63, want 65", total)
+		}
+	})
 }
 
 func TestTokenizeRoundTripAndInfo(t *testing.T) {

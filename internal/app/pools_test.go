@@ -165,40 +165,42 @@ func suffixTokens(t testing.TB, a *App, text string) []int32 {
 }
 
 func TestPooledMatchesUnpooled(t *testing.T) {
-	a, base := startServer(t, Config{NCtx: 4096, Parallel: 4, MaxPools: 4})
-	rootToks := tokenize(t, a, longSystem(t, a, 300))
-	root := num(createPool(t, base, map[string]any{"tokens": rootToks})["pool_id"])
-	extToks := append(slices.Clone(rootToks), suffixTokens(t, a, " Task: summarise the findings on topic 14.")...)
-	code, out := forkPool(t, base, root, len(rootToks), map[string]any{"tokens": extToks})
-	if code != 201 {
-		t.Fatalf("extend: %d %v", code, out)
-	}
-	ext := num(out["pool_id"])
-	d := len(rootToks) / 2
-	branchToks := append(slices.Clone(rootToks[:d]), suffixTokens(t, a, " A different toolset: calculator(expression: string).")...)
-	code, out = forkPool(t, base, root, d, map[string]any{"tokens": branchToks})
-	if code != 201 {
-		t.Fatalf("branch: %d %v", code, out)
-	}
-	branch := num(out["pool_id"])
-	question := suffixTokens(t, a, " Question: what should the team do first? Answer:")
-	for _, c := range []struct {
-		name   string
-		pool   int
-		prefix []int32
-	}{{"root", root, rootToks}, {"extend child", ext, extToks}, {"branch child", branch, branchToks}} {
-		prompt := append(slices.Clone(c.prefix), question...)
-		want, cache0 := greedyTokens(t, base, prompt, 0, 24)
-		got, cacheN := greedyTokens(t, base, prompt, c.pool, 24)
-		if cache0 != 0 || cacheN != len(c.prefix) {
-			t.Fatalf("%s: cache_n unpooled %d pooled %d, want 0 and %d", c.name, cache0, cacheN, len(c.prefix))
+	forEachModel(t, Config{NCtx: 4096, Parallel: 4, MaxPools: 4}, func(t *testing.T, cfg Config) {
+		a, base := startServer(t, cfg)
+		rootToks := tokenize(t, a, longSystem(t, a, 300))
+		root := num(createPool(t, base, map[string]any{"tokens": rootToks})["pool_id"])
+		extToks := append(slices.Clone(rootToks), suffixTokens(t, a, " Task: summarise the findings on topic 14.")...)
+		code, out := forkPool(t, base, root, len(rootToks), map[string]any{"tokens": extToks})
+		if code != 201 {
+			t.Fatalf("extend: %d %v", code, out)
 		}
-		// Exact greedy equality: on this CPU backend a token's logits do not depend on the
-		// batch it was computed in (TestGreedySameAloneAndInABatch measures Δ = 0).
-		if !slices.Equal(got, want) {
-			t.Fatalf("%s: pooled tokens %v differ from the fully prefilled %v", c.name, got, want)
+		ext := num(out["pool_id"])
+		d := len(rootToks) / 2
+		branchToks := append(slices.Clone(rootToks[:d]), suffixTokens(t, a, " A different toolset: calculator(expression: string).")...)
+		code, out = forkPool(t, base, root, d, map[string]any{"tokens": branchToks})
+		if code != 201 {
+			t.Fatalf("branch: %d %v", code, out)
 		}
-	}
+		branch := num(out["pool_id"])
+		question := suffixTokens(t, a, " Question: what should the team do first? Answer:")
+		for _, c := range []struct {
+			name   string
+			pool   int
+			prefix []int32
+		}{{"root", root, rootToks}, {"extend child", ext, extToks}, {"branch child", branch, branchToks}} {
+			prompt := append(slices.Clone(c.prefix), question...)
+			want, cache0 := greedyTokens(t, base, prompt, 0, 24)
+			got, cacheN := greedyTokens(t, base, prompt, c.pool, 24)
+			if cache0 != 0 || cacheN != len(c.prefix) {
+				t.Fatalf("%s: cache_n unpooled %d pooled %d, want 0 and %d", c.name, cache0, cacheN, len(c.prefix))
+			}
+			// Exact greedy equality: on this CPU backend a token's logits do not depend on the
+			// batch it was computed in (TestGreedySameAloneAndInABatch measures Δ = 0).
+			if !slices.Equal(got, want) {
+				t.Fatalf("%s: pooled tokens %v differ from the fully prefilled %v", c.name, got, want)
+			}
+		}
+	})
 }
 
 func TestAutoPAndTree(t *testing.T) {

@@ -30,7 +30,9 @@ def test_chat_completion(client):
     assert resp.usage.prompt_tokens > 0
     assert resp.usage.completion_tokens > 0
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
-    assert resp.usage.prompt_tokens_details.cached_tokens == 0
+    # The prefix cache may serve the chat template's opening tokens from an earlier
+    # request on this shared server; never the whole prompt (one token is prefilled).
+    assert 0 <= resp.usage.prompt_tokens_details.cached_tokens < resp.usage.prompt_tokens
 
 
 def test_chat_stream_matches_non_stream(client):
