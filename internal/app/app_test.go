@@ -13,34 +13,18 @@ import (
 	"math"
 	"net/http"
 	"net/http/httptest"
-	"os"
-	"path/filepath"
 	"reflect"
 	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/polykv/polykv/internal/testmodel"
 )
 
-// modelPath finds the test model. Without it the real-model tests skip, so plain
-// `go test ./...` passes on a machine that never ran `make model`; `make test` sets
-// POLYKV_REQUIRE_MODEL=1 so a missing model there is a failure, never a silent skip.
-func modelPath(t testing.TB) string {
-	t.Helper()
-	p := os.Getenv("POLYKV_MODEL")
-	if p == "" {
-		home, _ := os.UserHomeDir()
-		p = filepath.Join(home, ".cache", "polykv", "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
-	}
-	if _, err := os.Stat(p); err != nil {
-		if os.Getenv("POLYKV_REQUIRE_MODEL") != "" {
-			t.Fatalf("test model missing (%v): run `make model` first", err)
-		}
-		t.Skipf("real-model test skipped: %s is missing; run `make model` (or `make test`, which fetches it)", p)
-	}
-	return p
-}
+// modelPath finds SmolLM2 (testmodel: skips without it, fails under make test).
+func modelPath(t testing.TB) string { return testmodel.SmolLM2(t) }
 
 // withDefaults fills the zero fields of a test's partial configuration from
 // DefaultConfig. Only tests take this shortcut; the server itself never reads a zero as

@@ -10,26 +10,14 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"path/filepath"
 	"slices"
 	"testing"
+
+	"github.com/polykv/polykv/internal/testmodel"
 )
 
-func gemmaPath(t testing.TB) string {
-	t.Helper()
-	p := os.Getenv("POLYKV_MODEL_GEMMA")
-	if p == "" {
-		home, _ := os.UserHomeDir()
-		p = filepath.Join(home, ".cache", "polykv", "models", "gemma-3-270m-q4_k_m.gguf")
-	}
-	if _, err := os.Stat(p); err != nil {
-		if os.Getenv("POLYKV_REQUIRE_MODEL") != "" {
-			t.Fatalf("Gemma test model missing (%v): run `make model` first", err)
-		}
-		t.Skipf("real-model test skipped: %s is missing; run `make model`", p)
-	}
-	return p
-}
+// gemmaPath finds Gemma 3 270M (testmodel).
+func gemmaPath(t testing.TB) string { return testmodel.Gemma(t) }
 
 // TestGemmaSWABranchAfterWindowReuse: a branch fork needs the pool's sliding-window
 // cells at positions that have fallen out of the pool's own window. llama.cpp hands such

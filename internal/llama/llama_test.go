@@ -1,26 +1,16 @@
 package llama
 
 import (
-	"os"
-	"path/filepath"
 	"testing"
+
+	"github.com/polykv/polykv/internal/testmodel"
 )
 
 // testModel loads SmolLM2-135M (make model); without it the test skips, unless
 // POLYKV_REQUIRE_MODEL is set (make test), where a missing model fails.
 func testModel(t *testing.T) *Model {
 	t.Helper()
-	p := os.Getenv("POLYKV_MODEL")
-	if p == "" {
-		home, _ := os.UserHomeDir()
-		p = filepath.Join(home, ".cache", "polykv", "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
-	}
-	if _, err := os.Stat(p); err != nil {
-		if os.Getenv("POLYKV_REQUIRE_MODEL") != "" {
-			t.Fatalf("test model missing (%v): run `make model` first", err)
-		}
-		t.Skipf("real-model test skipped: %s is missing", p)
-	}
+	p := testmodel.SmolLM2(t)
 	m, err := LoadModel(p)
 	if err != nil {
 		t.Fatal(err)

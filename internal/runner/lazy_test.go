@@ -3,29 +3,19 @@ package runner
 import (
 	"encoding/json"
 	"errors"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/polykv/polykv/internal/chat"
 	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/llama"
+
+	"github.com/polykv/polykv/internal/testmodel"
 )
 
 func testModel(t *testing.T) *llama.Model {
 	t.Helper()
-	p := os.Getenv("POLYKV_MODEL")
-	if p == "" {
-		home, _ := os.UserHomeDir()
-		p = filepath.Join(home, ".cache", "polykv", "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
-	}
-	if _, err := os.Stat(p); err != nil {
-		if os.Getenv("POLYKV_REQUIRE_MODEL") != "" {
-			t.Fatalf("test model missing (%v): run `make model` first", err)
-		}
-		t.Skipf("real-model test skipped: %s is missing", p)
-	}
+	p := testmodel.SmolLM2(t)
 	llama.Init()
 	m, err := llama.LoadModel(p)
 	if err != nil {
