@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"strconv"
 	"strings"
@@ -108,19 +107,12 @@ func (f fanout) prompts(path string, ns []int) ([]int32, [][]int32, error) {
 
 func (f fanout) once(cfg app.Config, root []int32, suffixes [][]int32, pooled bool) (fanoutResult, error) {
 	var res fanoutResult
-	a, err := app.Open(cfg, nil)
+	a, srv, base, err := serveApp(cfg)
 	if err != nil {
 		return res, err
 	}
 	defer a.Close()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return res, err
-	}
-	srv := &http.Server{Handler: a.API.Handler()}
-	go srv.Serve(ln)
 	defer srv.Close()
-	base := "http://" + ln.Addr().String()
 	start := time.Now()
 	poolID := 0
 	if pooled {

@@ -63,19 +63,29 @@ type benchServer struct {
 	done chan struct{}
 }
 
-func startBenchServer(cfg app.Config) (*benchServer, error) {
+// serveApp opens an App on cfg and serves its API on a loopback port; the caller
+// closes the server, then the App.
+func serveApp(cfg app.Config) (*app.App, *http.Server, string, error) {
 	a, err := app.Open(cfg, nil)
 	if err != nil {
-		return nil, err
+		return nil, nil, "", err
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		a.Close()
+		return nil, nil, "", err
+	}
+	srv := &http.Server{Handler: a.API.Handler()}
+	go srv.Serve(ln)
+	return a, srv, "http://" + ln.Addr().String(), nil
+}
+
+func startBenchServer(cfg app.Config) (*benchServer, error) {
+	a, srv, base, err := serveApp(cfg)
+	if err != nil {
 		return nil, err
 	}
-	b := &benchServer{a: a, srv: &http.Server{Handler: a.API.Handler()}, base: "http://" + ln.Addr().String(),
-		stop: make(chan struct{}), done: make(chan struct{})}
-	go b.srv.Serve(ln)
+	b := &benchServer{a: a, srv: srv, base: base, stop: make(chan struct{}), done: make(chan struct{})}
 	go func() {
 		defer close(b.done)
 		t := time.NewTicker(10 * time.Millisecond)

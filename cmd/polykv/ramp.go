@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"math"
-	"net"
 	"net/http"
 	"sync"
 	"time"
@@ -64,17 +63,11 @@ type rampServer struct {
 }
 
 func startRamp(cfg app.Config) (*rampServer, error) {
-	a, err := app.Open(cfg, nil)
+	a, srv, base, err := serveApp(cfg)
 	if err != nil {
 		return nil, err
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		a.Close()
-		return nil, err
-	}
-	rs := &rampServer{a: a, srv: &http.Server{Handler: a.API.Handler()}, base: "http://" + ln.Addr().String()}
-	go rs.srv.Serve(ln)
+	rs := &rampServer{a: a, srv: srv, base: base}
 	out, err := postJSON(rs.base+"/polykv/pools", map[string]any{"prompt": "You are one of many worker agents. Work step by step and report briefly."})
 	if err != nil {
 		rs.close()
