@@ -89,9 +89,9 @@ func (h *harmonyStream) header(hd string) {
 		}
 	}
 	switch {
-	case strings.HasPrefix(recipient, "functions."):
+	case harmonyCallName(recipient) != "":
 		h.kind = 2
-		name := strings.TrimPrefix(recipient, "functions.")
+		name := harmonyCallName(recipient)
 		h.call = &streamedCall{id: NewCallID(), name: name}
 		h.deltas = append(h.deltas, CallDelta{Index: len(h.calls), ID: h.call.id, Name: name})
 	case channel == "analysis":
@@ -140,4 +140,15 @@ func (h *harmonyStream) finish() (reasoning, content string, calls []ToolCall, t
 		return reasoning, content, nil, true
 	}
 	return reasoning, content, h.calls, truncated && len(h.calls) == 0
+}
+
+// harmonyCallName is the function a message addressed to=functions.NAME calls, or ""
+// when the recipient is not a function or names none: "to=functions." with nothing
+// after it is not a call a client could dispatch, so its body stays text.
+func harmonyCallName(recipient string) string {
+	name, ok := strings.CutPrefix(recipient, "functions.")
+	if !ok {
+		return ""
+	}
+	return name
 }

@@ -503,12 +503,12 @@ func (ps *parser) harmony(text string) Parsed {
 			}
 		}
 		switch {
-		case strings.HasPrefix(recipient, "functions."):
+		case harmonyCallName(recipient) != "":
 			args := strings.TrimSpace(body)
 			if !json.Valid([]byte(args)) || !strings.HasPrefix(args, "{") {
 				return Parsed{Content: strings.TrimSpace(text)}
 			}
-			p.Calls = append(p.Calls, ps.call(strings.TrimPrefix(recipient, "functions."), args, ""))
+			p.Calls = append(p.Calls, ps.call(harmonyCallName(recipient), args, ""))
 		case channel == "analysis":
 			reasoning = append(reasoning, body)
 		default:
