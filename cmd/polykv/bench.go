@@ -40,6 +40,7 @@ func bench(args []string) error {
 	fs.StringVar(&pf.models, "prefill-models", "", "prefill: comma-separated GGUF files (default: -m); missing files are skipped")
 	fs.StringVar(&pf.types, "prefill-cache-types", "f16,q8_0,q4_0", "prefill: KV cache types (K and V alike)")
 	fs.StringVar(&pf.lengths, "prefill-tokens", "128,2000", "prefill: prompt lengths")
+	fs.StringVar(&pf.baseline, "prefill-baseline", "", "prefill: path of a llama-bench binary built from llama.cpp; each measurement alternates with it and the ratio is printed")
 	var fo fanout
 	fs.IntVar(&fo.root, "fanout-root", 2000, "fan-out: tokens of the shared root prefix")
 	fs.IntVar(&fo.suffix, "fanout-suffix", 100, "fan-out: tokens each agent adds")

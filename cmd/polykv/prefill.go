@@ -1,8 +1,10 @@
 package main
 
 import (
+	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"strconv"
 	"strings"
 	"time"
@@ -16,6 +18,12 @@ import (
 // flash attention as configured, for each model, KV cache type and prompt length.
 type prefillBench struct {
 	models, types, lengths string
+	// baseline is a llama-bench binary built from llama.cpp (optional): each
+	// measurement then alternates with llama-bench's on the same GGUF, threads, batch
+	// sizes, flash attention and cache type, so the ratio comes from one run on one
+	// machine state. llama-bench measures the same llama_decode path llama-server's
+	// prompt processing takes, without HTTP in between (as ours here has none).
+	baseline string
 }
 
 func (p prefillBench) run(cfg app.Config, reps int) error {
@@ -43,7 +51,12 @@ func (p prefillBench) run(cfg app.Config, reps int) error {
 	}
 	fmt.Printf("Prefill (one sequence, --batch %d, --ubatch %d, %d threads, flash-attn %s), best of %d:\n\n",
 		cfg.NBatch, cfg.NUBatch, cfg.Threads, cfg.FlashAttn, reps)
-	fmt.Println("model                                 cache    tokens  prefill tok/s")
+	if p.baseline == "" {
+		fmt.Println("model                                 cache    tokens  prefill tok/s")
+	} else {
+		fmt.Printf("baseline: %s\n\n", p.baseline)
+		fmt.Println("model                                 cache    tokens  prefill tok/s  llama-bench tok/s  polykv/llama-bench")
+	}
 	for _, path := range models {
 		model, err := llama.LoadModel(path)
 		if err != nil {
@@ -61,7 +74,7 @@ func (p prefillBench) run(cfg app.Config, reps int) error {
 					model.Free()
 					return fmt.Errorf("bench: prefill length %d exceeds the %d-token test prompt", n, len(toks))
 				}
-				best := 0.0
+				best, base := 0.0, 0.0
 				for range reps {
 					tps, err := prefillOnce(model, cfg, llama.CacheType(ct), toks[:n])
 					if err != nil {
@@ -69,9 +82,21 @@ func (p prefillBench) run(cfg app.Config, reps int) error {
 						return fmt.Errorf("prefill %s %s %d: %w", path, ct, n, err)
 					}
 					best = max(best, tps)
+					if p.baseline != "" {
+						b, err := llamaBench(p.baseline, path, cfg, ct, n)
+						if err != nil {
+							model.Free()
+							return err
+						}
+						base = max(base, b)
+					}
 				}
 				name := strings.TrimSuffix(path[strings.LastIndex(path, "/")+1:], ".gguf")
-				fmt.Printf("%-37s %-7s %7d  %13.1f\n", name, ct, n, best)
+				if p.baseline == "" {
+					fmt.Printf("%-37s %-7s %7d  %13.1f\n", name, ct, n, best)
+				} else {
+					fmt.Printf("%-37s %-7s %7d  %13.1f  %17.1f  %18.3f\n", name, ct, n, best, base, best/base)
+				}
 			}
 		}
 		model.Free()
@@ -100,4 +125,24 @@ func prefillOnce(model *llama.Model, cfg app.Config, ct llama.CacheType, toks []
 		}
 	}
 	return float64(len(toks)) / time.Since(start).Seconds(), nil
+}
+
+// llamaBench runs llama-bench once (one repetition after its own warm-up) with the
+// settings prefillOnce uses and returns its prompt tokens per second.
+func llamaBench(bin, model string, cfg app.Config, ct string, n int) (float64, error) {
+	args := []string{"-m", model, "-p", strconv.Itoa(n), "-n", "0", "-t", strconv.Itoa(cfg.Threads),
+		"-b", strconv.Itoa(cfg.NBatch), "-ub", strconv.Itoa(cfg.NUBatch), "-fa", cfg.FlashAttn,
+		"-ctk", ct, "-ctv", ct, "-r", "1", "-o", "json"}
+	out, err := exec.Command(bin, args...).Output()
+	if err != nil {
+		return 0, fmt.Errorf("bench: %s %s: %w", bin, strings.Join(args, " "), err)
+	}
+	var rows []struct {
+		NPrompt int     `json:"n_prompt"`
+		AvgTS   float64 `json:"avg_ts"`
+	}
+	if err := json.Unmarshal(out, &rows); err != nil || len(rows) != 1 || rows[0].NPrompt != n {
+		return 0, fmt.Errorf("bench: unexpected llama-bench output (%v): %.200s", err, out)
+	}
+	return rows[0].AvgTS, nil
 }
