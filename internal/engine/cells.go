@@ -16,7 +16,7 @@ func (s *Scheduler) usedCells() int { return s.cells.total }
 func (s *Scheduler) own(sl *slot) int { return s.cells.Owned(sl.seq) }
 
 // poolOwn is a pool's own cells by the same attribution.
-func (s *Scheduler) poolOwn(p *pool.Pool) int { return s.cells.Owned(p.Seq) }
+func (s *Scheduler) poolOwn(p *pool.Pool) int { return p.OwnCells() }
 
 // rmOp plans seq_rm(seq, p0, -1) and takes seq out of those cells in the cell tree.
 func (s *Scheduler) rmOp(seq, p0 int) {

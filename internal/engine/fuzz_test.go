@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/polykv/polykv/internal/admission"
+	"github.com/polykv/polykv/internal/pool"
 )
 
 // FuzzSchedulerInvariants drives the scheduler with a random sequence of messages
@@ -215,9 +216,19 @@ func (h *harness) checkStep(cfg Config) {
 			h.t.Fatalf("seq %d holds %v in the cell tree, the scheduler thinks %v", sl.seq, got, sl.tokens)
 		}
 	}
+	// A pool is a name on a path of the cell tree: what its sequence holds there is a
+	// prefix of its tokens, the cache agrees, and its state agrees with the tree
+	// (resident: all of [0, L); evicted: nothing).
 	for _, p := range h.s.pools.All() {
-		if got := h.be.tokens(p.Seq); !slices.Equal(got, p.Tokens[:p.Filled]) {
-			h.t.Fatalf("pool %d (seq %d, %s) holds %v in the cache, want its first %d tokens", p.ID, p.Seq, p.State, got, p.Filled)
+		n := p.Filled()
+		if n > p.L() || !slices.Equal(h.s.cells.tokens(p.Seq), p.Tokens[:n]) {
+			h.t.Fatalf("pool %d (seq %d, %s) holds %v in the cell tree, want a prefix of %v", p.ID, p.Seq, p.State, h.s.cells.tokens(p.Seq), p.Tokens)
+		}
+		if got := h.be.tokens(p.Seq); !slices.Equal(got, p.Tokens[:n]) {
+			h.t.Fatalf("pool %d (seq %d, %s) holds %v in the cache, want its first %d tokens", p.ID, p.Seq, p.State, got, n)
+		}
+		if (p.State == pool.Resident && n != p.L()) || (p.State == pool.Evicted && n != 0) {
+			h.t.Fatalf("pool %d is %s but its sequence holds %d of %d positions", p.ID, p.State, n, p.L())
 		}
 	}
 }

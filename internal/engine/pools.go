@@ -91,7 +91,6 @@ func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 				return 0, 0, err
 			}
 			s.cpOp(src.seq, p.Seq, len(tokens))
-			s.check(p.Fill(len(tokens)))
 			s.check(p.Materialized(now))
 			s.check(p.SetPin(spec.Pin, now))
 			s.prefixStored(p)
@@ -370,7 +369,7 @@ func residency(p *pool.Pool) string {
 	case pool.Evicted:
 		return "evicted"
 	}
-	if p.Filled == 0 {
+	if p.Filled() == 0 {
 		return "evicted"
 	}
 	return "resident"

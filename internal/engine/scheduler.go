@@ -198,10 +198,11 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	if cfg.TPSTau <= 0 {
 		cfg.TPSTau = tps.DefaultTau
 	}
+	cells := newCellTree(cfg.Parallel)
 	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
-		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools), poolSeqs: map[int]*slot{},
+		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools, cells), poolSeqs: map[int]*slot{},
 		adm: admission.NewController(),
-		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau), cells: newCellTree(cfg.Parallel)}
+		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau), cells: cells}
 	for i := range cfg.Parallel {
 		s.slots = append(s.slots, &slot{seq: i})
 	}
@@ -587,7 +588,6 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 		}
 		sl.tokens = slices.Clone(p.Tokens[:have])
 		sl.shared = p.D
-		s.check(p.Fill(have))
 		t.cacheN = have
 	case pl.attachP > 0:
 		s.resetSlot(sl)
@@ -727,7 +727,6 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 			s.cells.Append(t.slot.seq, t.req.Prompt[have:have+f.n])
 			t.slot.tokens = append(t.slot.tokens, t.req.Prompt[have:have+f.n]...)
 			if t.kind == kindMaterialize {
-				s.check(t.pool.Fill(len(t.slot.tokens)))
 				if !t.prefilling() {
 					s.poolMaterialized(t)
 				}
