@@ -104,6 +104,17 @@ func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 		return 0, 0, err
 	}
 	s.check(p.SetPin(spec.Pin, now))
+	if parent == nil || parent.State == pool.Resident {
+		if P, _ := s.poolDonor(p); P == p.L() {
+			// Every cell of it is resident already (an anonymous request, a session or
+			// another pool holds the prefix): the pool is a name on that node of the
+			// cell tree, resident at once without a prefill.
+			s.copyPoolPrefix(p)
+			s.check(p.Materialized(now))
+			s.prefixStored(p)
+			return p.ID, 0, nil
+		}
+	}
 	t := s.materialize(p)
 	s.admit()
 	return p.ID, t.id, nil
@@ -115,6 +126,21 @@ func (s *Scheduler) addPool(parent *pool.Pool, d int, tokens []Token) (*pool.Poo
 		return s.pools.NewRoot(tokens, s.now)
 	}
 	return s.pools.Fork(parent, d, tokens, s.now)
+}
+
+// copyPoolPrefix seq_cps the longest resident prefix of p onto p's empty sequence
+// (poolDonor) and returns its length. Cells copied past the parent's [0, D) were found
+// by the prefix cache and count as hits.
+func (s *Scheduler) copyPoolPrefix(p *pool.Pool) int {
+	P, donor := s.poolDonor(p)
+	if P == 0 {
+		return 0
+	}
+	s.cpOp(donor, p.Seq, P)
+	if inherited := min(p.D, P); P > inherited && s.cfg.PrefixCache {
+		s.cacheHits += int64(P - inherited)
+	}
+	return P
 }
 
 // materialize queues the prefill of p's [D, L) on p's own sequence.

@@ -421,14 +421,34 @@ func (s *Scheduler) donor(prompt []Token) (int, int) {
 	return P, best
 }
 
-// rootDonor finds, with the prefix cache on, the longest prefix of a root pool's
-// tokens that some sequence holds (at most L-1: materialization ends with a prefill
-// step) and a holder to copy it from.
-func (s *Scheduler) rootDonor(p *pool.Pool) (int, int) {
-	if !s.cfg.PrefixCache || p.Parent != nil {
+// poolDonor is where a pool's materialization starts: the same lookup an anonymous
+// request makes (issue 12: one mechanism), the longest prefix of the pool's tokens that
+// some resident sequence holds, and a holder to seq_cp it from. A root searches the
+// whole tree; a child searches below its parent's node at D (the sequences that share
+// the parent's cells [0, D): the parent itself, its other children, sessions and cached
+// sequences that borrowed from it), so it always shares at least the parent's [0, D),
+// as its branch contract says, and copies whatever of its own part is already cached.
+// The whole prefix may match (no logits are needed): the pool is then resident without
+// a prefill. With the prefix cache off a root starts empty and a child from its
+// parent's [0, D) only. The parent must be resident. (0, -1) when nothing matches.
+func (s *Scheduler) poolDonor(p *pool.Pool) (int, int) {
+	par := p.Parent
+	if par != nil && p.D == 0 {
+		par = nil // it inherits nothing: a root in all but name
+	}
+	if !s.cfg.PrefixCache {
+		if par != nil {
+			return p.D, par.Seq
+		}
 		return 0, -1
 	}
-	P, n := s.cells.Longest(p.Tokens, p.L()-1)
+	var P int
+	var n *cellNode
+	if par != nil {
+		P, n = s.cells.LongestFrom(par.Seq, p.D, p.Tokens, p.L())
+	} else {
+		P, n = s.cells.Longest(p.Tokens, p.L())
+	}
 	if P == 0 {
 		return 0, -1
 	}
@@ -437,6 +457,9 @@ func (s *Scheduler) rootDonor(p *pool.Pool) (int, int) {
 		donor = q
 		return false
 	})
+	if par != nil && n.holders.has(par.Seq) {
+		donor = par.Seq // the parent when it holds all of it: the plainest seq_cp
+	}
 	return P, donor
 }
 
@@ -527,8 +550,8 @@ func (s *Scheduler) admit() {
 			keep, keepTo = pl.cpFrom, pl.cpP
 		}
 		if t.kind == kindMaterialize {
-			P, donor := s.rootDonor(t.pool)
-			need = t.pool.L() - max(t.pool.D, P)
+			P, donor := s.poolDonor(t.pool)
+			need = t.pool.L() - P
 			keep, keepTo = donor, P
 		}
 		free := s.cfg.NCtx - s.usedCells() + pl.freed - s.reservedPrefill()
@@ -575,17 +598,10 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 	}
 	switch {
 	case t.kind == kindMaterialize:
+		// A pool (new, forked or restored) starts from whatever sequence holds the
+		// longest prefix of it, as a request does: one tree, one mechanism.
 		p := t.pool
-		have := p.D
-		if p.Parent != nil && p.D > 0 {
-			s.cpOp(p.Parent.Seq, p.Seq, p.D)
-		} else if P, donor := s.rootDonor(p); P > 0 {
-			// A root pool (new or restored) starts from whatever sequence holds the
-			// longest prefix of it, as a request does: one tree, one mechanism.
-			s.cpOp(donor, p.Seq, P)
-			have = P
-			s.cacheHits += int64(P)
-		}
+		have := s.copyPoolPrefix(p)
 		sl.tokens = slices.Clone(p.Tokens[:have])
 		sl.shared = p.D
 		t.cacheN = have
@@ -620,6 +636,8 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 	s.running = append(s.running, t)
 	if t.kind == kindGenerate {
 		s.startSettle(t)
+	} else if !t.prefilling() {
+		s.poolMaterialized(t) // all of it was resident: nothing to prefill
 	}
 }
 
