@@ -258,6 +258,31 @@ func (c *cellTree) Exclusive(seq, from int) int {
 	return n
 }
 
+// holdersBelow is every sequence that holds some cell of seq's below position p1.
+func (c *cellTree) holdersBelow(seq, p1 int) seqSet {
+	var set seqSet
+	for x := c.tip[seq]; x != nil && x != c.root; x = x.parent {
+		if x.start < p1 {
+			for i := range set {
+				set[i] |= x.holders[i]
+			}
+		}
+	}
+	return set
+}
+
+// Joint counts the cells on seq's path that only members of set hold: what removing
+// every member of set would free of seq's cells.
+func (c *cellTree) Joint(seq int, set seqSet) int {
+	n := 0
+	for x := c.tip[seq]; x != nil && x != c.root; x = x.parent {
+		if x.holders.subsetOf(set) {
+			n += len(x.toks)
+		}
+	}
+	return n
+}
+
 // Freed counts the cells that removing every sequence in set would free, except those
 // keep holds below keepTo (cells a placement is about to copy from keep).
 func (c *cellTree) Freed(set seqSet, keep, keepTo int) int {

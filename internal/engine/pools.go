@@ -143,6 +143,18 @@ func (s *Scheduler) copyPoolPrefix(p *pool.Pool) int {
 	return P
 }
 
+// poolsUsed marks the pools whose cells seq now borrows below p1 by the prefix cache
+// as used now: one least recently used order over the cell tree means a pool's cells
+// are as fresh as their last borrower, whether or not it named the pool.
+func (s *Scheduler) poolsUsed(seq, p1 int) {
+	set := s.cells.holdersBelow(seq, p1)
+	for _, p := range s.pools.All() {
+		if set.has(p.Seq) {
+			p.Used(s.now)
+		}
+	}
+}
+
 // materialize queues the prefill of p's [D, L) on p's own sequence.
 func (s *Scheduler) materialize(p *pool.Pool) *task {
 	s.check(p.Materialize())

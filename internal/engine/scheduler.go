@@ -323,7 +323,7 @@ func (s *Scheduler) Idle() bool { return len(s.queue) == 0 && len(s.running) == 
 // pickSlot chooses the sequence for t without side effects: its session's own; for an
 // implicit request (prefixCached), an idle cached anonymous sequence holding the
 // longest prefix of its prompt (taken over); else an empty one, else the least
-// recently used idle one (cached anonymous sequences before idle sessions).
+// recently used idle one (evictsBefore).
 func (s *Scheduler) pickSlot(t *task) *slot {
 	if t.kind == kindMaterialize {
 		return s.poolSeqs[t.pool.ID]
@@ -358,17 +358,19 @@ func (s *Scheduler) pickSlot(t *task) *slot {
 	return lru
 }
 
-// evictsBefore orders idle sequences for reuse: those holding nothing (a session whose
-// KV was flushed) first, then cached anonymous ones, then sessions, each least recently
-// used first.
+// evictsBefore orders idle sequences for reuse under sequence-id pressure: those
+// holding nothing (a session whose KV was flushed) first, then the one least recently
+// used order eviction under cell pressure follows (victim: cached anonymous sequences
+// and idle sessions alike; the anonymous one first only when both were last used at the
+// same instant).
 func evictsBefore(a, b *slot) bool {
 	if ea, eb := len(a.tokens) == 0, len(b.tokens) == 0; ea != eb {
 		return ea
 	}
-	if ca, cb := a.session == "", b.session == ""; ca != cb {
-		return ca
+	if c := a.lastUsed.Compare(b.lastUsed); c != 0 {
+		return c < 0
 	}
-	return a.lastUsed.Before(b.lastUsed)
+	return a.session == "" && b.session != ""
 }
 
 // cachedSlot returns seq's slot when it is a finished anonymous sequence kept as cache.
@@ -614,8 +616,12 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 		s.resetSlot(sl)
 		s.cpOp(pl.cpFrom, sl.seq, pl.cpP)
 		sl.tokens = slices.Clone(t.req.Prompt[:pl.cpP])
+		s.poolsUsed(sl.seq, pl.cpP)
 	case pl.reused, sl.session != "" && sl.session == t.req.SessionID:
 		s.truncate(sl, pl.keep)
+		if pl.reused {
+			s.poolsUsed(sl.seq, pl.keep)
+		}
 	default:
 		s.resetSlot(sl)
 	}

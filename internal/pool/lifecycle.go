@@ -102,6 +102,15 @@ func (p *Pool) Attach(now time.Time) {
 	p.LastAccess = now
 }
 
+// Used records that a request without pool_id borrowed the pool's cells (the prefix
+// cache found them): they are as recently used as an attach makes them, for eviction's
+// least recently used order and the grace time.
+func (p *Pool) Used(now time.Time) {
+	if p.State != Released {
+		p.LastAccess = now
+	}
+}
+
 // Detach counts one sequence fewer borrowing the pool's prefix.
 func (p *Pool) Detach(now time.Time) error {
 	if p.Sessions == 0 {

@@ -152,3 +152,22 @@ func TestReleasePinAndReclaim(t *testing.T) {
 		t.Fatalf("reclaim root: %v, %d pools, %d free sequences", err, tr.Len(), tr.FreeIDs())
 	}
 }
+
+// Used (an implicit borrow by a request without pool_id) refreshes a live pool's last
+// access, as an attach does, and leaves a released pool's grace clock alone.
+func TestUsedRefreshesLastAccess(t *testing.T) {
+	now := time.Unix(100, 0)
+	cells := newFakeCells()
+	tr := NewTree(4, 2, cells)
+	p, _ := tr.NewRoot(toks(1, 10), now)
+	cells.set(p.Seq, 10, 10)
+	_ = p.Materialized(now)
+	later := now.Add(time.Minute)
+	if p.Used(later); !p.LastAccess.Equal(later) {
+		t.Fatalf("last access %v after a use at %v", p.LastAccess, later)
+	}
+	_ = p.Release(later)
+	if p.Used(later.Add(time.Minute)); !p.LastAccess.Equal(later) {
+		t.Fatalf("a released pool's last access moved to %v", p.LastAccess)
+	}
+}
