@@ -18,7 +18,8 @@ import (
 // which fails any batch that breaks position contiguity or overflows the cache. After
 // every step: ownership accounting equals the physical cells, no lifecycle verb was
 // refused, sequence ids stay in range, every request the admission gate holds is a
-// live task that holds no sequence. At the end, with everything cancelled, released
+// live task that holds no sequence, every pool's state agrees with what its sequence
+// holds in the cell tree, and a pinned resident pool was not evicted. At the end, with everything cancelled, released
 // and expired: no cell, session, sampler, task or pool is left.
 func FuzzSchedulerInvariants(f *testing.F) {
 	f.Add([]byte{4, 20, 0, 2, 0, 0, 8, 3, 1, 1, 9, 8, 8, 2, 0, 1, 5, 0, 10, 6, 0, 8, 8, 9, 3})
@@ -193,6 +194,21 @@ func coldText(prompt []Token, n int) string {
 // ownership accounting matches the cache.
 func (h *harness) checkStep(cfg Config) {
 	h.t.Helper()
+	// Eviction never takes a pinned pool: one resident and pinned by the user before
+	// a step (which carries no message: no release, no explicit evict) still is after.
+	var pinned []*pool.Pool
+	for _, p := range h.s.pools.All() {
+		if p.UserPinned && p.State == pool.Resident {
+			pinned = append(pinned, p)
+		}
+	}
+	defer func() {
+		for _, p := range pinned {
+			if p.State != pool.Resident || p.Filled() != p.L() {
+				h.t.Fatalf("pinned pool %d is %s holding %d of %d positions after a step", p.ID, p.State, p.Filled(), p.L())
+			}
+		}
+	}()
 	for _, e := range h.step() {
 		if e.Seq < 0 || e.Seq >= cfg.Parallel+cfg.MaxPools {
 			h.t.Fatalf("batch entry on sequence %d, outside [0, %d)", e.Seq, cfg.Parallel+cfg.MaxPools)
