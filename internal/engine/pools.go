@@ -34,10 +34,11 @@ func (s *Scheduler) poolsAllowed() error {
 	return nil
 }
 
-// createPool makes a pool (message CreatePool). A pool built from a session by
-// zero-copy seq_cp is resident at once (task 0); otherwise the returned task prefills
-// it and its Done event tells when the pool can be attached. Nothing is left behind
-// when it fails.
+// createPool makes a pool (message CreatePool): a name on a path of the cell tree. A
+// pool built from a session by zero-copy seq_cp, or whose whole prefix some resident
+// sequence already holds, is resident at once (task 0); otherwise the returned task
+// copies the longest resident prefix and prefills the rest (poolDonor), and its Done
+// event tells when the pool can be attached. Nothing is left behind when it fails.
 func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 	now := s.now
 	if err := s.poolsAllowed(); err != nil {

@@ -79,7 +79,7 @@ type Pool struct {
 	ID         int
 	Seq        int // its sequence id in the KV cache, returned to the reserve on Remove
 	Parent     *Pool
-	D          int     // branch position: [0, D) is inherited from Parent
+	D          int     // branch position: [0, D) is shared with Parent's cells (at least)
 	Tokens     []Token // the full prefix [0, L)
 	Hash       []uint64
 	Children   []*Pool
