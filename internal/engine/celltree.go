@@ -271,6 +271,23 @@ func (c *cellTree) holdersBelow(seq, p1 int) seqSet {
 	return set
 }
 
+// Shares reports whether sequences a and b hold the same cells at position pos (the
+// same run of the tree, not merely the same token): then they share all of [0, pos].
+func (c *cellTree) Shares(a, b, pos int) bool {
+	na, nb := c.nodeAt(a, pos), c.nodeAt(b, pos)
+	return na != nil && na == nb
+}
+
+// nodeAt is the run on seq's path that holds position pos, or nil.
+func (c *cellTree) nodeAt(seq, pos int) *cellNode {
+	for n := c.tip[seq]; n != nil && n != c.root; n = n.parent {
+		if n.start <= pos && pos < n.end() {
+			return n
+		}
+	}
+	return nil
+}
+
 // Joint counts the cells on seq's path that only members of set hold: what removing
 // every member of set would free of seq's cells.
 func (c *cellTree) Joint(seq int, set seqSet) int {

@@ -246,5 +246,10 @@ func (h *harness) checkStep(cfg Config) {
 		if (p.State == pool.Resident && n != p.L()) || (p.State == pool.Evicted && n != 0) {
 			h.t.Fatalf("pool %d is %s but its sequence holds %d of %d positions", p.ID, p.State, n, p.L())
 		}
+		// The branch contract is a fact of the tree: a child that holds cells shares its
+		// parent's very cells [0, D), never copies of them.
+		if par := p.Parent; par != nil && p.D > 0 && n > 0 && !h.s.cells.Shares(p.Seq, par.Seq, p.D-1) {
+			h.t.Fatalf("pool %d (D %d, holding %d) does not share its parent %d's cells [0, %d) (parent %s, holding %d)", p.ID, p.D, n, par.ID, p.D, par.State, par.Filled())
+		}
 	}
 }
