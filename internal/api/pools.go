@@ -180,7 +180,7 @@ func (s *Server) createPool(w http.ResponseWriter, r *http.Request, b *wire.Pool
 		PoolID: id, Parent: info.Parent, BranchPos: info.BranchPos, PrefixLen: info.PrefixLen,
 		OwnLen: info.OwnLen, PrefixHash: info.PrefixHash, State: info.State,
 		PrefilledTokens: stats.PromptN, MaterializeMs: float64(stats.PromptTime.Microseconds()) / 1000,
-		ZeroCopy: session != "" && stats.PromptN == 0, Pool: wirePool(info),
+		ZeroCopy: stats.PromptN == 0, Pool: wirePool(info),
 	})
 }
 

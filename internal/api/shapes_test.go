@@ -498,3 +498,24 @@ func TestAPIKey(t *testing.T) {
 		t.Fatalf("no keys configured: %d", r.code)
 	}
 }
+
+// A pool whose whole prefix a finished request without pool_id left in the prefix cache
+// is a name on those cells (issue 12, one mechanism): created at once, zero_copy, with
+// nothing prefilled. With the cache off the same pool prefills its prefix.
+func TestPoolFromCachedPrefixIsZeroCopy(t *testing.T) {
+	for _, cache := range []bool{true, false} {
+		cfg := engine.Config{NCtx: 512, Parallel: 2, NBatch: 64, MaxQueue: 8, MaxPools: 2, PrefixCache: cache}
+		url, _ := newServerCfg(t, cfg, enginetest.Bytes("ok"))
+		if r := do(t, "POST", url+"/v1/completions", map[string]any{"prompt": "a shared system prompt, then a question", "max_tokens": 1}); r.code != 200 {
+			t.Fatalf("completion: %d %s", r.code, r.raw)
+		}
+		r := do(t, "POST", url+"/polykv/pools", map[string]any{"prompt": "a shared system prompt"})
+		if r.code != 201 {
+			t.Fatalf("create: %d %s", r.code, r.raw)
+		}
+		zero, prefilled := r.body["zero_copy"], r.body["prefilled_tokens"]
+		if cache && (zero != true || prefilled != float64(0)) || !cache && (zero != false || prefilled == float64(0)) {
+			t.Fatalf("prefix cache %v: zero_copy %v, prefilled_tokens %v", cache, zero, prefilled)
+		}
+	}
+}

@@ -16,7 +16,7 @@ func (s *Scheduler) usedCells() int { return s.cells.total }
 func (s *Scheduler) own(sl *slot) int { return s.cells.Owned(sl.seq) }
 
 // poolOwn is a pool's own cells by the same attribution.
-func (s *Scheduler) poolOwn(p *pool.Pool) int { return s.cells.Owned(p.Seq) }
+func (s *Scheduler) poolOwn(p *pool.Pool) int { return p.OwnCells() }
 
 // rmOp plans seq_rm(seq, p0, -1) and takes seq out of those cells in the cell tree.
 func (s *Scheduler) rmOp(seq, p0 int) {
@@ -42,55 +42,87 @@ func (s *Scheduler) reservedPrefill() int {
 	return n
 }
 
-// evictable lists idle sequences holding cells, in the order they go under pressure:
-// finished anonymous sequences kept as cache first, then idle sessions, each least
-// recently used first.
-func (s *Scheduler) evictable(except *slot) []*slot {
-	var out []*slot
+// victim is one holder of cells that eviction may take (issue 12: one least recently
+// used order over the unreferenced leaves of the cell tree, whatever their kind): an
+// idle sequence, a finished anonymous one kept as cache or an idle session, which loses
+// the cells only it holds from its tail, token by token (its prefix stays reusable as
+// long as possible: a session's next turn and a cached sequence's next borrower reuse
+// whatever prefix is left), or an unpinned pool, which loses its own cells whole (a
+// pool is immutable: it is resident or evicted, never half).
+type victim struct {
+	sl   *slot      // an idle sequence, or nil
+	p    *pool.Pool // an evictable pool, or nil
+	used time.Time
+}
+
+func (v victim) seq() int {
+	if v.sl != nil {
+		return v.sl.seq
+	}
+	return v.p.Seq
+}
+
+// rank orders kinds only between victims last used at the same instant: the one no
+// client named (a cached anonymous sequence) first, then an idle session, then a pool.
+// Otherwise there is no tiering by kind. The issue's workloads (agent frameworks with a
+// plain OpenAI client) send no session id: their anonymous sequences are conversations
+// that continue exactly as sessions do, so an idle session does not deserve to outlive
+// a more recently used anonymous one; recency is the one signal every kind has. What a
+// session keeps is bounded by --session-ttl, and losing its tail costs its next turn
+// only the re-prefill of that tail.
+func (v victim) rank() int {
+	switch {
+	case v.p != nil:
+		return 2
+	case v.sl.session != "":
+		return 1
+	}
+	return 0
+}
+
+// victims lists what eviction may take, least recently used first: idle sequences
+// holding cells (but except) and evictable pools. Never a running task's sequence
+// (and so never cells a running request borrows: the cell tree keeps a cell while any
+// sequence holds it), never a pinned pool, a pool with children (released ones too:
+// their [0, D) lives in its cells) or attached sessions (Pinned covers both), and
+// never a pool within --pool-grace of its last use (a pool just created or restored
+// must survive until the attach it was made for).
+func (s *Scheduler) victims(except *slot) []victim {
+	var out []victim
 	for _, sl := range s.slots {
 		if sl != except && sl.task == nil && len(sl.tokens) > 0 {
-			out = append(out, sl)
+			out = append(out, victim{sl: sl, used: sl.lastUsed})
 		}
 	}
-	slices.SortStableFunc(out, func(a, b *slot) int {
-		if ca, cb := a.session == "", b.session == ""; ca != cb {
-			if ca {
-				return -1
-			}
-			return 1
+	for _, p := range s.pools.All() {
+		if p.State == pool.Resident && !p.Pinned() && s.now.Sub(p.LastAccess) >= s.cfg.PoolGrace {
+			out = append(out, victim{p: p, used: p.LastAccess})
 		}
-		return a.lastUsed.Compare(b.lastUsed)
+	}
+	slices.SortStableFunc(out, func(a, b victim) int {
+		if c := a.used.Compare(b.used); c != 0 {
+			return c
+		}
+		return a.rank() - b.rank()
 	})
 	return out
 }
 
-// evictablePools lists pools whose cells may be dropped under pressure: resident, not
-// pinned (by the user, a child or an attached sequence) and idle past the grace time.
-func (s *Scheduler) evictablePools() []*pool.Pool {
-	var out []*pool.Pool
-	for _, p := range s.pools.All() {
-		if p.State == pool.Resident && !p.Pinned() && s.now.Sub(p.LastAccess) >= s.cfg.PoolGrace {
-			out = append(out, p)
-		}
-	}
-	slices.SortFunc(out, func(a, b *pool.Pool) int { return a.LastAccess.Compare(b.LastAccess) })
-	return out
-}
-
-// evictableCells counts the cells that evicting every idle sequence but except, and
-// every evictable pool, would free: cells some other (running) sequence shares stay.
-// keep's cells below keepTo are not counted (a placement is about to copy them).
+// evictableCells counts the cells that evicting every victim but except would free:
+// cells some other (running) sequence shares stay. keep's cells below keepTo are not
+// counted (a placement is about to copy them).
 func (s *Scheduler) evictableCells(except *slot) int { return s.evictableCellsKeeping(except, -1, 0) }
 
 func (s *Scheduler) evictableCellsKeeping(except *slot, keep, keepTo int) int {
+	return s.cells.Freed(s.victimSet(except), keep, keepTo)
+}
+
+func (s *Scheduler) victimSet(except *slot) seqSet {
 	var set seqSet
-	for _, sl := range s.evictable(except) {
-		set.add(sl.seq)
+	for _, v := range s.victims(except) {
+		set.add(v.seq())
 	}
-	for _, p := range s.evictablePools() {
-		set.add(p.Seq)
-	}
-	return s.cells.Freed(set, keep, keepTo)
+	return set
 }
 
 // resetSlot drops everything a sequence holds and detaches it from its pool; the
@@ -156,36 +188,55 @@ func (s *Scheduler) detach(sl *slot) {
 }
 
 // freeCells makes room until want cells are free or nothing is left to evict, and
-// returns the free count: cached anonymous sequences lose their least recently used
-// unshared tail first (token by token: their prefixes stay as cache as long as
-// possible), then idle sessions go whole (LRU first, never except), then idle unpinned
-// pools. planned are cells already promised to the batch being built.
+// returns the free count. It takes leaves of the cell tree in one least recently used
+// order (victims): each victim in turn gives up the cells only it holds (a sequence
+// from its tail, as many as are still wanted; a pool its own run, whole). A victim
+// whose cells others share is passed over: it is not a leaf; the sharer's turn comes.
+// When a whole pass frees nothing but cells are still wanted, the cells left are shared
+// only among victims (a cached sequence that borrowed an idle pool's prefix): the least
+// recently used victim that holds such cells goes whole, and the passes go on. planned
+// are cells already promised to the batch being built; except is never taken.
 func (s *Scheduler) freeCells(want int, except *slot, planned int) int {
 	free := func() int { return s.cfg.NCtx - s.usedCells() - planned }
-	for _, sl := range s.evictable(except) {
-		if free() >= want {
-			return free()
-		}
-		if sl.session == "" {
-			if x := s.cells.Exclusive(sl.seq, 0); x > 0 {
-				n := min(x, want-free())
-				s.truncate(sl, len(sl.tokens)-n)
-				if len(sl.tokens) == 0 {
-					s.resetSlot(sl)
-				}
-				s.cacheEvictions++
+	for free() < want {
+		vs := s.victims(except)
+		progress := false
+		for _, v := range vs {
+			if free() >= want {
+				break
 			}
+			if x := s.cells.Exclusive(v.seq(), 0); x > 0 {
+				s.evictVictim(v, min(x, want-free()))
+				progress = true
+			}
+		}
+		if progress || free() >= want {
 			continue
 		}
-		s.evictSlot(sl)
-	}
-	for _, p := range s.evictablePools() {
-		if free() >= want {
-			return free()
+		set := s.victimSet(except)
+		i := slices.IndexFunc(vs, func(v victim) bool { return s.cells.Joint(v.seq(), set) > 0 })
+		if i < 0 {
+			break // nothing left that eviction could free
 		}
-		s.check(s.evictPool(p))
+		s.evictVictim(vs[i], len(s.cells.tokens(vs[i].seq())))
 	}
 	return free()
+}
+
+// evictVictim takes n cells from a victim's tail (a pool: all of its own).
+func (s *Scheduler) evictVictim(v victim, n int) {
+	if v.p != nil {
+		s.check(s.evictPool(v.p))
+		return
+	}
+	sl := v.sl
+	if sl.session == "" {
+		s.cacheEvictions++
+	}
+	s.truncate(sl, len(sl.tokens)-n)
+	if len(sl.tokens) == 0 {
+		s.evictSlot(sl) // nothing left: a session is forgotten, as by its TTL
+	}
 }
 
 // expire drops idle sessions past the TTL and reclaims released pools nothing uses.

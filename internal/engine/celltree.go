@@ -258,6 +258,48 @@ func (c *cellTree) Exclusive(seq, from int) int {
 	return n
 }
 
+// holdersBelow is every sequence that holds some cell of seq's below position p1.
+func (c *cellTree) holdersBelow(seq, p1 int) seqSet {
+	var set seqSet
+	for x := c.tip[seq]; x != nil && x != c.root; x = x.parent {
+		if x.start < p1 {
+			for i := range set {
+				set[i] |= x.holders[i]
+			}
+		}
+	}
+	return set
+}
+
+// Shares reports whether sequences a and b hold the same cells at position pos (the
+// same run of the tree, not merely the same token): then they share all of [0, pos].
+func (c *cellTree) Shares(a, b, pos int) bool {
+	na, nb := c.nodeAt(a, pos), c.nodeAt(b, pos)
+	return na != nil && na == nb
+}
+
+// nodeAt is the run on seq's path that holds position pos, or nil.
+func (c *cellTree) nodeAt(seq, pos int) *cellNode {
+	for n := c.tip[seq]; n != nil && n != c.root; n = n.parent {
+		if n.start <= pos && pos < n.end() {
+			return n
+		}
+	}
+	return nil
+}
+
+// Joint counts the cells on seq's path that only members of set hold: what removing
+// every member of set would free of seq's cells.
+func (c *cellTree) Joint(seq int, set seqSet) int {
+	n := 0
+	for x := c.tip[seq]; x != nil && x != c.root; x = x.parent {
+		if x.holders.subsetOf(set) {
+			n += len(x.toks)
+		}
+	}
+	return n
+}
+
 // Freed counts the cells that removing every sequence in set would free, except those
 // keep holds below keepTo (cells a placement is about to copy from keep).
 func (c *cellTree) Freed(set seqSet, keep, keepTo int) int {
@@ -297,21 +339,49 @@ func (c *cellTree) Freed(set seqSet, keep, keepTo int) int {
 // equal lengths the first found wins (children in creation order).
 func (c *cellTree) Longest(prompt []Token, limit int) (int, *cellNode) {
 	best, bestNode := 0, (*cellNode)(nil)
-	var walk func(n *cellNode)
-	walk = func(n *cellNode) {
-		for _, ch := range n.children {
-			if ch.start >= limit || prompt[ch.start] != ch.toks[0] {
-				continue
-			}
-			m := commonPrefix(ch.toks, prompt[ch.start:limit])
-			if ch.start+m > best {
-				best, bestNode = ch.start+m, ch
-			}
-			if m == len(ch.toks) {
-				walk(ch)
-			}
+	c.below(c.root, prompt, limit, &best, &bestNode)
+	return best, bestNode
+}
+
+// below extends a match that covers all of n into n's children (Longest's walk).
+func (c *cellTree) below(n *cellNode, prompt []Token, limit int, best *int, bestNode **cellNode) {
+	for _, ch := range n.children {
+		if ch.start >= limit || prompt[ch.start] != ch.toks[0] {
+			continue
+		}
+		m := commonPrefix(ch.toks, prompt[ch.start:limit])
+		if ch.start+m > *best {
+			*best, *bestNode = ch.start+m, ch
+		}
+		if m == len(ch.toks) {
+			c.below(ch, prompt, limit, best, bestNode)
 		}
 	}
-	walk(c.root)
+}
+
+// LongestFrom is Longest among the sequences that share seq's cells [0, at): the walk
+// starts on seq's path at position at, so every holder of the node found holds seq's
+// own cells [0, at) (a fork builds on its parent's node). prompt[:at] must be what seq
+// holds there; at must not pass seq's length or limit. (0, nil) when seq holds nothing.
+func (c *cellTree) LongestFrom(seq, at int, prompt []Token, limit int) (int, *cellNode) {
+	if at <= 0 {
+		return c.Longest(prompt, limit)
+	}
+	n := c.tip[seq]
+	for n != nil && n != c.root && n.start >= at {
+		n = n.parent
+	}
+	if n == nil || n == c.root {
+		return 0, nil
+	}
+	best, bestNode := at, n
+	if at < n.end() {
+		// at falls inside n: the match goes on along n's own cells first.
+		m := commonPrefix(n.toks[at-n.start:], prompt[at:limit])
+		if best += m; best < n.end() {
+			return best, n
+		}
+	}
+	c.below(n, prompt, limit, &best, &bestNode)
 	return best, bestNode
 }

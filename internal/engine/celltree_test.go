@@ -169,3 +169,39 @@ func TestCellTreeFreedKeeps(t *testing.T) {
 		t.Errorf("after seq 0 lets go: %d cells, seq 1 owns %d; want 4 and 4", c.total, c.Owned(1))
 	}
 }
+
+// TestCellTreeLongestFrom: a fork's lookup stays below its parent's node at D: it
+// follows the parent's own cells when they go on matching (at D inside a run too), it
+// finds other sequences below that node, and never same-token cells elsewhere.
+func TestCellTreeLongestFrom(t *testing.T) {
+	c := newCellTree(10)
+	c.Append(10, seqTokens(1, 20))            // the parent pool: one run [0, 20)
+	c.Cp(10, 0, 20)                           // a request borrowed it
+	c.Append(0, seqTokens(30, 6))             // and prefilled 30..35 below it
+	c.Append(1, append(seqTokens(1, 20), 30)) // the same tokens in cells of its own
+	c.Append(1, seqTokens(31, 9))
+	for _, tc := range []struct {
+		at         int
+		prompt     []Token
+		P          int
+		holderSeqs []int
+	}{
+		// D inside the parent's run, the child's tokens go on as the parent's.
+		{10, seqTokens(1, 15), 15, []int{0, 10}},
+		// D inside the run, then a token of its own.
+		{10, append(seqTokens(1, 10), 99), 10, []int{0, 10}},
+		// D at the run's end: seq 0's cells below it; seq 1's longer match is elsewhere.
+		{20, append(seqTokens(1, 20), seqTokens(30, 9)...), 26, []int{0}},
+		// at 0: the whole tree (seq 1 holds the longest).
+		{0, append(seqTokens(1, 20), seqTokens(30, 9)...), 29, []int{1}},
+	} {
+		P, n := c.LongestFrom(10, tc.at, tc.prompt, len(tc.prompt))
+		var holders []int
+		if n != nil {
+			n.holders.each(func(q int) bool { holders = append(holders, q); return true })
+		}
+		if P != tc.P || !slices.Equal(holders, tc.holderSeqs) {
+			t.Errorf("LongestFrom(at %d, %v) = %d held by %v, want %d by %v", tc.at, tc.prompt, P, holders, tc.P, tc.holderSeqs)
+		}
+	}
+}

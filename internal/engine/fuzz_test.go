@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/polykv/polykv/internal/admission"
+	"github.com/polykv/polykv/internal/pool"
 )
 
 // FuzzSchedulerInvariants drives the scheduler with a random sequence of messages
@@ -17,7 +18,8 @@ import (
 // which fails any batch that breaks position contiguity or overflows the cache. After
 // every step: ownership accounting equals the physical cells, no lifecycle verb was
 // refused, sequence ids stay in range, every request the admission gate holds is a
-// live task that holds no sequence. At the end, with everything cancelled, released
+// live task that holds no sequence, every pool's state agrees with what its sequence
+// holds in the cell tree, and a pinned resident pool was not evicted. At the end, with everything cancelled, released
 // and expired: no cell, session, sampler, task or pool is left.
 func FuzzSchedulerInvariants(f *testing.F) {
 	f.Add([]byte{4, 20, 0, 2, 0, 0, 8, 3, 1, 1, 9, 8, 8, 2, 0, 1, 5, 0, 10, 6, 0, 8, 8, 9, 3})
@@ -192,6 +194,21 @@ func coldText(prompt []Token, n int) string {
 // ownership accounting matches the cache.
 func (h *harness) checkStep(cfg Config) {
 	h.t.Helper()
+	// Eviction never takes a pinned pool: one resident and pinned by the user before
+	// a step (which carries no message: no release, no explicit evict) still is after.
+	var pinned []*pool.Pool
+	for _, p := range h.s.pools.All() {
+		if p.UserPinned && p.State == pool.Resident {
+			pinned = append(pinned, p)
+		}
+	}
+	defer func() {
+		for _, p := range pinned {
+			if p.State != pool.Resident || p.Filled() != p.L() {
+				h.t.Fatalf("pinned pool %d is %s holding %d of %d positions after a step", p.ID, p.State, p.Filled(), p.L())
+			}
+		}
+	}()
 	for _, e := range h.step() {
 		if e.Seq < 0 || e.Seq >= cfg.Parallel+cfg.MaxPools {
 			h.t.Fatalf("batch entry on sequence %d, outside [0, %d)", e.Seq, cfg.Parallel+cfg.MaxPools)
@@ -215,9 +232,24 @@ func (h *harness) checkStep(cfg Config) {
 			h.t.Fatalf("seq %d holds %v in the cell tree, the scheduler thinks %v", sl.seq, got, sl.tokens)
 		}
 	}
+	// A pool is a name on a path of the cell tree: what its sequence holds there is a
+	// prefix of its tokens, the cache agrees, and its state agrees with the tree
+	// (resident: all of [0, L); evicted: nothing).
 	for _, p := range h.s.pools.All() {
-		if got := h.be.tokens(p.Seq); !slices.Equal(got, p.Tokens[:p.Filled]) {
-			h.t.Fatalf("pool %d (seq %d, %s) holds %v in the cache, want its first %d tokens", p.ID, p.Seq, p.State, got, p.Filled)
+		n := p.Filled()
+		if n > p.L() || !slices.Equal(h.s.cells.tokens(p.Seq), p.Tokens[:n]) {
+			h.t.Fatalf("pool %d (seq %d, %s) holds %v in the cell tree, want a prefix of %v", p.ID, p.Seq, p.State, h.s.cells.tokens(p.Seq), p.Tokens)
+		}
+		if got := h.be.tokens(p.Seq); !slices.Equal(got, p.Tokens[:n]) {
+			h.t.Fatalf("pool %d (seq %d, %s) holds %v in the cache, want its first %d tokens", p.ID, p.Seq, p.State, got, n)
+		}
+		if (p.State == pool.Resident && n != p.L()) || (p.State == pool.Evicted && n != 0) {
+			h.t.Fatalf("pool %d is %s but its sequence holds %d of %d positions", p.ID, p.State, n, p.L())
+		}
+		// The branch contract is a fact of the tree: a child that holds cells shares its
+		// parent's very cells [0, D), never copies of them.
+		if par := p.Parent; par != nil && p.D > 0 && n > 0 && !h.s.cells.Shares(p.Seq, par.Seq, p.D-1) {
+			h.t.Fatalf("pool %d (D %d, holding %d) does not share its parent %d's cells [0, %d) (parent %s, holding %d)", p.ID, p.D, n, par.ID, p.D, par.State, par.Filled())
 		}
 	}
 }

@@ -24,7 +24,7 @@ type Cancel struct{ Task TaskID }
 
 // CreatePool makes a root or, with Spec.HasParent, a child pool. Result: Pool, and Task,
 // the materialization whose Done event says when the pool can be attached (0 when it is
-// resident at once, built zero-copy from a session).
+// resident at once, built zero-copy from a session or from cells already in the cache).
 type CreatePool struct{ Spec PoolSpec }
 
 // ReleasePool releases a pool: no new attaches; cells are reclaimed once unused and past

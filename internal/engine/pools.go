@@ -34,10 +34,11 @@ func (s *Scheduler) poolsAllowed() error {
 	return nil
 }
 
-// createPool makes a pool (message CreatePool). A pool built from a session by
-// zero-copy seq_cp is resident at once (task 0); otherwise the returned task prefills
-// it and its Done event tells when the pool can be attached. Nothing is left behind
-// when it fails.
+// createPool makes a pool (message CreatePool): a name on a path of the cell tree. A
+// pool built from a session by zero-copy seq_cp, or whose whole prefix some resident
+// sequence already holds, is resident at once (task 0); otherwise the returned task
+// copies the longest resident prefix and prefills the rest (poolDonor), and its Done
+// event tells when the pool can be attached. Nothing is left behind when it fails.
 func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 	now := s.now
 	if err := s.poolsAllowed(); err != nil {
@@ -91,7 +92,6 @@ func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 				return 0, 0, err
 			}
 			s.cpOp(src.seq, p.Seq, len(tokens))
-			s.check(p.Fill(len(tokens)))
 			s.check(p.Materialized(now))
 			s.check(p.SetPin(spec.Pin, now))
 			s.prefixStored(p)
@@ -105,6 +105,17 @@ func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 		return 0, 0, err
 	}
 	s.check(p.SetPin(spec.Pin, now))
+	if parent == nil || parent.State == pool.Resident {
+		if P, _ := s.poolDonor(p); P == p.L() {
+			// Every cell of it is resident already (an anonymous request, a session or
+			// another pool holds the prefix): the pool is a name on that node of the
+			// cell tree, resident at once without a prefill.
+			s.copyPoolPrefix(p)
+			s.check(p.Materialized(now))
+			s.prefixStored(p)
+			return p.ID, 0, nil
+		}
+	}
 	t := s.materialize(p)
 	s.admit()
 	return p.ID, t.id, nil
@@ -116,6 +127,33 @@ func (s *Scheduler) addPool(parent *pool.Pool, d int, tokens []Token) (*pool.Poo
 		return s.pools.NewRoot(tokens, s.now)
 	}
 	return s.pools.Fork(parent, d, tokens, s.now)
+}
+
+// copyPoolPrefix seq_cps the longest resident prefix of p onto p's empty sequence
+// (poolDonor) and returns its length. Cells copied past the parent's [0, D) were found
+// by the prefix cache and count as hits.
+func (s *Scheduler) copyPoolPrefix(p *pool.Pool) int {
+	P, donor := s.poolDonor(p)
+	if P == 0 {
+		return 0
+	}
+	s.cpOp(donor, p.Seq, P)
+	if inherited := min(p.D, P); P > inherited && s.cfg.PrefixCache {
+		s.cacheHits += int64(P - inherited)
+	}
+	return P
+}
+
+// poolsUsed marks the pools whose cells seq now borrows below p1 by the prefix cache
+// as used now: one least recently used order over the cell tree means a pool's cells
+// are as fresh as their last borrower, whether or not it named the pool.
+func (s *Scheduler) poolsUsed(seq, p1 int) {
+	set := s.cells.holdersBelow(seq, p1)
+	for _, p := range s.pools.All() {
+		if set.has(p.Seq) {
+			p.Used(s.now)
+		}
+	}
 }
 
 // materialize queues the prefill of p's [D, L) on p's own sequence.
@@ -370,7 +408,7 @@ func residency(p *pool.Pool) string {
 	case pool.Evicted:
 		return "evicted"
 	}
-	if p.Filled == 0 {
+	if p.Filled() == 0 {
 		return "evicted"
 	}
 	return "resident"

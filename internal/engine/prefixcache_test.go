@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -58,5 +59,39 @@ func TestRandomTrafficWithPrefixCache(t *testing.T) {
 		for _, cache := range []bool{false, true} {
 			fuzzScheduler(t, slices.Clone(data), cache)
 		}
+	}
+}
+
+// TestImplicitBorrowRefreshesPool: eviction's one least recently used order counts a
+// pool's cells as used when a request without pool_id borrows them (issue 12): the
+// pool, created before session T, comes after T once x has borrowed its prefix.
+func TestImplicitBorrowRefreshesPool(t *testing.T) {
+	cfg := Config{NCtx: 256, Parallel: 3, MaxPools: 2, NBatch: 32, MaxQueue: 4, SessionTTL: time.Hour, PoolGrace: time.Second, PrefixCache: true}
+	h := newHarness(t, cfg)
+	id := h.createPool(PoolSpec{Tokens: seqTokens(1, 10)})
+	h.now = h.now.Add(2 * time.Second)
+	h.submit(Request{Prompt: seqTokens(200, 10), SessionID: "T", MaxTokens: 1})
+	h.run()
+	h.now = h.now.Add(2 * time.Second)
+	x := h.submit(Request{Prompt: append(seqTokens(1, 10), 77), MaxTokens: 1})
+	h.run()
+	if ev, _ := h.done(x); ev.Stats.CacheN != 10 || ev.Stats.Pool != 0 {
+		t.Fatalf("x: %+v, want 10 cells borrowed from the pool without naming it", ev.Stats)
+	}
+	h.now = h.now.Add(2 * time.Second)
+	h.step() // the scheduler's clock: the pool is past its grace time
+	var order []string
+	for _, v := range h.s.victims(nil) {
+		switch {
+		case v.p != nil:
+			order = append(order, fmt.Sprintf("pool%d", v.p.ID))
+		case v.sl.session != "":
+			order = append(order, v.sl.session)
+		default:
+			order = append(order, "cached")
+		}
+	}
+	if want := []string{"T", fmt.Sprintf("pool%d", id), "cached"}; !slices.Equal(order, want) {
+		t.Fatalf("eviction order %v, want %v", order, want)
 	}
 }

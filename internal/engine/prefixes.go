@@ -40,7 +40,7 @@ func (s *Scheduler) prefixStored(p *pool.Pool) {
 // prefixAnnounced reports a pool whose prefix was reported stored and not yet removed:
 // fully materialized and not released (a half-built one that is abandoned never was).
 func prefixAnnounced(p *pool.Pool) bool {
-	return p.State == pool.Resident && p.L() > 0 && p.Filled == p.L()
+	return p.State == pool.Resident && p.L() > 0 && p.Filled() == p.L()
 }
 
 // prefixRemoved records a pool that no new request can reuse: released (its cells

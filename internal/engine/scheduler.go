@@ -198,10 +198,11 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	if cfg.TPSTau <= 0 {
 		cfg.TPSTau = tps.DefaultTau
 	}
+	cells := newCellTree(cfg.Parallel)
 	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
-		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools), poolSeqs: map[int]*slot{},
+		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools, cells), poolSeqs: map[int]*slot{},
 		adm: admission.NewController(),
-		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau), cells: newCellTree(cfg.Parallel)}
+		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau), cells: cells}
 	for i := range cfg.Parallel {
 		s.slots = append(s.slots, &slot{seq: i})
 	}
@@ -322,7 +323,7 @@ func (s *Scheduler) Idle() bool { return len(s.queue) == 0 && len(s.running) == 
 // pickSlot chooses the sequence for t without side effects: its session's own; for an
 // implicit request (prefixCached), an idle cached anonymous sequence holding the
 // longest prefix of its prompt (taken over); else an empty one, else the least
-// recently used idle one (cached anonymous sequences before idle sessions).
+// recently used idle one (evictsBefore).
 func (s *Scheduler) pickSlot(t *task) *slot {
 	if t.kind == kindMaterialize {
 		return s.poolSeqs[t.pool.ID]
@@ -357,17 +358,19 @@ func (s *Scheduler) pickSlot(t *task) *slot {
 	return lru
 }
 
-// evictsBefore orders idle sequences for reuse: those holding nothing (a session whose
-// KV was flushed) first, then cached anonymous ones, then sessions, each least recently
-// used first.
+// evictsBefore orders idle sequences for reuse under sequence-id pressure: those
+// holding nothing (a session whose KV was flushed) first, then the one least recently
+// used order eviction under cell pressure follows (victim: cached anonymous sequences
+// and idle sessions alike; the anonymous one first only when both were last used at the
+// same instant).
 func evictsBefore(a, b *slot) bool {
 	if ea, eb := len(a.tokens) == 0, len(b.tokens) == 0; ea != eb {
 		return ea
 	}
-	if ca, cb := a.session == "", b.session == ""; ca != cb {
-		return ca
+	if c := a.lastUsed.Compare(b.lastUsed); c != 0 {
+		return c < 0
 	}
-	return a.lastUsed.Before(b.lastUsed)
+	return a.session == "" && b.session != ""
 }
 
 // cachedSlot returns seq's slot when it is a finished anonymous sequence kept as cache.
@@ -420,14 +423,34 @@ func (s *Scheduler) donor(prompt []Token) (int, int) {
 	return P, best
 }
 
-// rootDonor finds, with the prefix cache on, the longest prefix of a root pool's
-// tokens that some sequence holds (at most L-1: materialization ends with a prefill
-// step) and a holder to copy it from.
-func (s *Scheduler) rootDonor(p *pool.Pool) (int, int) {
-	if !s.cfg.PrefixCache || p.Parent != nil {
+// poolDonor is where a pool's materialization starts: the same lookup an anonymous
+// request makes (issue 12: one mechanism), the longest prefix of the pool's tokens that
+// some resident sequence holds, and a holder to seq_cp it from. A root searches the
+// whole tree; a child searches below its parent's node at D (the sequences that share
+// the parent's cells [0, D): the parent itself, its other children, sessions and cached
+// sequences that borrowed from it), so it always shares at least the parent's [0, D),
+// as its branch contract says, and copies whatever of its own part is already cached.
+// The whole prefix may match (no logits are needed): the pool is then resident without
+// a prefill. With the prefix cache off a root starts empty and a child from its
+// parent's [0, D) only. The parent must be resident. (0, -1) when nothing matches.
+func (s *Scheduler) poolDonor(p *pool.Pool) (int, int) {
+	par := p.Parent
+	if par != nil && p.D == 0 {
+		par = nil // it inherits nothing: a root in all but name
+	}
+	if !s.cfg.PrefixCache {
+		if par != nil {
+			return p.D, par.Seq
+		}
 		return 0, -1
 	}
-	P, n := s.cells.Longest(p.Tokens, p.L()-1)
+	var P int
+	var n *cellNode
+	if par != nil {
+		P, n = s.cells.LongestFrom(par.Seq, p.D, p.Tokens, p.L())
+	} else {
+		P, n = s.cells.Longest(p.Tokens, p.L())
+	}
 	if P == 0 {
 		return 0, -1
 	}
@@ -436,6 +459,9 @@ func (s *Scheduler) rootDonor(p *pool.Pool) (int, int) {
 		donor = q
 		return false
 	})
+	if par != nil && n.holders.has(par.Seq) {
+		donor = par.Seq // the parent when it holds all of it: the plainest seq_cp
+	}
 	return P, donor
 }
 
@@ -526,8 +552,8 @@ func (s *Scheduler) admit() {
 			keep, keepTo = pl.cpFrom, pl.cpP
 		}
 		if t.kind == kindMaterialize {
-			P, donor := s.rootDonor(t.pool)
-			need = t.pool.L() - max(t.pool.D, P)
+			P, donor := s.poolDonor(t.pool)
+			need = t.pool.L() - P
 			keep, keepTo = donor, P
 		}
 		free := s.cfg.NCtx - s.usedCells() + pl.freed - s.reservedPrefill()
@@ -574,20 +600,12 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 	}
 	switch {
 	case t.kind == kindMaterialize:
+		// A pool (new, forked or restored) starts from whatever sequence holds the
+		// longest prefix of it, as a request does: one tree, one mechanism.
 		p := t.pool
-		have := p.D
-		if p.Parent != nil && p.D > 0 {
-			s.cpOp(p.Parent.Seq, p.Seq, p.D)
-		} else if P, donor := s.rootDonor(p); P > 0 {
-			// A root pool (new or restored) starts from whatever sequence holds the
-			// longest prefix of it, as a request does: one tree, one mechanism.
-			s.cpOp(donor, p.Seq, P)
-			have = P
-			s.cacheHits += int64(P)
-		}
+		have := s.copyPoolPrefix(p)
 		sl.tokens = slices.Clone(p.Tokens[:have])
 		sl.shared = p.D
-		s.check(p.Fill(have))
 		t.cacheN = have
 	case pl.attachP > 0:
 		s.resetSlot(sl)
@@ -598,8 +616,12 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 		s.resetSlot(sl)
 		s.cpOp(pl.cpFrom, sl.seq, pl.cpP)
 		sl.tokens = slices.Clone(t.req.Prompt[:pl.cpP])
+		s.poolsUsed(sl.seq, pl.cpP)
 	case pl.reused, sl.session != "" && sl.session == t.req.SessionID:
 		s.truncate(sl, pl.keep)
+		if pl.reused {
+			s.poolsUsed(sl.seq, pl.keep)
+		}
 	default:
 		s.resetSlot(sl)
 	}
@@ -620,6 +642,8 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 	s.running = append(s.running, t)
 	if t.kind == kindGenerate {
 		s.startSettle(t)
+	} else if !t.prefilling() {
+		s.poolMaterialized(t) // all of it was resident: nothing to prefill
 	}
 }
 
@@ -727,7 +751,6 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 			s.cells.Append(t.slot.seq, t.req.Prompt[have:have+f.n])
 			t.slot.tokens = append(t.slot.tokens, t.req.Prompt[have:have+f.n]...)
 			if t.kind == kindMaterialize {
-				s.check(t.pool.Fill(len(t.slot.tokens)))
 				if !t.prefilling() {
 					s.poolMaterialized(t)
 				}

@@ -25,7 +25,8 @@ import (
 //
 //	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR [cost=perdecode] [prefixcache=on]
 //	submit name=X prompt=1..6;99 [session=S] [max=N] [pool=P] [shared=N] [reservation=R] [overcommit] [nocache]
-//	pool name=P prompt=... [parent=Q d=N] [pin]   create (or fork) and materialize
+//	pool name=P prompt=... [parent=Q d=N] [pin] [prefilled]   create (or fork) and
+//	                  materialize; prefilled: also print how many tokens were prefilled
 //	release|evict|pin|unpin|flush pool=P
 //	cancel name=X
 //	step [n=N]        plan, decode, commit; prints each batch and what ended
@@ -213,11 +214,13 @@ func (st *story) pool(t *testing.T, d *datadriven.TestData) string {
 	}
 	st.pools[name] = id
 	st.h.collect()
+	prefilled := 0
 	for i := 0; task != 0; i++ {
 		if ev, ok := st.h.done(task); ok {
 			if ev.Err != nil {
 				return fmt.Sprintf("%s: materialize failed: %v", name, ev.Err)
 			}
+			prefilled = ev.Stats.PromptN
 			break
 		}
 		if i > 1000 {
@@ -226,7 +229,11 @@ func (st *story) pool(t *testing.T, d *datadriven.TestData) string {
 		st.h.step()
 	}
 	info, _ := st.h.s.Pool(id)
-	return fmt.Sprintf("%s: pool %d on seq %d, prefix %d, own %d, %s", name, id, st.h.poolSeq(id), info.PrefixLen, info.OwnLen, info.State)
+	line := fmt.Sprintf("%s: pool %d on seq %d, prefix %d, own %d, %s", name, id, st.h.poolSeq(id), info.PrefixLen, info.OwnLen, info.State)
+	if d.HasArg("prefilled") {
+		line += fmt.Sprintf(", prefilled %d", prefilled)
+	}
+	return line
 }
 
 // admission runs the admission commands.

@@ -6,55 +6,50 @@ import (
 )
 
 // Lifecycle verbs. The engine's scheduler decides when a pool's sequence is copied,
-// prefilled or removed in the cache; these verbs keep the pool's own account of it and
-// refuse transitions that would break the tree's invariants:
+// prefilled or removed in the cache; these verbs move the pool's state and refuse
+// transitions that would break the tree's invariants, checked against the cell tree
+// (Cells), which alone knows what the pool's sequence holds:
 //
-//	Materializing --Fill*--> Materialized --> Resident --Evict--> Evicted
-//	      ^                                                   |
-//	      +-------------------- Materialize (restore) <-------+
+//	Materializing --(cells copied / prefilled)--> Materialized --> Resident --Evict--> Evicted
+//	      ^                                                                       |
+//	      +------------------------------ Materialize (restore) <-----------------+
 //	Resident / Evicted --Release--> Released --(Tree.Reclaim)--> gone
 //
-// Filled never leaves [0, L]; Resident means Filled == L; Sessions never goes negative;
-// a released pool takes no new pin, attach or child.
+// A pool starts materializing holding nothing; Resident means its sequence holds all
+// of [0, L); Sessions never goes negative; a released pool takes no new pin, attach or
+// child; a pool is reclaimed only once its sequence holds nothing.
 
-// Materialize starts (or restarts, for an evicted pool) the prefill of [D, L): the pool
-// holds nothing of its own until Fill reports progress.
+// Materialize starts (or restarts, for an evicted pool) building [0, L) on the pool's
+// sequence, which holds nothing yet: the scheduler copies the longest resident prefix
+// (seq_cp, as for any request) and prefills the rest.
 func (p *Pool) Materialize() error {
-	switch p.State {
-	case Materializing, Evicted:
-	default:
+	switch {
+	case p.State != Materializing && p.State != Evicted:
 		return fmt.Errorf("%w: pool %d is %s; only a new or evicted pool is materialized", ErrConflict, p.ID, p.State)
+	case p.Filled() != 0:
+		return fmt.Errorf("%w: pool %d's sequence still holds %d cells; an evicted pool's cells are removed first", ErrConflict, p.ID, p.Filled())
 	}
-	p.State, p.Filled = Materializing, 0
+	p.State = Materializing
 	return nil
 }
 
-// Fill records that the pool's sequence now holds positions [0, n): [0, D) borrowed
-// from the parent by seq_cp, then its own prefill chunks.
-func (p *Pool) Fill(n int) error {
-	if p.State != Materializing {
-		return fmt.Errorf("%w: pool %d is %s, not materializing", ErrConflict, p.ID, p.State)
-	}
-	if n < p.Filled || n > p.L() {
-		return fmt.Errorf("%w: pool %d filled to %d, cannot go to %d (prefix %d)", ErrConflict, p.ID, p.Filled, n, p.L())
-	}
-	p.Filled = n
-	return nil
-}
-
-// Materialized makes a fully filled pool resident (attachable).
+// Materialized makes a pool resident (attachable) once its sequence holds all of
+// [0, L) in the cell tree.
 func (p *Pool) Materialized(now time.Time) error {
-	if p.State != Materializing {
+	switch {
+	case p.State != Materializing:
 		return fmt.Errorf("%w: pool %d is %s, not materializing", ErrConflict, p.ID, p.State)
+	case p.Filled() != p.L():
+		return fmt.Errorf("%w: pool %d's sequence holds %d of its %d positions", ErrConflict, p.ID, p.Filled(), p.L())
 	}
-	p.State, p.Filled, p.LastAccess = Resident, p.L(), now
+	p.State, p.LastAccess = Resident, now
 	return nil
 }
 
-// Abandon undoes an unfinished materialization: the pool's own cells are gone and it
-// stays as an evicted object (the caller removes a new pool from the tree).
+// Abandon undoes an unfinished materialization whose cells the caller removed: it stays
+// as an evicted object (the caller removes a new pool from the tree).
 func (p *Pool) Abandon() {
-	p.State, p.Filled = Evicted, 0
+	p.State = Evicted
 }
 
 // Evict drops the pool's own cells, keeping its tokens so it can be restored. Nothing
@@ -71,7 +66,7 @@ func (p *Pool) Evict() error {
 	case p.Sessions > 0:
 		return fmt.Errorf("%w: %d sequences are attached to pool %d; flush them first", ErrConflict, p.Sessions, p.ID)
 	}
-	p.State, p.Filled = Evicted, 0
+	p.State = Evicted // the caller removes its sequence's cells
 	return nil
 }
 
@@ -107,6 +102,15 @@ func (p *Pool) Attach(now time.Time) {
 	p.LastAccess = now
 }
 
+// Used records that a request without pool_id borrowed the pool's cells (the prefix
+// cache found them): they are as recently used as an attach makes them, for eviction's
+// least recently used order and the grace time.
+func (p *Pool) Used(now time.Time) {
+	if p.State != Released {
+		p.LastAccess = now
+	}
+}
+
 // Detach counts one sequence fewer borrowing the pool's prefix.
 func (p *Pool) Detach(now time.Time) error {
 	if p.Sessions == 0 {
@@ -137,9 +141,11 @@ func LiveChildren(p *Pool) []int {
 // Reclaim removes a reclaimable pool (its sequence already cleared by the caller) and
 // returns its sequence id to the reserve.
 func (t *Tree) Reclaim(p *Pool) error {
-	if p.State != Released || p.Sessions != 0 {
+	switch {
+	case p.State != Released || p.Sessions != 0:
 		return fmt.Errorf("%w: pool %d is %s with %d sessions; only an unused released pool is reclaimed", ErrConflict, p.ID, p.State, p.Sessions)
+	case p.Filled() != 0:
+		return fmt.Errorf("%w: pool %d's sequence still holds %d cells", ErrConflict, p.ID, p.Filled())
 	}
-	p.Filled = 0
 	return t.Remove(p)
 }

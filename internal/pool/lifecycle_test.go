@@ -6,26 +6,24 @@ import (
 	"time"
 )
 
-func TestMaterializeFillAndResident(t *testing.T) {
+func TestMaterializeChecksTheCellTree(t *testing.T) {
 	now := time.Unix(100, 0)
-	tr := NewTree(4, 2)
+	cells := newFakeCells()
+	tr := NewTree(4, 2, cells)
 	root, _ := tr.NewRoot(toks(1, 10), now)
 	if root.Attachable() {
 		t.Fatal("a materializing pool is attachable")
 	}
-	if err := root.Fill(4); err != nil || root.OwnCells() != 4 {
-		t.Fatalf("fill 4: %v, own %d", err, root.OwnCells())
+	cells.set(root.Seq, 4, 4)
+	if root.Filled() != 4 || root.OwnCells() != 4 {
+		t.Fatalf("half built: filled %d, own %d, want both read from the cells (4)", root.Filled(), root.OwnCells())
 	}
-	for _, n := range []int{3, 11} {
-		if err := root.Fill(n); !errors.Is(err, ErrConflict) {
-			t.Fatalf("fill to %d after 4 (prefix 10): %v, want a conflict", n, err)
-		}
+	if err := root.Materialized(now); !errors.Is(err, ErrConflict) || root.State != Materializing {
+		t.Fatalf("materialized holding 4 of 10 positions: %v, want a conflict", err)
 	}
-	if err := root.Materialized(now.Add(time.Second)); err != nil || root.State != Resident || root.Filled != 10 || !root.LastAccess.Equal(now.Add(time.Second)) {
+	cells.set(root.Seq, 10, 7) // 3 of its cells were already owned by another pool
+	if err := root.Materialized(now.Add(time.Second)); err != nil || root.State != Resident || root.Filled() != 10 || root.OwnCells() != 7 || !root.LastAccess.Equal(now.Add(time.Second)) {
 		t.Fatalf("materialized: %v %+v", err, root)
-	}
-	if err := root.Fill(10); !errors.Is(err, ErrConflict) {
-		t.Fatalf("fill of a resident pool: %v", err)
 	}
 	if err := root.Materialize(); !errors.Is(err, ErrConflict) {
 		t.Fatalf("re-materialize a resident pool: %v", err)
@@ -37,9 +35,13 @@ func TestMaterializeFillAndResident(t *testing.T) {
 
 func TestEvictRestoreAndWhatBlocksEviction(t *testing.T) {
 	now := time.Unix(100, 0)
-	tr := NewTree(4, 3)
+	cells := newFakeCells()
+	tr := NewTree(4, 3, cells)
 	root, _ := tr.NewRoot(toks(1, 10), now)
-	_ = root.Materialized(now)
+	cells.set(root.Seq, 10, 10)
+	if err := root.Materialized(now); err != nil {
+		t.Fatal(err)
+	}
 	_ = root.SetPin(true, now)
 	if err := root.Evict(); !errors.Is(err, ErrConflict) {
 		t.Fatalf("evict pinned: %v", err)
@@ -63,9 +65,13 @@ func TestEvictRestoreAndWhatBlocksEviction(t *testing.T) {
 	if err := tr.Remove(child); err != nil {
 		t.Fatal(err)
 	}
-	if err := root.Evict(); err != nil || root.State != Evicted || root.OwnCells() != 0 {
+	if err := root.Evict(); err != nil || root.State != Evicted {
 		t.Fatalf("evict: %v %+v", err, root)
 	}
+	if err := root.Materialize(); !errors.Is(err, ErrConflict) {
+		t.Fatalf("restore before the evicted cells were removed: %v, want a conflict", err)
+	}
+	cells.set(root.Seq, 0, 0) // the scheduler's seq_rm
 	if err := root.Evict(); !errors.Is(err, ErrConflict) {
 		t.Fatalf("evict twice: %v", err)
 	}
@@ -73,7 +79,7 @@ func TestEvictRestoreAndWhatBlocksEviction(t *testing.T) {
 	if _, err := tr.Fork(root, 5, toks(1, 7), now); err != nil {
 		t.Fatalf("fork of an evicted pool: %v", err)
 	}
-	if err := root.Materialize(); err != nil || root.State != Materializing || root.Filled != 0 {
+	if err := root.Materialize(); err != nil || root.State != Materializing || root.Filled() != 0 {
 		t.Fatalf("restore: %v %+v", err, root)
 	}
 }
@@ -81,15 +87,21 @@ func TestEvictRestoreAndWhatBlocksEviction(t *testing.T) {
 func TestReleasePinAndReclaim(t *testing.T) {
 	now := time.Unix(100, 0)
 	grace := 5 * time.Second
-	tr := NewTree(4, 3)
+	cells := newFakeCells()
+	tr := NewTree(4, 3, cells)
 	root, _ := tr.NewRoot(toks(1, 10), now)
 	if err := root.Release(now); !errors.Is(err, ErrConflict) {
 		t.Fatalf("release while materializing: %v", err)
 	}
+	cells.set(root.Seq, 10, 10)
 	_ = root.Materialized(now)
 	a, _ := tr.Fork(root, 10, toks(1, 12), now)
 	b, _ := tr.Fork(root, 4, append(toks(1, 4), 50), now)
-	_, _ = a.Materialized(now), b.Materialized(now)
+	cells.set(a.Seq, 12, 2)
+	cells.set(b.Seq, 5, 1)
+	if err := errors.Join(a.Materialized(now), b.Materialized(now)); err != nil {
+		t.Fatal(err)
+	}
 	if err := root.Release(now); !errors.Is(err, ErrHasChildren) {
 		t.Fatalf("release with live children: %v", err)
 	}
@@ -123,7 +135,11 @@ func TestReleasePinAndReclaim(t *testing.T) {
 		t.Fatalf("reclaim with an attached session: %v", err)
 	}
 	_ = b.Detach(later)
+	if err := tr.Reclaim(a); !errors.Is(err, ErrConflict) {
+		t.Fatalf("reclaim while its sequence holds cells: %v", err)
+	}
 	for _, p := range []*Pool{a, b} {
+		cells.set(p.Seq, 0, 0)
 		if err := tr.Reclaim(p); err != nil {
 			t.Fatal(err)
 		}
@@ -131,7 +147,27 @@ func TestReleasePinAndReclaim(t *testing.T) {
 	if !root.Reclaimable(later.Add(grace), grace) {
 		t.Fatal("the root is reclaimable once its children are gone")
 	}
+	cells.set(root.Seq, 0, 0)
 	if err := tr.Reclaim(root); err != nil || tr.Len() != 0 || tr.FreeIDs() != 3 {
 		t.Fatalf("reclaim root: %v, %d pools, %d free sequences", err, tr.Len(), tr.FreeIDs())
+	}
+}
+
+// Used (an implicit borrow by a request without pool_id) refreshes a live pool's last
+// access, as an attach does, and leaves a released pool's grace clock alone.
+func TestUsedRefreshesLastAccess(t *testing.T) {
+	now := time.Unix(100, 0)
+	cells := newFakeCells()
+	tr := NewTree(4, 2, cells)
+	p, _ := tr.NewRoot(toks(1, 10), now)
+	cells.set(p.Seq, 10, 10)
+	_ = p.Materialized(now)
+	later := now.Add(time.Minute)
+	if p.Used(later); !p.LastAccess.Equal(later) {
+		t.Fatalf("last access %v after a use at %v", p.LastAccess, later)
+	}
+	_ = p.Release(later)
+	if p.Used(later.Add(time.Minute)); !p.LastAccess.Equal(later) {
+		t.Fatalf("a released pool's last access moved to %v", p.LastAccess)
 	}
 }

@@ -1,13 +1,20 @@
 // Package pool holds PolyKV's shared-prefix pools: an immutable token prefix per pool,
 // arranged in a tree, each owning one sequence id of the unified KV cache.
 //
-// A child inherits [0, D) from its parent (by sequence membership: nothing is copied)
-// and owns [D, L). D == parent.L extends (nesting); D < parent.L branches. KV cells are
-// attributed by ownership, never by membership: a pool owns exactly its [D, L) cells,
-// so summing own cells over the tree counts every physical cell once.
+// A pool is a name on a path of the engine's cell tree (issue 12: one mechanism): the
+// cells themselves, how many positions the pool's sequence holds and which of them it
+// owns are read from that tree through the Cells view, never kept here a second time.
+// What the package keeps is what the cell tree does not know: the public id, the
+// immutable token prefix, the branch contract with the parent (a child shares at least
+// [0, D) of its parent's cells, by sequence membership: nothing is copied, and owns the
+// rest; D == parent.L extends, D < parent.L branches), the pins, the attached sessions
+// and the lifecycle state machine (lifecycle.go). KV cells are attributed by ownership,
+// never by membership, so summing own cells over every pool and sequence counts every
+// physical cell once.
 //
 // The package is pure bookkeeping: the engine's scheduler decides when sequences are
-// copied, prefilled and removed, and calls into the Tree to keep the accounts.
+// copied, prefilled and removed, and calls the lifecycle verbs, which check their
+// invariants against the cell tree.
 package pool
 
 import (
@@ -55,6 +62,15 @@ var (
 	ErrConflict       = errors.New("pool state conflict")
 )
 
+// Cells is the view of the KV cache a Tree reads residency and ownership from: the
+// engine's cell tree, the single source of which cells a sequence holds and owns.
+type Cells interface {
+	// Len is how many positions seq holds ([0, Len)).
+	Len(seq int) int
+	// Owned is how many cells are attributed to seq by ownership.
+	Owned(seq int) int
+}
+
 // Pool is one node of the tree, used only on the engine goroutine. Its state changes
 // only through the lifecycle verbs (lifecycle.go), which check the invariants.
 type Pool struct {
@@ -63,24 +79,31 @@ type Pool struct {
 	ID         int
 	Seq        int // its sequence id in the KV cache, returned to the reserve on Remove
 	Parent     *Pool
-	D          int     // branch position: [0, D) is inherited from Parent
+	D          int     // branch position: [0, D) is shared with Parent's cells (at least)
 	Tokens     []Token // the full prefix [0, L)
 	Hash       []uint64
 	Children   []*Pool
 	UserPinned bool
 	State      State
-	Filled     int // positions [0, Filled) held by the pool's sequence (L once resident)
 	Created    time.Time
 	LastAccess time.Time
 	ReleasedAt time.Time
 	Sessions   int // sequences currently borrowing this pool's prefix (kept by the engine)
+	tree       *Tree
 }
 
 // L is the prefix length.
 func (p *Pool) L() int { return len(p.Tokens) }
 
-// OwnCells is the number of cells this pool owns: its materialized part of [D, L).
-func (p *Pool) OwnCells() int { return max(0, p.Filled-p.D) }
+// Filled is how many positions [0, Filled) the pool's sequence holds in the cache (L
+// once resident, 0 when evicted), read from the cell tree.
+func (p *Pool) Filled() int { return p.tree.cells.Len(p.Seq) }
+
+// OwnCells is the number of cells attributed to this pool by ownership in the cell
+// tree: its [D, L) once resident, less what another pool already owned when it was
+// built, plus what it took over from sequences that are not pools (a pool is the
+// preferred owner of the cells it holds).
+func (p *Pool) OwnCells() int { return p.tree.cells.Owned(p.Seq) }
 
 // Fingerprint is the cumulative hash of the whole prefix.
 func (p *Pool) Fingerprint() uint64 {
@@ -111,14 +134,15 @@ func (p *Pool) Depth() int {
 
 // Tree owns every pool, the reserve of pool sequence ids and the public id counter.
 type Tree struct {
+	cells    Cells
 	pools    map[int]*Pool // by public id
 	freeSeqs []int         // ascending; lowest first keeps sequence use predictable
 	lastID   int           // public ids count up from 1 and are never reused
 }
 
-// NewTree reserves sequence ids [first, first+n) for pools.
-func NewTree(first, n int) *Tree {
-	t := &Tree{pools: map[int]*Pool{}}
+// NewTree reserves sequence ids [first, first+n) for pools, whose cells cells tells.
+func NewTree(first, n int, cells Cells) *Tree {
+	t := &Tree{cells: cells, pools: map[int]*Pool{}}
 	for i := range n {
 		t.freeSeqs = append(t.freeSeqs, first+i)
 	}
@@ -190,7 +214,7 @@ func (t *Tree) add(parent *Pool, d int, tokens []Token, now time.Time) (*Pool, e
 	seq := t.freeSeqs[0]
 	t.freeSeqs = t.freeSeqs[1:]
 	t.lastID++
-	p := &Pool{ID: t.lastID, Seq: seq, Parent: parent, D: d, Tokens: slices.Clone(tokens), Hash: RollingHash(tokens), State: Materializing, Created: now, LastAccess: now}
+	p := &Pool{ID: t.lastID, Seq: seq, Parent: parent, D: d, Tokens: slices.Clone(tokens), Hash: RollingHash(tokens), State: Materializing, Created: now, LastAccess: now, tree: t}
 	if parent != nil {
 		parent.Children = append(parent.Children, p)
 		parent.LastAccess = now
@@ -204,6 +228,9 @@ func (t *Tree) add(parent *Pool, d int, tokens []Token, now time.Time) (*Pool, e
 func (t *Tree) Remove(p *Pool) error {
 	if len(p.Children) > 0 {
 		return fmt.Errorf("%w: pool %d has children %v; release them first", ErrHasChildren, p.ID, ChildIDs(p))
+	}
+	if n := p.Filled(); n != 0 {
+		return fmt.Errorf("%w: pool %d's sequence still holds %d cells; remove them first", ErrConflict, p.ID, n)
 	}
 	if p.Parent != nil {
 		p.Parent.Children = slices.DeleteFunc(p.Parent.Children, func(c *Pool) bool { return c == p })
@@ -232,7 +259,7 @@ func (t *Tree) MaxDepth() int {
 	return d
 }
 
-// OwnCells sums own cells over the tree.
+// OwnCells sums the pools' own cells.
 func (t *Tree) OwnCells() int {
 	n := 0
 	for _, p := range t.pools {

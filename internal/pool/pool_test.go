@@ -6,6 +6,18 @@ import (
 	"time"
 )
 
+// fakeCells stands in for the engine's cell tree: how many positions each sequence
+// holds and how many cells it owns.
+type fakeCells struct{ held, owned map[int]int }
+
+func newFakeCells() *fakeCells { return &fakeCells{held: map[int]int{}, owned: map[int]int{}} }
+
+func (c *fakeCells) Len(seq int) int   { return c.held[seq] }
+func (c *fakeCells) Owned(seq int) int { return c.owned[seq] }
+func (c *fakeCells) set(seq, held, owned int) {
+	c.held[seq], c.owned[seq] = held, owned
+}
+
 func toks(from, n int) []Token {
 	out := make([]Token, n)
 	for i := range out {
@@ -36,7 +48,8 @@ func TestRollingHashIdentifiesPrefixes(t *testing.T) {
 
 func TestTreeForkContractAndIDs(t *testing.T) {
 	now := time.Unix(0, 0)
-	tr := NewTree(8, 2)
+	cells := newFakeCells()
+	tr := NewTree(8, 2, cells)
 	root, err := tr.NewRoot(toks(1, 20), now)
 	if err != nil || root.ID != 1 || root.Seq != 8 || root.State != Materializing {
 		t.Fatalf("root %+v %v", root, err)
@@ -44,7 +57,10 @@ func TestTreeForkContractAndIDs(t *testing.T) {
 	if _, err := tr.Fork(root, 20, append(toks(1, 20), 5), now); !errors.Is(err, ErrConflict) {
 		t.Fatalf("fork of a materializing pool: %v", err)
 	}
-	root.State, root.Filled = Resident, 20
+	cells.set(root.Seq, 20, 20)
+	if err := root.Materialized(now); err != nil {
+		t.Fatal(err)
+	}
 	bad := toks(1, 25)
 	bad[7] = 0
 	if _, err := tr.Fork(root, 10, bad, now); !errors.Is(err, ErrPrefixMismatch) {
@@ -68,10 +84,15 @@ func TestTreeForkContractAndIDs(t *testing.T) {
 	if err := tr.Remove(root); !errors.Is(err, ErrHasChildren) {
 		t.Fatalf("remove a parent: %v", err)
 	}
-	child.Filled = 14
-	if root.OwnCells()+child.OwnCells() != 20+2 || tr.OwnCells() != 22 {
-		t.Fatalf("ownership: root %d child %d", root.OwnCells(), child.OwnCells())
+	// Residency and ownership are read from the cell tree, not kept by the pool.
+	cells.set(child.Seq, 14, 2)
+	if root.OwnCells()+child.OwnCells() != 20+2 || tr.OwnCells() != 22 || child.Filled() != 14 {
+		t.Fatalf("ownership: root %d child %d, child filled %d", root.OwnCells(), child.OwnCells(), child.Filled())
 	}
+	if err := tr.Remove(child); !errors.Is(err, ErrConflict) {
+		t.Fatalf("remove a pool whose sequence still holds cells: %v", err)
+	}
+	cells.set(child.Seq, 0, 0)
 	if err := tr.Remove(child); err != nil || len(root.Children) != 0 || tr.FreeIDs() != 1 {
 		t.Fatalf("remove child: %v", err)
 	}

@@ -27,7 +27,7 @@ type PoolCreated struct {
 	PrefixHash      string   `json:"prefix_hash"`
 	PrefixLen       int      `json:"prefix_len"`
 	State           string   `json:"state"`
-	ZeroCopy        bool     `json:"zero_copy"` // built from a session's cells, nothing prefilled
+	ZeroCopy        bool     `json:"zero_copy"` // built from cells already resident (a session's, or a cached prefix), nothing prefilled
 }
 
 // PoolCommand is the answer of pin, unpin, evict and flush: the pool's status after
