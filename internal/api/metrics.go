@@ -85,12 +85,13 @@ var (
 	descCacheResident  = prometheus.NewDesc("polykv_prefix_cache_resident_tokens", "Cells held only by finished anonymous sequences kept as cache (what dropping the cache would free).", nil, nil)
 	descCacheSeqs      = prometheus.NewDesc("polykv_prefix_cache_sequences", "Finished anonymous sequences kept as cache.", nil, nil)
 	descCacheEvictions = prometheus.NewDesc("polykv_prefix_cache_evictions_total", "Times a cached anonymous sequence lost cells (least recently used tail first) or its sequence id under pressure or expiry.", nil, nil)
+	descEvictions      = prometheus.NewDesc("polykv_evictions_total", "Times the one least-recently-used eviction under cell or sequence-id pressure took cells from a victim, by its kind: cached (an anonymous sequence kept as cache; also its sequence id or expiry), session (an idle session's tail, or the whole session) or pool (an unpinned pool's own cells).", []string{"kind"}, nil)
 )
 
 // Describe implements prometheus.Collector for the scrape-time gauges.
 func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descGen, descKV, descSessions, descRunning, descWaiting, descKVRatio,
-		descCacheImplicit, descCacheResident, descCacheSeqs, descCacheEvictions} {
+		descCacheImplicit, descCacheResident, descCacheSeqs, descCacheEvictions, descEvictions} {
 		ch <- d
 	}
 }
@@ -115,6 +116,9 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descCacheResident, prometheus.GaugeValue, float64(usage.CacheCells))
 	ch <- prometheus.MustNewConstMetric(descCacheSeqs, prometheus.GaugeValue, float64(usage.CacheSeqs))
 	ch <- prometheus.MustNewConstMetric(descCacheEvictions, prometheus.CounterValue, float64(usage.CacheEvictions))
+	for kind, n := range map[string]int64{"cached": usage.CacheEvictions, "session": usage.SessionEvictions, "pool": usage.PoolEvictions} {
+		ch <- prometheus.MustNewConstMetric(descEvictions, prometheus.CounterValue, float64(n), kind)
+	}
 }
 
 // AddKVEvents exports the KV-event publisher's counters: messages sent, snapshots

@@ -128,6 +128,9 @@ func TestPrefixCacheGreedyEqualsCold(t *testing.T) {
 					t.Errorf("/metrics lacks %s", name)
 				}
 			}
+			if f, ok := metrics["polykv_evictions_total"]; !ok || len(f.GetMetric()) != 3 {
+				t.Errorf("/metrics: polykv_evictions_total should have one series per kind (cached, session, pool): %v", f)
+			}
 			if hits := metrics["polykv_prefix_cache_implicit_hit_tokens_total"].GetMetric()[0].GetCounter().GetValue(); int(hits) != num(pc["hit_tokens"]) {
 				t.Errorf("/metrics hit tokens %v, /props %v", hits, pc["hit_tokens"])
 			}

@@ -226,12 +226,15 @@ func (s *Scheduler) freeCells(want int, except *slot, planned int) int {
 // evictVictim takes n cells from a victim's tail (a pool: all of its own).
 func (s *Scheduler) evictVictim(v victim, n int) {
 	if v.p != nil {
+		s.poolEvictions++
 		s.check(s.evictPool(v.p))
 		return
 	}
 	sl := v.sl
 	if sl.session == "" {
 		s.cacheEvictions++
+	} else {
+		s.sessionEvictions++
 	}
 	s.truncate(sl, len(sl.tokens)-n)
 	if len(sl.tokens) == 0 {

@@ -171,6 +171,8 @@ type Scheduler struct {
 	// and evictions of cached anonymous sequences' cells.
 	cacheHits      int64
 	cacheEvictions int64
+	// Pressure evictions of the other kinds of victim (the one LRU order).
+	sessionEvictions, poolEvictions int64
 
 	// violations counts pool lifecycle verbs that refused a transition the scheduler
 	// asked for: a scheduler bug. It is reported (Usage), never a crash.

@@ -80,6 +80,11 @@ type Usage struct {
 	CacheCells     int
 	CacheSeqs      int
 	CacheEvictions int64
+	// Evictions under cell or sequence-id pressure by kind of victim (one least
+	// recently used order over all kinds): idle sessions that lost cells, and pools
+	// whose own cells were dropped. Anonymous ones are CacheEvictions.
+	SessionEvictions int64
+	PoolEvictions    int64
 }
 
 // Usage reports the current load.
@@ -97,7 +102,8 @@ func (s *Scheduler) Usage() Usage {
 		}
 	}
 	u := Usage{CellsUsed: s.usedCells(), CellsMax: s.cfg.NCtx, Running: running, Waiting: waiting, Sessions: len(s.bySession), Pools: s.pools.Len(),
-		CacheHitTokens: s.cacheHits, CacheEvictions: s.cacheEvictions}
+		CacheHitTokens: s.cacheHits, CacheEvictions: s.cacheEvictions,
+		SessionEvictions: s.sessionEvictions, PoolEvictions: s.poolEvictions}
 	for _, sl := range s.slots {
 		if s.cachedSlot(sl.seq) != nil {
 			u.CacheSeqs++

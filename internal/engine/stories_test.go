@@ -415,7 +415,7 @@ func (st *story) state() {
 	}
 	st.printf("\n")
 	if s.cfg.PrefixCache {
-		st.printf("prefix cache: hit tokens %d, cached cells %d, evictions %d\n", u.CacheHitTokens, u.CacheCells, u.CacheEvictions)
+		st.printf("prefix cache: hit tokens %d, cached cells %d, evictions %d (sessions %d, pools %d)\n", u.CacheHitTokens, u.CacheCells, u.CacheEvictions, u.SessionEvictions, u.PoolEvictions)
 	}
 }
 
