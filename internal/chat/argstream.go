@@ -220,10 +220,10 @@ func jsonValuePrefix(s string) (int, bool) {
 			last = i + 1
 		}
 	}
-	if esc {
-		last-- // hold a lone trailing backslash
-	}
-	return max(last, 0), false
+	// A lone trailing backslash is already held: the escape case above does not
+	// advance last (taking one more off would also hold back the character before it,
+	// which a split stream had already sent).
+	return last, false
 }
 
 // xmlHead is a Qwen3-Coder / Qwen 3.5 call's start: its function name is complete.

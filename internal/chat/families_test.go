@@ -257,7 +257,7 @@ func TestLiveCallDeltasEveryFamily(t *testing.T) {
 }
 
 func TestJSONValuePrefix(t *testing.T) {
-	for in, want := range map[string]int{`{"a": 1}, "x"`: 8, `{"a": "b\`: 7, `{"a": [1, `: 9, `{"a"  `: 4, `nope`: 0, `{}`: 2} {
+	for in, want := range map[string]int{`{"a": 1}, "x"`: 8, `{"a": "b\`: 8, `{"\`: 2, `{"a": [1, `: 9, `{"a"  `: 4, `nope`: 0, `{}`: 2} {
 		if n, _ := jsonValuePrefix(in); n != want {
 			t.Errorf("%q: %d, want %d", in, n, want)
 		}
