@@ -72,9 +72,9 @@ func (c *gbnf) finishChars() {
 // xmlFamily: the four families that write argument values as tagged text.
 func (c *gbnf) xmlFamily(f Format, tools []Tool, parallel bool) (string, []Trigger, bool, error) {
 	type form struct {
-		word       string               // trigger, and the start of the grammar
-		open       string               // rule body before the calls
-		close      string               // rule body after them
+		word       string                // trigger, and the start of the grammar
+		open       string                // rule body before the calls
+		close      string                // rule body after them
 		call       func(n string) string // a call's opening
 		afterName  string                // between the opening and the first parameter
 		callClose  string
@@ -100,7 +100,7 @@ func (c *gbnf) xmlFamily(f Format, tools []Tool, parallel bool) (string, []Trigg
 		// newline, so the opener (one special token) is the word here.
 		fm = form{word: "<tool_call>", open: `"<tool_call>"`, close: `"</tool_call>"`, perCall: true,
 			call: func(n string) string { return n }, afterName: `"\n"?`, callClose: "",
-			param:    func(k string, _ bool) string { return "<arg_key>" + k + "</arg_key>" },
+			param:     func(k string, _ bool) string { return "<arg_key>" + k + "</arg_key>" },
 			valueOpen: `"\n"? "<arg_value>"`, valueEnd: "</arg_value>", stops: []string{"</tool_call>"}}
 	case FormatMiniMax:
 		fm = form{word: "<minimax:tool_call>", open: `"<minimax:tool_call>" "\n"?`, close: `"\n"? "</minimax:tool_call>"`,
