@@ -100,6 +100,82 @@ func TestAutoGrammarsFitFamilyCalls(t *testing.T) {
 	}
 }
 
+// The auto grammars of the families whose calls are not a JSON object in a wrapper
+// (text values, Harmony headers, Python calls, recipient lines), run by llama.cpp's
+// grammar engine as lazy samplers: llama.cpp takes each grammar, a call in the family's
+// own layout after free text fits and is read back by the parser, and a call with an
+// undeclared parameter fails at the bad token.
+func TestAutoGrammarsFitTextFamilyCalls(t *testing.T) {
+	m := testModel(t)
+	const prefix = "Let me check that. "
+	cases := []struct {
+		f                 chat.Format
+		prefix, good, bad string
+	}{
+		{chat.FormatQwenXML, prefix,
+			"<tool_call>\n<function=get_weather>\n<parameter=city>\nParis <b>\n</parameter>\n<parameter=unit>\nC\n</parameter>\n</function>\n</tool_call>",
+			"<tool_call>\n<function=get_weather>\n<parameter=town>\nParis\n</parameter>\n</function>\n</tool_call>"},
+		{chat.FormatGLM, prefix,
+			"<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>unit</arg_key>\n<arg_value>C</arg_value>\n</tool_call>",
+			"<tool_call>get_weather\n<arg_key>town</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"},
+		{chat.FormatMiniMax, prefix,
+			"<minimax:tool_call>\n<invoke name=\"get_weather\">\n<parameter name=\"city\">Paris</parameter>\n<parameter name=\"unit\">C</parameter>\n</invoke>\n</minimax:tool_call>",
+			"<minimax:tool_call>\n<invoke name=\"get_weather\">\n<parameter name=\"town\">Paris</parameter>\n</invoke>\n</minimax:tool_call>"},
+		{chat.FormatDeepSeekDSML, prefix,
+			"<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_weather\">\n<｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>",
+			"<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_weather\">\n<｜DSML｜parameter name=\"town\" string=\"true\">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>"},
+		{chat.FormatHarmony, "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant",
+			`<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "unit": "C"}`,
+			`<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"town": "Paris"}`},
+		{chat.FormatLFM2, prefix,
+			`<|tool_call_start|>[get_weather(city="Paris", unit="C")]<|tool_call_end|>`,
+			`<|tool_call_start|>[get_weather(town="Paris")]<|tool_call_end|>`},
+		{chat.FormatFunctionaryV32, "all\nLet me check that.>>>",
+			"get_weather\n{\"city\": \"Paris\", \"unit\": \"C\"}",
+			"get_weather\n{\"town\": \"Paris\"}"},
+	}
+	for _, c := range cases {
+		g, trig, ok, err := chat.AutoGrammar(c.f, weather, false)
+		if err != nil || !ok {
+			t.Fatalf("%s: ok %v err %v", c.f, ok, err)
+		}
+		if err := m.CheckGrammar(g); err != nil {
+			t.Fatalf("%s: llama.cpp refuses the grammar: %v\n%s", c.f, err, g)
+		}
+		run := func(call string) error {
+			p := engine.SamplingParams{Grammar: g}
+			for _, tr := range trig {
+				p.GrammarTriggers = append(p.GrammarTriggers, engine.GrammarTrigger{Word: tr.Word, Pattern: tr.Pattern})
+			}
+			s, err := llama.NewSampler(m, samplerParams(p))
+			if err != nil {
+				t.Fatalf("%s: %v", c.f, err)
+			}
+			defer s.Free()
+			toks, err := m.Tokenize(c.prefix+call, false, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, tok := range toks {
+				if err := s.Accept(tok); err != nil {
+					return err
+				}
+			}
+			return nil
+		}
+		if err := run(c.good); err != nil {
+			t.Errorf("%s: a well-formed call does not fit: %v\n%s", c.f, err, c.good)
+		}
+		if err := run(c.bad); !errors.Is(err, llama.ErrGrammar) {
+			t.Errorf("%s: an undeclared parameter fits (err %v)\n%s", c.f, err, c.bad)
+		}
+		p := chat.ParseWith(c.f, c.prefix+c.good, weather)
+		if len(p.Calls) != 1 || p.Calls[0].Function.Name != "get_weather" || !strings.Contains(p.Calls[0].Function.Arguments, "Paris") {
+			t.Errorf("%s: the parser does not read the call back: %+v", c.f, p)
+		}
+	}
+}
+
 // A lazy grammar watches at most lazyFreeTextLimit bytes of free text (llama.cpp's
 // trigger regex would overflow the stack on long text): without a trigger by then the
 // grammar is dropped; with one it stays.
