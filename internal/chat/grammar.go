@@ -107,8 +107,9 @@ type gbnf struct {
 	// py writes values as Python literals (LFM2's calls): True/False/None, strings in
 	// double quotes with Python's escapes (pyPrimitives, pyLiteral).
 	py bool
-	// exclude are characters a JSON string may not hold raw (finishChars).
-	exclude string
+	// ban is text a JSON string may not hold raw (finishChars): the start of the tags
+	// the family's parser cuts a call at.
+	ban string
 	until   map[string]string // textUntil's start rules by their tags
 }
 

@@ -55,18 +55,37 @@ func familyAutoGrammar(f Format, tools []Tool, parallel bool) (string, []Trigger
 	return c.String(), triggers, true, nil
 }
 
-// finishChars narrows the JSON string characters: a raw exclude character would let
-// a string hold a tag the family's parser cuts at (an escape such as \u003c still
-// writes it).
+// finishChars keeps c.ban out of the raw text of JSON strings: a string holding the
+// start of a tag the family's parser cuts at would end the call there. ban is two
+// different characters (a '<' then what follows it in every such tag) or one character
+// repeated (">>>"). An escape (\u003c) still writes the text. Strings with maxLength
+// count characters one by one, so there the ban's first character is not raw at all.
 func (c *gbnf) finishChars() {
-	if _, ok := c.rules["char"]; !ok || c.exclude == "" {
+	if c.ban == "" {
 		return
 	}
-	var cls strings.Builder
-	for _, r := range c.exclude {
-		cls.WriteString(classChar(r))
+	rs := []rune(c.ban)
+	a := rs[0]
+	ctl := `"\\\x7F\x00-\x1F`
+	esc := `[\\] (["\\/bfnrt] | "u" [0-9a-fA-F]{4})`
+	plain := "[^" + ctl + classChar(a) + "]"
+	if _, ok := c.rules["char"]; ok {
+		c.rules["char"] = plain + " | " + esc
 	}
-	c.rules["char"] = fmt.Sprintf(`[^"\\\x7F\x00-\x1F%s] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F]{4})`, cls.String())
+	if _, ok := c.rules["string"]; !ok {
+		return
+	}
+	A := gq(string(a))
+	var tail string
+	if len(rs) == 2 && rs[1] != a {
+		c.rules["schar"] = fmt.Sprintf(`%s | %s | %s+ ( [^%s%s%s] | %s )`, plain, esc, A, ctl, classChar(a), classChar(rs[1]), esc)
+		tail = A + "*"
+	} else {
+		c.rules["schar"] = fmt.Sprintf(`%s | %s | %s{1,%d} ( %s | %s )`, plain, esc, A, len(rs)-1, plain, esc)
+		tail = fmt.Sprintf("%s{0,%d}", A, len(rs)-1)
+	}
+	c.prim("space")
+	c.rules["string"] = fmt.Sprintf(`"\"" schar* %s "\"" space`, tail)
 }
 
 // xmlFamily: the four families that write argument values as tagged text.
@@ -115,7 +134,7 @@ func (c *gbnf) xmlFamily(f Format, tools []Tool, parallel bool) (string, []Trigg
 			},
 			valueEnd: "</｜DSML｜parameter>", stops: []string{"</｜DSML｜invoke>", "</｜DSML｜function_calls>"}, strip: true, attributes: true}
 	}
-	c.exclude = "<" // every tag these parsers cut at starts with '<'
+	c.ban = "</" // every tag these parsers cut at starts with "</"
 	var calls []string
 	for i, t := range tools {
 		props, required, ok := topProperties(t)
@@ -206,7 +225,7 @@ func (c *gbnf) xmlFamily(f Format, tools []Tool, parallel bool) (string, []Trigg
 // the channel line or in the role line; llama.cpp triggers on both (and on a reply that
 // opens with the recipient, after a prompt ending in "<|start|>assistant").
 func (c *gbnf) harmonyFamily(tools []Tool) (string, []Trigger, bool, error) {
-	c.exclude = "<" // the body ends at <|call|>, <|end|> or <|return|>
+	c.ban = "<|" // the body ends at <|call|>, <|end|> or <|return|>
 	args, err := c.toolArgs(tools)
 	if err != nil {
 		return "", nil, false, err
@@ -237,7 +256,7 @@ func (c *gbnf) harmonyFamily(tools []Tool) (string, []Trigger, bool, error) {
 // llama.cpp, a pattern per tool fires once "NAME\n{" starts the reply or follows ">>>",
 // and the grammar starts at the name.
 func (c *gbnf) functionary32Family(tools []Tool, parallel bool) (string, []Trigger, bool, error) {
-	c.exclude = ">" // the parser splits the reply at ">>>"
+	c.ban = ">>>" // the parser splits the reply there
 	args, err := c.toolArgs(tools)
 	if err != nil {
 		return "", nil, false, err
