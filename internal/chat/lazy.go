@@ -134,6 +134,11 @@ func AutoGrammar(f Format, tools []Tool, parallel bool) (grammar string, trigger
 	default:
 		return "", nil, false, nil
 	}
+	// A JSON string holding the family's closing tag would end the call there: the
+	// parsers cut at it before reading the JSON.
+	c.ban = map[Format]string{FormatHermes: "</", FormatFunctionaryV31: "</", FormatKimiK2: "<|",
+		FormatCommandR7B: "<|", FormatDeepSeek: "<｜"}[f]
+	c.finishChars()
 	return c.String(), triggers, true, nil
 }
 

@@ -208,3 +208,38 @@ func TestListAndXMLCallsStream(t *testing.T) {
 		}
 	}
 }
+
+// In the families whose parser cuts a call at its closing tag before reading the JSON,
+// the grammar keeps that tag's start out of the JSON strings (a '<' alone is fine), so
+// every call it allows parses.
+func TestAutoGrammarStringsCannotCloseTheCall(t *testing.T) {
+	cases := []struct {
+		f         Format
+		open, end string // around the arguments
+		tag       string
+	}{
+		{FormatHermes, `<tool_call>{"name": "get_weather", "arguments": `, `}</tool_call>`, "</tool_call>"},
+		{FormatFunctionaryV31, `<function=get_weather>`, `</function>`, "</function>"},
+		{FormatKimiK2, `<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>`, `<|tool_call_end|><|tool_calls_section_end|>`, "<|tool_call_end|>"},
+		{FormatDeepSeek, `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>`, `<｜tool▁call▁end｜><｜tool▁calls▁end｜>`, "<｜tool▁call▁end｜>"},
+		{FormatCommandR7B, `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": `, `}]<|END_ACTION|>`, "<|END_ACTION|>"},
+	}
+	for _, c := range cases {
+		g, _, _, err := AutoGrammar(c.f, lazyTools, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		gr, err := parseGBNF(g)
+		if err != nil {
+			t.Fatalf("%s: %v", c.f, err)
+		}
+		ok := c.open + `{"city": "a < b <"}` + c.end
+		if !gr.accepts(ok) || len(ParseWith(c.f, ok, lazyTools).Calls) != 1 {
+			t.Errorf("%s: %q: accepted %v, parsed %+v", c.f, ok, gr.accepts(ok), ParseWith(c.f, ok, lazyTools))
+		}
+		bad := c.open + `{"city": "a ` + c.tag + `"}` + c.end
+		if gr.accepts(bad) {
+			t.Errorf("%s: the grammar accepts %q (parsed: %+v)", c.f, bad, ParseWith(c.f, bad, lazyTools))
+		}
+	}
+}
