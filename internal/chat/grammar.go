@@ -109,8 +109,8 @@ type gbnf struct {
 	py bool
 	// ban is text a JSON string may not hold raw (finishChars): the start of the tags
 	// the family's parser cuts a call at.
-	ban string
-	until   map[string]string // textUntil's start rules by their tags
+	ban   string
+	until map[string]string // textUntil's start rules by their tags
 }
 
 func (c *gbnf) String() string {

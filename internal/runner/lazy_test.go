@@ -176,43 +176,78 @@ func TestAutoGrammarsFitTextFamilyCalls(t *testing.T) {
 	}
 }
 
-// A lazy grammar watches at most lazyFreeTextLimit bytes of free text (llama.cpp's
-// trigger regex would overflow the stack on long text): without a trigger by then the
-// grammar is dropped; with one it stays.
-func TestLazyGrammarDroppedAfterLongFreeText(t *testing.T) {
+// A lazy grammar's triggers are matched here, not by llama.cpp (whose std::regex
+// matcher overflows the stack on long output): after 40 KB of free text a trigger
+// (a word, or a pattern looking anywhere) still starts the grammar, which then
+// constrains the call (a declared argument fits, an undeclared one fails), also when
+// the trigger begins inside a token; without a trigger the reply stays free.
+func TestLazyGrammarAfterLongFreeText(t *testing.T) {
 	m := testModel(t)
 	b := NewBackend(m, nil, nil)
-	g, trig, _, _ := chat.AutoGrammar(chat.FormatHermes, weather, false)
-	p := engine.SamplingParams{Grammar: g}
-	for _, tr := range trig {
-		p.GrammarTriggers = append(p.GrammarTriggers, engine.GrammarTrigger{Word: tr.Word, Pattern: tr.Pattern})
+	params := func(f chat.Format) engine.SamplingParams {
+		g, trig, _, _ := chat.AutoGrammar(f, weather, false)
+		p := engine.SamplingParams{Grammar: g}
+		for _, tr := range trig {
+			p.GrammarTriggers = append(p.GrammarTriggers, engine.GrammarTrigger{Word: tr.Word, Pattern: tr.Pattern})
+		}
+		return p
 	}
+	hermes, llama3 := params(chat.FormatHermes), params(chat.FormatLlama3)
+	long := strings.Repeat("Some free text about the weather. ", 1200) // 40 KB
+	const good = `{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>`
+	const bad = `{"name": "get_weather", "arguments": {"town": "Paris"}}</tool_call>`
+	midToken := false
 	for _, c := range []struct {
-		text string
-		keep bool
+		p          engine.SamplingParams
+		free, call string
+		fits       bool // false: no trigger, or the call breaks the grammar
+		trigger    bool
 	}{
-		{strings.Repeat("Some free text about the weather. ", 400), false},
-		{"Let me check. <tool_call>" + strings.Repeat(" and more", 1200), true},
-		{`{"name": "get_weather"` + strings.Repeat(" and more", 1200), true},
+		{hermes, long, "", false, false},
+		{hermes, long + "Let me check.", "<tool_call>\n" + good, true, true},
+		{hermes, long + "Let me check.", "<tool_call>\n" + bad, false, true},
+		{hermes, "", `{"name": "get_weather", "arguments": {"city": "Oslo"}}`, true, true}, // the bare-call pattern
+		// Llama 3.x: a pattern that looks for the call anywhere in the output.
+		{llama3, long + "Calling it: ", `{"name": "get_weather", "parameters": {"city": "Paris"}}`, true, true},
+		{llama3, long + "Calling it: ", `{"name": "get_weather", "parameters": {"town": "Paris"}}`, false, true},
 	} {
-		b.NewSampler(1, p, false, nil)
+		b.NewSampler(1, c.p, false, nil)
 		smp := b.samplers[1]
-		toks, _ := m.Tokenize(c.text, false, false)
-		n := 0
+		if smp.s.HasGrammar() || smp.lazy == nil {
+			t.Fatal("a lazy grammar constrains from the start")
+		}
+		toks, _ := m.Tokenize(c.free+c.call, false, false)
+		n, failed := 0, error(nil)
 		for _, tok := range toks {
-			b.watchFreeText(1, smp, tok)
-			n += len(m.TokenPiece(tok, true))
-			if n < lazyFreeTextLimit && (!smp.s.HasGrammar() || smp.lazy == nil) {
-				t.Fatalf("stopped watching after %d bytes", n)
+			piece := m.TokenPiece(tok, true)
+			if smp.lazy == nil && !smp.s.HasGrammar() {
+				t.Fatalf("%.30q: the grammar was dropped", c.call)
+			}
+			if smp.s.HasGrammar() && n < len(c.free) {
+				t.Fatalf("%.30q: the grammar started in the free text (byte %d of %d)", c.call, n, len(c.free))
+			}
+			if err := smp.s.Accept(tok); err != nil {
+				failed = err
+				break
+			}
+			if n < len(c.free) && n+len(piece) > len(c.free) {
+				midToken = true // the call starts inside this token
+			}
+			n += len(piece)
+			if smp.lazy != nil {
+				b.watchFreeText(1, smp, tok)
 			}
 		}
-		if n < lazyFreeTextLimit {
-			t.Fatalf("text of %d bytes is too short for the test", n)
+		if c.trigger != smp.s.HasGrammar() && failed == nil || (failed == nil) != c.fits && c.trigger {
+			t.Errorf("%.40q: grammar %v, err %v; want trigger %v, fits %v", c.call, smp.s.HasGrammar(), failed, c.trigger, c.fits)
 		}
-		if smp.s.HasGrammar() != c.keep || smp.lazy != nil {
-			t.Errorf("%.30q…: grammar kept %v, want %v (still watching: %v)", c.text, smp.s.HasGrammar(), c.keep, smp.lazy != nil)
+		if failed != nil && !errors.Is(failed, llama.ErrGrammar) {
+			t.Errorf("%.40q: %v", c.call, failed)
 		}
 		b.FreeSampler(1)
+	}
+	if !midToken {
+		t.Error("no trigger began inside a token: the test text no longer covers that case")
 	}
 	if len(b.samplers) != 0 {
 		t.Fatal("sampler leaked")
