@@ -116,3 +116,53 @@ func BenchmarkTriggerWatch40KB(b *testing.B) {
 		}
 	})
 }
+
+// FuzzTriggerMatcher: on any text cut into any pieces, the incremental matcher agrees
+// with Go's regexp after every piece for every pattern the auto grammars use.
+func FuzzTriggerMatcher(f *testing.F) {
+	f.Add([]byte("all\nText.>>>get_weather\n{\"city\": 1}"), []byte{3, 1, 4})
+	f.Add([]byte(`Use it: {"name": "get_time", "parameters": {}}`), []byte{0, 9})
+	f.Add([]byte("<think>x</think><|channel|>commentary to=functions.get_weather"), []byte{2})
+	f.Add([]byte(" to=functions.add<tool_call>é"), []byte{1, 1, 1})
+	pats := triggerPatterns(&testing.T{})
+	res := make([]*regexp.Regexp, len(pats))
+	for i, p := range pats {
+		res[i] = regexp.MustCompile(`^(?:` + p + `)$`)
+	}
+	f.Fuzz(func(t *testing.T, text, cuts []byte) {
+		for pi, p := range pats {
+			m, _ := newTriggerMatcher(p)
+			for i, k := 0, 0; i < len(text); k++ {
+				n := len(text) - i
+				if k < len(cuts) {
+					n = min(n, int(cuts[k])%9+1)
+				}
+				got := m.push(text[i : i+n])
+				i += n
+				want := -1
+				if loc := res[pi].FindSubmatchIndex(text[:i]); loc != nil && !endsMidRune(text[:i]) {
+					want = 0
+					for g := 2; g+1 < len(loc); g += 2 {
+						if loc[g] >= 0 && loc[g+1] > loc[g] {
+							want = loc[g]
+							break
+						}
+					}
+				}
+				if got != want {
+					t.Fatalf("%s on %q: %d, regexp %d", p, text[:i], got, want)
+				}
+			}
+		}
+	})
+}
+
+// endsMidRune: b ends inside a UTF-8 sequence that more bytes could complete (the
+// matcher waits for them; regexp reads the bytes as invalid).
+func endsMidRune(b []byte) bool {
+	j := len(b) - 1
+	for j > 0 && j > len(b)-4 && !utf8.RuneStart(b[j]) {
+		j--
+	}
+	return j >= 0 && !utf8.FullRune(b[j:])
+}
