@@ -151,6 +151,11 @@ func (c *gbnf) toolArgs(tools []Tool) ([]string, error) {
 		if p := strings.TrimSpace(string(t.Function.Parameters)); p != "" && p != "null" {
 			params = []byte(p)
 		}
+		if isEmptySchema(params) {
+			// "parameters": {} declares arguments of any shape, but arguments are an
+			// object in every family's syntax.
+			params = []byte(`{"type": "object"}`)
+		}
 		node, err := parseOrdered(params)
 		if err != nil {
 			return nil, fmt.Errorf("tool %q: parameters are not valid JSON: %w", t.Function.Name, err)
@@ -203,4 +208,11 @@ func regexQuote(s string) string {
 		b.WriteRune(r)
 	}
 	return b.String()
+}
+
+// isEmptySchema reports whether b is the schema {} (any value).
+func isEmptySchema(b []byte) bool {
+	node, err := parseOrdered(b)
+	o, ok := node.(*ordered)
+	return err == nil && ok && len(o.keys) == 0
 }

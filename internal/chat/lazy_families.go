@@ -385,7 +385,7 @@ func topProperties(t Tool) (toolProps, map[string]bool, bool) {
 			return toolProps{}, nil, false
 		}
 		tp.keys, tp.vals = props.keys, props.vals
-	} else if _, has := o.vals["type"]; !has {
+	} else if _, has := o.vals["type"]; !has && constrains(o) {
 		return toolProps{}, nil, false
 	}
 	required := map[string]bool{}
