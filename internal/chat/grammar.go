@@ -104,6 +104,13 @@ type gbnf struct {
 	n     int
 	root  any    // for local $ref
 	refNS string // prefix of $ref rule names, so several schemas share one grammar
+	// py writes values as Python literals (LFM2's calls): True/False/None, strings in
+	// double quotes with Python's escapes (pyPrimitives, pyLiteral).
+	py bool
+	// ban is text a JSON string may not hold raw (finishChars): the start of the tags
+	// the family's parser cuts a call at.
+	ban   string
+	until map[string]string // textUntil's start rules by their tags
 }
 
 func (c *gbnf) String() string {
@@ -143,9 +150,21 @@ var primitiveDeps = map[string][]string{
 	"value": {"object", "array", "string", "number", "boolean", "null"}, "object": {"space", "string", "value"}, "array": {"space", "value"},
 }
 
+// pyPrimitives replace primitives in py mode. Numbers keep JSON's syntax (a Python
+// literal too) with at most two exponent digits, so that every one parses as a float.
+var pyPrimitives = map[string]string{
+	"char":    `[^"\\\x7F\x00-\x1F] | [\\] ["\\nrt]`,
+	"number":  `("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [0-9]?)? space`,
+	"boolean": `("True" | "False") space`,
+	"null":    `"None" space`,
+}
+
 func (c *gbnf) prim(name string) string {
 	if _, ok := c.rules[name]; !ok {
 		c.rules[name] = primitives[name]
+		if b, ok := pyPrimitives[name]; ok && c.py {
+			c.rules[name] = b
+		}
 		for _, d := range primitiveDeps[name] {
 			c.prim(d)
 		}
@@ -175,6 +194,14 @@ func sanitize(s string) string {
 
 // literal is a GBNF string literal matching the JSON encoding of v, plus space.
 func (c *gbnf) literal(v any) (string, error) {
+	if c.py {
+		lit, err := pyLiteral(v)
+		if err != nil {
+			return "", err
+		}
+		c.prim("space")
+		return gq(lit) + " space", nil
+	}
 	raw, err := marshalNoEscape(plain(v))
 	if err != nil {
 		return "", err
@@ -515,4 +542,68 @@ func JSONObjectGBNF(depth, width int) string {
 	}
 	c.rules["root"] = "obj-1"
 	return c.String()
+}
+
+// pyLiteral writes v as the Python literal parsePythonCalls reads back as v.
+func pyLiteral(v any) (string, error) {
+	switch x := v.(type) {
+	case string:
+		return pyQuote(x), nil
+	case json.Number:
+		if _, err := strconv.ParseFloat(x.String(), 64); err != nil {
+			return "", fmt.Errorf("number %s has no Python float", x)
+		}
+		return x.String(), nil
+	case bool:
+		if x {
+			return "True", nil
+		}
+		return "False", nil
+	case nil:
+		return "None", nil
+	case []any:
+		parts := make([]string, len(x))
+		for i, e := range x {
+			p, err := pyLiteral(e)
+			if err != nil {
+				return "", err
+			}
+			parts[i] = p
+		}
+		return "[" + strings.Join(parts, ", ") + "]", nil
+	case *ordered:
+		parts := make([]string, len(x.keys))
+		for i, k := range x.keys {
+			p, err := pyLiteral(x.vals[k])
+			if err != nil {
+				return "", err
+			}
+			parts[i] = pyQuote(k) + ": " + p
+		}
+		return "{" + strings.Join(parts, ", ") + "}", nil
+	}
+	return "", fmt.Errorf("no Python literal for %T", v)
+}
+
+// pyQuote writes s as a double-quoted Python string with the escapes pyParser.str reads.
+func pyQuote(s string) string {
+	var b strings.Builder
+	b.WriteByte('"')
+	for _, r := range s {
+		switch r {
+		case '"', '\\':
+			b.WriteByte('\\')
+			b.WriteRune(r)
+		case '\n':
+			b.WriteString(`\n`)
+		case '\t':
+			b.WriteString(`\t`)
+		case '\r':
+			b.WriteString(`\r`)
+		default:
+			b.WriteRune(r)
+		}
+	}
+	b.WriteByte('"')
+	return b.String()
 }

@@ -133,6 +133,12 @@ func (h *harmonyStream) finish() (reasoning, content string, calls []ToolCall, t
 			reasoning = h.buf
 		}
 	}
+	if h.call != nil && h.inBody {
+		// The reply ended in the call's body: generation stops at <|call|>, an
+		// end-of-generation token that is not in the text. A complete JSON body is the
+		// call (as ParseWith reads it); anything else was cut short.
+		h.callBody(h.buf, true)
+	}
 	if h.call != nil {
 		truncated = true
 	}

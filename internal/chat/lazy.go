@@ -22,14 +22,19 @@ type Trigger struct {
 // opener as a word (a special token when the vocabulary has it), and for families whose
 // calls are bare JSON, a call object naming a declared tool.
 //
-// ok is false for families whose call syntax has no grammar here (argument values
-// as bare text: Qwen3-Coder XML, GLM, MiniMax, DeepSeek V3.2 DSML; Harmony channels;
-// LFM2's Python calls; Functionary v3.2's recipient lines): their auto replies stay
-// unconstrained, and the parser keeps anything that is not a well-formed call as
-// content.
+// Families whose values are bare text (Qwen3-Coder XML, GLM, MiniMax, DeepSeek V3.2
+// DSML), Harmony, LFM2 and Functionary v3.2 are built by familyAutoGrammar. ok is false
+// where a tool cannot be written in the family's syntax so that its parser reads back a
+// valid call (a name or key the syntax cannot carry, a text value the parser could
+// misread): that reply stays unconstrained, and the parser keeps anything that is not
+// a well-formed call as content.
 func AutoGrammar(f Format, tools []Tool, parallel bool) (grammar string, triggers []Trigger, ok bool, err error) {
 	if len(tools) == 0 {
 		return "", nil, false, nil
+	}
+	switch f {
+	case FormatQwenXML, FormatGLM, FormatMiniMax, FormatDeepSeekDSML, FormatHarmony, FormatLFM2, FormatFunctionaryV32:
+		return familyAutoGrammar(f, tools, parallel)
 	}
 	c := &gbnf{rules: map[string]string{}}
 	args, err := c.toolArgs(tools)
@@ -129,6 +134,11 @@ func AutoGrammar(f Format, tools []Tool, parallel bool) (grammar string, trigger
 	default:
 		return "", nil, false, nil
 	}
+	// A JSON string holding the family's closing tag would end the call there: the
+	// parsers cut at it before reading the JSON.
+	c.ban = map[Format]string{FormatHermes: "</", FormatFunctionaryV31: "</", FormatKimiK2: "<|",
+		FormatCommandR7B: "<|", FormatDeepSeek: "<｜"}[f]
+	c.finishChars()
 	return c.String(), triggers, true, nil
 }
 
@@ -140,6 +150,11 @@ func (c *gbnf) toolArgs(tools []Tool) ([]string, error) {
 		params := []byte(`{"type": "object", "properties": {}}`)
 		if p := strings.TrimSpace(string(t.Function.Parameters)); p != "" && p != "null" {
 			params = []byte(p)
+		}
+		if isEmptySchema(params) {
+			// "parameters": {} declares arguments of any shape, but arguments are an
+			// object in every family's syntax.
+			params = []byte(`{"type": "object"}`)
 		}
 		node, err := parseOrdered(params)
 		if err != nil {
@@ -193,4 +208,11 @@ func regexQuote(s string) string {
 		b.WriteRune(r)
 	}
 	return b.String()
+}
+
+// isEmptySchema reports whether b is the schema {} (any value).
+func isEmptySchema(b []byte) bool {
+	node, err := parseOrdered(b)
+	o, ok := node.(*ordered)
+	return err == nil && ok && len(o.keys) == 0
 }

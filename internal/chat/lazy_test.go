@@ -12,7 +12,8 @@ var lazyTools = []Tool{
 	{Type: "function", Function: ToolFunction{Name: "get_time", Parameters: json.RawMessage(`{"type":"object","properties":{"zone":{"type":"string"}},"required":["zone"]}`)}},
 }
 
-// Each family's auto grammar starts on the family's own call opener, and only there.
+// Each family's auto grammar starts on the family's own call opener, and only there
+// (Harmony's and Functionary v3.2's patterns: TestAutoGrammarFamilyTriggers).
 func TestAutoGrammarTriggersPerFamily(t *testing.T) {
 	words := map[Format][]string{
 		FormatHermes:         {"<tool_call>"},
@@ -24,6 +25,11 @@ func TestAutoGrammarTriggersPerFamily(t *testing.T) {
 		FormatKimiK2:         {"<|tool_calls_section_begin|>"},
 		FormatDeepSeek:       {"<｜tool▁calls▁begin｜>"},
 		FormatFunctionaryV31: {"<function="},
+		FormatQwenXML:        {"<tool_call>"},
+		FormatGLM:            {"<tool_call>"},
+		FormatMiniMax:        {"<minimax:tool_call>"},
+		FormatDeepSeekDSML:   {"<｜DSML｜function_calls>"},
+		FormatLFM2:           {"<|tool_call_start|>"},
 	}
 	for f, want := range words {
 		g, trig, ok, err := AutoGrammar(f, lazyTools, false)
@@ -47,11 +53,6 @@ func TestAutoGrammarTriggersPerFamily(t *testing.T) {
 			if !strings.Contains(g, name) {
 				t.Errorf("%s: grammar lacks tool %s", f, name)
 			}
-		}
-	}
-	for _, f := range []Format{FormatQwenXML, FormatGLM, FormatMiniMax, FormatDeepSeekDSML, FormatHarmony, FormatLFM2, FormatFunctionaryV32} {
-		if _, _, ok, err := AutoGrammar(f, lazyTools, false); ok || err != nil {
-			t.Errorf("%s: a lazy grammar for a family without one (ok %v, err %v)", f, ok, err)
 		}
 	}
 	if _, _, ok, _ := AutoGrammar(FormatHermes, nil, false); ok {
@@ -204,6 +205,41 @@ func TestListAndXMLCallsStream(t *testing.T) {
 			if rebuilt[i] != fin.Calls[i] {
 				t.Errorf("%s: call %d rebuilt %+v, Finish %+v", c.f, i, rebuilt[i], fin.Calls[i])
 			}
+		}
+	}
+}
+
+// In the families whose parser cuts a call at its closing tag before reading the JSON,
+// the grammar keeps that tag's start out of the JSON strings (a '<' alone is fine), so
+// every call it allows parses.
+func TestAutoGrammarStringsCannotCloseTheCall(t *testing.T) {
+	cases := []struct {
+		f         Format
+		open, end string // around the arguments
+		tag       string
+	}{
+		{FormatHermes, `<tool_call>{"name": "get_weather", "arguments": `, `}</tool_call>`, "</tool_call>"},
+		{FormatFunctionaryV31, `<function=get_weather>`, `</function>`, "</function>"},
+		{FormatKimiK2, `<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>`, `<|tool_call_end|><|tool_calls_section_end|>`, "<|tool_call_end|>"},
+		{FormatDeepSeek, `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>`, `<｜tool▁call▁end｜><｜tool▁calls▁end｜>`, "<｜tool▁call▁end｜>"},
+		{FormatCommandR7B, `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": `, `}]<|END_ACTION|>`, "<|END_ACTION|>"},
+	}
+	for _, c := range cases {
+		g, _, _, err := AutoGrammar(c.f, lazyTools, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		gr, err := parseGBNF(g)
+		if err != nil {
+			t.Fatalf("%s: %v", c.f, err)
+		}
+		ok := c.open + `{"city": "a < b <"}` + c.end
+		if !gr.accepts(ok) || len(ParseWith(c.f, ok, lazyTools).Calls) != 1 {
+			t.Errorf("%s: %q: accepted %v, parsed %+v", c.f, ok, gr.accepts(ok), ParseWith(c.f, ok, lazyTools))
+		}
+		bad := c.open + `{"city": "a ` + c.tag + `"}` + c.end
+		if gr.accepts(bad) {
+			t.Errorf("%s: the grammar accepts %q (parsed: %+v)", c.f, bad, ParseWith(c.f, bad, lazyTools))
 		}
 	}
 }

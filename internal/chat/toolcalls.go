@@ -815,22 +815,30 @@ func between(s, open, close string) (string, bool) {
 	return rest[:j], true
 }
 
-// schemaFor returns the declared property types of a tool's parameters.
+// schemaFor returns how each parameter's text value is read (xmlParamType): "string"
+// for strings (a string enum or const too), "nullable-string" for a string or null,
+// else the declared type, "" when none.
 func (ps *parser) schemaFor(name string) map[string]string {
 	for _, t := range ps.tools {
 		if t.Function.Name != name {
 			continue
 		}
-		var s struct {
-			Properties map[string]struct {
-				Type any `json:"type"`
-			} `json:"properties"`
-		}
-		_ = json.Unmarshal(t.Function.Parameters, &s)
 		out := map[string]string{}
-		for k, p := range s.Properties {
-			if ts, ok := p.Type.(string); ok {
-				out[k] = ts
+		node, err := parseOrdered(t.Function.Parameters)
+		if err != nil {
+			return out
+		}
+		o, ok := node.(*ordered)
+		if !ok {
+			return out
+		}
+		props, ok := o.vals["properties"].(*ordered)
+		if !ok {
+			return out
+		}
+		for _, k := range props.keys {
+			if ty := xmlParamType(node, props.vals[k]); ty != "" {
+				out[k] = ty
 			}
 		}
 		return out
@@ -877,8 +885,16 @@ func (a *argsBuilder) addJSON(k, raw string) {
 
 // add writes v as a string when the schema says so (or v is not JSON), else as JSON.
 func (a *argsBuilder) add(k, v string) {
-	if a.types[k] == "string" {
+	switch a.types[k] {
+	case "string":
 		a.addString(k, v)
+		return
+	case "nullable-string":
+		if strings.TrimSpace(v) == "null" {
+			a.addJSON(k, "null")
+		} else {
+			a.addString(k, v)
+		}
 		return
 	}
 	t := strings.TrimSpace(v)

@@ -468,6 +468,37 @@ func (s *Sampler) Sample(ctx *Context, i int) (Token, error) {
 	return -1, s.failed
 }
 
+// StartGrammar starts grammar g on a sampler without one, the way a lazy grammar
+// starts at its trigger, when the caller found the trigger itself: toks are the tokens
+// already accepted from the one the trigger starts in, and the grammar is fed their
+// text from byte skip of the first token's piece on (llama.cpp feeds a lazy grammar
+// the output from its trigger, not from a token boundary). It uses llama.cpp's lazy
+// sampler with a trigger that fires at once on that text: llama.cpp has no public call
+// that feeds text to a grammar, and its trigger regexes then only ever see these few
+// tokens (they overflow the stack on long output). An error wraps ErrGrammar when the
+// text does not fit g; the sampler then goes on without a grammar.
+func (s *Sampler) StartGrammar(m *Model, g string, skip int, toks []Token) error {
+	if s.g != nil {
+		return fmt.Errorf("%w: the sampler has a grammar already", ErrGrammar)
+	}
+	if skip < 0 || len(toks) == 0 || skip >= len(m.TokenPiece(toks[0], true)) {
+		return fmt.Errorf("%w: the trigger is not in its first token", ErrGrammar)
+	}
+	gs, err := m.grammarSampler(g, []GrammarTrigger{{Pattern: fmt.Sprintf(`[\s\S]{%d}([\s\S]+)`, skip)}})
+	if err != nil {
+		return fmt.Errorf("%w: %v", ErrGrammar, err)
+	}
+	var errBuf [256]C.char
+	for _, tok := range toks {
+		if C.polykv_sampler_accept(gs, C.llama_token(tok), &errBuf[0], C.size_t(len(errBuf))) != C.POLYKV_SAMPLE_OK {
+			C.llama_sampler_free(gs)
+			return fmt.Errorf("%w: token %d: %s", ErrGrammar, tok, C.GoString(&errBuf[0]))
+		}
+	}
+	s.g, s.failed = gs, nil
+	return nil
+}
+
 // HasGrammar reports whether a grammar still constrains the sampler.
 func (s *Sampler) HasGrammar() bool { return s.g != nil }
 

@@ -2,12 +2,12 @@
 package runner
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"log/slog"
 	"math"
 	"regexp"
-	"strings"
 
 	"github.com/polykv/polykv/internal/chat"
 	"github.com/polykv/polykv/internal/engine"
@@ -50,19 +50,106 @@ type sampler struct {
 	s        *llama.Sampler
 	logprobs bool
 	nProbs   int // alternatives reported with each token (with logprobs)
-	// lazy are the triggers of a lazy grammar while the free text before them is
-	// watched (see watchFreeText); text is that free text.
-	lazy []engine.GrammarTrigger
-	text []byte
+	// lazy is a lazy grammar still waiting for its trigger (see watchFreeText).
+	lazy *lazyGrammar
 }
 
-// lazyFreeTextLimit bounds the free text a lazy grammar watches for its triggers.
-// llama.cpp matches the trigger regexes against all the output so far after every
-// token with std::regex, whose libstdc++ matcher recurses once per character: on an
-// 8 MiB thread stack it overflows (a crash no exception handler sees) somewhere between
-// 20,000 and 50,000 characters. So after this many bytes without a trigger the grammar
-// is dropped and the reply goes on unconstrained.
-const lazyFreeTextLimit = 8 << 10
+// lazyGrammar is a grammar that starts at a trigger, watched here rather than by
+// llama.cpp: llama.cpp matches its trigger regexes against all the output so far after
+// every token with std::regex, whose libstdc++ matcher recurses once per character and
+// overflows the stack (a crash no exception handler sees) somewhere between 20,000 and
+// 50,000 characters of free text. Here words are looked for in each token's text and
+// patterns run on a triggerMatcher fed only the new text, so a trigger after any
+// length of free text starts the grammar (llama.Sampler.StartGrammar) from the token it
+// begins in, at the cost of the token's own length.
+type lazyGrammar struct {
+	grammar  string
+	triggers []engine.GrammarTrigger
+	pats     []*triggerMatcher // per trigger: its pattern (nil for a word)
+	res      []*regexp.Regexp  // a pattern triggerMatcher cannot run, anchored
+	text     []byte            // the output so far
+	toks     []llama.Token     // its tokens
+	offs     []int             // where each token's text starts in text
+}
+
+// newLazyGrammar compiles the triggers; one Go cannot compile never fires (the
+// grammar then never starts: the reply is free text, which the parser reads as ever).
+func newLazyGrammar(grammar string, triggers []engine.GrammarTrigger) *lazyGrammar {
+	lg := &lazyGrammar{grammar: grammar, triggers: triggers, pats: make([]*triggerMatcher, len(triggers)), res: make([]*regexp.Regexp, len(triggers))}
+	for i, t := range triggers {
+		if t.Pattern == "" {
+			continue
+		}
+		if m, ok := newTriggerMatcher(t.Pattern); ok {
+			lg.pats[i] = m
+		} else {
+			// Quadratic over long output, but correct: only for patterns with
+			// assertions, which the chat package never writes.
+			lg.res[i], _ = regexp.Compile(`^(?:` + t.Pattern + `)$`)
+		}
+	}
+	return lg
+}
+
+// push adds a token of output and returns where the grammar starts in the output
+// (llama.cpp's rule: the first trigger in order that fires, at its word or its first
+// non-empty capture group), or -1 while none has fired.
+func (lg *lazyGrammar) push(tok llama.Token, piece []byte) int {
+	lg.offs = append(lg.offs, len(lg.text))
+	lg.toks = append(lg.toks, tok)
+	lg.text = append(lg.text, piece...)
+	// Every matcher reads every piece, so each stays in step with the text.
+	starts := make([]int, len(lg.triggers))
+	for i, m := range lg.pats {
+		starts[i] = -1
+		if m != nil {
+			starts[i] = m.push(piece)
+		}
+	}
+	for i, t := range lg.triggers {
+		if lg.pats[i] != nil {
+			if starts[i] >= 0 {
+				return starts[i]
+			}
+			continue
+		}
+		if t.Word != "" {
+			// The text before this token held no word: only a match ending in it is new.
+			from := max(0, len(lg.text)-len(piece)-len(t.Word)+1)
+			if j := bytes.Index(lg.text[from:], []byte(t.Word)); j >= 0 {
+				return from + j
+			}
+			continue
+		}
+		if lg.res[i] == nil {
+			continue
+		}
+		if m := lg.res[i].FindSubmatchIndex(lg.text); m != nil {
+			for g := 2; g+1 < len(m); g += 2 {
+				if m[g] >= 0 && m[g+1] > m[g] {
+					return m[g]
+				}
+			}
+			return m[0]
+		}
+	}
+	return -1
+}
+
+// from returns the index of the token whose text holds byte start, and start's offset
+// in that token's text.
+func (lg *lazyGrammar) from(start int) (int, int) {
+	for k := len(lg.offs) - 1; k >= 0; k-- {
+		end := len(lg.text)
+		if k+1 < len(lg.offs) {
+			end = lg.offs[k+1]
+		}
+		if lg.offs[k] <= start && start < end {
+			return k, start - lg.offs[k]
+		}
+	}
+	return len(lg.toks) - 1, 0
+}
 
 var _ engine.Backend = (*Backend)(nil)
 
@@ -222,6 +309,18 @@ func (b *Backend) SeqCp(src, dst, p0, p1 int) {
 
 // NewSampler implements engine.Backend.
 func (b *Backend) NewSampler(task engine.TaskID, p engine.SamplingParams, logprobs bool, history []engine.Token) {
+	var lazy *lazyGrammar
+	if p.Grammar != "" && len(p.GrammarTriggers) > 0 {
+		// The triggers are watched here (lazyGrammar); the chain starts without the
+		// grammar, checked now so that a bad one fails as a non-lazy one would.
+		if err := b.model.CheckGrammar(p.Grammar); err == nil {
+			lazy = newLazyGrammar(p.Grammar, p.GrammarTriggers)
+		}
+		p.Grammar, p.GrammarTriggers = "", nil
+		if lazy == nil {
+			b.log.Error("sampler grammar rejected; sampling unconstrained", "task", task)
+		}
+	}
 	s, err := llama.NewSampler(b.model, samplerParams(p))
 	if err != nil {
 		// The API checks grammars before submitting, so this is a bug; sample freely
@@ -236,49 +335,25 @@ func (b *Backend) NewSampler(task engine.TaskID, p engine.SamplingParams, logpro
 			_ = s.Accept(t) // no grammar in the chain: nothing to fail
 		}
 	}
-	smp := &sampler{s: s, logprobs: logprobs, nProbs: p.NProbs}
-	if s.HasGrammar() && len(p.GrammarTriggers) > 0 {
-		smp.lazy = p.GrammarTriggers
-	}
-	b.samplers[task] = smp
+	b.samplers[task] = &sampler{s: s, logprobs: logprobs, nProbs: p.NProbs, lazy: lazy}
 }
 
-// watchFreeText adds tok to a lazy grammar's free text; at lazyFreeTextLimit it stops
-// watching: when no trigger occurs in the text (checked here with Go's regexp, which
-// does not recurse) the grammar is dropped before llama.cpp's trigger buffer gets long
-// enough to crash the process; when one does, the grammar is constraining already and
-// its buffer no longer grows.
+// watchFreeText adds tok (drawn and accepted without a grammar) to a lazy grammar's
+// output; once a trigger has fired the grammar starts, fed the output from the trigger
+// on, and constrains the next token. When that output does not fit the grammar, the
+// task goes on unconstrained, as with a grammar that fails later (dropGrammar).
 func (b *Backend) watchFreeText(task engine.TaskID, smp *sampler, tok llama.Token) {
-	if !smp.s.HasGrammar() {
-		smp.lazy, smp.text = nil, nil
+	lg := smp.lazy
+	start := lg.push(tok, b.model.TokenPiece(tok, true))
+	if start < 0 {
 		return
 	}
-	smp.text = append(smp.text, b.model.TokenPiece(tok, true)...)
-	if len(smp.text) < lazyFreeTextLimit {
-		return
+	smp.lazy = nil
+	k, skip := lg.from(start)
+	if err := smp.s.StartGrammar(b.model, lg.grammar, skip, lg.toks[k:]); err != nil {
+		b.GrammarFailures++
+		b.log.Warn("grammar failed; the task continues unconstrained", "task", task, "err", err)
 	}
-	if !triggered(smp.lazy, string(smp.text)) {
-		smp.s.DropGrammar()
-		b.log.Info("no tool-call trigger in the first free text; the reply goes on without its grammar", "task", task, "bytes", len(smp.text))
-	}
-	smp.lazy, smp.text = nil, nil
-}
-
-// triggered reports whether text holds one of the triggers as llama.cpp matches them
-// (a word anywhere; a pattern over the whole text). A pattern Go cannot compile counts
-// as not triggered: dropping the grammar is the safe side.
-func triggered(ts []engine.GrammarTrigger, text string) bool {
-	for _, t := range ts {
-		if t.Word != "" && strings.Contains(text, t.Word) {
-			return true
-		}
-		if t.Pattern != "" {
-			if re, err := regexp.Compile(`^(?:` + t.Pattern + `)$`); err == nil && re.MatchString(text) {
-				return true
-			}
-		}
-	}
-	return false
 }
 
 // dropGrammar handles a grammar failure of task's sampler at batch index i: llama.cpp

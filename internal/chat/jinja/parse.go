@@ -36,6 +36,66 @@ const (
 	tokEOF
 )
 
+// scanNumber reads the number literal that starts at s[i] (a digit) the way jinja2's
+// lexer does and returns its kind and end. Digits may be grouped with single
+// underscores (1_000); a float has a fraction (.5), an exponent (e3, E-4), or both;
+// 0b, 0o and 0x start binary, octal and hexadecimal integers.
+func scanNumber(s string, i int) (tokKind, int) {
+	isDigit := func(c byte) bool { return c >= '0' && c <= '9' }
+	// run consumes digits accepted by ok, with single '_' between two of them.
+	run := func(j int, ok func(byte) bool) int {
+		for j < len(s) {
+			switch {
+			case ok(s[j]):
+				j++
+			case s[j] == '_' && j+1 < len(s) && ok(s[j+1]) && j > 0 && ok(s[j-1]):
+				j++
+			default:
+				return j
+			}
+		}
+		return j
+	}
+	if s[i] == '0' && i+2 < len(s) {
+		var ok func(byte) bool
+		switch s[i+1] {
+		case 'b', 'B':
+			ok = func(c byte) bool { return c == '0' || c == '1' }
+		case 'o', 'O':
+			ok = func(c byte) bool { return c >= '0' && c <= '7' }
+		case 'x', 'X':
+			ok = func(c byte) bool { return isDigit(c) || c >= 'a' && c <= 'f' || c >= 'A' && c <= 'F' }
+		}
+		if ok != nil {
+			j := i + 2
+			if s[j] == '_' && j+1 < len(s) && ok(s[j+1]) {
+				j++ // jinja2 allows 0x_ff
+			}
+			if ok(s[j]) {
+				return tokInt, run(j, ok)
+			}
+		}
+	}
+	j := run(i, isDigit)
+	kind := tokInt
+	if i > 0 && s[i-1] == '.' {
+		return kind, j // items.0.1 is items[0][1]: jinja2's float_re never starts after a dot
+	}
+	if j+1 < len(s) && s[j] == '.' && isDigit(s[j+1]) {
+		j, kind = run(j+1, isDigit), tokFloat
+	}
+	if j < len(s) && (s[j] == 'e' || s[j] == 'E') {
+		k := j + 1
+		if k < len(s) && (s[k] == '+' || s[k] == '-') {
+			k++
+		}
+		if k < len(s) && isDigit(s[k]) {
+			j, kind = run(k, isDigit), tokFloat
+		}
+	}
+	return kind, j
+}
+
 type tok struct {
 	kind tokKind
 	val  string
@@ -89,31 +149,13 @@ func tokenizeExpr(s string) []tok {
 			continue
 		}
 
-		// Numbers.
+		// Numbers, as jinja2's lexer reads them (integer_re, float_re): decimal digits
+		// with single '_' separators, an optional fraction, an optional exponent
+		// (1e3 and 2.5E-4 are floats), and 0b/0o/0x integers.
 		if ch >= '0' && ch <= '9' {
-			start := i
-			for i < len(s) && s[i] >= '0' && s[i] <= '9' {
-				i++
-			}
-			if i < len(s) && s[i] == '.' && i+1 < len(s) && s[i+1] >= '0' && s[i+1] <= '9' {
-				i++
-				for i < len(s) && s[i] >= '0' && s[i] <= '9' {
-					i++
-				}
-				// Handle scientific notation.
-				if i < len(s) && (s[i] == 'e' || s[i] == 'E') {
-					i++
-					if i < len(s) && (s[i] == '+' || s[i] == '-') {
-						i++
-					}
-					for i < len(s) && s[i] >= '0' && s[i] <= '9' {
-						i++
-					}
-				}
-				tokens = append(tokens, tok{kind: tokFloat, val: s[start:i]})
-			} else {
-				tokens = append(tokens, tok{kind: tokInt, val: s[start:i]})
-			}
+			kind, end := scanNumber(s, i)
+			tokens = append(tokens, tok{kind: kind, val: strings.ReplaceAll(s[i:end], "_", "")})
+			i = end
 			continue
 		}
 
@@ -553,6 +595,10 @@ func (p *exprParser) parsePostfix() (expr, error) {
 					args:   args,
 					kwargs: kwargs,
 				}
+			} else if attrTok.kind == tokInt {
+				// jinja2 reads x.0 as the item x[0].
+				n, _ := strconv.ParseInt(attrTok.val, 10, 64)
+				e = &itemExpr{obj: e, key: &litExpr{val: NewInt(n)}}
 			} else {
 				e = &attrExpr{obj: e, attr: attrTok.val}
 			}
@@ -679,7 +725,14 @@ func (p *exprParser) parseAtom() (expr, error) {
 	// Integer literal.
 	if t.kind == tokInt {
 		p.advance()
-		n, _ := strconv.ParseInt(t.val, 10, 64)
+		base := 10
+		if len(t.val) > 1 && t.val[0] == '0' && strings.ContainsRune("bBoOxX", rune(t.val[1])) {
+			base = 0 // 0b, 0o, 0x
+		}
+		n, err := strconv.ParseInt(t.val, base, 64)
+		if err != nil {
+			return nil, fmt.Errorf("integer literal %s does not fit in 64 bits", t.val)
+		}
 		return &litExpr{val: NewInt(n)}, nil
 	}
 
