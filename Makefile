@@ -59,8 +59,10 @@ demo: build model venv
 	@echo; echo "--- LangGraph fan-out (python/examples/fanout.py) ---"
 	PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" python/examples/fanout.py --start-server --agents 4
 
+# LLAMA_BENCH=/path/to/llama-bench (built from llama.cpp by you, outside this repo) adds
+# llama-bench's figure and the ratio to every prefill row, measured alternately in one run.
 bench: build model
-	./bin/polykv bench -m "$(POLYKV_MODEL)" --prefill-models "$(POLYKV_MODEL),$(POLYKV_MODEL_GEMMA)"
+	./bin/polykv bench -m "$(POLYKV_MODEL)" --prefill-models "$(POLYKV_MODEL),$(POLYKV_MODEL_GEMMA)" $(if $(LLAMA_BENCH),--prefill-baseline "$(LLAMA_BENCH)")
 
 clean:
 	rm -rf bin
