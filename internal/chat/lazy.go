@@ -29,6 +29,12 @@ type Trigger struct {
 // misread): that reply stays unconstrained, and the parser keeps anything that is not
 // a well-formed call as content.
 func AutoGrammar(f Format, tools []Tool, parallel bool) (grammar string, triggers []Trigger, ok bool, err error) {
+	return callGrammar(f, tools, parallel, false)
+}
+
+// callGrammar is AutoGrammar, or with forced ForcedGrammar's call rule (the same but
+// for the variants only a lazy start needs).
+func callGrammar(f Format, tools []Tool, parallel, forced bool) (grammar string, triggers []Trigger, ok bool, err error) {
 	if len(tools) == 0 {
 		return "", nil, false, nil
 	}
@@ -84,6 +90,11 @@ func AutoGrammar(f Format, tools []Tool, parallel bool) (grammar string, trigger
 		// A reply that is one bare call object (models served with a Hermes prompt
 		// they were not trained on; ParseWith accepts exactly that) is constrained too.
 		c.rules["root"] = `tagged` + more(`"\n"`, "tagged") + ` | call`
+		if forced {
+			// Forced, the reply is tagged as the family writes calls: a bare object
+			// would stream as content until it ended (the stream holds from the tag).
+			c.rules["root"] = `tagged` + more(`"\n"`, "tagged")
+		}
 		triggers = []Trigger{{Word: "<tool_call>"}, {Pattern: `\s*(` + nameStart + `)[\s\S]*`}}
 	case FormatLlama3:
 		c.rules["call"] = jsonCall("name", "parameters")
@@ -140,6 +151,29 @@ func AutoGrammar(f Format, tools []Tool, parallel bool) (grammar string, trigger
 		FormatCommandR7B: "<|", FormatDeepSeek: "<｜"}[f]
 	c.finishChars()
 	return c.String(), triggers, true, nil
+}
+
+// ForcedGrammar is the grammar of a forced call (tool_choice "required", or a named
+// function when named is set) in family f's own call syntax: auto's call rule for the
+// callable tools, but not lazy, so the reply is a call from its first token (several,
+// as the family writes parallel calls, only with parallel). The reply is then read by
+// the family's parser as with auto. ok is false where f has no call grammar or the
+// tools cannot be written in its syntax (AutoGrammar's ok): the caller falls back to
+// Hermes tags (CallGrammar), which every family's parser also reads. named must be a
+// declared tool (ok is false otherwise).
+func ForcedGrammar(f Format, tools []Tool, named string, parallel bool) (grammar string, ok bool, err error) {
+	callable := tools
+	if named != "" {
+		callable = nil
+		for _, t := range tools {
+			if t.Function.Name == named {
+				callable = []Tool{t}
+				break
+			}
+		}
+	}
+	g, _, ok, err := callGrammar(f, callable, parallel, true)
+	return g, ok, err
 }
 
 // toolArgs compiles each tool's parameters schema into the grammar as rule args-I and
