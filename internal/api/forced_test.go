@@ -12,16 +12,30 @@ import (
 	"github.com/polykv/polykv/internal/engine/enginetest"
 )
 
-// familyRenderer is renderer for a template of tool-call family f.
+// familyRenderer is renderer for a template of tool-call family f; with think its
+// generation prompt opens a think block (as DeepSeek R1's does).
 type familyRenderer struct {
 	renderer
-	f chat.Format
+	f     chat.Format
+	think bool
 }
 
 func (r familyRenderer) Format() chat.Format { return r.f }
 
+func (r familyRenderer) Render(msgs []chat.Message, tools []chat.Tool, gen bool) (string, error) {
+	out, err := r.renderer.Render(msgs, tools, gen)
+	if r.think && gen {
+		out += "<think>\n"
+	}
+	return out, err
+}
+
 // newFamilyServer is newServer whose chat template implies the call format f.
 func newFamilyServer(t *testing.T, f chat.Format, script []engine.Token) (string, *enginetest.Backend) {
+	return newFamilyServerWith(t, familyRenderer{f: f}, script)
+}
+
+func newFamilyServerWith(t *testing.T, rend familyRenderer, script []engine.Token) (string, *enginetest.Backend) {
 	t.Helper()
 	cfg := engine.Config{NCtx: 512, Parallel: 2, NBatch: 64, MaxQueue: 8}
 	sched, err := engine.NewScheduler(cfg, enginetest.Vocab{})
@@ -30,7 +44,7 @@ func newFamilyServer(t *testing.T, f chat.Format, script []engine.Token) (string
 	}
 	be := enginetest.NewBackend(script)
 	eng := engine.New(sched, be, nil)
-	srv := api.New(eng, enginetest.Vocab{}, familyRenderer{f: f}, api.Info{ModelID: "fake", NCtx: cfg.NCtx, Parallel: cfg.Parallel,
+	srv := api.New(eng, enginetest.Vocab{}, rend, api.Info{ModelID: "fake", NCtx: cfg.NCtx, Parallel: cfg.Parallel,
 		NBatch: cfg.NBatch, NVocab: enginetest.NVocab}, nil, nil)
 	ts := httptest.NewServer(srv.Handler())
 	t.Cleanup(func() {
@@ -121,5 +135,29 @@ func TestForcedToolChoiceSendsFamilyGrammar(t *testing.T) {
 		if p.GrammarTriggers != nil || !strings.HasPrefix(p.Grammar, `root ::= "<tool_call>"`) {
 			t.Fatalf("%s fallback: %+v", tc.f, p)
 		}
+	}
+}
+
+// A prompt that opens a think block: the forced grammar lets the reasoning run to the
+// closing tag, then forces the call (chat.ForcedAfterThinking); the reply comes back as
+// reasoning_content and tool_calls.
+func TestForcedToolChoiceAfterThinking(t *testing.T) {
+	weather := map[string]any{"type": "function", "function": map[string]any{"name": "get_weather",
+		"parameters": map[string]any{"type": "object", "properties": map[string]any{"city": map[string]any{"type": "string"}}, "required": []string{"city"}}}}
+	reply := "Paris, then.</think>\n\n[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}"
+	url, be := newFamilyServerWith(t, familyRenderer{f: chat.FormatMistralArgs, think: true}, append(enginetest.Bytes(reply), enginetest.EOG))
+	r := do(t, "POST", url+"/v1/chat/completions", map[string]any{"messages": chatMsgs, "tools": []any{weather},
+		"tool_choice": "required", "max_tokens": 200})
+	if r.code != 200 {
+		t.Fatalf("%d %s", r.code, r.raw)
+	}
+	p := be.Params()[len(be.Params())-1]
+	if p.GrammarTriggers != nil || !strings.HasPrefix(p.Grammar, "root ::= think-text-") || !strings.Contains(p.Grammar, "forced-call ::= call\n") || !strings.Contains(p.Grammar, `call ::= "[TOOL_CALLS]"`) {
+		t.Fatalf("forced after thinking: %+v", p)
+	}
+	msg := r.body["choices"].([]any)[0].(map[string]any)["message"].(map[string]any)
+	calls, _ := msg["tool_calls"].([]any)
+	if msg["reasoning_content"] != "Paris, then." || len(calls) != 1 || msg["content"] != nil {
+		t.Fatalf("message %v", msg)
 	}
 }

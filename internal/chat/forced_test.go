@@ -175,3 +175,61 @@ func TestForcedGrammarFallsBack(t *testing.T) {
 		t.Fatal("a named tool that is not declared")
 	}
 }
+
+// A prompt that opens a think block: the forced grammar lets the reasoning run to the
+// closing tag and then forces the family's call, which the parser reads as a call (not
+// as reasoning); a call written inside the block does not end the grammar, and a reply
+// without the closing tag is incomplete. Prompts that open no block keep the grammar.
+func TestForcedAfterThinking(t *testing.T) {
+	rng := rand.New(rand.NewPCG(9, 1))
+	src := func() *byteSource {
+		b := make([]byte, 200)
+		for i := range b {
+			b[i] = byte(rng.IntN(256))
+		}
+		return &byteSource{b: b}
+	}
+	for _, f := range callFamilies {
+		if f == FormatHarmony {
+			continue // reasons in its analysis channel, never in think tags
+		}
+		g, ok, err := ForcedGrammar(f, grammarTools, "", false)
+		if !ok || err != nil {
+			t.Fatalf("%s: %v %v", f, ok, err)
+		}
+		if ForcedAfterThinking(g, "<|im_start|>assistant\n") != g {
+			t.Fatalf("%s: a prompt without a think block changed the grammar", f)
+		}
+		tg := ForcedAfterThinking(g, "<|im_start|>assistant\n<think>\n")
+		gr, err := parseGBNF(tg)
+		if err != nil {
+			t.Fatalf("%s: %v\n%s", f, err, tg)
+		}
+		call := parseGBNFMust(t, g).generate(src(), 12)
+		reasoning := "The user wants the weather; <tool_call> and </thinking> are words here."
+		reply := reasoning + "</think>\n\n" + call
+		if !gr.accepts(reply) || gr.accepts(call) || gr.accepts(reasoning+call) {
+			t.Fatalf("%s: after thinking %v, call alone %v, call inside the block %v\n%s", f, gr.accepts(reply), gr.accepts(call), gr.accepts(reasoning+call), tg)
+		}
+		p := ParseReply(ReplyOptions{Format: f, Tools: grammarTools, Calls: true, Reasoning: true, Forced: true, ThinkingOpen: true}, reply)
+		if len(p.Calls) != 1 || p.Reasoning != reasoning || p.Content != "" {
+			t.Fatalf("%s: %+v from %q", f, p, reply)
+		}
+		for i := 0; i < 20; i++ {
+			s := gr.generate(src(), 12)
+			p := ParseReply(ReplyOptions{Format: f, Tools: grammarTools, Calls: true, Reasoning: true, Forced: true, ThinkingOpen: true}, s)
+			if len(p.Calls) != 1 || p.Content != "" {
+				t.Fatalf("%s: %+v from sampled %q", f, p, s)
+			}
+		}
+	}
+}
+
+func parseGBNFMust(t *testing.T, g string) *grammar {
+	t.Helper()
+	gr, err := parseGBNF(g)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, g)
+	}
+	return gr
+}

@@ -232,6 +232,40 @@ func TriggersAfterThinking(triggers []Trigger) []Trigger {
 	return out
 }
 
+// ForcedAfterThinking adapts a forced call's grammar to a reply that starts inside a
+// think block (PromptOpensThinking(prompt)): the reasoning runs free to the block's
+// closing tag, and the call follows it. Forced from the first token instead, the call
+// would be written inside the block, where the parser reads it as reasoning.
+func ForcedAfterThinking(grammar, prompt string) string {
+	t := strings.TrimRight(prompt, " \n")
+	closeTag := ""
+	for _, tag := range thinkTags {
+		if strings.HasSuffix(t, tag[0]) {
+			closeTag = tag[1]
+		}
+	}
+	if closeTag == "" || grammar == "" {
+		return grammar
+	}
+	c := &gbnf{rules: map[string]string{}}
+	start := c.textUntil(closeTag, nil)
+	// Models leave a blank line after the block (newlines, which the reply's parser
+	// drops there: Functionary 3.2 reads the call's name from the first line).
+	c.rules["root"] = start + ` "\n"{0,2} forced-call`
+	var out strings.Builder
+	for _, line := range strings.Split(strings.TrimRight(c.String(), "\n"), "\n") {
+		// The call grammar may have text-N rules of its own.
+		out.WriteString(strings.ReplaceAll(line, "text-", "think-text-") + "\n")
+	}
+	for _, line := range strings.Split(strings.TrimRight(grammar, "\n"), "\n") {
+		if strings.HasPrefix(line, "root ::=") {
+			line = "forced-call ::=" + strings.TrimPrefix(line, "root ::=")
+		}
+		out.WriteString(line + "\n")
+	}
+	return out.String()
+}
+
 // regexQuote quotes s for an ECMAScript regular expression.
 func regexQuote(s string) string {
 	var b strings.Builder
