@@ -14,9 +14,9 @@ var callFamilies = append([]Format{FormatHermes, FormatLlama3, FormatMistral, Fo
 
 // readForced reads text as the API does for a forced call, whole and streamed in
 // pieces cut by cuts (both ways the same), and returns the calls and all content.
-func readForced(t *testing.T, f Format, text string, cuts []byte) ([]ToolCall, string) {
+func readForced(t *testing.T, f Format, tools []Tool, text string, cuts []byte) ([]ToolCall, string) {
 	t.Helper()
-	o := ReplyOptions{Format: f, Tools: grammarTools, Calls: true, Reasoning: true, Forced: true}
+	o := ReplyOptions{Format: f, Tools: tools, Calls: true, Reasoning: true, Forced: true}
 	p := ParseReply(o, text)
 	for _, live := range []bool{false, true} {
 		o.Stream = live
@@ -94,7 +94,7 @@ func TestForcedGrammarFamiliesRoundTrip(t *testing.T) {
 				names, keys, several := map[string]bool{}, map[string]bool{}, false
 				for i := 0; i < 60; i++ {
 					call := gr.generate(&byteSource{b: bytesOf(200)}, 12)
-					calls, content := readForced(t, f, call, bytesOf(40))
+					calls, content := readForced(t, f, grammarTools, call, bytesOf(40))
 					if len(calls) == 0 || !parallel && len(calls) != 1 || content != "" {
 						t.Fatalf("%s named %q parallel %v: calls %+v content %q from %q", f, named, parallel, calls, content, call)
 					}
@@ -117,7 +117,7 @@ func TestForcedGrammarFamiliesRoundTrip(t *testing.T) {
 					// Cut short anywhere: a call or nothing, never half a call as content.
 					rs := []rune(call)
 					cut := string(rs[:rng.IntN(len(rs))])
-					if _, content := readForced(t, f, cut, bytesOf(40)); content != "" {
+					if _, content := readForced(t, f, grammarTools, cut, bytesOf(40)); content != "" {
 						t.Fatalf("%s: cut short, content %q from %q", f, content, cut)
 					}
 				}
@@ -232,4 +232,91 @@ func parseGBNFMust(t *testing.T, g string) *grammar {
 		t.Fatalf("%v\n%s", err, g)
 	}
 	return gr
+}
+
+// forcedFuzzCase: in the family fam picks (all with a call grammar), a tool shaped by
+// shape next to a fixed one, forced (required, or named get_weather); when the family
+// can write the tool, a call its grammar derives (walk) is read back as calls of the
+// callable tools with schema-valid arguments and no content, whole and streamed in the
+// pieces cuts gives, and cut short it leaves no content. It reports whether the family
+// could write the tool.
+func forcedFuzzCase(t *testing.T, fam byte, shape, walk, cuts []byte) bool {
+	f := callFamilies[int(fam&0x3f)%len(callFamilies)]
+	parallel := fam&0x80 != 0
+	named := ""
+	if fam&0x40 != 0 {
+		named, parallel = "get_weather", false
+	}
+	params := objectSchemaFromBytes(&byteSource{b: shape})
+	tools := []Tool{{Type: "function", Function: ToolFunction{Name: "get_weather", Parameters: json.RawMessage(params)}}, grammarTools[1]}
+	g, ok, err := ForcedGrammar(f, tools, named, parallel)
+	if err != nil {
+		t.Fatalf("%s: supported-subset schema refused: %v\n%s", f, err, params)
+	}
+	if !ok {
+		return false
+	}
+	gr, err := parseGBNF(g)
+	if err != nil {
+		t.Fatalf("%s: grammar does not parse: %v\n%s\n%s", f, err, params, g)
+	}
+	schemas := toolSchemas(t, tools)
+	call := gr.generate(&byteSource{b: walk}, 10)
+	calls, content := readForced(t, f, tools, call, cuts)
+	if len(calls) == 0 || !parallel && len(calls) != 1 || content != "" {
+		t.Fatalf("%s named %q parallel %v: calls %+v content %q from %q", f, named, parallel, calls, content, call)
+	}
+	for _, c := range calls {
+		s, ok := schemas[c.Function.Name]
+		if !ok || named != "" && c.Function.Name != named {
+			t.Fatalf("%s named %q: call of %q from %q", f, named, c.Function.Name, call)
+		}
+		if !validates(s, c.Function.Arguments) {
+			t.Fatalf("%s: arguments %s of %s break its schema\n%s\ntext: %q", f, c.Function.Arguments, c.Function.Name, params, call)
+		}
+	}
+	if rs := []rune(call); len(rs) > 1 {
+		cut := string(rs[:len(walk)%len(rs)])
+		if _, content := readForced(t, f, tools, cut, cuts); content != "" {
+			t.Fatalf("%s: cut short, content %q from %q", f, content, cut)
+		}
+	}
+	return true
+}
+
+// FuzzForcedGrammarFamilies: the forced round trip of TestForcedGrammarFamiliesRoundTrip
+// with parameter schemas the fuzzer shapes, in every family with a call grammar.
+func FuzzForcedGrammarFamilies(f *testing.F) {
+	for fam := range len(callFamilies) {
+		f.Add(byte(fam), []byte{6, 3, 0, 1, 7, 9, 2, byte(fam)}, []byte{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, []byte{2, 5})
+		f.Add(byte(fam)|0x80, []byte{3, 0, 1, 5, 2, 9, 0, 3, 1, 8}, []byte{9, 9, 9, 1, 0, 3, 200, 100}, []byte{0})
+		f.Add(byte(fam)|0x40, []byte{1, 4, 4, 2, 0, 7}, []byte{5, 0, 250, 17, 3}, []byte{6, 1})
+	}
+	f.Fuzz(func(t *testing.T, fam byte, shape, walk, cuts []byte) {
+		forcedFuzzCase(t, fam, shape, walk, cuts)
+	})
+}
+
+// TestForcedGrammarFuzzIsExercised keeps the fuzz target honest: over fixed random
+// inputs most shaped tools get a forced grammar, and every check holds.
+func TestForcedGrammarFuzzIsExercised(t *testing.T) {
+	rng := rand.New(rand.NewPCG(8, 2))
+	bytesOf := func(n int) []byte {
+		b := make([]byte, n)
+		for i := range b {
+			b[i] = byte(rng.IntN(256))
+		}
+		return b
+	}
+	const runs = 500
+	checked := 0
+	for range runs {
+		if forcedFuzzCase(t, byte(rng.IntN(256)), bytesOf(24), bytesOf(120), bytesOf(30)) {
+			checked++
+		}
+	}
+	if checked < runs/2 {
+		t.Fatalf("only %d of %d shaped tools got a forced grammar", checked, runs)
+	}
+	t.Logf("%d of %d shaped tools got a forced grammar", checked, runs)
 }
