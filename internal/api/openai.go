@@ -344,6 +344,14 @@ func (s *Server) chatPrompt(req *wire.ChatRequest) ([]int32, toolPlan, *apiError
 	plan.reply.ThinkingOpen = chat.PromptOpensThinking(prompt)
 	if plan.reply.ThinkingOpen {
 		plan.triggers = chat.TriggersAfterThinking(plan.triggers)
+		if plan.reply.Forced {
+			// The forced call follows the reasoning the prompt opened (written inside
+			// the block, the parser would read it as reasoning).
+			plan.grammar = chat.ForcedAfterThinking(plan.grammar, prompt)
+			if err := s.tok.CheckGrammar(plan.grammar); err != nil {
+				return nil, plan, badRequest("the grammar compiled from the schema was refused: %v", err)
+			}
+		}
 	}
 	toks, err := s.tok.Tokenize(prompt, true, true)
 	if err != nil {

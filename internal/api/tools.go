@@ -98,7 +98,9 @@ func (s *Server) planTools(req *wire.ChatRequest) (toolPlan, *apiError) {
 }
 
 // forcedCallGrammar is the grammar of tool_choice "required" (named "") or a named
-// function: the reply is a call of one of the callable tools.
+// function: the reply is a call of one of the callable tools, from its first token, in
+// the family's own call syntax (chat.ForcedGrammar); Hermes tags only where the family
+// has no call grammar or cannot write these tools (its parser reads those too).
 func forcedCallGrammar(format chat.Format, tools []chat.Tool, named string, parallel bool) (string, *apiError) {
 	callable := tools
 	if named != "" {
@@ -112,11 +114,18 @@ func forcedCallGrammar(format chat.Format, tools []chat.Tool, named string, para
 			return "", badRequest("tool_choice names function %q, which is not in tools", named)
 		}
 	}
+	g, ok, err := chat.ForcedGrammar(format, callable, "", parallel)
+	if err != nil {
+		return "", badRequest("tools: a parameters schema cannot be compiled to a grammar: %v", err)
+	}
+	if ok {
+		return g, nil
+	}
 	schema, err := chat.CallSchema(format, callable)
 	if err != nil {
 		return "", badRequest("tools: %v", err)
 	}
-	g, err := chat.SchemaToGBNF(schema)
+	g, err = chat.SchemaToGBNF(schema)
 	if err != nil {
 		return "", badRequest("tools: a parameters schema cannot be compiled to a grammar: %v", err)
 	}

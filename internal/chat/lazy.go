@@ -29,6 +29,12 @@ type Trigger struct {
 // misread): that reply stays unconstrained, and the parser keeps anything that is not
 // a well-formed call as content.
 func AutoGrammar(f Format, tools []Tool, parallel bool) (grammar string, triggers []Trigger, ok bool, err error) {
+	return callGrammar(f, tools, parallel, false)
+}
+
+// callGrammar is AutoGrammar, or with forced ForcedGrammar's call rule (the same but
+// for the variants only a lazy start needs).
+func callGrammar(f Format, tools []Tool, parallel, forced bool) (grammar string, triggers []Trigger, ok bool, err error) {
 	if len(tools) == 0 {
 		return "", nil, false, nil
 	}
@@ -84,6 +90,11 @@ func AutoGrammar(f Format, tools []Tool, parallel bool) (grammar string, trigger
 		// A reply that is one bare call object (models served with a Hermes prompt
 		// they were not trained on; ParseWith accepts exactly that) is constrained too.
 		c.rules["root"] = `tagged` + more(`"\n"`, "tagged") + ` | call`
+		if forced {
+			// Forced, the reply is tagged as the family writes calls: a bare object
+			// would stream as content until it ended (the stream holds from the tag).
+			c.rules["root"] = `tagged` + more(`"\n"`, "tagged")
+		}
 		triggers = []Trigger{{Word: "<tool_call>"}, {Pattern: `\s*(` + nameStart + `)[\s\S]*`}}
 	case FormatLlama3:
 		c.rules["call"] = jsonCall("name", "parameters")
@@ -142,6 +153,29 @@ func AutoGrammar(f Format, tools []Tool, parallel bool) (grammar string, trigger
 	return c.String(), triggers, true, nil
 }
 
+// ForcedGrammar is the grammar of a forced call (tool_choice "required", or a named
+// function when named is set) in family f's own call syntax: auto's call rule for the
+// callable tools, but not lazy, so the reply is a call from its first token (several,
+// as the family writes parallel calls, only with parallel). The reply is then read by
+// the family's parser as with auto. ok is false where f has no call grammar or the
+// tools cannot be written in its syntax (AutoGrammar's ok): the caller falls back to
+// Hermes tags (CallGrammar), which every family's parser also reads. named must be a
+// declared tool (ok is false otherwise).
+func ForcedGrammar(f Format, tools []Tool, named string, parallel bool) (grammar string, ok bool, err error) {
+	callable := tools
+	if named != "" {
+		callable = nil
+		for _, t := range tools {
+			if t.Function.Name == named {
+				callable = []Tool{t}
+				break
+			}
+		}
+	}
+	g, _, ok, err := callGrammar(f, callable, parallel, true)
+	return g, ok, err
+}
+
 // toolArgs compiles each tool's parameters schema into the grammar as rule args-I and
 // returns the rule names. A tool without parameters takes an empty object.
 func (c *gbnf) toolArgs(tools []Tool) ([]string, error) {
@@ -196,6 +230,40 @@ func TriggersAfterThinking(triggers []Trigger) []Trigger {
 		out = append(out, Trigger{Pattern: after + t.Pattern})
 	}
 	return out
+}
+
+// ForcedAfterThinking adapts a forced call's grammar to a reply that starts inside a
+// think block (PromptOpensThinking(prompt)): the reasoning runs free to the block's
+// closing tag, and the call follows it. Forced from the first token instead, the call
+// would be written inside the block, where the parser reads it as reasoning.
+func ForcedAfterThinking(grammar, prompt string) string {
+	t := strings.TrimRight(prompt, " \n")
+	closeTag := ""
+	for _, tag := range thinkTags {
+		if strings.HasSuffix(t, tag[0]) {
+			closeTag = tag[1]
+		}
+	}
+	if closeTag == "" || grammar == "" {
+		return grammar
+	}
+	c := &gbnf{rules: map[string]string{}}
+	start := c.textUntil(closeTag, nil)
+	// Models leave a blank line after the block (newlines, which the reply's parser
+	// drops there: Functionary 3.2 reads the call's name from the first line).
+	c.rules["root"] = start + ` "\n"{0,2} forced-call`
+	var out strings.Builder
+	for _, line := range strings.Split(strings.TrimRight(c.String(), "\n"), "\n") {
+		// The call grammar may have text-N rules of its own.
+		out.WriteString(strings.ReplaceAll(line, "text-", "think-text-") + "\n")
+	}
+	for _, line := range strings.Split(strings.TrimRight(grammar, "\n"), "\n") {
+		if strings.HasPrefix(line, "root ::=") {
+			line = "forced-call ::=" + strings.TrimPrefix(line, "root ::=")
+		}
+		out.WriteString(line + "\n")
+	}
+	return out.String()
 }
 
 // regexQuote quotes s for an ECMAScript regular expression.

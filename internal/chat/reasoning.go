@@ -47,7 +47,8 @@ type ReplyOptions struct {
 	// Stream: calls are streamed as generated (Deltas), not only returned by Finish.
 	Stream bool
 	// Forced: a grammar forces a call (tool_choice required or a named function). A
-	// call cut short (max_tokens) is then dropped, not returned as content.
+	// call cut short (max_tokens), also a later one after complete calls, is then
+	// dropped, not returned as content.
 	Forced bool
 }
 
@@ -210,8 +211,8 @@ func (r *ReplyStream) Finish() Parsed {
 				p.Calls[i].ID = NewCallIDFor(FormatHarmony)
 			}
 		}
-		if r.o.Forced && len(p.Calls) == 0 {
-			p.Content = ""
+		if r.o.Forced {
+			p.Content = "" // the grammar wrote only calls: any rest is a call cut short
 		}
 		return p
 	}
@@ -241,8 +242,10 @@ func (r *ReplyStream) Finish() Parsed {
 		if !r.o.Calls {
 			p.Calls = nil // structured formats without tools: no calls were offered
 		}
-		if r.o.Forced && len(p.Calls) == 0 {
-			p.Content = "" // the forced call did not finish: no half call in content
+		if r.o.Forced {
+			// The grammar wrote only calls: text that did not parse is a call cut short
+			// (the first, or a later parallel one), never content.
+			p.Content = ""
 		}
 		if !r.o.Reasoning && fin.Reasoning != "" {
 			p.Content = fin.Reasoning + "\n" + p.Content
