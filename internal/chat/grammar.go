@@ -200,7 +200,7 @@ func (c *gbnf) literal(v any) (string, error) {
 			return "", err
 		}
 		c.prim("space")
-		return gq(lit) + " space", nil
+		return q(lit) + " space", nil
 	}
 	raw, err := marshalNoEscape(plain(v))
 	if err != nil {

@@ -2,7 +2,6 @@ package chat
 
 import (
 	"fmt"
-	"strconv"
 	"strings"
 )
 
@@ -207,9 +206,6 @@ func (c *gbnf) toolArgs(tools []Tool) ([]string, error) {
 	}
 	return out, nil
 }
-
-// q is a GBNF string literal for s.
-func q(s string) string { return strconv.Quote(s) }
 
 // TriggersAfterThinking adapts auto's triggers to a reply that starts inside a think
 // block (PromptOpensThinking): a call opener written while reasoning is not a call,

@@ -75,7 +75,7 @@ func (c *gbnf) finishChars() {
 	if _, ok := c.rules["string"]; !ok {
 		return
 	}
-	A := gq(string(a))
+	A := q(string(a))
 	var tail string
 	if len(rs) == 2 && rs[1] != a {
 		c.rules["schar"] = fmt.Sprintf(`%s | %s | %s+ ( [^%s%s%s] | %s )`, plain, esc, A, ctl, classChar(a), classChar(rs[1]), esc)
@@ -171,11 +171,11 @@ func (c *gbnf) xmlFamily(f Format, tools []Tool, parallel bool) (string, []Trigg
 						return "", nil, false, nil
 					}
 					if fm.strip && (strings.HasPrefix(lit, "\n") || strings.HasSuffix(lit, "\n")) {
-						alts = append(alts, fmt.Sprintf(`"\n" %s "\n"`, gq(lit)))
+						alts = append(alts, fmt.Sprintf(`"\n" %s "\n"`, q(lit)))
 					} else if fm.strip {
-						alts = append(alts, fmt.Sprintf(`"\n"? %s "\n"?`, gq(lit)))
+						alts = append(alts, fmt.Sprintf(`"\n"? %s "\n"?`, q(lit)))
 					} else {
-						alts = append(alts, gq(lit))
+						alts = append(alts, q(lit))
 					}
 				}
 				value = "( " + strings.Join(alts, " | ") + " ) " + q(fm.valueEnd)
@@ -713,11 +713,11 @@ func (c *gbnf) textUntil(end string, stops []string) string {
 			cls.WriteString(classChar(r))
 			switch h := hit(t); {
 			case h == end:
-				alts = append(alts, gq(string(r)))
+				alts = append(alts, q(string(r)))
 			case h != "":
 				// a stop tag: no way on
 			default:
-				alts = append(alts, fmt.Sprintf("%s %s-%d", gq(string(r)), base, id[t]))
+				alts = append(alts, fmt.Sprintf("%s %s-%d", q(string(r)), base, id[t]))
 			}
 		}
 		alts = append([]string{fmt.Sprintf("[^%s] %s-0", cls.String(), base)}, alts...)
@@ -737,8 +737,9 @@ func classChar(r rune) string {
 	return string(r)
 }
 
-// gq is a GBNF literal for s, with only the escapes llama.cpp's GBNF parser knows.
-func gq(s string) string {
+// q is a GBNF string literal for s, with only the escapes llama.cpp's GBNF parser
+// knows (strconv.Quote would also write \a, \b, \f and \v, which it refuses).
+func q(s string) string {
 	var b strings.Builder
 	b.WriteByte('"')
 	for _, r := range s {
