@@ -6,7 +6,9 @@ package app
 // attached, evicted and released), because freed cells are where placement used to go
 // wrong. POLYKV_DET_ROUNDS sets the rounds (one unpooled and one pooled request each)
 // per kind of noise: default 1, cheap enough for make test (before the fix every run
-// differed); POLYKV_DET_NOISE=streams or =pools runs one kind only. Longer counts:
+// differed); POLYKV_DET_NOISE=streams or =pools runs one kind only; POLYKV_DET_MODEL=gemma3
+// runs it on Gemma 3 270M (sliding-window layers, shadow sequences) instead of SmolLM2.
+// Longer counts:
 //
 //	POLYKV_DET_ROUNDS=100 POLYKV_DET_NOISE=pools go test ./internal/app -run TestGreedyUnderTraffic -count=1 -v -timeout 0
 
@@ -135,7 +137,15 @@ func TestGreedyUnderTraffic(t *testing.T) {
 	if v, err := strconv.Atoi(os.Getenv("POLYKV_DET_ROUNDS")); err == nil && v > 0 {
 		rounds = v
 	}
-	a, base := startServer(t, Config{NCtx: 2048, Parallel: 6, MaxPools: 6, PoolGrace: time.Nanosecond})
+	cfg := Config{NCtx: 2048, Parallel: 6, MaxPools: 6, PoolGrace: time.Nanosecond}
+	switch m := os.Getenv("POLYKV_DET_MODEL"); m {
+	case "", "smollm2":
+	case "gemma3":
+		cfg.ModelPath, cfg.ChatTemplate = gemmaPath(t), "gemma"
+	default:
+		t.Fatalf("POLYKV_DET_MODEL=%q: want smollm2 or gemma3", m)
+	}
+	a, base := startServer(t, cfg)
 	prefix := tokenize(t, a, longSystem(t, a, 160))
 	pool := num(createPool(t, base, map[string]any{"tokens": prefix, "pin": true})["pool_id"])
 	prompt := append(slices.Clone(prefix), suffixTokens(t, a, " Question: which tool answers topic 21 best, and why? Answer:")...)
