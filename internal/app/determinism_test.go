@@ -21,6 +21,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -140,11 +141,13 @@ func TestGreedyUnderTraffic(t *testing.T) {
 	cfg := Config{NCtx: 2048, Parallel: 6, MaxPools: 6, PoolGrace: time.Nanosecond}
 	switch m := os.Getenv("POLYKV_DET_MODEL"); m {
 	case "", "smollm2":
+		cfg.ModelPath = modelPath(t)
 	case "gemma3":
 		cfg.ModelPath, cfg.ChatTemplate = gemmaPath(t), "gemma"
 	default:
 		t.Fatalf("POLYKV_DET_MODEL=%q: want smollm2 or gemma3", m)
 	}
+	t.Logf("model: %s", filepath.Base(cfg.ModelPath))
 	a, base := startServer(t, cfg)
 	prefix := tokenize(t, a, longSystem(t, a, 160))
 	pool := num(createPool(t, base, map[string]any{"tokens": prefix, "pin": true})["pool_id"])
