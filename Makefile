@@ -8,7 +8,7 @@ OLLAMA_DIR := $(shell go mod download github.com/ollama/ollama >/dev/null 2>&1; 
 ifeq ($(strip $(OLLAMA_DIR)),)
 $(error cannot locate the github.com/ollama/ollama module (go mod download github.com/ollama/ollama failed); check the Go module proxy settings)
 endif
-export CGO_CPPFLAGS := -I$(OLLAMA_DIR)/llama/llama.cpp/include -I$(OLLAMA_DIR)/ml/backend/ggml/ggml/include
+export CGO_CPPFLAGS := -I$(OLLAMA_DIR)/llama/llama.cpp/include -I$(OLLAMA_DIR)/ml/backend/ggml/ggml/include -I$(OLLAMA_DIR)/ml/backend/ggml/ggml/src
 # Native code generation: ggml's CPU kernels are several times faster with AVX2/FMA. AMX is
 # left off: ollama's Go build of ggml-cpu does not compile its AMX sources.
 export CGO_CFLAGS := -O3 -march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16

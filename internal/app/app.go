@@ -36,6 +36,7 @@ type Config struct {
 	MaxPools   int           // --max-pools: pool sequence ids reserved above the sessions'
 	PoolGrace  time.Duration // --pool-grace-ms; 0: no grace
 	FlashAttn  string        // --flash-attn: on, off, auto
+	FAKernel   string        // --fa-kernel: polykv (default) or ggml: the CPU flash-attention kernel for f16 caches
 	TPSTau     time.Duration // --tps-tau: EWMA time constant of experienced tps
 	CacheTypeK string        // --cache-type-k: f16, q8_0, q4_0, ...
 	CacheTypeV string        // --cache-type-v: as CacheTypeK; quantized needs flash attention
@@ -78,6 +79,7 @@ func DefaultConfig() Config {
 		MaxPools:    16,
 		PoolGrace:   30 * time.Second,
 		FlashAttn:   "on",
+		FAKernel:    "polykv",
 		PrefixCache: "on",
 		TPSTau:      tps.DefaultTau,
 		CacheTypeK:  "f16",
@@ -126,6 +128,11 @@ func (c Config) Validate() error {
 	case "off", "on", "auto":
 	default:
 		return fmt.Errorf("--flash-attn must be off, on or auto, got %q", c.FlashAttn)
+	}
+	switch c.FAKernel {
+	case "", "polykv", "ggml":
+	default:
+		return fmt.Errorf("--fa-kernel must be polykv or ggml, got %q", c.FAKernel)
 	}
 	switch c.PrefixCache {
 	case "off", "on":
@@ -225,6 +232,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		}
 	}
 	fa := FlashAttn(cfg.FlashAttn)
+	llama.SetFlashAttnKernel(cfg.FAKernel != "ggml")
 	nSeq := cfg.Parallel + cfg.MaxPools
 	// Sliding-window models (Gemma 3): a full-size SWA cache (swa_full), so a pool keeps
 	// every position of its prefix in the SWA layers too, and shadow sequences that stop

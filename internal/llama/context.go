@@ -73,6 +73,7 @@ func NewContext(model *Model, p ContextParams) (*Context, error) {
 		// attention path multiplies by V transposed, which quantized rows cannot be).
 		return nil, fmt.Errorf("new context: a quantized V cache (%s) needs flash attention (--flash-attn on)", p.TypeV)
 	}
+	installFlashAttn()
 	cp := C.llama_context_default_params()
 	cp.type_k = tk
 	cp.type_v = tv

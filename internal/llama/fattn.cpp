@@ -1,0 +1,464 @@
+// PolyKV's CPU flash-attention kernel for f16 K/V caches, installed into ggml-cpu
+// through its "extra buffer type" hook (ggml_cpu_extra_compute_forward asks every
+// registered extra for tensor traits before running an op's stock kernel).
+//
+// Why our own kernel: the ggml the ollama module vendors computes flash attention one
+// query row at a time (per cell: an f16 dot product with a horizontal sum, a scalar expf
+// and an f16 accumulator converted back and forth), which makes a 2,000-token prefill
+// run at ~0.7x of newer llama.cpp's tiled kernel. This one shares each K/V tile among up
+// to four query rows of the same KV head (transposed and converted to f32 once), keeps
+// the accumulator in f32 and vectorizes the exponentials.
+//
+// Why it keeps a token's logits independent of the batch (PolyKV's determinism
+// promise): every output is a fixed function of the query row and the *ordered list of
+// cells its mask lets through*, whatever else is in the batch or the cache:
+// - a score is one FMA chain over the head dimensions in order (d = 0, 1, ...), in one
+//   SIMD lane, whichever tile, lane or row block computes it;
+// - the softmax is exact two-pass: the maximum over unmasked scores (order-free), then
+//   exp(s - max) per cell, then the sum and the weighted V rows accumulated cell by cell
+//   in cell order, skipping masked cells (so where a sequence's cells sit in the cache
+//   does not matter, only their order, which PolyKV's compaction keeps).
+// The stock kernel is used for everything else (quantized caches, ALiBi, logit softcap,
+// head sizes over 256, CPUs without AVX2/FMA).
+
+#include "fattn.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include <atomic>
+
+#include "ggml-cpu/traits.h"
+#include "ggml-cpu/vec.h"
+
+namespace {
+
+constexpr int kRows = 4;    // query rows sharing one K/V tile
+constexpr int kTile = 8;    // cells per tile (one AVX2 register of scores)
+constexpr int kMaxD = 256;  // largest head size handled
+
+std::atomic<bool> enabled{false};
+std::atomic<unsigned long long> computed{0}; // flash-attention nodes this kernel ran
+
+struct geometry {
+    int64_t DK, DV, N, nkv, nq2, nq3, rk2, rk3;
+};
+
+// supported reports whether op is a flash-attention node this kernel computes.
+bool supported(const ggml_tensor * op) {
+    if (op->op != GGML_OP_FLASH_ATTN_EXT) {
+        return false;
+    }
+    const ggml_tensor * q = op->src[0], * k = op->src[1], * v = op->src[2], * mask = op->src[3], * sinks = op->src[4];
+    float max_bias = 0, softcap = 0;
+    memcpy(&max_bias, (const float *) op->op_params + 1, sizeof(float));
+    memcpy(&softcap, (const float *) op->op_params + 2, sizeof(float));
+    if (max_bias != 0 || softcap != 0) {
+        return false;
+    }
+    if (q->type != GGML_TYPE_F32 || k->type != GGML_TYPE_F16 || v->type != GGML_TYPE_F16 || op->type != GGML_TYPE_F32) {
+        return false;
+    }
+    if (mask && mask->type != GGML_TYPE_F16) {
+        return false;
+    }
+    if (sinks && sinks->type != GGML_TYPE_F32) {
+        return false;
+    }
+    const int64_t DK = k->ne[0], DV = v->ne[0];
+    if (DK % kTile != 0 || DV % kTile != 0 || DK > kMaxD || DV > kMaxD || q->ne[0] != DK) {
+        return false;
+    }
+    // Rows contiguous, dst not permuted, heads broadcast evenly (as the stock kernel asserts).
+    if (q->nb[0] != sizeof(float) || k->nb[0] != sizeof(ggml_fp16_t) || v->nb[0] != sizeof(ggml_fp16_t) || op->nb[0] != sizeof(float)) {
+        return false;
+    }
+    if (k->ne[2] != v->ne[2] || k->ne[3] != v->ne[3] || k->ne[1] != v->ne[1]) {
+        return false;
+    }
+    if (q->ne[2] % k->ne[2] != 0 || q->ne[3] % k->ne[3] != 0) {
+        return false;
+    }
+    return true;
+}
+
+geometry shape(const ggml_tensor * op) {
+    const ggml_tensor * q = op->src[0], * k = op->src[1], * v = op->src[2];
+    return geometry{k->ne[0], v->ne[0], q->ne[1], k->ne[1], q->ne[2], q->ne[3], q->ne[2] / k->ne[2], q->ne[3] / k->ne[3]};
+}
+
+// scratch floats per thread: scores for kRows rows over all cells, the transposed K tile,
+// kRows accumulators, and slack for alignment.
+size_t scratch_floats(const geometry & g) {
+    return (size_t) kRows * (g.nkv + 2 * kTile) + (size_t) kMaxD * 2 * kTile + (size_t) kRows * kMaxD + 64;
+}
+
+// load8 converts kTile cells' dims [d0, d0+8) to f32 and transposes them: out[j] holds
+// dim d0+j of cells 0..7 (cells past n are zero).
+inline void load_tile(const char * base, size_t stride, int n, int64_t d0, __m256 out[8]) {
+    __m256 r[8];
+    for (int c = 0; c < 8; c++) {
+        r[c] = c < n ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (base + c * stride) + d0 / 8)) : _mm256_setzero_ps();
+    }
+    // 8x8 transpose.
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)), u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)), u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0)), u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0)), u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+    out[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    out[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    out[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    out[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    out[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    out[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    out[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    out[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// expf8 is ggml's vectorized expf (vec.h defines the widest one the build targets).
+inline __m256 expf8(__m256 x) {
+#if defined(__AVX512F__)
+    return _mm512_castps512_ps256(ggml_v_expf(_mm512_zextps256_ps512(x)));
+#else
+    return ggml_v_expf(x);
+#endif
+}
+
+// block computes up to kRows query rows that share one KV head.
+// accumulate adds p[c] * vt[c] for NC cells, all visible, to NV vectors at a, in cell
+// order. (Hidden cells are skipped rather than multiplied by 0: V of a cell outside the
+// sequence may be anything, and 0 * inf is NaN.)
+template <int NV, int NC>
+inline void accumulate(float * a, const float * p, const float * vt, int64_t ldv) {
+    __m256 x[NV];
+    for (int j = 0; j < NV; j++) {
+        x[j] = _mm256_loadu_ps(a + 8 * j);
+    }
+    for (int c = 0; c < NC; c++) {
+        const __m256 pc = _mm256_set1_ps(p[c]);
+        for (int j = 0; j < NV; j++) {
+            x[j] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vt + c * ldv + 8 * j), x[j]);
+        }
+    }
+    for (int j = 0; j < NV; j++) {
+        _mm256_storeu_ps(a + 8 * j, x[j]);
+    }
+}
+
+// accumulate_some is accumulate for a tile with hidden cells (p < 0) or fewer cells or
+// vectors; the same FMAs in the same order for the cells it adds.
+inline void accumulate_some(float * a, const float * p, int n, const float * vt, int64_t ldv, int nv) {
+    __m256 x[8];
+    for (int j = 0; j < nv; j++) {
+        x[j] = _mm256_loadu_ps(a + 8 * j);
+    }
+    for (int c = 0; c < n; c++) {
+        if (p[c] < 0.0f) {
+            continue;
+        }
+        const __m256 pc = _mm256_set1_ps(p[c]);
+        for (int j = 0; j < nv; j++) {
+            x[j] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vt + c * ldv + 8 * j), x[j]);
+        }
+    }
+    for (int j = 0; j < nv; j++) {
+        _mm256_storeu_ps(a + 8 * j, x[j]);
+    }
+}
+
+// nr is a template parameter so the per-row loops unroll and the accumulators stay in
+// registers.
+template <int nr>
+void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, float * wd) {
+    const ggml_tensor * q = op->src[0], * k = op->src[1], * v = op->src[2], * mask = op->src[3], * sinks = op->src[4];
+    float scale = 1;
+    memcpy(&scale, (const float *) op->op_params + 0, sizeof(float));
+
+    float * sc = wd;                                  // [kRows][nkv + kTile]
+    float * kt = sc + (size_t) kRows * (g.nkv + 2 * kTile); // [DK][2 * kTile]
+    float * acc = kt + (size_t) kMaxD * kTile;          // [kRows][DV]
+    const int64_t ldsc = g.nkv + 2 * kTile;
+
+    const float * qr[kRows];
+    const ggml_fp16_t * mr[kRows];
+    int64_t iq1[kRows], iq2[kRows], iq3[kRows];
+    for (int r = 0; r < nr; r++) {
+        const int64_t ir = rows[r];
+        iq3[r] = ir / (g.nq2 * g.N);
+        iq2[r] = (ir - iq3[r] * g.nq2 * g.N) / g.N;
+        iq1[r] = ir - iq3[r] * g.nq2 * g.N - iq2[r] * g.N;
+        qr[r] = (const float *) ((const char *) q->data + iq1[r] * q->nb[1] + iq2[r] * q->nb[2] + iq3[r] * q->nb[3]);
+        mr[r] = mask ? (const ggml_fp16_t *) ((const char *) mask->data + iq1[r] * mask->nb[1] + (iq2[r] % mask->ne[2]) * mask->nb[2] +
+                                              (iq3[r] % mask->ne[3]) * mask->nb[3])
+                     : nullptr;
+    }
+    const int64_t ik2 = iq2[0] / g.rk2, ik3 = iq3[0] / g.rk3;
+    const char * kbase = (const char *) k->data + ik2 * k->nb[2] + ik3 * k->nb[3];
+    const char * vbase = (const char *) v->data + ik2 * v->nb[2] + ik3 * v->nb[3];
+    const size_t kstride = k->nb[1], vstride = v->nb[1];
+
+    // Pass 1: scores, -inf where the mask (or the end of the cache) hides a cell.
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    const __m256 vscale = _mm256_set1_ps(scale);
+    float mrow[kRows];
+    for (int r = 0; r < nr; r++) {
+        mrow[r] = -INFINITY;
+    }
+    // Two tiles (16 cells) per step: with four rows that is eight independent FMA chains,
+    // enough to hide the FMA latency.
+    __m256 mx[kRows];
+    for (int r = 0; r < kRows; r++) {
+        mx[r] = ninf;
+    }
+    for (int64_t c0 = 0; c0 < g.nkv; c0 += 2 * kTile) {
+        int n[2];
+        __m256 m[kRows][2];
+        bool any[2] = {false, false};
+        for (int h = 0; h < 2; h++) {
+            const int64_t left = g.nkv - (c0 + h * kTile);
+            n[h] = (int) (left <= 0 ? 0 : left < kTile ? left : kTile);
+            for (int r = 0; r < nr; r++) {
+                if (n[h] == kTile && mr[r]) {
+                    m[r][h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (mr[r] + c0 + h * kTile)));
+                } else {
+                    float mv[kTile];
+                    for (int c = 0; c < kTile; c++) {
+                        mv[c] = c < n[h] ? (mr[r] ? GGML_CPU_FP16_TO_FP32(mr[r][c0 + h * kTile + c]) : 0.0f) : -INFINITY;
+                    }
+                    m[r][h] = _mm256_loadu_ps(mv);
+                }
+                any[h] = any[h] || _mm256_movemask_ps(_mm256_cmp_ps(m[r][h], ninf, _CMP_NEQ_OQ)) != 0;
+            }
+        }
+        if (!any[0] && !any[1]) {
+            for (int r = 0; r < nr; r++) {
+                _mm256_storeu_ps(sc + r * ldsc + c0, ninf);
+                _mm256_storeu_ps(sc + r * ldsc + c0 + kTile, ninf);
+            }
+            continue;
+        }
+        for (int h = 0; h < 2; h++) {
+            for (int64_t d0 = 0; d0 < g.DK; d0 += 8) {
+                __m256 t[8];
+                load_tile(kbase + (c0 + h * kTile) * kstride, kstride, any[h] ? n[h] : 0, d0, t);
+                for (int j = 0; j < 8; j++) {
+                    _mm256_storeu_ps(kt + (d0 + j) * 2 * kTile + h * kTile, t[j]);
+                }
+            }
+        }
+        // One FMA chain per cell over the dims in order: a score does not depend on the
+        // tile, lane or rows it is computed with, so it is the same for any batch.
+        __m256 s0[kRows], s1[kRows];
+        for (int r = 0; r < kRows; r++) {
+            s0[r] = s1[r] = _mm256_setzero_ps();
+        }
+        for (int64_t d = 0; d < g.DK; d++) {
+            const __m256 k0 = _mm256_loadu_ps(kt + d * 2 * kTile), k1 = _mm256_loadu_ps(kt + d * 2 * kTile + kTile);
+            for (int r = 0; r < nr; r++) {
+                const __m256 qd = _mm256_set1_ps(qr[r][d]);
+                s0[r] = _mm256_fmadd_ps(qd, k0, s0[r]);
+                s1[r] = _mm256_fmadd_ps(qd, k1, s1[r]);
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            for (int h = 0; h < 2; h++) {
+                __m256 x = _mm256_add_ps(_mm256_mul_ps(h == 0 ? s0[r] : s1[r], vscale), m[r][h]);
+                x = _mm256_blendv_ps(x, ninf, _mm256_cmp_ps(m[r][h], ninf, _CMP_EQ_OQ));
+                _mm256_storeu_ps(sc + r * ldsc + c0 + h * kTile, x);
+                mx[r] = _mm256_max_ps(mx[r], x); // lanes past the cache hold -inf
+            }
+        }
+    }
+
+    // The maximum is exact whatever the order it is taken in.
+    for (int r = 0; r < nr; r++) {
+        float t[kTile];
+        _mm256_storeu_ps(t, mx[r]);
+        for (int c = 0; c < kTile; c++) {
+            mrow[r] = t[c] > mrow[r] ? t[c] : mrow[r];
+        }
+    }
+
+    // Pass 2: exp(s - max), then sum and weighted V rows in cell order.
+    float srow[kRows];
+    for (int r = 0; r < nr; r++) {
+        srow[r] = 0;
+        memset(acc + r * g.DV, 0, g.DV * sizeof(float));
+        if (mrow[r] == -INFINITY) {
+            continue; // every cell masked: the output is zero, as the stock kernel's
+        }
+        const __m256 M = _mm256_set1_ps(mrow[r]);
+        float * s = sc + r * ldsc;
+        for (int64_t c0 = 0; c0 < g.nkv; c0 += kTile) {
+            const __m256 x = _mm256_loadu_ps(s + c0);
+            const __m256 hidden = _mm256_cmp_ps(x, ninf, _CMP_EQ_OQ);
+            const __m256 p = _mm256_blendv_ps(expf8(_mm256_sub_ps(x, M)), _mm256_set1_ps(-1.0f), hidden);
+            _mm256_storeu_ps(s + c0, p); // -1 marks a hidden cell
+        }
+    }
+    // Weighted V rows: each tile's V converted to f32 once for all rows; per row and
+    // 64-dim chunk the accumulator lives in registers across the tile's cells, which are
+    // added in cell order.
+    float * vt = kt; // [kTile][DV], reusing the K tile's space (kMaxD * kTile floats)
+    for (int64_t c0 = 0; c0 < g.nkv; c0 += kTile) {
+        const int n = (int) (g.nkv - c0 < kTile ? g.nkv - c0 : kTile);
+        bool any = false;
+        for (int r = 0; r < nr && !any; r++) {
+            for (int c = 0; c < n; c++) {
+                any = any || sc[r * ldsc + c0 + c] >= 0.0f;
+            }
+        }
+        if (!any) {
+            continue;
+        }
+        for (int c = 0; c < n; c++) {
+            const ggml_fp16_t * vr = (const ggml_fp16_t *) (vbase + (c0 + c) * vstride);
+            for (int64_t d0 = 0; d0 < g.DV; d0 += 8) {
+                _mm256_storeu_ps(vt + c * g.DV + d0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (vr + d0))));
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            const float * p = sc + r * ldsc + c0;
+            const bool full = n == kTile && _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p), _mm256_setzero_ps(), _CMP_LT_OQ)) == 0;
+            for (int64_t d0 = 0; d0 < g.DV; d0 += 64) {
+                float * ar = acc + r * g.DV + d0;
+                if (full && g.DV - d0 >= 64) {
+                    accumulate<8, kTile>(ar, p, vt + d0, g.DV);
+                } else {
+                    accumulate_some(ar, p, n, vt + d0, g.DV, (int) ((g.DV - d0 < 64 ? g.DV - d0 : 64) / 8));
+                }
+            }
+            float sum = srow[r];
+            for (int c = 0; c < n; c++) {
+                sum += p[c] >= 0.0f ? p[c] : 0.0f; // x + 0 == x: a hidden cell adds nothing
+            }
+            srow[r] = sum;
+        }
+    }
+
+    for (int r = 0; r < nr; r++) {
+        float S = srow[r];
+        float * a = acc + r * g.DV;
+        if (sinks) {
+            const float s = ((const float *) sinks->data)[iq2[r]];
+            const float M = mrow[r];
+            if (s > M) {
+                const float ms = M == -INFINITY ? 0.0f : expf(M - s);
+                for (int64_t d = 0; d < g.DV; d++) {
+                    a[d] *= ms;
+                }
+                S = S * ms + 1.0f;
+            } else {
+                S += expf(s - M);
+            }
+        }
+        const float inv = S == 0.0f ? 0.0f : 1.0f / S;
+        for (int64_t d = 0; d < g.DV; d++) {
+            a[d] *= inv;
+        }
+        // permute(0, 2, 1, 3), as the stock kernel writes it.
+        const int64_t ne1 = op->ne[1], ne2 = op->ne[2];
+        memcpy((char *) op->data + (iq3[r] * ne2 * ne1 + iq2[r] + iq1[r] * ne1) * op->nb[1], a, op->nb[1]);
+    }
+}
+
+class traits : public ggml::cpu::tensor_traits {
+  public:
+    bool work_size(int n_threads, const ggml_tensor * op, size_t & size) override {
+        size = (size_t) n_threads * (scratch_floats(shape(op)) * sizeof(float) + 64);
+        return true;
+    }
+
+    bool compute_forward(ggml_compute_params * params, ggml_tensor * op) override {
+        const geometry g = shape(op);
+        const size_t per = scratch_floats(g) * sizeof(float) + 64;
+        if (params->wsize < per * params->nth) {
+            return false; // planned without us (e.g. enabled mid-graph): stock kernel
+        }
+        float * wd = (float *) (((uintptr_t) ((char *) params->wdata + per * params->ith) + 63) & ~(uintptr_t) 63);
+        // Rows sharing a KV head, grouped kRows at a time: for each (iq3, kv head), the
+        // rows of its query heads, position by position. Blocks go round-robin to
+        // threads (later rows of a causal prompt see more cells).
+        if (params->ith == 0) {
+            computed.fetch_add(1, std::memory_order_relaxed);
+        }
+        const int64_t nkvh = g.nq2 / g.rk2;
+        const int64_t per_head = g.rk2 * g.N;
+        const int64_t blocks_per_head = (per_head + kRows - 1) / kRows;
+        const int64_t nblocks = g.nq3 * nkvh * blocks_per_head;
+        for (int64_t b = params->ith; b < nblocks; b += params->nth) {
+            const int64_t hb = b / blocks_per_head, ib = b % blocks_per_head;
+            const int64_t iq3 = hb / nkvh, kh = hb % nkvh;
+            int64_t rows[kRows];
+            int nr = 0;
+            for (int64_t j = ib * kRows; j < per_head && nr < kRows; j++) {
+                const int64_t iq1 = j / g.rk2, iq2 = kh * g.rk2 + j % g.rk2;
+                rows[nr++] = iq3 * g.nq2 * g.N + iq2 * g.N + iq1;
+            }
+            switch (nr) {
+            case 1: block<1>(op, g, rows, wd); break;
+            case 2: block<2>(op, g, rows, wd); break;
+            case 3: block<3>(op, g, rows, wd); break;
+            default: block<4>(op, g, rows, wd); break;
+            }
+        }
+        return true;
+    }
+};
+
+class extra : public ggml::cpu::extra_buffer_type {
+  public:
+    bool supports_op(ggml_backend_dev_t, const ggml_tensor *) override { return false; }
+
+    ggml::cpu::tensor_traits * get_tensor_traits(const ggml_tensor * op) override {
+        static traits t;
+        return enabled.load(std::memory_order_relaxed) && supported(op) ? &t : nullptr;
+    }
+};
+
+}  // namespace
+
+extern "C" int polykv_fattn_install(void) {
+    static bool installed = [] {
+        // The CPU device hands llama.cpp's model loader a copy of the extra buffer types
+        // made on first use; make that copy now, without us, so no weight is ever placed
+        // in (or asks anything of) our buffer type, which allocates nothing.
+        ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+        if (dev == nullptr) {
+            return false;
+        }
+        ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
+        auto get = (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts");
+        if (get != nullptr) {
+            (void) get(dev);
+        }
+        static extra ctx;
+        static ggml_backend_buffer_type buft = {};
+        buft.device = dev;
+        buft.context = &ctx;
+        ggml_backend_cpu_get_extra_buffer_types().push_back(&buft);
+        return true;
+    }();
+    return installed ? 1 : 0;
+}
+
+extern "C" void polykv_fattn_enable(int on) { enabled.store(on != 0); }
+
+extern "C" unsigned long long polykv_fattn_computed(void) { return computed.load(); }
+
+#else
+
+extern "C" int polykv_fattn_install(void) { return 0; }
+
+extern "C" void polykv_fattn_enable(int on) { (void) on; }
+
+extern "C" unsigned long long polykv_fattn_computed(void) { return 0; }
+
+#endif

@@ -1,0 +1,20 @@
+// PolyKV's CPU flash-attention kernel for f16 caches (fattn.cpp).
+#pragma once
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// polykv_fattn_install registers the kernel with ggml-cpu once; 0 if this build or CPU
+// cannot run it (no AVX2/FMA). Call it after the first model is loaded.
+int polykv_fattn_install(void);
+
+// polykv_fattn_enable turns the kernel on or off for graphs planned from now on.
+void polykv_fattn_enable(int on);
+
+// polykv_fattn_computed counts the flash-attention nodes the kernel has computed.
+unsigned long long polykv_fattn_computed(void);
+
+#ifdef __cplusplus
+}
+#endif
