@@ -73,7 +73,7 @@ func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
 	fs.IntVar(&cfg.MaxQueue, "queue", cfg.MaxQueue, "requests that may wait for a sequence or an admission gate; more get 503 (0: none wait)")
 	fs.DurationVar(&cfg.SessionTTL, "session-ttl", cfg.SessionTTL, "idle sessions older than this lose their KV (0: never)")
 	fs.StringVar(&cfg.FAKernel, "fa-kernel", cfg.FAKernel, "CPU flash-attention kernel for f16 K/V caches: polykv (faster prefill at long context, logits independent of the batch) or ggml (the ollama module's own); quantized caches always use ggml's")
-	fs.StringVar(&cfg.FlashAttn, "flash-attn", cfg.FlashAttn, "flash attention: on, off or auto. On keeps logits independent of batch shape (pooled == unpooled greedy tokens, bit for bit); off prefills ~1.5x faster at 2k context on CPU but numerics then vary with batch shape")
+	fs.StringVar(&cfg.FlashAttn, "flash-attn", cfg.FlashAttn, "flash attention: on, off or auto. On keeps logits independent of batch shape (pooled == unpooled greedy tokens, bit for bit); off is no faster than on with --fa-kernel polykv on CPU, and numerics then vary with batch shape")
 	fs.StringVar(&cfg.PrefixCache, "prefix-cache", cfg.PrefixCache, "automatic prefix sharing: on (a request without pool_id starts from the longest prefix any resident sequence holds; finished requests stay cached until their cells are needed) or off (for comparison)")
 	fs.StringVar(&cfg.CacheTypeK, "cache-type-k", cfg.CacheTypeK, "K cache type: f16, q8_0, q4_0 (tested), or f32, bf16, q4_1, iq4_nl, q5_0, q5_1")
 	fs.StringVar(&cfg.CacheTypeK, "ctk", cfg.CacheTypeK, "same as --cache-type-k")
