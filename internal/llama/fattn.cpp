@@ -183,7 +183,7 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
 
     float * sc = wd;                                  // [kRows][nkv + kTile]
     float * kt = sc + (size_t) kRows * (g.nkv + 2 * kTile); // [DK][2 * kTile]
-    float * acc = kt + (size_t) kMaxD * kTile;          // [kRows][DV]
+    float * acc = kt + (size_t) kMaxD * 2 * kTile;      // [kRows][DV]
     const int64_t ldsc = g.nkv + 2 * kTile;
 
     const float * qr[kRows];
@@ -306,7 +306,7 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
     // Weighted V rows: each tile's V converted to f32 once for all rows; per row and
     // 64-dim chunk the accumulator lives in registers across the tile's cells, which are
     // added in cell order.
-    float * vt = kt; // [kTile][DV], reusing the K tile's space (kMaxD * kTile floats)
+    float * vt = kt; // [kTile][DV], reusing the K tile's space (kMaxD * 2 * kTile floats)
     for (int64_t c0 = 0; c0 < g.nkv; c0 += kTile) {
         const int n = (int) (g.nkv - c0 < kTile ? g.nkv - c0 : kTile);
         bool any = false;
