@@ -22,6 +22,7 @@
 // head sizes over 256, CPUs without AVX2/FMA).
 
 #include "fattn.h"
+#include "kquant.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 
@@ -417,8 +418,13 @@ class extra : public ggml::cpu::extra_buffer_type {
   public:
     bool supports_op(ggml_backend_dev_t, const ggml_tensor *) override { return false; }
 
+    // One extra serves both of PolyKV's kernels: flash attention here, K-quant matrix
+    // products in kquant.cpp.
     ggml::cpu::tensor_traits * get_tensor_traits(const ggml_tensor * op) override {
         static traits t;
+        if (ggml::cpu::tensor_traits * kq = polykv_kq_traits(op)) {
+            return kq;
+        }
         return enabled.load(std::memory_order_relaxed) && supported(op) ? &t : nullptr;
     }
 };

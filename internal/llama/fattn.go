@@ -24,11 +24,12 @@ func SetFlashAttnKernel(polykv bool) {
 // this process (0 where it is unavailable: a CPU or build without AVX2 and FMA).
 func FlashAttnKernelRuns() uint64 { return uint64(C.polykv_fattn_computed()) }
 
-// installFlashAttn registers the kernel with ggml-cpu (once; it must follow the first
-// model load, see fattn.cpp) and applies the current choice.
+// installFlashAttn registers PolyKV's kernels with ggml-cpu (once; it must follow the
+// first model load, see fattn.cpp) and applies the current choices.
 func installFlashAttn() {
 	if C.polykv_fattn_install() != 0 {
 		C.polykv_fattn_enable(C.int(boolToInt(!stockFlashAttn.Load())))
+		applyMatMulKernel()
 	}
 }
 

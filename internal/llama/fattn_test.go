@@ -59,7 +59,8 @@ func fattnRunFA(t *testing.T, m *Model, prompt []Token, chunk, neighbour int, th
 }
 
 // TestFlashAttnKernel checks PolyKV's flash-attention kernel (fattn.cpp) on both model
-// families: it runs (and ggml's kernel runs when chosen); a token's logits are the same
+// families (with PolyKV's K-quant matrix kernel on, as served, so the bit-for-bit
+// checks cover it too on Gemma 3's Q4_K/Q6_K weights): it runs (and ggml's kernel runs when chosen); a token's logits are the same
 // bit for bit whether its prompt is prefilled 256 or 13 tokens at a time (decoding is one
 // at a time), and wherever another sequence put its cells first (what keeps pooled == unpooled
 // greedy output); and their next-token distributions are about as close to plain
@@ -75,31 +76,11 @@ func TestFlashAttnKernel(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer m.Free()
-			// A long, varied system prompt (a repeated sentence makes the next-token
-			// distribution chaotic: kernels then disagree by nats at the prompt's end).
-			var b strings.Builder
-			b.WriteString("You are the main agent of a research team. You may call these tools:\n")
-			for i := 0; i < 19; i++ {
-				fmt.Fprintf(&b, "Tool %d: search_%d(query: string, limit: int) returns documents about topic %d, ranked by relevance.\n", i, i, i*7)
-			}
-			b.WriteString("Question: which tool answers topic 21 best, and why? Answer:")
-			prompt, err := m.Tokenize(b.String(), true, false)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if len(prompt) < 560 {
-				t.Fatalf("prompt of %d tokens, want at least 560 (past Gemma 3's 512-cell sliding window)", len(prompt))
-			}
+			prompt, then := fattnPrompt(t, m)
 			defer SetFlashAttnKernel(true)
 
 			SetFlashAttnKernel(true)
 			before := FlashAttnKernelRuns()
-			// The continuation every run decodes (a fixed one, so runs stay comparable even
-			// where kernels would pick different tokens at a near tie).
-			then, err := m.Tokenize(" Tool 3 answers it, because", false, false)
-			if err != nil {
-				t.Fatal(err)
-			}
 			whole := fattnRun(t, m, prompt, 256, 0, then)
 			if FlashAttnKernelRuns() == before {
 				t.Skip("PolyKV's flash-attention kernel is not available here (needs AVX2 and FMA)")
@@ -140,6 +121,32 @@ func TestFlashAttnKernel(t *testing.T) {
 			}
 		})
 	}
+}
+
+// fattnPrompt is the kernel tests' input: a long, varied system prompt past Gemma 3's
+// 512-cell sliding window (a repeated sentence makes the next-token distribution
+// chaotic: kernels then disagree by nats at the prompt's end), and the continuation every
+// run decodes (a fixed one, so runs stay comparable even where kernels would pick
+// different tokens at a near tie).
+func fattnPrompt(t *testing.T, m *Model) (prompt, then []Token) {
+	t.Helper()
+	var b strings.Builder
+	b.WriteString("You are the main agent of a research team. You may call these tools:\n")
+	for i := 0; i < 19; i++ {
+		fmt.Fprintf(&b, "Tool %d: search_%d(query: string, limit: int) returns documents about topic %d, ranked by relevance.\n", i, i, i*7)
+	}
+	b.WriteString("Question: which tool answers topic 21 best, and why? Answer:")
+	prompt, err := m.Tokenize(b.String(), true, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(prompt) < 560 {
+		t.Fatalf("prompt of %d tokens, want at least 560 (past Gemma 3's 512-cell sliding window)", len(prompt))
+	}
+	if then, err = m.Tokenize(" Tool 3 answers it, because", false, false); err != nil {
+		t.Fatal(err)
+	}
+	return prompt, then
 }
 
 // kl is the KL divergence KL(softmax(p) || softmax(q)) in nats.

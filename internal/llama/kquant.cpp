@@ -1,0 +1,518 @@
+// PolyKV's CPU matrix kernel for Q4_K and Q6_K weights (K-quants), installed beside the
+// flash-attention kernel through ggml-cpu's extra-buffer-type hook (fattn.cpp registers
+// one extra that asks kq_traits here for MUL_MAT nodes).
+//
+// Why our own kernel: the ggml the ollama module vendors computes a K-quant matrix
+// product one (weight row, activation row) pair at a time (ggml_vec_dot_q4_K_q8_K),
+// unpacking the 4/6-bit weights and their scales again for every activation row of a
+// prompt batch. Newer llama.cpp tiles this for batches of 8+ rows; ggml's "repack"
+// layout does too, but both compute a row of a batch differently from a row alone (the
+// tiled path only from 8 rows on, repack by groups of 4), which would break PolyKV's
+// promise that a token's logits do not depend on the batch (measured for repack: 0.214
+// in a logprob). This kernel unpacks each block of 8 weight rows once per matrix product
+// and reuses it for every activation row.
+//
+// Why it keeps a token's logits independent of the batch: each output element is the
+// same fixed sequence of operations whatever the batch size, the tile or the thread:
+// - per 256-value super-block, the integer sums (sum over sub-blocks of scale x dot of the
+//   quantized values; for Q4_K also sum of min x activation sums) are exact in int32, so
+//   any order gives the same integers;
+// - the float part is, per super-block in order: acc = fma(d_act * d, float(sumi), acc)
+//   (Q4_K then acc = fma(-(d_act * dmin), float(summ), acc)); each element lives in one
+//   SIMD lane (lanes are weight rows), so the tile a column is computed with changes
+//   nothing.
+// Decode (one activation row) runs through the same code. Everything else (other types,
+// batched 3-D/4-D products, MUL_MAT_ID) stays with ggml.
+
+#include "kquant.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <atomic>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "ggml-cpu/traits.h"
+#include "ggml-cpu.h"
+
+namespace {
+
+constexpr int kRows = 8;  // weight rows per block: one lane each in a 256-bit register
+constexpr int kCols = 4;  // activation rows computed together (sharing weight loads)
+constexpr int kQK = 256;  // values per super-block
+constexpr int kChunk = 64; // activation rows per pass over a thread's packed weights
+
+std::atomic<bool> enabled{false};
+std::atomic<unsigned long long> computed{0};
+
+// The activation side: ggml's block_q8_K (ggml-common.h), restated because that header
+// cannot be included twice in one translation unit with the C++ declarations.
+struct q8k {
+    float d;
+    int8_t qs[kQK];
+    int16_t bsums[kQK / 16];
+};
+static_assert(sizeof(q8k) == 4 + 256 + 32, "q8_K layout");
+
+struct q4k {
+    uint16_t d, dmin;
+    uint8_t scales[12];
+    uint8_t qs[kQK / 2];
+};
+static_assert(sizeof(q4k) == 144, "q4_K layout");
+
+struct q6k {
+    uint8_t ql[kQK / 2];
+    uint8_t qh[kQK / 4];
+    int8_t scales[kQK / 16];
+    uint16_t d;
+};
+static_assert(sizeof(q6k) == 210, "q6_K layout");
+
+// A packed super-block for kRows weight rows: the unsigned codes with row r's 4
+// consecutive values of group g at w[g][r] (so one 4-byte dot per lane is one row), the
+// per-sub-block scales per row, int16 pairs for the min (Q4_K) or offset (Q6_K) term,
+// and the super-block scales.
+template <int NSUB>
+struct packed {
+    alignas(32) uint8_t w[kQK / 4][kRows][4];
+    int32_t sc[NSUB][kRows];
+    int16_t mn[NSUB / 2][kRows][2];
+    float d[kRows];
+    float dmin[kRows];
+};
+
+// Type-specific unpacking of one super-block of one row: codes (0..15 or 0..63), the
+// scale of each sub-block and the term subtracted per sub-block (min or 32 x scale).
+struct kq4 {
+    static constexpr int kSub = 8; // sub-blocks of 32
+    using block = q4k;
+    static void unpack(const block & x, uint8_t * q, int32_t * sc, int16_t * mn, float & d, float & dmin) {
+        const __m256i m4 = _mm256_set1_epi8(0x0F);
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *) (x.qs + 32 * j));
+            _mm256_storeu_si256((__m256i *) (q + 64 * j), _mm256_and_si256(v, m4));
+            _mm256_storeu_si256((__m256i *) (q + 64 * j + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+        }
+        const uint8_t * s = x.scales;
+        for (int j = 0; j < kSub; j++) { // ggml's get_scale_min_k4
+            if (j < 4) {
+                sc[j] = s[j] & 63;
+                mn[j] = s[j + 4] & 63;
+            } else {
+                sc[j] = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+                mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+            }
+        }
+        d = ggml_fp16_to_fp32(x.d);
+        dmin = ggml_fp16_to_fp32(x.dmin);
+    }
+    // bpair is the activation sums of sub-blocks 2p and 2p+1 as an int16 pair.
+    static int32_t bpair(const q8k & a, int p) {
+        const int16_t b0 = (int16_t) (a.bsums[4 * p] + a.bsums[4 * p + 1]);
+        const int16_t b1 = (int16_t) (a.bsums[4 * p + 2] + a.bsums[4 * p + 3]);
+        return (int32_t) (uint16_t) b0 | ((int32_t) (uint16_t) b1 << 16);
+    }
+};
+
+struct kq6 {
+    static constexpr int kSub = 16; // sub-blocks of 16
+    using block = q6k;
+    static void unpack(const block & x, uint8_t * q, int32_t * sc, int16_t * mn, float & d, float & dmin) {
+        const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+        for (int n = 0; n < 2; n++) { // ggml's dequantize_row_q6_K, 128 values at a time
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *) (x.ql + 64 * n));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *) (x.ql + 64 * n + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *) (x.qh + 32 * n));
+            uint8_t * o = q + 128 * n;
+            const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(h, m2), 4);
+            const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4);
+            const __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4);
+            const __m256i h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4);
+            _mm256_storeu_si256((__m256i *) (o + 0), _mm256_or_si256(_mm256_and_si256(l0, m4), h0));
+            _mm256_storeu_si256((__m256i *) (o + 32), _mm256_or_si256(_mm256_and_si256(l1, m4), h1));
+            _mm256_storeu_si256((__m256i *) (o + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), h2));
+            _mm256_storeu_si256((__m256i *) (o + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), h3));
+        }
+        for (int j = 0; j < kSub; j++) {
+            sc[j] = x.scales[j];
+            mn[j] = (int16_t) (32 * x.scales[j]); // codes are value + 32
+        }
+        d = ggml_fp16_to_fp32(x.d);
+        dmin = 0;
+    }
+    static int32_t bpair(const q8k & a, int p) {
+        return (int32_t) (uint16_t) a.bsums[2 * p] | ((int32_t) (uint16_t) a.bsums[2 * p + 1] << 16);
+    }
+};
+
+// transpose8 transposes an 8x8 matrix of 32-bit elements held in r[0..7].
+inline void transpose8(__m256i r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_castsi256_ps(_mm256_unpacklo_epi32(r[i], r[i + 1]));
+        t[i + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi32(r[i], r[i + 1]));
+    }
+    u[0] = _mm256_shuffle_ps(t[0], t[2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[1] = _mm256_shuffle_ps(t[0], t[2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[2] = _mm256_shuffle_ps(t[1], t[3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[3] = _mm256_shuffle_ps(t[1], t[3], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4] = _mm256_shuffle_ps(t[4], t[6], _MM_SHUFFLE(1, 0, 1, 0));
+    u[5] = _mm256_shuffle_ps(t[4], t[6], _MM_SHUFFLE(3, 2, 3, 2));
+    u[6] = _mm256_shuffle_ps(t[5], t[7], _MM_SHUFFLE(1, 0, 1, 0));
+    u[7] = _mm256_shuffle_ps(t[5], t[7], _MM_SHUFFLE(3, 2, 3, 2));
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_castps_si256(_mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        r[i + 4] = _mm256_castps_si256(_mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    }
+}
+
+// pack unpacks n (<= kRows) weight rows of nsb super-blocks into out[nsb]; missing rows
+// are zero (their lanes compute zeros that are never stored).
+template <class T>
+void pack(const char * rows, size_t stride, int n, int64_t nsb, packed<T::kSub> * out) {
+    alignas(32) uint8_t q[kRows][kQK];
+    for (int64_t b = 0; b < nsb; b++) {
+        packed<T::kSub> & p = out[b];
+        int32_t sc[T::kSub];
+        int16_t mn[T::kSub];
+        for (int r = 0; r < kRows; r++) {
+            if (r < n) {
+                const auto & x = ((const typename T::block *) (rows + r * stride))[b];
+                T::unpack(x, q[r], sc, mn, p.d[r], p.dmin[r]);
+            } else {
+                memset(q[r], 0, kQK);
+                memset(sc, 0, sizeof(sc));
+                memset(mn, 0, sizeof(mn));
+                p.d[r] = p.dmin[r] = 0;
+            }
+            for (int j = 0; j < T::kSub; j++) {
+                p.sc[j][r] = sc[j];
+            }
+            for (int j = 0; j < T::kSub / 2; j++) {
+                p.mn[j][r][0] = mn[2 * j];
+                p.mn[j][r][1] = mn[2 * j + 1];
+            }
+        }
+        // Row r's bytes [32i, 32i+32) are groups 8i..8i+7 of row r: transposing the 8x8
+        // matrix of 4-byte groups puts group g of every row in one register.
+        for (int i = 0; i < kQK / 32; i++) {
+            __m256i t[8];
+            for (int r = 0; r < kRows; r++) {
+                t[r] = _mm256_load_si256((const __m256i *) (q[r] + 32 * i));
+            }
+            transpose8(t);
+            for (int j = 0; j < 8; j++) {
+                _mm256_store_si256((__m256i *) p.w[8 * i + j], t[j]);
+            }
+        }
+    }
+}
+
+// dot4 adds, per 32-bit lane, the dot product of 4 unsigned weight codes and 4 signed
+// activation values (exact in int32 either way).
+inline __m256i dot4(__m256i acc, __m256i w, __m256i a) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, w, a);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, a);
+#else
+    // maddubs sums pairs into int16 without saturating: 2 x 63 x 128 < 32767.
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
+#endif
+}
+
+// tile computes kRows weight rows (packed) times C activation rows over nsb
+// super-blocks; out[c] receives n row results.
+template <class T, int C>
+void tile(const packed<T::kSub> * p, int64_t nsb, const q8k * const a[C], float * const out[C], int n) {
+    constexpr int SB = kQK / T::kSub;  // values per sub-block
+    __m256 acc[C];
+    for (int c = 0; c < C; c++) {
+        acc[c] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nsb; b++) {
+        const packed<T::kSub> & P = p[b];
+        __m256i sumi[C], summ[C];
+        for (int c = 0; c < C; c++) {
+            sumi[c] = summ[c] = _mm256_setzero_si256();
+        }
+        for (int s = 0; s < T::kSub; s++) {
+            __m256i d[C];
+            for (int c = 0; c < C; c++) {
+                d[c] = _mm256_setzero_si256();
+            }
+            for (int g = 0; g < SB / 4; g++) {
+                const __m256i w = _mm256_load_si256((const __m256i *) P.w[s * SB / 4 + g]);
+                for (int c = 0; c < C; c++) {
+                    int32_t av;
+                    memcpy(&av, a[c][b].qs + s * SB + 4 * g, 4);
+                    d[c] = dot4(d[c], w, _mm256_set1_epi32(av));
+                }
+            }
+            const __m256i sc = _mm256_loadu_si256((const __m256i *) P.sc[s]);
+            for (int c = 0; c < C; c++) {
+                sumi[c] = _mm256_add_epi32(sumi[c], _mm256_mullo_epi32(d[c], sc));
+            }
+        }
+        for (int j = 0; j < T::kSub / 2; j++) {
+            const __m256i mn = _mm256_loadu_si256((const __m256i *) P.mn[j]);
+            for (int c = 0; c < C; c++) {
+                summ[c] = _mm256_add_epi32(summ[c], _mm256_madd_epi16(mn, _mm256_set1_epi32(T::bpair(a[c][b], j))));
+            }
+        }
+        const __m256 D = _mm256_loadu_ps(P.d), M = _mm256_loadu_ps(P.dmin);
+        for (int c = 0; c < C; c++) {
+            const __m256 da = _mm256_set1_ps(a[c][b].d);
+            if constexpr (T::kSub == 8) { // Q4_K: d x scaled sum - dmin x min sum
+                acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(da, D), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
+                acc[c] = _mm256_fnmadd_ps(_mm256_mul_ps(da, M), _mm256_cvtepi32_ps(summ[c]), acc[c]);
+            } else { // Q6_K: d x (scaled sum of codes - 32 x scaled activation sums)
+                acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(da, D), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[c], summ[c])), acc[c]);
+            }
+        }
+    }
+    for (int c = 0; c < C; c++) {
+        if (n == kRows) {
+            _mm256_storeu_ps(out[c], acc[c]);
+        } else {
+            alignas(32) float t[kRows];
+            _mm256_store_ps(t, acc[c]);
+            memcpy(out[c], t, n * sizeof(float));
+        }
+    }
+}
+
+// rows computes weight rows [r0, r1) (a thread's share, r0 a multiple of kRows) times
+// all N activation rows: packs them once into scratch, then walks the activation rows
+// in chunks so a chunk stays in cache while the packed blocks stream past it.
+template <class T>
+void rows(const char * w, size_t wstride, int64_t r0, int64_t r1, int64_t K, const char * act, size_t astride, int64_t N,
+          char * dst, size_t dstride, void * scratch) {
+    const int64_t nsb = K / kQK;
+    auto * P = (packed<T::kSub> *) scratch;
+    const int64_t nblk = (r1 - r0 + kRows - 1) / kRows;
+    for (int64_t i = 0; i < nblk; i++) {
+        const int64_t rb = r0 + i * kRows;
+        pack<T>(w + rb * wstride, wstride, (int) (r1 - rb < kRows ? r1 - rb : kRows), nsb, P + i * nsb);
+    }
+    for (int64_t c0 = 0; c0 < N; c0 += kChunk) {
+        const int64_t c1 = c0 + kChunk < N ? c0 + kChunk : N;
+        for (int64_t i = 0; i < nblk; i++) {
+            const int64_t rb = r0 + i * kRows;
+            const int n = (int) (r1 - rb < kRows ? r1 - rb : kRows);
+            int64_t c = c0;
+            const q8k * a[kCols];
+            float * o[kCols];
+            for (; c < c1; c += kCols) {
+                const int m = (int) (c1 - c < kCols ? c1 - c : kCols);
+                for (int j = 0; j < m; j++) {
+                    a[j] = (const q8k *) (act + (c + j) * astride);
+                    o[j] = (float *) (dst + (c + j) * dstride) + rb;
+                }
+                switch (m) {
+                case 1: tile<T, 1>(P + i * nsb, nsb, a, o, n); break;
+                case 2: tile<T, 2>(P + i * nsb, nsb, a, o, n); break;
+                case 3: tile<T, 3>(P + i * nsb, nsb, a, o, n); break;
+                default: tile<T, 4>(P + i * nsb, nsb, a, o, n); break;
+                }
+            }
+        }
+    }
+}
+
+size_t packed_bytes(ggml_type t) {
+    return t == GGML_TYPE_Q4_K ? sizeof(packed<kq4::kSub>) : sizeof(packed<kq6::kSub>);
+}
+
+// thread_rows is the contiguous weight-row range [r0, r1) of thread ith of nth, in whole
+// blocks of kRows.
+void thread_rows(int64_t M, int ith, int nth, int64_t & r0, int64_t & r1) {
+    const int64_t nblk = (M + kRows - 1) / kRows;
+    const int64_t b0 = nblk * ith / nth, b1 = nblk * (ith + 1) / nth;
+    r0 = b0 * kRows;
+    r1 = b1 * kRows < M ? b1 * kRows : M;
+}
+
+size_t scratch_bytes(ggml_type t, int64_t M, int64_t K, int nth) {
+    const int64_t nblk = (M + kRows - 1) / kRows;
+    const int64_t most = (nblk + nth - 1) / nth;
+    return (size_t) most * (K / kQK) * packed_bytes(t) + 64;
+}
+
+void compute(ggml_type t, const char * w, size_t wstride, int64_t r0, int64_t r1, int64_t K, const char * act, size_t astride, int64_t N,
+             char * dst, size_t dstride, void * scratch) {
+    if (t == GGML_TYPE_Q4_K) {
+        rows<kq4>(w, wstride, r0, r1, K, act, astride, N, dst, dstride, scratch);
+    } else {
+        rows<kq6>(w, wstride, r0, r1, K, act, astride, N, dst, dstride, scratch);
+    }
+}
+
+bool supported(const ggml_tensor * op) {
+    if (op->op != GGML_OP_MUL_MAT) {
+        return false;
+    }
+    const ggml_tensor * w = op->src[0], * x = op->src[1];
+    if (w->type != GGML_TYPE_Q4_K && w->type != GGML_TYPE_Q6_K) {
+        return false;
+    }
+    if (x->type != GGML_TYPE_F32 || op->type != GGML_TYPE_F32) {
+        return false;
+    }
+    // Plain 2-D products with contiguous rows (llama.cpp's weight matmuls); batched
+    // and permuted ones stay with ggml.
+    if (w->ne[2] != 1 || w->ne[3] != 1 || x->ne[2] != 1 || x->ne[3] != 1 || op->ne[2] != 1 || op->ne[3] != 1) {
+        return false;
+    }
+    if (w->ne[0] % kQK != 0 || x->ne[0] != w->ne[0] || op->ne[0] != w->ne[1] || op->ne[1] != x->ne[1]) {
+        return false;
+    }
+    return w->nb[0] == ggml_type_size(w->type) && x->nb[0] == sizeof(float) && op->nb[0] == sizeof(float);
+}
+
+size_t q8_row_bytes(int64_t K) { return (size_t) (K / kQK) * sizeof(q8k); }
+
+size_t work_bytes(const ggml_tensor * op, int nth) {
+    const ggml_tensor * w = op->src[0], * x = op->src[1];
+    const size_t q8 = (q8_row_bytes(x->ne[0]) * x->ne[1] + 63) & ~(size_t) 63;
+    const size_t per = (scratch_bytes(w->type, w->ne[1], w->ne[0], nth) + 63) & ~(size_t) 63;
+    return 64 + q8 + per * nth;
+}
+
+class traits : public ggml::cpu::tensor_traits {
+  public:
+    bool work_size(int n_threads, const ggml_tensor * op, size_t & size) override {
+        size = work_bytes(op, n_threads);
+        return true;
+    }
+
+    bool compute_forward(ggml_compute_params * params, ggml_tensor * op) override {
+        const ggml_tensor * w = op->src[0], * x = op->src[1];
+        const int ith = params->ith, nth = params->nth;
+        if (params->wsize < work_bytes(op, nth)) {
+            return false; // planned without us (enabled mid-graph): ggml's kernel
+        }
+        const int64_t K = w->ne[0], M = w->ne[1], N = x->ne[1];
+        char * base = (char *) (((uintptr_t) params->wdata + 63) & ~(uintptr_t) 63);
+        const size_t qrow = q8_row_bytes(K);
+        const size_t q8 = (qrow * N + 63) & ~(size_t) 63;
+        const size_t per = (scratch_bytes(w->type, M, K, nth) + 63) & ~(size_t) 63;
+        // Phase 1: the activation rows to q8_K (ggml's own quantizer, so a row's
+        // quantization is a function of the row alone), split among threads.
+        const ggml_from_float_t q8k_from = ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float;
+        for (int64_t n = ith; n < N; n += nth) {
+            q8k_from((const float *) ((const char *) x->data + n * x->nb[1]), base + n * qrow, K);
+        }
+        if (ith == 0) {
+            computed.fetch_add(1, std::memory_order_relaxed);
+        }
+        ggml_barrier(params->threadpool);
+        // Phase 2: each thread its contiguous share of weight rows, all activation rows.
+        int64_t r0, r1;
+        thread_rows(M, ith, nth, r0, r1);
+        if (r0 < r1) {
+            compute(w->type, (const char *) w->data, w->nb[1], r0, r1, K, base, qrow, N, (char *) op->data, op->nb[1],
+                    base + q8 + per * ith);
+        }
+        return true;
+    }
+};
+
+}  // namespace
+
+ggml::cpu::tensor_traits * polykv_kq_traits(const ggml_tensor * op) {
+    static traits t;
+    return enabled.load(std::memory_order_relaxed) && supported(op) ? &t : nullptr;
+}
+
+extern "C" void polykv_kq_enable(int on) { enabled.store(on != 0); }
+
+extern "C" unsigned long long polykv_kq_computed(void) { return computed.load(); }
+
+extern "C" int polykv_kq_available(void) { return 1; }
+
+// polykv_kq_selftest quantizes a random M x K matrix to type and N random activation
+// rows to q8_K, computes the product with this kernel for all N rows at once, for each
+// row alone and for the rows in groups of 3, and with ggml's vec_dot. It reports the
+// largest difference from ggml relative to the largest |result|, and whether the three
+// kernel runs agree bit for bit.
+extern "C" int polykv_kq_selftest(int type, int M, int K, int N, unsigned seed, double * max_rel, int * identical) {
+    const ggml_type t = (ggml_type) type;
+    if ((t != GGML_TYPE_Q4_K && t != GGML_TYPE_Q6_K) || K % kQK != 0 || M < 1 || N < 1) {
+        return -1;
+    }
+    ggml_cpu_init(); // ggml-cpu's tables (a test may run before any model is loaded)
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<float> wf((size_t) M * K), xf((size_t) N * K);
+    for (auto & v : wf) {
+        v = nd(rng) * 0.05f;
+    }
+    for (auto & v : xf) {
+        v = nd(rng);
+    }
+    const size_t wrow = ggml_row_size(t, K);
+    std::vector<char> wq(wrow * M);
+    ggml_quantize_chunk(t, wf.data(), wq.data(), 0, M, K, nullptr);
+    const size_t qrow = q8_row_bytes(K);
+    std::vector<char> xq(qrow * N);
+    const ggml_from_float_t q8k_from = ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float;
+    for (int n = 0; n < N; n++) {
+        q8k_from(xf.data() + (size_t) n * K, xq.data() + n * qrow, K);
+    }
+    // Two "threads" (row ranges) as the graph would split them with nth = 2.
+    auto run = [&](int64_t c0, int64_t cn, std::vector<float> & out) {
+        for (int ith = 0; ith < 2; ith++) {
+            int64_t r0, r1;
+            thread_rows(M, ith, 2, r0, r1);
+            if (r0 >= r1) {
+                continue;
+            }
+            void * s = aligned_alloc(64, (scratch_bytes(t, M, K, 2) + 63) & ~(size_t) 63);
+            compute(t, wq.data(), wrow, r0, r1, K, xq.data() + c0 * qrow, qrow, cn, (char *) (out.data() + c0 * M), M * sizeof(float), s);
+            free(s);
+        }
+    };
+    std::vector<float> all((size_t) N * M), one((size_t) N * M), three((size_t) N * M);
+    run(0, N, all);
+    for (int n = 0; n < N; n++) {
+        run(n, 1, one);
+    }
+    for (int n = 0; n < N; n += 3) {
+        run(n, N - n < 3 ? N - n : 3, three);
+    }
+    *identical = memcmp(all.data(), one.data(), all.size() * sizeof(float)) == 0 &&
+                 memcmp(all.data(), three.data(), all.size() * sizeof(float)) == 0;
+    const auto vec_dot = ggml_get_type_traits_cpu(t)->vec_dot;
+    double big = 0, diff = 0;
+    for (int n = 0; n < N; n++) {
+        for (int m = 0; m < M; m++) {
+            float ref = 0;
+            vec_dot(K, &ref, 0, wq.data() + m * wrow, 0, xq.data() + n * qrow, 0, 1);
+            big = std::fmax(big, std::fabs(ref));
+            diff = std::fmax(diff, std::fabs((double) ref - all[(size_t) n * M + m]));
+        }
+    }
+    *max_rel = big > 0 ? diff / big : diff;
+    return 0;
+}
+
+#else
+
+ggml::cpu::tensor_traits * polykv_kq_traits(const ggml_tensor *) { return nullptr; }
+
+extern "C" void polykv_kq_enable(int on) { (void) on; }
+
+extern "C" unsigned long long polykv_kq_computed(void) { return 0; }
+
+extern "C" int polykv_kq_available(void) { return 0; }
+
+extern "C" int polykv_kq_selftest(int, int, int, int, unsigned, double *, int *) { return -1; }
+
+#endif
