@@ -37,6 +37,7 @@ type Config struct {
 	PoolGrace  time.Duration // --pool-grace-ms; 0: no grace
 	FlashAttn  string        // --flash-attn: on, off, auto
 	FAKernel   string        // --fa-kernel: polykv (default) or ggml: the CPU flash-attention kernel for f16 caches
+	MMKernel   string        // --mm-kernel: polykv (default) or ggml: the CPU matrix kernel for Q4_K/Q6_K weights
 	TPSTau     time.Duration // --tps-tau: EWMA time constant of experienced tps
 	CacheTypeK string        // --cache-type-k: f16, q8_0, q4_0, ...
 	CacheTypeV string        // --cache-type-v: as CacheTypeK; quantized needs flash attention
@@ -80,6 +81,7 @@ func DefaultConfig() Config {
 		PoolGrace:   30 * time.Second,
 		FlashAttn:   "on",
 		FAKernel:    "polykv",
+		MMKernel:    "polykv",
 		PrefixCache: "on",
 		TPSTau:      tps.DefaultTau,
 		CacheTypeK:  "f16",
@@ -133,6 +135,11 @@ func (c Config) Validate() error {
 	case "", "polykv", "ggml":
 	default:
 		return fmt.Errorf("--fa-kernel must be polykv or ggml, got %q", c.FAKernel)
+	}
+	switch c.MMKernel {
+	case "", "polykv", "ggml":
+	default:
+		return fmt.Errorf("--mm-kernel must be polykv or ggml, got %q", c.MMKernel)
 	}
 	switch c.PrefixCache {
 	case "off", "on":
@@ -233,6 +240,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	}
 	fa := FlashAttn(cfg.FlashAttn)
 	llama.SetFlashAttnKernel(cfg.FAKernel != "ggml")
+	llama.SetMatMulKernel(cfg.MMKernel != "ggml")
 	nSeq := cfg.Parallel + cfg.MaxPools
 	// Sliding-window models (Gemma 3): a full-size SWA cache (swa_full), so a pool keeps
 	// every position of its prefix in the SWA layers too, and shadow sequences that stop
