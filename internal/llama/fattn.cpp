@@ -370,6 +370,26 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
     }
 }
 
+// rows_per_block is how many query rows of one KV head a block takes (at most kRows).
+// Which rows share a block does not change any row's arithmetic, only the work: a block
+// converts its K/V tiles once (about one row's cost) and computes its rows, so this
+// picks the size with the shortest slowest thread. Prompt batches get kRows; a decode
+// step of a model with one KV head (Gemma 3 270M: four query rows) gets two per block
+// rather than one block for one thread while the others wait.
+int rows_per_block(int64_t heads, int64_t per_head, int nth) {
+    int best = kRows;
+    int64_t best_cost = INT64_MAX;
+    for (int r = kRows; r >= 1; r--) {
+        const int64_t blocks = heads * ((per_head + r - 1) / r);
+        const int64_t cost = (blocks + nth - 1) / nth * (1 + r);
+        if (cost < best_cost) {
+            best = r;
+            best_cost = cost;
+        }
+    }
+    return best;
+}
+
 class traits : public ggml::cpu::tensor_traits {
   public:
     bool work_size(int n_threads, const ggml_tensor * op, size_t & size) override {
@@ -392,14 +412,15 @@ class traits : public ggml::cpu::tensor_traits {
         }
         const int64_t nkvh = g.nq2 / g.rk2;
         const int64_t per_head = g.rk2 * g.N;
-        const int64_t blocks_per_head = (per_head + kRows - 1) / kRows;
+        const int rpb = rows_per_block(g.nq3 * nkvh, per_head, params->nth);
+        const int64_t blocks_per_head = (per_head + rpb - 1) / rpb;
         const int64_t nblocks = g.nq3 * nkvh * blocks_per_head;
         for (int64_t b = params->ith; b < nblocks; b += params->nth) {
             const int64_t hb = b / blocks_per_head, ib = b % blocks_per_head;
             const int64_t iq3 = hb / nkvh, kh = hb % nkvh;
             int64_t rows[kRows];
             int nr = 0;
-            for (int64_t j = ib * kRows; j < per_head && nr < kRows; j++) {
+            for (int64_t j = ib * rpb; j < per_head && nr < rpb; j++) {
                 const int64_t iq1 = j / g.rk2, iq2 = kh * g.rk2 + j % g.rk2;
                 rows[nr++] = iq3 * g.nq2 * g.N + iq2 * g.N + iq1;
             }

@@ -87,6 +87,13 @@ struct packed {
     float dmin[kRows];
 };
 
+inline int32_t hsum4(__m128i v) {
+    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+inline int32_t hsum8(__m256i v) { return hsum4(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1))); }
+
 // Type-specific unpacking of one super-block of one row: codes (0..15 or 0..63), the
 // scale of each sub-block and the term subtracted per sub-block (min or 32 x scale).
 struct kq4 {
@@ -118,6 +125,31 @@ struct kq4 {
         const int16_t b1 = (int16_t) (a.bsums[4 * p + 2] + a.bsums[4 * p + 3]);
         return (int32_t) (uint16_t) b0 | ((int32_t) (uint16_t) b1 << 16);
     }
+    // dot computes one row's integer sums for one super-block straight from the block
+    // (the structure of ggml's AVX2 vec_dot_q4_K_q8_K, ending in integers).
+    static void dot(const block & x, const q8k & a, int32_t & sumi, int32_t & summ) {
+        uint32_t u[4];
+        memcpy(u, x.scales, 12);
+        u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+        const uint32_t aux = u[1] & 0x3f3f3f3f;
+        u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+        u[2] = aux;
+        u[0] &= 0x3f3f3f3f;
+        const uint8_t * sc = (const uint8_t *) &u[0]; // scales 0..7, then mins 0..7
+        const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+        const __m256i bs = _mm256_loadu_si256((const __m256i *) a.bsums);
+        const __m128i b32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+        summ = hsum4(_mm_madd_epi16(_mm256_extracti128_si256(ms, 1), b32));
+        const __m256i m4 = _mm256_set1_epi8(0x0F);
+        __m256i t = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *) (x.qs + 32 * j));
+            const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(v, m4), _mm256_loadu_si256((const __m256i *) (a.qs + 64 * j)));
+            const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_loadu_si256((const __m256i *) (a.qs + 64 * j + 32)));
+            t = _mm256_add_epi32(t, _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi16(sc[2 * j])), _mm256_madd_epi16(hi, _mm256_set1_epi16(sc[2 * j + 1]))));
+        }
+        sumi = hsum8(t);
+    }
 };
 
 struct kq6 {
@@ -148,6 +180,35 @@ struct kq6 {
     }
     static int32_t bpair(const q8k & a, int p) {
         return (int32_t) (uint16_t) a.bsums[2 * p] | ((int32_t) (uint16_t) a.bsums[2 * p + 1] << 16);
+    }
+    // dot computes one row's integer sums for one super-block straight from the block:
+    // the codes (value + 32) times the activations, scaled per 16, and 32 x the scaled
+    // activation sums.
+    static void dot(const block & x, const q8k & a, int32_t & sumi, int32_t & summ) {
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *) x.scales);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        summ = 32 * hsum8(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *) a.bsums)));
+        const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+        __m256i t = _mm256_setzero_si256();
+        for (int n = 0; n < 2; n++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *) (x.ql + 64 * n));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *) (x.ql + 64 * n + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *) (x.qh + 32 * n));
+            const __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4)),
+                _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4)),
+            };
+            for (int v = 0; v < 4; v++) {
+                const int s0 = 8 * n + 2 * v; // the vector's two sub-blocks of 16: s0, s0 + 1
+                const __m256i p = _mm256_maddubs_epi16(q[v], _mm256_loadu_si256((const __m256i *) (a.qs + 128 * n + 32 * v)));
+                // scales s0 (low 8 lanes) and s0 + 1 (high 8 lanes), widened to int16
+                const __m256i scv = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_set_epi64x(0x0101010101010101LL * (s0 + 1), 0x0101010101010101LL * s0)));
+                t = _mm256_add_epi32(t, _mm256_madd_epi16(p, scv));
+            }
+        }
+        sumi = hsum8(t);
     }
 };
 
@@ -227,6 +288,31 @@ inline __m256i dot4(__m256i acc, __m256i w, __m256i a) {
 #endif
 }
 
+// finish adds one super-block's integer sums to the float accumulators of kRows rows
+// (one lane each): the only float arithmetic of the kernel, shared by tile and direct so
+// a row's result is the same bits whichever computes it.
+template <class T>
+inline __m256 finish(__m256 acc, float dact, __m256 D, __m256 M, __m256i sumi, __m256i summ) {
+    const __m256 da = _mm256_set1_ps(dact);
+    if constexpr (T::kSub == 8) { // Q4_K: d x scaled sum - dmin x min sum
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(da, D), _mm256_cvtepi32_ps(sumi), acc);
+        return _mm256_fnmadd_ps(_mm256_mul_ps(da, M), _mm256_cvtepi32_ps(summ), acc);
+    } else { // Q6_K: d x (scaled sum of codes - 32 x scaled activation sums)
+        return _mm256_fmadd_ps(_mm256_mul_ps(da, D), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, summ)), acc);
+    }
+}
+
+// store writes the first n of kRows row results.
+inline void store(float * out, __m256 v, int n) {
+    if (n == kRows) {
+        _mm256_storeu_ps(out, v);
+    } else {
+        alignas(32) float t[kRows];
+        _mm256_store_ps(t, v);
+        memcpy(out, t, n * sizeof(float));
+    }
+}
+
 // tile computes kRows weight rows (packed) times C activation rows over nsb
 // super-blocks; out[c] receives n row results.
 template <class T, int C>
@@ -242,22 +328,28 @@ void tile(const packed<T::kSub> * p, int64_t nsb, const q8k * const a[C], float 
         for (int c = 0; c < C; c++) {
             sumi[c] = summ[c] = _mm256_setzero_si256();
         }
-        for (int s = 0; s < T::kSub; s++) {
-            __m256i d[C];
+        // Two sub-blocks at a time: two independent dot chains per activation row, so
+        // even one row (decode) is not bound by the dot instruction's latency.
+        for (int s = 0; s < T::kSub; s += 2) {
+            __m256i d0[C], d1[C];
             for (int c = 0; c < C; c++) {
-                d[c] = _mm256_setzero_si256();
+                d0[c] = d1[c] = _mm256_setzero_si256();
             }
             for (int g = 0; g < SB / 4; g++) {
-                const __m256i w = _mm256_load_si256((const __m256i *) P.w[s * SB / 4 + g]);
+                const __m256i w0 = _mm256_load_si256((const __m256i *) P.w[s * SB / 4 + g]);
+                const __m256i w1 = _mm256_load_si256((const __m256i *) P.w[(s + 1) * SB / 4 + g]);
                 for (int c = 0; c < C; c++) {
-                    int32_t av;
-                    memcpy(&av, a[c][b].qs + s * SB + 4 * g, 4);
-                    d[c] = dot4(d[c], w, _mm256_set1_epi32(av));
+                    int32_t a0, a1;
+                    memcpy(&a0, a[c][b].qs + s * SB + 4 * g, 4);
+                    memcpy(&a1, a[c][b].qs + (s + 1) * SB + 4 * g, 4);
+                    d0[c] = dot4(d0[c], w0, _mm256_set1_epi32(a0));
+                    d1[c] = dot4(d1[c], w1, _mm256_set1_epi32(a1));
                 }
             }
-            const __m256i sc = _mm256_loadu_si256((const __m256i *) P.sc[s]);
+            const __m256i sc0 = _mm256_loadu_si256((const __m256i *) P.sc[s]);
+            const __m256i sc1 = _mm256_loadu_si256((const __m256i *) P.sc[s + 1]);
             for (int c = 0; c < C; c++) {
-                sumi[c] = _mm256_add_epi32(sumi[c], _mm256_mullo_epi32(d[c], sc));
+                sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(_mm256_mullo_epi32(d0[c], sc0), _mm256_mullo_epi32(d1[c], sc1)));
             }
         }
         for (int j = 0; j < T::kSub / 2; j++) {
@@ -268,60 +360,118 @@ void tile(const packed<T::kSub> * p, int64_t nsb, const q8k * const a[C], float 
         }
         const __m256 D = _mm256_loadu_ps(P.d), M = _mm256_loadu_ps(P.dmin);
         for (int c = 0; c < C; c++) {
-            const __m256 da = _mm256_set1_ps(a[c][b].d);
-            if constexpr (T::kSub == 8) { // Q4_K: d x scaled sum - dmin x min sum
-                acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(da, D), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
-                acc[c] = _mm256_fnmadd_ps(_mm256_mul_ps(da, M), _mm256_cvtepi32_ps(summ[c]), acc[c]);
-            } else { // Q6_K: d x (scaled sum of codes - 32 x scaled activation sums)
-                acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(da, D), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[c], summ[c])), acc[c]);
-            }
+            acc[c] = finish<T>(acc[c], a[c][b].d, D, M, sumi[c], summ[c]);
         }
     }
     for (int c = 0; c < C; c++) {
-        if (n == kRows) {
-            _mm256_storeu_ps(out[c], acc[c]);
-        } else {
-            alignas(32) float t[kRows];
-            _mm256_store_ps(t, acc[c]);
-            memcpy(out[c], t, n * sizeof(float));
+        store(out[c], acc[c], n);
+    }
+}
+
+// direct computes kRows weight rows (n of them real) times C (1-3) activation rows
+// without packing: for a decode step packing costs more than it saves. Each row's
+// integer sums are computed row-wise (exact, so equal to tile's), one row after the
+// other (sequential reads, as ggml's vec_dot walks them), into scratch; then the same
+// float sequence as tile (finish) in the same lanes.
+template <class T, int C>
+void direct(const char * rows, size_t stride, int n, int64_t nsb, const q8k * const a[C], float * const out[C], void * scratch) {
+    int32_t * si = (int32_t *) scratch;          // [C][nsb][kRows]
+    int32_t * sm = si + C * nsb * kRows;         // [C][nsb][kRows]
+    float * d = (float *) (sm + C * nsb * kRows); // [nsb][kRows]
+    float * dmin = d + nsb * kRows;              // [nsb][kRows]
+    if (n < kRows) {
+        memset(scratch, 0, (size_t) (2 * C + 2) * nsb * kRows * 4);
+    }
+    for (int r = 0; r < n; r++) {
+        const auto * x = (const typename T::block *) (rows + r * stride);
+        for (int64_t b = 0; b < nsb; b++) {
+            d[b * kRows + r] = ggml_fp16_to_fp32(x[b].d);
+            if constexpr (T::kSub == 8) {
+                dmin[b * kRows + r] = ggml_fp16_to_fp32(x[b].dmin);
+            } else {
+                dmin[b * kRows + r] = 0;
+            }
+            for (int c = 0; c < C; c++) {
+                T::dot(x[b], a[c][b], si[(c * nsb + b) * kRows + r], sm[(c * nsb + b) * kRows + r]);
+            }
         }
+    }
+    __m256 acc[C];
+    for (int c = 0; c < C; c++) {
+        acc[c] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nsb; b++) {
+        const __m256 D = _mm256_loadu_ps(d + b * kRows), M = _mm256_loadu_ps(dmin + b * kRows);
+        for (int c = 0; c < C; c++) {
+            acc[c] = finish<T>(acc[c], a[c][b].d, D, M, _mm256_loadu_si256((const __m256i *) (si + (c * nsb + b) * kRows)),
+                               _mm256_loadu_si256((const __m256i *) (sm + (c * nsb + b) * kRows)));
+        }
+    }
+    for (int c = 0; c < C; c++) {
+        store(out[c], acc[c], n);
     }
 }
 
 // rows computes weight rows [r0, r1) (a thread's share, r0 a multiple of kRows) times
-// all N activation rows: packs them once into scratch, then walks the activation rows
-// in chunks so a chunk stays in cache while the packed blocks stream past it.
+// all N activation rows, with scratch for the packed blocks.
 template <class T>
 void rows(const char * w, size_t wstride, int64_t r0, int64_t r1, int64_t K, const char * act, size_t astride, int64_t N,
           char * dst, size_t dstride, void * scratch) {
     const int64_t nsb = K / kQK;
     auto * P = (packed<T::kSub> *) scratch;
     const int64_t nblk = (r1 - r0 + kRows - 1) / kRows;
-    for (int64_t i = 0; i < nblk; i++) {
+    auto block_rows = [&](int64_t i) { return (int) (r1 - (r0 + i * kRows) < kRows ? r1 - (r0 + i * kRows) : kRows); };
+    // cols computes packed block i (at pb) times activation rows [c0, c1).
+    auto cols = [&](int64_t i, const packed<T::kSub> * pb, int64_t c0, int64_t c1) {
         const int64_t rb = r0 + i * kRows;
-        pack<T>(w + rb * wstride, wstride, (int) (r1 - rb < kRows ? r1 - rb : kRows), nsb, P + i * nsb);
-    }
-    for (int64_t c0 = 0; c0 < N; c0 += kChunk) {
-        const int64_t c1 = c0 + kChunk < N ? c0 + kChunk : N;
+        const q8k * a[kCols];
+        float * o[kCols];
+        for (int64_t c = c0; c < c1; c += kCols) {
+            const int m = (int) (c1 - c < kCols ? c1 - c : kCols);
+            for (int j = 0; j < m; j++) {
+                a[j] = (const q8k *) (act + (c + j) * astride);
+                o[j] = (float *) (dst + (c + j) * dstride) + rb;
+            }
+            switch (m) {
+            case 1: tile<T, 1>(pb, nsb, a, o, block_rows(i)); break;
+            case 2: tile<T, 2>(pb, nsb, a, o, block_rows(i)); break;
+            case 3: tile<T, 3>(pb, nsb, a, o, block_rows(i)); break;
+            default: tile<T, 4>(pb, nsb, a, o, block_rows(i)); break;
+            }
+        }
+    };
+    if (N < kCols) { // a decode step (or two, three): no packing
+        const q8k * a[kCols];
         for (int64_t i = 0; i < nblk; i++) {
             const int64_t rb = r0 + i * kRows;
-            const int n = (int) (r1 - rb < kRows ? r1 - rb : kRows);
-            int64_t c = c0;
-            const q8k * a[kCols];
             float * o[kCols];
-            for (; c < c1; c += kCols) {
-                const int m = (int) (c1 - c < kCols ? c1 - c : kCols);
-                for (int j = 0; j < m; j++) {
-                    a[j] = (const q8k *) (act + (c + j) * astride);
-                    o[j] = (float *) (dst + (c + j) * dstride) + rb;
-                }
-                switch (m) {
-                case 1: tile<T, 1>(P + i * nsb, nsb, a, o, n); break;
-                case 2: tile<T, 2>(P + i * nsb, nsb, a, o, n); break;
-                case 3: tile<T, 3>(P + i * nsb, nsb, a, o, n); break;
-                default: tile<T, 4>(P + i * nsb, nsb, a, o, n); break;
-                }
+            for (int j = 0; j < N; j++) {
+                a[j] = (const q8k *) (act + j * astride);
+                o[j] = (float *) (dst + j * dstride) + rb;
             }
+            switch (N) {
+            case 1: direct<T, 1>(w + rb * wstride, wstride, block_rows(i), nsb, a, o, scratch); break;
+            case 2: direct<T, 2>(w + rb * wstride, wstride, block_rows(i), nsb, a, o, scratch); break;
+            default: direct<T, 3>(w + rb * wstride, wstride, block_rows(i), nsb, a, o, scratch); break;
+            }
+        }
+        return;
+    }
+    if (N <= kChunk) { // few activation rows: pack a block, use it, reuse the scratch
+        for (int64_t i = 0; i < nblk; i++) {
+            pack<T>(w + (r0 + i * kRows) * wstride, wstride, block_rows(i), nsb, P);
+            cols(i, P, 0, N);
+        }
+        return;
+    }
+    // A prompt batch: pack the thread's rows once, then walk the activation rows in
+    // chunks so a chunk stays in cache while the packed blocks stream past it.
+    for (int64_t i = 0; i < nblk; i++) {
+        pack<T>(w + (r0 + i * kRows) * wstride, wstride, block_rows(i), nsb, P + i * nsb);
+    }
+    for (int64_t c0 = 0; c0 < N; c0 += kChunk) {
+        for (int64_t i = 0; i < nblk; i++) {
+            cols(i, P + i * nsb, c0, c0 + kChunk < N ? c0 + kChunk : N);
         }
     }
 }
@@ -342,7 +492,9 @@ void thread_rows(int64_t M, int ith, int nth, int64_t & r0, int64_t & r1) {
 size_t scratch_bytes(ggml_type t, int64_t M, int64_t K, int nth) {
     const int64_t nblk = (M + kRows - 1) / kRows;
     const int64_t most = (nblk + nth - 1) / nth;
-    return (size_t) most * (K / kQK) * packed_bytes(t) + 64;
+    const size_t packs = (size_t) most * (K / kQK) * packed_bytes(t);
+    const size_t direct_sums = (size_t) (2 * (kCols - 1) + 2) * (K / kQK) * kRows * 4; // direct's integer sums and scales
+    return (packs > direct_sums ? packs : direct_sums) + 64;
 }
 
 void compute(ggml_type t, const char * w, size_t wstride, int64_t r0, int64_t r1, int64_t K, const char * act, size_t astride, int64_t N,
