@@ -65,7 +65,7 @@ demo: build model venv
 # LLAMA_BENCH=/path/to/llama-bench (built from llama.cpp by you, outside this repo) adds
 # llama-bench's figure and the ratio to every prefill row, measured alternately in one run.
 bench: build model
-	./bin/polykv bench -m "$(POLYKV_MODEL)" --prefill-models "$(POLYKV_MODEL),$(POLYKV_MODEL_GEMMA)" $(if $(LLAMA_BENCH),--prefill-baseline "$(LLAMA_BENCH)")
+	./bin/polykv bench -m "$(POLYKV_MODEL)" --prefill-models "$(POLYKV_MODEL),$(POLYKV_MODEL_GEMMA)" --prefill-decode 64 --prefill-decode-depth 512 $(if $(LLAMA_BENCH),--prefill-baseline "$(LLAMA_BENCH)")
 
 clean:
 	rm -rf bin

@@ -41,6 +41,8 @@ func bench(args []string) error {
 	fs.StringVar(&pf.types, "prefill-cache-types", "f16,q8_0,q4_0", "prefill: KV cache types (K and V alike)")
 	fs.StringVar(&pf.lengths, "prefill-tokens", "128,2000", "prefill: prompt lengths")
 	fs.StringVar(&pf.baseline, "prefill-baseline", "", "prefill: path of a llama-bench binary built from llama.cpp; each measurement alternates with it and the ratio is printed")
+	fs.IntVar(&pf.decode, "prefill-decode", 0, "prefill: also time N single-token decode steps of one sequence after an untimed prompt of --prefill-decode-depth tokens, per model and cache type (tgN rows, alternating likewise; 0: off)")
+	fs.IntVar(&pf.depth, "prefill-decode-depth", 16, "prefill: tokens of context (prefilled untimed) before the timed decode steps of --prefill-decode")
 	var fo fanout
 	fs.IntVar(&fo.root, "fanout-root", 2000, "fan-out: tokens of the shared root prefix")
 	fs.IntVar(&fo.suffix, "fanout-suffix", 100, "fan-out: tokens each agent adds")
