@@ -6,7 +6,7 @@
 // query row at a time (per cell: an f16 dot product with a horizontal sum, a scalar expf
 // and an f16 accumulator converted back and forth), which makes a 2,000-token prefill
 // run at ~0.7x of newer llama.cpp's tiled kernel. This one shares each K/V tile among up
-// to four query rows of the same KV head (transposed and converted to f32 once), keeps
+// to eight query rows of the same KV head (transposed and converted to f32 once), keeps
 // the accumulator in f32 and vectorizes the exponentials.
 //
 // Why it keeps a token's logits independent of the batch (PolyKV's determinism
@@ -37,7 +37,7 @@
 
 namespace {
 
-constexpr int kRows = 4;    // query rows sharing one K/V tile
+constexpr int kRows = 8;    // query rows sharing one K/V tile
 constexpr int kTile = 8;    // cells per tile (one AVX2 register of scores)
 constexpr int kMaxD = 256;  // largest head size handled
 
@@ -372,7 +372,7 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
 
 // rows_per_block is how many query rows of one KV head a block takes (at most kRows).
 // Which rows share a block does not change any row's arithmetic, only the work: a block
-// converts its K/V tiles once (about one row's cost) and computes its rows, so this
+// converts its K/V tiles once (about four rows' cost) and computes its rows, so this
 // picks the size with the shortest slowest thread. Prompt batches get kRows; a decode
 // step of a model with one KV head (Gemma 3 270M: four query rows) gets two per block
 // rather than one block for one thread while the others wait.
@@ -381,7 +381,7 @@ int rows_per_block(int64_t heads, int64_t per_head, int nth) {
     int64_t best_cost = INT64_MAX;
     for (int r = kRows; r >= 1; r--) {
         const int64_t blocks = heads * ((per_head + r - 1) / r);
-        const int64_t cost = (blocks + nth - 1) / nth * (1 + r);
+        const int64_t cost = (blocks + nth - 1) / nth * (4 + (r < per_head ? r : per_head));
         if (cost < best_cost) {
             best = r;
             best_cost = cost;
@@ -428,7 +428,11 @@ class traits : public ggml::cpu::tensor_traits {
             case 1: block<1>(op, g, rows, wd); break;
             case 2: block<2>(op, g, rows, wd); break;
             case 3: block<3>(op, g, rows, wd); break;
-            default: block<4>(op, g, rows, wd); break;
+            case 4: block<4>(op, g, rows, wd); break;
+            case 5: block<5>(op, g, rows, wd); break;
+            case 6: block<6>(op, g, rows, wd); break;
+            case 7: block<7>(op, g, rows, wd); break;
+            default: block<8>(op, g, rows, wd); break;
             }
         }
         return true;
