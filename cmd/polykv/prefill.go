@@ -57,7 +57,7 @@ func (p prefillBench) run(cfg app.Config, reps int) error {
 	if p.decode < 0 || p.depth < 1 {
 		return fmt.Errorf("bench: bad --prefill-decode %d or --prefill-decode-depth %d", p.decode, p.depth)
 	}
-	// With PolyKV's CPU kernels (flash attention, K-quant matrices), every row also
+	// With PolyKV's CPU kernels (flash attention, Q4_1/K-quant matrices), every row also
 	// times ggml's own kernels, alternating in the same run, so the kernels' gain is a
 	// ratio from one run too.
 	ours := (cfg.FlashAttn != "off" && cfg.FAKernel != "ggml") || cfg.MMKernel != "ggml"
@@ -178,7 +178,7 @@ func alternate(cfg app.Config, reps int, stock bool, run, base func() (float64, 
 }
 
 // useKernels selects the configured CPU kernels (configured true) or ggml's own for both
-// flash attention and K-quant matrices.
+// flash attention and Q4_1/K-quant matrices.
 func useKernels(cfg app.Config, configured bool) {
 	llama.SetFlashAttnKernel(configured && cfg.FAKernel != "ggml")
 	llama.SetMatMulKernel(configured && cfg.MMKernel != "ggml")

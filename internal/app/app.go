@@ -37,7 +37,7 @@ type Config struct {
 	PoolGrace  time.Duration // --pool-grace-ms; 0: no grace
 	FlashAttn  string        // --flash-attn: on, off, auto
 	FAKernel   string        // --fa-kernel: polykv (default) or ggml: the CPU flash-attention kernel for f16 caches
-	MMKernel   string        // --mm-kernel: polykv (default) or ggml: the CPU matrix kernel for Q4_K/Q6_K weights
+	MMKernel   string        // --mm-kernel: polykv (default) or ggml: the CPU matrix kernel for Q4_1/Q4_K/Q6_K weights
 	TPSTau     time.Duration // --tps-tau: EWMA time constant of experienced tps
 	CacheTypeK string        // --cache-type-k: f16, q8_0, q4_0, ...
 	CacheTypeV string        // --cache-type-v: as CacheTypeK; quantized needs flash attention

@@ -238,6 +238,13 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
                 any[h] = any[h] || _mm256_movemask_ps(_mm256_cmp_ps(m[r][h], ninf, _CMP_NEQ_OQ)) != 0;
             }
         }
+        // Decode steps read K from memory once per step and layer: fetch two tiles ahead.
+        for (int c = 0; c < 2 * kTile && c0 + 4 * kTile + c < g.nkv; c++) {
+            const char * kr = kbase + (c0 + 4 * kTile + c) * kstride;
+            for (int64_t o = 0; o < g.DK * 2; o += 64) {
+                _mm_prefetch(kr + o, _MM_HINT_T0);
+            }
+        }
         if (!any[0] && !any[1]) {
             for (int r = 0; r < nr; r++) {
                 _mm256_storeu_ps(sc + r * ldsc + c0, ninf);
@@ -318,6 +325,12 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
         }
         if (!any) {
             continue;
+        }
+        for (int c = 0; c < kTile && c0 + 2 * kTile + c < g.nkv; c++) {
+            const char * vr = vbase + (c0 + 2 * kTile + c) * vstride;
+            for (int64_t o = 0; o < g.DV * 2; o += 64) {
+                _mm_prefetch(vr + o, _MM_HINT_T0);
+            }
         }
         for (int c = 0; c < n; c++) {
             const ggml_fp16_t * vr = (const ggml_fp16_t *) (vbase + (c0 + c) * vstride);

@@ -1,28 +1,31 @@
-// PolyKV's CPU matrix kernel for Q4_K and Q6_K weights (K-quants), installed beside the
+// PolyKV's CPU matrix kernel for Q4_1, Q4_K and Q6_K weights, installed beside the
 // flash-attention kernel through ggml-cpu's extra-buffer-type hook (fattn.cpp registers
-// one extra that asks kq_traits here for MUL_MAT nodes).
+// one extra that asks polykv_kq_traits here for MUL_MAT nodes).
 //
-// Why our own kernel: the ggml the ollama module vendors computes a K-quant matrix
-// product one (weight row, activation row) pair at a time (ggml_vec_dot_q4_K_q8_K),
-// unpacking the 4/6-bit weights and their scales again for every activation row of a
-// prompt batch. Newer llama.cpp tiles this for batches of 8+ rows; ggml's "repack"
-// layout does too, but both compute a row of a batch differently from a row alone (the
-// tiled path only from 8 rows on, repack by groups of 4), which would break PolyKV's
-// promise that a token's logits do not depend on the batch (measured for repack: 0.214
-// in a logprob). This kernel unpacks each block of 8 weight rows once per matrix product
-// and reuses it for every activation row.
+// Why our own kernel: the ggml the ollama module vendors computes these products one
+// (weight row, activation row) pair at a time (ggml_vec_dot_q4_K_q8_K etc.; llamafile's
+// tiled sgemm covers Q4_0/Q5_0/Q8_0 but not these), unpacking the weights and their
+// scales again for every token of a prompt batch. Newer llama.cpp tiles K-quants for
+// batches of 8+ rows; ggml's "repack" layout groups rows by 4; both compute a row of a
+// batch differently from a row alone, which would break PolyKV's promise that a token's
+// logits do not depend on the batch (measured for repack: 0.214 in a logprob). This
+// kernel unpacks each block of 8 weight rows once per product and reuses it for every
+// activation row (the codes transposed so one 32-bit lane is one weight row).
 //
 // Why it keeps a token's logits independent of the batch: each output element is the
 // same fixed sequence of operations whatever the batch size, the tile or the thread:
-// - per 256-value super-block, the integer sums (sum over sub-blocks of scale x dot of the
-//   quantized values; for Q4_K also sum of min x activation sums) are exact in int32, so
-//   any order gives the same integers;
-// - the float part is, per super-block in order: acc = fma(d_act * d, float(sumi), acc)
-//   (Q4_K then acc = fma(-(d_act * dmin), float(summ), acc)); each element lives in one
-//   SIMD lane (lanes are weight rows), so the tile a column is computed with changes
-//   nothing.
-// Decode (one activation row) runs through the same code. Everything else (other types,
-// batched 3-D/4-D products, MUL_MAT_ID) stays with ggml.
+// - per block (256 values for K-quants, 32 for Q4_1) the integer sums (scale x dot of the
+//   codes per sub-block; the min or offset term) are exact in int32, so any order or
+//   method gives the same integers;
+// - the float part is one fixed sequence per block, in block order (finish): Q4_K
+//   acc = fma(d_act * d, float(sumi), acc), then acc = fma(-(d_act * dmin), float(summ),
+//   acc); Q6_K one fma; Q4_1 acc = fma(d_act * d, float(dot), acc), then
+//   acc = fma(m, s_act, acc). Each element lives in one SIMD lane (lanes are weight
+//   rows), so the tile or path that computes a column changes nothing.
+// One to three activation rows (decode) take a direct path (no packing) that computes the
+// same integers row-wise and ends in the same finish; TestKQuantKernel checks all paths
+// bit for bit. Everything else (other types, batched 3-D/4-D products, MUL_MAT_ID) stays
+// with ggml.
 
 #include "kquant.h"
 
@@ -66,6 +69,20 @@ struct q4k {
 };
 static_assert(sizeof(q4k) == 144, "q4_K layout");
 
+// ggml's block_q4_1 (32 values: d x code + m) and block_q8_1 (32 values; s = d x the
+// sum of the codes), the activation side of Q4_1 products.
+struct q41 {
+    uint16_t d, m;
+    uint8_t qs[16];
+};
+static_assert(sizeof(q41) == 20, "q4_1 layout");
+
+struct q81 {
+    uint16_t d, s;
+    int8_t qs[32];
+};
+static_assert(sizeof(q81) == 36, "q8_1 layout");
+
 struct q6k {
     uint8_t ql[kQK / 2];
     uint8_t qh[kQK / 4];
@@ -78,14 +95,30 @@ static_assert(sizeof(q6k) == 210, "q6_K layout");
 // consecutive values of group g at w[g][r] (so one 4-byte dot per lane is one row), the
 // per-sub-block scales per row, int16 pairs for the min (Q4_K) or offset (Q6_K) term,
 // and the super-block scales.
-template <int NSUB>
+template <class T>
 struct packed {
-    alignas(32) uint8_t w[kQK / 4][kRows][4];
-    int32_t sc[NSUB][kRows];
-    int16_t mn[NSUB / 2][kRows][2];
+    alignas(32) uint8_t w[T::kQK / 4][kRows][4];
+    int32_t sc[T::kSub][kRows];
+    int16_t mn[(T::kSub + 1) / 2][kRows][2];
     float d[kRows];
     float dmin[kRows];
 };
+
+// h2f converts an IEEE half to float (exact; inline, where ggml's is a library call).
+inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+// dot4 adds, per 32-bit lane, the dot product of 4 unsigned weight codes and 4 signed
+// activation values (exact in int32 either way).
+inline __m256i dot4(__m256i acc, __m256i w, __m256i a) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, w, a);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, a);
+#else
+    // maddubs sums pairs into int16 without saturating: 2 x 63 x 128 < 32767.
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
+#endif
+}
 
 inline int32_t hsum4(__m128i v) {
     v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -97,8 +130,12 @@ inline int32_t hsum8(__m256i v) { return hsum4(_mm_add_epi32(_mm256_castsi256_si
 // Type-specific unpacking of one super-block of one row: codes (0..15 or 0..63), the
 // scale of each sub-block and the term subtracted per sub-block (min or 32 x scale).
 struct kq4 {
-    static constexpr int kSub = 8; // sub-blocks of 32
+    static constexpr int kQK = 256; // values per (super-)block
+    static constexpr int kSub = 8;  // sub-blocks of 32
+    static constexpr ggml_type kAct = GGML_TYPE_Q8_K;
     using block = q4k;
+    using act = q8k;
+    static float act_d(const act & a) { return a.d; }
     static void unpack(const block & x, uint8_t * q, int32_t * sc, int16_t * mn, float & d, float & dmin) {
         const __m256i m4 = _mm256_set1_epi8(0x0F);
         for (int j = 0; j < 4; j++) {
@@ -116,8 +153,8 @@ struct kq4 {
                 mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
             }
         }
-        d = ggml_fp16_to_fp32(x.d);
-        dmin = ggml_fp16_to_fp32(x.dmin);
+        d = h2f(x.d);
+        dmin = h2f(x.dmin);
     }
     // bpair is the activation sums of sub-blocks 2p and 2p+1 as an int16 pair.
     static int32_t bpair(const q8k & a, int p) {
@@ -153,8 +190,12 @@ struct kq4 {
 };
 
 struct kq6 {
+    static constexpr int kQK = 256;
     static constexpr int kSub = 16; // sub-blocks of 16
+    static constexpr ggml_type kAct = GGML_TYPE_Q8_K;
     using block = q6k;
+    using act = q8k;
+    static float act_d(const act & a) { return a.d; }
     static void unpack(const block & x, uint8_t * q, int32_t * sc, int16_t * mn, float & d, float & dmin) {
         const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
         for (int n = 0; n < 2; n++) { // ggml's dequantize_row_q6_K, 128 values at a time
@@ -175,7 +216,7 @@ struct kq6 {
             sc[j] = x.scales[j];
             mn[j] = (int16_t) (32 * x.scales[j]); // codes are value + 32
         }
-        d = ggml_fp16_to_fp32(x.d);
+        d = h2f(x.d);
         dmin = 0;
     }
     static int32_t bpair(const q8k & a, int p) {
@@ -212,6 +253,35 @@ struct kq6 {
     }
 };
 
+// Q4_1 (SmolLM2's weights): blocks of 32, value = d x code + m; with q8_1 activations
+// a block's product is d x d_act x (codes . activations) + m x s_act.
+struct kq41 {
+    static constexpr int kQK = 32;
+    static constexpr int kSub = 1;
+    static constexpr ggml_type kAct = GGML_TYPE_Q8_1;
+    using block = q41;
+    using act = q81;
+    static float act_d(const act & a) { return h2f(a.d); }
+    static void unpack(const block & x, uint8_t * q, int32_t * sc, int16_t * mn, float & d, float & dmin) {
+        const __m128i v = _mm_loadu_si128((const __m128i *) x.qs);
+        const __m128i m4 = _mm_set1_epi8(0x0F);
+        _mm_storeu_si128((__m128i *) q, _mm_and_si128(v, m4));
+        _mm_storeu_si128((__m128i *) (q + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+        sc[0] = 1;
+        mn[0] = 0;
+        d = h2f(x.d);
+        dmin = h2f(x.m);
+    }
+    static int32_t bpair(const act &, int) { return 0; }
+    static void dot(const block & x, const act & a, int32_t & sumi, int32_t & summ) {
+        const __m128i v = _mm_loadu_si128((const __m128i *) x.qs);
+        const __m128i m4 = _mm_set1_epi8(0x0F);
+        const __m256i q = _mm256_setr_m128i(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+        sumi = hsum8(dot4(_mm256_setzero_si256(), q, _mm256_loadu_si256((const __m256i *) a.qs)));
+        summ = 0;
+    }
+};
+
 // transpose8 transposes an 8x8 matrix of 32-bit elements held in r[0..7].
 inline void transpose8(__m256i r[8]) {
     __m256 t[8], u[8];
@@ -236,18 +306,18 @@ inline void transpose8(__m256i r[8]) {
 // pack unpacks n (<= kRows) weight rows of nsb super-blocks into out[nsb]; missing rows
 // are zero (their lanes compute zeros that are never stored).
 template <class T>
-void pack(const char * rows, size_t stride, int n, int64_t nsb, packed<T::kSub> * out) {
-    alignas(32) uint8_t q[kRows][kQK];
+void pack(const char * rows, size_t stride, int n, int64_t nsb, packed<T> * out) {
+    alignas(32) uint8_t q[kRows][T::kQK];
     for (int64_t b = 0; b < nsb; b++) {
-        packed<T::kSub> & p = out[b];
+        packed<T> & p = out[b];
         int32_t sc[T::kSub];
-        int16_t mn[T::kSub];
+        int16_t mn[T::kSub + 1];
         for (int r = 0; r < kRows; r++) {
             if (r < n) {
                 const auto & x = ((const typename T::block *) (rows + r * stride))[b];
                 T::unpack(x, q[r], sc, mn, p.d[r], p.dmin[r]);
             } else {
-                memset(q[r], 0, kQK);
+                memset(q[r], 0, T::kQK);
                 memset(sc, 0, sizeof(sc));
                 memset(mn, 0, sizeof(mn));
                 p.d[r] = p.dmin[r] = 0;
@@ -262,7 +332,7 @@ void pack(const char * rows, size_t stride, int n, int64_t nsb, packed<T::kSub> 
         }
         // Row r's bytes [32i, 32i+32) are groups 8i..8i+7 of row r: transposing the 8x8
         // matrix of 4-byte groups puts group g of every row in one register.
-        for (int i = 0; i < kQK / 32; i++) {
+        for (int i = 0; i < T::kQK / 32; i++) {
             __m256i t[8];
             for (int r = 0; r < kRows; r++) {
                 t[r] = _mm256_load_si256((const __m256i *) (q[r] + 32 * i));
@@ -275,26 +345,17 @@ void pack(const char * rows, size_t stride, int n, int64_t nsb, packed<T::kSub> 
     }
 }
 
-// dot4 adds, per 32-bit lane, the dot product of 4 unsigned weight codes and 4 signed
-// activation values (exact in int32 either way).
-inline __m256i dot4(__m256i acc, __m256i w, __m256i a) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, w, a);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, w, a);
-#else
-    // maddubs sums pairs into int16 without saturating: 2 x 63 x 128 < 32767.
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
-#endif
-}
 
 // finish adds one super-block's integer sums to the float accumulators of kRows rows
 // (one lane each): the only float arithmetic of the kernel, shared by tile and direct so
 // a row's result is the same bits whichever computes it.
 template <class T>
-inline __m256 finish(__m256 acc, float dact, __m256 D, __m256 M, __m256i sumi, __m256i summ) {
-    const __m256 da = _mm256_set1_ps(dact);
-    if constexpr (T::kSub == 8) { // Q4_K: d x scaled sum - dmin x min sum
+inline __m256 finish(__m256 acc, const typename T::act & a, __m256 D, __m256 M, __m256i sumi, __m256i summ) {
+    const __m256 da = _mm256_set1_ps(T::act_d(a));
+    if constexpr (T::kQK == 32) { // Q4_1: d x d_act x dot + m x s_act
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(da, D), _mm256_cvtepi32_ps(sumi), acc);
+        return _mm256_fmadd_ps(M, _mm256_set1_ps(h2f(a.s)), acc);
+    } else if constexpr (T::kSub == 8) { // Q4_K: d x scaled sum - dmin x min sum
         acc = _mm256_fmadd_ps(_mm256_mul_ps(da, D), _mm256_cvtepi32_ps(sumi), acc);
         return _mm256_fnmadd_ps(_mm256_mul_ps(da, M), _mm256_cvtepi32_ps(summ), acc);
     } else { // Q6_K: d x (scaled sum of codes - 32 x scaled activation sums)
@@ -316,18 +377,39 @@ inline void store(float * out, __m256 v, int n) {
 // tile computes kRows weight rows (packed) times C activation rows over nsb
 // super-blocks; out[c] receives n row results.
 template <class T, int C>
-void tile(const packed<T::kSub> * p, int64_t nsb, const q8k * const a[C], float * const out[C], int n) {
-    constexpr int SB = kQK / T::kSub;  // values per sub-block
+void tile(const packed<T> * p, int64_t nsb, const typename T::act * const a[C], float * const out[C], int n) {
+    constexpr int SB = T::kQK / T::kSub; // values per sub-block
     __m256 acc[C];
     for (int c = 0; c < C; c++) {
         acc[c] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < nsb; b++) {
-        const packed<T::kSub> & P = p[b];
+        const packed<T> & P = p[b];
         __m256i sumi[C], summ[C];
         for (int c = 0; c < C; c++) {
             sumi[c] = summ[c] = _mm256_setzero_si256();
         }
+        if constexpr (T::kSub == 1) {
+            // One sub-block (Q4_1): even and odd groups in two chains, added (exact).
+            __m256i d0[C], d1[C];
+            for (int c = 0; c < C; c++) {
+                d0[c] = d1[c] = _mm256_setzero_si256();
+            }
+            for (int g = 0; g < SB / 4; g += 2) {
+                const __m256i w0 = _mm256_load_si256((const __m256i *) P.w[g]);
+                const __m256i w1 = _mm256_load_si256((const __m256i *) P.w[g + 1]);
+                for (int c = 0; c < C; c++) {
+                    int32_t a0, a1;
+                    memcpy(&a0, a[c][b].qs + 4 * g, 4);
+                    memcpy(&a1, a[c][b].qs + 4 * g + 4, 4);
+                    d0[c] = dot4(d0[c], w0, _mm256_set1_epi32(a0));
+                    d1[c] = dot4(d1[c], w1, _mm256_set1_epi32(a1));
+                }
+            }
+            for (int c = 0; c < C; c++) {
+                sumi[c] = _mm256_add_epi32(d0[c], d1[c]);
+            }
+        } else
         // Two sub-blocks at a time: two independent dot chains per activation row, so
         // even one row (decode) is not bound by the dot instruction's latency.
         for (int s = 0; s < T::kSub; s += 2) {
@@ -360,7 +442,7 @@ void tile(const packed<T::kSub> * p, int64_t nsb, const q8k * const a[C], float 
         }
         const __m256 D = _mm256_loadu_ps(P.d), M = _mm256_loadu_ps(P.dmin);
         for (int c = 0; c < C; c++) {
-            acc[c] = finish<T>(acc[c], a[c][b].d, D, M, sumi[c], summ[c]);
+            acc[c] = finish<T>(acc[c], a[c][b], D, M, sumi[c], summ[c]);
         }
     }
     for (int c = 0; c < C; c++) {
@@ -374,7 +456,7 @@ void tile(const packed<T::kSub> * p, int64_t nsb, const q8k * const a[C], float 
 // other (sequential reads, as ggml's vec_dot walks them), into scratch; then the same
 // float sequence as tile (finish) in the same lanes.
 template <class T, int C>
-void direct(const char * rows, size_t stride, int n, int64_t nsb, const q8k * const a[C], float * const out[C], void * scratch) {
+void direct(const char * rows, size_t stride, int n, int64_t nsb, const typename T::act * const a[C], float * const out[C], void * scratch) {
     int32_t * si = (int32_t *) scratch;          // [C][nsb][kRows]
     int32_t * sm = si + C * nsb * kRows;         // [C][nsb][kRows]
     float * d = (float *) (sm + C * nsb * kRows); // [nsb][kRows]
@@ -385,9 +467,11 @@ void direct(const char * rows, size_t stride, int n, int64_t nsb, const q8k * co
     for (int r = 0; r < n; r++) {
         const auto * x = (const typename T::block *) (rows + r * stride);
         for (int64_t b = 0; b < nsb; b++) {
-            d[b * kRows + r] = ggml_fp16_to_fp32(x[b].d);
-            if constexpr (T::kSub == 8) {
-                dmin[b * kRows + r] = ggml_fp16_to_fp32(x[b].dmin);
+            d[b * kRows + r] = h2f(x[b].d);
+            if constexpr (T::kQK == 32) {
+                dmin[b * kRows + r] = h2f(x[b].m);
+            } else if constexpr (T::kSub == 8) {
+                dmin[b * kRows + r] = h2f(x[b].dmin);
             } else {
                 dmin[b * kRows + r] = 0;
             }
@@ -403,8 +487,57 @@ void direct(const char * rows, size_t stride, int n, int64_t nsb, const q8k * co
     for (int64_t b = 0; b < nsb; b++) {
         const __m256 D = _mm256_loadu_ps(d + b * kRows), M = _mm256_loadu_ps(dmin + b * kRows);
         for (int c = 0; c < C; c++) {
-            acc[c] = finish<T>(acc[c], a[c][b].d, D, M, _mm256_loadu_si256((const __m256i *) (si + (c * nsb + b) * kRows)),
+            acc[c] = finish<T>(acc[c], a[c][b], D, M, _mm256_loadu_si256((const __m256i *) (si + (c * nsb + b) * kRows)),
                                _mm256_loadu_si256((const __m256i *) (sm + (c * nsb + b) * kRows)));
+        }
+    }
+    for (int c = 0; c < C; c++) {
+        store(out[c], acc[c], n);
+    }
+}
+
+// reduce8 sums each of t[0..7] across its lanes: lane r of the result is the sum of t[r]
+// (exact in int32).
+inline __m256i reduce8(const __m256i t[8]) {
+    const __m256i s0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(t[0], t[1]), _mm256_hadd_epi32(t[2], t[3]));
+    const __m256i s4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(t[4], t[5]), _mm256_hadd_epi32(t[6], t[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(s0123, s4567, 0x20), _mm256_permute2x128_si256(s0123, s4567, 0x31));
+}
+
+// direct41 is direct for Q4_1, whose 32-value blocks are too small to pay for a pass
+// through scratch: each block's 8 rows are reduced together (reduce8) and finished at
+// once, the same float sequence as tile's.
+template <int C>
+void direct41(const char * rows, size_t stride, int n, int64_t nsb, const q81 * const a[C], float * const out[C]) {
+    __m256 acc[C];
+    for (int c = 0; c < C; c++) {
+        acc[c] = _mm256_setzero_ps();
+    }
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nsb; b++) {
+        alignas(32) float d[kRows] = {}, m[kRows] = {};
+        __m256i t[C][kRows];
+        for (int r = 0; r < kRows; r++) {
+            if (r >= n) {
+                for (int c = 0; c < C; c++) {
+                    t[c][r] = _mm256_setzero_si256();
+                }
+                continue;
+            }
+            const q41 & x = ((const q41 *) (rows + r * stride))[b];
+            // Eight rows are read side by side: fetch ahead, as a lone stream would be.
+            _mm_prefetch((const char *) (&x + 8), _MM_HINT_T0);
+            d[r] = h2f(x.d);
+            m[r] = h2f(x.m);
+            const __m128i v = _mm_loadu_si128((const __m128i *) x.qs);
+            const __m256i q = _mm256_setr_m128i(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+            for (int c = 0; c < C; c++) {
+                t[c][r] = dot4(_mm256_setzero_si256(), q, _mm256_loadu_si256((const __m256i *) a[c][b].qs));
+            }
+        }
+        const __m256 D = _mm256_load_ps(d), M = _mm256_load_ps(m);
+        for (int c = 0; c < C; c++) {
+            acc[c] = finish<kq41>(acc[c], a[c][b], D, M, reduce8(t[c]), _mm256_setzero_si256());
         }
     }
     for (int c = 0; c < C; c++) {
@@ -417,19 +550,20 @@ void direct(const char * rows, size_t stride, int n, int64_t nsb, const q8k * co
 template <class T>
 void rows(const char * w, size_t wstride, int64_t r0, int64_t r1, int64_t K, const char * act, size_t astride, int64_t N,
           char * dst, size_t dstride, void * scratch) {
-    const int64_t nsb = K / kQK;
-    auto * P = (packed<T::kSub> *) scratch;
+    const int64_t nsb = K / T::kQK;
+    auto * P = (packed<T> *) scratch;
     const int64_t nblk = (r1 - r0 + kRows - 1) / kRows;
     auto block_rows = [&](int64_t i) { return (int) (r1 - (r0 + i * kRows) < kRows ? r1 - (r0 + i * kRows) : kRows); };
     // cols computes packed block i (at pb) times activation rows [c0, c1).
-    auto cols = [&](int64_t i, const packed<T::kSub> * pb, int64_t c0, int64_t c1) {
+    using act_t = typename T::act;
+    auto cols = [&](int64_t i, const packed<T> * pb, int64_t c0, int64_t c1) {
         const int64_t rb = r0 + i * kRows;
-        const q8k * a[kCols];
+        const act_t * a[kCols];
         float * o[kCols];
         for (int64_t c = c0; c < c1; c += kCols) {
             const int m = (int) (c1 - c < kCols ? c1 - c : kCols);
             for (int j = 0; j < m; j++) {
-                a[j] = (const q8k *) (act + (c + j) * astride);
+                a[j] = (const act_t *) (act + (c + j) * astride);
                 o[j] = (float *) (dst + (c + j) * dstride) + rb;
             }
             switch (m) {
@@ -441,18 +575,26 @@ void rows(const char * w, size_t wstride, int64_t r0, int64_t r1, int64_t K, con
         }
     };
     if (N < kCols) { // a decode step (or two, three): no packing
-        const q8k * a[kCols];
+        const act_t * a[kCols];
         for (int64_t i = 0; i < nblk; i++) {
             const int64_t rb = r0 + i * kRows;
             float * o[kCols];
             for (int j = 0; j < N; j++) {
-                a[j] = (const q8k *) (act + j * astride);
+                a[j] = (const act_t *) (act + j * astride);
                 o[j] = (float *) (dst + j * dstride) + rb;
             }
-            switch (N) {
-            case 1: direct<T, 1>(w + rb * wstride, wstride, block_rows(i), nsb, a, o, scratch); break;
-            case 2: direct<T, 2>(w + rb * wstride, wstride, block_rows(i), nsb, a, o, scratch); break;
-            default: direct<T, 3>(w + rb * wstride, wstride, block_rows(i), nsb, a, o, scratch); break;
+            if constexpr (T::kQK == 32) {
+                switch (N) {
+                case 1: direct41<1>(w + rb * wstride, wstride, block_rows(i), nsb, a, o); break;
+                case 2: direct41<2>(w + rb * wstride, wstride, block_rows(i), nsb, a, o); break;
+                default: direct41<3>(w + rb * wstride, wstride, block_rows(i), nsb, a, o); break;
+                }
+            } else {
+                switch (N) {
+                case 1: direct<T, 1>(w + rb * wstride, wstride, block_rows(i), nsb, a, o, scratch); break;
+                case 2: direct<T, 2>(w + rb * wstride, wstride, block_rows(i), nsb, a, o, scratch); break;
+                default: direct<T, 3>(w + rb * wstride, wstride, block_rows(i), nsb, a, o, scratch); break;
+                }
             }
         }
         return;
@@ -477,8 +619,18 @@ void rows(const char * w, size_t wstride, int64_t r0, int64_t r1, int64_t K, con
 }
 
 size_t packed_bytes(ggml_type t) {
-    return t == GGML_TYPE_Q4_K ? sizeof(packed<kq4::kSub>) : sizeof(packed<kq6::kSub>);
+    switch (t) {
+    case GGML_TYPE_Q4_K: return sizeof(packed<kq4>);
+    case GGML_TYPE_Q6_K: return sizeof(packed<kq6>);
+    default: return sizeof(packed<kq41>);
+    }
 }
+
+// block_values is how many values one weight block holds (the kernel's unit along K).
+int64_t block_values(ggml_type t) { return t == GGML_TYPE_Q4_1 ? kq41::kQK : kQK; }
+
+// act_type is the type the activation rows are quantized to for weight type t.
+ggml_type act_type(ggml_type t) { return t == GGML_TYPE_Q4_1 ? kq41::kAct : kq4::kAct; }
 
 // thread_rows is the contiguous weight-row range [r0, r1) of thread ith of nth, in whole
 // blocks of kRows.
@@ -492,17 +644,18 @@ void thread_rows(int64_t M, int ith, int nth, int64_t & r0, int64_t & r1) {
 size_t scratch_bytes(ggml_type t, int64_t M, int64_t K, int nth) {
     const int64_t nblk = (M + kRows - 1) / kRows;
     const int64_t most = (nblk + nth - 1) / nth;
-    const size_t packs = (size_t) most * (K / kQK) * packed_bytes(t);
-    const size_t direct_sums = (size_t) (2 * (kCols - 1) + 2) * (K / kQK) * kRows * 4; // direct's integer sums and scales
+    const int64_t nsb = K / block_values(t);
+    const size_t packs = (size_t) most * nsb * packed_bytes(t);
+    const size_t direct_sums = (size_t) (2 * (kCols - 1) + 2) * nsb * kRows * 4; // direct's integer sums and scales
     return (packs > direct_sums ? packs : direct_sums) + 64;
 }
 
 void compute(ggml_type t, const char * w, size_t wstride, int64_t r0, int64_t r1, int64_t K, const char * act, size_t astride, int64_t N,
              char * dst, size_t dstride, void * scratch) {
-    if (t == GGML_TYPE_Q4_K) {
-        rows<kq4>(w, wstride, r0, r1, K, act, astride, N, dst, dstride, scratch);
-    } else {
-        rows<kq6>(w, wstride, r0, r1, K, act, astride, N, dst, dstride, scratch);
+    switch (t) {
+    case GGML_TYPE_Q4_K: rows<kq4>(w, wstride, r0, r1, K, act, astride, N, dst, dstride, scratch); break;
+    case GGML_TYPE_Q6_K: rows<kq6>(w, wstride, r0, r1, K, act, astride, N, dst, dstride, scratch); break;
+    default: rows<kq41>(w, wstride, r0, r1, K, act, astride, N, dst, dstride, scratch); break;
     }
 }
 
@@ -511,7 +664,7 @@ bool supported(const ggml_tensor * op) {
         return false;
     }
     const ggml_tensor * w = op->src[0], * x = op->src[1];
-    if (w->type != GGML_TYPE_Q4_K && w->type != GGML_TYPE_Q6_K) {
+    if (w->type != GGML_TYPE_Q4_K && w->type != GGML_TYPE_Q6_K && w->type != GGML_TYPE_Q4_1) {
         return false;
     }
     if (x->type != GGML_TYPE_F32 || op->type != GGML_TYPE_F32) {
@@ -522,17 +675,18 @@ bool supported(const ggml_tensor * op) {
     if (w->ne[2] != 1 || w->ne[3] != 1 || x->ne[2] != 1 || x->ne[3] != 1 || op->ne[2] != 1 || op->ne[3] != 1) {
         return false;
     }
-    if (w->ne[0] % kQK != 0 || x->ne[0] != w->ne[0] || op->ne[0] != w->ne[1] || op->ne[1] != x->ne[1]) {
+    if (w->ne[0] % block_values(w->type) != 0 || x->ne[0] != w->ne[0] || op->ne[0] != w->ne[1] || op->ne[1] != x->ne[1]) {
         return false;
     }
     return w->nb[0] == ggml_type_size(w->type) && x->nb[0] == sizeof(float) && op->nb[0] == sizeof(float);
 }
 
-size_t q8_row_bytes(int64_t K) { return (size_t) (K / kQK) * sizeof(q8k); }
+// act_row_bytes is the size of one activation row quantized for weight type t.
+size_t act_row_bytes(ggml_type t, int64_t K) { return ggml_row_size(act_type(t), K); }
 
 size_t work_bytes(const ggml_tensor * op, int nth) {
     const ggml_tensor * w = op->src[0], * x = op->src[1];
-    const size_t q8 = (q8_row_bytes(x->ne[0]) * x->ne[1] + 63) & ~(size_t) 63;
+    const size_t q8 = (act_row_bytes(w->type, x->ne[0]) * x->ne[1] + 63) & ~(size_t) 63;
     const size_t per = (scratch_bytes(w->type, w->ne[1], w->ne[0], nth) + 63) & ~(size_t) 63;
     return 64 + q8 + per * nth;
 }
@@ -552,14 +706,14 @@ class traits : public ggml::cpu::tensor_traits {
         }
         const int64_t K = w->ne[0], M = w->ne[1], N = x->ne[1];
         char * base = (char *) (((uintptr_t) params->wdata + 63) & ~(uintptr_t) 63);
-        const size_t qrow = q8_row_bytes(K);
+        const size_t qrow = act_row_bytes(w->type, K);
         const size_t q8 = (qrow * N + 63) & ~(size_t) 63;
         const size_t per = (scratch_bytes(w->type, M, K, nth) + 63) & ~(size_t) 63;
-        // Phase 1: the activation rows to q8_K (ggml's own quantizer, so a row's
+        // Phase 1: the activation rows to q8_K or q8_1 (ggml's own quantizer, so a row's
         // quantization is a function of the row alone), split among threads.
-        const ggml_from_float_t q8k_from = ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float;
+        const ggml_from_float_t quantize = ggml_get_type_traits_cpu(act_type(w->type))->from_float;
         for (int64_t n = ith; n < N; n += nth) {
-            q8k_from((const float *) ((const char *) x->data + n * x->nb[1]), base + n * qrow, K);
+            quantize((const float *) ((const char *) x->data + n * x->nb[1]), base + n * qrow, K);
         }
         if (ith == 0) {
             computed.fetch_add(1, std::memory_order_relaxed);
@@ -596,7 +750,7 @@ extern "C" int polykv_kq_available(void) { return 1; }
 // kernel runs agree bit for bit.
 extern "C" int polykv_kq_selftest(int type, int M, int K, int N, unsigned seed, double * max_rel, int * identical) {
     const ggml_type t = (ggml_type) type;
-    if ((t != GGML_TYPE_Q4_K && t != GGML_TYPE_Q6_K) || K % kQK != 0 || M < 1 || N < 1) {
+    if ((t != GGML_TYPE_Q4_K && t != GGML_TYPE_Q6_K && t != GGML_TYPE_Q4_1) || K % block_values(t) != 0 || M < 1 || N < 1) {
         return -1;
     }
     ggml_cpu_init(); // ggml-cpu's tables (a test may run before any model is loaded)
@@ -612,11 +766,11 @@ extern "C" int polykv_kq_selftest(int type, int M, int K, int N, unsigned seed, 
     const size_t wrow = ggml_row_size(t, K);
     std::vector<char> wq(wrow * M);
     ggml_quantize_chunk(t, wf.data(), wq.data(), 0, M, K, nullptr);
-    const size_t qrow = q8_row_bytes(K);
+    const size_t qrow = act_row_bytes(t, K);
     std::vector<char> xq(qrow * N);
-    const ggml_from_float_t q8k_from = ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float;
+    const ggml_from_float_t quantize = ggml_get_type_traits_cpu(act_type(t))->from_float;
     for (int n = 0; n < N; n++) {
-        q8k_from(xf.data() + (size_t) n * K, xq.data() + n * qrow, K);
+        quantize(xf.data() + (size_t) n * K, xq.data() + n * qrow, K);
     }
     // Two "threads" (row ranges) as the graph would split them with nth = 2.
     auto run = [&](int64_t c0, int64_t cn, std::vector<float> & out) {

@@ -10,10 +10,10 @@ import (
 	"sync/atomic"
 )
 
-// stockMatMul is the process-wide K-quant matrix kernel choice (false: PolyKV's).
+// stockMatMul is the process-wide matrix kernel choice (false: PolyKV's).
 var stockMatMul atomic.Bool
 
-// SetMatMulKernel chooses the CPU kernel for matrix products with Q4_K and Q6_K weights:
+// SetMatMulKernel chooses the CPU kernel for matrix products with Q4_1, Q4_K and Q6_K weights:
 // PolyKV's (polykv true, the default; kquant.cpp says how it keeps a token's logits
 // independent of the batch while unpacking each weight block once per product) or the
 // ollama module's ggml (one weight row and one activation row at a time). Process-wide,
@@ -24,19 +24,20 @@ func SetMatMulKernel(polykv bool) {
 	C.polykv_kq_enable(C.int(boolToInt(polykv)))
 }
 
-// MatMulKernelRuns counts the matrix products PolyKV's K-quant kernel has computed in
+// MatMulKernelRuns counts the matrix products PolyKV's matrix kernel has computed in
 // this process (0 where it is unavailable: a build without AVX2 and FMA).
 func MatMulKernelRuns() uint64 { return uint64(C.polykv_kq_computed()) }
 
-// MatMulKernelAvailable reports whether this build can run PolyKV's K-quant kernel.
+// MatMulKernelAvailable reports whether this build can run PolyKV's matrix kernel.
 func MatMulKernelAvailable() bool { return C.polykv_kq_available() != 0 }
 
 // applyMatMulKernel applies the current choice (called once the shared extra buffer
 // type is installed, see installFlashAttn).
 func applyMatMulKernel() { C.polykv_kq_enable(C.int(boolToInt(!stockMatMul.Load()))) }
 
-// ggml type ids (ggml.h) of the weight types the K-quant kernel computes.
+// ggml type ids (ggml.h) of the weight types the kernel computes.
 const (
+	ggmlTypeQ41 = 3
 	ggmlTypeQ4K = 12
 	ggmlTypeQ6K = 14
 )
@@ -49,7 +50,7 @@ func kquantSelfTest(typ, m, k, n int, seed uint32) (maxRel float64, identical bo
 	var rel C.double
 	var same C.int
 	if C.polykv_kq_selftest(C.int(typ), C.int(m), C.int(k), C.int(n), C.uint(seed), &rel, &same) != 0 {
-		return 0, false, errors.New("llama: K-quant self-test unavailable or bad shape")
+		return 0, false, errors.New("llama: matrix kernel self-test unavailable or bad shape")
 	}
 	return float64(rel), same != 0, nil
 }

@@ -1,4 +1,4 @@
-// PolyKV's CPU matrix kernel for Q4_K and Q6_K weights (kquant.cpp).
+// PolyKV's CPU matrix kernel for Q4_1, Q4_K and Q6_K weights (kquant.cpp).
 #pragma once
 
 #ifdef __cplusplus
@@ -26,6 +26,6 @@ namespace ggml::cpu {
 class tensor_traits;
 }
 
-// polykv_kq_traits claims op for the kernel: MUL_MAT of Q4_K/Q6_K weights when enabled.
+// polykv_kq_traits claims op for the kernel: MUL_MAT of Q4_1/Q4_K/Q6_K weights when enabled.
 ggml::cpu::tensor_traits * polykv_kq_traits(const ggml_tensor * op);
 #endif

@@ -7,15 +7,16 @@ import (
 	"github.com/polykv/polykv/internal/testmodel"
 )
 
-// TestKQuantKernel checks PolyKV's K-quant matrix kernel on random matrices, without a
-// model: the product of every activation row is the same bits whether the rows are
-// computed all at once, one at a time or three at a time (what keeps a token's logits
-// independent of its batch), and agrees with ggml's vec_dot to float rounding. Shapes
-// include a weight-row count that is not a multiple of the 8-row block and more
-// activation rows than one 64-row chunk.
+// TestKQuantKernel checks PolyKV's matrix kernel (Q4_K, Q6_K, Q4_1) on random matrices,
+// without a model: the product of every activation row is the same bits whether the
+// rows are computed all at once (packed tiles), one at a time or three at a time (the
+// direct decode path), which is what keeps a token's logits independent of its batch,
+// and agrees with ggml's vec_dot to float rounding. Shapes include a weight-row count
+// that is not a multiple of the 8-row block, a K that is not a multiple of 256 (Q4_1),
+// and more activation rows than one 64-row chunk.
 func TestKQuantKernel(t *testing.T) {
 	if !MatMulKernelAvailable() {
-		t.Skip("this build has no AVX2/FMA: PolyKV's K-quant kernel is not compiled in")
+		t.Skip("this build has no AVX2/FMA: PolyKV's matrix kernel is not compiled in")
 	}
 	for _, tc := range []struct {
 		name    string
@@ -26,6 +27,8 @@ func TestKQuantKernel(t *testing.T) {
 		{"q4_K", ggmlTypeQ4K, 64, 1024, 70},
 		{"q6_K", ggmlTypeQ6K, 37, 512, 11},
 		{"q6_K", ggmlTypeQ6K, 64, 2048, 70},
+		{"q4_1", ggmlTypeQ41, 37, 576, 11},
+		{"q4_1", ggmlTypeQ41, 64, 1536, 70},
 	} {
 		rel, same, err := kquantSelfTest(tc.typ, tc.m, tc.k, tc.n, 7)
 		if err != nil {
@@ -41,53 +44,61 @@ func TestKQuantKernel(t *testing.T) {
 	}
 }
 
-// TestKQuantKernelModel runs Gemma 3 270M (Q4_K_M: its attention-output and FFN-down
-// weights are Q4_K and Q6_K) with PolyKV's K-quant kernel and with ggml's: the kernel
-// computes products in the first run and none in the second, a token's logits are the
-// same bits whether the prompt is prefilled 256 or 13 tokens at a time, and the two
-// kernels' next-token distributions agree to float rounding (both compute the same
-// integer dot products; only the order of the float scaling differs). The exact check
-// against ggml's vec_dot is TestKQuantKernel's.
+// TestKQuantKernelModel runs both model families with PolyKV's matrix kernel and with
+// ggml's: SmolLM2 (Q4_1 weights) and Gemma 3 270M (Q4_K_M: its attention-output and
+// FFN-down weights are Q4_K and Q6_K). The kernel computes products in the first run and
+// none in the second, a token's logits are the same bits whether the prompt is
+// prefilled 256 or 13 tokens at a time, and the two kernels' next-token distributions
+// agree to float rounding (both compute the same integer dot products; only the order
+// of the float scaling differs). The exact check against ggml's vec_dot is
+// TestKQuantKernel's.
 func TestKQuantKernelModel(t *testing.T) {
-	m, err := LoadModel(testmodel.Gemma(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Free()
-	if !MatMulKernelAvailable() {
-		t.Skip("this build has no AVX2/FMA: PolyKV's K-quant kernel is not compiled in")
-	}
-	prompt, then := fattnPrompt(t, m)
-	defer SetMatMulKernel(true)
+	for _, fam := range []struct {
+		name string
+		path func(testing.TB) string
+	}{{"smollm2", testmodel.SmolLM2}, {"gemma3", testmodel.Gemma}} {
+		t.Run(fam.name, func(t *testing.T) {
+			m, err := LoadModel(fam.path(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer m.Free()
+			if !MatMulKernelAvailable() {
+				t.Skip("this build has no AVX2/FMA: PolyKV's matrix kernel is not compiled in")
+			}
+			prompt, then := fattnPrompt(t, m)
+			defer SetMatMulKernel(true)
 
-	SetMatMulKernel(true)
-	before := MatMulKernelRuns()
-	ours := fattnRun(t, m, prompt, 256, 0, then)
-	if MatMulKernelRuns() == before {
-		t.Fatal("PolyKV's K-quant kernel computed nothing for a Q4_K_M model")
-	}
-	chunked := fattnRun(t, m, prompt, 13, 37, then)
-	for i := range ours {
-		if d := maxDiff(chunked[i], ours[i]); d != 0 {
-			t.Errorf("logits of step %d differ by up to %g between 256- and 13-token prefill chunks", i, d)
-		}
-	}
+			SetMatMulKernel(true)
+			before := MatMulKernelRuns()
+			ours := fattnRun(t, m, prompt, 256, 0, then)
+			if MatMulKernelRuns() == before {
+				t.Fatal("PolyKV's matrix kernel computed nothing")
+			}
+			chunked := fattnRun(t, m, prompt, 13, 37, then)
+			for i := range ours {
+				if d := maxDiff(chunked[i], ours[i]); d != 0 {
+					t.Errorf("logits of step %d differ by up to %g between 256- and 13-token prefill chunks", i, d)
+				}
+			}
 
-	SetMatMulKernel(false)
-	before = MatMulKernelRuns()
-	stock := fattnRun(t, m, prompt, 256, 0, then)
-	if MatMulKernelRuns() != before {
-		t.Fatal("PolyKV's K-quant kernel ran while ggml's was chosen")
-	}
-	worst := 0.0
-	for i := range ours {
-		worst = max(worst, kl(stock[i], ours[i]))
-	}
-	t.Logf("largest KL divergence of the next-token distribution from ggml's kernel over %d steps: %.2g nats", len(ours), worst)
-	// Rounding-level differences grow through 18 layers on this prompt to about 0.01
-	// nats (ggml's own two flash-attention kernels differ by as much, see
-	// TestFlashAttnKernel); a wrong scale or min term costs nats.
-	if worst > 0.05 || math.IsNaN(worst) {
-		t.Errorf("PolyKV's K-quant kernel is %.3g nats from ggml's", worst)
+			SetMatMulKernel(false)
+			before = MatMulKernelRuns()
+			stock := fattnRun(t, m, prompt, 256, 0, then)
+			if MatMulKernelRuns() != before {
+				t.Fatal("PolyKV's matrix kernel ran while ggml's was chosen")
+			}
+			worst := 0.0
+			for i := range ours {
+				worst = max(worst, kl(stock[i], ours[i]))
+			}
+			t.Logf("largest KL divergence of the next-token distribution from ggml's kernel over %d steps: %.2g nats", len(ours), worst)
+			// Rounding-level differences grow through the layers on this prompt to about
+			// 0.01 nats (ggml's own two flash-attention kernels differ by as much, see
+			// TestFlashAttnKernel); a wrong scale or min term costs nats.
+			if worst > 0.05 || math.IsNaN(worst) {
+				t.Errorf("PolyKV's matrix kernel is %.3g nats from ggml's", worst)
+			}
+		})
 	}
 }
