@@ -59,12 +59,12 @@ func fattnRunFA(t *testing.T, m *Model, prompt []Token, chunk, neighbour int, th
 }
 
 // TestFlashAttnKernel checks PolyKV's flash-attention kernel (fattn.cpp) on both model
-// families (with PolyKV's matrix kernel on, as served, so the bit-for-bit
-// checks cover it too on Gemma 3's Q4_K/Q6_K weights): it runs (and ggml's kernel runs when chosen); a token's logits are the same
-// bit for bit whether its prompt is prefilled 256 or 13 tokens at a time (decoding is one
-// at a time), and wherever another sequence put its cells first (what keeps pooled == unpooled
-// greedy output); and their next-token distributions are about as close to plain
-// attention's as those of ggml's flash kernel.
+// families, with PolyKV's matrix kernel on as served (so the bit-for-bit checks cover
+// both): it runs (and ggml's kernel runs when chosen); a token's logits are the same bit
+// for bit whether its prompt is prefilled 256 or 13 tokens at a time (decoding is one at
+// a time), and wherever another sequence put its cells first (what keeps pooled ==
+// unpooled greedy output); and their next-token distributions are about as close to
+// plain attention's as those of ggml's flash kernel.
 func TestFlashAttnKernel(t *testing.T) {
 	for _, fam := range []struct {
 		name string
