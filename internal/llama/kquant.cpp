@@ -29,7 +29,7 @@
 
 #include "kquant.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
 #include <immintrin.h>
 #include <stdlib.h>
@@ -91,10 +91,10 @@ struct q6k {
 };
 static_assert(sizeof(q6k) == 210, "q6_K layout");
 
-// A packed super-block for kRows weight rows: the unsigned codes with row r's 4
-// consecutive values of group g at w[g][r] (so one 4-byte dot per lane is one row), the
-// per-sub-block scales per row, int16 pairs for the min (Q4_K) or offset (Q6_K) term,
-// and the super-block scales.
+// A packed block (256 values, or 32 for Q4_1) of kRows weight rows: the unsigned codes
+// with row r's 4 consecutive values of group g at w[g][r] (so one 4-byte dot per lane is
+// one row), the per-sub-block scales per row, int16 pairs for the min (Q4_K) or offset
+// (Q6_K) term, and the block scales (d, and dmin or Q4_1's m).
 template <class T>
 struct packed {
     alignas(32) uint8_t w[T::kQK / 4][kRows][4];
@@ -120,6 +120,7 @@ inline __m256i dot4(__m256i acc, __m256i w, __m256i a) {
 #endif
 }
 
+// hsum4 and hsum8 add up the int32 lanes of a vector (exact).
 inline int32_t hsum4(__m128i v) {
     v = _mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
     return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1))));
