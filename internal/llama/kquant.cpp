@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <random>
@@ -49,6 +50,16 @@ constexpr int kRows = 8;  // weight rows per block: one lane each in a 256-bit r
 constexpr int kCols = 4;  // activation rows computed together (sharing weight loads)
 constexpr int kQK = 256;  // values per super-block
 constexpr int kChunk = 64; // activation rows per pass over a thread's packed weights
+// pack_budget is the bytes of packed weights a thread holds at once (the self-test
+// lowers it to exercise the grouped path).
+size_t pack_budget = 4 << 20;
+
+// group_blocks is how many packed 8-row blocks of nsb blocks each fit the budget (at
+// least one): a vocabulary-sized output matrix is packed a group at a time.
+int64_t group_blocks(int64_t nsb, size_t packed) {
+    const int64_t g = (int64_t) (pack_budget / ((size_t) nsb * packed));
+    return g > 0 ? g : 1;
+}
 
 std::atomic<bool> enabled{false};
 std::atomic<unsigned long long> computed{0};
@@ -607,14 +618,19 @@ void rows(const char * w, size_t wstride, int64_t r0, int64_t r1, int64_t K, con
         }
         return;
     }
-    // A prompt batch: pack the thread's rows once, then walk the activation rows in
-    // chunks so a chunk stays in cache while the packed blocks stream past it.
-    for (int64_t i = 0; i < nblk; i++) {
-        pack<T>(w + (r0 + i * kRows) * wstride, wstride, block_rows(i), nsb, P + i * nsb);
-    }
-    for (int64_t c0 = 0; c0 < N; c0 += kChunk) {
-        for (int64_t i = 0; i < nblk; i++) {
-            cols(i, P + i * nsb, c0, c0 + kChunk < N ? c0 + kChunk : N);
+    // A prompt batch: pack a group of the thread's row blocks (all of them unless the
+    // matrix is huge) once, then walk the activation rows in chunks so a chunk stays in
+    // cache while the packed blocks stream past it.
+    const int64_t group = group_blocks(nsb, sizeof(packed<T>));
+    for (int64_t g0 = 0; g0 < nblk; g0 += group) {
+        const int64_t g1 = g0 + group < nblk ? g0 + group : nblk;
+        for (int64_t i = g0; i < g1; i++) {
+            pack<T>(w + (r0 + i * kRows) * wstride, wstride, block_rows(i), nsb, P + (i - g0) * nsb);
+        }
+        for (int64_t c0 = 0; c0 < N; c0 += kChunk) {
+            for (int64_t i = g0; i < g1; i++) {
+                cols(i, P + (i - g0) * nsb, c0, c0 + kChunk < N ? c0 + kChunk : N);
+            }
         }
     }
 }
@@ -642,11 +658,14 @@ void thread_rows(int64_t M, int ith, int nth, int64_t & r0, int64_t & r1) {
     r1 = b1 * kRows < M ? b1 * kRows : M;
 }
 
-size_t scratch_bytes(ggml_type t, int64_t M, int64_t K, int nth) {
+// scratch_bytes is what rows needs per thread for an M x K matrix and N activation rows:
+// the integer sums of the direct path, or the packed blocks it holds at once.
+size_t scratch_bytes(ggml_type t, int64_t M, int64_t K, int64_t N, int nth) {
     const int64_t nblk = (M + kRows - 1) / kRows;
     const int64_t most = (nblk + nth - 1) / nth;
     const int64_t nsb = K / block_values(t);
-    const size_t packs = (size_t) most * nsb * packed_bytes(t);
+    const int64_t held = N < kCols ? 0 : N <= kChunk ? 1 : std::min(most, group_blocks(nsb, packed_bytes(t)));
+    const size_t packs = (size_t) held * nsb * packed_bytes(t);
     const size_t direct_sums = (size_t) (2 * (kCols - 1) + 2) * nsb * kRows * 4; // direct's integer sums and scales
     return (packs > direct_sums ? packs : direct_sums) + 64;
 }
@@ -688,7 +707,7 @@ size_t act_row_bytes(ggml_type t, int64_t K) { return ggml_row_size(act_type(t),
 size_t work_bytes(const ggml_tensor * op, int nth) {
     const ggml_tensor * w = op->src[0], * x = op->src[1];
     const size_t q8 = (act_row_bytes(w->type, x->ne[0]) * x->ne[1] + 63) & ~(size_t) 63;
-    const size_t per = (scratch_bytes(w->type, w->ne[1], w->ne[0], nth) + 63) & ~(size_t) 63;
+    const size_t per = (scratch_bytes(w->type, w->ne[1], w->ne[0], x->ne[1], nth) + 63) & ~(size_t) 63;
     return 64 + q8 + per * nth;
 }
 
@@ -709,7 +728,7 @@ class traits : public ggml::cpu::tensor_traits {
         char * base = (char *) (((uintptr_t) params->wdata + 63) & ~(uintptr_t) 63);
         const size_t qrow = act_row_bytes(w->type, K);
         const size_t q8 = (qrow * N + 63) & ~(size_t) 63;
-        const size_t per = (scratch_bytes(w->type, M, K, nth) + 63) & ~(size_t) 63;
+        const size_t per = (scratch_bytes(w->type, M, K, N, nth) + 63) & ~(size_t) 63;
         // Phase 1: the activation rows to q8_K or q8_1 (ggml's own quantizer, so a row's
         // quantization is a function of the row alone), split among threads.
         const ggml_from_float_t quantize = ggml_get_type_traits_cpu(act_type(w->type))->from_float;
@@ -745,10 +764,10 @@ extern "C" unsigned long long polykv_kq_computed(void) { return computed.load();
 extern "C" int polykv_kq_available(void) { return 1; }
 
 // polykv_kq_selftest quantizes a random M x K matrix to type and N random activation
-// rows to q8_K, computes the product with this kernel for all N rows at once, for each
-// row alone and for the rows in groups of 3, and with ggml's vec_dot. It reports the
-// largest difference from ggml relative to the largest |result|, and whether the three
-// kernel runs agree bit for bit.
+// rows (q8_K or q8_1), computes the product with this kernel for all N rows at once, for
+// each row alone, for the rows in groups of 3 and all at once packing one 8-row block at
+// a time, and with ggml's vec_dot. It reports the largest difference from ggml relative
+// to the largest |result|, and whether the four kernel runs agree bit for bit.
 extern "C" int polykv_kq_selftest(int type, int M, int K, int N, unsigned seed, double * max_rel, int * identical) {
     const ggml_type t = (ggml_type) type;
     if ((t != GGML_TYPE_Q4_K && t != GGML_TYPE_Q6_K && t != GGML_TYPE_Q4_1) || K % block_values(t) != 0 || M < 1 || N < 1) {
@@ -781,12 +800,12 @@ extern "C" int polykv_kq_selftest(int type, int M, int K, int N, unsigned seed, 
             if (r0 >= r1) {
                 continue;
             }
-            void * s = aligned_alloc(64, (scratch_bytes(t, M, K, 2) + 63) & ~(size_t) 63);
+            void * s = aligned_alloc(64, (scratch_bytes(t, M, K, cn, 2) + 63) & ~(size_t) 63);
             compute(t, wq.data(), wrow, r0, r1, K, xq.data() + c0 * qrow, qrow, cn, (char *) (out.data() + c0 * M), M * sizeof(float), s);
             free(s);
         }
     };
-    std::vector<float> all((size_t) N * M), one((size_t) N * M), three((size_t) N * M);
+    std::vector<float> all((size_t) N * M), one((size_t) N * M), three((size_t) N * M), grouped((size_t) N * M);
     run(0, N, all);
     for (int n = 0; n < N; n++) {
         run(n, 1, one);
@@ -794,8 +813,13 @@ extern "C" int polykv_kq_selftest(int type, int M, int K, int N, unsigned seed, 
     for (int n = 0; n < N; n += 3) {
         run(n, N - n < 3 ? N - n : 3, three);
     }
+    const size_t budget = pack_budget;
+    pack_budget = 1; // one 8-row block per group
+    run(0, N, grouped);
+    pack_budget = budget;
     *identical = memcmp(all.data(), one.data(), all.size() * sizeof(float)) == 0 &&
-                 memcmp(all.data(), three.data(), all.size() * sizeof(float)) == 0;
+                 memcmp(all.data(), three.data(), all.size() * sizeof(float)) == 0 &&
+                 memcmp(all.data(), grouped.data(), all.size() * sizeof(float)) == 0;
     const auto vec_dot = ggml_get_type_traits_cpu(t)->vec_dot;
     double big = 0, diff = 0;
     for (int n = 0; n < N; n++) {

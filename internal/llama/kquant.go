@@ -45,7 +45,8 @@ const (
 // kquantSelfTest runs the kernel on a random m x k matrix of the given ggml type and n
 // random activation rows (see polykv_kq_selftest): the largest difference from ggml's
 // vec_dot relative to the largest |result|, and whether computing the rows all at once,
-// one at a time and three at a time gave the same bits.
+// one at a time, three at a time and all at once one packed block at a time gave the
+// same bits.
 func kquantSelfTest(typ, m, k, n int, seed uint32) (maxRel float64, identical bool, err error) {
 	var rel C.double
 	var same C.int

@@ -9,7 +9,8 @@ import (
 
 // TestKQuantKernel checks PolyKV's matrix kernel (Q4_K, Q6_K, Q4_1) on random matrices,
 // without a model: the product of every activation row is the same bits whether the
-// rows are computed all at once (packed tiles), one at a time or three at a time (the
+// rows are computed all at once (packed tiles; also with the packing budget cut to one
+// block, as a vocabulary-sized matrix is packed), one at a time or three at a time (the
 // direct decode path), which is what keeps a token's logits independent of its batch,
 // and agrees with ggml's vec_dot to float rounding. Shapes include a weight-row count
 // that is not a multiple of the 8-row block, a K that is not a multiple of 256 (Q4_1),
