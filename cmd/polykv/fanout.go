@@ -18,7 +18,9 @@ import (
 
 // fanout is the multi-agent workload: a root prefix shared by N agents, each adding its
 // own suffix and decoding. It runs once with the prefix as a pool the agents attach to,
-// once with every agent prefilling the whole prompt itself, in the same process.
+// once with every agent prefilling the whole prompt itself (automatic prefix reuse off:
+// the cost without sharing; plain-fanout compares reuse with the pool), in the same
+// process.
 type fanout struct {
 	root, suffix, gen int
 }
@@ -43,7 +45,7 @@ func (f fanout) run(cfg app.Config, agents string) error {
 	if err != nil {
 		return err
 	}
-	fmt.Printf("fan-out: root prefix %d tokens, each agent +%d tokens and %d decoded; pooled vs unpooled, same server settings\n\n", f.root, f.suffix, f.gen)
+	fmt.Printf("fan-out: root prefix %d tokens, each agent +%d tokens and %d decoded; pooled vs unpooled (--prefix-cache off), otherwise the same server settings\n\n", f.root, f.suffix, f.gen)
 	fmt.Println("   N  TTFT pooled ms  TTFT unpooled ms  TTFT ratio  cells pooled  cells unpooled  cells ratio  wall pooled s  wall unpooled s  wall ratio")
 	for _, n := range ns {
 		c := cfg
@@ -107,6 +109,9 @@ func (f fanout) prompts(path string, ns []int) ([]int32, [][]int32, error) {
 
 func (f fanout) once(cfg app.Config, root []int32, suffixes [][]int32, pooled bool) (fanoutResult, error) {
 	var res fanoutResult
+	if !pooled {
+		cfg.PrefixCache = "off"
+	}
 	a, srv, base, err := serveApp(cfg)
 	if err != nil {
 		return res, err
