@@ -421,29 +421,30 @@ void tile(const packed<T> * p, int64_t nsb, const typename T::act * const a[C], 
             for (int c = 0; c < C; c++) {
                 sumi[c] = _mm256_add_epi32(d0[c], d1[c]);
             }
-        } else
-        // Two sub-blocks at a time: two independent dot chains per activation row, so
-        // even one row (decode) is not bound by the dot instruction's latency.
-        for (int s = 0; s < T::kSub; s += 2) {
-            __m256i d0[C], d1[C];
-            for (int c = 0; c < C; c++) {
-                d0[c] = d1[c] = _mm256_setzero_si256();
-            }
-            for (int g = 0; g < SB / 4; g++) {
-                const __m256i w0 = _mm256_load_si256((const __m256i *) P.w[s * SB / 4 + g]);
-                const __m256i w1 = _mm256_load_si256((const __m256i *) P.w[(s + 1) * SB / 4 + g]);
+        } else {
+            // Two sub-blocks at a time: two independent dot chains per activation row, so
+            // even one row is not bound by the dot instruction's latency.
+            for (int s = 0; s < T::kSub; s += 2) {
+                __m256i d0[C], d1[C];
                 for (int c = 0; c < C; c++) {
-                    int32_t a0, a1;
-                    memcpy(&a0, a[c][b].qs + s * SB + 4 * g, 4);
-                    memcpy(&a1, a[c][b].qs + (s + 1) * SB + 4 * g, 4);
-                    d0[c] = dot4(d0[c], w0, _mm256_set1_epi32(a0));
-                    d1[c] = dot4(d1[c], w1, _mm256_set1_epi32(a1));
+                    d0[c] = d1[c] = _mm256_setzero_si256();
                 }
-            }
-            const __m256i sc0 = _mm256_loadu_si256((const __m256i *) P.sc[s]);
-            const __m256i sc1 = _mm256_loadu_si256((const __m256i *) P.sc[s + 1]);
-            for (int c = 0; c < C; c++) {
-                sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(_mm256_mullo_epi32(d0[c], sc0), _mm256_mullo_epi32(d1[c], sc1)));
+                for (int g = 0; g < SB / 4; g++) {
+                    const __m256i w0 = _mm256_load_si256((const __m256i *) P.w[s * SB / 4 + g]);
+                    const __m256i w1 = _mm256_load_si256((const __m256i *) P.w[(s + 1) * SB / 4 + g]);
+                    for (int c = 0; c < C; c++) {
+                        int32_t a0, a1;
+                        memcpy(&a0, a[c][b].qs + s * SB + 4 * g, 4);
+                        memcpy(&a1, a[c][b].qs + (s + 1) * SB + 4 * g, 4);
+                        d0[c] = dot4(d0[c], w0, _mm256_set1_epi32(a0));
+                        d1[c] = dot4(d1[c], w1, _mm256_set1_epi32(a1));
+                    }
+                }
+                const __m256i sc0 = _mm256_loadu_si256((const __m256i *) P.sc[s]);
+                const __m256i sc1 = _mm256_loadu_si256((const __m256i *) P.sc[s + 1]);
+                for (int c = 0; c < C; c++) {
+                    sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(_mm256_mullo_epi32(d0[c], sc0), _mm256_mullo_epi32(d1[c], sc1)));
+                }
             }
         }
         for (int j = 0; j < T::kSub / 2; j++) {
