@@ -4,6 +4,7 @@ import (
 	"flag"
 	"io"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 
@@ -60,5 +61,26 @@ func TestPrefixCacheFlag(t *testing.T) {
 	bad.ModelPath = "m.gguf"
 	if bad.Validate() == nil {
 		t.Fatal("--prefix-cache 2 accepted")
+	}
+}
+
+// --fa-kernel and --mm-kernel default to PolyKV's kernels, accept ggml and refuse
+// anything else with an error naming the flag.
+func TestKernelFlags(t *testing.T) {
+	def := parseCore(t)
+	if def.FAKernel != "polykv" || def.MMKernel != "polykv" {
+		t.Fatalf("defaults: --fa-kernel %q, --mm-kernel %q, want polykv", def.FAKernel, def.MMKernel)
+	}
+	for _, flag := range []string{"--fa-kernel", "--mm-kernel"} {
+		ok := parseCore(t, flag, "ggml")
+		ok.ModelPath = "m.gguf"
+		if err := ok.Validate(); err != nil {
+			t.Fatalf("%s ggml: %v", flag, err)
+		}
+		bad := parseCore(t, flag, "fast")
+		bad.ModelPath = "m.gguf"
+		if err := bad.Validate(); err == nil || !strings.Contains(err.Error(), flag) {
+			t.Fatalf("%s fast: %v, want an error naming the flag", flag, err)
+		}
 	}
 }
