@@ -66,6 +66,56 @@ func fattnRunFA(t *testing.T, m *Model, prompt []Token, chunk, neighbour int, th
 // unpooled greedy output); and their next-token distributions are about as close to
 // plain attention's as those of ggml's flash kernel.
 func TestFlashAttnKernel(t *testing.T) {
+	forEachFamily(t, func(t *testing.T, m *Model) {
+		prompt, then := fattnPrompt(t, m)
+		defer SetFlashAttnKernel(true)
+
+		SetFlashAttnKernel(true)
+		before := FlashAttnKernelRuns()
+		whole := fattnRun(t, m, prompt, 256, 0, then)
+		if FlashAttnKernelRuns() == before {
+			t.Skip("PolyKV's flash-attention kernel is not available here (needs AVX2 and FMA)")
+		}
+		for _, v := range []struct {
+			name             string
+			chunk, neighbour int
+		}{{"after a 37-cell neighbour, 13 tokens at a time", 13, 37}, {"after a 100-cell neighbour", 256, 100}} {
+			got := fattnRun(t, m, prompt, v.chunk, v.neighbour, then)
+			for i := range whole {
+				if d := maxDiff(got[i], whole[i]); d != 0 {
+					t.Errorf("%s: logits of step %d differ from the one-batch prefill by up to %g", v.name, i, d)
+				}
+			}
+		}
+
+		SetFlashAttnKernel(false)
+		before = FlashAttnKernelRuns()
+		stock := fattnRun(t, m, prompt, 256, 0, then)
+		if FlashAttnKernelRuns() != before {
+			t.Fatal("PolyKV's kernel ran while ggml's was chosen")
+		}
+		// No kernel is exact: the reference is how far ggml's flash kernel itself is from
+		// plain attention (mul_mat and softmax, --flash-attn off) on the same prompt;
+		// over ~50k-260k logits after 18-30 layers that is a logit or more.
+		plain := fattnRunFA(t, m, prompt, 256, 0, then, 0)
+		// Measured as the KL divergence of the next-token distributions from plain
+		// attention's: the largest logit difference is dominated by tokens of no
+		// probability and swings by tens of logits on a repetitive prompt.
+		ours, theirs := 0.0, 0.0
+		for i := range whole {
+			ours = max(ours, kl(plain[i], whole[i]))
+			theirs = max(theirs, kl(plain[i], stock[i]))
+		}
+		t.Logf("largest KL divergence from plain attention over %d steps: PolyKV's kernel %.5f, ggml's %.5f nats", len(whole), ours, theirs)
+		if ours > 2*theirs+0.01 || math.IsNaN(ours) {
+			t.Errorf("PolyKV's kernel is %.5f nats from plain attention, ggml's flash kernel %.5f", ours, theirs)
+		}
+	})
+}
+
+// forEachFamily runs f as a subtest on each model family of the test suite (SmolLM2,
+// Gemma 3), the model loaded for it.
+func forEachFamily(t *testing.T, f func(t *testing.T, m *Model)) {
 	for _, fam := range []struct {
 		name string
 		path func(testing.TB) string
@@ -76,49 +126,7 @@ func TestFlashAttnKernel(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer m.Free()
-			prompt, then := fattnPrompt(t, m)
-			defer SetFlashAttnKernel(true)
-
-			SetFlashAttnKernel(true)
-			before := FlashAttnKernelRuns()
-			whole := fattnRun(t, m, prompt, 256, 0, then)
-			if FlashAttnKernelRuns() == before {
-				t.Skip("PolyKV's flash-attention kernel is not available here (needs AVX2 and FMA)")
-			}
-			for _, v := range []struct {
-				name             string
-				chunk, neighbour int
-			}{{"after a 37-cell neighbour, 13 tokens at a time", 13, 37}, {"after a 100-cell neighbour", 256, 100}} {
-				got := fattnRun(t, m, prompt, v.chunk, v.neighbour, then)
-				for i := range whole {
-					if d := maxDiff(got[i], whole[i]); d != 0 {
-						t.Errorf("%s: logits of step %d differ from the one-batch prefill by up to %g", v.name, i, d)
-					}
-				}
-			}
-
-			SetFlashAttnKernel(false)
-			before = FlashAttnKernelRuns()
-			stock := fattnRun(t, m, prompt, 256, 0, then)
-			if FlashAttnKernelRuns() != before {
-				t.Fatal("PolyKV's kernel ran while ggml's was chosen")
-			}
-			// No kernel is exact: the reference is how far ggml's flash kernel itself is from
-			// plain attention (mul_mat and softmax, --flash-attn off) on the same prompt;
-			// over ~50k-260k logits after 18-30 layers that is a logit or more.
-			plain := fattnRunFA(t, m, prompt, 256, 0, then, 0)
-			// Measured as the KL divergence of the next-token distributions from plain
-			// attention's: the largest logit difference is dominated by tokens of no
-			// probability and swings by tens of logits on a repetitive prompt.
-			ours, theirs := 0.0, 0.0
-			for i := range whole {
-				ours = max(ours, kl(plain[i], whole[i]))
-				theirs = max(theirs, kl(plain[i], stock[i]))
-			}
-			t.Logf("largest KL divergence from plain attention over %d steps: PolyKV's kernel %.5f, ggml's %.5f nats", len(whole), ours, theirs)
-			if ours > 2*theirs+0.01 || math.IsNaN(ours) {
-				t.Errorf("PolyKV's kernel is %.5f nats from plain attention, ggml's flash kernel %.5f", ours, theirs)
-			}
+			f(t, m)
 		})
 	}
 }

@@ -208,21 +208,25 @@ struct kq6 {
     using block = q6k;
     using act = q8k;
     static float act_d(const act & a) { return a.d; }
-    static void unpack(const block & x, uint8_t * q, int32_t * sc, int16_t * mn, float & d, float & dmin) {
+    // codes puts values [128n, 128n + 128) of the block in q[0..3], 32 each (ggml's
+    // dequantize_row_q6_K order: 4 low bits from ql, 2 high bits from qh).
+    static void codes(const block & x, int n, __m256i q[4]) {
         const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
-        for (int n = 0; n < 2; n++) { // ggml's dequantize_row_q6_K, 128 values at a time
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *) (x.ql + 64 * n));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *) (x.ql + 64 * n + 32));
-            const __m256i h = _mm256_loadu_si256((const __m256i *) (x.qh + 32 * n));
-            uint8_t * o = q + 128 * n;
-            const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(h, m2), 4);
-            const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4);
-            const __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4);
-            const __m256i h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4);
-            _mm256_storeu_si256((__m256i *) (o + 0), _mm256_or_si256(_mm256_and_si256(l0, m4), h0));
-            _mm256_storeu_si256((__m256i *) (o + 32), _mm256_or_si256(_mm256_and_si256(l1, m4), h1));
-            _mm256_storeu_si256((__m256i *) (o + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), h2));
-            _mm256_storeu_si256((__m256i *) (o + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), h3));
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *) (x.ql + 64 * n));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *) (x.ql + 64 * n + 32));
+        const __m256i h = _mm256_loadu_si256((const __m256i *) (x.qh + 32 * n));
+        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
+        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4));
+    }
+    static void unpack(const block & x, uint8_t * q, int32_t * sc, int16_t * mn, float & d, float & dmin) {
+        for (int n = 0; n < 2; n++) {
+            __m256i v[4];
+            codes(x, n, v);
+            for (int j = 0; j < 4; j++) {
+                _mm256_storeu_si256((__m256i *) (q + 128 * n + 32 * j), v[j]);
+            }
         }
         for (int j = 0; j < kSub; j++) {
             sc[j] = x.scales[j];
@@ -241,18 +245,10 @@ struct kq6 {
         const __m128i sc8 = _mm_loadu_si128((const __m128i *) x.scales);
         const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
         summ = 32 * hsum8(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *) a.bsums)));
-        const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
         __m256i t = _mm256_setzero_si256();
         for (int n = 0; n < 2; n++) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *) (x.ql + 64 * n));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *) (x.ql + 64 * n + 32));
-            const __m256i h = _mm256_loadu_si256((const __m256i *) (x.qh + 32 * n));
-            const __m256i q[4] = {
-                _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4)),
-                _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m2), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m2), 4)),
-            };
+            __m256i q[4];
+            codes(x, n, q);
             for (int v = 0; v < 4; v++) {
                 const int s0 = 8 * n + 2 * v; // the vector's two sub-blocks of 16: s0, s0 + 1
                 const __m256i p = _mm256_maddubs_epi16(q[v], _mm256_loadu_si256((const __m256i *) (a.qs + 128 * n + 32 * v)));
@@ -274,24 +270,21 @@ struct kq41 {
     using block = q41;
     using act = q81;
     static float act_d(const act & a) { return h2f(a.d); }
-    static void unpack(const block & x, uint8_t * q, int32_t * sc, int16_t * mn, float & d, float & dmin) {
+    // codes is the block's 32 codes (low nibbles are values 0..15, high ones 16..31).
+    static __m256i codes(const block & x) {
         const __m128i v = _mm_loadu_si128((const __m128i *) x.qs);
         const __m128i m4 = _mm_set1_epi8(0x0F);
-        _mm_storeu_si128((__m128i *) q, _mm_and_si128(v, m4));
-        _mm_storeu_si128((__m128i *) (q + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+        return _mm256_setr_m128i(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    }
+    static void unpack(const block & x, uint8_t * q, int32_t * sc, int16_t * mn, float & d, float & dmin) {
+        _mm256_storeu_si256((__m256i *) q, codes(x));
         sc[0] = 1;
         mn[0] = 0;
         d = h2f(x.d);
         dmin = h2f(x.m);
     }
     static int32_t bpair(const act &, int) { return 0; }
-    static void dot(const block & x, const act & a, int32_t & sumi, int32_t & summ) {
-        const __m128i v = _mm_loadu_si128((const __m128i *) x.qs);
-        const __m128i m4 = _mm_set1_epi8(0x0F);
-        const __m256i q = _mm256_setr_m128i(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
-        sumi = hsum8(dot4(_mm256_setzero_si256(), q, _mm256_loadu_si256((const __m256i *) a.qs)));
-        summ = 0;
-    }
+    // (No row-wise dot: Q4_1's decode path is direct41, which reduces 8 rows at once.)
 };
 
 // transpose8 transposes an 8x8 matrix of 32-bit elements held in r[0..7].
@@ -526,7 +519,6 @@ void direct41(const char * rows, size_t stride, int n, int64_t nsb, const q81 * 
     for (int c = 0; c < C; c++) {
         acc[c] = _mm256_setzero_ps();
     }
-    const __m128i m4 = _mm_set1_epi8(0x0F);
     for (int64_t b = 0; b < nsb; b++) {
         alignas(32) float d[kRows] = {}, m[kRows] = {};
         __m256i t[C][kRows];
@@ -542,8 +534,7 @@ void direct41(const char * rows, size_t stride, int n, int64_t nsb, const q81 * 
             _mm_prefetch((const char *) (&x + 8), _MM_HINT_T0);
             d[r] = h2f(x.d);
             m[r] = h2f(x.m);
-            const __m128i v = _mm_loadu_si128((const __m128i *) x.qs);
-            const __m256i q = _mm256_setr_m128i(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+            const __m256i q = kq41::codes(x);
             for (int c = 0; c < C; c++) {
                 t[c][r] = dot4(_mm256_setzero_si256(), q, _mm256_loadu_si256((const __m256i *) a[c][b].qs));
             }

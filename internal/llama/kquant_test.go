@@ -3,8 +3,6 @@ package llama
 import (
 	"math"
 	"testing"
-
-	"github.com/polykv/polykv/internal/testmodel"
 )
 
 // TestKQuantKernel checks PolyKV's matrix kernel (Q4_K, Q6_K, Q4_1) on random matrices,
@@ -54,52 +52,42 @@ func TestKQuantKernel(t *testing.T) {
 // of the float scaling differs). The exact check against ggml's vec_dot is
 // TestKQuantKernel's.
 func TestKQuantKernelModel(t *testing.T) {
-	for _, fam := range []struct {
-		name string
-		path func(testing.TB) string
-	}{{"smollm2", testmodel.SmolLM2}, {"gemma3", testmodel.Gemma}} {
-		t.Run(fam.name, func(t *testing.T) {
-			m, err := LoadModel(fam.path(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer m.Free()
-			if !MatMulKernelAvailable() {
-				t.Skip("this build has no AVX2/FMA: PolyKV's matrix kernel is not compiled in")
-			}
-			prompt, then := fattnPrompt(t, m)
-			defer SetMatMulKernel(true)
+	forEachFamily(t, func(t *testing.T, m *Model) {
+		if !MatMulKernelAvailable() {
+			t.Skip("this build has no AVX2/FMA: PolyKV's matrix kernel is not compiled in")
+		}
+		prompt, then := fattnPrompt(t, m)
+		defer SetMatMulKernel(true)
 
-			SetMatMulKernel(true)
-			before := MatMulKernelRuns()
-			ours := fattnRun(t, m, prompt, 256, 0, then)
-			if MatMulKernelRuns() == before {
-				t.Fatal("PolyKV's matrix kernel computed nothing")
+		SetMatMulKernel(true)
+		before := MatMulKernelRuns()
+		ours := fattnRun(t, m, prompt, 256, 0, then)
+		if MatMulKernelRuns() == before {
+			t.Fatal("PolyKV's matrix kernel computed nothing")
+		}
+		chunked := fattnRun(t, m, prompt, 13, 37, then)
+		for i := range ours {
+			if d := maxDiff(chunked[i], ours[i]); d != 0 {
+				t.Errorf("logits of step %d differ by up to %g between 256- and 13-token prefill chunks", i, d)
 			}
-			chunked := fattnRun(t, m, prompt, 13, 37, then)
-			for i := range ours {
-				if d := maxDiff(chunked[i], ours[i]); d != 0 {
-					t.Errorf("logits of step %d differ by up to %g between 256- and 13-token prefill chunks", i, d)
-				}
-			}
+		}
 
-			SetMatMulKernel(false)
-			before = MatMulKernelRuns()
-			stock := fattnRun(t, m, prompt, 256, 0, then)
-			if MatMulKernelRuns() != before {
-				t.Fatal("PolyKV's matrix kernel ran while ggml's was chosen")
-			}
-			worst := 0.0
-			for i := range ours {
-				worst = max(worst, kl(stock[i], ours[i]))
-			}
-			t.Logf("largest KL divergence of the next-token distribution from ggml's kernel over %d steps: %.2g nats", len(ours), worst)
-			// Rounding-level differences grow through the layers on this prompt to about
-			// 0.01 nats (ggml's own two flash-attention kernels differ by as much, see
-			// TestFlashAttnKernel); a wrong scale or min term costs nats.
-			if worst > 0.05 || math.IsNaN(worst) {
-				t.Errorf("PolyKV's matrix kernel is %.3g nats from ggml's", worst)
-			}
-		})
-	}
+		SetMatMulKernel(false)
+		before = MatMulKernelRuns()
+		stock := fattnRun(t, m, prompt, 256, 0, then)
+		if MatMulKernelRuns() != before {
+			t.Fatal("PolyKV's matrix kernel ran while ggml's was chosen")
+		}
+		worst := 0.0
+		for i := range ours {
+			worst = max(worst, kl(stock[i], ours[i]))
+		}
+		t.Logf("largest KL divergence of the next-token distribution from ggml's kernel over %d steps: %.2g nats", len(ours), worst)
+		// Rounding-level differences grow through the layers on this prompt to about
+		// 0.01 nats (ggml's own two flash-attention kernels differ by as much, see
+		// TestFlashAttnKernel); a wrong scale or min term costs nats.
+		if worst > 0.05 || math.IsNaN(worst) {
+			t.Errorf("PolyKV's matrix kernel is %.3g nats from ggml's", worst)
+		}
+	})
 }
