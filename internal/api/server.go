@@ -63,6 +63,10 @@ type Info struct {
 	PrefixCache bool
 	// Compute is where the model runs (devices, GPU layers), as app.Offload describes it.
 	Compute any
+	// BuildInfo names the linked llama.cpp (llama.BuildInfo); CPUFeatures are the x86
+	// features its CPU backend was compiled with (llama.CPUFeatures).
+	BuildInfo   string
+	CPUFeatures []string
 }
 
 // Server holds the handlers' dependencies.
@@ -277,6 +281,7 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 	snap := s.eng.Snapshot()
 	props := wire.Props{
 		Model:            s.info.ModelID,
+		BuildInfo:        s.info.BuildInfo,
 		ModelPath:        s.info.ModelPath,
 		ModelDesc:        s.info.ModelDesc,
 		NCtx:             s.info.NCtx,
@@ -292,6 +297,7 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 		Compute:          s.info.Compute,
 		PolyKV: wire.PolyKVProps{
 			MaxPools:         s.info.MaxPools,
+			CPUFeatures:      s.info.CPUFeatures,
 			PoolGraceMs:      s.info.PoolGraceMs,
 			KVBytesPerCell:   s.info.BytesPerCell,
 			NSeqMax:          s.info.Parallel + s.info.MaxPools,
