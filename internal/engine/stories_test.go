@@ -92,6 +92,8 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 				}
 			case "prefixcache":
 				cfg.PrefixCache = v == "on"
+			case "recurrent":
+				cfg.Recurrent = v == "on"
 			default:
 				d.Fatalf(t, "unknown config key %s", a.Key)
 			}
