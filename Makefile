@@ -5,8 +5,8 @@ SHELL := /bin/bash
 export GOFLAGS ?= -mod=mod
 export POLYKV_CACHE ?= $(HOME)/.cache/polykv
 # CPU target of the llama.cpp build and of PolyKV's cgo code: portable (x86-64-v3: AVX2,
-# FMA, F16C, BMI2; runs on any x86-64 CPU since about 2015; PolyKV's kernels choose
-# VNNI/AVX-512 paths at run time) or native (-march=native, AMX off: some VMs report AMX
+# FMA, F16C, BMI2; runs on any x86-64 CPU since about 2015; PolyKV's matrix kernel picks
+# its AVX-512 VNNI path at run time) or native (-march=native, AMX off: some VMs report AMX
 # without granting it, and ggml's AMX path then dies at ldtilecfg).
 export POLYKV_CPU ?= portable
 LLAMA_DIR := $(shell ./scripts/llama.sh dir)
