@@ -27,7 +27,7 @@ export POLYKV_MODEL ?= $(POLYKV_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 export POLYKV_MODEL_GEMMA ?= $(POLYKV_CACHE)/models/gemma-3-270m-q4_k_m.gguf
 VENV ?= $(POLYKV_CACHE)/venv
 
-.PHONY: build llama llama-tools bump-llama model templates test test-go test-python demo bench venv browser clean env
+.PHONY: build llama llama-tools bump-llama testmodels model templates test test-go test-python demo bench venv browser clean env
 
 # The pinned llama.cpp's static libraries (a no-op once built for this version and CPU target).
 llama:
@@ -56,7 +56,13 @@ venv:
 browser:
 	./scripts/install-browser.sh
 
-test: build model templates venv browser test-go test-python
+# Tiny random-weight models of architectures with no small real model here (Qwen3.5,
+# LFM2, Granite hybrid, llama), written by llama.cpp's own test-llama-archs from the pinned
+# source into $(POLYKV_CACHE)/testmodels (first time: builds llama.cpp's common library).
+testmodels:
+	./scripts/llama.sh testmodels
+
+test: build model testmodels templates venv browser test-go test-python
 
 test-go:
 	go vet ./...
