@@ -70,6 +70,10 @@ type Info struct {
 	// --responses-max-bytes; 0: the defaults, 1,024 and 64 MiB). The oldest go first.
 	ResponsesMax      int
 	ResponsesMaxBytes int64
+	// BuildInfo names the linked llama.cpp (llama.BuildInfo); CPUFeatures are the x86
+	// features its CPU backend was compiled with (llama.CPUFeatures).
+	BuildInfo   string
+	CPUFeatures []string
 }
 
 // Server holds the handlers' dependencies.
@@ -289,6 +293,7 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 	snap := s.eng.Snapshot()
 	props := wire.Props{
 		Model:            s.info.ModelID,
+		BuildInfo:        s.info.BuildInfo,
 		ModelPath:        s.info.ModelPath,
 		ModelDesc:        s.info.ModelDesc,
 		NCtx:             s.info.NCtx,
@@ -304,6 +309,7 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 		Compute:          s.info.Compute,
 		PolyKV: wire.PolyKVProps{
 			MaxPools:         s.info.MaxPools,
+			CPUFeatures:      s.info.CPUFeatures,
 			PoolGraceMs:      s.info.PoolGraceMs,
 			KVBytesPerCell:   s.info.BytesPerCell,
 			NSeqMax:          s.info.Parallel + s.info.MaxPools,

@@ -319,6 +319,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	info.TPSTauMs = cfg.TPSTau.Milliseconds()
 	info.PrefixCache = ecfg.PrefixCache
 	info.Compute = off
+	info.BuildInfo, info.CPUFeatures = llama.BuildInfo(), llama.CPUFeatures()
 	srv := api.New(eng, model, renderer, info, metrics, log)
 	srv.RequireAPIKeys(cfg.APIKeys)
 	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv, KVEvents: pub, Offload: off}, nil
