@@ -57,7 +57,7 @@ func (s *Server) responsesChat(id string, req *wire.ResponsesRequest) (*wire.Cha
 	if p := req.PreviousResponseID; p != nil {
 		prev := s.responses.get(*p)
 		if prev == nil {
-			return nil, nil, invalidParam("previous_response_id", "Previous response with id '%s' not found (unknown, deleted or expired).", *p)
+			return nil, nil, invalidParam("previous_response_id", "Invalid 'previous_response_id': previous response with id '%s' not found (unknown, deleted or expired).", *p)
 		}
 		c = newConvo(prev.history, prev.calls)
 		turn.session = prev.session

@@ -226,8 +226,11 @@ func (r *responsesShape) finish(gen generation, ev engine.Event, calls bool) wir
 		resp.Status, resp.IncompleteDetails = "incomplete", &wire.IncompleteDetails{Reason: "max_output_tokens"}
 	}
 	u := wireUsageOf(len(gen.req.Prompt), ev.Stats)
-	resp.Usage = &wire.ResponseUsage{InputTokens: u.PromptTokens, InputTokensDetails: u.PromptTokensDetails,
-		OutputTokens: u.CompletionTokens, TotalTokens: u.TotalTokens}
+	resp.Usage = &wire.ResponseUsage{InputTokens: u.PromptTokens, OutputTokens: u.CompletionTokens, TotalTokens: u.TotalTokens,
+		InputTokensDetails: wire.InputTokensDetails{CachedTokens: u.PromptTokensDetails.CachedTokens}}
+	if gen.req.SessionID != "" {
+		resp.Usage.InputTokensDetails.CacheWriteTokens = ev.Stats.PromptN
+	}
 	for _, it := range resp.Output {
 		if rs, ok := it.(*wire.ResponseReasoningItem); ok && len(rs.Content) > 0 && rs.Content[0].Text != nil {
 			if toks, err := r.s.tok.Tokenize(*rs.Content[0].Text, false, false); err == nil {

@@ -183,10 +183,18 @@ func (*ResponseReasoningItem) OutputType() string { return "reasoning" }
 // previous_response_id reuses its session's cells.
 type ResponseUsage struct {
 	InputTokens         int                 `json:"input_tokens"`
-	InputTokensDetails  PromptTokensDetails `json:"input_tokens_details"`
+	InputTokensDetails  InputTokensDetails  `json:"input_tokens_details"`
 	OutputTokens        int                 `json:"output_tokens"`
 	OutputTokensDetails OutputTokensDetails `json:"output_tokens_details"`
 	TotalTokens         int                 `json:"total_tokens"`
+}
+
+// InputTokensDetails is usage.input_tokens_details: cached_tokens were reused from the
+// KV cache, cache_write_tokens prefilled into a session that keeps them for the next
+// turn (0 when the response runs on no session).
+type InputTokensDetails struct {
+	CacheWriteTokens int `json:"cache_write_tokens"`
+	CachedTokens     int `json:"cached_tokens"`
 }
 
 // OutputTokensDetails is usage.output_tokens_details.
