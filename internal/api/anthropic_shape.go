@@ -155,6 +155,9 @@ func (a *anthropicShape) finish(gen generation, ev engine.Event, calls bool) wir
 		reason = "tool_use"
 	case ev.Finish == engine.FinishLength:
 		reason = "max_tokens"
+	case ev.StopWord != "":
+		reason = "stop_sequence"
+		msg.StopSequence = &ev.StopWord
 	}
 	msg.StopReason = &reason
 	n := len(gen.req.Prompt)
