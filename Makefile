@@ -64,9 +64,14 @@ testmodels:
 
 test: build model testmodels templates venv browser test-go test-python
 
+# -p 1: one test binary at a time. Real-model tests in several packages each run llama.cpp
+# with a thread per core, and ggml's threads spin at every graph node's barrier: two such
+# processes on 2 cores wait out each other's time slices at every node (measured: decode
+# fell from ~100 to under 1 token/s with the cores oversubscribed).
 test-go:
+	@unformatted=$$(gofmt -l cmd internal); if [ -n "$$unformatted" ]; then echo "gofmt needed:"; echo "$$unformatted"; exit 1; fi
 	go vet ./...
-	POLYKV_REQUIRE_MODEL=1 go test -count=1 -timeout 40m ./...
+	POLYKV_REQUIRE_MODEL=1 go test -p 1 -count=1 -timeout 40m ./...
 	./scripts/fuzz.sh
 
 # polykv-langgraph as a langchain partner package: lint (ruff), types (mypy), unit tests
