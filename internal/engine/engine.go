@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -340,7 +341,9 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 		}
 		now := time.Now()
 		p := sched.Plan(now)
-		apply(be, p)
+		for _, m := range apply(be, p) {
+			sched.Step(time.Now(), m) // restores' answers, before the batch runs
+		}
 		changed := len(p.SeqOps) > 0 || len(p.Samplers) > 0
 		flush(now, changed && len(p.Batch) == 0)
 		if len(p.Batch) == 0 {
@@ -356,7 +359,21 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 	}
 }
 
-func apply(be Backend, p Plan) {
+// TierBackend is a backend that moves pools' KV to and from a tier below the cache
+// (Config.Tier, issue 25).
+type TierBackend interface {
+	// Tier performs OpSpill, OpRestore, OpRecord or OpForget. For OpRestore the error
+	// says why nothing was loaded (the sequence then holds nothing); the others report
+	// their failures to the tier's counters, as nothing waits for them.
+	Tier(op SeqOp) error
+}
+
+// apply runs a plan's samplers and sequence operations on the backend and returns the
+// answers the scheduler needs before the next batch: one Restored per pool with a
+// restore planned (the last one: operations run in order, so it is what the pool's
+// sequence holds now).
+func apply(be Backend, p Plan) []Msg {
+	var answers []Msg
 	for _, op := range p.Samplers {
 		if op.Free {
 			be.FreeSampler(op.Task)
@@ -370,9 +387,21 @@ func apply(be Backend, p Plan) {
 			be.SeqRm(op.Seq, op.P0, op.P1)
 		case OpSeqCp:
 			be.SeqCp(op.Src, op.Seq, op.P0, op.P1)
+		case OpSpill, OpRestore, OpRecord, OpForget:
+			var err error = errNoTier
+			if tb, ok := be.(TierBackend); ok {
+				err = tb.Tier(op)
+			}
+			if op.Kind == OpRestore {
+				answers = slices.DeleteFunc(answers, func(m Msg) bool { return m.(Restored).Pool == op.Pool })
+				answers = append(answers, Restored{Pool: op.Pool, Err: err})
+			}
 		}
 	}
+	return answers
 }
+
+var errNoTier = errors.New("the backend has no tier")
 
 func (e *Engine) shutdown(streams map[TaskID]*Stream) {
 	for id, st := range streams {
