@@ -83,8 +83,8 @@ type SeqOp struct {
 	Kind     OpKind
 	Seq, Src int
 	P0, P1   int
-	// Tier operations only: the pool, its parent (0: a root), branch position and
-	// tokens (shared with the pool: read-only).
+	// Tier operations only: the pool, its parent (0: a root; Src is then the parent's
+	// sequence), branch position and tokens (shared with the pool: read-only).
 	Pool, Parent, D int
 	Tokens          []Token
 }

@@ -24,7 +24,7 @@ import (
 func (s *Scheduler) tierOp(kind OpKind, p *pool.Pool) {
 	op := SeqOp{Kind: kind, Seq: p.Seq, Pool: p.ID, D: p.D, Tokens: p.Tokens}
 	if p.Parent != nil {
-		op.Parent = p.Parent.ID
+		op.Parent, op.Src = p.Parent.ID, p.Parent.Seq
 	}
 	s.ops = append(s.ops, op)
 }

@@ -186,6 +186,13 @@ func (s *Store) readManifest() {
 	}
 }
 
+// Durable reports whether pools can be recorded for restarts (a writable directory).
+func (s *Store) Durable() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.cfg.Dir != "" && s.diskOff == ""
+}
+
 // IDFloor is the highest pool id an earlier run may have used: this run's ids start
 // above it (0 without a disk tier).
 func (s *Store) IDFloor() int { return s.floor }

@@ -222,6 +222,9 @@ func (s *Store) Put(pool int, m Meta, payload []byte) Location {
 		e.used = s.tick()
 		return Disk
 	}
+	if len(payload) == 0 {
+		return None // the caller thought it was stored (Has) and it went meanwhile
+	}
 	size := int64(len(payload))
 	if size <= s.cfg.RAMBytes {
 		for s.ramBytes+size > s.cfg.RAMBytes {
