@@ -2,6 +2,7 @@ package app
 
 import (
 	"fmt"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
@@ -219,5 +220,64 @@ func TestTierFaults(t *testing.T) {
 				t.Fatalf("pool after the fallback prefill: %s", info.Residency)
 			}
 		})
+	}
+}
+
+// TestTierRestart: pinned pools recorded under --pool-dir are back after a restart with
+// the same ids, tree and prefix_hash, restored from disk (not prefilled), with the cold
+// output; new ids never repeat old ones.
+func TestTierRestart(t *testing.T) {
+	dir := t.TempDir()
+	cfg := withDefaults(Config{NCtx: 2048, Parallel: 2, MaxPools: 4, PoolDir: dir, PrefixCache: "off"})
+	cfg.ModelPath = modelPath(t)
+	a, err := Open(cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := httptest.NewServer(a.API.Handler())
+	base := ts.URL
+	rootToks := tokenize(t, a, longSystem(t, a, 120))
+	root := createPool(t, base, map[string]any{"tokens": rootToks, "pin": true})
+	childToks := append(slices.Clone(rootToks), suffixTokens(t, a, " Task: plan the week.")...)
+	code, child := forkPool(t, base, num(root["pool_id"]), len(rootToks), map[string]any{"tokens": childToks, "pin": true})
+	if code != 201 {
+		t.Fatalf("fork: %d %v", code, child)
+	}
+	unpinned := createPool(t, base, map[string]any{"prompt": "Not recorded."})
+	var before wire.PoolsStatus
+	get(t, base+"/polykv/pools", &before)
+	ts.Close()
+	a.Close() // queued disk writes finish
+
+	a2, base2 := startServer(t, cfg)
+	var after wire.PoolsStatus
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		after = wire.PoolsStatus{}
+		get(t, base2+"/polykv/pools", &after)
+		if len(after.Pools) == 2 && after.Pools[0].Residency == "resident" && after.Pools[1].Residency == "resident" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("recovered pools not resident: %+v", after.Pools)
+		}
+	}
+	for i, p := range after.Pools {
+		b := before.Pools[i]
+		if p.PoolID != b.PoolID || p.PrefixHash != b.PrefixHash || p.BranchPos != b.BranchPos || !slices.Equal(p.Children, b.Children) || !p.UserPinned {
+			t.Fatalf("pool %d after the restart: %+v, before %+v", b.PoolID, p, b)
+		}
+	}
+	if props := tierProps(t, base2); props.Restores["disk"] != 2 || len(props.Misses) != 0 {
+		t.Fatalf("restart restores %v misses %v, want 2 from disk", props.Restores, props.Misses)
+	}
+	prompt := append(slices.Clone(childToks), suffixTokens(t, a2, " Answer:")...)
+	gotIDs, gotLP, cacheN := greedyLogprobs(t, base2, prompt, num(child["pool_id"]), 8)
+	wantIDs, wantLP, _ := greedyLogprobs(t, base2, prompt, 0, 8)
+	if cacheN != len(childToks) || !slices.Equal(gotIDs, wantIDs) || !slices.Equal(gotLP, wantLP) {
+		t.Fatalf("attach to a recovered pool: cache_n %d, %v vs cold %v", cacheN, gotIDs, wantIDs)
+	}
+	fresh := createPool(t, base2, map[string]any{"prompt": "A new root."})
+	if id := num(fresh["pool_id"]); id <= num(unpinned["pool_id"]) {
+		t.Fatalf("new pool id %d repeats an earlier run's (up to %d)", id, num(unpinned["pool_id"]))
 	}
 }
