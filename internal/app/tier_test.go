@@ -13,8 +13,10 @@ import (
 	"github.com/polykv/polykv/internal/api/wire"
 )
 
-// greedyLogprobs completes prompt tokens greedily (optionally on a pool) and returns the
-// token ids and their logprobs.
+// greedyLogprobs completes prompt tokens greedily, optionally attached to a pool, and
+// returns the generated token ids, their logprobs and the cache_n the server reported.
+// Without a pool it is a cold reference: the whole prompt is prefilled (cache_prompt
+// false), never started from a prefix the prefix cache holds.
 func greedyLogprobs(t testing.TB, base string, prompt []int32, poolID, n int) ([]int, []float64, int) {
 	t.Helper()
 	body := map[string]any{"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 1, "ignore_eos": true, "cache_prompt": false}
