@@ -297,3 +297,121 @@ func TestMissErrorReason(t *testing.T) {
 		t.Fatalf("reason: %v", err)
 	}
 }
+
+// mountTmpfs mounts a tmpfs of size at a fresh directory (opts: extra mount options),
+// or skips when mounting is not allowed (it needs root).
+func mountTmpfs(t *testing.T, size, opts string) string {
+	dir := t.TempDir()
+	o := "size=" + size
+	if opts != "" {
+		o += "," + opts
+	}
+	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", o, "tmpfs", dir).CombinedOutput(); err != nil {
+		t.Skipf("cannot mount a tmpfs (needs root): %v %s", err, out)
+	}
+	t.Cleanup(func() { _ = exec.Command("umount", dir).Run() })
+	return dir
+}
+
+// TestFullDisk: a disk that fills up is logged and counted; entries that did not fit
+// are misses (never half entries), and the store keeps working.
+func TestFullDisk(t *testing.T) {
+	dir := mountTmpfs(t, "256k", "")
+	s := open(t, Config{Dir: dir, DiskBytes: 1 << 30}) // the budget allows it; the disk does not
+	for i := range 6 {
+		s.Put(i+1, meta(0, 8, int32(100*i)), payload(100<<10, byte(i)))
+		s.Flush()
+	}
+	st := s.Stats()
+	if st.DiskErrors == 0 || st.DiskEntries == 0 || st.DiskEntries == 6 {
+		t.Fatalf("full disk: %d errors, %d entries on disk", st.DiskErrors, st.DiskEntries)
+	}
+	for i := range 6 {
+		got, _, err := s.Get(meta(0, 8, int32(100*i)))
+		switch {
+		case err == nil && !bytes.Equal(got, payload(100<<10, byte(i))):
+			t.Fatalf("entry %d: other bytes", i)
+		case err != nil && Reason(err) != MissAbsent:
+			t.Fatalf("entry %d: %v", i, err)
+		}
+	}
+	if tmps, _ := filepath.Glob(filepath.Join(dir, ".tmp-*")); len(tmps) != 0 {
+		t.Fatalf("temporary files left on the full disk: %v", tmps)
+	}
+}
+
+// TestReadOnlyDir: a read-only directory is read, never written: spills stay in RAM
+// (or are dropped and counted), and pools cannot be recorded.
+func TestReadOnlyDir(t *testing.T) {
+	dir := mountTmpfs(t, "1m", "ro")
+	s := open(t, Config{Dir: dir, DiskBytes: 1 << 20, RAMBytes: 100})
+	if s.Durable() {
+		t.Fatal("a read-only directory is durable")
+	}
+	if loc := s.Put(1, meta(0, 4, 1), payload(50, 1)); loc != RAM {
+		t.Fatalf("small entry: %q", loc)
+	}
+	if loc := s.Put(2, meta(0, 4, 9), payload(500, 2)); loc != None {
+		t.Fatalf("entry over RAM on a read-only disk: %q", loc)
+	}
+	if s.Record(Record{ID: 3}, meta(0, 4, 1), payload(50, 1)) {
+		t.Fatal("recorded a pool on a read-only directory")
+	}
+	if st := s.Stats(); st.DiskErrors == 0 || st.Dropped != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+// TestKill9DuringReload kills processes that reopen a directory of recorded pools (a
+// restart's reload, which writes the manifest's id floor) at random instants: the
+// recorded pools always come back whole and the id floor never goes down.
+func TestKill9DuringReload(t *testing.T) {
+	if os.Getenv("POLYKV_TIER_RELOADER") != "" {
+		return
+	}
+	dir := t.TempDir()
+	s := open(t, Config{Dir: dir, DiskBytes: 1 << 30})
+	root := meta(0, 64, 1)
+	s.Record(Record{ID: 1}, root, payload(1<<20, 1))
+	s.Record(Record{ID: 2, Parent: 1, D: 64}, meta(64, 80, 1), payload(1<<19, 2))
+	s.Close()
+	floor := 0
+	for round := range 4 {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestKill9Reloader$")
+		cmd.Env = append(os.Environ(), "POLYKV_TIER_RELOADER="+dir)
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Duration(30+40*round) * time.Millisecond)
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		s := open(t, Config{Dir: dir, DiskBytes: 1 << 30})
+		rec := s.Recovered()
+		if len(rec) != 2 || rec[1].Parent != 1 || len(rec[1].Tokens) != 80 || s.IDFloor() < floor {
+			t.Fatalf("round %d: recovered %d pools, floor %d after %d", round, len(rec), s.IDFloor(), floor)
+		}
+		if got, _, err := s.Get(root); err != nil || !bytes.Equal(got, payload(1<<20, 1)) {
+			t.Fatalf("round %d: root entry: %v", round, err)
+		}
+		floor = s.IDFloor()
+		s.Close()
+	}
+}
+
+// TestKill9Reloader is the process TestKill9DuringReload kills: it reloads until it dies.
+func TestKill9Reloader(t *testing.T) {
+	dir := os.Getenv("POLYKV_TIER_RELOADER")
+	if dir == "" {
+		t.Skip("helper process of TestKill9DuringReload")
+	}
+	for {
+		s, err := Open(Config{Model: "model-a", Dir: dir, DiskBytes: 1 << 30})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range s.Recovered() {
+			_, _, _ = s.Get(Meta{D: r.D, Tokens: r.Tokens})
+		}
+		s.Close()
+	}
+}
