@@ -324,7 +324,7 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 			case <-tick.C:
 				handle(envelope{msg: Tick{}})
 			case <-e.quit:
-				e.shutdown(streams)
+				e.shutdown(sched, be, streams)
 				return
 			}
 		}
@@ -333,7 +333,7 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 			case m := <-e.inbox:
 				handle(m)
 			case <-e.quit:
-				e.shutdown(streams)
+				e.shutdown(sched, be, streams)
 				return
 			default:
 				drained = true
@@ -403,7 +403,11 @@ func apply(be Backend, p Plan) []Msg {
 
 var errNoTier = errors.New("the backend has no tier")
 
-func (e *Engine) shutdown(streams map[TaskID]*Stream) {
+// shutdown ends the streams after applying the operations planned since the last step:
+// a pool recorded for restarts (OpRecord) just before a clean shutdown is then on disk.
+func (e *Engine) shutdown(sched *Scheduler, be Backend, streams map[TaskID]*Stream) {
+	_ = apply(be, Plan{SeqOps: sched.ops})
+	sched.ops = nil
 	for id, st := range streams {
 		st.push(Event{Task: id, Done: true, Finish: FinishError, Err: ErrEngineClosed})
 	}
