@@ -61,7 +61,11 @@ type Info struct {
 	PoolsUnsupported string
 	// PoolTier is why the pool tier is off although asked for ("" when on or not asked).
 	PoolTier string
-	TPSTauMs int64
+	// SlotSavePath is --slot-save-path ("": slot save/restore off); ModelKey names the
+	// model, build and cache types saved files are valid for (package tier).
+	SlotSavePath string
+	ModelKey     string
+	TPSTauMs     int64
 	// PrefixCache: automatic prefix sharing is on (--prefix-cache).
 	PrefixCache bool
 	// Compute is where the model runs (devices, GPU layers), as app.Offload describes it.
@@ -111,6 +115,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("GET /health", s.handleHealth)
 	mux.HandleFunc("GET /props", s.handleProps)
 	mux.HandleFunc("GET /slots", s.handleSlots)
+	s.routeSlots(mux)
 	s.routePools(mux)
 	s.routeTPS(mux)
 	s.routeTemplate(mux)

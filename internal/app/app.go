@@ -75,6 +75,9 @@ type Config struct {
 	PoolRAMMB  int
 	PoolDir    string
 	PoolDiskMB int
+	// SlotSavePath (--slot-save-path): directory of llama-server's slot save/restore
+	// files ("": those actions answer 501).
+	SlotSavePath string
 
 	noSWAAnchors bool // tests only: show what goes wrong without runner SWA anchors
 }
@@ -309,7 +312,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 			func() float64 { return float64(pub.Snapshots.Load()) },
 			func() float64 { return float64(pub.Dropped.Load()) })
 	}
-	store, tierOff, err := openTier(cfg, model, ecfg, log)
+	store, tierOff, key, err := openTier(cfg, model, ecfg, log)
 	if err != nil {
 		if pub != nil {
 			_ = pub.Close()
@@ -358,6 +361,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	info.Compute = off
 	info.BuildInfo, info.CPUFeatures = llama.BuildInfo(), llama.CPUFeatures()
 	info.PoolTier = tierOff
+	info.SlotSavePath, info.ModelKey = cfg.SlotSavePath, key
 	srv := api.New(eng, model, renderer, info, metrics, log)
 	if store != nil {
 		srv.SetTier(store)
@@ -388,14 +392,22 @@ func (a *App) Close() {
 
 // openTier opens the store below the cache when --pool-ram-mb or --pool-dir asks for
 // one, or says why the tier is off for this model (the second result; "" when on or
-// not asked for). Refused: pools that cannot exist (recurrent memory) and
+// not asked for). The third is the model key saved KV is valid for, when the tier or
+// --slot-save-path needs it. Refused: pools that cannot exist (recurrent memory) and
 // sliding-window models (Gemma 3): llama.cpp's sequence state leaves out the cells
 // that a sliding-window layer masks for the sequence's last position, so a restored
 // pool would lack them, and an attach or fork below its last window would read KV that
 // is not there. Such pools are prefilled again, as without a tier.
-func openTier(cfg Config, model *llama.Model, ecfg engine.Config, log *slog.Logger) (*tier.Store, string, error) {
+func openTier(cfg Config, model *llama.Model, ecfg engine.Config, log *slog.Logger) (*tier.Store, string, string, error) {
+	key := ""
+	if cfg.SlotSavePath != "" || cfg.PoolRAMMB > 0 || cfg.PoolDir != "" {
+		var err error
+		if key, err = modelKey(cfg, model); err != nil {
+			return nil, "", "", err
+		}
+	}
 	if cfg.PoolRAMMB == 0 && cfg.PoolDir == "" {
-		return nil, "", nil
+		return nil, "", key, nil
 	}
 	off := ""
 	switch {
@@ -408,16 +420,11 @@ func openTier(cfg Config, model *llama.Model, ecfg engine.Config, log *slog.Logg
 		if log != nil {
 			log.Info("pool tier off", "reason", off)
 		}
-		return nil, off, nil
+		return nil, off, key, nil
 	}
-	sum, err := tier.FileSHA256(cfg.ModelPath)
-	if err != nil {
-		return nil, "", fmt.Errorf("pool tier: hashing the model: %w", err)
-	}
-	key := tier.ModelKey(sum, llama.BuildInfo(), cfg.CacheTypeK, cfg.CacheTypeV, cfg.FlashAttn, model.NSWA() > 0)
 	store, err := tier.Open(tier.Config{Model: key, RAMBytes: int64(cfg.PoolRAMMB) << 20, Dir: cfg.PoolDir,
 		DiskBytes: int64(cfg.PoolDiskMB) << 20, Log: log})
-	return store, "", err
+	return store, "", key, err
 }
 
 // recoverPools puts back the pools an earlier run recorded under --pool-dir, parents
@@ -435,4 +442,13 @@ func recoverPools(eng *engine.Engine, store *tier.Store, log *slog.Logger) {
 			log.Warn("recorded pool not recovered", "pool", r.ID, "err", err)
 		}
 	}
+}
+
+// modelKey is what saved KV is valid for (tier.ModelKey), from the GGUF's sha256.
+func modelKey(cfg Config, model *llama.Model) (string, error) {
+	sum, err := tier.FileSHA256(cfg.ModelPath)
+	if err != nil {
+		return "", fmt.Errorf("hashing the model for saved KV: %w", err)
+	}
+	return tier.ModelKey(sum, llama.BuildInfo(), cfg.CacheTypeK, cfg.CacheTypeV, cfg.FlashAttn, model.NSWA() > 0), nil
 }

@@ -23,6 +23,13 @@ func greedyLogprobs(t testing.TB, base string, prompt []int32, poolID, n int) ([
 	if poolID > 0 {
 		body["pool_id"] = poolID
 	}
+	return completionLogprobs(t, base, body)
+}
+
+// completionLogprobs posts a completion that asks for logprobs and returns its token
+// ids, their logprobs and cache_n.
+func completionLogprobs(t testing.TB, base string, body map[string]any) ([]int, []float64, int) {
+	t.Helper()
 	code, out := post(t, base+"/v1/completions", body)
 	if code != 200 {
 		t.Fatalf("completion: %d %v", code, out)
@@ -281,5 +288,74 @@ func TestTierRestart(t *testing.T) {
 	fresh := createPool(t, base2, map[string]any{"prompt": "A new root."})
 	if id := num(fresh["pool_id"]); id <= num(unpinned["pool_id"]) {
 		t.Fatalf("new pool id %d repeats an earlier run's (up to %d)", id, num(unpinned["pool_id"]))
+	}
+}
+
+// TestSlotSaveRestoreErase: llama-server's slot actions. A session's slot is saved to a
+// file, erased, restored into another slot, and a request for the same prompt then
+// starts from the restored cells with the cold output; bad input answers 400/501.
+func TestSlotSaveRestoreErase(t *testing.T) {
+	dir := t.TempDir()
+	a, base := startServer(t, Config{NCtx: 2048, Parallel: 2, MaxPools: 1, SlotSavePath: dir})
+	toks := tokenize(t, a, longSystem(t, a, 100))
+	prompt := append(slices.Clone(toks), suffixTokens(t, a, " Answer:")...)
+	code, out := post(t, base+"/v1/completions", map[string]any{"prompt": toks, "max_tokens": 1, "session_id": "s", "temperature": 0})
+	if code != 200 {
+		t.Fatalf("session turn: %d %v", code, out)
+	}
+	var slots []wire.Slot
+	get(t, base+"/slots", &slots)
+	src := slices.IndexFunc(slots, func(s wire.Slot) bool { return s.SessionID == "s" })
+	if src < 0 {
+		t.Fatalf("no slot holds the session: %+v", slots)
+	}
+	held := slots[src].NPast
+	slotURL := func(id int, action string) string { return fmt.Sprintf("%s/slots/%d?action=%s", base, id, action) }
+	code, out = post(t, slotURL(src, "save"), map[string]any{"filename": "s.bin"})
+	if code != 200 || num(out["n_saved"]) != held {
+		t.Fatalf("save: %d %v (slot holds %d)", code, out, held)
+	}
+	for _, bad := range []string{"", "../x", "a/b", ".."} {
+		if code, out := post(t, slotURL(src, "save"), map[string]any{"filename": bad}); code != 400 {
+			t.Fatalf("filename %q: %d %v", bad, code, out)
+		}
+	}
+	if code, out := post(t, slotURL(src, "bogus"), map[string]any{}); code != 400 {
+		t.Fatalf("bad action: %d %v", code, out)
+	}
+	if code, out := post(t, slotURL(9, "erase"), map[string]any{}); code != 400 {
+		t.Fatalf("bad slot: %d %v", code, out)
+	}
+	code, out = post(t, slotURL(src, "erase"), map[string]any{})
+	if code != 200 || num(out["n_erased"]) != held {
+		t.Fatalf("erase: %d %v", code, out)
+	}
+	dst := 1 - src
+	code, out = post(t, slotURL(dst, "restore"), map[string]any{"filename": "s.bin"})
+	if code != 200 || num(out["n_restored"]) != held {
+		t.Fatalf("restore: %d %v", code, out)
+	}
+	// A request for the prompt starts from the restored cells (prefix cache) and
+	// answers what a cold prefill does.
+	gotIDs, gotLP, cacheN := completionLogprobs(t, base, map[string]any{"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1, "ignore_eos": true})
+	if cacheN < len(toks) {
+		t.Fatalf("cache_n %d after restoring %d tokens", cacheN, held)
+	}
+	wantIDs, wantLP, _ := greedyLogprobs(t, base, prompt, 0, 8)
+	if !slices.Equal(gotIDs, wantIDs) || !slices.Equal(gotLP, wantLP) {
+		t.Fatalf("from the restored slot %v, cold %v", gotIDs, wantIDs)
+	}
+	// A corrupt file is refused, never loaded.
+	path := filepath.Join(dir, "s.bin")
+	b, _ := os.ReadFile(path)
+	b[len(b)/2] ^= 1
+	_ = os.WriteFile(path, b, 0o644)
+	if code, out := post(t, slotURL(dst, "restore"), map[string]any{"filename": "s.bin"}); code != 400 || !strings.Contains(fmt.Sprint(out), "checksum") {
+		t.Fatalf("corrupt file: %d %v", code, out)
+	}
+	// Without --slot-save-path: 501.
+	_, base2 := startServer(t, Config{NCtx: 512, Parallel: 1, MaxPools: 1})
+	if code, out := post(t, fmt.Sprintf("%s/slots/0?action=save", base2), map[string]any{"filename": "x"}); code != 501 {
+		t.Fatalf("no slot path: %d %v", code, out)
 	}
 }

@@ -300,6 +300,12 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 			}
 		default:
 			r.res = sched.Step(now, m.msg)
+			switch m.msg.(type) {
+			case SaveSlot, LoadSlot:
+				if r.res.Err == nil {
+					slotIO(sched, be, m.msg, &r.res)
+				}
+			}
 			// A submitted request, or a pool's materialization: its events get a stream.
 			if task := r.res.Task; r.res.Err == nil && task != 0 {
 				r.stream = newStream(task, e)

@@ -120,7 +120,11 @@ type Result struct {
 	Capacity    CapacityReport
 	Admission   admission.Policy
 	Reservation ReservationReport
-	Err         error
+	// Tokens and Data: SaveSlot's sequence; Erased: EraseSlot's count.
+	Tokens []Token
+	Data   []byte
+	Erased int
+	Err    error
 }
 
 // Flushed is what FlushPool freed.
@@ -167,6 +171,16 @@ func (s *Scheduler) Step(now time.Time, m Msg) Result {
 		s.admit()
 	case RecoverPool:
 		return Result{Pool: m.ID, Err: s.recoverPool(m)}
+	case SaveSlot:
+		toks, err := s.saveSlot(m)
+		return Result{Tokens: toks, Err: err}
+	case LoadSlot:
+		return Result{Err: s.loadSlot(m)}
+	case slotLoaded:
+		s.slotLoaded(m)
+	case EraseSlot:
+		n, err := s.eraseSlot(m)
+		return Result{Erased: n, Err: err}
 	case Tick:
 		s.advance()
 	default:

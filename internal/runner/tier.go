@@ -77,28 +77,14 @@ func (b *Backend) ownState(op engine.SeqOp, keep bool) ([]byte, error) {
 	return b.ctx.SeqStateGet(op.Seq)
 }
 
-// restore loads a pool's own cells into its empty sequence and checks that they are
-// exactly [D, L). The cache is compacted first when cells were removed since the last
-// batch, so the restored cells land above every resident one, in position order (the
-// same order a prefill would leave them in: see Decode).
+// restore loads a pool's own cells from the tier into its empty sequence (load), or
+// counts why not.
 func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 	start := time.Now()
 	data, loc, err := b.store.Get(m)
-	if err == nil && b.holes {
-		if err = b.ctx.Compact(); err != nil {
-			b.log.Error("KV cache compaction failed; cached sequences may be lost", "err", err)
-		} else {
-			b.holes = false
-			b.Compactions++
-		}
-	}
 	if err == nil {
-		if err = b.ctx.SeqStateSet(op.Seq, data); err != nil {
+		if err = b.load(op.Seq, op.D, len(op.Tokens), data); err != nil {
 			err = &tier.MissError{Reason: tier.MissRejected, Err: err}
-		} else if lo, hi := b.ctx.SeqPosMin(op.Seq), b.ctx.SeqPosMax(op.Seq); lo != op.D || hi != len(op.Tokens)-1 {
-			b.ctx.SeqRm(op.Seq, -1, -1)
-			b.holes = true
-			err = &tier.MissError{Reason: tier.MissRejected, Err: fmt.Errorf("restored positions [%d, %d], want [%d, %d)", lo, hi, op.D, len(op.Tokens))}
 		}
 	}
 	if err != nil {
@@ -108,3 +94,49 @@ func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 	b.store.Restored(loc, time.Since(start))
 	return nil
 }
+
+// load writes data (from SeqStateGet) into seq and checks that seq then holds exactly
+// positions [lo, hi). The cache is compacted first when cells were removed since the
+// last batch, so the loaded cells land above every resident one, in position order
+// (the order a prefill would leave them in: see Decode). On failure seq holds nothing.
+func (b *Backend) load(seq, lo, hi int, data []byte) error {
+	if b.holes {
+		if err := b.ctx.Compact(); err != nil {
+			b.log.Error("KV cache compaction failed; cached sequences may be lost", "err", err)
+			return err
+		}
+		b.holes = false
+		b.Compactions++
+	}
+	if err := b.ctx.SeqStateSet(seq, data); err != nil {
+		return err
+	}
+	if p0, p1 := b.ctx.SeqPosMin(seq), b.ctx.SeqPosMax(seq); p0 != lo || p1 != hi-1 {
+		b.ctx.SeqRm(seq, -1, -1)
+		b.holes = true
+		return fmt.Errorf("loaded positions [%d, %d], want [%d, %d)", p0, p1, lo, hi)
+	}
+	return nil
+}
+
+var _ engine.SlotBackend = (*Backend)(nil)
+
+// SaveSeq implements engine.SlotBackend (llama-server's slot save).
+func (b *Backend) SaveSeq(seq int) ([]byte, error) {
+	if b.anchor > 0 {
+		return nil, errSWASlots
+	}
+	return b.ctx.SeqStateGet(seq)
+}
+
+// LoadSeq implements engine.SlotBackend (llama-server's slot restore).
+func (b *Backend) LoadSeq(seq, n int, data []byte) error {
+	if b.anchor > 0 {
+		return errSWASlots
+	}
+	return b.load(seq, 0, n, data)
+}
+
+// errSWASlots: as for the tier (EnableTier), a sliding-window model's saved sequence
+// lacks the cells its window masks, so a borrower of a shorter prefix would miss them.
+var errSWASlots = errors.New("slot save and restore are not available for sliding-window models: llama.cpp's sequence state leaves out the cells the window masks")

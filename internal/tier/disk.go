@@ -419,8 +419,10 @@ func (s *Store) readEntryMeta(k Key) (Meta, []byte, error) {
 	return decode(b, s.cfg.Model, nil)
 }
 
-// atomicWrite writes dir/name as a whole or not at all: temporary file, fsync, rename,
-// fsync of the directory.
+// WriteFileAtomic writes dir/name as a whole or not at all: temporary file, fsync,
+// rename, fsync of the directory.
+func WriteFileAtomic(dir, name string, b []byte) error { return atomicWrite(dir, name, b) }
+
 func atomicWrite(dir, name string, b []byte) error {
 	f, err := os.CreateTemp(dir, ".tmp-*")
 	if err != nil {

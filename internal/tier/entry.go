@@ -157,3 +157,11 @@ func decode(b []byte, model string, want *Meta) (Meta, []byte, error) {
 	}
 	return m, b[off : off+h.PayloadLen], nil
 }
+
+// EncodeFile lays out a file holding the KV of m (a session's saved slot, say) under
+// model, in the entry format: header, tokens, payload and a CRC-32C.
+func EncodeFile(model string, m Meta, payload []byte) []byte { return encode(model, m, payload) }
+
+// DecodeFile checks a file written by EncodeFile (checksum, model key) and returns what
+// it holds, or a *MissError with the reason.
+func DecodeFile(b []byte, model string) (Meta, []byte, error) { return decode(b, model, nil) }
