@@ -35,7 +35,7 @@ func bench(args []string) error {
 	nGen := fs.Int("n", 128, "tokens each session decodes")
 	reps := fs.Int("reps", 2, "repetitions per measurement (best is reported)")
 	cpuProfile := fs.String("cpuprofile", "", "write a Go CPU profile of the server runs to this file")
-	workload := fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on), plain-fanout and agent-loop (plain OpenAI client: automatic prefix reuse vs off vs explicit pool), plain (both plain-client workloads) or all")
+	workload := fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on), plain-fanout and agent-loop (plain OpenAI client: automatic prefix reuse vs off vs explicit pool), plain (both plain-client workloads), tier (evicted pool restored from RAM / disk vs prefill; restart with pinned pools) or all")
 	var pf prefillBench
 	fs.StringVar(&pf.models, "prefill-models", "", "prefill: comma-separated GGUF files (default: -m); missing files are skipped")
 	fs.StringVar(&pf.types, "prefill-cache-types", "f16,q8_0,q4_0", "prefill: KV cache types (K and V alike)")
@@ -57,6 +57,9 @@ func bench(args []string) error {
 	fs.IntVar(&lp.tool, "loop-tool", 60, "agent-loop: tokens of each turn's tool result")
 	fs.IntVar(&lp.gen, "loop-gen", 64, "agent-loop: tokens decoded per turn")
 	loopModes := fs.String("loop-configs", "auto,off", "agent-loop: server configs to run: auto, off")
+	var tb tierBench
+	fs.IntVar(&tb.tokens, "tier-tokens", 2000, "tier: tokens of the evicted pool")
+	fs.IntVar(&tb.pinned, "tier-pinned", 8, "tier: pinned pools recorded before the restart")
 	var rp ramp
 	fs.IntVar(&rp.agents, "ramp-agents", 10, "spawn ramp: agents that ask to join")
 	fs.DurationVar(&rp.interval, "ramp-interval", 2*time.Second, "spawn ramp: time between join requests")
@@ -98,6 +101,8 @@ func bench(args []string) error {
 		return rp.run(cfg)
 	case "prefill":
 		return pf.run(cfg, *reps)
+	case "tier":
+		return tb.run(cfg, *reps)
 	}
 	if *workload != "decode" && *workload != "all" {
 		return fmt.Errorf("bench: unknown workload %q", *workload)

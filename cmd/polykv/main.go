@@ -94,6 +94,10 @@ func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
 		cfg.PoolGrace = time.Duration(n) * time.Millisecond
 		return nil
 	})
+	fs.IntVar(&cfg.PoolRAMMB, "pool-ram-mb", cfg.PoolRAMMB, "host RAM (MiB) for evicted pools' KV, restored instead of prefilled (0: none)")
+	fs.StringVar(&cfg.PoolDir, "pool-dir", cfg.PoolDir, "directory for evicted pools' KV below RAM and for pinned pools that survive restarts (\"\": none)")
+	fs.IntVar(&cfg.PoolDiskMB, "pool-disk-mb", cfg.PoolDiskMB, "disk budget (MiB) under --pool-dir")
+	fs.StringVar(&cfg.SlotSavePath, "slot-save-path", cfg.SlotSavePath, "directory for POST /slots/{id}?action=save|restore files (\"\": those actions are off)")
 	gpuFlags(fs, cfg)
 }
 

@@ -52,7 +52,7 @@ func (s *Server) poolAction(msg func(id int) engine.Msg) http.HandlerFunc {
 			return
 		}
 		info.Tokens = nil
-		out := wire.PoolCommand{Pool: wirePool(info)}
+		out := wire.PoolCommand{Pool: s.wirePool(info)}
 		if _, flush := m.(engine.FlushPool); flush {
 			freed := int64(res.Flushed.Cells) * s.info.BytesPerCell
 			out.FlushedSessions, out.FreedKVBytes = &res.Flushed.Sessions, &freed
@@ -180,12 +180,12 @@ func (s *Server) createPool(w http.ResponseWriter, r *http.Request, b *wire.Pool
 		PoolID: id, Parent: info.Parent, BranchPos: info.BranchPos, PrefixLen: info.PrefixLen,
 		OwnLen: info.OwnLen, PrefixHash: info.PrefixHash, State: info.State,
 		PrefilledTokens: stats.PromptN, MaterializeMs: float64(stats.PromptTime.Microseconds()) / 1000,
-		ZeroCopy: stats.PromptN == 0, Pool: wirePool(info),
+		ZeroCopy: stats.PromptN == 0, Pool: s.wirePool(info),
 	})
 }
 
 func (s *Server) handleListPools(w http.ResponseWriter, r *http.Request) {
-	writeJSON(w, http.StatusOK, wirePools(s.eng.Snapshot().Pools))
+	writeJSON(w, http.StatusOK, s.wirePools(s.eng.Snapshot().Pools))
 }
 
 func (s *Server) handleGetPool(w http.ResponseWriter, r *http.Request) {
@@ -199,7 +199,7 @@ func (s *Server) handleGetPool(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, errorFor(err))
 		return
 	}
-	writeJSON(w, http.StatusOK, wirePool(info))
+	writeJSON(w, http.StatusOK, s.wirePool(info))
 }
 
 func (s *Server) handleReleasePool(w http.ResponseWriter, r *http.Request) {

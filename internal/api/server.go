@@ -19,6 +19,7 @@ import (
 	"github.com/polykv/polykv/internal/chat"
 	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/pool"
+	"github.com/polykv/polykv/internal/tier"
 	"github.com/polykv/polykv/internal/tps"
 	"github.com/polykv/polykv/internal/ui"
 )
@@ -58,7 +59,13 @@ type Info struct {
 	BytesPerCell int64
 	// PoolsUnsupported is why pools are off for this model ("" when they work).
 	PoolsUnsupported string
-	TPSTauMs         int64
+	// PoolTier is why the pool tier is off although asked for ("" when on or not asked).
+	PoolTier string
+	// SlotSavePath is --slot-save-path ("": slot save/restore off); ModelKey names the
+	// model, build and cache types saved files are valid for (package tier).
+	SlotSavePath string
+	ModelKey     string
+	TPSTauMs     int64
 	// PrefixCache: automatic prefix sharing is on (--prefix-cache).
 	PrefixCache bool
 	// Compute is where the model runs (devices, GPU layers), as app.Offload describes it.
@@ -88,7 +95,12 @@ type Server struct {
 	apiKeys [][sha256.Size]byte // SHA-256 of each accepted key; none = open
 	// responses are the stored Responses API responses (store: true).
 	responses *responseStore
+	tier      *tier.Store // the pool tier (nil: none)
 }
+
+// SetTier shows where evicted pools' KV lives (residency ram / disk, restore_cost) and
+// the tier's counters in /props.
+func (s *Server) SetTier(t *tier.Store) { s.tier = t }
 
 // New creates the HTTP server state. metrics may be nil (no /metrics route).
 func New(eng *engine.Engine, tok Tokenizer, chat ChatRenderer, info Info, metrics *Metrics, log *slog.Logger) *Server {
@@ -115,6 +127,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("GET /slots", s.handleSlots)
 	s.routeResponses(mux)
 	s.routeMessages(mux)
+	s.routeSlots(mux)
 	s.routePools(mux)
 	s.routeTPS(mux)
 	s.routeTemplate(mux)
@@ -316,6 +329,7 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 			NSeqMax:          s.info.Parallel + s.info.MaxPools,
 			PoolsSupported:   s.info.PoolsUnsupported == "",
 			PoolsUnsupported: s.info.PoolsUnsupported,
+			PoolTier:         s.tierProps(),
 			PrefixCache: wire.PrefixCacheProps{Enabled: s.info.PrefixCache, HitTokens: snap.Usage.CacheHitTokens,
 				ResidentTokens: snap.Usage.CacheCells, CachedSequences: snap.Usage.CacheSeqs, Evictions: snap.Usage.CacheEvictions},
 			AdmissionDefault: wirePolicy(admission.DefaultPolicy()),

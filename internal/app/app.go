@@ -3,6 +3,7 @@
 package app
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"os"
@@ -17,6 +18,7 @@ import (
 	"github.com/polykv/polykv/internal/kvevents"
 	"github.com/polykv/polykv/internal/llama"
 	"github.com/polykv/polykv/internal/runner"
+	"github.com/polykv/polykv/internal/tier"
 	"github.com/polykv/polykv/internal/tps"
 )
 
@@ -72,6 +74,17 @@ type Config struct {
 	// a pool_id (issue 12); off only for comparison.
 	PrefixCache string
 
+	// The tier below the cache (issue 25): an evicted pool's KV goes to host RAM up to
+	// PoolRAMMB (--pool-ram-mb; 0: none), then to disk under PoolDir (--pool-dir; "":
+	// none) up to PoolDiskMB (--pool-disk-mb), and is restored from there instead of
+	// prefilled. With PoolDir, pinned pools are recorded and come back after a restart.
+	PoolRAMMB  int
+	PoolDir    string
+	PoolDiskMB int
+	// SlotSavePath (--slot-save-path): directory of llama-server's slot save/restore
+	// files ("": those actions answer 501).
+	SlotSavePath string
+
 	noSWAAnchors bool // tests only: show what goes wrong without runner SWA anchors
 }
 
@@ -89,6 +102,8 @@ func DefaultConfig() Config {
 		FAKernel:    "polykv",
 		MMKernel:    "polykv",
 		PrefixCache: "on",
+		PoolRAMMB:   512,
+		PoolDiskMB:  4096,
 		TPSTau:      tps.DefaultTau,
 		CacheTypeK:  "f16",
 		CacheTypeV:  "f16",
@@ -125,6 +140,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("--tps-tau must be positive, got %s", c.TPSTau)
 	case c.KVBlockSize < 1:
 		return fmt.Errorf("--kv-block-size must be positive, got %d", c.KVBlockSize)
+	case c.PoolRAMMB < 0 || c.PoolDiskMB < 0:
+		return fmt.Errorf("--pool-ram-mb and --pool-disk-mb must not be negative")
 	}
 	if _, _, err := ParseGPULayers(c.GPULayers); err != nil {
 		return err
@@ -182,6 +199,9 @@ type App struct {
 	KVEvents *kvevents.Publisher
 	// Offload is where the model runs (CPU, or which GPU devices hold how many layers).
 	Offload Offload
+	// Tier is the store below the cache (nil when off or refused: TierOff says why).
+	Tier    *tier.Store
+	TierOff string
 }
 
 // Open loads the model and starts the engine.
@@ -301,8 +321,23 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 			func() float64 { return float64(pub.Snapshots.Load()) },
 			func() float64 { return float64(pub.Dropped.Load()) })
 	}
+	store, tierOff, key, err := openTier(cfg, model, ecfg, log)
+	if err != nil {
+		if pub != nil {
+			_ = pub.Close()
+		}
+		ctx.Free()
+		model.Free()
+		return nil, err
+	}
+	if store != nil {
+		ecfg.Tier, ecfg.TierRecord, ecfg.PoolIDFloor = true, store.Durable(), store.IDFloor()
+	}
 	sched, err := engine.NewScheduler(ecfg, runner.Vocab{M: model})
 	if err != nil {
+		if store != nil {
+			store.Close()
+		}
 		if pub != nil {
 			_ = pub.Close()
 		}
@@ -318,8 +353,13 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	if swa {
 		backend.EnableSWAAnchors(nSeq)
 	}
+	if store != nil {
+		backend.EnableTier(store)
+		metrics.SetTier(store)
+	}
 	eng := engine.New(sched, backend, obs)
 	metrics.SetEngine(eng)
+	recoverPools(eng, store, log)
 	info := api.Info{
 		ModelID: id, ModelPath: cfg.ModelPath, ModelDesc: model.Desc(), NCtx: cfg.NCtx, NCtxTrain: model.NCtxTrain(),
 		Parallel: cfg.Parallel, NBatch: cfg.NBatch, NVocab: model.NVocab(), ChatTemplate: tmplSrc, Started: time.Now(),
@@ -330,9 +370,14 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	info.Compute = off
 	info.SessionTTL, info.ResponsesMax, info.ResponsesMaxBytes = cfg.SessionTTL, cfg.ResponsesMax, cfg.ResponsesMaxBytes
 	info.BuildInfo, info.CPUFeatures = llama.BuildInfo(), llama.CPUFeatures()
+	info.PoolTier = tierOff
+	info.SlotSavePath, info.ModelKey = cfg.SlotSavePath, key
 	srv := api.New(eng, model, renderer, info, metrics, log)
+	if store != nil {
+		srv.SetTier(store)
+	}
 	srv.RequireAPIKeys(cfg.APIKeys)
-	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv, KVEvents: pub, Offload: off}, nil
+	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv, KVEvents: pub, Offload: off, Tier: store, TierOff: tierOff}, nil
 }
 
 // observers is the metrics and the KV-event publisher as one engine Observer: the
@@ -348,6 +393,72 @@ func (a *App) Close() {
 	if a.KVEvents != nil { // after the engine: it reports no change once closed
 		_ = a.KVEvents.Close()
 	}
+	if a.Tier != nil { // after the engine: queued disk writes finish
+		a.Tier.Close()
+	}
 	a.Ctx.Free()
 	a.Model.Free()
+}
+
+// openTier opens the store below the cache when --pool-ram-mb or --pool-dir asks for
+// one, or says why the tier is off for this model (the second result; "" when on or
+// not asked for). The third is the model key saved KV is valid for, when the tier or
+// --slot-save-path needs it. Refused: pools that cannot exist (recurrent memory) and
+// sliding-window models (Gemma 3): llama.cpp's sequence state leaves out the cells
+// that a sliding-window layer masks for the sequence's last position, so a restored
+// pool would lack them, and an attach or fork below its last window would read KV that
+// is not there. Such pools are prefilled again, as without a tier.
+func openTier(cfg Config, model *llama.Model, ecfg engine.Config, log *slog.Logger) (*tier.Store, string, string, error) {
+	key := ""
+	if cfg.SlotSavePath != "" || cfg.PoolRAMMB > 0 || cfg.PoolDir != "" {
+		var err error
+		if key, err = modelKey(cfg, model); err != nil {
+			return nil, "", "", err
+		}
+	}
+	if cfg.PoolRAMMB == 0 && cfg.PoolDir == "" {
+		return nil, "", key, nil
+	}
+	off := ""
+	switch {
+	case ecfg.PoolsUnsupported != "" || cfg.MaxPools == 0:
+		off = "this server has no pools"
+	case model.NSWA() > 0:
+		off = "sliding-window model: llama.cpp's sequence state leaves out the cells the window masks, so a restored pool could not serve an attach or fork below its last window; evicted pools are prefilled again"
+	}
+	if off != "" {
+		if log != nil {
+			log.Info("pool tier off", "reason", off)
+		}
+		return nil, off, key, nil
+	}
+	store, err := tier.Open(tier.Config{Model: key, RAMBytes: int64(cfg.PoolRAMMB) << 20, Dir: cfg.PoolDir,
+		DiskBytes: int64(cfg.PoolDiskMB) << 20, Log: log})
+	return store, "", key, err
+}
+
+// recoverPools puts back the pools an earlier run recorded under --pool-dir, parents
+// first; each is pinned and restored from disk at once (a miss prefills it).
+func recoverPools(eng *engine.Engine, store *tier.Store, log *slog.Logger) {
+	if store == nil {
+		return
+	}
+	for _, r := range store.Recovered() {
+		res, err := eng.Send(context.Background(), engine.RecoverPool{ID: r.ID, Parent: r.Parent, D: r.D, Tokens: r.Tokens, Pin: true})
+		if err == nil {
+			err = res.Err
+		}
+		if err != nil && log != nil {
+			log.Warn("recorded pool not recovered", "pool", r.ID, "err", err)
+		}
+	}
+}
+
+// modelKey is what saved KV is valid for (tier.ModelKey), from the GGUF's sha256.
+func modelKey(cfg Config, model *llama.Model) (string, error) {
+	sum, err := tier.FileSHA256(cfg.ModelPath)
+	if err != nil {
+		return "", fmt.Errorf("hashing the model for saved KV: %w", err)
+	}
+	return tier.ModelKey(sum, llama.BuildInfo(), cfg.CacheTypeK, cfg.CacheTypeV, cfg.FlashAttn, model.NSWA() > 0), nil
 }

@@ -57,19 +57,8 @@ func num(v any) int { return int(v.(float64)) }
 // started from a prefix the prefix cache holds.
 func greedyTokens(t testing.TB, base string, prompt []int32, poolID int, n int) ([]int, int) {
 	t.Helper()
-	body := map[string]any{"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 1, "ignore_eos": true, "cache_prompt": false}
-	if poolID > 0 {
-		body["pool_id"] = poolID
-	}
-	code, out := post(t, base+"/v1/completions", body)
-	if code != 200 {
-		t.Fatalf("completion: %d %v", code, out)
-	}
-	var ids []int
-	for _, v := range out["choices"].([]any)[0].(map[string]any)["logprobs"].(map[string]any)["token_ids"].([]any) {
-		ids = append(ids, num(v))
-	}
-	return ids, num(out["timings"].(map[string]any)["cache_n"])
+	ids, _, cacheN := greedyLogprobs(t, base, prompt, poolID, n)
+	return ids, cacheN
 }
 
 // probeFreeCells asks llama.cpp itself how many cells are free: exactly free cells

@@ -3,7 +3,9 @@
 // The Scheduler is a deterministic state machine in the spirit of etcd's raft: it does
 // no I/O and reads no clock. Everything from outside enters as a typed message (Submit,
 // Cancel, CreatePool, ReleasePool, PinPool, EvictPool, FlushPool, SetAdmission,
-// QueryCapacity, Reserve, ReleaseReservation, Tick: messages.go) through one entry,
+// QueryCapacity, Reserve, ReleaseReservation, RecoverPool, SaveSlot, LoadSlot,
+// EraseSlot, Tick: messages.go, slots.go; and Restored, the driver's answer to a
+// planned tier restore: tier.go) through one entry,
 // Step(now, msg), which answers
 // with a Result. Each step of the model is a Plan: sampler and sequence operations to
 // perform, and one batch holding a decode token for every generating task plus prompt
@@ -21,6 +23,7 @@
 //			publish(sched.Snapshot(now)); deliver(sched.Events()); reply(res)
 //		plan := sched.Plan(time.Now())
 //		run plan.Samplers and plan.SeqOps on the backend
+//		for each planned tier restore: sched.Step(now, Restored{...})
 //		publish if due; deliver(sched.Events())
 //		if len(plan.Batch) == 0 { wait for a message; continue }
 //		sampled, err := backend.Decode(plan.Batch)

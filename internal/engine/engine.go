@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -299,6 +300,12 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 			}
 		default:
 			r.res = sched.Step(now, m.msg)
+			switch m.msg.(type) {
+			case SaveSlot, LoadSlot:
+				if r.res.Err == nil {
+					slotIO(sched, be, m.msg, &r.res)
+				}
+			}
 			// A submitted request, or a pool's materialization: its events get a stream.
 			if task := r.res.Task; r.res.Err == nil && task != 0 {
 				r.stream = newStream(task, e)
@@ -323,7 +330,7 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 			case <-tick.C:
 				handle(envelope{msg: Tick{}})
 			case <-e.quit:
-				e.shutdown(streams)
+				e.shutdown(sched, be, streams)
 				return
 			}
 		}
@@ -332,7 +339,7 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 			case m := <-e.inbox:
 				handle(m)
 			case <-e.quit:
-				e.shutdown(streams)
+				e.shutdown(sched, be, streams)
 				return
 			default:
 				drained = true
@@ -340,7 +347,9 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 		}
 		now := time.Now()
 		p := sched.Plan(now)
-		apply(be, p)
+		for _, m := range apply(be, p) {
+			sched.Step(time.Now(), m) // restores' answers, before the batch runs
+		}
 		changed := len(p.SeqOps) > 0 || len(p.Samplers) > 0
 		flush(now, changed && len(p.Batch) == 0)
 		if len(p.Batch) == 0 {
@@ -356,7 +365,21 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 	}
 }
 
-func apply(be Backend, p Plan) {
+// TierBackend is a backend that moves pools' KV to and from a tier below the cache
+// (Config.Tier, issue 25).
+type TierBackend interface {
+	// Tier performs OpSpill, OpRestore, OpRecord or OpForget. For OpRestore the error
+	// says why nothing was loaded (the sequence then holds nothing); the others report
+	// their failures to the tier's counters, as nothing waits for them.
+	Tier(op SeqOp) error
+}
+
+// apply runs a plan's samplers and sequence operations on the backend and returns the
+// answers the scheduler needs before the next batch: one Restored per pool with a
+// restore planned (the last one: operations run in order, so it is what the pool's
+// sequence holds now).
+func apply(be Backend, p Plan) []Msg {
+	var answers []Msg
 	for _, op := range p.Samplers {
 		if op.Free {
 			be.FreeSampler(op.Task)
@@ -370,11 +393,27 @@ func apply(be Backend, p Plan) {
 			be.SeqRm(op.Seq, op.P0, op.P1)
 		case OpSeqCp:
 			be.SeqCp(op.Src, op.Seq, op.P0, op.P1)
+		case OpSpill, OpRestore, OpRecord, OpForget:
+			var err error = errNoTier
+			if tb, ok := be.(TierBackend); ok {
+				err = tb.Tier(op)
+			}
+			if op.Kind == OpRestore {
+				answers = slices.DeleteFunc(answers, func(m Msg) bool { return m.(Restored).Pool == op.Pool })
+				answers = append(answers, Restored{Pool: op.Pool, Err: err})
+			}
 		}
 	}
+	return answers
 }
 
-func (e *Engine) shutdown(streams map[TaskID]*Stream) {
+var errNoTier = errors.New("the backend has no tier")
+
+// shutdown ends the streams after applying the operations planned since the last step:
+// a pool recorded for restarts (OpRecord) just before a clean shutdown is then on disk.
+func (e *Engine) shutdown(sched *Scheduler, be Backend, streams map[TaskID]*Stream) {
+	_ = apply(be, Plan{SeqOps: sched.ops})
+	sched.ops = nil
 	for id, st := range streams {
 		st.push(Event{Task: id, Done: true, Finish: FinishError, Err: ErrEngineClosed})
 	}

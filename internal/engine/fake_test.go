@@ -21,6 +21,51 @@ type fakeBackend struct {
 	samplers map[TaskID]bool
 	batches  [][]BatchEntry
 	failNext error
+	// tier, when set, is a fake tier (Config.Tier): a spilled pool's own cells' tokens
+	// by pool id; tail is a restored child's own cells until its parent's prefix is
+	// copied under them.
+	tier map[int][]Token
+	tail map[int][]fakeCell
+	// tierSpills, tierRestores count the operations.
+	tierSpills, tierRestores int
+}
+
+// Tier implements TierBackend with the fake's tokens.
+func (f *fakeBackend) Tier(op SeqOp) error {
+	switch op.Kind {
+	case OpSpill:
+		v := f.kv[op.Seq]
+		if len(v) != len(op.Tokens) {
+			f.t.Errorf("fake: spill of pool %d holding %d of %d cells", op.Pool, len(v), len(op.Tokens))
+		}
+		for i, c := range v {
+			if c.tok != op.Tokens[i] {
+				f.t.Errorf("fake: pool %d holds token %d at %d, its prefix says %d", op.Pool, c.tok, i, op.Tokens[i])
+			}
+		}
+		f.tier[op.Pool] = append([]Token(nil), f.tokens(op.Seq)[op.D:]...)
+		f.tierSpills++
+	case OpRestore:
+		toks, ok := f.tier[op.Pool]
+		if !ok {
+			return fmt.Errorf("fake tier: pool %d not stored", op.Pool)
+		}
+		if len(f.kv[op.Seq]) != 0 {
+			f.t.Errorf("fake: restore into non-empty seq %d", op.Seq)
+		}
+		var cells []fakeCell
+		for _, t := range toks {
+			f.nextCell++
+			cells = append(cells, fakeCell{id: f.nextCell, tok: t})
+		}
+		if op.D == 0 {
+			f.kv[op.Seq] = cells
+		} else {
+			f.tail[op.Seq] = cells
+		}
+		f.tierRestores++
+	}
+	return nil
 }
 
 type fakeCell struct {
@@ -29,7 +74,7 @@ type fakeCell struct {
 }
 
 func newFakeBackend(t *testing.T, nCtx int) *fakeBackend {
-	return &fakeBackend{t: t, nCtx: nCtx, kv: map[int][]fakeCell{}, samplers: map[TaskID]bool{}}
+	return &fakeBackend{t: t, nCtx: nCtx, kv: map[int][]fakeCell{}, samplers: map[TaskID]bool{}, tier: map[int][]Token{}, tail: map[int][]fakeCell{}}
 }
 
 // cells counts distinct physical cells in use.
@@ -114,6 +159,10 @@ func (f *fakeBackend) SeqCp(src, dst, p0, p1 int) {
 		return
 	}
 	f.kv[dst] = append([]fakeCell(nil), f.kv[src][:p1]...)
+	if t, ok := f.tail[dst]; ok {
+		f.kv[dst] = append(f.kv[dst], t...) // a restored child's own cells above its parent's
+		delete(f.tail, dst)
+	}
 }
 
 func (f *fakeBackend) NewSampler(task TaskID, p SamplingParams, logprobs bool, history []Token) {
@@ -199,7 +248,9 @@ func (h *harness) submit(req Request) TaskID {
 func (h *harness) step() []BatchEntry {
 	h.now = h.now.Add(10 * time.Millisecond)
 	p := h.s.Plan(h.now)
-	apply(h.be, p)
+	for _, m := range apply(h.be, p) {
+		h.s.Step(h.now, m)
+	}
 	h.collect()
 	if len(p.Batch) == 0 {
 		if n, last := h.s.Violations(); n > 0 {

@@ -74,6 +74,23 @@ type ReleaseReservation struct {
 	ID   string
 }
 
+// Restored is the driver's answer to a planned OpRestore (Config.Tier): Err nil when
+// the pool's own cells were loaded into its sequence, else why not (the sequence then
+// holds nothing and the pool is prefilled). The engine loop sends it right after
+// applying the plan's operations, before the batch runs.
+type Restored struct {
+	Pool int
+	Err  error
+}
+
+// RecoverPool puts back a pool recorded by an earlier run (package tier) under its old
+// id, its KV in the tier: parents first. Pin restores it at once. Result: Pool.
+type RecoverPool struct {
+	ID, Parent, D int
+	Tokens        []Token
+	Pin           bool
+}
+
 // Tick lets time pass: idle sessions expire, released pools are reclaimed, settle
 // windows close and held requests are let in or refused. Plan does the same first.
 type Tick struct{}
@@ -90,6 +107,8 @@ func (QueryCapacity) isMsg()      {}
 func (Tick) isMsg()               {}
 func (Reserve) isMsg()            {}
 func (ReleaseReservation) isMsg() {}
+func (Restored) isMsg()           {}
+func (RecoverPool) isMsg()        {}
 
 // Result is the scheduler's answer to one message; which fields are set depends on the
 // message (see each type). Err is the refusal, mapped to an HTTP status by the API.
@@ -101,7 +120,11 @@ type Result struct {
 	Capacity    CapacityReport
 	Admission   admission.Policy
 	Reservation ReservationReport
-	Err         error
+	// Tokens and Data: SaveSlot's sequence; Erased: EraseSlot's count.
+	Tokens []Token
+	Data   []byte
+	Erased int
+	Err    error
 }
 
 // Flushed is what FlushPool freed.
@@ -143,6 +166,21 @@ func (s *Scheduler) Step(now time.Time, m Msg) Result {
 		return Result{Pool: m.Pool, Reservation: rep, Err: err}
 	case ReleaseReservation:
 		return Result{Pool: m.Pool, Err: s.releaseReservation(m.Pool, m.ID)}
+	case Restored:
+		s.restored(m)
+		s.admit()
+	case RecoverPool:
+		return Result{Pool: m.ID, Err: s.recoverPool(m)}
+	case SaveSlot:
+		toks, err := s.saveSlot(m)
+		return Result{Tokens: toks, Err: err}
+	case LoadSlot:
+		return Result{Err: s.loadSlot(m)}
+	case slotLoaded:
+		s.slotLoaded(m)
+	case EraseSlot:
+		n, err := s.eraseSlot(m)
+		return Result{Erased: n, Err: err}
 	case Tick:
 		s.advance()
 	default:

@@ -129,6 +129,7 @@ func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 			s.check(p.Materialized(now))
 			s.check(p.SetPin(spec.Pin, now))
 			s.prefixStored(p)
+			s.recordPinned(p)
 			s.attach(src, p, len(tokens))
 			src.lastUsed = now
 			return p.ID, 0, nil
@@ -147,6 +148,7 @@ func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 			s.copyPoolPrefix(p)
 			s.check(p.Materialized(now))
 			s.prefixStored(p)
+			s.recordPinned(p)
 			return p.ID, 0, nil
 		}
 	}
@@ -210,6 +212,7 @@ func (s *Scheduler) poolMaterialized(t *task) {
 	p := t.pool
 	s.check(p.Materialized(s.now))
 	s.prefixStored(p)
+	s.recordPinned(p) // the driver skips a pool it has recorded already
 	stats := Stats{PromptN: p.L() - t.cacheN, CacheN: t.cacheN, PromptTime: s.now.Sub(t.admitted), Seq: p.Seq, Pool: p.ID}
 	s.removeRunning(t)
 	delete(s.poolSeqs, p.ID)
@@ -246,6 +249,7 @@ func (s *Scheduler) evictPool(p *pool.Pool) error {
 	if announced {
 		s.prefixRemoved(p)
 	}
+	s.spill(p)
 	s.rmOp(p.Seq, 0)
 	return nil
 }
@@ -255,6 +259,7 @@ func (s *Scheduler) reclaim(p *pool.Pool) {
 	// Its prefix was reported removed when it was released.
 	s.rmOp(p.Seq, 0)
 	s.adm.Forget(p.ID)
+	delete(s.inTier, p.ID)
 	s.check(s.pools.Reclaim(p))
 }
 
@@ -311,11 +316,15 @@ func (s *Scheduler) releasePool(id int) error {
 	// keep the parent's cells alive by membership until reclaimed (expire reclaims a
 	// parent only after its children), so they need not block the parent's release.
 	announced := prefixAnnounced(p)
+	recorded := p.UserPinned
 	if err := p.Release(now); err != nil {
 		return err
 	}
 	if announced {
 		s.prefixRemoved(p)
+	}
+	if recorded {
+		s.forgetRecord(p)
 	}
 	// Idle sessions lose their KV now; running ones when their turn ends.
 	for _, sl := range s.slots {
@@ -334,7 +343,17 @@ func (s *Scheduler) pinPool(id int, pin bool) error {
 	if err != nil {
 		return err
 	}
-	return p.SetPin(pin, now)
+	was := p.UserPinned
+	if err := p.SetPin(pin, now); err != nil {
+		return err
+	}
+	switch {
+	case pin && !was:
+		s.recordPinned(p) // an evicted one is recorded once it is resident again
+	case !pin && was:
+		s.forgetRecord(p)
+	}
+	return nil
 }
 
 // evictPoolByID drops a pool's cells now (message EvictPool), keeping its tokens: the

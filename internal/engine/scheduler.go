@@ -37,6 +37,16 @@ type Config struct {
 	// until their cells or sequence ids are needed. Off: such requests prefill their
 	// whole prompt and free their cells when they end (the server's --prefix-cache off).
 	PrefixCache bool
+	// Tier (issue 25): an evicted pool's KV is spilled to a tier below the cache (the
+	// plan's OpSpill, before its cells are removed) and restored from there (OpRestore)
+	// when it is needed again, falling back to a prefill when the tier misses (the
+	// driver answers each restore with a Restored message). Off: eviction drops the KV.
+	Tier bool
+	// TierRecord: user-pinned pools are also recorded for restarts (OpRecord, OpForget;
+	// a disk tier).
+	TierRecord bool
+	// PoolIDFloor: pool ids start above it (ids an earlier run may have used).
+	PoolIDFloor int
 }
 
 // MaxSeqs is the largest n_seq_max llama.cpp accepts.
@@ -68,6 +78,12 @@ type OpKind int
 const (
 	OpSeqRm OpKind = iota // remove Seq's cells in [P0, P1)
 	OpSeqCp               // add Seq to Src's cells in [P0, P1)
+	// Tier operations (Config.Tier, issue 25), on pool Pool whose prefix is Tokens with
+	// its own cells at [D, len(Tokens)) on sequence Seq:
+	OpSpill   // copy the pool's own cells out to the tier (an OpSeqRm follows)
+	OpRestore // load them from the tier into the empty Seq; the driver answers Restored
+	OpRecord  // copy a resident pinned pool's cells to disk and record it for restarts
+	OpForget  // the pool is no longer recorded for restarts (unpinned or released)
 )
 
 // SeqOp is one sequence operation.
@@ -75,6 +91,10 @@ type SeqOp struct {
 	Kind     OpKind
 	Seq, Src int
 	P0, P1   int
+	// Tier operations only: the pool, its parent (0: a root; Src is then the parent's
+	// sequence), branch position and tokens (shared with the pool: read-only).
+	Pool, Parent, D int
+	Tokens          []Token
 }
 
 // SamplerOp creates or frees a task's sampler.
@@ -113,16 +133,19 @@ const (
 )
 
 type task struct {
-	id        TaskID
-	kind      taskKind
-	req       Request
-	pool      *pool.Pool // kindMaterialize: the pool being built; kindGenerate: the pool to attach to
-	slot      *slot
-	cacheN    int
-	next      Token  // sampled but not yet decoded
-	stopWord  string // the stop string that ended it, if one did
-	hasNext   bool
-	restore   bool // kindMaterialize: rebuilding an evicted pool (no client waits)
+	id       TaskID
+	kind     taskKind
+	req      Request
+	pool     *pool.Pool // kindMaterialize: the pool being built; kindGenerate: the pool to attach to
+	slot     *slot
+	cacheN   int
+	next     Token  // sampled but not yet decoded
+	stopWord string // the stop string that ended it, if one did
+	hasNext  bool
+	restore  bool // kindMaterialize: rebuilding an evicted pool (no client waits)
+	// tierWait: kindMaterialize, an OpRestore is planned and its Restored answer has
+	// not come yet: nothing of the pool is prefilled meanwhile.
+	tierWait  bool
 	generated int
 	text      *textAssembler
 	submitted time.Time
@@ -182,6 +205,10 @@ type Scheduler struct {
 	cacheEvictions int64
 	// Pressure evictions of the other kinds of victim (the one LRU order).
 	sessionEvictions, poolEvictions int64
+	// inTier: pools whose KV a spill (or an earlier run) put in the tier, so a restore
+	// is worth trying; tierRestores and tierMisses count the answers.
+	inTier                   map[int]bool
+	tierRestores, tierMisses int64
 
 	// violations counts pool lifecycle verbs that refused a transition the scheduler
 	// asked for: a scheduler bug. It is reported (Usage), never a crash.
@@ -211,12 +238,13 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	}
 	cells := newCellTree(cfg.Parallel)
 	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
-		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools, cells), poolSeqs: map[int]*slot{},
+		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools, cells), poolSeqs: map[int]*slot{}, inTier: map[int]bool{},
 		adm: admission.NewController(),
 		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau), cells: cells}
 	for i := range cfg.Parallel {
 		s.slots = append(s.slots, &slot{seq: i})
 	}
+	s.pools.SkipIDs(cfg.PoolIDFloor)
 	return s, nil
 }
 
@@ -639,9 +667,12 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 		// A pool (new, forked or restored) starts from whatever sequence holds the
 		// longest prefix of it, as a request does: one tree, one mechanism.
 		p := t.pool
+		sl.shared = p.D
+		if s.tierRestore(t) {
+			break // the pool's cells come from the tier (Restored), not from a prefill
+		}
 		have := s.copyPoolPrefix(p)
 		sl.tokens = slices.Clone(p.Tokens[:have])
-		sl.shared = p.D
 		t.cacheN = have
 	case pl.attachP > 0:
 		s.resetSlot(sl)
@@ -714,7 +745,9 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	s.inflight = s.inflight[:0]
 	var batch []BatchEntry
 	budget := s.cfg.NBatch
-	free := s.cfg.NCtx - s.usedCells()
+	// A restore planned in this step writes its cells before the batch runs, though
+	// the cell tree counts them only once its Restored answer comes.
+	free := s.cfg.NCtx - s.usedCells() - s.tierPending()
 	planned := 0
 	for _, t := range slices.Clone(s.running) {
 		if !t.hasNext {
@@ -738,7 +771,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 		if budget == 0 {
 			break
 		}
-		if !t.prefilling() {
+		if !t.prefilling() || t.tierWait {
 			continue
 		}
 		have := len(t.slot.tokens)

@@ -534,3 +534,38 @@ func (s *Sampler) Free() {
 		s.s = nil
 	}
 }
+
+// SeqStateGet copies out what sequence seq holds (llama_state_seq_get_data): every cell
+// it is a member of, with its position and its K and V rows in every layer, in the
+// cache's own element types and layout. The bytes are only meaningful to a context of
+// the same model, llama.cpp build, cache types and flash-attention setting (V layout);
+// callers key what they store by all of them (package tier).
+func (c *Context) SeqStateGet(seq int) ([]byte, error) {
+	size := C.llama_state_seq_get_size(c.c, C.llama_seq_id(seq))
+	if size == 0 {
+		return nil, fmt.Errorf("save sequence %d: llama.cpp reports an empty state", seq)
+	}
+	buf := make([]byte, int(size))
+	if n := C.llama_state_seq_get_data(c.c, (*C.uint8_t)(unsafe.Pointer(&buf[0])), size, C.llama_seq_id(seq)); n != size {
+		return nil, fmt.Errorf("save sequence %d: wrote %d of %d bytes", seq, uint64(n), uint64(size))
+	}
+	return buf, nil
+}
+
+// SeqStateSet loads bytes from SeqStateGet into sequence seq (llama_state_seq_set_data):
+// seq's cells are removed first, then the saved cells are written to free cells at their
+// saved positions, owned by seq alone. llama.cpp checks the layout (layers, element
+// types, row sizes, V transposition) and refuses a mismatch; on failure seq holds
+// nothing.
+func (c *Context) SeqStateSet(seq int, data []byte) error {
+	if len(data) == 0 {
+		return fmt.Errorf("load sequence %d: no data", seq)
+	}
+	// The buffer is only read during the call (cgo pointer rules allow Go memory).
+	n := C.llama_state_seq_set_data(c.c, (*C.uint8_t)(unsafe.Pointer(&data[0])), C.size_t(len(data)), C.llama_seq_id(seq))
+	if n == 0 {
+		C.llama_memory_seq_rm(c.mem, C.llama_seq_id(seq), -1, -1)
+		return fmt.Errorf("load sequence %d: llama.cpp refused the %d bytes (layout or size mismatch, or no free cells)", seq, len(data))
+	}
+	return nil
+}

@@ -186,14 +186,13 @@ func (t *Tree) NewRoot(tokens []Token, now time.Time) (*Pool, error) {
 // tokens is the child's full prefix and must equal parent's tokens on [0, d). The parent
 // must be resident or evicted (then the caller restores it before the child is built).
 func (t *Tree) Fork(parent *Pool, d int, tokens []Token, now time.Time) (*Pool, error) {
-	switch parent.State {
-	case Released:
+	if parent.State == Released {
 		return nil, fmt.Errorf("%w: pool %d was released; fork from a live pool", ErrNotFound, parent.ID)
-	case Materializing:
-		return nil, fmt.Errorf("%w: pool %d is %s; wait until it is resident to fork", ErrConflict, parent.ID, parent.State)
 	}
-	// An evicted parent is fine: the child's materialization waits for it, and the
-	// scheduler restores it first, as it does for an attach.
+	// A parent still materializing (or being restored) or evicted is fine: the child's
+	// materialization waits until the parent is resident, as an attach does (the
+	// scheduler restores an evicted parent first). Refusing would hand a client that
+	// forks right after another client's fork a 409 it cannot act on (issue 25).
 	if d < 0 || d > parent.L() {
 		return nil, fmt.Errorf("%w: branch_pos %d is outside [0, %d] (the parent's prefix length)", ErrBadRequest, d, parent.L())
 	}
@@ -222,6 +221,35 @@ func (t *Tree) add(parent *Pool, d int, tokens []Token, now time.Time) (*Pool, e
 	t.pools[p.ID] = p
 	return p, nil
 }
+
+// Recover puts back a pool recorded by an earlier run (package tier) under its old id,
+// evicted: its tokens are known and its KV is in the tier, not in the cache. The
+// parent (nil for a root) was recovered before it. Ids of this run count up from the
+// highest one seen, so none is ever reused.
+func (t *Tree) Recover(id int, parent *Pool, d int, tokens []Token, now time.Time) (*Pool, error) {
+	if _, taken := t.pools[id]; taken || id <= 0 {
+		return nil, fmt.Errorf("%w: pool id %d is taken or invalid", ErrConflict, id)
+	}
+	if parent != nil {
+		if d < 0 || d > parent.L() || len(tokens) <= d || FirstMismatch(parent.Tokens[:d], tokens[:d]) >= 0 {
+			return nil, fmt.Errorf("%w: recovered pool %d does not extend its parent %d at %d", ErrPrefixMismatch, id, parent.ID, d)
+		}
+	} else if len(tokens) == 0 || d != 0 {
+		return nil, fmt.Errorf("%w: recovered root %d has %d tokens, branch position %d", ErrBadRequest, id, len(tokens), d)
+	}
+	last := t.lastID
+	t.lastID = id - 1
+	p, err := t.add(parent, d, tokens, now)
+	t.lastID = max(last, id)
+	if err != nil {
+		return nil, err
+	}
+	p.State = Evicted
+	return p, nil
+}
+
+// SkipIDs makes the next pool id start above floor (ids an earlier run may have used).
+func (t *Tree) SkipIDs(floor int) { t.lastID = max(t.lastID, floor) }
 
 // Remove deletes a pool without children and returns its id to the reserve. The
 // caller has already removed its sequence from the cache.

@@ -54,9 +54,6 @@ func TestTreeForkContractAndIDs(t *testing.T) {
 	if err != nil || root.ID != 1 || root.Seq != 8 || root.State != Materializing {
 		t.Fatalf("root %+v %v", root, err)
 	}
-	if _, err := tr.Fork(root, 20, append(toks(1, 20), 5), now); !errors.Is(err, ErrConflict) {
-		t.Fatalf("fork of a materializing pool: %v", err)
-	}
 	cells.set(root.Seq, 20, 20)
 	if err := root.Materialized(now); err != nil {
 		t.Fatal(err)
@@ -105,5 +102,42 @@ func TestTreeForkContractAndIDs(t *testing.T) {
 	}
 	if _, err := tr.Get(42); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("get unknown: %v", err)
+	}
+}
+
+// A fork of a pool that is still materializing is accepted (its own materialization
+// waits for the parent, issue 25); a released parent is refused.
+func TestForkOfMaterializingParent(t *testing.T) {
+	now := time.Unix(0, 0)
+	tr := NewTree(8, 3, newFakeCells())
+	root, _ := tr.NewRoot(toks(1, 20), now)
+	child, err := tr.Fork(root, 20, append(toks(1, 20), 5), now)
+	if err != nil || child.Parent != root || child.State != Materializing {
+		t.Fatalf("fork of a materializing pool: %+v %v", child, err)
+	}
+	other, _ := tr.NewRoot(toks(100, 5), now)
+	other.State = Released
+	if _, err := tr.Fork(other, 2, toks(100, 4), now); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("fork of a released pool: %v", err)
+	}
+}
+
+func TestRecoverKeepsIDs(t *testing.T) {
+	now := time.Unix(0, 0)
+	tr := NewTree(8, 3, newFakeCells())
+	tr.SkipIDs(1000)
+	root, err := tr.Recover(7, nil, 0, toks(1, 10), now)
+	if err != nil || root.ID != 7 || root.State != Evicted {
+		t.Fatalf("recover root: %+v %v", root, err)
+	}
+	if _, err := tr.Recover(8, root, 4, toks(50, 10), now); !errors.Is(err, ErrPrefixMismatch) {
+		t.Fatalf("child that does not extend its parent: %v", err)
+	}
+	if _, err := tr.Recover(7, nil, 0, toks(1, 3), now); !errors.Is(err, ErrConflict) {
+		t.Fatalf("taken id: %v", err)
+	}
+	p, _ := tr.NewRoot(toks(3, 3), now)
+	if p.ID != 1001 {
+		t.Fatalf("new id %d after floor 1000", p.ID)
 	}
 }

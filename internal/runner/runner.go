@@ -12,6 +12,7 @@ import (
 	"github.com/polykv/polykv/internal/chat"
 	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/llama"
+	"github.com/polykv/polykv/internal/tier"
 )
 
 // Backend drives one llama.cpp context. Only the engine goroutine may call it.
@@ -33,6 +34,9 @@ type Backend struct {
 	// anchor >= 0 turns on SWA anchors (see EnableSWAAnchors): sequence q's anchor is
 	// q + anchor.
 	anchor int
+
+	// store is the tier below the cache (EnableTier; nil: none).
+	store *tier.Store
 }
 
 // EnableSWAAnchors makes every cell of a sliding-window model's cache non-reusable

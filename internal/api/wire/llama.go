@@ -69,8 +69,11 @@ type PolyKVProps struct {
 	PoolGraceMs      int64              `json:"pool_grace_ms"`
 	PoolsSupported   bool               `json:"pools_supported"`
 	PoolsUnsupported string             `json:"pools_unsupported"`
-	PrefixCache      PrefixCacheProps   `json:"prefix_cache"`
-	TPS              TPSProps           `json:"tps"`
+	// PoolTier is the tier below the cache (--pool-ram-mb, --pool-dir): absent when
+	// not asked for.
+	PoolTier    *PoolTierProps   `json:"pool_tier,omitempty"`
+	PrefixCache PrefixCacheProps `json:"prefix_cache"`
+	TPS         TPSProps         `json:"tps"`
 }
 
 // PrefixCacheProps describe automatic prefix sharing (--prefix-cache) in /props.
@@ -210,4 +213,19 @@ type AppliedTemplate struct {
 // (/v1/completions/render answers an array of them, one per prompt, as vLLM does).
 type Rendered struct {
 	TokenIDs []int32 `json:"token_ids"`
+}
+
+// PoolTierProps describe the pool tier in /props: Enabled, or Off with the reason
+// (a sliding-window model), and its sizes and counters.
+type PoolTierProps struct {
+	Enabled     bool             `json:"enabled"`
+	Off         string           `json:"off,omitempty"`
+	RAMBytes    int64            `json:"ram_bytes"`
+	RAMEntries  int64            `json:"ram_entries"`
+	DiskBytes   int64            `json:"disk_bytes"`
+	DiskEntries int64            `json:"disk_entries"`
+	Spills      int64            `json:"spills"`
+	Restores    map[string]int64 `json:"restores"`
+	Misses      map[string]int64 `json:"misses"`
+	DiskErrors  int64            `json:"disk_errors"`
 }

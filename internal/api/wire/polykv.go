@@ -78,6 +78,18 @@ type PoolInfo struct {
 	TreeDepth      int           `json:"tree_depth"` // 1 for a root; the same name as the list's (the deepest)
 	PrefixHash     string        `json:"prefix_hash"`
 	Tokens         []int32       `json:"tokens,omitempty"`
+	// RestoreCost is what attaching to an evicted pool will cost (with a pool tier).
+	RestoreCost *RestoreCost `json:"restore_cost,omitempty"`
+}
+
+// RestoreCost says where an evicted pool's KV will come from: "ram" or "disk" (the
+// pool tier: Bytes to load, EstMs at the restore rate measured so far, when there is
+// one) or "prefill" (PrefillTokens to compute again).
+type RestoreCost struct {
+	From          string   `json:"from"`
+	Bytes         int64    `json:"bytes,omitempty"`
+	EstMs         *float64 `json:"est_ms,omitempty"`
+	PrefillTokens int      `json:"prefill_tokens,omitempty"`
 }
 
 // PoolSession is a sequence attached to a pool.

@@ -1,0 +1,99 @@
+package api
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/polykv/polykv/internal/api/wire"
+	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/tier"
+)
+
+// wirePool is a pool's entry with what the tier knows: an evicted pool whose KV the
+// tier holds is resident in "ram" or on "disk", and every evicted pool says what
+// attaching to it will cost (restore_cost).
+func (s *Server) wirePool(p engine.PoolInfo) wire.PoolInfo {
+	w := wirePool(p)
+	if s.tier == nil || w.Residency != "evicted" {
+		return w
+	}
+	loc, n := s.tier.Where(p.PoolID)
+	if loc == tier.None {
+		w.RestoreCost = &wire.RestoreCost{From: "prefill", PrefillTokens: p.OwnLen}
+		return w
+	}
+	w.Residency = string(loc)
+	w.RestoreCost = &wire.RestoreCost{From: string(loc), Bytes: n}
+	st := s.tier.Stats()
+	if k, secs := st.Restores[loc], st.RestoreSeconds[loc]; k > 0 && st.SpillBytes > 0 && st.Spills > 0 {
+		// The measured mean restore time scaled by this entry's size against the mean
+		// entry: a rough estimate, stated as one.
+		mean := float64(st.SpillBytes) / float64(st.Spills)
+		ms := secs / float64(k) * 1000 * float64(n) / mean
+		w.RestoreCost.EstMs = &ms
+	}
+	return w
+}
+
+func (s *Server) wirePools(st engine.PoolsStatus) wire.PoolsStatus {
+	out := wirePools(st)
+	for i, p := range st.Pools {
+		out.Pools[i] = s.wirePool(p)
+	}
+	return out
+}
+
+// tierProps is the tier's part of /props (nil when no tier was asked for).
+func (s *Server) tierProps() *wire.PoolTierProps {
+	switch {
+	case s.tier == nil && s.info.PoolTier == "":
+		return nil
+	case s.tier == nil:
+		return &wire.PoolTierProps{Off: s.info.PoolTier, Restores: map[string]int64{}, Misses: map[string]int64{}}
+	}
+	st := s.tier.Stats()
+	restores := map[string]int64{}
+	for loc, n := range st.Restores {
+		restores[string(loc)] = n
+	}
+	return &wire.PoolTierProps{Enabled: true, RAMBytes: st.RAMBytes, RAMEntries: st.RAMEntries, DiskBytes: st.DiskBytes,
+		DiskEntries: st.DiskEntries, Spills: st.Spills, Restores: restores, Misses: st.Misses, DiskErrors: st.DiskErrors}
+}
+
+var (
+	descTierBytes    = prometheus.NewDesc("polykv_pool_tier_bytes", "Bytes of evicted pools' KV held by the pool tier, by tier (ram, disk).", []string{"tier"}, nil)
+	descTierEntries  = prometheus.NewDesc("polykv_pool_tier_entries", "Entries (pools' KV) held by the pool tier, by tier.", []string{"tier"}, nil)
+	descTierSpills   = prometheus.NewDesc("polykv_pool_tier_spills_total", "Pool evictions that put (or found) the pool's KV in the tier.", nil, nil)
+	descTierRestores = prometheus.NewDesc("polykv_pool_tier_restores_total", "Pools restored from the tier instead of prefilled, by tier.", []string{"tier"}, nil)
+	descTierSeconds  = prometheus.NewDesc("polykv_pool_tier_restore_seconds_total", "Time spent restoring pools from the tier (read, verify, load), by tier.", []string{"tier"}, nil)
+	descTierMisses   = prometheus.NewDesc("polykv_pool_tier_misses_total", "Restores that found no usable entry and prefilled instead, by reason (absent, truncated, corrupt, foreign, io, rejected).", []string{"reason"}, nil)
+	descTierErrors   = prometheus.NewDesc("polykv_pool_tier_disk_errors_total", "Pool tier disk writes that failed (disk full, read-only, ...); the server kept serving.", nil, nil)
+)
+
+// tierCollector exports a tier store's counters at scrape time.
+type tierCollector struct{ t *tier.Store }
+
+func (c tierCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descTierBytes, descTierEntries, descTierSpills, descTierRestores, descTierSeconds, descTierMisses, descTierErrors} {
+		ch <- d
+	}
+}
+
+func (c tierCollector) Collect(ch chan<- prometheus.Metric) {
+	st := c.t.Stats()
+	ch <- prometheus.MustNewConstMetric(descTierBytes, prometheus.GaugeValue, float64(st.RAMBytes), "ram")
+	ch <- prometheus.MustNewConstMetric(descTierBytes, prometheus.GaugeValue, float64(st.DiskBytes), "disk")
+	ch <- prometheus.MustNewConstMetric(descTierEntries, prometheus.GaugeValue, float64(st.RAMEntries), "ram")
+	ch <- prometheus.MustNewConstMetric(descTierEntries, prometheus.GaugeValue, float64(st.DiskEntries), "disk")
+	ch <- prometheus.MustNewConstMetric(descTierSpills, prometheus.CounterValue, float64(st.Spills))
+	for _, loc := range []tier.Location{tier.RAM, tier.Disk} {
+		ch <- prometheus.MustNewConstMetric(descTierRestores, prometheus.CounterValue, float64(st.Restores[loc]), string(loc))
+		ch <- prometheus.MustNewConstMetric(descTierSeconds, prometheus.CounterValue, st.RestoreSeconds[loc], string(loc))
+	}
+	for _, r := range []string{tier.MissAbsent, tier.MissTruncated, tier.MissCorrupt, tier.MissForeign, tier.MissIO, tier.MissRejected} {
+		ch <- prometheus.MustNewConstMetric(descTierMisses, prometheus.CounterValue, float64(st.Misses[r]), r)
+	}
+	ch <- prometheus.MustNewConstMetric(descTierErrors, prometheus.CounterValue, float64(st.DiskErrors))
+}
+
+// SetTier exports the pool tier's sizes and counters (polykv_pool_tier_*).
+func (m *Metrics) SetTier(t *tier.Store) { m.Registry.MustRegister(tierCollector{t}) }

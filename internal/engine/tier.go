@@ -1,0 +1,147 @@
+package engine
+
+import (
+	"fmt"
+	"slices"
+
+	"github.com/polykv/polykv/internal/pool"
+)
+
+// The tier below the cache (issue 25). The scheduler only decides: evicting a pool plans
+// an OpSpill before the OpSeqRm that drops its cells; materializing an evicted pool
+// whose KV was spilled plans an OpRestore instead of a prefill and waits (tierWait)
+// for the driver's Restored answer, which either makes the pool resident at once or
+// sends it down the ordinary prefill path. Bytes, keys, checksums and budgets are the
+// driver's (package tier through the runner): the scheduler never learns where an entry
+// lives, only whether loading it worked.
+//
+// What a tier entry holds is a pool's own cells, [D, L): its [0, D) are its parent's
+// cells (branch contract), which are resident before a child is restored (ready), and
+// are shared again by seq_cp once the child's own cells are back, exactly as a prefill
+// from the parent's node would leave them.
+
+// tierOp plans a tier operation on p.
+func (s *Scheduler) tierOp(kind OpKind, p *pool.Pool) {
+	op := SeqOp{Kind: kind, Seq: p.Seq, Pool: p.ID, D: p.D, Tokens: p.Tokens}
+	if p.Parent != nil {
+		op.Parent, op.Src = p.Parent.ID, p.Parent.Seq
+	}
+	s.ops = append(s.ops, op)
+}
+
+// spill plans copying out a resident pool's own cells before they are dropped.
+func (s *Scheduler) spill(p *pool.Pool) {
+	if s.cfg.Tier && p.Filled() == p.L() {
+		s.tierOp(OpSpill, p)
+		s.inTier[p.ID] = true
+	}
+}
+
+// tierRestore starts restoring a pool's materialization t from the tier when the pool
+// was spilled and no resident sequence holds all of it: the OpRestore is planned and
+// t waits (no prefill) for the Restored answer.
+func (s *Scheduler) tierRestore(t *task) bool {
+	p := t.pool
+	if !s.cfg.Tier || !t.restore || !s.inTier[p.ID] {
+		return false
+	}
+	if P, _ := s.poolDonor(p); P == p.L() {
+		return false // resident already in full: a seq_cp is cheaper than any load
+	}
+	s.tierOp(OpRestore, p)
+	t.tierWait = true
+	return true
+}
+
+// tierPending counts the cells restores planned and not yet answered will write.
+func (s *Scheduler) tierPending() int {
+	n := 0
+	for _, t := range s.running {
+		if t.tierWait {
+			n += t.pool.L() - t.pool.D
+		}
+	}
+	return n
+}
+
+// restored applies the driver's answer to an OpRestore (message Restored). Loaded: the
+// pool's sequence holds its own cells [D, L); the parent's [0, D) are shared onto it
+// and the pool is resident. Not loaded (a miss: absent, torn, corrupt, foreign,
+// refused): the sequence holds nothing, and the pool is built as any evicted pool is,
+// from the longest resident prefix and a prefill of the rest.
+func (s *Scheduler) restored(m Restored) {
+	i := slices.IndexFunc(s.running, func(t *task) bool { return t.tierWait && t.pool.ID == m.Pool })
+	if i < 0 {
+		return // cancelled before the answer came: its abandonment already removed the cells
+	}
+	t := s.running[i]
+	t.tierWait = false
+	p, sl := t.pool, t.slot
+	if m.Err != nil {
+		s.tierMisses++
+		delete(s.inTier, p.ID) // the driver dropped what did not load
+		have := s.copyPoolPrefix(p)
+		sl.tokens = slices.Clone(p.Tokens[:have])
+		t.cacheN = have
+		if !t.prefilling() {
+			s.poolMaterialized(t)
+		}
+		return
+	}
+	s.tierRestores++
+	if p.D > 0 {
+		s.cpOp(p.Parent.Seq, p.Seq, p.D)
+	}
+	s.cells.Append(p.Seq, p.Tokens[p.D:])
+	sl.tokens = slices.Clone(p.Tokens)
+	t.cacheN = p.L()
+	s.poolMaterialized(t)
+}
+
+// recordPinned plans recording a resident user-pinned pool for restarts.
+func (s *Scheduler) recordPinned(p *pool.Pool) {
+	if s.cfg.TierRecord && p.UserPinned && p.State == pool.Resident {
+		s.tierOp(OpRecord, p)
+		s.inTier[p.ID] = true
+	}
+}
+
+// forgetRecord plans dropping a pool's restart record (unpinned, released).
+func (s *Scheduler) forgetRecord(p *pool.Pool) {
+	if s.cfg.TierRecord {
+		s.ops = append(s.ops, SeqOp{Kind: OpForget, Seq: p.Seq, Pool: p.ID})
+	}
+}
+
+// recoverPool puts back a pool an earlier run recorded (message RecoverPool), evicted
+// with its KV in the tier; a pinned one is restored at once, so it is resident (and
+// announced) before clients come back.
+func (s *Scheduler) recoverPool(m RecoverPool) error {
+	if err := s.poolsAllowed(); err != nil {
+		return err
+	}
+	if !s.cfg.Tier {
+		return fmt.Errorf("%w: recovering pools needs the tier", pool.ErrBadRequest)
+	}
+	var parent *pool.Pool
+	if m.Parent != 0 {
+		var err error
+		if parent, err = s.pools.Get(m.Parent); err != nil {
+			return err
+		}
+	}
+	if len(m.Tokens) >= s.cfg.NCtx {
+		return fmt.Errorf("%w: a %d-token prefix does not fit the context (%d)", ErrPromptTooLong, len(m.Tokens), s.cfg.NCtx)
+	}
+	p, err := s.pools.Recover(m.ID, parent, m.D, m.Tokens, s.now)
+	if err != nil {
+		return err
+	}
+	s.inTier[p.ID] = true
+	if m.Pin {
+		s.check(p.SetPin(true, s.now))
+		s.restore(p)
+		s.admit()
+	}
+	return nil
+}

@@ -1,0 +1,200 @@
+package engine
+
+import (
+	"slices"
+	"testing"
+)
+
+func tierCfg() Config {
+	c := poolCfg()
+	c.Tier = true
+	return c
+}
+
+// prefilledFor counts the batch entries that prefilled sequence seq since batch from.
+func (h *harness) prefilledFor(seq, from int) int {
+	n := 0
+	for _, b := range h.be.batches[from:] {
+		for _, e := range b {
+			if e.Seq == seq {
+				n++
+			}
+		}
+	}
+	return n
+}
+
+// An evicted pool is spilled, then restored from the tier on the next attach: no
+// prefill of its cells, the same output, cells accounted exactly; a child's own cells
+// come back above its parent's shared ones.
+func TestTierSpillRestore(t *testing.T) {
+	h := newHarness(t, tierCfg())
+	root := seqTokens(1, 40)
+	r := h.createPool(PoolSpec{Tokens: root})
+	childToks := append(slices.Clone(root[:25]), seqTokens(200, 10)...)
+	c := h.createPool(PoolSpec{HasParent: true, Parent: r, D: 25, Tokens: childToks})
+	for _, tc := range []struct {
+		name string
+		id   int
+		pre  []Token
+	}{{"child", c, childToks}} {
+		prompt := append(slices.Clone(tc.pre), 7, 8)
+		want := expectedText(t, prompt, 4)
+		if err := h.evictPool(tc.id); err != nil {
+			t.Fatalf("%s: evict: %v", tc.name, err)
+		}
+		h.step()
+		if h.be.tierSpills != 1 {
+			t.Fatalf("%s: %d spills", tc.name, h.be.tierSpills)
+		}
+		from := len(h.be.batches)
+		tid := h.submit(Request{Prompt: prompt, HasPool: true, PoolID: tc.id, MaxTokens: 4})
+		h.run()
+		ev, _ := h.done(tid)
+		if got := h.text(tid); ev.Err != nil || got != want || ev.Stats.CacheN != len(tc.pre) {
+			t.Fatalf("%s: after restore %q (cache_n %d, err %v), want %q", tc.name, got, ev.Stats.CacheN, ev.Err, want)
+		}
+		if n := h.prefilledFor(h.poolSeq(tc.id), from); n != 0 {
+			t.Fatalf("%s: %d tokens prefilled on the pool's sequence; a restore prefills none", tc.name, n)
+		}
+		if h.be.tierRestores != 1 || h.s.tierRestores != 1 || h.s.tierMisses != 0 {
+			t.Fatalf("%s: restores fake %d scheduler %d misses %d", tc.name, h.be.tierRestores, h.s.tierRestores, h.s.tierMisses)
+		}
+		if got := h.be.tokens(h.poolSeq(tc.id)); !slices.Equal(got, tc.pre) {
+			t.Fatalf("%s: restored sequence holds %v", tc.name, got)
+		}
+		h.checkAccounting()
+	}
+	// The child's [0, 25) are the parent's very cells again (shared, not copies).
+	rs, cs := h.be.kv[h.poolSeq(r)], h.be.kv[h.poolSeq(c)]
+	for i := range 25 {
+		if rs[i].id != cs[i].id {
+			t.Fatalf("child's cell %d is a copy (%d), not the parent's (%d)", i, cs[i].id, rs[i].id)
+		}
+	}
+}
+
+// A root evicted under its own eviction message and one lost by the tier: the lost one
+// falls back to a prefill (a counted miss) with the same output.
+func TestTierMissPrefills(t *testing.T) {
+	h := newHarness(t, tierCfg())
+	root := seqTokens(1, 30)
+	id := h.createPool(PoolSpec{Tokens: root})
+	prompt := append(slices.Clone(root), 9)
+	want := expectedText(t, prompt, 3)
+	if err := h.evictPool(id); err != nil {
+		t.Fatal(err)
+	}
+	h.step()
+	clear(h.be.tier) // lost (RAM LRU, a corrupt file, ...)
+	from := len(h.be.batches)
+	tid := h.submit(Request{Prompt: prompt, HasPool: true, PoolID: id, MaxTokens: 3})
+	h.run()
+	if got := h.text(tid); got != want {
+		t.Fatalf("after a miss %q, want %q", got, want)
+	}
+	if n := h.prefilledFor(h.poolSeq(id), from); n != 30 || h.s.tierMisses != 1 {
+		t.Fatalf("prefilled %d tokens, misses %d; want the whole prefix and one miss", n, h.s.tierMisses)
+	}
+	// The next eviction spills again (the miss forgot the entry) and restores.
+	if err := h.evictPool(id); err != nil {
+		t.Fatal(err)
+	}
+	h.step()
+	tid = h.submit(Request{Prompt: prompt, HasPool: true, PoolID: id, MaxTokens: 3})
+	h.run()
+	if got := h.text(tid); got != want || h.s.tierRestores != 1 {
+		t.Fatalf("second restore: %q restores %d", got, h.s.tierRestores)
+	}
+	h.checkAccounting()
+}
+
+// Without the tier nothing is spilled: eviction drops the KV as before.
+func TestTierOffNoSpill(t *testing.T) {
+	h := newHarness(t, poolCfg())
+	id := h.createPool(PoolSpec{Tokens: seqTokens(1, 20)})
+	if err := h.evictPool(id); err != nil {
+		t.Fatal(err)
+	}
+	h.step()
+	if h.be.tierSpills != 0 || len(h.s.inTier) != 0 {
+		t.Fatalf("spilled with the tier off: %d", h.be.tierSpills)
+	}
+}
+
+// A fork of a pool still materializing waits for it instead of failing (issue 25).
+func TestForkWaitsForMaterializingParent(t *testing.T) {
+	cfg := poolCfg()
+	cfg.MaxPools = 4
+	h := newHarness(t, cfg)
+	root := seqTokens(1, 100) // > NBatch: several steps to materialize
+	r, rt, err := h.tryCreatePool(PoolSpec{Tokens: root})
+	if err != nil || rt == 0 {
+		t.Fatalf("root: %v task %d", err, rt)
+	}
+	child := append(slices.Clone(root), 300, 301)
+	c, ct, err := h.tryCreatePool(PoolSpec{HasParent: true, Parent: r, D: 100, Tokens: child})
+	if err != nil || ct == 0 {
+		t.Fatalf("fork of a materializing pool: %v (task %d)", err, ct)
+	}
+	h.run()
+	for _, task := range []TaskID{rt, ct} {
+		if ev, ok := h.done(task); !ok || ev.Err != nil {
+			t.Fatalf("materialization %d: %+v", task, ev)
+		}
+	}
+	if got := h.be.tokens(h.poolSeq(c)); !slices.Equal(got, child) {
+		t.Fatalf("child holds %v", got)
+	}
+	h.checkAccounting()
+	// Cancelling a parent's materialization takes the waiting fork with it.
+	r2, rt2, _ := h.tryCreatePool(PoolSpec{Tokens: seqTokens(500, 100)})
+	_, ct2, err := h.tryCreatePool(PoolSpec{HasParent: true, Parent: r2, D: 50, Tokens: append(seqTokens(500, 50), 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.cancel(rt2)
+	h.run()
+	if ev, ok := h.done(ct2); !ok || ev.Err == nil {
+		t.Fatalf("fork of a cancelled parent: %+v", ev)
+	}
+	h.checkAccounting()
+}
+
+// Recovered pools (a restart) come back under their ids, evicted; a pinned one is
+// restored at once; new ids start above the floor.
+func TestRecoverPools(t *testing.T) {
+	cfg := tierCfg()
+	cfg.TierRecord, cfg.PoolIDFloor = true, 1<<20
+	h := newHarness(t, cfg)
+	root := seqTokens(1, 30)
+	h.be.tier[5] = slices.Clone(root)
+	h.be.tier[6] = seqTokens(400, 5)
+	if r := h.send(RecoverPool{ID: 5, Tokens: root, Pin: true}); r.Err != nil {
+		t.Fatal(r.Err)
+	}
+	child := append(slices.Clone(root), seqTokens(400, 5)...)
+	if r := h.send(RecoverPool{ID: 6, Parent: 5, D: 30, Tokens: child}); r.Err != nil {
+		t.Fatal(r.Err)
+	}
+	if r := h.send(RecoverPool{ID: 7, Parent: 99, Tokens: root}); r.Err == nil {
+		t.Fatal("a pool whose parent was not recovered")
+	}
+	h.run()
+	if info, _ := h.s.Pool(5); info.Residency != "resident" || !info.UserPinned {
+		t.Fatalf("pinned recovered pool: %+v", info)
+	}
+	if info, _ := h.s.Pool(6); info.Residency != "evicted" {
+		t.Fatalf("unpinned recovered pool: %s", info.Residency)
+	}
+	prompt := append(slices.Clone(child), 3)
+	tid := h.submit(Request{Prompt: prompt, HasPool: true, PoolID: 6, MaxTokens: 3})
+	h.run()
+	if got, want := h.text(tid), expectedText(t, prompt, 3); got != want || h.s.tierRestores != 2 {
+		t.Fatalf("attach to a recovered child: %q, want %q (restores %d)", got, want, h.s.tierRestores)
+	}
+	if id := h.createPool(PoolSpec{Tokens: seqTokens(900, 4)}); id != 1<<20+1 {
+		t.Fatalf("new pool id %d, want above the floor", id)
+	}
+	h.checkAccounting()
+}

@@ -1,0 +1,167 @@
+package tier
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"slices"
+)
+
+// Key names one stored entry: a sha256 over the model key (everything that makes KV
+// bytes valid besides the tokens: ModelKey), the branch position and the tokens. Two
+// pools with the same key hold interchangeable KV; any other difference is a different
+// key, so a lookup can never return another model's or another prefix's bytes.
+type Key [32]byte
+
+// String is the key in hex, which is also the entry's file name (without ".kv").
+func (k Key) String() string { return hex.EncodeToString(k[:]) }
+
+// MakeKey is the key of the KV of tokens[d:] (positions [d, len)) computed after
+// tokens[:d], under model.
+func MakeKey(model string, d int, tokens []int32) Key {
+	h := sha256.New()
+	fmt.Fprintf(h, "polykv-tier-v1\x00%s\x00%d\x00%d\x00", model, d, len(tokens))
+	var b [4]byte
+	for _, t := range tokens {
+		binary.LittleEndian.PutUint32(b[:], uint32(t))
+		h.Write(b[:])
+	}
+	var k Key
+	h.Sum(k[:0])
+	return k
+}
+
+// Meta is what an entry is the KV of: tokens [0, L) with the stored cells at [D, L).
+type Meta struct {
+	D      int
+	Tokens []int32
+}
+
+// Entry file layout (all integers little-endian):
+//
+//	magic "PKVTIER1" | u32 header length | header JSON | tokens (u32 each) | payload | u32 CRC-32C
+//
+// The CRC covers every byte before it, so a torn write (a prefix of the file), a flipped
+// byte or a file cut short is detected before llama.cpp ever sees the payload. Writes go
+// to a temporary file that is fsynced and renamed (disk.go), so a crash leaves either the
+// whole old state or the whole new entry, never a half one under the entry's name.
+const magic = "PKVTIER1"
+
+type header struct {
+	Model      string `json:"model"`
+	D          int    `json:"d"`
+	L          int    `json:"l"`
+	PayloadLen int    `json:"payload_len"`
+}
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// Miss reasons: why a lookup found no usable entry (metrics label them).
+const (
+	MissAbsent    = "absent"    // nothing stored under the key (never spilled, or dropped by LRU)
+	MissTruncated = "truncated" // the file is shorter than its header says (torn write)
+	MissCorrupt   = "corrupt"   // bad magic, header or checksum
+	MissForeign   = "foreign"   // another model, build, cache type or prefix
+	MissIO        = "io"        // the file could not be read
+	MissRejected  = "rejected"  // llama.cpp refused the bytes (layout) or found no cells
+)
+
+// MissError is a lookup or load that found no usable entry; Reason is one of the Miss
+// constants.
+type MissError struct {
+	Reason string
+	Err    error
+}
+
+func (e *MissError) Error() string { return fmt.Sprintf("tier miss (%s): %v", e.Reason, e.Err) }
+
+func (e *MissError) Unwrap() error { return e.Err }
+
+func miss(reason string, format string, args ...any) error {
+	return &MissError{Reason: reason, Err: fmt.Errorf(format, args...)}
+}
+
+// Reason is err's miss reason (MissIO for an error that is not a MissError).
+func Reason(err error) string {
+	var m *MissError
+	if errors.As(err, &m) {
+		return m.Reason
+	}
+	return MissIO
+}
+
+// encode lays an entry out as a file.
+func encode(model string, m Meta, payload []byte) []byte {
+	hdr, _ := json.Marshal(header{Model: model, D: m.D, L: len(m.Tokens), PayloadLen: len(payload)})
+	out := make([]byte, 0, len(magic)+4+len(hdr)+4*len(m.Tokens)+len(payload)+4)
+	out = append(out, magic...)
+	out = binary.LittleEndian.AppendUint32(out, uint32(len(hdr)))
+	out = append(out, hdr...)
+	for _, t := range m.Tokens {
+		out = binary.LittleEndian.AppendUint32(out, uint32(t))
+	}
+	out = append(out, payload...)
+	return binary.LittleEndian.AppendUint32(out, crc32.Checksum(out, castagnoli))
+}
+
+// decode checks a file against what the caller expects (model, and m when it is not
+// nil) and returns the entry. Every check that fails is a miss with its reason.
+func decode(b []byte, model string, want *Meta) (Meta, []byte, error) {
+	if len(b) < len(magic)+4 {
+		return Meta{}, nil, miss(MissTruncated, "%d bytes is shorter than a header", len(b))
+	}
+	if !bytes.Equal(b[:len(magic)], []byte(magic)) {
+		return Meta{}, nil, miss(MissCorrupt, "bad magic")
+	}
+	hl := int(binary.LittleEndian.Uint32(b[len(magic):]))
+	off := len(magic) + 4
+	if hl > 1<<16 {
+		return Meta{}, nil, miss(MissCorrupt, "header length %d", hl)
+	}
+	if len(b) < off+hl {
+		return Meta{}, nil, miss(MissTruncated, "file ends inside the header")
+	}
+	var h header
+	if err := json.Unmarshal(b[off:off+hl], &h); err != nil {
+		return Meta{}, nil, miss(MissCorrupt, "header: %v", err)
+	}
+	off += hl
+	if h.L < 1 || h.D < 0 || h.D >= h.L || h.PayloadLen < 1 || h.L > 1<<24 {
+		return Meta{}, nil, miss(MissCorrupt, "header d=%d l=%d payload=%d", h.D, h.L, h.PayloadLen)
+	}
+	total := off + 4*h.L + h.PayloadLen + 4
+	switch {
+	case len(b) < total:
+		return Meta{}, nil, miss(MissTruncated, "%d of %d bytes", len(b), total)
+	case len(b) > total:
+		return Meta{}, nil, miss(MissCorrupt, "%d trailing bytes", len(b)-total)
+	}
+	if got, sum := crc32.Checksum(b[:total-4], castagnoli), binary.LittleEndian.Uint32(b[total-4:]); got != sum {
+		return Meta{}, nil, miss(MissCorrupt, "checksum %08x, stored %08x", got, sum)
+	}
+	if h.Model != model {
+		return Meta{}, nil, miss(MissForeign, "written for model key %.16s…, this server is %.16s…", h.Model, model)
+	}
+	m := Meta{D: h.D, Tokens: make([]int32, h.L)}
+	for i := range m.Tokens {
+		m.Tokens[i] = int32(binary.LittleEndian.Uint32(b[off+4*i:]))
+	}
+	off += 4 * h.L
+	if want != nil && (want.D != m.D || !slices.Equal(want.Tokens, m.Tokens)) {
+		return Meta{}, nil, miss(MissForeign, "the entry holds another prefix (d=%d, %d tokens)", m.D, len(m.Tokens))
+	}
+	return m, b[off : off+h.PayloadLen], nil
+}
+
+// EncodeFile lays out a file holding the KV of m (a session's saved slot, say) under
+// model, in the entry format: header, tokens, payload and a CRC-32C.
+func EncodeFile(model string, m Meta, payload []byte) []byte { return encode(model, m, payload) }
+
+// DecodeFile checks a file written by EncodeFile (checksum, model key) and returns what
+// it holds, or a *MissError with the reason.
+func DecodeFile(b []byte, model string) (Meta, []byte, error) { return decode(b, model, nil) }

@@ -1,0 +1,417 @@
+package tier
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+func meta(d, n int, seed int32) Meta {
+	m := Meta{D: d}
+	for i := range n {
+		m.Tokens = append(m.Tokens, seed+int32(i))
+	}
+	return m
+}
+
+func payload(n int, b byte) []byte { return bytes.Repeat([]byte{b}, n) }
+
+func open(t *testing.T, cfg Config) *Store {
+	t.Helper()
+	if cfg.Model == "" {
+		cfg.Model = "model-a"
+	}
+	s, err := Open(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	return s
+}
+
+func TestRAMThenDiskLRU(t *testing.T) {
+	dir := t.TempDir()
+	s := open(t, Config{RAMBytes: 250, Dir: dir, DiskBytes: 1 << 20})
+	for i := range 3 {
+		if loc := s.Put(i+1, meta(0, 10, int32(i*100)), payload(100, byte(i))); loc != RAM {
+			t.Fatalf("entry %d went to %q, want ram", i, loc)
+		}
+	}
+	// 300 bytes > 250: the least recently used (entry 0) was demoted to disk.
+	s.Flush()
+	if loc, _ := s.Where(1); loc != Disk {
+		t.Fatalf("LRU entry is in %q, want disk", loc)
+	}
+	if loc, n := s.Where(3); loc != RAM || n != 100 {
+		t.Fatalf("newest entry: %q %d", loc, n)
+	}
+	got, loc, err := s.Get(meta(0, 10, 0))
+	if err != nil || loc != Disk || !bytes.Equal(got, payload(100, 0)) {
+		t.Fatalf("disk get: %v %q %v", err, loc, got[:4])
+	}
+	if _, _, err := s.Get(meta(0, 10, 999)); Reason(err) != MissAbsent {
+		t.Fatalf("absent key: %v", err)
+	}
+	// Another branch position is another key, never the stored bytes.
+	if _, _, err := s.Get(meta(1, 10, 0)); Reason(err) != MissAbsent {
+		t.Fatalf("other d: %v", err)
+	}
+	st := s.Stats()
+	if st.RAMEntries != 2 || st.DiskEntries != 1 || st.Spills != 3 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+func TestNoRAMNoDiskDrops(t *testing.T) {
+	s := open(t, Config{RAMBytes: 50})
+	if loc := s.Put(1, meta(0, 4, 1), payload(100, 1)); loc != None {
+		t.Fatalf("too large for RAM without disk: %q", loc)
+	}
+	if st := s.Stats(); st.Dropped != 1 {
+		t.Fatalf("dropped %d", st.Dropped)
+	}
+}
+
+// writeOne puts one entry on disk and returns the store's directory and the entry's path.
+func writeOne(t *testing.T, m Meta, p []byte) (string, string) {
+	dir := t.TempDir()
+	s := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+	if loc := s.Put(1, m, p); loc != Disk {
+		t.Fatalf("put: %q", loc)
+	}
+	s.Close()
+	return dir, filepath.Join(dir, MakeKey("model-a", m.D, m.Tokens).String()+".kv")
+}
+
+func TestDiskFaultsAreMisses(t *testing.T) {
+	m, p := meta(0, 32, 7), payload(4096, 0xab)
+	for _, c := range []struct {
+		name, model, reason string
+		damage              func(path string)
+	}{
+		{"intact", "model-a", "", func(string) {}},
+		{"truncated", "model-a", MissTruncated, func(path string) {
+			b, _ := os.ReadFile(path)
+			_ = os.WriteFile(path, b[:len(b)/2], 0o644)
+		}},
+		{"flipped byte", "model-a", MissCorrupt, func(path string) {
+			b, _ := os.ReadFile(path)
+			b[len(b)-100] ^= 0x10
+			_ = os.WriteFile(path, b, 0o644)
+		}},
+		{"flipped header byte", "model-a", MissCorrupt, func(path string) {
+			b, _ := os.ReadFile(path)
+			b[2] ^= 0x01
+			_ = os.WriteFile(path, b, 0o644)
+		}},
+		{"another model", "model-b", MissForeign, func(path string) {
+			// model-b's name for the same prefix, holding model-a's bytes.
+			_ = os.Rename(path, filepath.Join(filepath.Dir(path), MakeKey("model-b", m.D, m.Tokens).String()+".kv"))
+		}},
+		{"removed", "model-a", MissAbsent, func(path string) { _ = os.Remove(path) }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dir, path := writeOne(t, m, p)
+			c.damage(path)
+			s := open(t, Config{Model: c.model, Dir: dir, DiskBytes: 1 << 20})
+			got, _, err := s.Get(m)
+			if c.reason == "" {
+				if err != nil || !bytes.Equal(got, p) {
+					t.Fatalf("intact entry: %v", err)
+				}
+				return
+			}
+			if err == nil || Reason(err) != c.reason {
+				t.Fatalf("got %v (reason %q), want a %q miss", err, Reason(err), c.reason)
+			}
+			// A file that does not verify is forgotten: the next lookup is absent.
+			if _, _, err := s.Get(m); Reason(err) != MissAbsent {
+				t.Fatalf("second lookup: %v", err)
+			}
+		})
+	}
+}
+
+// An entry renamed to another key's name (a wrong file in the directory) holds another
+// prefix: it is foreign, never returned for the key it sits under.
+func TestRenamedEntryIsForeign(t *testing.T) {
+	m := meta(0, 8, 1)
+	dir, path := writeOne(t, m, payload(64, 1))
+	other := meta(0, 8, 2)
+	if err := os.Rename(path, filepath.Join(dir, MakeKey("model-a", 0, other.Tokens).String()+".kv")); err != nil {
+		t.Fatal(err)
+	}
+	s := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+	if _, _, err := s.Get(other); Reason(err) != MissForeign {
+		t.Fatalf("renamed entry: %v", err)
+	}
+}
+
+func TestDiskBudgetLRU(t *testing.T) {
+	dir := t.TempDir()
+	s := open(t, Config{Dir: dir, DiskBytes: 2500})
+	for i := range 3 {
+		s.Put(i+1, meta(0, 4, int32(10*i)), payload(1000, byte(i)))
+		s.Flush()
+	}
+	if loc, _ := s.Where(1); loc != None {
+		t.Fatalf("oldest entry still on disk: %q", loc)
+	}
+	if st := s.Stats(); st.DiskEntries != 2 || st.DiskBytes > 2500 {
+		t.Fatalf("disk %d entries %d bytes", st.DiskEntries, st.DiskBytes)
+	}
+	files, _ := filepath.Glob(filepath.Join(dir, "*.kv"))
+	if len(files) != 2 {
+		t.Fatalf("%d files on disk, want 2", len(files))
+	}
+}
+
+func TestRecordSurvivesRestart(t *testing.T) {
+	dir := t.TempDir()
+	s := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+	floor := s.IDFloor()
+	root, child := meta(0, 20, 1), meta(12, 30, 1)
+	child.Tokens = append(slices.Clone(root.Tokens[:12]), child.Tokens[12:]...)
+	if !s.Record(Record{ID: floor + 1}, root, payload(300, 1)) || !s.Record(Record{ID: floor + 2, Parent: floor + 1, D: 12}, child, payload(200, 2)) {
+		t.Fatal("record refused")
+	}
+	s.Close()
+
+	s2 := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+	rec := s2.Recovered()
+	if len(rec) != 2 || rec[0].ID != floor+1 || rec[1].Parent != floor+1 || rec[1].D != 12 || !slices.Equal(rec[1].Tokens, child.Tokens) {
+		t.Fatalf("recovered %+v", rec)
+	}
+	if s2.IDFloor() < floor+2 {
+		t.Fatalf("id floor %d after ids up to %d were used", s2.IDFloor(), floor+2)
+	}
+	got, loc, err := s2.Get(child)
+	if err != nil || loc != Disk || !bytes.Equal(got, payload(200, 2)) {
+		t.Fatalf("recovered child's entry: %v %q", err, loc)
+	}
+	// Unrecorded: gone after the next restart; its parent stays.
+	s2.Forget(floor + 2)
+	s2.Close()
+	s3 := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+	if rec := s3.Recovered(); len(rec) != 1 || rec[0].ID != floor+1 {
+		t.Fatalf("after forget: %+v", rec)
+	}
+	s3.Close()
+	// Another model: nothing is recovered, and the ids still move up.
+	s4 := open(t, Config{Model: "model-b", Dir: dir, DiskBytes: 1 << 20})
+	if len(s4.Recovered()) != 0 || s4.IDFloor() <= s3.IDFloor() {
+		t.Fatalf("foreign manifest: recovered %d, floor %d after %d", len(s4.Recovered()), s4.IDFloor(), s3.IDFloor())
+	}
+}
+
+func TestRecoveryDropsCorruptParentAndChildren(t *testing.T) {
+	dir := t.TempDir()
+	s := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+	root, child := meta(0, 20, 1), meta(20, 30, 1)
+	s.Record(Record{ID: 1}, root, payload(300, 1))
+	s.Record(Record{ID: 2, Parent: 1, D: 20}, child, payload(200, 2))
+	s.Close()
+	path := filepath.Join(dir, MakeKey("model-a", 0, root.Tokens).String()+".kv")
+	b, _ := os.ReadFile(path)
+	b[len(b)-10] ^= 0xff
+	_ = os.WriteFile(path, b, 0o644)
+	s2 := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+	if rec := s2.Recovered(); len(rec) != 0 {
+		t.Fatalf("recovered %+v from a corrupt root", rec)
+	}
+	if st := s2.Stats(); st.Misses[MissCorrupt] != 1 {
+		t.Fatalf("misses %v", st.Misses)
+	}
+}
+
+// TestKill9DuringWrites kills a process that is writing entries at a random instant:
+// every entry left under its name verifies with exactly the bytes written, temporary
+// files are cleaned up, and nothing half-written is ever returned.
+func TestKill9DuringWrites(t *testing.T) {
+	if os.Getenv("POLYKV_TIER_WRITER") != "" {
+		return
+	}
+	dir := t.TempDir()
+	for round := range 3 {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestKill9Writer$")
+		cmd.Env = append(os.Environ(), "POLYKV_TIER_WRITER="+dir)
+		var out bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &out
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Duration(150+100*round) * time.Millisecond)
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		s := open(t, Config{Dir: dir, DiskBytes: 1 << 30})
+		ok := 0
+		for i := range 10000 {
+			m := meta(0, 16, int32(i))
+			got, _, err := s.Get(m)
+			if err != nil {
+				if Reason(err) != MissAbsent {
+					t.Fatalf("entry %d: %v (a rename is atomic: a named file is whole)", i, err)
+				}
+				continue
+			}
+			if !bytes.Equal(got, payload(64<<10, byte(i))) {
+				t.Fatalf("entry %d returned other bytes", i)
+			}
+			ok++
+		}
+		tmps, _ := filepath.Glob(filepath.Join(dir, ".tmp-*"))
+		if ok == 0 || len(tmps) != 0 {
+			t.Fatalf("round %d: %d entries verified, %d temporary files left (writer output: %s)", round, ok, len(tmps), out.String())
+		}
+		s.Close()
+	}
+}
+
+// TestKill9Writer is the process TestKill9DuringWrites kills: it writes entries until
+// it dies.
+func TestKill9Writer(t *testing.T) {
+	dir := os.Getenv("POLYKV_TIER_WRITER")
+	if dir == "" {
+		t.Skip("helper process of TestKill9DuringWrites")
+	}
+	s, err := Open(Config{Model: "model-a", Dir: dir, DiskBytes: 1 << 30})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 10000 {
+		s.Put(i+1, meta(0, 16, int32(i)), payload(64<<10, byte(i)))
+		s.Flush()
+	}
+}
+
+func TestMissErrorReason(t *testing.T) {
+	err := fmt.Errorf("wrapped: %w", miss(MissCorrupt, "x"))
+	if Reason(err) != MissCorrupt || Reason(errors.New("other")) != MissIO || !strings.Contains(err.Error(), "corrupt") {
+		t.Fatalf("reason: %v", err)
+	}
+}
+
+// mountTmpfs mounts a tmpfs of size at a fresh directory (opts: extra mount options),
+// or skips when mounting is not allowed (it needs root).
+func mountTmpfs(t *testing.T, size, opts string) string {
+	dir := t.TempDir()
+	o := "size=" + size
+	if opts != "" {
+		o += "," + opts
+	}
+	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", o, "tmpfs", dir).CombinedOutput(); err != nil {
+		t.Skipf("cannot mount a tmpfs (needs root): %v %s", err, out)
+	}
+	t.Cleanup(func() { _ = exec.Command("umount", dir).Run() })
+	return dir
+}
+
+// TestFullDisk: a disk that fills up is logged and counted; entries that did not fit
+// are misses (never half entries), and the store keeps working.
+func TestFullDisk(t *testing.T) {
+	dir := mountTmpfs(t, "256k", "")
+	s := open(t, Config{Dir: dir, DiskBytes: 1 << 30}) // the budget allows it; the disk does not
+	for i := range 6 {
+		s.Put(i+1, meta(0, 8, int32(100*i)), payload(100<<10, byte(i)))
+		s.Flush()
+	}
+	st := s.Stats()
+	if st.DiskErrors == 0 || st.DiskEntries == 0 || st.DiskEntries == 6 {
+		t.Fatalf("full disk: %d errors, %d entries on disk", st.DiskErrors, st.DiskEntries)
+	}
+	for i := range 6 {
+		got, _, err := s.Get(meta(0, 8, int32(100*i)))
+		switch {
+		case err == nil && !bytes.Equal(got, payload(100<<10, byte(i))):
+			t.Fatalf("entry %d: other bytes", i)
+		case err != nil && Reason(err) != MissAbsent:
+			t.Fatalf("entry %d: %v", i, err)
+		}
+	}
+	if tmps, _ := filepath.Glob(filepath.Join(dir, ".tmp-*")); len(tmps) != 0 {
+		t.Fatalf("temporary files left on the full disk: %v", tmps)
+	}
+}
+
+// TestReadOnlyDir: a read-only directory is read, never written: spills stay in RAM
+// (or are dropped and counted), and pools cannot be recorded.
+func TestReadOnlyDir(t *testing.T) {
+	dir := mountTmpfs(t, "1m", "ro")
+	s := open(t, Config{Dir: dir, DiskBytes: 1 << 20, RAMBytes: 100})
+	if s.Durable() {
+		t.Fatal("a read-only directory is durable")
+	}
+	if loc := s.Put(1, meta(0, 4, 1), payload(50, 1)); loc != RAM {
+		t.Fatalf("small entry: %q", loc)
+	}
+	if loc := s.Put(2, meta(0, 4, 9), payload(500, 2)); loc != None {
+		t.Fatalf("entry over RAM on a read-only disk: %q", loc)
+	}
+	if s.Record(Record{ID: 3}, meta(0, 4, 1), payload(50, 1)) {
+		t.Fatal("recorded a pool on a read-only directory")
+	}
+	if st := s.Stats(); st.DiskErrors == 0 || st.Dropped != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+// TestKill9DuringReload kills processes that reopen a directory of recorded pools (a
+// restart's reload, which writes the manifest's id floor) at random instants: the
+// recorded pools always come back whole and the id floor never goes down.
+func TestKill9DuringReload(t *testing.T) {
+	if os.Getenv("POLYKV_TIER_RELOADER") != "" {
+		return
+	}
+	dir := t.TempDir()
+	s := open(t, Config{Dir: dir, DiskBytes: 1 << 30})
+	root := meta(0, 64, 1)
+	s.Record(Record{ID: 1}, root, payload(1<<20, 1))
+	s.Record(Record{ID: 2, Parent: 1, D: 64}, meta(64, 80, 1), payload(1<<19, 2))
+	s.Close()
+	floor := 0
+	for round := range 4 {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestKill9Reloader$")
+		cmd.Env = append(os.Environ(), "POLYKV_TIER_RELOADER="+dir)
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Duration(30+40*round) * time.Millisecond)
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		s := open(t, Config{Dir: dir, DiskBytes: 1 << 30})
+		rec := s.Recovered()
+		if len(rec) != 2 || rec[1].Parent != 1 || len(rec[1].Tokens) != 80 || s.IDFloor() < floor {
+			t.Fatalf("round %d: recovered %d pools, floor %d after %d", round, len(rec), s.IDFloor(), floor)
+		}
+		if got, _, err := s.Get(root); err != nil || !bytes.Equal(got, payload(1<<20, 1)) {
+			t.Fatalf("round %d: root entry: %v", round, err)
+		}
+		floor = s.IDFloor()
+		s.Close()
+	}
+}
+
+// TestKill9Reloader is the process TestKill9DuringReload kills: it reloads until it dies.
+func TestKill9Reloader(t *testing.T) {
+	dir := os.Getenv("POLYKV_TIER_RELOADER")
+	if dir == "" {
+		t.Skip("helper process of TestKill9DuringReload")
+	}
+	for {
+		s, err := Open(Config{Model: "model-a", Dir: dir, DiskBytes: 1 << 30})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range s.Recovered() {
+			_, _, _ = s.Get(Meta{D: r.D, Tokens: r.Tokens})
+		}
+		s.Close()
+	}
+}
