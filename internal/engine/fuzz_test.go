@@ -31,16 +31,20 @@ func FuzzSchedulerInvariants(f *testing.F) {
 	f.Add([]byte{4, 0, 20, 0, 7, 0, 4, 1, 2, 0, 1, 5, 2, 1, 8, 1, 7, 0, 5, 2, 10, 0, 0, 30, 1, 0, 7, 0, 0, 0, 1,
 		0, 0, 30, 1, 0, 7, 1, 0, 0, 0, 0, 8, 3, 0, 0, 30, 1, 0, 7, 2, 0, 0, 1, 8, 3, 9, 3, 8, 3, 8, 3})
 	f.Fuzz(func(t *testing.T, data []byte) {
-		// Every input runs twice: without and with the prefix cache (issue 12).
+		// Every input runs without and with the prefix cache (issue 12), and in a roomy
+		// and a tight cache: in 96 cells three idle sequences of up to 60 tokens and a
+		// pool or two fill it, so requests wait on cells that only eviction can give.
 		for _, cache := range []bool{false, true} {
-			fuzzScheduler(t, slices.Clone(data), cache)
+			for _, nctx := range []int{256, 96} {
+				fuzzScheduler(t, slices.Clone(data), cache, nctx)
+			}
 		}
 	})
 }
 
-func fuzzScheduler(t *testing.T, data []byte, cache bool) {
+func fuzzScheduler(t *testing.T, data []byte, cache bool, nctx int) {
 	{
-		cfg := Config{NCtx: 256, Parallel: 3, MaxPools: 3, NBatch: 16, MaxQueue: 4,
+		cfg := Config{NCtx: nctx, Parallel: 3, MaxPools: 3, NBatch: 16, MaxQueue: 4,
 			SessionTTL: time.Minute, PoolGrace: time.Second, BytesPerCell: 10, PrefixCache: cache}
 		h := newHarness(t, cfg)
 		prompts := map[TaskID][]Token{}
@@ -144,12 +148,15 @@ func fuzzScheduler(t *testing.T, data []byte, cache bool) {
 			h.cancel(id)
 		}
 		// Children before parents (a parent with live children refuses), and a pool
-		// still materializing refuses until it is resident: retry across steps.
+		// still materializing refuses until it is resident: retry across steps. The
+		// clock moves past the grace time, so released pools are reclaimed and one
+		// materializing in a tight cache gets their cells.
 		for range 20 {
 			for _, id := range pools {
 				_ = h.releasePool(id)
 			}
 			h.checkStep(cfg)
+			h.now = h.now.Add(cfg.PoolGrace / 4)
 		}
 		for range 4 {
 			h.now = h.now.Add(2 * time.Minute)

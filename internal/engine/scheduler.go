@@ -491,7 +491,6 @@ type placement struct {
 	cpFrom  int
 	cpP     int  // > 0: reset the sequence and seq_cp [0, cpP) from cpFrom
 	reused  bool // keep or cpP came from the prefix cache (counted as hits)
-	freed   int  // cells the placement frees (held by this sequence alone)
 }
 
 func (s *Scheduler) place(t *task, sl *slot) placement {
@@ -501,9 +500,9 @@ func (s *Scheduler) place(t *task, sl *slot) placement {
 	prompt := t.req.Prompt
 	if s.prefixCached(t) && t.donorSeq >= 0 {
 		if sl.seq == t.donorSeq {
-			return placement{keep: t.donorP, reused: true, freed: s.cells.Exclusive(sl.seq, t.donorP)}
+			return placement{keep: t.donorP, reused: true}
 		}
-		return placement{cpFrom: t.donorSeq, cpP: t.donorP, reused: true, freed: s.cells.Exclusive(sl.seq, 0)}
+		return placement{cpFrom: t.donorSeq, cpP: t.donorP, reused: true}
 	}
 	own := sl.session != "" && sl.session == t.req.SessionID
 	k := 0
@@ -517,13 +516,13 @@ func (s *Scheduler) place(t *task, sl *slot) placement {
 		}
 		// Continuation on the same pool reuses the session's own cells first.
 		if !(own && sl.base == p && k >= P) && P > 0 {
-			return placement{attachP: P, freed: s.cells.Exclusive(sl.seq, 0)}
+			return placement{attachP: P}
 		}
 	}
 	if !own {
-		return placement{freed: s.cells.Exclusive(sl.seq, 0)}
+		return placement{}
 	}
-	return placement{keep: k, freed: s.cells.Exclusive(sl.seq, k)}
+	return placement{keep: k}
 }
 
 // admit moves waiting tasks onto sequences in FIFO order. A task whose cells are not
@@ -546,29 +545,49 @@ func (s *Scheduler) admit() {
 			continue
 		}
 		pl := s.place(t, sl)
-		kept := pl.keep + pl.attachP + pl.cpP
-		need := len(t.req.Prompt) - kept
-		// A donor's cells that this placement copies are not evictable for it.
-		keep, keepTo := -1, 0
-		if pl.cpP > 0 {
-			keep, keepTo = pl.cpFrom, pl.cpP
-		}
-		if t.kind == kindMaterialize {
-			P, donor := s.poolDonor(t.pool)
-			need = t.pool.L() - P
-			keep, keepTo = donor, P
-		}
-		free := s.cfg.NCtx - s.usedCells() + pl.freed - s.reservedPrefill()
-		if free+s.evictableCellsKeeping(sl, keep, keepTo) < need {
+		if need, room := s.fit(t, sl, pl); room < need {
 			return // head-of-line: wait for running tasks to end
 		}
 		s.seat(t, sl, pl)
-		if free < need {
-			// Seated, t is prefilling: reservedPrefill now counts its need too.
-			s.freeCells(s.reservedPrefill(), sl, 0)
+		if s.cfg.NCtx-s.usedCells() < s.reservedPrefill() {
+			// Seated, t is prefilling: reservedPrefill now counts its need too, and fit
+			// said eviction can free that much.
+			s.freeCells(s.reservedPrefill(), nil, 0)
 		}
 		s.queue = slices.Delete(s.queue, i, i+1)
 	}
+}
+
+// fit is what t needs on sl as placed, and the room it has: the cells free now, less
+// those promised to prompts already seated (reservedPrefill), plus every cell eviction
+// could reclaim for it. That is exactly what seat and freeCells will do: sl gives up
+// whatever the placement does not keep, and every victim (idle sequences, evictable
+// pools) its cells; what stays is what the placement keeps or borrows (sl's own kept
+// prefix, the donor's copied prefix, the pool it attaches to, which attaching pins)
+// and whatever a sequence that is not a victim holds. Cells that sl shares with other
+// victims count: taking sl and them frees them (counting only what sl or the others
+// held alone left such cells out, and a request could wait forever on an idle server).
+func (s *Scheduler) fit(t *task, sl *slot, pl placement) (need, room int) {
+	set := s.victimSet(nil)
+	keepSeq, keepTo := -1, 0
+	need = len(t.req.Prompt) - pl.keep - pl.attachP - pl.cpP
+	switch {
+	case t.kind == kindMaterialize:
+		var P int
+		P, keepSeq = s.poolDonor(t.pool)
+		need, keepTo = t.pool.L()-P, P
+	case pl.attachP > 0:
+		set.del(t.pool.Seq) // attached, the pool stays whole
+		set.add(sl.seq)
+	case pl.cpP > 0:
+		keepSeq, keepTo = pl.cpFrom, pl.cpP
+		set.add(sl.seq)
+	default:
+		keepSeq, keepTo = sl.seq, pl.keep
+		set.add(sl.seq)
+	}
+	room = s.cfg.NCtx - s.usedCells() - s.reservedPrefill() + s.cells.Freed(set, keepSeq, keepTo)
+	return need, room
 }
 
 // ready reports whether a waiting task's pool dependencies are met, and starts
