@@ -164,7 +164,9 @@ func newHarness(t *testing.T, cfg Config) *harness {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &harness{t: t, s: s, be: newFakeBackend(t, cfg.NCtx), now: time.Unix(1000, 0), events: map[TaskID][]Event{}}
+	h := &harness{t: t, s: s, be: newFakeBackend(t, cfg.NCtx), now: time.Unix(1000, 0), events: map[TaskID][]Event{}}
+	s.afterAdmit = h.checkLiveness
+	return h
 }
 
 func (h *harness) collect() {
@@ -201,12 +203,7 @@ func (h *harness) step() []BatchEntry {
 	h.now = h.now.Add(10 * time.Millisecond)
 	p := h.s.Plan(h.now)
 	apply(h.be, p)
-	ended := len(h.ended)
 	h.collect()
-	if len(h.ended) == ended {
-		// A task Plan ended (out of cells) frees what the next Plan admits with.
-		h.checkLiveness()
-	}
 	if len(p.Batch) == 0 {
 		if n, last := h.s.Violations(); n > 0 {
 			h.t.Fatalf("%d pool lifecycle violations, last: %v", n, last)
@@ -318,17 +315,18 @@ func (h *harness) releaseReservation(id int, rid string) error {
 	return h.send(ReleaseReservation{Pool: id, ID: rid}).Err
 }
 
-// checkLiveness checks the scheduler's liveness invariant (doc.go) after a Plan, which
-// admits first: a waiting request with admissible capacity is scheduled (or refused)
-// within one step. It recomputes "admissible" on its own, from the cell tree and the
-// definition of what eviction may take, not from the scheduler's fit: the first
-// waiting task in queue order that depends on nothing still in progress (its pool or
-// parent being built, a donor still prefilling, its own session's running turn, a
-// sequence id only a running task would free) must not fit the cells that evicting
-// every idle sequence and evictable pool would leave, after what seated prompts are
-// promised. The check is cold (the whole prompt, less only what it borrows from the
-// pool it attaches to, which must stay), so any placement that shares cells fits too.
-// Tasks behind that first one wait behind it by design (FIFO: no starvation).
+// checkLiveness checks the scheduler's liveness invariant (doc.go) at the end of every
+// admission pass (every message and every Plan runs one): a waiting request with
+// admissible capacity is scheduled (or refused) within one step. It recomputes
+// "admissible" on its own, from the cell tree and the definition of what eviction may
+// take, not from the scheduler's fit: the first waiting task in queue order that
+// depends on nothing still in progress (its pool or parent being built, a donor still
+// prefilling, its own session's running turn, a sequence id only a running task would
+// free) must not fit the cells that evicting every idle sequence and evictable pool
+// would leave, after what seated prompts are promised. The check is cold (the whole
+// prompt, less only what it borrows from the pool it attaches to, which must stay),
+// so any placement that shares cells fits too. Tasks behind that first one wait behind
+// it by design (FIFO: no starvation).
 func (h *harness) checkLiveness() {
 	h.t.Helper()
 	s := h.s
@@ -343,7 +341,7 @@ func (h *harness) checkLiveness() {
 		}
 	}
 	for _, p := range s.pools.All() {
-		if p.State == pool.Resident && !p.Pinned() && h.now.Sub(p.LastAccess) >= s.cfg.PoolGrace {
+		if p.State == pool.Resident && !p.Pinned() && s.now.Sub(p.LastAccess) >= s.cfg.PoolGrace {
 			victims.add(p.Seq)
 		}
 	}

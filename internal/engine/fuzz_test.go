@@ -50,7 +50,7 @@ func fuzzScheduler(t *testing.T, data []byte, cache bool, nctx int) {
 		prompts := map[TaskID][]Token{}
 		families := [][]Token{seqTokens(100, 60), seqTokens(300, 60), append(seqTokens(100, 20), seqTokens(500, 40)...)}
 		var pools []int
-		var tasks []TaskID
+		var tasks, mats []TaskID
 		var rsv []string // reservation ids granted
 		next := func() int {
 			if len(data) == 0 {
@@ -78,7 +78,8 @@ func fuzzScheduler(t *testing.T, data []byte, cache bool, nctx int) {
 			switch next() % 10 {
 			case 0, 1, 2:
 				req := Request{Prompt: prompt(), MaxTokens: 1 + next()%8}
-				if k := next() % 5; k < 4 {
+				k := next() % 5
+				if k < 4 {
 					req.SessionID = string(rune('A' + k))
 				}
 				if next()%2 == 0 {
@@ -86,18 +87,29 @@ func fuzzScheduler(t *testing.T, data []byte, cache bool, nctx int) {
 					if len(rsv) > 0 && next()%2 == 0 {
 						req.ReservationID = rsv[next()%len(rsv)]
 					}
+				} else if k%2 == 0 && len(pools) > 0 {
+					// Named by its content key, as a router sends it (issue 30): a pool
+					// that is still materializing, or whose creation is cancelled.
+					if info, err := h.s.Pool(pools[k/2%len(pools)]); err == nil {
+						key := pool.RollingHash(info.Tokens)[len(info.Tokens)-1]
+						req.PoolKey = &key
+					}
 				}
 				if id, err := h.trySubmit(req); err == nil {
 					tasks = append(tasks, id)
 					prompts[id] = req.Prompt
 				}
 			case 3:
-				if len(tasks) > 0 {
-					h.cancel(tasks[next()%len(tasks)])
+				// A request, or a pool's materialization (its creator gone).
+				if all := append(slices.Clone(tasks), mats...); len(all) > 0 {
+					h.cancel(all[next()%len(all)])
 				}
 			case 4:
-				if id, _, err := h.tryCreatePool(PoolSpec{Tokens: prompt()}); err == nil {
+				if id, task, err := h.tryCreatePool(PoolSpec{Tokens: prompt()}); err == nil {
 					pools = append(pools, id)
+					if task != 0 {
+						mats = append(mats, task)
+					}
 				}
 			case 5:
 				parent := pick()
@@ -150,8 +162,9 @@ func fuzzScheduler(t *testing.T, data []byte, cache bool, nctx int) {
 		// Children before parents (a parent with live children refuses), and a pool
 		// still materializing refuses until it is resident: retry across steps. The
 		// clock moves past the grace time, so released pools are reclaimed and one
-		// materializing in a tight cache gets their cells.
-		for range 20 {
+		// materializing in a tight cache gets their cells (three pools that fit only
+		// one at a time take about as many grace times).
+		for i := 0; i < 20 || (i < 200 && h.s.pools.Len() > 0); i++ {
 			for _, id := range pools {
 				_ = h.releasePool(id)
 			}

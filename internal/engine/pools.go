@@ -201,6 +201,45 @@ func (s *Scheduler) abandonPool(p *pool.Pool, restoring bool) {
 	}
 	// A child still being built on it keeps the object (evicted) until it goes too.
 	_ = s.pools.Remove(p)
+	s.orphanWaiters(p)
+}
+
+// orphanWaiters settles the requests waiting for a new pool whose creation was
+// abandoned (its creator cancelled, or the prefill failed): one that named the pool by
+// its key runs unpooled, as a key this replica does not hold does; one that named its
+// id fails as for a pool that does not exist. Kept waiting, they would find the pool
+// evicted and restore it on a sequence id the tree has already handed back, under the
+// next pool created.
+func (s *Scheduler) orphanWaiters(p *pool.Pool) {
+	gone := fmt.Errorf("%w: pool %d's creation was cancelled before it was resident", pool.ErrNotFound, p.ID)
+	for _, t := range slices.Clone(s.queue) {
+		if t.kind != kindGenerate || t.pool != p {
+			continue
+		}
+		if t.req.PoolKey != nil {
+			s.unpool(t)
+			continue
+		}
+		s.queue = slices.DeleteFunc(s.queue, func(q *task) bool { return q == t })
+		s.dropGated(t, gone)
+	}
+	for _, key := range s.adm.HeldKeys() {
+		if t := s.tasks[TaskID(key)]; t.pool == p {
+			s.adm.Unhold(key)
+			if t.req.PoolKey != nil {
+				s.unpool(t)
+				s.queue = append(s.queue, t)
+				continue
+			}
+			s.dropGated(t, gone)
+		}
+	}
+}
+
+// unpool turns a request that named a pool by its key into an unpooled one.
+func (s *Scheduler) unpool(t *task) {
+	t.pool, t.newSession = nil, false
+	t.req.HasPool, t.req.PoolID = false, 0
 }
 
 // evictPool drops a pool's own cells, keeping the object so it can be restored.

@@ -174,6 +174,10 @@ type Scheduler struct {
 	// Pressure evictions of the other kinds of victim (the one LRU order).
 	sessionEvictions, poolEvictions int64
 
+	// afterAdmit, when set (tests), is called at the end of every admission pass, to
+	// check the liveness invariant where it must hold (doc.go).
+	afterAdmit func()
+
 	// violations counts pool lifecycle verbs that refused a transition the scheduler
 	// asked for: a scheduler bug. It is reported (Usage), never a crash.
 	violations    int
@@ -526,17 +530,32 @@ func (s *Scheduler) place(t *task, sl *slot) placement {
 }
 
 // admit moves waiting tasks onto sequences in FIFO order. A task whose cells are not
-// available blocks those behind it, so a long prompt is never starved.
+// available blocks those behind it, so a long prompt is never starved. A pass that
+// seats or drops a task starts over: what it did (a pool restored or created without a
+// prefill, a session's sequence freed) may have let an earlier waiting task go, and a
+// waiting task must be seated in the step its capacity allows it (doc.go, liveness).
 func (s *Scheduler) admit() {
+	if s.afterAdmit != nil {
+		defer s.afterAdmit()
+	}
+	for s.admitPass() {
+	}
+}
+
+// admitPass is one pass of admit over the queue; it reports whether it seated or
+// dropped a task.
+func (s *Scheduler) admitPass() bool {
+	moved := false
 	for i := 0; i < len(s.queue); {
 		t := s.queue[i]
 		if ok, err := s.ready(t); err != nil {
 			s.queue = slices.Delete(s.queue, i, i+1)
 			delete(s.tasks, t.id)
 			s.events = append(s.events, Event{Task: t.id, Done: true, Finish: FinishError, Err: err})
+			moved = true
 			continue
 		} else if !ok {
-			i++ // waits for its pool (or the pool's parent) to be resident
+			i++ // waits for its pool (or the pool's parent) to be resident, or a donor
 			continue
 		}
 		sl := s.pickSlot(t)
@@ -546,7 +565,7 @@ func (s *Scheduler) admit() {
 		}
 		pl := s.place(t, sl)
 		if need, room := s.fit(t, sl, pl); room < need {
-			return // head-of-line: wait for running tasks to end
+			return moved // head-of-line: wait for running tasks to end
 		}
 		s.seat(t, sl, pl)
 		if s.cfg.NCtx-s.usedCells() < s.reservedPrefill() {
@@ -555,7 +574,9 @@ func (s *Scheduler) admit() {
 			s.freeCells(s.reservedPrefill(), nil, 0)
 		}
 		s.queue = slices.Delete(s.queue, i, i+1)
+		moved = true
 	}
+	return moved
 }
 
 // fit is what t needs on sl as placed, and the room it has: the cells free now, less
