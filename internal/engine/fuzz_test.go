@@ -45,7 +45,8 @@ func FuzzSchedulerInvariants(f *testing.F) {
 func fuzzScheduler(t *testing.T, data []byte, cache bool, nctx int) {
 	{
 		cfg := Config{NCtx: nctx, Parallel: 3, MaxPools: 3, NBatch: 16, MaxQueue: 4,
-			SessionTTL: time.Minute, PoolGrace: time.Second, BytesPerCell: 10, PrefixCache: cache}
+			SessionTTL: time.Minute, PoolGrace: time.Second, BytesPerCell: 10, PrefixCache: cache,
+			QueueTimeout: 3 * time.Second}
 		h := newHarness(t, cfg)
 		prompts := map[TaskID][]Token{}
 		families := [][]Token{seqTokens(100, 60), seqTokens(300, 60), append(seqTokens(100, 20), seqTokens(500, 40)...)}
@@ -237,6 +238,14 @@ func (h *harness) checkStep(cfg Config) {
 	apply(h.be, Plan{Samplers: h.s.samplers, SeqOps: h.s.ops})
 	h.s.samplers, h.s.ops = nil, nil
 	h.checkAccounting()
+	// No wait outlives its deadline (issue 30): Plan refused every task past it. (A
+	// root pool waiting at the head for cells its peer's child pins, the child queued
+	// behind it, is a cycle only the deadline breaks.)
+	for _, t := range h.s.queue {
+		if waited := h.s.planAt.Sub(t.queued); waited >= cfg.QueueTimeout {
+			h.t.Fatalf("task %d has waited %s, past the queue timeout %s (%s)", t.id, waited, cfg.QueueTimeout, t.wait)
+		}
+	}
 	for _, key := range h.s.adm.HeldKeys() {
 		if t, ok := h.s.tasks[TaskID(key)]; !ok || t.slot != nil || slices.Contains(h.s.queue, t) {
 			h.t.Fatalf("held request %d is not a waiting task outside the queue", key)

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"cmp"
 	"fmt"
 	"slices"
 	"time"
@@ -29,6 +30,12 @@ type Config struct {
 	// until their cells or sequence ids are needed. Off: such requests prefill their
 	// whole prompt and free their cells when they end (the server's --prefix-cache off).
 	PrefixCache bool
+	// QueueTimeout bounds every wait in the queue (issue 30): a request waiting for a
+	// sequence, cells or its pool longer than this fails with ErrQueueTimeout (HTTP 503
+	// with Retry-After), a pool's creation waiting for cells is abandoned with it. 0:
+	// no deadline (benchmarks that queue on purpose). Requests held by an enforced
+	// pool's admission gate have that policy's queue_timeout_ms until they are let in.
+	QueueTimeout time.Duration
 }
 
 // MaxSeqs is the largest n_seq_max llama.cpp accepts.
@@ -49,6 +56,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("batch size %d must be at least parallel (%d): every running session decodes one token per step", c.NBatch, c.Parallel)
 	case c.MaxQueue < 0:
 		return fmt.Errorf("queue bound must not be negative, got %d", c.MaxQueue)
+	case c.QueueTimeout < 0:
+		return fmt.Errorf("queue timeout must not be negative, got %s", c.QueueTimeout)
 	}
 	return nil
 }
@@ -125,6 +134,10 @@ type task struct {
 	newSession bool
 	// donorP, donorSeq: where pickSlot found the longest cached prefix (prefix cache).
 	donorP, donorSeq int
+	// queued is when the task entered the queue (its deadline runs from there); wait is
+	// why it was still waiting after the last admission pass (a Wait* reason).
+	queued time.Time
+	wait   string
 }
 
 func (t *task) prefilling() bool { return t.slot != nil && len(t.slot.tokens) < len(t.req.Prompt) }
@@ -173,6 +186,8 @@ type Scheduler struct {
 	cacheEvictions int64
 	// Pressure evictions of the other kinds of victim (the one LRU order).
 	sessionEvictions, poolEvictions int64
+	// queueTimeouts counts waits that ran past Config.QueueTimeout.
+	queueTimeouts int64
 
 	// afterAdmit, when set (tests), is called at the end of every admission pass, to
 	// check the liveness invariant where it must hold (doc.go).
@@ -258,9 +273,16 @@ func (s *Scheduler) submit(req Request) (TaskID, Gate, error) {
 		s.adm.Hold(uint64(t.id), p.ID, until)
 		return t.id, g, nil
 	}
-	s.queue = append(s.queue, t)
+	s.enqueue(t)
 	s.admit()
 	return t.id, g, nil
+}
+
+// enqueue puts t at the end of the queue; its queue deadline runs from now.
+func (s *Scheduler) enqueue(t *task) {
+	t.queued = s.now
+	t.wait = ""
+	s.queue = append(s.queue, t)
 }
 
 func (s *Scheduler) newTask(k taskKind, req Request, p *pool.Pool) *task {
@@ -296,17 +318,41 @@ func (s *Scheduler) cancel(id TaskID) {
 		return
 	}
 	if t.slot == nil {
-		s.queue = slices.DeleteFunc(s.queue, func(q *task) bool { return q == t })
-		s.adm.Unhold(uint64(t.id))
-		delete(s.tasks, id)
-		if t.kind == kindMaterialize {
-			s.abandonPool(t.pool, t.restore)
-		}
-		s.events = append(s.events, Event{Task: id, Done: true, Finish: FinishCancelled, Err: ErrCancelled})
+		s.unqueue(t, FinishCancelled, ErrCancelled)
 		return
 	}
 	s.finish(t, FinishCancelled, false, ErrCancelled)
 }
+
+// unqueue ends a task that holds no sequence (waiting in the queue or held by an
+// admission gate): a pool's materialization abandons the pool.
+func (s *Scheduler) unqueue(t *task, finish string, err error) {
+	s.queue = slices.DeleteFunc(s.queue, func(q *task) bool { return q == t })
+	s.adm.Unhold(uint64(t.id))
+	delete(s.tasks, t.id)
+	ev := Event{Task: t.id, Done: true, Finish: finish, Err: err}
+	if t.kind == kindMaterialize {
+		ev.Pool = t.pool.ID
+	}
+	s.events = append(s.events, ev)
+	if t.kind == kindMaterialize {
+		s.abandonPool(t.pool, t.restore, err)
+	}
+}
+
+// Why a request waits in the queue: SlotInfo.WaitReason in /slots and the reason label
+// of polykv_requests_waiting_reason. Each is something that makes progress without the
+// request (the liveness invariant, doc.go), except WaitCells when pinned pools hold the
+// cells; every wait ends by Config.QueueTimeout at the latest.
+const (
+	WaitPool      = "pool"      // its pool (or a fork's parent) is being built or restored
+	WaitPrefix    = "prefix"    // a running request will soon hold a longer prefix of its prompt
+	WaitSession   = "session"   // its session's previous turn is still running
+	WaitSequence  = "sequence"  // every sequence id is held by a running request
+	WaitCells     = "cells"     // the cells it needs are held by running requests or pinned pools
+	WaitQueue     = "queue"     // behind a request that waits for cells (first come, first served)
+	WaitAdmission = "admission" // held by an enforced pool's admission gate
+)
 
 // Events drains the events produced since the last call.
 func (s *Scheduler) Events() []Event {
@@ -555,17 +601,29 @@ func (s *Scheduler) admitPass() bool {
 			moved = true
 			continue
 		} else if !ok {
-			i++ // waits for its pool (or the pool's parent) to be resident, or a donor
+			i++ // waits for its pool (or the pool's parent), or a donor (t.wait says)
 			continue
 		}
 		sl := s.pickSlot(t)
 		if sl == nil {
 			i++ // its session is busy, or no sequence is free: later tasks may still fit
+			t.wait = WaitSequence
+			if _, ok := s.bySession[t.req.SessionID]; ok && t.req.SessionID != "" {
+				t.wait = WaitSession
+			}
 			continue
 		}
 		pl := s.place(t, sl)
 		if need, room := s.fit(t, sl, pl); room < need {
-			return moved // head-of-line: wait for running tasks to end
+			// Head-of-line: wait for running tasks to end; those behind wait behind it.
+			t.wait = WaitCells
+			for _, q := range s.queue[i+1:] {
+				q.wait = WaitQueue
+				if dep := q.pool; q.kind == kindGenerate && dep != nil && dep.State != pool.Resident {
+					q.wait = WaitPool // it could not go even if the head did
+				}
+			}
+			return moved
 		}
 		s.seat(t, sl, pl)
 		if s.cfg.NCtx-s.usedCells() < s.reservedPrefill() {
@@ -615,8 +673,10 @@ func (s *Scheduler) fit(t *task, sl *slot, pl placement) (need, room int) {
 // restoring an evicted pool it needs. A pool released while the task waited fails it.
 func (s *Scheduler) ready(t *task) (bool, error) {
 	if s.prefixCached(t) && s.awaitsDonor(t) {
+		t.wait = WaitPrefix
 		return false, nil
 	}
+	t.wait = WaitPool // until it returns true
 	need := t.pool
 	if t.kind == kindMaterialize {
 		need = t.pool.Parent
@@ -698,6 +758,49 @@ func (s *Scheduler) advance() {
 	s.settle()
 	s.releaseGated()
 	s.admit()
+	s.deadlines()
+}
+
+// deadlines ends the waits past Config.QueueTimeout: a request fails with
+// ErrQueueTimeout, a pool's creation is abandoned with it (so are requests that named
+// it by id; by key they run unpooled), a restore goes back to evicted (the requests
+// that need it restart it, or time out themselves). It runs after admit, so a task
+// whose room came at its deadline still runs, and admits again when it dropped
+// anything: the head of the queue gone, those behind it may fit.
+func (s *Scheduler) deadlines() {
+	if s.cfg.QueueTimeout <= 0 {
+		return
+	}
+	dropped := false
+	for _, t := range slices.Clone(s.queue) {
+		waited := s.now.Sub(t.queued)
+		if waited < s.cfg.QueueTimeout || s.tasks[t.id] != t {
+			continue
+		}
+		s.queueTimeouts++
+		s.unqueue(t, FinishError, fmt.Errorf("%w: waited %s for %s (queue timeout %s)", ErrQueueTimeout, waited.Round(time.Millisecond), waitPhrase(t.wait), s.cfg.QueueTimeout))
+		dropped = true
+	}
+	if dropped {
+		s.admit()
+	}
+}
+
+// waitPhrase says a wait reason in words, for errors.
+func waitPhrase(reason string) string {
+	switch reason {
+	case WaitPool:
+		return "its pool to be built"
+	case WaitPrefix:
+		return "a running request's prefix"
+	case WaitSession:
+		return "its session's running turn"
+	case WaitSequence:
+		return "a sequence (every one is running)"
+	case WaitCells:
+		return "KV cells held by running requests or pinned pools"
+	}
+	return "the request ahead of it, which waits for KV cells"
 }
 
 // Plan builds the next step: one decode token for every generating task, then prompt
@@ -850,7 +953,7 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 	if t.kind == kindMaterialize {
 		s.removeRunning(t)
 		s.events = append(s.events, Event{Task: t.id, Done: true, Finish: reason, Err: err, Pool: t.pool.ID})
-		s.abandonPool(t.pool, t.restore)
+		s.abandonPool(t.pool, t.restore, cmp.Or(err, ErrCancelled))
 		return
 	}
 	stats := Stats{PromptN: len(t.req.Prompt) - t.cacheN, CacheN: t.cacheN, PredictedN: t.generated, Seq: sl.seq}

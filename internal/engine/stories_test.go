@@ -23,7 +23,7 @@ import (
 //
 // Commands:
 //
-//	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR [cost=perdecode] [prefixcache=on]
+//	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR [cost=perdecode] [prefixcache=on] [queuetimeout=DUR]
 //	submit name=X prompt=1..6;99 [session=S] [max=N] [pool=P | poolkey=P] [shared=N] [reservation=R] [overcommit] [nocache]
 //	                  poolkey: name pool P by its content key (prefix hash), as a router does
 //	pool name=P prompt=... [parent=Q d=N] [pin] [prefilled] [nowait]   create (or fork)
@@ -35,6 +35,7 @@ import (
 //	run               step until idle; prints what ended
 //	advance d=DUR     move the clock
 //	state             sessions, pools and cells (checked against the fake cache)
+//	waiting           the requests without a sequence yet: why they wait, for how long
 //	admission pool=P [mode=M] [on=S] [floor=F] [guarantee=N] [settle_tokens=N] [settle_ms=N] [queue_ms=N]
 //	capacity pool=P [expected=N] [session=S]   the admission verdict now
 //	reserve name=R pool=P [ttl=DUR] [expected=N]
@@ -94,6 +95,8 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 				}
 			case "prefixcache":
 				cfg.PrefixCache = v == "on"
+			case "queuetimeout":
+				cfg.QueueTimeout = dur(t, d, v)
 			default:
 				d.Fatalf(t, "unknown config key %s", a.Key)
 			}
@@ -201,6 +204,14 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 		return "ok"
 	case "state":
 		st.state()
+	case "waiting":
+		for _, w := range st.h.s.Waiting(st.h.now) {
+			line := fmt.Sprintf("%s: %s for %s", st.names[TaskID(w.Task)], w.Reason, w.Waited)
+			if w.PoolID != nil {
+				line += fmt.Sprintf(" (pool %d)", *w.PoolID)
+			}
+			st.printf("%s\n", line)
+		}
 	case "admission", "capacity", "reserve", "unreserve":
 		return st.admission(t, d)
 	default:

@@ -122,6 +122,8 @@ var (
 	ErrInvalidToken    = errors.New("token outside the vocabulary")
 	ErrDecode          = errors.New("decode failed")
 	ErrContextExceeded = errors.New("the context is exhausted")
+	// ErrQueueTimeout: the request waited in the queue past Config.QueueTimeout.
+	ErrQueueTimeout = errors.New("the request waited too long in the queue")
 )
 
 // BatchEntry is one token of a decode batch.
