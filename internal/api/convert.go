@@ -55,6 +55,13 @@ func wireSlot(s engine.SlotInfo) wire.Slot {
 		CtxTotal: s.CtxTotal, CtxHeadroomTokens: s.Headroom, CtxPressure: s.Pressure}
 }
 
+// wireWaiting is a waiting request as a /slots entry.
+func wireWaiting(w engine.WaitInfo) wire.Slot {
+	ms := w.Waited.Milliseconds()
+	return wire.Slot{ID: -1, SessionID: w.SessionID, State: "waiting", TaskID: w.Task, PoolID: w.PoolID,
+		NPromptTokens: w.PromptN, WaitingReason: w.Reason, WaitingMs: &ms}
+}
+
 func wirePoolSession(s engine.PoolSession) wire.PoolSession {
 	return wire.PoolSession{SessionID: s.SessionID, SeqID: s.Seq, SuffixNTokens: s.SuffixNTokens,
 		MarginalKVBytes: s.MarginalKVBytes, State: s.State, TaskID: s.Task}

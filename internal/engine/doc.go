@@ -61,14 +61,14 @@
 // prompt is never starved). Admission counts exactly what eviction can free for it
 // (fit): the cells free now, less those promised to seated prompts, plus every cell
 // that only idle sequences, evictable pools and the sequence it takes hold, except
-// what its placement keeps or borrows. The test harness checks this at the end of every
-// admission pass of every test, story and fuzz input, against its own count
-// (checkLiveness). And no
-// wait is without a deadline: a task still queued Config.QueueTimeout after it entered
-// the queue is refused (ErrQueueTimeout; a pool's creation is abandoned), which also
-// breaks the waits that only a client could end (cells pinned by pools, a pool queued
-// behind the creation that waits for its sibling's pinned cells). Why each request
-// waits (Wait*) and for how long is in Waiting and the snapshot.
+// what its placement keeps or borrows. The test harness checks this at the end of
+// every admission pass of every test, story and fuzz input, against its own count
+// (checkLiveness). And no wait is without a deadline: a task still queued
+// Config.QueueTimeout after it entered the queue is refused (ErrQueueTimeout; a pool's
+// creation is abandoned), which also ends the waits that only a client could end
+// (cells pinned by pools, a pool queued behind the creation that waits for its
+// sibling's pinned cells). Why each request waits (Wait*) and for how long is in
+// Waiting and the snapshot.
 //
 // Admission state (policies, settle windows, the measured-drop forecast, requests held
 // by an enforced gate, reservations, the sessions seen before) lives in an

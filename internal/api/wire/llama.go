@@ -117,6 +117,12 @@ type Slot struct {
 	CtxTotal          int     `json:"ctx_total"`
 	CtxHeadroomTokens int     `json:"ctx_headroom_tokens"`
 	CtxPressure       float64 `json:"ctx_pressure"` // the session's own context pressure
+	// A waiting request (state "waiting", id -1: no sequence yet) says why it waits
+	// (pool, prefix, session, sequence, cells, queue, admission), since when, and how
+	// long its prompt is.
+	NPromptTokens int    `json:"n_prompt_tokens,omitempty"`
+	WaitingReason string `json:"waiting_reason,omitempty"`
+	WaitingMs     *int64 `json:"waiting_ms,omitempty"`
 }
 
 // TokenizeRequest is POST /tokenize.
