@@ -530,3 +530,26 @@ func TestForkReleasedIsNotFoundForkEvictedRestores(t *testing.T) {
 	}
 	h.checkAccounting()
 }
+
+// TestEventsNameThePool: every event of a request attached to a pool names the pool
+// (issue 30: a streamed reply sends X-Pool-Id with its headers, before its first
+// chunk, so it must know the pool from the first event on); an unpooled request's
+// events name none.
+func TestEventsNameThePool(t *testing.T) {
+	h := newHarness(t, poolCfg())
+	id := h.createPool(PoolSpec{Tokens: seqTokens(1, 20)})
+	pooled := h.submit(Request{Prompt: append(seqTokens(1, 20), 99), HasPool: true, PoolID: id, MaxTokens: 3})
+	plain := h.submit(Request{Prompt: seqTokens(200, 10), MaxTokens: 3})
+	h.run()
+	for task, want := range map[TaskID]int{pooled: id, plain: 0} {
+		evs := h.events[task]
+		if len(evs) < 2 {
+			t.Fatalf("task %d: %d events, want tokens and an end", task, len(evs))
+		}
+		for i, ev := range evs {
+			if ev.Err != nil || ev.Pool != want {
+				t.Fatalf("task %d event %d: pool %d, err %v; want pool %d", task, i, ev.Pool, ev.Err, want)
+			}
+		}
+	}
+}

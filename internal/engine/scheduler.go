@@ -925,7 +925,7 @@ func (s *Scheduler) onToken(t *task, smp Sampled) {
 	}
 	t.generated++
 	text, stopped := t.text.push(s.vocab.Piece(smp.Token))
-	ev := Event{Task: t.id, Text: text}
+	ev := Event{Task: t.id, Text: text, Pool: t.poolID()}
 	if t.req.Logprobs {
 		ev.Tokens = []TokenLogprob{{Token: smp.Token, Logprob: smp.Logprob, Top: smp.Top}}
 	}
@@ -969,7 +969,7 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 	}
 	stats.TPS = t.ewma.Rate()
 	stats.Ctx = s.sessionContext(sl)
-	s.events = append(s.events, Event{Task: t.id, Text: t.text.flush(), Done: true, Finish: reason, Truncated: truncated, Err: err, Stats: stats})
+	s.events = append(s.events, Event{Task: t.id, Text: t.text.flush(), Done: true, Finish: reason, Truncated: truncated, Err: err, Stats: stats, Pool: stats.Pool})
 	s.samplers = append(s.samplers, SamplerOp{Task: t.id, Free: true})
 	s.obs = append(s.obs, Observation{Kind: ObsQuery, Pool: stats.Pool, PromptTokens: len(t.req.Prompt), CachedTokens: t.cacheN})
 	s.removeRunning(t)
