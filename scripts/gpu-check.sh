@@ -51,10 +51,8 @@ pack)
     # cores): carry ggml's sources (9 MB) and build there with the image's nvcc 13.0 on
     # 16 cores (a few minutes of the device budget, recorded in build.txt).
     echo "gpu-check: lib/libggml-cuda.so missing: the sources go along and 'run' builds it there" >&2
-    OLLAMA_DIR="$(go list -m -f '{{.Dir}}' github.com/ollama/ollama)"
-    mkdir -p .gpu/payload/src/ml/backend/ggml
-    cp "$OLLAMA_DIR/CMakeLists.txt" .gpu/payload/src/
-    cp -r "$OLLAMA_DIR/ml/backend/ggml/ggml" .gpu/payload/src/ml/backend/ggml/
+    mkdir -p .gpu/payload/src
+    cp -r "$(./scripts/llama.sh src)/ggml/." .gpu/payload/src/
   fi
   ln -s "$MODEL" ".gpu/payload/$MODEL_NAME"
   tar -C .gpu/payload -chf - . | gzip -1 | split -b 56M -d -a 1 - .gpu/part.
@@ -93,11 +91,11 @@ run)
     t0=$SECONDS
     { cmake -S "$STAGE/src" -B "$STAGE/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
         '-DCMAKE_INSTALL_RPATH=$ORIGIN' -DGGML_NATIVE=OFF -DCMAKE_CUDA_COMPILER="$NVCC" \
-        -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" -DGGML_CUDA_NO_VMM=ON &&
+        -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" -DGGML_CUDA_NO_VMM=ON -DBUILD_SHARED_LIBS=ON -DGGML_BACKEND_DL=ON &&
       cmake --build "$STAGE/build" --target ggml-cuda -j "$(nproc)"; } > "$OUT/build.txt" 2>&1
     echo "== build on the device: rc $? in $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
     mkdir -p "$STAGE/lib"
-    cp -a "$STAGE"/build/lib/ollama/libggml-cuda.so "$STAGE"/build/lib/ollama/libggml-base.so* "$STAGE/lib/" 2>>"$OUT/summary.txt"
+    cp -a "$STAGE"/build/bin/libggml-cuda.so "$STAGE"/build/bin/libggml-base.so* "$STAGE/lib/" 2>>"$OUT/summary.txt"
     ls -la "$STAGE/lib" >> "$OUT/summary.txt"
   fi
   # cuBLAS (and, for a library built there, cudart) from the machine: python's nvidia/cu13

@@ -63,6 +63,10 @@ type Info struct {
 	PrefixCache bool
 	// Compute is where the model runs (devices, GPU layers), as app.Offload describes it.
 	Compute any
+	// BuildInfo names the linked llama.cpp (llama.BuildInfo); CPUFeatures are the x86
+	// features its CPU backend was compiled with (llama.CPUFeatures).
+	BuildInfo   string
+	CPUFeatures []string
 }
 
 // Server holds the handlers' dependencies.
@@ -170,7 +174,8 @@ func errorFor(err error) *apiError {
 		return &apiError{status: http.StatusNotFound, typ: "not_found_error", msg: err.Error()}
 	case errors.Is(err, pool.ErrNoSeqIDs):
 		return &apiError{status: http.StatusServiceUnavailable, typ: "unavailable_error", msg: err.Error()}
-	case errors.Is(err, pool.ErrPrefixMismatch), errors.Is(err, pool.ErrHasChildren), errors.Is(err, pool.ErrConflict), errors.Is(err, engine.ErrSessionBusy):
+	case errors.Is(err, pool.ErrPrefixMismatch), errors.Is(err, pool.ErrHasChildren), errors.Is(err, pool.ErrConflict), errors.Is(err, engine.ErrSessionBusy),
+		errors.Is(err, engine.ErrRecurrentBranch):
 		return &apiError{status: http.StatusConflict, typ: "conflict_error", msg: err.Error()}
 	case errors.Is(err, pool.ErrBadRequest), errors.Is(err, engine.ErrPoolsUnsupported):
 		return badRequest("%v", err)
@@ -285,6 +290,7 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 	snap := s.eng.Snapshot()
 	props := wire.Props{
 		Model:            s.info.ModelID,
+		BuildInfo:        s.info.BuildInfo,
 		ModelPath:        s.info.ModelPath,
 		ModelDesc:        s.info.ModelDesc,
 		NCtx:             s.info.NCtx,
@@ -300,6 +306,7 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 		Compute:          s.info.Compute,
 		PolyKV: wire.PolyKVProps{
 			MaxPools:         s.info.MaxPools,
+			CPUFeatures:      s.info.CPUFeatures,
 			PoolGraceMs:      s.info.PoolGraceMs,
 			KVBytesPerCell:   s.info.BytesPerCell,
 			NSeqMax:          s.info.Parallel + s.info.MaxPools,

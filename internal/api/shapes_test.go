@@ -48,7 +48,8 @@ func newServerCfg(t testing.TB, cfg engine.Config, script []engine.Token, keys .
 	be := enginetest.NewBackend(script)
 	eng := engine.New(sched, be, nil)
 	srv := api.New(eng, enginetest.Vocab{}, renderer{}, api.Info{ModelID: "fake", NCtx: cfg.NCtx, Parallel: cfg.Parallel,
-		NBatch: cfg.NBatch, NVocab: enginetest.NVocab, MaxPools: cfg.MaxPools, BytesPerCell: cfg.BytesPerCell}, nil, nil)
+		NBatch: cfg.NBatch, NVocab: enginetest.NVocab, MaxPools: cfg.MaxPools, BytesPerCell: cfg.BytesPerCell,
+		BuildInfo: "b11434-test", CPUFeatures: []string{"AVX2", "FMA"}}, nil, nil)
 	srv.RequireAPIKeys(keys)
 	ts := httptest.NewServer(srv.Handler())
 	t.Cleanup(func() {

@@ -225,11 +225,12 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	// (own_kv_bytes, marginal_kv_bytes, ...) scale with them.
 	ecfg.BytesPerCell = model.KVBytesPerCellTyped(tk, tv)
 	if model.IsRecurrent() || model.IsHybrid() {
-		// Recurrent state is one blob per sequence, not cells per position: a prefix
-		// cannot be shared by sequence membership.
-		ecfg.PoolsUnsupported = "this model has recurrent (or hybrid) memory, whose state cannot be shared as a token prefix"
+		// Recurrent state is one value per sequence, not cells per position: pools work
+		// at pool boundaries only (engine.Config.Recurrent), and automatic prefix sharing,
+		// which borrows any resident prefix at any length, cannot.
+		ecfg.Recurrent = true
 		if ecfg.PrefixCache && log != nil {
-			log.Info("prefix cache off: recurrent memory cannot be shared as a token prefix")
+			log.Info("prefix cache off: recurrent memory cannot be shared at an arbitrary token prefix")
 		}
 		ecfg.PrefixCache = false
 	}
@@ -319,6 +320,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	info.TPSTauMs = cfg.TPSTau.Milliseconds()
 	info.PrefixCache = ecfg.PrefixCache
 	info.Compute = off
+	info.BuildInfo, info.CPUFeatures = llama.BuildInfo(), llama.CPUFeatures()
 	srv := api.New(eng, model, renderer, info, metrics, log)
 	srv.RequireAPIKeys(cfg.APIKeys)
 	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv, KVEvents: pub, Offload: off}, nil

@@ -157,6 +157,9 @@ func (s *Scheduler) bind(sl *slot, session string) {
 
 // truncate keeps [0, n) of a sequence; borrowed cells beyond n stop being borrowed.
 func (s *Scheduler) truncate(sl *slot, n int) {
+	if s.cfg.Recurrent && n < len(sl.tokens) {
+		n = 0 // recurrent state cannot be cut back: the sequence goes whole
+	}
 	if n < len(sl.tokens) {
 		s.rmOp(sl.seq, n)
 		sl.tokens = sl.tokens[:n]

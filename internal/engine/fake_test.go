@@ -372,9 +372,13 @@ func (h *harness) checkLiveness() {
 		}
 		need, set := len(t.req.Prompt), victims
 		if t.kind == kindGenerate && t.pool != nil {
-			share := min(commonPrefix(t.pool.Tokens, t.req.Prompt), len(t.req.Prompt)-1)
-			if n := t.req.SharedPrefixN; n != nil {
-				share = min(share, *n)
+			share := attachLen(t.pool, t.req)
+			if s.cfg.Recurrent {
+				// Only a pool boundary holds recurrent state (Config.Recurrent).
+				share = 0
+				if b := boundary(t.pool, attachLen(t.pool, t.req)); b != nil && b.State == pool.Resident {
+					share = b.L()
+				}
 			}
 			need -= share
 			set.del(t.pool.Seq)

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/polykv/polykv/internal/pool"
 )
@@ -14,7 +15,35 @@ var (
 	ErrSessionNotFound  = errors.New("session not found")
 	ErrSessionBusy      = errors.New("session is busy")
 	ErrPoolsUnsupported = errors.New("pools are not supported for this model")
+	// ErrRecurrentBranch: on a model with recurrent state a pool can only be extended
+	// at a pool boundary (Config.Recurrent); the API answers 409.
+	ErrRecurrentBranch = errors.New("recurrent state cannot branch inside a pool")
 )
+
+// boundary is, on a model with recurrent state, the pool of p's ancestry (p included)
+// whose whole prefix is the longest on p's path not above n: its own sequence holds the
+// recurrent state at exactly that position, so it is the only donor a branch there can
+// have. An ancestor counts only while every pool between it and p branched at or after
+// its end (else its later tokens are not p's). nil when no pool qualifies.
+func boundary(p *pool.Pool, n int) *pool.Pool {
+	for q := p; q != nil; q = q.Parent {
+		if l := q.L(); l > 0 && l <= n {
+			return q
+		}
+		n = min(n, q.D)
+	}
+	return nil
+}
+
+// recurrentBranchErr names why a branch at d below pool p's boundaries is refused.
+func recurrentBranchErr(p *pool.Pool, d int) error {
+	var at []string
+	for q := p; q != nil; q = q.Parent {
+		at = append(at, strconv.Itoa(q.L()))
+	}
+	return fmt.Errorf("%w: this model has recurrent state (recurrent or hybrid layers), which holds one value per sequence, not one per position, so pool %d can be extended only at a pool boundary (token %s), not at token %d",
+		ErrRecurrentBranch, p.ID, strings.Join(at, " or "), d)
+}
 
 // PoolSpec asks for a new pool: a root (no parent) or a child of Parent branching at D.
 // The prefix is Tokens, or a live session's current context (FromSession).
@@ -53,6 +82,11 @@ func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 		if parent.State == pool.Released {
 			// As for attach: a released pool no longer exists for clients.
 			return 0, 0, fmt.Errorf("%w: pool %d was released; fork from a live pool", pool.ErrNotFound, parent.ID)
+		}
+		if s.cfg.Recurrent && spec.D > 0 {
+			if b := boundary(parent, spec.D); b == nil || b.L() != spec.D {
+				return 0, 0, recurrentBranchErr(parent, spec.D)
+			}
 		}
 	}
 	tokens := spec.Tokens
@@ -280,6 +314,11 @@ func (s *Scheduler) attachable(req Request) (*pool.Pool, error) {
 		match := commonPrefix(p.Tokens, req.Prompt)
 		if *n < 0 || *n > match {
 			return nil, fmt.Errorf("%w: shared_prefix_n_tokens %d, but the prompt shares only %d tokens with pool %d", pool.ErrBadRequest, *n, match, p.ID)
+		}
+	}
+	if s.cfg.Recurrent {
+		if P := attachLen(p, req); boundary(p, P) == nil {
+			return nil, recurrentBranchErr(p, P)
 		}
 	}
 	return p, nil

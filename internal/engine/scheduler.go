@@ -21,9 +21,17 @@ type Config struct {
 	SessionTTL   time.Duration // idle sessions older than this lose their KV (0 = never)
 	PoolGrace    time.Duration // a pool is not reclaimed or evicted within this of its last use
 	BytesPerCell int64         // KV bytes of one cell, for status reports
-	// PoolsUnsupported, when set, is why pool operations are refused (recurrent models).
+	// PoolsUnsupported, when set, is why pool operations are refused.
 	PoolsUnsupported string
-	TPSTau           time.Duration // EWMA time constant of experienced tps (default 2 s)
+	// Recurrent: the model keeps per-sequence recurrent state (recurrent or hybrid
+	// layers: Qwen3.5's gated delta-net, LFM2's short convolutions, Mamba). That state is
+	// one value for the whole sequence, not a cell per position, so a sequence can be
+	// extended or dropped but never cut back: truncate drops it whole, a session keeps its
+	// cells only when the next prompt extends all of them, and a fork or attach extends a
+	// pool at the full length of that pool or of an ancestor (a pool boundary, where the
+	// ancestor's own sequence holds the state), otherwise ErrRecurrentBranch.
+	Recurrent bool
+	TPSTau    time.Duration // EWMA time constant of experienced tps (default 2 s)
 	// PrefixCache turns on automatic prefix sharing (issue 12): a new request without a
 	// pool (and without a known session) starts from the longest prefix any resident
 	// sequence holds, by seq_cp, and finished anonymous sequences stay resident as cache
@@ -491,6 +499,14 @@ func (s *Scheduler) poolDonor(p *pool.Pool) (int, int) {
 		par = nil // it inherits nothing: a root in all but name
 	}
 	if !s.cfg.PrefixCache {
+		if par != nil && s.cfg.Recurrent {
+			// The boundary ancestor's sequence holds the state at D (createPool checked
+			// that one ends exactly there); without it, prefill from the start.
+			if b := boundary(par, p.D); b != nil && b.L() == p.D && b.State == pool.Resident {
+				return p.D, b.Seq
+			}
+			return 0, -1
+		}
 		if par != nil {
 			return p.D, par.Seq
 		}
@@ -538,9 +554,13 @@ func (s *Scheduler) awaitsDonor(t *task) bool {
 type placement struct {
 	keep    int
 	attachP int // > 0: reset the sequence and seq_cp [0, attachP) from the pool
-	cpFrom  int
-	cpP     int  // > 0: reset the sequence and seq_cp [0, cpP) from cpFrom
-	reused  bool // keep or cpP came from the prefix cache (counted as hits)
+	// attachTo is the pool the sequence joins: the request's, or on a recurrent model the
+	// one its session borrowed from before; attachFrom the pool whose sequence the attach
+	// copies: attachTo, or on a recurrent model the ancestor whose boundary is attachP.
+	attachTo, attachFrom *pool.Pool
+	cpFrom               int
+	cpP                  int  // > 0: reset the sequence and seq_cp [0, cpP) from cpFrom
+	reused               bool // keep or cpP came from the prefix cache (counted as hits)
 }
 
 func (s *Scheduler) place(t *task, sl *slot) placement {
@@ -559,14 +579,27 @@ func (s *Scheduler) place(t *task, sl *slot) placement {
 	if own {
 		k = min(commonPrefix(sl.tokens, prompt), len(prompt)-1) // the last prompt token must be decoded for logits
 	}
-	if p := t.pool; p != nil {
-		P := min(commonPrefix(p.Tokens, prompt), len(prompt)-1)
-		if t.req.SharedPrefixN != nil {
-			P = min(P, *t.req.SharedPrefixN)
+	p := t.pool
+	if own && s.cfg.Recurrent && k < len(sl.tokens) {
+		k = 0 // its recurrent state is past k: it cannot be cut back (Config.Recurrent)
+		if p == nil && sl.base != nil && sl.base.State == pool.Resident {
+			p = sl.base // but the pool it borrowed from still holds a state to start over from
+		}
+	}
+	if p != nil {
+		P := attachLen(p, t.req)
+		src := p
+		if s.cfg.Recurrent {
+			// Only a pool's own sequence holds recurrent state, at its full length.
+			if src = boundary(p, P); src != nil && src.State == pool.Resident {
+				P = src.L()
+			} else {
+				P = 0
+			}
 		}
 		// Continuation on the same pool reuses the session's own cells first.
 		if !(own && sl.base == p && k >= P) && P > 0 {
-			return placement{attachP: P}
+			return placement{attachP: P, attachTo: p, attachFrom: src}
 		}
 	}
 	if !own {
@@ -656,7 +689,8 @@ func (s *Scheduler) fit(t *task, sl *slot, pl placement) (need, room int) {
 		P, keepSeq = s.poolDonor(t.pool)
 		need, keepTo = t.pool.L()-P, P
 	case pl.attachP > 0:
-		set.del(t.pool.Seq) // attached, the pool stays whole
+		set.del(pl.attachTo.Seq)   // attached, the pool stays whole
+		set.del(pl.attachFrom.Seq) // and the one it copies from (itself, or its ancestor)
 		set.add(sl.seq)
 	case pl.cpP > 0:
 		keepSeq, keepTo = pl.cpFrom, pl.cpP
@@ -711,9 +745,9 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 		t.cacheN = have
 	case pl.attachP > 0:
 		s.resetSlot(sl)
-		s.cpOp(t.pool.Seq, sl.seq, pl.attachP)
+		s.cpOp(pl.attachFrom.Seq, sl.seq, pl.attachP)
 		sl.tokens = slices.Clone(t.req.Prompt[:pl.attachP])
-		s.attach(sl, t.pool, pl.attachP)
+		s.attach(sl, pl.attachTo, pl.attachP)
 	case pl.cpP > 0:
 		s.resetSlot(sl)
 		s.cpOp(pl.cpFrom, sl.seq, pl.cpP)
@@ -750,6 +784,17 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 }
 
 func commonPrefix(a, b []Token) int { return pool.CommonPrefix(a, b) }
+
+// attachLen is how much of pool p a request can borrow: the prefix its prompt shares
+// with p (capped by shared_prefix_n_tokens), less the last prompt token, which must be
+// decoded for its logits.
+func attachLen(p *pool.Pool, req Request) int {
+	P := min(commonPrefix(p.Tokens, req.Prompt), len(req.Prompt)-1)
+	if req.SharedPrefixN != nil {
+		P = min(P, *req.SharedPrefixN)
+	}
+	return P
+}
 
 // advance does what the passing of time does (message Tick, and the start of Plan):
 // expiry and reclaim, settle windows, held requests, then admission of waiting tasks.

@@ -97,6 +97,8 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 				cfg.PrefixCache = v == "on"
 			case "queuetimeout":
 				cfg.QueueTimeout = dur(t, d, v)
+			case "recurrent":
+				cfg.Recurrent = v == "on"
 			default:
 				d.Fatalf(t, "unknown config key %s", a.Key)
 			}

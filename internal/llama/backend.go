@@ -182,6 +182,12 @@ func LoadModelWith(path string, p ModelParams) (*Model, error) {
 		return nil, fmt.Errorf("load model: unknown split mode %q (layer, row or none)", p.SplitMode)
 	}
 	params.main_gpu = C.int32_t(p.MainGPU)
+	// No extra buffer types for weights: ggml-cpu's only one is runtime repacking (Q4_0,
+	// Q4_K, Q8_0, IQ4_NL into interleaved tiles), whose kernels give a token different
+	// logits in batches of different sizes (Gemma 3: up to 1.28 between 13- and 256-token
+	// chunks), breaking PolyKV's batch-invariance guarantee. PolyKV's own kernels are
+	// installed as a compute-only extra (fattn.cpp) and need no weight buffer.
+	params.use_extra_bufts = false
 	// The device list is always explicit: NULL would let llama.cpp pick every GPU device
 	// even with 0 layers (it offloads large batches' matrix products to them), and a CPU-only
 	// run must be exactly the CPU run PolyKV has always made.

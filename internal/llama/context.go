@@ -327,7 +327,7 @@ func NewSampler(m *Model, p SamplerParams) (*Sampler, error) {
 		if lastN == 0 {
 			lastN = 64
 		}
-		C.llama_sampler_chain_add(chain, C.llama_sampler_init_penalties(C.int32_t(lastN), C.float(rp), C.float(p.FrequencyPenalty), C.float(p.PresencePenalty)))
+		C.llama_sampler_chain_add(chain, C.llama_sampler_init_penalties(C.int32_t(m.NVocab()), C.int32_t(lastN), C.float(rp), C.float(p.FrequencyPenalty), C.float(p.PresencePenalty)))
 	}
 	if p.Temperature <= 0 {
 		C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
@@ -365,23 +365,36 @@ func escapeRegex(s string) string {
 // TriggerPatterns is how NewSampler hands triggers to llama.cpp: a Word becomes
 // "anything, then the word, then anything" with the word as the capture group (as
 // llama.cpp's common/sampling.cpp does), plus its token when the word is one token.
+// Every pattern is anchored (^(?:...)$): llama.cpp full-matches an anchored pattern
+// once per token but regex_searches any other from every start position, which for
+// "anything, then the word" is quadratic in the output per token (a 17,000-character
+// reply then took minutes; see TestLazyGrammarLongFreeText).
 func (m *Model) TriggerPatterns(triggers []GrammarTrigger) ([]string, []Token) {
 	var pats []string
 	var toks []Token
 	for _, t := range triggers {
 		if t.Pattern != "" {
-			pats = append(pats, t.Pattern)
+			pats = append(pats, anchor(t.Pattern))
 			continue
 		}
 		if t.Word == "" {
 			continue
 		}
-		pats = append(pats, `[\s\S]*?(`+escapeRegex(t.Word)+`)[\s\S]*`)
+		pats = append(pats, anchor(`[\s\S]*?(`+escapeRegex(t.Word)+`)[\s\S]*`))
 		if ids, err := m.Tokenize(t.Word, false, true); err == nil && len(ids) == 1 && string(m.TokenPiece(ids[0], true)) == t.Word {
 			toks = append(toks, ids[0])
 		}
 	}
 	return pats, toks
+}
+
+// anchor makes p a whole-output match (see TriggerPatterns) without renumbering its
+// capture groups.
+func anchor(p string) string {
+	if strings.HasPrefix(p, "^") && strings.HasSuffix(p, "$") {
+		return p
+	}
+	return "^(?:" + p + ")$"
 }
 
 func (m *Model) grammarSampler(g string, triggers []GrammarTrigger) (*C.struct_llama_sampler, error) {

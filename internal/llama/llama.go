@@ -1,5 +1,6 @@
 // Package llama is PolyKV's only cgo package: a thin binding over llama.cpp's C API
-// (llama.h), compiled from the vendored sources of the github.com/ollama/ollama module.
+// (llama.h), linked against the static libraries that scripts/llama.sh builds from the
+// pinned llama.cpp source release (llama.cpp.pin); the Makefile points cgo at them.
 //
 // It covers what the engine needs and nothing else: model and context lifetime, batches
 // and llama_decode, the sequence operations of the unified KV cache, logits, the
@@ -16,6 +17,7 @@ package llama
 /*
 #cgo CFLAGS: -std=c11
 #cgo CXXFLAGS: -std=c++17
+#cgo LDFLAGS: -lllama -lggml -lggml-cpu -lggml-base -lstdc++ -lm -lpthread -ldl
 #include <stdlib.h>
 #include <string.h>
 #include "llama.h"
@@ -25,6 +27,34 @@ static void polykv_quiet_log(enum ggml_log_level level, const char * text, void 
 	if (level == GGML_LOG_LEVEL_ERROR) {
 		fputs(text, stderr);
 	}
+}
+
+#include "ggml-cpu.h"
+
+// The Makefile passes -DPOLYKV_LLAMA_BUILD_INFO=b<build>-pypi-<sha256 prefix> (the pinned
+// release the headers came from); stringified in two steps so the macro expands first.
+#define POLYKV_STR2(x) #x
+#define POLYKV_STR(x) POLYKV_STR2(x)
+static const char * polykv_build_info(void) {
+#ifdef POLYKV_LLAMA_BUILD_INFO
+	return POLYKV_STR(POLYKV_LLAMA_BUILD_INFO);
+#else
+	return "unknown";
+#endif
+}
+
+// polykv_cpu_features packs the x86 features ggml-cpu was compiled with, one bit each
+// in the order of cpuFeatureNames.
+static unsigned polykv_cpu_features(void) {
+	int f[] = {ggml_cpu_has_sse3(), ggml_cpu_has_ssse3(), ggml_cpu_has_avx(), ggml_cpu_has_avx2(),
+		ggml_cpu_has_f16c(), ggml_cpu_has_fma(), ggml_cpu_has_bmi2(), ggml_cpu_has_avx_vnni(),
+		ggml_cpu_has_avx512(), ggml_cpu_has_avx512_vbmi(), ggml_cpu_has_avx512_vnni(),
+		ggml_cpu_has_avx512_bf16(), ggml_cpu_has_amx_int8(), ggml_cpu_has_llamafile()};
+	unsigned bits = 0;
+	for (unsigned i = 0; i < sizeof(f) / sizeof(f[0]); i++) {
+		if (f[i]) bits |= 1u << i;
+	}
+	return bits;
 }
 
 static void polykv_set_quiet(int quiet) {
@@ -40,10 +70,6 @@ import (
 	"strconv"
 	"sync"
 	"unsafe"
-
-	// Linking these packages compiles llama.cpp and ggml (with the CPU backend).
-	_ "github.com/ollama/ollama/llama/llama.cpp/src"
-	_ "github.com/ollama/ollama/ml/backend/ggml/ggml/src"
 )
 
 // Token is a llama.cpp token id.
@@ -344,5 +370,23 @@ func (m *Model) KVBytesPerCellTyped(tk, tv CacheType) int64 {
 	return int64(m.NLayer()) * (tk.rowBytes(kv*headK) + tv.rowBytes(kv*headV))
 }
 
-// SystemInfo is llama.cpp's description of the CPU features ggml was built with.
-func SystemInfo() string { return C.GoString(C.llama_print_system_info()) }
+// BuildInfo names the linked llama.cpp the way llama-server's /props build_info does:
+// b<build number>-<source id>; a source release has no commit, so the id is
+// "pypi-" and the first ten hex digits of the pinned sdist's sha256.
+func BuildInfo() string { return C.GoString(C.polykv_build_info()) }
+
+var cpuFeatureNames = []string{"SSE3", "SSSE3", "AVX", "AVX2", "F16C", "FMA", "BMI2", "AVX_VNNI",
+	"AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AMX_INT8", "LLAMAFILE"}
+
+// CPUFeatures lists the x86 features ggml's CPU backend was compiled with (chosen by the
+// build's CPU target, see scripts/llama.sh), as llama-server's system info names them.
+func CPUFeatures() []string {
+	bits := uint(C.polykv_cpu_features())
+	var out []string
+	for i, name := range cpuFeatureNames {
+		if bits&(1<<i) != 0 {
+			out = append(out, name)
+		}
+	}
+	return out
+}

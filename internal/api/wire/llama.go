@@ -34,7 +34,9 @@ type ModelMeta struct {
 
 // Props is GET /props: llama-server's fields, the engine's load and PolyKV's settings.
 type Props struct {
-	BOSToken          string `json:"bos_token"`
+	BOSToken string `json:"bos_token"`
+	// BuildInfo is the linked llama.cpp, b<build>-<source id>, as llama-server reports it.
+	BuildInfo         string `json:"build_info"`
 	ChatTemplate      string `json:"chat_template"`
 	ChatTemplateError string `json:"chat_template_error,omitempty"` // why the template cannot render
 	ChatTemplatePath  string `json:"chat_template_path"`
@@ -57,7 +59,9 @@ type Props struct {
 
 // PolyKVProps are PolyKV's settings in /props.
 type PolyKVProps struct {
-	AdmissionDefault Policy             `json:"admission_default"`
+	AdmissionDefault Policy `json:"admission_default"`
+	// CPUFeatures are the x86 features llama.cpp's CPU backend was built with.
+	CPUFeatures      []string           `json:"cpu_features"`
 	Floors           map[string]float64 `json:"floors"` // pool id -> tps floor, for pools with one
 	KVBytesPerCell   int64              `json:"kv_bytes_per_cell"`
 	MaxPools         int                `json:"max_pools"`

