@@ -30,7 +30,7 @@ func TestFlagsDistinguishNotGivenFromZero(t *testing.T) {
 	if !reflect.DeepEqual(def, want) {
 		t.Fatalf("no flags: %+v, want the defaults %+v", def, want)
 	}
-	if def.SessionTTL != 30*time.Minute || def.MaxPools != 16 || def.PoolGrace != 30*time.Second || def.MaxQueue != 64 || def.QueueTimeout != 30*time.Second {
+	if def.SessionTTL != 30*time.Minute || def.MaxPools != 16 || def.PoolGrace != 30*time.Second || def.MaxQueue != 64 || def.QueueTimeout != 30*time.Second || def.AttachMin != 64 {
 		t.Fatalf("defaults changed unnoticed: %+v", def)
 	}
 	zero := parseCore(t, "--session-ttl", "0", "--max-pools", "0", "--pool-grace-ms", "0", "--queue", "0", "--queue-timeout", "0")
@@ -45,10 +45,15 @@ func TestFlagsDistinguishNotGivenFromZero(t *testing.T) {
 	if set.NCtx != 2048 || set.SessionTTL != 5*time.Minute || set.PoolGrace != 1500*time.Millisecond || set.QueueTimeout != 90*time.Second {
 		t.Fatalf("given values: %+v", set)
 	}
-	neg := parseCore(t, "--queue-timeout", "-1s")
-	neg.ModelPath = "m.gguf"
-	if err := neg.Validate(); err == nil || !strings.Contains(err.Error(), "--queue-timeout") {
-		t.Fatalf("--queue-timeout -1s: %v, want an error naming the flag", err)
+	if set := parseCore(t, "--attach-min-tokens", "0"); set.AttachMin != 0 {
+		t.Fatalf("--attach-min-tokens 0: %d", set.AttachMin)
+	}
+	for _, bad := range [][]string{{"--queue-timeout", "-1s"}, {"--attach-min-tokens", "-1"}} {
+		neg := parseCore(t, bad...)
+		neg.ModelPath = "m.gguf"
+		if err := neg.Validate(); err == nil || !strings.Contains(err.Error(), bad[0]) {
+			t.Fatalf("%s %s: %v, want an error naming the flag", bad[0], bad[1], err)
+		}
 	}
 }
 

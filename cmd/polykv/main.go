@@ -72,6 +72,7 @@ func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
 	fs.IntVar(&cfg.NUBatch, "ubatch", cfg.NUBatch, "physical micro-batch size (0: the same as --batch)")
 	fs.IntVar(&cfg.MaxQueue, "queue", cfg.MaxQueue, "requests that may wait for a sequence or an admission gate; more get 503 (0: none wait)")
 	fs.DurationVar(&cfg.QueueTimeout, "queue-timeout", cfg.QueueTimeout, "a request waiting for a sequence, KV cells or its pool longer than this gets 503 with Retry-After (0: no deadline)")
+	fs.IntVar(&cfg.AttachMin, "attach-min-tokens", cfg.AttachMin, "a request naming a pool by pool_key attaches to it (a session of the pool, which pins it) only when it shares at least this many tokens with it; below, it runs unpooled and still borrows the shared cells through the prefix cache")
 	fs.DurationVar(&cfg.SessionTTL, "session-ttl", cfg.SessionTTL, "idle sessions older than this lose their KV (0: never)")
 	fs.StringVar(&cfg.MMKernel, "mm-kernel", cfg.MMKernel, "CPU matrix kernel for Q4_1, Q4_K and Q6_K weights: polykv (each weight block unpacked once per product, faster prompt batches, logits independent of the batch) or ggml (the ollama module's own, one weight row and one token at a time); other weight types always use ggml's")
 	fs.StringVar(&cfg.FAKernel, "fa-kernel", cfg.FAKernel, "CPU flash-attention kernel for f16 K/V caches: polykv (faster prefill at long context, logits independent of the batch) or ggml (the ollama module's own); quantized caches always use ggml's")

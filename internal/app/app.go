@@ -35,15 +35,18 @@ type Config struct {
 	// QueueTimeout (--queue-timeout): a request waiting for a sequence, cells or its
 	// pool longer than this gets 503 with Retry-After; 0: no deadline.
 	QueueTimeout time.Duration
-	SessionTTL   time.Duration // --session-ttl; 0: idle sessions never expire
-	MaxPools     int           // --max-pools: pool sequence ids reserved above the sessions'
-	PoolGrace    time.Duration // --pool-grace-ms; 0: no grace
-	FlashAttn    string        // --flash-attn: on, off, auto
-	FAKernel     string        // --fa-kernel: polykv (default) or ggml: the CPU flash-attention kernel for f16 caches
-	MMKernel     string        // --mm-kernel: polykv (default) or ggml: the CPU matrix kernel for Q4_1/Q4_K/Q6_K weights
-	TPSTau       time.Duration // --tps-tau: EWMA time constant of experienced tps
-	CacheTypeK   string        // --cache-type-k: f16, q8_0, q4_0, ...
-	CacheTypeV   string        // --cache-type-v: as CacheTypeK; quantized needs flash attention
+	// AttachMin (--attach-min-tokens): a pool_key request attaches to the pool only when
+	// it shares at least this many tokens with it; below, it runs unpooled.
+	AttachMin  int
+	SessionTTL time.Duration // --session-ttl; 0: idle sessions never expire
+	MaxPools   int           // --max-pools: pool sequence ids reserved above the sessions'
+	PoolGrace  time.Duration // --pool-grace-ms; 0: no grace
+	FlashAttn  string        // --flash-attn: on, off, auto
+	FAKernel   string        // --fa-kernel: polykv (default) or ggml: the CPU flash-attention kernel for f16 caches
+	MMKernel   string        // --mm-kernel: polykv (default) or ggml: the CPU matrix kernel for Q4_1/Q4_K/Q6_K weights
+	TPSTau     time.Duration // --tps-tau: EWMA time constant of experienced tps
+	CacheTypeK string        // --cache-type-k: f16, q8_0, q4_0, ...
+	CacheTypeV string        // --cache-type-v: as CacheTypeK; quantized needs flash attention
 	// ChatTemplate (--chat-template NAME or inline Jinja) and ChatTemplateFile
 	// (--chat-template-file PATH) override the GGUF's tokenizer.chat_template.
 	ChatTemplate     string
@@ -82,19 +85,22 @@ func DefaultConfig() Config {
 		// The design's queue_timeout_ms (an enforced pool's admission queue): one bound on
 		// how long any request is held before it is told to come back.
 		QueueTimeout: 30 * time.Second,
-		SessionTTL:   30 * time.Minute,
-		MaxPools:     16,
-		PoolGrace:    30 * time.Second,
-		FlashAttn:    "on",
-		FAKernel:     "polykv",
-		MMKernel:     "polykv",
-		PrefixCache:  "on",
-		TPSTau:       tps.DefaultTau,
-		CacheTypeK:   "f16",
-		CacheTypeV:   "f16",
-		KVBlockSize:  kvevents.DefaultBlockSize,
-		GPULayers:    "auto",
-		SplitMode:    "layer",
+		// Four KV blocks of 16: well past a chat template's opening (SmolLM2's is 12
+		// tokens), far below any system prompt worth a pool.
+		AttachMin:   64,
+		SessionTTL:  30 * time.Minute,
+		MaxPools:    16,
+		PoolGrace:   30 * time.Second,
+		FlashAttn:   "on",
+		FAKernel:    "polykv",
+		MMKernel:    "polykv",
+		PrefixCache: "on",
+		TPSTau:      tps.DefaultTau,
+		CacheTypeK:  "f16",
+		CacheTypeV:  "f16",
+		KVBlockSize: kvevents.DefaultBlockSize,
+		GPULayers:   "auto",
+		SplitMode:   "layer",
 	}
 }
 
@@ -121,6 +127,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("--session-ttl and --pool-grace-ms must not be negative")
 	case c.QueueTimeout < 0:
 		return fmt.Errorf("--queue-timeout must not be negative, got %s", c.QueueTimeout)
+	case c.AttachMin < 0:
+		return fmt.Errorf("--attach-min-tokens must not be negative, got %d", c.AttachMin)
 	case c.TPSTau <= 0:
 		return fmt.Errorf("--tps-tau must be positive, got %s", c.TPSTau)
 	case c.KVBlockSize < 1:
@@ -191,7 +199,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		return nil, err
 	}
 	ecfg := engine.Config{NCtx: cfg.NCtx, Parallel: cfg.Parallel, MaxPools: cfg.MaxPools, NBatch: cfg.NBatch,
-		MaxQueue: cfg.MaxQueue, QueueTimeout: cfg.QueueTimeout, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau,
+		MaxQueue: cfg.MaxQueue, QueueTimeout: cfg.QueueTimeout, AttachMin: cfg.AttachMin, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau,
 		PrefixCache: cfg.PrefixCache == "on"}
 	if err := ecfg.Validate(); err != nil {
 		return nil, err

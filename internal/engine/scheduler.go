@@ -44,6 +44,11 @@ type Config struct {
 	// no deadline (benchmarks that queue on purpose). Requests held by an enforced
 	// pool's admission gate have that policy's queue_timeout_ms until they are let in.
 	QueueTimeout time.Duration
+	// AttachMin is the least a request naming a pool by its key (pool_key) must share
+	// with the pool's prefix to attach to it as a session (which pins the pool while the
+	// session lives); below it the request runs unpooled (issue 30). A request naming a
+	// pool by id attaches whatever it shares: its client asked for the pool.
+	AttachMin int
 }
 
 // MaxSeqs is the largest n_seq_max llama.cpp accepts.
@@ -64,6 +69,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("batch size %d must be at least parallel (%d): every running session decodes one token per step", c.NBatch, c.Parallel)
 	case c.MaxQueue < 0:
 		return fmt.Errorf("queue bound must not be negative, got %d", c.MaxQueue)
+	case c.AttachMin < 0:
+		return fmt.Errorf("attach minimum must not be negative, got %d", c.AttachMin)
 	case c.QueueTimeout < 0:
 		return fmt.Errorf("queue timeout must not be negative, got %s", c.QueueTimeout)
 	}

@@ -23,7 +23,7 @@ import (
 //
 // Commands:
 //
-//	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR [cost=perdecode] [prefixcache=on] [queuetimeout=DUR]
+//	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR [cost=perdecode] [prefixcache=on] [queuetimeout=DUR] [attachmin=N]
 //	submit name=X prompt=1..6;99 [session=S] [max=N] [pool=P | poolkey=P] [shared=N] [reservation=R] [overcommit] [nocache]
 //	                  poolkey: name pool P by its content key (prefix hash), as a router does
 //	pool name=P prompt=... [parent=Q d=N] [pin] [prefilled] [nowait]   create (or fork)
@@ -95,6 +95,8 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 				}
 			case "prefixcache":
 				cfg.PrefixCache = v == "on"
+			case "attachmin":
+				cfg.AttachMin = atoi(t, d, v)
 			case "queuetimeout":
 				cfg.QueueTimeout = dur(t, d, v)
 			case "recurrent":
