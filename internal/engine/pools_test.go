@@ -553,3 +553,28 @@ func TestEventsNameThePool(t *testing.T) {
 		}
 	}
 }
+
+// TestPoolByKeyPrefersResident: two live pools with one prefix (created twice, the
+// first since evicted): the key names the resident one, so a pool_key request attaches
+// at once instead of restoring the evicted one.
+func TestPoolByKeyPrefersResident(t *testing.T) {
+	h := newHarness(t, poolCfg())
+	toks := seqTokens(1, 20)
+	old := h.createPool(PoolSpec{Tokens: toks})
+	if err := h.evictPool(old); err != nil {
+		t.Fatal(err)
+	}
+	fresh := h.createPool(PoolSpec{Tokens: toks})
+	key := pool.RollingHash(toks)[len(toks)-1]
+	if id, ok := h.s.PoolByKey(key); !ok || id != fresh {
+		t.Fatalf("PoolByKey: %d %v, want the resident pool %d (not the evicted %d)", id, ok, fresh, old)
+	}
+	task := h.submit(Request{Prompt: append(slices.Clone(toks), 99), PoolKey: &key, MaxTokens: 1})
+	h.run()
+	if ev, _ := h.done(task); ev.Err != nil || ev.Stats.Pool != fresh || ev.Stats.CacheN != 20 {
+		t.Fatalf("key request: %+v, want attached to pool %d with 20 cached", ev, fresh)
+	}
+	if p, _ := h.s.pools.Get(old); p.State != pool.Evicted {
+		t.Fatalf("the evicted pool was %s, want it left evicted", p.State)
+	}
+}
