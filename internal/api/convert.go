@@ -43,7 +43,7 @@ func wireSessionCtx(c engine.SessionCtx) wire.SessionCtx {
 }
 
 func wireUsage(u engine.Usage) wire.EngineUsage {
-	return wire.EngineUsage{KVCellsUsed: u.CellsUsed, KVCellsMax: u.CellsMax, RequestsRunning: u.Running,
+	return wire.EngineUsage{KVCellsUsed: u.CellsUsed, KVCellsMax: u.CellsMax, KVCellsEvictable: u.CellsEvictable, RequestsRunning: u.Running,
 		RequestsWaiting: u.Waiting, Sessions: u.Sessions, Pools: u.Pools,
 		PrefixCacheHitTokens: u.CacheHitTokens, PrefixCacheCells: u.CacheCells, PrefixCacheSequences: u.CacheSeqs,
 		PrefixCacheEvictions: u.CacheEvictions}

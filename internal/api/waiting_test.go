@@ -2,6 +2,7 @@ package api_test
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -107,4 +108,65 @@ func scrape(t *testing.T, base string) string {
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
 	return string(b)
+}
+
+// TestKVUsageRatioCountsWhatCannotBeReclaimed: polykv_kv_usage_ratio, the KV usage
+// llm-d's router reads, counts only cells no new request can get (issue 30). An idle
+// session's cells are free for the asking (ratio 0, all of them in
+// polykv_kv_cells_evictable); a pinned pool's are not.
+func TestKVUsageRatioCountsWhatCannotBeReclaimed(t *testing.T) {
+	cfg := engine.Config{NCtx: 512, Parallel: 2, MaxPools: 1, NBatch: 64, MaxQueue: 4}
+	sched, err := engine.NewScheduler(cfg, enginetest.Vocab{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	metrics := api.NewMetrics()
+	eng := engine.New(sched, enginetest.NewBackend(enginetest.Bytes("a")), metrics)
+	metrics.SetEngine(eng)
+	srv := api.New(eng, enginetest.Vocab{}, renderer{}, api.Info{ModelID: "fake", NCtx: cfg.NCtx, Parallel: cfg.Parallel,
+		NBatch: cfg.NBatch, NVocab: enginetest.NVocab, MaxPools: cfg.MaxPools}, metrics, nil)
+	ts := httptest.NewServer(srv.Handler())
+	t.Cleanup(func() {
+		ts.Close()
+		eng.Close()
+	})
+	prompt := make([]int, 20)
+	for i := range prompt {
+		prompt[i] = 100 + i
+	}
+	if r := do(t, "POST", ts.URL+"/v1/completions", map[string]any{"prompt": prompt, "max_tokens": 2, "session_id": "s"}); r.code != 200 {
+		t.Fatalf("completion: %d %s", r.code, r.raw)
+	}
+	check := func(when string, used, evictable int) {
+		t.Helper()
+		m := scrape(t, ts.URL)
+		ratio := float64(used-evictable) / float64(cfg.NCtx)
+		for name, want := range map[string]float64{"polykv_kv_cells_used": float64(used), "polykv_kv_cells_evictable": float64(evictable), "polykv_kv_usage_ratio": ratio} {
+			if got := metricValue(t, m, name); got != want {
+				t.Fatalf("%s: %s = %g, want %g", when, name, got, want)
+			}
+		}
+	}
+	check("an idle session", 21, 21) // 20 prompt cells and the first sampled token's
+	if r := do(t, "POST", ts.URL+"/polykv/pools", map[string]any{"tokens": prompt[:10], "pin": true}); r.code != 201 {
+		t.Fatalf("pool: %d %s", r.code, r.raw)
+	}
+	// Without the prefix cache the pool prefills its own 10 cells: pinned, they are
+	// used; the session's 21 stay evictable.
+	check("a pinned pool beside the idle session", 31, 21)
+}
+
+func metricValue(t *testing.T, text, name string) float64 {
+	t.Helper()
+	for _, line := range strings.Split(text, "\n") {
+		if v, ok := strings.CutPrefix(line, name+" "); ok {
+			var f float64
+			if _, err := fmt.Sscan(v, &f); err != nil {
+				t.Fatalf("%s: %v", line, err)
+			}
+			return f
+		}
+	}
+	t.Fatalf("no %s in /metrics:\n%s", name, text)
+	return 0
 }

@@ -110,10 +110,15 @@ func (s *Scheduler) Waiting(now time.Time) []WaitInfo {
 type Usage struct {
 	CellsUsed int
 	CellsMax  int
-	Running   int
-	Waiting   int
-	Sessions  int
-	Pools     int
+	// CellsEvictable are the cells in use that eviction would free for a new request:
+	// those only idle sequences (sessions, cached anonymous ones) and evictable pools
+	// (unpinned, idle past the grace time) hold. CellsUsed - CellsEvictable is what no
+	// new request can get: the KV usage a router should read (issue 30).
+	CellsEvictable int
+	Running        int
+	Waiting        int
+	Sessions       int
+	Pools          int
 	// Prefix cache (issue 12): prompt tokens served from cached prefixes so far, the
 	// cells only finished anonymous sequences kept as cache hold (what dropping the
 	// cache would free), those sequences, and how often one lost cells under pressure.
@@ -154,6 +159,7 @@ func (s *Scheduler) Usage() Usage {
 		}
 	}
 	u.CacheCells = s.cacheOnlyCells()
+	u.CellsEvictable = s.evictableCells(nil)
 	return u
 }
 

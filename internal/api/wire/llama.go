@@ -92,12 +92,15 @@ type TPSProps struct {
 
 // EngineUsage is the engine's load (in /props).
 type EngineUsage struct {
-	KVCellsUsed     int `json:"kv_cells_used"`
-	KVCellsMax      int `json:"kv_cells_max"`
-	RequestsRunning int `json:"requests_running"`
-	RequestsWaiting int `json:"requests_waiting"`
-	Sessions        int `json:"sessions"`
-	Pools           int `json:"pools"`
+	KVCellsUsed int `json:"kv_cells_used"`
+	KVCellsMax  int `json:"kv_cells_max"`
+	// KVCellsEvictable: of the cells used, those eviction would free for a new request
+	// (idle sessions, cached sequences, unpinned idle pools).
+	KVCellsEvictable int `json:"kv_cells_evictable"`
+	RequestsRunning  int `json:"requests_running"`
+	RequestsWaiting  int `json:"requests_waiting"`
+	Sessions         int `json:"sessions"`
+	Pools            int `json:"pools"`
 	// The prefix cache (engine.Usage's Cache* fields).
 	PrefixCacheHitTokens int64 `json:"prefix_cache_hit_tokens"`
 	PrefixCacheCells     int   `json:"prefix_cache_cells"`
