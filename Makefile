@@ -5,8 +5,8 @@ SHELL := /bin/bash
 export GOFLAGS ?= -mod=mod
 export POLYKV_CACHE ?= $(HOME)/.cache/polykv
 # CPU target of the llama.cpp build and of PolyKV's cgo code: portable (x86-64-v3: AVX2,
-# FMA, F16C, BMI2; runs on any x86-64 CPU since about 2015; PolyKV's kernels choose
-# VNNI/AVX-512 paths at run time) or native (-march=native, AMX off: some VMs report AMX
+# FMA, F16C, BMI2; runs on any x86-64 CPU since about 2015; PolyKV's matrix kernel picks
+# its AVX-512 VNNI path at run time) or native (-march=native, AMX off: some VMs report AMX
 # without granting it, and ggml's AMX path then dies at ldtilecfg).
 export POLYKV_CPU ?= portable
 LLAMA_DIR := $(shell ./scripts/llama.sh dir)
@@ -27,7 +27,7 @@ export POLYKV_MODEL ?= $(POLYKV_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 export POLYKV_MODEL_GEMMA ?= $(POLYKV_CACHE)/models/gemma-3-270m-q4_k_m.gguf
 VENV ?= $(POLYKV_CACHE)/venv
 
-.PHONY: build llama llama-tools bump-llama model templates test test-go test-python demo bench venv browser clean env
+.PHONY: build llama llama-tools bump-llama testmodels model templates test test-go test-python demo bench venv browser clean env
 
 # The pinned llama.cpp's static libraries (a no-op once built for this version and CPU target).
 llama:
@@ -56,11 +56,22 @@ venv:
 browser:
 	./scripts/install-browser.sh
 
-test: build model templates venv browser test-go test-python
+# Tiny random-weight models of architectures with no small real model here (Qwen3.5,
+# LFM2, Granite hybrid, llama), written by llama.cpp's own test-llama-archs from the pinned
+# source into $(POLYKV_CACHE)/testmodels (first time: builds llama.cpp's common library).
+testmodels:
+	./scripts/llama.sh testmodels
 
+test: build model testmodels templates venv browser test-go test-python
+
+# -p 1: one test binary at a time. Real-model tests in several packages each run llama.cpp
+# with a thread per core, and ggml's threads spin at every graph node's barrier: two such
+# processes on 2 cores wait out each other's time slices at every node (measured: decode
+# fell from ~100 to under 1 token/s with the cores oversubscribed).
 test-go:
+	@unformatted=$$(gofmt -l cmd internal); if [ -n "$$unformatted" ]; then echo "gofmt needed:"; echo "$$unformatted"; exit 1; fi
 	go vet ./...
-	POLYKV_REQUIRE_MODEL=1 go test -count=1 -timeout 40m ./...
+	POLYKV_REQUIRE_MODEL=1 go test -p 1 -count=1 -timeout 40m ./...
 	./scripts/fuzz.sh
 
 # polykv-langgraph as a langchain partner package: lint (ruff), types (mypy), unit tests

@@ -13,7 +13,7 @@
 #
 # POLYKV_CPU chooses the CPU target: `portable` (default) is x86-64-v3 (AVX2, FMA, F16C,
 # BMI2; every x86-64 CPU since 2013-2015), so one build runs on any machine it is likely to
-# meet; PolyKV's own kernels pick VNNI/AVX-512 paths at run time. `native` is -march=native
+# meet; PolyKV's matrix kernel picks its AVX-512 VNNI path at run time. `native` is -march=native
 # with AMX off (AMX tiles are reported but not granted in some VMs: ggml's AMX path dies
 # at ldtilecfg there).
 set -euo pipefail

@@ -41,14 +41,14 @@ type goldenCase struct {
 }
 
 var (
-	normID   = regexp.MustCompile(`"(chatcmpl-|cmpl-|call_)[0-9A-Za-z]+"`)
-	normTime = regexp.MustCompile(`"(created|ts|last_access_ts|prompt_ms|predicted_ms|prompt_per_token_ms|prompt_per_second|` +
+	normID   = regexp.MustCompile(`:"(chatcmpl-|cmpl-|call_|resp_|resp-chain-resp_|msg_|rs_|fc_)[0-9A-Za-z]+"`)
+	normTime = regexp.MustCompile(`"(created|created_at|ts|last_access_ts|prompt_ms|predicted_ms|prompt_per_token_ms|prompt_per_second|` +
 		`predicted_per_token_ms|predicted_per_second|tps_ewma|aggregate_tps|prompt_tps|mean_active_tps|materialize_ms|` +
 		`settle_remaining_ms|expires_in_ms)":-?[0-9][0-9.eE+-]*`)
 )
 
 func normalize(b []byte) []byte {
-	b = normID.ReplaceAll(b, []byte(`"${1}X"`))
+	b = normID.ReplaceAll(b, []byte(`:"${1}X"`))
 	return normTime.ReplaceAll(b, []byte(`"$1":0`))
 }
 
@@ -63,6 +63,12 @@ func toolServerScript() []engine.Token {
 var weatherTools = []map[string]any{{"type": "function", "function": map[string]any{"name": "get_weather",
 	"parameters": map[string]any{"type": "object", "properties": map[string]any{"city": map[string]any{"type": "string"}}}}}}
 
+var (
+	anthropicMsgs  = []map[string]any{{"role": "user", "content": "hi"}}
+	responseTools  = []map[string]any{{"type": "function", "name": "get_weather", "parameters": weatherTools[0]["function"].(map[string]any)["parameters"]}}
+	anthropicTools = []map[string]any{{"name": "get_weather", "input_schema": weatherTools[0]["function"].(map[string]any)["parameters"]}}
+)
+
 func goldenCases() (main, tools, keyed []goldenCase) {
 	chat := func(extra map[string]any) map[string]any {
 		b := map[string]any{"messages": chatMsgs, "max_tokens": 6, "seed": 1}
@@ -73,6 +79,20 @@ func goldenCases() (main, tools, keyed []goldenCase) {
 	}
 	text := func(extra map[string]any) map[string]any {
 		b := map[string]any{"prompt": "hello", "max_tokens": 6, "seed": 1}
+		for k, v := range extra {
+			b[k] = v
+		}
+		return b
+	}
+	resp := func(extra map[string]any) map[string]any {
+		b := map[string]any{"input": "hi", "max_output_tokens": 6, "seed": 1}
+		for k, v := range extra {
+			b[k] = v
+		}
+		return b
+	}
+	msg := func(extra map[string]any) map[string]any {
+		b := map[string]any{"messages": anthropicMsgs, "max_tokens": 6, "seed": 1}
 		for k, v := range extra {
 			b[k] = v
 		}
@@ -193,6 +213,35 @@ func goldenCases() (main, tools, keyed []goldenCase) {
 		{name: "pool_release", method: "DELETE", path: "/polykv/pools/3"},
 		{name: "pool_release_missing", method: "DELETE", path: "/polykv/pools/42"},
 		{name: "pools_after", method: "GET", path: "/polykv/pools"},
+		{name: "responses", method: "POST", path: "/v1/responses", body: resp(nil)},
+		{name: "responses_items", method: "POST", path: "/v1/responses", body: resp(map[string]any{"instructions": "be brief", "store": false, "input": []any{
+			map[string]any{"role": "user", "content": "hi"}, map[string]any{"type": "message", "role": "assistant", "content": []any{map[string]any{"type": "output_text", "text": "hello"}}},
+			map[string]any{"role": "user", "content": []any{map[string]any{"type": "input_text", "text": "again"}}}}})},
+		{name: "responses_session", method: "POST", path: "/v1/responses", body: resp(map[string]any{"session_id": "r1", "temperature": 0, "top_p": 0.5})},
+		{name: "responses_stream", method: "POST", path: "/v1/responses", body: resp(map[string]any{"stream": true})},
+		{name: "responses_no_input", method: "POST", path: "/v1/responses", body: map[string]any{"max_output_tokens": 6}},
+		{name: "responses_bad_item_type", method: "POST", path: "/v1/responses", body: resp(map[string]any{"input": []any{map[string]any{"type": "computer_call"}}})},
+		{name: "responses_orphan_output", method: "POST", path: "/v1/responses", body: resp(map[string]any{"input": []any{
+			map[string]any{"role": "user", "content": "hi"}, map[string]any{"type": "function_call_output", "call_id": "call_9", "output": "42"}}})},
+		{name: "responses_unknown_previous", method: "POST", path: "/v1/responses", body: resp(map[string]any{"previous_response_id": "resp_nope"})},
+		{name: "responses_bad_max_output", method: "POST", path: "/v1/responses", body: resp(map[string]any{"max_output_tokens": 0})},
+		{name: "responses_bad_format", method: "POST", path: "/v1/responses", body: resp(map[string]any{"text": map[string]any{"format": map[string]any{"type": "xml"}}})},
+		{name: "responses_bad_tool", method: "POST", path: "/v1/responses", body: resp(map[string]any{"tools": []any{map[string]any{"type": "web_search"}}})},
+		{name: "responses_get_missing", method: "GET", path: "/v1/responses/resp_nope"},
+		{name: "responses_delete_missing", method: "DELETE", path: "/v1/responses/resp_nope"},
+		{name: "messages", method: "POST", path: "/v1/messages", body: msg(nil)},
+		{name: "messages_system_blocks", method: "POST", path: "/v1/messages", body: msg(map[string]any{"system": []any{map[string]any{"type": "text", "text": "be brief"}},
+			"stop_sequences": []string{"llo"}, "session_id": "m1"})},
+		{name: "messages_stream", method: "POST", path: "/v1/messages", body: msg(map[string]any{"stream": true})},
+		{name: "messages_count_tokens", method: "POST", path: "/v1/messages/count_tokens", body: map[string]any{"messages": anthropicMsgs}},
+		{name: "messages_no_max_tokens", method: "POST", path: "/v1/messages", body: map[string]any{"messages": anthropicMsgs}},
+		{name: "messages_orphan_tool_result", method: "POST", path: "/v1/messages", body: msg(map[string]any{"messages": []any{map[string]any{"role": "user",
+			"content": []any{map[string]any{"type": "tool_result", "tool_use_id": "toolu_1", "content": "42"}}}}})},
+		{name: "messages_bad_block", method: "POST", path: "/v1/messages", body: msg(map[string]any{"messages": []any{map[string]any{"role": "user",
+			"content": []any{map[string]any{"type": "image", "source": map[string]any{}}}}}})},
+		{name: "messages_bad_role", method: "POST", path: "/v1/messages", body: msg(map[string]any{"messages": []any{map[string]any{"role": "system", "content": "x"}}})},
+		{name: "messages_malformed", method: "POST", path: "/v1/messages", body: `{"messages": `},
+		{name: "messages_too_long", method: "POST", path: "/v1/messages", body: msg(map[string]any{"messages": []map[string]any{{"role": "user", "content": strings.Repeat("x", 600)}}})},
 		{name: "route_404", method: "GET", path: "/no/such/route"},
 		{name: "route_405", method: "DELETE", path: "/v1/models"},
 	}
@@ -208,11 +257,20 @@ func goldenCases() (main, tools, keyed []goldenCase) {
 		{name: "tools_with_response_format", method: "POST", path: "/v1/chat/completions", body: chat(map[string]any{"tools": weatherTools, "tool_choice": "required", "response_format": map[string]any{"type": "json_object"}})},
 		{name: "tools_bad", method: "POST", path: "/v1/chat/completions", body: chat(map[string]any{"tools": []any{map[string]any{"type": "x"}}})},
 		{name: "tools_pool", method: "POST", path: "/polykv/pools", body: map[string]any{"messages": chatMsgs, "tools": weatherTools}},
+		{name: "responses_tools", method: "POST", path: "/v1/responses", body: resp(map[string]any{"tools": responseTools, "max_output_tokens": 200})},
+		{name: "responses_tools_stream", method: "POST", path: "/v1/responses", body: resp(map[string]any{"tools": responseTools, "max_output_tokens": 200, "stream": true})},
+		{name: "responses_tools_named", method: "POST", path: "/v1/responses", body: resp(map[string]any{"tools": responseTools, "max_output_tokens": 200,
+			"tool_choice": map[string]any{"type": "function", "name": "get_weather"}})},
+		{name: "messages_tools", method: "POST", path: "/v1/messages", body: msg(map[string]any{"tools": anthropicTools, "max_tokens": 200})},
+		{name: "messages_tools_stream", method: "POST", path: "/v1/messages", body: msg(map[string]any{"tools": anthropicTools, "max_tokens": 200, "stream": true})},
+		{name: "messages_tools_any", method: "POST", path: "/v1/messages", body: msg(map[string]any{"tools": anthropicTools, "max_tokens": 200, "tool_choice": map[string]any{"type": "any"}})},
 		{name: "tools_pool_without_messages", method: "POST", path: "/polykv/pools", body: map[string]any{"prompt": "x", "tools": weatherTools}},
 	}
 	keyed = []goldenCase{
 		{name: "auth_missing", method: "GET", path: "/v1/models"},
 		{name: "auth_health", method: "GET", path: "/health"},
+		{name: "auth_messages_missing", method: "POST", path: "/v1/messages", body: msg(nil)},
+		{name: "auth_messages_x_api_key", method: "POST", path: "/v1/messages", body: msg(map[string]any{"max_tokens": 1}), header: []string{"X-Api-Key", "secret"}},
 	}
 	return main, tools, keyed
 }

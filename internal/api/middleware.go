@@ -11,8 +11,9 @@ import (
 )
 
 // RequireAPIKeys makes every route but /health (and CORS preflights) require
-// "Authorization: Bearer KEY" with one of keys, as llama-server's --api-key does. No
-// keys (the default) leaves the server open. Call it before Handler.
+// "Authorization: Bearer KEY" or "x-api-key: KEY" (Anthropic's clients send that) with
+// one of keys, as llama-server's --api-key does. No keys (the default) leaves the
+// server open. Call it before Handler.
 func (s *Server) RequireAPIKeys(keys []string) {
 	s.apiKeys = s.apiKeys[:0]
 	for _, k := range keys {
@@ -31,22 +32,29 @@ func (s *Server) auth(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		// The dashboard's static files hold no data and a browser cannot add a header
 		// when it navigates: the page asks for the key and sends it on its API calls.
-		if len(s.apiKeys) == 0 || publicPaths[r.URL.Path] || ui.Public(r) || s.validKey(r.Header.Get("Authorization")) {
+		if len(s.apiKeys) == 0 || publicPaths[r.URL.Path] || ui.Public(r) || s.validKey(r.Header) {
 			h.ServeHTTP(w, r)
 			return
 		}
 		w.Header().Set("WWW-Authenticate", `Bearer realm="polykv"`)
-		writeError(w, http.StatusUnauthorized, "authentication_error", "Invalid API Key")
+		e := &apiError{status: http.StatusUnauthorized, typ: "authentication_error", msg: "Invalid API Key"}
+		if strings.HasPrefix(r.URL.Path, "/v1/messages") {
+			writeAnthropicError(w, e) // Anthropic's clients read their own error shape
+			return
+		}
+		writeAPIError(w, e)
 	})
 }
 
-// validKey checks an Authorization header against every configured key without an
-// early exit, so the time taken says nothing about which key (or how much of one)
-// matched.
-func (s *Server) validKey(header string) bool {
-	token, ok := strings.CutPrefix(header, "Bearer ")
+// validKey checks the request's key (Authorization: Bearer, else x-api-key) against
+// every configured key without an early exit, so the time taken says nothing about
+// which key (or how much of one) matched.
+func (s *Server) validKey(h http.Header) bool {
+	token, ok := strings.CutPrefix(h.Get("Authorization"), "Bearer ")
 	if !ok {
-		return false
+		if token = h.Get("X-Api-Key"); token == "" {
+			return false
+		}
 	}
 	got := sha256.Sum256([]byte(strings.TrimSpace(token)))
 	match := 0
@@ -80,7 +88,7 @@ func cors(h http.Handler) http.Handler {
 		hd.Set("Access-Control-Allow-Methods", corsMethods)
 		// "*" in Allow-Headers does not cover Authorization (Fetch standard), so name the
 		// headers clients send, plus whatever this preflight asks for.
-		allow := "Authorization, Content-Type, Accept, X-Requested-With"
+		allow := "Authorization, Content-Type, Accept, X-Requested-With, X-Api-Key, Anthropic-Version"
 		if req := r.Header.Get("Access-Control-Request-Headers"); req != "" {
 			allow += ", " + req
 		}

@@ -307,14 +307,22 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	sessionFromHeader(r, &req.GenParams)
+	s.submitChat(w, r, &req, generation{k: kindChat, id: newID("chatcmpl-"), shape: openaiShape{}})
+}
+
+// submitChat is the one path from a chat request to the engine. Chat completions come
+// through it, and so do the Responses and Messages routes once translated into a chat
+// request: all three validate, render, constrain, parse tool calls and count alike.
+// gen names the reply's id and shape; errors are answered in that shape.
+func (s *Server) submitChat(w http.ResponseWriter, r *http.Request, req *wire.ChatRequest, gen generation) {
 	ereq, e := s.toEngine(&req.GenParams)
 	if e != nil {
-		writeAPIError(w, e)
+		gen.shape.writeError(w, e)
 		return
 	}
-	toks, plan, e := s.chatPrompt(&req)
+	toks, plan, e := s.chatPrompt(req)
 	if e != nil {
-		writeAPIError(w, e)
+		gen.shape.writeError(w, e)
 		return
 	}
 	ereq.Sampling.Grammar = plan.grammar
@@ -322,7 +330,8 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		ereq.Sampling.GrammarTriggers = append(ereq.Sampling.GrammarTriggers, engine.GrammarTrigger{Word: t.Word, Pattern: t.Pattern})
 	}
 	ereq.Prompt = toks
-	s.generate(w, r, kindChat, &req.GenParams, ereq, &plan)
+	gen.plan = &plan
+	s.generate(w, r, &req.GenParams, ereq, gen)
 }
 
 // chatPrompt is the one path from a chat request to the tokens it prefills (messages,
@@ -378,7 +387,7 @@ func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ereq.Prompt = toks
-	s.generate(w, r, kindText, &req.GenParams, ereq, nil)
+	s.generate(w, r, &req.GenParams, ereq, generation{k: kindText, id: newID("cmpl-"), shape: openaiShape{}})
 }
 
 // completionPrompt accepts a string, a one-element array of strings, or token ids.
@@ -445,9 +454,12 @@ type generation struct {
 	created int64
 	req     engine.Request
 	plan    *toolPlan // chat only
+	shape   shape     // the API the reply is spelled in
 }
 
-func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *wire.GenParams, req engine.Request, plan *toolPlan) {
+// generate submits req and answers with its reply, streamed when g asks for it. The
+// caller sets gen's kind, id, plan and shape.
+func (s *Server) generate(w http.ResponseWriter, r *http.Request, g *wire.GenParams, req engine.Request, gen generation) {
 	st, gate, err := s.eng.Submit(r.Context(), req)
 	if err != nil {
 		e := errorFor(err)
@@ -455,7 +467,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *wir
 			n, nctx := len(req.Prompt), s.info.NCtx
 			e.extra = wire.Error{NPromptTokens: &n, NCtx: &nctx}
 		}
-		writeAPIError(w, e)
+		gen.shape.writeError(w, e)
 		return
 	}
 	if req.Overcommit && req.HasPool {
@@ -464,8 +476,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *wir
 	gateHeaders(w.Header(), req, gate)
 	// Whatever happens to this handler, the task must not outlive it.
 	defer st.Cancel()
-	gen := generation{k: k, id: newID(map[kind]string{kindChat: "chatcmpl-", kindText: "cmpl-"}[k]),
-		created: time.Now().Unix(), req: req, plan: plan}
+	gen.created, gen.req = time.Now().Unix(), req
 	if g.Stream {
 		s.stream(w, r, st, s.newChunker(gen, g.StreamOptions != nil && g.StreamOptions.IncludeUsage))
 		return
@@ -482,14 +493,14 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, k kind, g *wir
 	}
 	ev := evs[len(evs)-1]
 	if ev.Err != nil {
-		writeAPIError(w, errorFor(ev.Err))
+		gen.shape.writeError(w, errorFor(ev.Err))
 		return
 	}
 	if ev.Stats.Pool != 0 {
 		w.Header().Set("X-Pool-Id", strconv.Itoa(ev.Stats.Pool))
 	}
 	w.Header().Set("X-Cached-Prefix-Tokens", strconv.Itoa(ev.Stats.CacheN))
-	writeJSON(w, http.StatusOK, s.completion(gen, text.String(), lps, ev))
+	writeJSON(w, http.StatusOK, gen.shape.answer(s, gen, text.String(), lps, ev))
 }
 
 // gateHeaders report what an enforced pool's admission gate decided.

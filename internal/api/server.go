@@ -63,6 +63,13 @@ type Info struct {
 	PrefixCache bool
 	// Compute is where the model runs (devices, GPU layers), as app.Offload describes it.
 	Compute any
+	// SessionTTL is --session-ttl: stored responses expire with it, as their chain's
+	// session loses its KV then (0: never).
+	SessionTTL time.Duration
+	// ResponsesMax and ResponsesMaxBytes bound the stored responses (--responses-max,
+	// --responses-max-bytes; 0: the defaults, 1,024 and 64 MiB). The oldest go first.
+	ResponsesMax      int
+	ResponsesMaxBytes int64
 	// BuildInfo names the linked llama.cpp (llama.BuildInfo); CPUFeatures are the x86
 	// features its CPU backend was compiled with (llama.CPUFeatures).
 	BuildInfo   string
@@ -79,6 +86,8 @@ type Server struct {
 	maxBody int64
 	metrics *Metrics
 	apiKeys [][sha256.Size]byte // SHA-256 of each accepted key; none = open
+	// responses are the stored Responses API responses (store: true).
+	responses *responseStore
 }
 
 // New creates the HTTP server state. metrics may be nil (no /metrics route).
@@ -86,7 +95,8 @@ func New(eng *engine.Engine, tok Tokenizer, chat ChatRenderer, info Info, metric
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Server{eng: eng, tok: tok, chat: chat, info: info, log: log, maxBody: 16 << 20, metrics: metrics}
+	return &Server{eng: eng, tok: tok, chat: chat, info: info, log: log, maxBody: 16 << 20, metrics: metrics,
+		responses: newResponseStore(info.SessionTTL, info.ResponsesMax, info.ResponsesMaxBytes)}
 }
 
 // Handler returns the routed handler.
@@ -103,6 +113,8 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("GET /health", s.handleHealth)
 	mux.HandleFunc("GET /props", s.handleProps)
 	mux.HandleFunc("GET /slots", s.handleSlots)
+	s.routeResponses(mux)
+	s.routeMessages(mux)
 	s.routePools(mux)
 	s.routeTPS(mux)
 	s.routeTemplate(mux)

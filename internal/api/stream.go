@@ -72,7 +72,7 @@ func (c *chunker) start() []any {
 		return nil
 	}
 	empty := ""
-	return []any{c.render(chunkSpec{delta: wire.Delta{Role: "assistant", Content: &empty}})}
+	return []any{c.openAIChunk(chunkSpec{delta: wire.Delta{Role: "assistant", Content: &empty}})}
 }
 
 // event is what one engine event adds to the stream.
@@ -81,8 +81,7 @@ func (c *chunker) event(ev engine.Event) ([]any, streamEnd) {
 	case !ev.Done:
 		return c.pieces(ev), streamOpen
 	case ev.Err != nil:
-		e := errorFor(ev.Err)
-		return []any{wire.ErrorBody{Error: wire.Error{Code: e.status, Type: e.typ, Message: e.msg}}}, streamFailed
+		return c.gen.shape.failed(c, errorFor(ev.Err)), streamFailed
 	}
 	return c.finish(ev), streamDone
 }
@@ -93,19 +92,19 @@ func (c *chunker) pieces(ev engine.Event) []any {
 		return nil
 	}
 	if c.calls == nil {
-		return []any{c.render(piece(ev.Text, ev.Tokens))}
+		return c.render(piece(ev.Text, ev.Tokens))
 	}
 	thought, text := c.calls.Push(ev.Text)
 	var out []any
 	if thought != "" {
-		out = append(out, c.render(chunkSpec{delta: wire.Delta{ReasoningContent: thought}}))
+		out = append(out, c.render(chunkSpec{delta: wire.Delta{ReasoningContent: thought}})...)
 	}
 	var lps []engine.TokenLogprob
 	if text == ev.Text {
 		lps = ev.Tokens // passed through unchanged: its tokens' logprobs still apply
 	}
 	if text != "" {
-		out = append(out, c.render(piece(text, lps)))
+		out = append(out, c.render(piece(text, lps))...)
 	}
 	return append(out, c.callDeltas()...)
 }
@@ -119,22 +118,22 @@ func (c *chunker) finish(ev engine.Event) []any {
 		thought, released := c.calls.Push(ev.Text)
 		fin := c.calls.Finish()
 		if thought += fin.Reasoning; thought != "" {
-			out = append(out, c.render(chunkSpec{delta: wire.Delta{ReasoningContent: thought}}))
+			out = append(out, c.render(chunkSpec{delta: wire.Delta{ReasoningContent: thought}})...)
 		}
 		if content := released + fin.Content; content != "" {
-			out = append(out, c.render(piece(content, nil)))
+			out = append(out, c.render(piece(content, nil))...)
 		}
 		out = append(out, c.callDeltas()...)
 		if len(fin.Calls) > 0 {
 			reason = "tool_calls"
 		}
 	} else if ev.Text != "" {
-		out = append(out, c.render(piece(ev.Text, nil)))
+		out = append(out, c.render(piece(ev.Text, nil))...)
 	}
-	out = append(out, c.render(chunkSpec{finish: &reason, final: &ev}))
+	out = append(out, c.render(chunkSpec{finish: &reason, final: &ev})...)
 	if c.includeUsage {
 		u := wireUsageOf(len(c.gen.req.Prompt), ev.Stats)
-		out = append(out, c.render(chunkSpec{usage: &u}))
+		out = append(out, c.render(chunkSpec{usage: &u})...)
 	}
 	return out
 }
@@ -149,13 +148,17 @@ func (c *chunker) callDeltas() []any {
 		if d.Name != "" {
 			tc.ID, tc.Type, tc.Function.Name = d.ID, "function", d.Name
 		}
-		out = append(out, c.render(chunkSpec{delta: wire.Delta{ToolCalls: []wire.ToolCallDelta{tc}}}))
+		out = append(out, c.render(chunkSpec{delta: wire.Delta{ToolCalls: []wire.ToolCallDelta{tc}}})...)
 	}
 	return out
 }
 
-// render gives a chunk its route's shape: a wire.ChatChunk or a wire.TextChunk.
-func (c *chunker) render(sp chunkSpec) any {
+// render gives a chunk its API's shape: the events it becomes.
+func (c *chunker) render(sp chunkSpec) []any { return c.gen.shape.chunk(c, sp) }
+
+// openAIChunk is a chunk of a chat or text completion stream: a wire.ChatChunk or a
+// wire.TextChunk.
+func (c *chunker) openAIChunk(sp chunkSpec) any {
 	var lps []engine.TokenLogprob
 	if c.gen.req.Logprobs {
 		lps = sp.lps
@@ -215,10 +218,19 @@ func startSSE(w http.ResponseWriter, trailers ...string) *sseWriter {
 	return &sseWriter{w: w, flusher: f}
 }
 
+// eventNamer is an event with an SSE event name (Responses and Messages events name
+// their type; chat chunks are unnamed data events).
+type eventNamer interface{ EventName() string }
+
 // send writes each value as a data event and flushes it; false: the client is gone.
 func (sw *sseWriter) send(vs ...any) bool {
 	for _, v := range vs {
 		b, _ := json.Marshal(v)
+		if n, ok := v.(eventNamer); ok {
+			if _, err := fmt.Fprintf(sw.w, "event: %s\n", n.EventName()); err != nil {
+				return false
+			}
+		}
 		if _, err := fmt.Fprintf(sw.w, "data: %s\n\n", b); err != nil {
 			return false
 		}
@@ -248,7 +260,7 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, st *engine.Strea
 		return
 	}
 	if ev.Done && ev.Err != nil {
-		writeAPIError(w, errorFor(ev.Err))
+		c.gen.shape.writeError(w, errorFor(ev.Err))
 		return
 	}
 	// The pool the request is attached to is on every event: a header, as on a reply
@@ -258,7 +270,7 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, st *engine.Strea
 		w.Header().Set("X-Pool-Id", strconv.Itoa(ev.Pool))
 	}
 	sw := startSSE(w, "X-Cached-Prefix-Tokens")
-	if !sw.send(c.start()...) {
+	if !sw.send(c.gen.shape.start(c)...) {
 		return
 	}
 	for {
@@ -270,7 +282,7 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, st *engine.Strea
 			return
 		}
 		if end == streamDone {
-			sw.done()
+			c.gen.shape.done(sw)
 			return
 		}
 		if ev, ok, err = st.Next(r.Context()); err != nil || !ok {

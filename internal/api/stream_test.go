@@ -16,7 +16,7 @@ import (
 
 func testChunker(k kind, logprobs, includeUsage bool, plan *toolPlan) *chunker {
 	s := &Server{tok: enginetest.Vocab{}, info: Info{ModelID: "m"}}
-	gen := generation{k: k, id: "id-1", created: 42, plan: plan,
+	gen := generation{k: k, id: "id-1", created: 42, plan: plan, shape: openaiShape{},
 		req: engine.Request{Prompt: []int32{1, 2, 3}, Logprobs: logprobs, SessionID: "s"}}
 	return s.newChunker(gen, includeUsage)
 }

@@ -63,10 +63,16 @@ type Config struct {
 	// Alias is the model name served (/v1/models, responses, the KV-event topic);
 	// default: the model file's base name. A router hashes blocks with the request's
 	// model name, so requests must name the model by this.
-	Alias     string // --alias
-	GPULayers string // -ngl/--n-gpu-layers: auto, all or N (see ParseGPULayers)
-	Device    string // --device: GPU device names, comma-separated; "": every GPU; none: CPU
-	SplitMode string // --split-mode: layer, row or none (several GPUs)
+	Alias string // --alias
+
+	// ResponsesMax and ResponsesMaxBytes bound the stored /v1/responses responses
+	// (--responses-max, --responses-max-bytes; 0: the defaults, 1,024 and 64 MiB);
+	// they also expire with SessionTTL.
+	ResponsesMax      int
+	ResponsesMaxBytes int64
+	GPULayers         string // -ngl/--n-gpu-layers: auto, all or N (see ParseGPULayers)
+	Device            string // --device: GPU device names, comma-separated; "": every GPU; none: CPU
+	SplitMode         string // --split-mode: layer, row or none (several GPUs)
 
 	// PrefixCache (--prefix-cache on|off): automatic prefix sharing for requests without
 	// a pool_id (issue 12); off only for comparison.
@@ -129,6 +135,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("--queue-timeout must not be negative, got %s", c.QueueTimeout)
 	case c.AttachMin < 0:
 		return fmt.Errorf("--attach-min-tokens must not be negative, got %d", c.AttachMin)
+	case c.ResponsesMax < 0 || c.ResponsesMaxBytes < 0:
+		return fmt.Errorf("--responses-max and --responses-max-bytes must not be negative")
 	case c.TPSTau <= 0:
 		return fmt.Errorf("--tps-tau must be positive, got %s", c.TPSTau)
 	case c.KVBlockSize < 1:
@@ -336,6 +344,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	info.TPSTauMs = cfg.TPSTau.Milliseconds()
 	info.PrefixCache = ecfg.PrefixCache
 	info.Compute = off
+	info.SessionTTL, info.ResponsesMax, info.ResponsesMaxBytes = cfg.SessionTTL, cfg.ResponsesMax, cfg.ResponsesMaxBytes
 	info.BuildInfo, info.CPUFeatures = llama.BuildInfo(), llama.CPUFeatures()
 	srv := api.New(eng, model, renderer, info, metrics, log)
 	srv.RequireAPIKeys(cfg.APIKeys)

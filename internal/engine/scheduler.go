@@ -135,7 +135,8 @@ type task struct {
 	pool      *pool.Pool // kindMaterialize: the pool being built; kindGenerate: the pool to attach to
 	slot      *slot
 	cacheN    int
-	next      Token // sampled but not yet decoded
+	next      Token  // sampled but not yet decoded
+	stopWord  string // the stop string that ended it, if one did
 	hasNext   bool
 	restore   bool // kindMaterialize: rebuilding an evicted pool (no client waits)
 	generated int
@@ -976,7 +977,7 @@ func (s *Scheduler) onToken(t *task, smp Sampled) {
 		return
 	}
 	t.generated++
-	text, stopped := t.text.push(s.vocab.Piece(smp.Token))
+	text, stopWord := t.text.push(s.vocab.Piece(smp.Token))
 	ev := Event{Task: t.id, Text: text, Pool: t.poolID()}
 	if t.req.Logprobs {
 		ev.Tokens = []TokenLogprob{{Token: smp.Token, Logprob: smp.Logprob, Top: smp.Top}}
@@ -985,7 +986,8 @@ func (s *Scheduler) onToken(t *task, smp Sampled) {
 		s.events = append(s.events, ev)
 	}
 	switch {
-	case stopped:
+	case stopWord != "":
+		t.stopWord = stopWord
 		s.finish(t, FinishStop, false, nil)
 	case t.req.MaxTokens > 0 && t.generated >= t.req.MaxTokens:
 		s.finish(t, FinishLength, false, nil)
@@ -1021,7 +1023,7 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 	}
 	stats.TPS = t.ewma.Rate()
 	stats.Ctx = s.sessionContext(sl)
-	s.events = append(s.events, Event{Task: t.id, Text: t.text.flush(), Done: true, Finish: reason, Truncated: truncated, Err: err, Stats: stats, Pool: stats.Pool})
+	s.events = append(s.events, Event{Task: t.id, Text: t.text.flush(), Done: true, Finish: reason, StopWord: t.stopWord, Truncated: truncated, Err: err, Stats: stats, Pool: stats.Pool})
 	s.samplers = append(s.samplers, SamplerOp{Task: t.id, Free: true})
 	s.obs = append(s.obs, Observation{Kind: ObsQuery, Pool: stats.Pool, PromptTokens: len(t.req.Prompt), CachedTokens: t.cacheN})
 	s.removeRunning(t)

@@ -25,20 +25,21 @@ func newTextAssembler(stops []string) *textAssembler {
 	return a
 }
 
-// push adds a piece and returns the text now safe to release and whether a stop string
-// matched (in which case the text before it is released and nothing after).
-func (a *textAssembler) push(piece []byte) (string, bool) {
+// push adds a piece and returns the text now safe to release and the stop string that
+// matched, if one did ("" otherwise; then the text before it is released and nothing
+// after). Of stop strings matching at once the one starting first wins.
+func (a *textAssembler) push(piece []byte) (string, string) {
 	a.pending = append(a.pending, piece...)
-	cut := -1
+	cut, word := -1, ""
 	for _, s := range a.stops {
 		if i := bytes.Index(a.pending, s); i >= 0 && (cut < 0 || i < cut) {
-			cut = i
+			cut, word = i, string(s)
 		}
 	}
 	if cut >= 0 {
 		out := a.release(cut)
 		a.pending = a.pending[:0]
-		return out, true
+		return out, word
 	}
 	hold := 0
 	for _, s := range a.stops {
@@ -46,7 +47,7 @@ func (a *textAssembler) push(piece []byte) (string, bool) {
 	}
 	n := len(a.pending) - hold
 	n = completeUTF8(a.pending[:n])
-	return a.release(n), false
+	return a.release(n), ""
 }
 
 // flush releases everything still held (at the end of generation). A character whose

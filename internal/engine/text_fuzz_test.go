@@ -35,8 +35,8 @@ func FuzzTextAssembler(f *testing.F) {
 				n = 1 + int(cuts[i%len(cuts)])%7
 			}
 			n = min(n, len(rest))
-			var out string
-			out, stopped = a.push(rest[:n])
+			out, word := a.push(rest[:n])
+			stopped = word != ""
 			rest = rest[n:]
 			if !utf8.ValidString(out) {
 				t.Fatalf("released invalid UTF-8 %q", out)

@@ -24,11 +24,11 @@ func TestTextAssemblerStopAcrossPieces(t *testing.T) {
 	a := newTextAssembler([]string{"END", "STOP"})
 	var out string
 	for _, p := range []string{"hello ", "S", "T", "OPx"} {
-		got, stopped := a.push([]byte(p))
+		got, word := a.push([]byte(p))
 		out += got
-		if stopped {
-			if out != "hello " || p != "OPx" {
-				t.Fatalf("stopped at %q with %q", p, out)
+		if word != "" {
+			if out != "hello " || p != "OPx" || word != "STOP" {
+				t.Fatalf("stopped by %q at %q with %q", word, p, out)
 			}
 			if a.text() != "hello " {
 				t.Fatalf("full text %q", a.text())

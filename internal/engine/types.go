@@ -106,6 +106,7 @@ type Event struct {
 	Tokens    []TokenLogprob // tokens behind Text, with logprobs when asked
 	Done      bool
 	Finish    string // with Done
+	StopWord  string // with Done and Finish "stop": the stop string that matched ("" for EOG)
 	Truncated bool   // with Done: stopped because the context ran out
 	Err       error  // with Done: the task failed
 	Stats     Stats  // with Done

@@ -12,7 +12,7 @@ var stockFlashAttn atomic.Bool
 
 // SetFlashAttnKernel chooses the CPU flash-attention kernel for f16 K/V caches: PolyKV's
 // (polykv true, the default; fattn.cpp says how it keeps logits independent of the batch)
-// or the one in the ollama module's ggml. The choice is process-wide (ggml-cpu has one
+// or the linked llama.cpp's own. The choice is process-wide (ggml-cpu has one
 // registry of kernels) and applies to graphs computed from then on. Quantized caches,
 // ALiBi and logit soft-capping always use ggml's kernel.
 func SetFlashAttnKernel(polykv bool) {

@@ -16,7 +16,7 @@ var stockMatMul atomic.Bool
 // SetMatMulKernel chooses the CPU kernel for matrix products with Q4_1, Q4_K and Q6_K weights:
 // PolyKV's (polykv true, the default; kquant.cpp says how it keeps a token's logits
 // independent of the batch while unpacking each weight block once per product) or the
-// ollama module's ggml (one weight row and one activation row at a time). Process-wide,
+// stock ggml kernels of the linked llama.cpp. Process-wide,
 // like SetFlashAttnKernel, for graphs computed from then on; other weight types always
 // use ggml's kernels.
 func SetMatMulKernel(polykv bool) {
@@ -44,14 +44,19 @@ const (
 
 // kquantSelfTest runs the kernel on a random m x k matrix of the given ggml type and n
 // random activation rows (see polykv_kq_selftest): the largest difference from ggml's
-// vec_dot relative to the largest |result|, and whether computing the rows all at once,
-// one at a time, three at a time and all at once one packed block at a time gave the
-// same bits.
-func kquantSelfTest(typ, m, k, n int, seed uint32) (maxRel float64, identical bool, err error) {
+// vec_dot relative to the largest |result|, whether computing the rows all at once, one
+// at a time, three at a time and all at once one packed block at a time gave the same
+// bits, and on how many instruction paths (AVX2, and VNNI where the CPU has it; the
+// paths must agree to the bit too).
+func kquantSelfTest(typ, m, k, n int, seed uint32) (maxRel float64, identical bool, paths int, err error) {
 	var rel C.double
-	var same C.int
-	if C.polykv_kq_selftest(C.int(typ), C.int(m), C.int(k), C.int(n), C.uint(seed), &rel, &same) != 0 {
-		return 0, false, errors.New("llama: matrix kernel self-test unavailable or bad shape")
+	var same, np C.int
+	if C.polykv_kq_selftest(C.int(typ), C.int(m), C.int(k), C.int(n), C.uint(seed), &rel, &same, &np) != 0 {
+		return 0, false, 0, errors.New("llama: matrix kernel self-test unavailable or bad shape")
 	}
-	return float64(rel), same != 0, nil
+	return float64(rel), same != 0, int(np), nil
 }
+
+// MatMulKernelVNNI reports whether PolyKV's matrix kernel runs its AVX-512 VNNI path
+// (chosen at run time where the CPU has it; otherwise its AVX2 path).
+func MatMulKernelVNNI() bool { return C.polykv_kq_set_vnni(C.int(boolToInt(true))) != 0 }

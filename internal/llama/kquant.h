@@ -15,8 +15,12 @@ unsigned long long polykv_kq_computed(void);
 // polykv_kq_available is 0 where this build cannot run the kernel (no AVX2/FMA).
 int polykv_kq_available(void);
 
+// polykv_kq_set_vnni chooses the AVX-512 VNNI path (on, where the CPU has it) or the AVX2
+// path; it returns whether VNNI is now used. The default is VNNI where available.
+int polykv_kq_set_vnni(int on);
+
 // polykv_kq_selftest checks the kernel on random data (see kquant.cpp); 0 on success.
-int polykv_kq_selftest(int type, int M, int K, int N, unsigned seed, double * max_rel, int * identical);
+int polykv_kq_selftest(int type, int M, int K, int N, unsigned seed, double * max_rel, int * identical, int * paths);
 
 #ifdef __cplusplus
 }

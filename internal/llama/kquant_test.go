@@ -29,11 +29,11 @@ func TestKQuantKernel(t *testing.T) {
 		{"q4_1", ggmlTypeQ41, 37, 576, 11},
 		{"q4_1", ggmlTypeQ41, 64, 1536, 70},
 	} {
-		rel, same, err := kquantSelfTest(tc.typ, tc.m, tc.k, tc.n, 7)
+		rel, same, paths, err := kquantSelfTest(tc.typ, tc.m, tc.k, tc.n, 7)
 		if err != nil {
 			t.Fatal(err)
 		}
-		t.Logf("%s %dx%d, %d rows: largest difference from ggml %.2g (relative), batch-invariant %v", tc.name, tc.m, tc.k, tc.n, rel, same)
+		t.Logf("%s %dx%d, %d rows: largest difference from ggml %.2g (relative), batch-invariant %v on %d instruction path(s)", tc.name, tc.m, tc.k, tc.n, rel, same, paths)
 		if !same {
 			t.Errorf("%s %dx%d: rows computed together differ from rows computed alone", tc.name, tc.m, tc.k)
 		}

@@ -38,3 +38,25 @@ func find(t testing.TB, env, file string) string {
 	}
 	return p
 }
+
+// Arch is the path of the tiny random-weight model of a llama.cpp architecture (qwen35,
+// lfm2, granitehybrid, ...) that `make testmodels` writes to ~/.cache/polykv/testmodels
+// (POLYKV_TESTMODELS overrides the directory). These stand in for architectures with no
+// small real model here: their output is noise, but it is the noise the architecture's
+// real graph computes, so sharing, batching and determinism can be checked on it.
+func Arch(t testing.TB, arch string) string {
+	t.Helper()
+	dir := os.Getenv("POLYKV_TESTMODELS")
+	if dir == "" {
+		home, _ := os.UserHomeDir()
+		dir = filepath.Join(home, ".cache", "polykv", "testmodels")
+	}
+	p := filepath.Join(dir, arch+".gguf")
+	if _, err := os.Stat(p); err != nil {
+		if os.Getenv("POLYKV_REQUIRE_MODEL") != "" {
+			t.Fatalf("test model missing (%v): run `make testmodels` first", err)
+		}
+		t.Skipf("random-weight %s test skipped: %s is missing; run `make testmodels` (or `make test`, which writes it)", arch, p)
+	}
+	return p
+}

@@ -16,10 +16,10 @@ def test_models(client):
 def test_chat_completion(client):
     resp = client.chat.completions.create(
         model="smollm2",
-        messages=[
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "What is the capital of France?"},
-        ],
+        # No system message: with "You are a helpful assistant." SmolLM2-135M's first
+        # token is a near-tie ("The" -1.65 vs "La" -1.78 nats with ggml's kernels, the
+        # other way round with PolyKV's), and the French branch never says Paris.
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=24,
         temperature=0,
     )
