@@ -30,20 +30,30 @@ func TestFlagsDistinguishNotGivenFromZero(t *testing.T) {
 	if !reflect.DeepEqual(def, want) {
 		t.Fatalf("no flags: %+v, want the defaults %+v", def, want)
 	}
-	if def.SessionTTL != 30*time.Minute || def.MaxPools != 16 || def.PoolGrace != 30*time.Second || def.MaxQueue != 64 {
+	if def.SessionTTL != 30*time.Minute || def.MaxPools != 16 || def.PoolGrace != 30*time.Second || def.MaxQueue != 64 || def.QueueTimeout != 30*time.Second || def.AttachMin != 64 {
 		t.Fatalf("defaults changed unnoticed: %+v", def)
 	}
-	zero := parseCore(t, "--session-ttl", "0", "--max-pools", "0", "--pool-grace-ms", "0", "--queue", "0")
-	if zero.SessionTTL != 0 || zero.MaxPools != 0 || zero.PoolGrace != 0 || zero.MaxQueue != 0 {
-		t.Fatalf("explicit zeros: ttl %s, max-pools %d, grace %s, queue %d; want all 0", zero.SessionTTL, zero.MaxPools, zero.PoolGrace, zero.MaxQueue)
+	zero := parseCore(t, "--session-ttl", "0", "--max-pools", "0", "--pool-grace-ms", "0", "--queue", "0", "--queue-timeout", "0")
+	if zero.SessionTTL != 0 || zero.MaxPools != 0 || zero.PoolGrace != 0 || zero.MaxQueue != 0 || zero.QueueTimeout != 0 {
+		t.Fatalf("explicit zeros: ttl %s, max-pools %d, grace %s, queue %d, queue timeout %s; want all 0", zero.SessionTTL, zero.MaxPools, zero.PoolGrace, zero.MaxQueue, zero.QueueTimeout)
 	}
 	zero.ModelPath = "m.gguf"
 	if err := zero.Validate(); err != nil {
 		t.Fatalf("zeros are valid settings: %v", err)
 	}
-	set := parseCore(t, "-c", "2048", "--session-ttl", "5m", "--pool-grace-ms", "1500")
-	if set.NCtx != 2048 || set.SessionTTL != 5*time.Minute || set.PoolGrace != 1500*time.Millisecond {
+	set := parseCore(t, "-c", "2048", "--session-ttl", "5m", "--pool-grace-ms", "1500", "--queue-timeout", "90s")
+	if set.NCtx != 2048 || set.SessionTTL != 5*time.Minute || set.PoolGrace != 1500*time.Millisecond || set.QueueTimeout != 90*time.Second {
 		t.Fatalf("given values: %+v", set)
+	}
+	if set := parseCore(t, "--attach-min-tokens", "0"); set.AttachMin != 0 {
+		t.Fatalf("--attach-min-tokens 0: %d", set.AttachMin)
+	}
+	for _, bad := range [][]string{{"--queue-timeout", "-1s"}, {"--attach-min-tokens", "-1"}} {
+		neg := parseCore(t, bad...)
+		neg.ModelPath = "m.gguf"
+		if err := neg.Validate(); err == nil || !strings.Contains(err.Error(), bad[0]) {
+			t.Fatalf("%s %s: %v, want an error naming the flag", bad[0], bad[1], err)
+		}
 	}
 }
 

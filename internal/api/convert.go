@@ -43,7 +43,7 @@ func wireSessionCtx(c engine.SessionCtx) wire.SessionCtx {
 }
 
 func wireUsage(u engine.Usage) wire.EngineUsage {
-	return wire.EngineUsage{KVCellsUsed: u.CellsUsed, KVCellsMax: u.CellsMax, RequestsRunning: u.Running,
+	return wire.EngineUsage{KVCellsUsed: u.CellsUsed, KVCellsMax: u.CellsMax, KVCellsEvictable: u.CellsEvictable, RequestsRunning: u.Running,
 		RequestsWaiting: u.Waiting, Sessions: u.Sessions, Pools: u.Pools,
 		PrefixCacheHitTokens: u.CacheHitTokens, PrefixCacheCells: u.CacheCells, PrefixCacheSequences: u.CacheSeqs,
 		PrefixCacheEvictions: u.CacheEvictions}
@@ -53,6 +53,13 @@ func wireSlot(s engine.SlotInfo) wire.Slot {
 	return wire.Slot{ID: s.Seq, SessionID: s.SessionID, State: s.State, NPast: s.NPast, NDecoded: s.Decoded,
 		TaskID: s.Task, PoolID: s.PoolID, NShared: s.Shared, NOwnCells: s.Own, TPSEWMA: s.TPSEWMA, CtxUsed: s.CtxUsed,
 		CtxTotal: s.CtxTotal, CtxHeadroomTokens: s.Headroom, CtxPressure: s.Pressure}
+}
+
+// wireWaiting is a waiting request as a /slots entry.
+func wireWaiting(w engine.WaitInfo) wire.Slot {
+	ms := w.Waited.Milliseconds()
+	return wire.Slot{ID: -1, SessionID: w.SessionID, State: "waiting", TaskID: w.Task, PoolID: w.PoolID,
+		NPromptTokens: w.PromptN, WaitingReason: w.Reason, WaitingMs: &ms}
 }
 
 func wirePoolSession(s engine.PoolSession) wire.PoolSession {

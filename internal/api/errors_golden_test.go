@@ -13,8 +13,8 @@ import (
 )
 
 // TestGoldenErrors pins the error bodies the fake engine cannot provoke over HTTP
-// (a saturated pool's 429 with its verdict, an engine failure inside a stream), byte
-// for byte, with their headers.
+// (a saturated pool's 429 with its verdict, an engine failure inside a stream, a wait
+// past the queue timeout), byte for byte, with their headers.
 func TestGoldenErrors(t *testing.T) {
 	mean, drop := 3.5, 0.25
 	known := true
@@ -28,6 +28,10 @@ func TestGoldenErrors(t *testing.T) {
 	}{
 		{"saturated", errorFor(sat)},
 		{"queue_full", errorFor(engine.ErrQueueFull)},
+		{"queue_timeout", errorFor(fmt.Errorf("%w: waited 30s for KV cells held by running requests or pinned pools (queue timeout 30s)", engine.ErrQueueTimeout))},
+		// A pool_id request whose pool's creation timed out: busy (503), not missing.
+		{"pool_creation_timeout", errorFor(fmt.Errorf("%w: pool 3 was not created: %w", pool.ErrNotFound,
+			fmt.Errorf("%w: waited 30s for KV cells held by running requests or pinned pools (queue timeout 30s)", engine.ErrQueueTimeout)))},
 		{"conflict", errorFor(fmt.Errorf("wrapped: %w", pool.ErrHasChildren))},
 		{"closed", errorFor(engine.ErrEngineClosed)},
 		{"server", errorFor(fmt.Errorf("boom"))},

@@ -79,7 +79,17 @@ var (
 	descSessions = prometheus.NewDesc("polykv_pool_sessions", "Sessions holding cells on the pool.", []string{"pool"}, nil)
 	descRunning  = prometheus.NewDesc("polykv_requests_running", "Generation requests on a sequence.", nil, nil)
 	descWaiting  = prometheus.NewDesc("polykv_requests_waiting", "Generation requests waiting for a sequence.", nil, nil)
-	descKVRatio  = prometheus.NewDesc("polykv_kv_usage_ratio", "Fraction of the unified cache's cells in use.", nil, nil)
+	// Every wait is visible and bounded (issue 30, --queue-timeout).
+	descWaitReason   = prometheus.NewDesc("polykv_requests_waiting_reason", "Generation requests without a sequence yet, by why they wait: pool (being built or restored), prefix (a running request will hold a longer prefix), session (its previous turn runs), sequence (all are running), cells (held by running requests or pinned pools), queue (behind a request waiting for cells), admission (held by an enforced pool's gate).", []string{"reason"}, nil)
+	descWaitOldest   = prometheus.NewDesc("polykv_queue_oldest_wait_seconds", "How long the longest-waiting request without a sequence has waited (0: none waits).", nil, nil)
+	descWaitTimeouts = prometheus.NewDesc("polykv_queue_timeouts_total", "Waits that ran past --queue-timeout: requests refused with 503, pool creations and restores abandoned.", nil, nil)
+	// KV usage as a router reads it (vLLM's kv_cache_usage_perc: blocks no new request
+	// can get): idle sessions', cached sequences' and evictable pools' cells are free
+	// for the asking, so counting them steered new work away from the replica holding
+	// the useful prefix (issue 30). The cells themselves are reported beside it.
+	descKVRatio          = prometheus.NewDesc("polykv_kv_usage_ratio", "Fraction of the unified cache's cells that no new request can get: in use by running requests, pinned or recently used pools and prompts being prefilled; idle sessions', cached sequences' and evictable pools' cells count as free (polykv_kv_cells_evictable).", nil, nil)
+	descKVCellsUsed      = prometheus.NewDesc("polykv_kv_cells_used", "KV cells in use (every sequence's, idle and cached ones included).", nil, nil)
+	descKVCellsEvictable = prometheus.NewDesc("polykv_kv_cells_evictable", "KV cells in use that eviction would free for a new request: held only by idle sessions, cached anonymous sequences and unpinned pools idle past --pool-grace-ms.", nil, nil)
 	// The prefix cache (issue 12, --prefix-cache).
 	descCacheImplicit  = prometheus.NewDesc("polykv_prefix_cache_implicit_hit_tokens_total", "Prompt tokens that requests without pool_id (or a known session) took from a resident sequence's prefix by seq_cp instead of prefilling.", nil, nil)
 	descCacheResident  = prometheus.NewDesc("polykv_prefix_cache_resident_tokens", "Cells held only by finished anonymous sequences kept as cache (what dropping the cache would free).", nil, nil)
@@ -88,9 +98,13 @@ var (
 	descEvictions      = prometheus.NewDesc("polykv_evictions_total", "Times the one least-recently-used eviction under cell or sequence-id pressure took cells from a victim, by its kind: cached (an anonymous sequence kept as cache; also its sequence id or expiry), session (an idle session's tail, or the whole session) or pool (an unpinned pool's own cells).", []string{"kind"}, nil)
 )
 
+var waitReasons = []string{engine.WaitPool, engine.WaitPrefix, engine.WaitSession, engine.WaitSequence,
+	engine.WaitCells, engine.WaitQueue, engine.WaitAdmission}
+
 // Describe implements prometheus.Collector for the scrape-time gauges.
 func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descGen, descKV, descSessions, descRunning, descWaiting, descKVRatio,
+		descWaitReason, descWaitOldest, descWaitTimeouts, descKVCellsUsed, descKVCellsEvictable,
 		descCacheImplicit, descCacheResident, descCacheSeqs, descCacheEvictions, descEvictions} {
 		ch <- d
 	}
@@ -111,7 +125,23 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(descRunning, prometheus.GaugeValue, float64(usage.Running))
 	ch <- prometheus.MustNewConstMetric(descWaiting, prometheus.GaugeValue, float64(usage.Waiting))
-	ch <- prometheus.MustNewConstMetric(descKVRatio, prometheus.GaugeValue, float64(usage.CellsUsed)/float64(max(1, usage.CellsMax)))
+	byReason := map[string]int{}
+	for _, r := range waitReasons {
+		byReason[r] = 0 // every reason is exported, 0 included, so a dashboard's series never vanish
+	}
+	var oldest time.Duration
+	for _, w := range snap.Waiting {
+		byReason[w.Reason]++
+		oldest = max(oldest, w.Waited)
+	}
+	for r, n := range byReason {
+		ch <- prometheus.MustNewConstMetric(descWaitReason, prometheus.GaugeValue, float64(n), r)
+	}
+	ch <- prometheus.MustNewConstMetric(descWaitOldest, prometheus.GaugeValue, oldest.Seconds())
+	ch <- prometheus.MustNewConstMetric(descWaitTimeouts, prometheus.CounterValue, float64(usage.QueueTimeouts))
+	ch <- prometheus.MustNewConstMetric(descKVRatio, prometheus.GaugeValue, float64(usage.CellsUsed-usage.CellsEvictable)/float64(max(1, usage.CellsMax)))
+	ch <- prometheus.MustNewConstMetric(descKVCellsUsed, prometheus.GaugeValue, float64(usage.CellsUsed))
+	ch <- prometheus.MustNewConstMetric(descKVCellsEvictable, prometheus.GaugeValue, float64(usage.CellsEvictable))
 	ch <- prometheus.MustNewConstMetric(descCacheImplicit, prometheus.CounterValue, float64(usage.CacheHitTokens))
 	ch <- prometheus.MustNewConstMetric(descCacheResident, prometheus.GaugeValue, float64(usage.CacheCells))
 	ch <- prometheus.MustNewConstMetric(descCacheSeqs, prometheus.GaugeValue, float64(usage.CacheSeqs))

@@ -185,8 +185,12 @@ func errorFor(err error) *apiError {
 		return &apiError{status: http.StatusTooManyRequests, typ: "pool_saturated_error", msg: err.Error(),
 			extra:   wire.Error{PoolID: &sat.Pool, Capacity: &v},
 			headers: map[string]string{"Retry-After": strconv.Itoa(max(1, sat.Verdict.RetryAfterS))}}
-	case errors.Is(err, engine.ErrQueueFull):
-		return &apiError{status: http.StatusServiceUnavailable, typ: "unavailable_error", msg: err.Error()}
+	case errors.Is(err, engine.ErrQueueFull), errors.Is(err, engine.ErrQueueTimeout):
+		// Busy, not broken: the client may retry (a router, on another replica). A
+		// queue timeout is checked before "not found": a pool_id request whose pool's
+		// creation timed out may succeed once the creator retries.
+		return &apiError{status: http.StatusServiceUnavailable, typ: "unavailable_error", msg: err.Error(),
+			headers: map[string]string{"Retry-After": strconv.Itoa(retryAfterBusyS)}}
 	case errors.Is(err, engine.ErrPromptTooLong):
 		return &apiError{status: http.StatusBadRequest, typ: "exceed_context_size_error", msg: err.Error()}
 	case errors.Is(err, engine.ErrEmptyPrompt), errors.Is(err, engine.ErrInvalidToken):
@@ -208,6 +212,10 @@ func errorFor(err error) *apiError {
 		return &apiError{status: http.StatusInternalServerError, typ: "server_error", msg: err.Error()}
 	}
 }
+
+// retryAfterBusyS is the Retry-After (seconds) of a 503 for a full queue or a wait past
+// --queue-timeout: a hint to come back soon, since the queue moves as requests end.
+const retryAfterBusyS = 1
 
 func writeError(w http.ResponseWriter, status int, typ, msg string) {
 	writeAPIError(w, &apiError{status: status, typ: typ, msg: msg})
@@ -346,8 +354,11 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, props)
 }
 
+// handleSlots lists the sequences in use, then the requests waiting for one (state
+// "waiting", id -1: they hold no sequence yet) with why and for how long (issue 30).
 func (s *Server) handleSlots(w http.ResponseWriter, r *http.Request) {
-	writeJSON(w, http.StatusOK, mapSlice(s.eng.Snapshot().Slots, wireSlot))
+	snap := s.eng.Snapshot()
+	writeJSON(w, http.StatusOK, append(mapSlice(snap.Slots, wireSlot), mapSlice(snap.Waiting, wireWaiting)...))
 }
 
 func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {

@@ -263,7 +263,12 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, st *engine.Strea
 		c.gen.shape.writeError(w, errorFor(ev.Err))
 		return
 	}
-	// What was reused is known only at the end: it follows the body as a trailer.
+	// The pool the request is attached to is on every event: a header, as on a reply
+	// that is not streamed. What was reused is known only at the end: it follows the
+	// body as a trailer.
+	if ev.Pool != 0 {
+		w.Header().Set("X-Pool-Id", strconv.Itoa(ev.Pool))
+	}
 	sw := startSSE(w, "X-Cached-Prefix-Tokens")
 	if !sw.send(c.gen.shape.start(c)...) {
 		return

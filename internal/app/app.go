@@ -27,13 +27,19 @@ import (
 // change what you need. A zero is a real setting (--session-ttl 0: sessions never
 // expire; --max-pools 0: no pools; --queue 0: nothing waits), never "not given".
 type Config struct {
-	ModelPath  string
-	NCtx       int           // -c
-	Parallel   int           // --parallel
-	NBatch     int           // --batch
-	NUBatch    int           // --ubatch; 0: the same as NBatch
-	Threads    int           // -t; 0: one per CPU core
-	MaxQueue   int           // --queue: requests that may wait; past it, 503
+	ModelPath string
+	NCtx      int // -c
+	Parallel  int // --parallel
+	NBatch    int // --batch
+	NUBatch   int // --ubatch; 0: the same as NBatch
+	Threads   int // -t; 0: one per CPU core
+	MaxQueue  int // --queue: requests that may wait; past it, 503
+	// QueueTimeout (--queue-timeout): a request waiting for a sequence, cells or its
+	// pool longer than this gets 503 with Retry-After; 0: no deadline.
+	QueueTimeout time.Duration
+	// AttachMin (--attach-min-tokens): a pool_key request attaches to the pool only when
+	// it shares at least this many tokens with it; below, it runs unpooled.
+	AttachMin  int
 	SessionTTL time.Duration // --session-ttl; 0: idle sessions never expire
 	MaxPools   int           // --max-pools: pool sequence ids reserved above the sessions'
 	PoolGrace  time.Duration // --pool-grace-ms; 0: no grace
@@ -91,10 +97,16 @@ type Config struct {
 // DefaultConfig is the configuration `polykv serve` runs with when no flag is given.
 func DefaultConfig() Config {
 	return Config{
-		NCtx:        4096,
-		Parallel:    4,
-		NBatch:      512,
-		MaxQueue:    64,
+		NCtx:     4096,
+		Parallel: 4,
+		NBatch:   512,
+		MaxQueue: 64,
+		// The design's queue_timeout_ms (an enforced pool's admission queue): one bound on
+		// how long any request is held before it is told to come back.
+		QueueTimeout: 30 * time.Second,
+		// Four KV blocks of 16: well past a chat template's opening (SmolLM2's is 12
+		// tokens), far below any system prompt worth a pool.
+		AttachMin:   64,
 		SessionTTL:  30 * time.Minute,
 		MaxPools:    16,
 		PoolGrace:   30 * time.Second,
@@ -134,6 +146,10 @@ func (c Config) Validate() error {
 		return fmt.Errorf("--ubatch and --threads must not be negative")
 	case c.SessionTTL < 0 || c.PoolGrace < 0:
 		return fmt.Errorf("--session-ttl and --pool-grace-ms must not be negative")
+	case c.QueueTimeout < 0:
+		return fmt.Errorf("--queue-timeout must not be negative, got %s", c.QueueTimeout)
+	case c.AttachMin < 0:
+		return fmt.Errorf("--attach-min-tokens must not be negative, got %d", c.AttachMin)
 	case c.ResponsesMax < 0 || c.ResponsesMaxBytes < 0:
 		return fmt.Errorf("--responses-max and --responses-max-bytes must not be negative")
 	case c.TPSTau <= 0:
@@ -211,7 +227,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		return nil, err
 	}
 	ecfg := engine.Config{NCtx: cfg.NCtx, Parallel: cfg.Parallel, MaxPools: cfg.MaxPools, NBatch: cfg.NBatch,
-		MaxQueue: cfg.MaxQueue, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau,
+		MaxQueue: cfg.MaxQueue, QueueTimeout: cfg.QueueTimeout, AttachMin: cfg.AttachMin, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau,
 		PrefixCache: cfg.PrefixCache == "on"}
 	if err := ecfg.Validate(); err != nil {
 		return nil, err
@@ -425,6 +441,10 @@ func openTier(cfg Config, model *llama.Model, ecfg engine.Config, log *slog.Logg
 		off = "this server has no pools"
 	case model.NSWA() > 0:
 		off = "sliding-window model: llama.cpp's sequence state leaves out the cells the window masks, so a restored pool could not serve an attach or fork below its last window; evicted pools are prefilled again"
+	case ecfg.Recurrent:
+		// A spill saves a pool's own cells only (its parent keeps the rest), and a
+		// recurrent layer's state is not split by position: not restored that way yet.
+		off = "model with recurrent state: a spill keeps a pool's own attention cells, not a recurrent state valid for them; evicted pools are prefilled again"
 	}
 	if off != "" {
 		if log != nil {

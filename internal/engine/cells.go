@@ -109,12 +109,9 @@ func (s *Scheduler) victims(except *slot) []victim {
 }
 
 // evictableCells counts the cells that evicting every victim but except would free:
-// cells some other (running) sequence shares stay. keep's cells below keepTo are not
-// counted (a placement is about to copy them).
-func (s *Scheduler) evictableCells(except *slot) int { return s.evictableCellsKeeping(except, -1, 0) }
-
-func (s *Scheduler) evictableCellsKeeping(except *slot, keep, keepTo int) int {
-	return s.cells.Freed(s.victimSet(except), keep, keepTo)
+// cells some other (running) sequence shares stay.
+func (s *Scheduler) evictableCells(except *slot) int {
+	return s.cells.Freed(s.victimSet(except), -1, 0)
 }
 
 func (s *Scheduler) victimSet(except *slot) seqSet {

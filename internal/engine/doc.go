@@ -56,6 +56,23 @@
 // "length" and Truncated set; the context is never shifted. Pools (package pool) change state only through their
 // lifecycle verbs; a verb the scheduler's request breaks is counted (Violations).
 //
+// Liveness (issue 30): a waiting request with admissible capacity is scheduled or
+// refused within one step. A request waits only for something that makes progress on
+// its own (its pool or its parent pool being built, a running request that will hold a
+// longer prefix of its prompt, its own session's running turn, a sequence id or cells
+// that running requests hold), or behind the first such request (FIFO, so a long
+// prompt is never starved). Admission counts exactly what eviction can free for it
+// (fit): the cells free now, less those promised to seated prompts, plus every cell
+// that only idle sequences, evictable pools and the sequence it takes hold, except
+// what its placement keeps or borrows. The test harness checks this at the end of
+// every admission pass of every test, story and fuzz input, against its own count
+// (checkLiveness). And no wait is without a deadline: a task still queued
+// Config.QueueTimeout after it entered the queue is refused (ErrQueueTimeout; a pool's
+// creation is abandoned), which also ends the waits that only a client could end
+// (cells pinned by pools, a pool queued behind the creation that waits for its
+// sibling's pinned cells). Why each request waits (Wait*) and for how long is in
+// Waiting and the snapshot.
+//
 // Admission state (policies, settle windows, the measured-drop forecast, requests held
 // by an enforced gate, reservations, the sessions seen before) lives in an
 // admission.Controller, pure like the scheduler: the scheduler hands it facts about a

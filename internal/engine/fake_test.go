@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/polykv/polykv/internal/admission"
+	"github.com/polykv/polykv/internal/pool"
 )
 
 // fakeBackend models a unified KV cache: numbered cells, each holding a token, and per
@@ -212,7 +213,9 @@ func newHarness(t *testing.T, cfg Config) *harness {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &harness{t: t, s: s, be: newFakeBackend(t, cfg.NCtx), now: time.Unix(1000, 0), events: map[TaskID][]Event{}}
+	h := &harness{t: t, s: s, be: newFakeBackend(t, cfg.NCtx), now: time.Unix(1000, 0), events: map[TaskID][]Event{}}
+	s.afterAdmit = h.checkLiveness
+	return h
 }
 
 func (h *harness) collect() {
@@ -361,4 +364,81 @@ func (h *harness) tryReserve(id int, ttl time.Duration, expected int) (Reservati
 
 func (h *harness) releaseReservation(id int, rid string) error {
 	return h.send(ReleaseReservation{Pool: id, ID: rid}).Err
+}
+
+// checkLiveness checks the scheduler's liveness invariant (doc.go) at the end of every
+// admission pass (every message and every Plan runs one): a waiting request with
+// admissible capacity is scheduled (or refused) within one step. It recomputes
+// "admissible" on its own, from the cell tree and the definition of what eviction may
+// take, not from the scheduler's fit: the first waiting task in queue order that
+// depends on nothing still in progress (its pool or parent being built, a donor still
+// prefilling, its own session's running turn, a sequence id only a running task would
+// free) must not fit the cells that evicting every idle sequence and evictable pool
+// would leave, after what seated prompts are promised. The check is cold (the whole
+// prompt, less only what it borrows from the pool it attaches to, which must stay),
+// so any placement that shares cells fits too. Tasks behind that first one wait behind
+// it by design (FIFO: no starvation).
+func (h *harness) checkLiveness() {
+	h.t.Helper()
+	s := h.s
+	var victims seqSet
+	freeSeq := false
+	for _, sl := range s.slots {
+		if sl.task == nil {
+			freeSeq = true
+			if len(sl.tokens) > 0 {
+				victims.add(sl.seq)
+			}
+		}
+	}
+	for _, p := range s.pools.All() {
+		if p.State == pool.Resident && !p.Pinned() && s.now.Sub(p.LastAccess) >= s.cfg.PoolGrace {
+			victims.add(p.Seq)
+		}
+	}
+	promised := 0
+	for _, t := range s.running {
+		if t.slot != nil && len(t.slot.tokens) < len(t.req.Prompt) {
+			promised += len(t.req.Prompt) - len(t.slot.tokens)
+		}
+	}
+	for _, t := range s.queue {
+		dep := t.pool
+		if t.kind == kindMaterialize {
+			dep = t.pool.Parent
+		}
+		if dep != nil && dep.State != pool.Resident {
+			continue
+		}
+		if s.prefixCached(t) && s.awaitsDonor(t) {
+			continue
+		}
+		if t.kind == kindGenerate {
+			if sl, ok := s.bySession[t.req.SessionID]; ok && t.req.SessionID != "" && sl.task != nil {
+				continue
+			}
+			if !freeSeq {
+				continue
+			}
+		}
+		need, set := len(t.req.Prompt), victims
+		if t.kind == kindGenerate && t.pool != nil {
+			share := attachLen(t.pool, t.req)
+			if s.cfg.Recurrent {
+				// Only a pool boundary holds recurrent state (Config.Recurrent).
+				share = 0
+				if b := boundary(t.pool, attachLen(t.pool, t.req)); b != nil && b.State == pool.Resident {
+					share = b.L()
+				}
+			}
+			need -= share
+			set.del(t.pool.Seq)
+		}
+		room := s.cfg.NCtx - s.cells.total - promised + s.cells.Freed(set, -1, 0)
+		if need <= room {
+			h.t.Fatalf("liveness: task %d waits for %d cells with room for %d (%d used of %d, %d promised to prefills); queue %d, running %d",
+				t.id, need, room, s.cells.total, s.cfg.NCtx, promised, len(s.queue), len(s.running))
+		}
+		return
+	}
 }

@@ -31,22 +31,27 @@ func FuzzSchedulerInvariants(f *testing.F) {
 	f.Add([]byte{4, 0, 20, 0, 7, 0, 4, 1, 2, 0, 1, 5, 2, 1, 8, 1, 7, 0, 5, 2, 10, 0, 0, 30, 1, 0, 7, 0, 0, 0, 1,
 		0, 0, 30, 1, 0, 7, 1, 0, 0, 0, 0, 8, 3, 0, 0, 30, 1, 0, 7, 2, 0, 0, 1, 8, 3, 9, 3, 8, 3, 8, 3})
 	f.Fuzz(func(t *testing.T, data []byte) {
-		// Every input runs twice: without and with the prefix cache (issue 12).
+		// Every input runs without and with the prefix cache (issue 12), and in a roomy
+		// and a tight cache: in 96 cells three idle sequences of up to 60 tokens and a
+		// pool or two fill it, so requests wait on cells that only eviction can give.
 		for _, cache := range []bool{false, true} {
-			fuzzScheduler(t, slices.Clone(data), cache)
+			for _, nctx := range []int{256, 96} {
+				fuzzScheduler(t, slices.Clone(data), cache, nctx)
+			}
 		}
 	})
 }
 
-func fuzzScheduler(t *testing.T, data []byte, cache bool) {
+func fuzzScheduler(t *testing.T, data []byte, cache bool, nctx int) {
 	{
-		cfg := Config{NCtx: 256, Parallel: 3, MaxPools: 3, NBatch: 16, MaxQueue: 4,
-			SessionTTL: time.Minute, PoolGrace: time.Second, BytesPerCell: 10, PrefixCache: cache}
+		cfg := Config{NCtx: nctx, Parallel: 3, MaxPools: 3, NBatch: 16, MaxQueue: 4,
+			SessionTTL: time.Minute, PoolGrace: time.Second, BytesPerCell: 10, PrefixCache: cache,
+			QueueTimeout: 3 * time.Second}
 		h := newHarness(t, cfg)
 		prompts := map[TaskID][]Token{}
 		families := [][]Token{seqTokens(100, 60), seqTokens(300, 60), append(seqTokens(100, 20), seqTokens(500, 40)...)}
 		var pools []int
-		var tasks []TaskID
+		var tasks, mats []TaskID
 		var rsv []string // reservation ids granted
 		next := func() int {
 			if len(data) == 0 {
@@ -74,7 +79,8 @@ func fuzzScheduler(t *testing.T, data []byte, cache bool) {
 			switch next() % 10 {
 			case 0, 1, 2:
 				req := Request{Prompt: prompt(), MaxTokens: 1 + next()%8}
-				if k := next() % 5; k < 4 {
+				k := next() % 5
+				if k < 4 {
 					req.SessionID = string(rune('A' + k))
 				}
 				if next()%2 == 0 {
@@ -82,18 +88,29 @@ func fuzzScheduler(t *testing.T, data []byte, cache bool) {
 					if len(rsv) > 0 && next()%2 == 0 {
 						req.ReservationID = rsv[next()%len(rsv)]
 					}
+				} else if k%2 == 0 && len(pools) > 0 {
+					// Named by its content key, as a router sends it (issue 30): a pool
+					// that is still materializing, or whose creation is cancelled.
+					if info, err := h.s.Pool(pools[k/2%len(pools)]); err == nil {
+						key := pool.RollingHash(info.Tokens)[len(info.Tokens)-1]
+						req.PoolKey = &key
+					}
 				}
 				if id, err := h.trySubmit(req); err == nil {
 					tasks = append(tasks, id)
 					prompts[id] = req.Prompt
 				}
 			case 3:
-				if len(tasks) > 0 {
-					h.cancel(tasks[next()%len(tasks)])
+				// A request, or a pool's materialization (its creator gone).
+				if all := append(slices.Clone(tasks), mats...); len(all) > 0 {
+					h.cancel(all[next()%len(all)])
 				}
 			case 4:
-				if id, _, err := h.tryCreatePool(PoolSpec{Tokens: prompt()}); err == nil {
+				if id, task, err := h.tryCreatePool(PoolSpec{Tokens: prompt()}); err == nil {
 					pools = append(pools, id)
+					if task != 0 {
+						mats = append(mats, task)
+					}
 				}
 			case 5:
 				parent := pick()
@@ -144,12 +161,16 @@ func fuzzScheduler(t *testing.T, data []byte, cache bool) {
 			h.cancel(id)
 		}
 		// Children before parents (a parent with live children refuses), and a pool
-		// still materializing refuses until it is resident: retry across steps.
-		for range 20 {
+		// still materializing refuses until it is resident: retry across steps. The
+		// clock moves past the grace time, so released pools are reclaimed and one
+		// materializing in a tight cache gets their cells (three pools that fit only
+		// one at a time take about as many grace times).
+		for i := 0; i < 20 || (i < 200 && h.s.pools.Len() > 0); i++ {
 			for _, id := range pools {
 				_ = h.releasePool(id)
 			}
 			h.checkStep(cfg)
+			h.now = h.now.Add(cfg.PoolGrace / 4)
 		}
 		for range 4 {
 			h.now = h.now.Add(2 * time.Minute)
@@ -217,6 +238,14 @@ func (h *harness) checkStep(cfg Config) {
 	apply(h.be, Plan{Samplers: h.s.samplers, SeqOps: h.s.ops})
 	h.s.samplers, h.s.ops = nil, nil
 	h.checkAccounting()
+	// No wait outlives its deadline (issue 30): Plan refused every task past it. (A
+	// root pool waiting at the head for cells its peer's child pins, the child queued
+	// behind it, is a cycle only the deadline breaks.)
+	for _, t := range h.s.queue {
+		if waited := h.s.planAt.Sub(t.queued); waited >= cfg.QueueTimeout {
+			h.t.Fatalf("task %d has waited %s, past the queue timeout %s (%s)", t.id, waited, cfg.QueueTimeout, t.wait)
+		}
+	}
 	for _, key := range h.s.adm.HeldKeys() {
 		if t, ok := h.s.tasks[TaskID(key)]; !ok || t.slot != nil || slices.Contains(h.s.queue, t) {
 			h.t.Fatalf("held request %d is not a waiting task outside the queue", key)

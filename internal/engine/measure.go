@@ -326,7 +326,7 @@ func (s *Scheduler) releaseGated() {
 		// Facts per request: one let in before is pending, and keeps the pool settling.
 		switch d := s.adm.Review(s.now, key, s.poolFacts(t.pool, 0, "")); d.Action {
 		case admission.Admit:
-			s.queue = append(s.queue, t)
+			s.enqueue(t)
 		case admission.Refuse:
 			s.dropGated(t, &SaturatedError{Pool: t.pool.ID, Verdict: d.Verdict})
 		}

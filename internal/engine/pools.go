@@ -197,7 +197,7 @@ func (s *Scheduler) materialize(p *pool.Pool) *task {
 	s.check(p.Materialize())
 	s.poolSeqs[p.ID] = &slot{seq: p.Seq}
 	t := s.newTask(kindMaterialize, Request{Prompt: p.Tokens}, p)
-	s.queue = append(s.queue, t)
+	s.enqueue(t)
 	return t
 }
 
@@ -219,10 +219,10 @@ func (s *Scheduler) poolMaterialized(t *task) {
 	s.events = append(s.events, Event{Task: t.id, Done: true, Finish: FinishStop, Pool: p.ID, Stats: stats})
 }
 
-// abandonPool undoes a pool whose materialization did not complete. A pool that was
+// abandonPool undoes a pool whose materialization did not complete (cause says why). A pool that was
 // being restored goes back to evicted; a new one is removed and its id returned, after
 // the children queued behind it are cancelled (they cannot be built either).
-func (s *Scheduler) abandonPool(p *pool.Pool, restoring bool) {
+func (s *Scheduler) abandonPool(p *pool.Pool, restoring bool, cause error) {
 	s.rmOp(p.Seq, 0)
 	delete(s.poolSeqs, p.ID)
 	p.Abandon()
@@ -238,6 +238,46 @@ func (s *Scheduler) abandonPool(p *pool.Pool, restoring bool) {
 	}
 	// A child still being built on it keeps the object (evicted) until it goes too.
 	_ = s.pools.Remove(p)
+	s.orphanWaiters(p, cause)
+}
+
+// orphanWaiters settles the requests waiting for a new pool whose creation was
+// abandoned (its creator cancelled, the prefill failed, or it waited past the queue
+// timeout: cause): one that named the pool by its key runs unpooled, as a key this
+// replica does not hold does; one that named its id fails as for a pool that does not
+// exist, with the cause (a queue timeout stays a 503: the creator may retry). Kept
+// waiting, they would find the pool evicted and restore it on a sequence id the tree
+// has already handed back, under the next pool created.
+func (s *Scheduler) orphanWaiters(p *pool.Pool, cause error) {
+	gone := fmt.Errorf("%w: pool %d was not created: %w", pool.ErrNotFound, p.ID, cause)
+	for _, t := range slices.Clone(s.queue) {
+		if t.kind != kindGenerate || t.pool != p {
+			continue
+		}
+		if t.req.PoolKey != nil {
+			s.unpool(t)
+			continue
+		}
+		s.queue = slices.DeleteFunc(s.queue, func(q *task) bool { return q == t })
+		s.dropGated(t, gone)
+	}
+	for _, key := range s.adm.HeldKeys() {
+		if t := s.tasks[TaskID(key)]; t.pool == p {
+			s.adm.Unhold(key)
+			if t.req.PoolKey != nil {
+				s.unpool(t)
+				s.enqueue(t)
+				continue
+			}
+			s.dropGated(t, gone)
+		}
+	}
+}
+
+// unpool turns a request that named a pool by its key into an unpooled one.
+func (s *Scheduler) unpool(t *task) {
+	t.pool, t.newSession = nil, false
+	t.req.HasPool, t.req.PoolID = false, 0
 }
 
 // evictPool drops a pool's own cells, keeping the object so it can be restored.

@@ -530,3 +530,51 @@ func TestForkReleasedIsNotFoundForkEvictedRestores(t *testing.T) {
 	}
 	h.checkAccounting()
 }
+
+// TestEventsNameThePool: every event of a request attached to a pool names the pool
+// (issue 30: a streamed reply sends X-Pool-Id with its headers, before its first
+// chunk, so it must know the pool from the first event on); an unpooled request's
+// events name none.
+func TestEventsNameThePool(t *testing.T) {
+	h := newHarness(t, poolCfg())
+	id := h.createPool(PoolSpec{Tokens: seqTokens(1, 20)})
+	pooled := h.submit(Request{Prompt: append(seqTokens(1, 20), 99), HasPool: true, PoolID: id, MaxTokens: 3})
+	plain := h.submit(Request{Prompt: seqTokens(200, 10), MaxTokens: 3})
+	h.run()
+	for task, want := range map[TaskID]int{pooled: id, plain: 0} {
+		evs := h.events[task]
+		if len(evs) < 2 {
+			t.Fatalf("task %d: %d events, want tokens and an end", task, len(evs))
+		}
+		for i, ev := range evs {
+			if ev.Err != nil || ev.Pool != want {
+				t.Fatalf("task %d event %d: pool %d, err %v; want pool %d", task, i, ev.Pool, ev.Err, want)
+			}
+		}
+	}
+}
+
+// TestPoolByKeyPrefersResident: two live pools with one prefix (created twice, the
+// first since evicted): the key names the resident one, so a pool_key request attaches
+// at once instead of restoring the evicted one.
+func TestPoolByKeyPrefersResident(t *testing.T) {
+	h := newHarness(t, poolCfg())
+	toks := seqTokens(1, 20)
+	old := h.createPool(PoolSpec{Tokens: toks})
+	if err := h.evictPool(old); err != nil {
+		t.Fatal(err)
+	}
+	fresh := h.createPool(PoolSpec{Tokens: toks})
+	key := pool.RollingHash(toks)[len(toks)-1]
+	if id, ok := h.s.PoolByKey(key); !ok || id != fresh {
+		t.Fatalf("PoolByKey: %d %v, want the resident pool %d (not the evicted %d)", id, ok, fresh, old)
+	}
+	task := h.submit(Request{Prompt: append(slices.Clone(toks), 99), PoolKey: &key, MaxTokens: 1})
+	h.run()
+	if ev, _ := h.done(task); ev.Err != nil || ev.Stats.Pool != fresh || ev.Stats.CacheN != 20 {
+		t.Fatalf("key request: %+v, want attached to pool %d with 20 cached", ev, fresh)
+	}
+	if p, _ := h.s.pools.Get(old); p.State != pool.Evicted {
+		t.Fatalf("the evicted pool was %s, want it left evicted", p.State)
+	}
+}

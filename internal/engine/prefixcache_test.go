@@ -45,10 +45,11 @@ func TestWarmCacheCountsAsFree(t *testing.T) {
 }
 
 // TestRandomTrafficWithPrefixCache runs FuzzSchedulerInvariants' body over 200 fixed
-// pseudo-random inputs with and without the prefix cache, so every go test exercises
-// implicit reuse under random traffic (the fuzz seeds alone are few): accounting, the
-// cache, the tree and the slots agree after every step, and every text equals a cold
-// prefill's.
+// pseudo-random inputs with and without the prefix cache, in a roomy and a tight
+// cache, so every go test exercises implicit reuse and eviction under random traffic
+// (the fuzz seeds alone are few): accounting, the cache, the tree and the slots agree
+// after every step, no request waits with room to run (checkLiveness), and every text
+// equals a cold prefill's.
 func TestRandomTrafficWithPrefixCache(t *testing.T) {
 	for i := range 200 {
 		r := rand.New(rand.NewPCG(uint64(i), 12))
@@ -57,7 +58,9 @@ func TestRandomTrafficWithPrefixCache(t *testing.T) {
 			data[j] = byte(r.IntN(256))
 		}
 		for _, cache := range []bool{false, true} {
-			fuzzScheduler(t, slices.Clone(data), cache)
+			for _, nctx := range []int{256, 96} {
+				fuzzScheduler(t, slices.Clone(data), cache, nctx)
+			}
 		}
 	}
 }

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"cmp"
 	"fmt"
 	"slices"
 	"time"
@@ -47,6 +48,17 @@ type Config struct {
 	TierRecord bool
 	// PoolIDFloor: pool ids start above it (ids an earlier run may have used).
 	PoolIDFloor int
+	// QueueTimeout bounds every wait in the queue (issue 30): a request waiting for a
+	// sequence, cells or its pool longer than this fails with ErrQueueTimeout (HTTP 503
+	// with Retry-After), a pool's creation waiting for cells is abandoned with it. 0:
+	// no deadline (benchmarks that queue on purpose). Requests held by an enforced
+	// pool's admission gate have that policy's queue_timeout_ms until they are let in.
+	QueueTimeout time.Duration
+	// AttachMin is the least a request naming a pool by its key (pool_key) must share
+	// with the pool's prefix to attach to it as a session (which pins the pool while the
+	// session lives); below it the request runs unpooled (issue 30). A request naming a
+	// pool by id attaches whatever it shares: its client asked for the pool.
+	AttachMin int
 }
 
 // MaxSeqs is the largest n_seq_max llama.cpp accepts.
@@ -67,6 +79,10 @@ func (c Config) Validate() error {
 		return fmt.Errorf("batch size %d must be at least parallel (%d): every running session decodes one token per step", c.NBatch, c.Parallel)
 	case c.MaxQueue < 0:
 		return fmt.Errorf("queue bound must not be negative, got %d", c.MaxQueue)
+	case c.AttachMin < 0:
+		return fmt.Errorf("attach minimum must not be negative, got %d", c.AttachMin)
+	case c.QueueTimeout < 0:
+		return fmt.Errorf("queue timeout must not be negative, got %s", c.QueueTimeout)
 	}
 	return nil
 }
@@ -157,6 +173,10 @@ type task struct {
 	newSession bool
 	// donorP, donorSeq: where pickSlot found the longest cached prefix (prefix cache).
 	donorP, donorSeq int
+	// queued is when the task entered the queue (its deadline runs from there); wait is
+	// why it was still waiting after the last admission pass (a Wait* reason).
+	queued time.Time
+	wait   string
 }
 
 func (t *task) prefilling() bool { return t.slot != nil && len(t.slot.tokens) < len(t.req.Prompt) }
@@ -209,6 +229,12 @@ type Scheduler struct {
 	// is worth trying; tierRestores and tierMisses count the answers.
 	inTier                   map[int]bool
 	tierRestores, tierMisses int64
+	// queueTimeouts counts waits that ran past Config.QueueTimeout.
+	queueTimeouts int64
+
+	// afterAdmit, when set (tests), is called at the end of every admission pass, to
+	// check the liveness invariant where it must hold (doc.go).
+	afterAdmit func()
 
 	// violations counts pool lifecycle verbs that refused a transition the scheduler
 	// asked for: a scheduler bug. It is reported (Usage), never a crash.
@@ -291,9 +317,16 @@ func (s *Scheduler) submit(req Request) (TaskID, Gate, error) {
 		s.adm.Hold(uint64(t.id), p.ID, until)
 		return t.id, g, nil
 	}
-	s.queue = append(s.queue, t)
+	s.enqueue(t)
 	s.admit()
 	return t.id, g, nil
+}
+
+// enqueue puts t at the end of the queue; its queue deadline runs from now.
+func (s *Scheduler) enqueue(t *task) {
+	t.queued = s.now
+	t.wait = ""
+	s.queue = append(s.queue, t)
 }
 
 func (s *Scheduler) newTask(k taskKind, req Request, p *pool.Pool) *task {
@@ -329,17 +362,41 @@ func (s *Scheduler) cancel(id TaskID) {
 		return
 	}
 	if t.slot == nil {
-		s.queue = slices.DeleteFunc(s.queue, func(q *task) bool { return q == t })
-		s.adm.Unhold(uint64(t.id))
-		delete(s.tasks, id)
-		if t.kind == kindMaterialize {
-			s.abandonPool(t.pool, t.restore)
-		}
-		s.events = append(s.events, Event{Task: id, Done: true, Finish: FinishCancelled, Err: ErrCancelled})
+		s.unqueue(t, FinishCancelled, ErrCancelled)
 		return
 	}
 	s.finish(t, FinishCancelled, false, ErrCancelled)
 }
+
+// unqueue ends a task that holds no sequence (waiting in the queue or held by an
+// admission gate): a pool's materialization abandons the pool.
+func (s *Scheduler) unqueue(t *task, finish string, err error) {
+	s.queue = slices.DeleteFunc(s.queue, func(q *task) bool { return q == t })
+	s.adm.Unhold(uint64(t.id))
+	delete(s.tasks, t.id)
+	ev := Event{Task: t.id, Done: true, Finish: finish, Err: err}
+	if t.kind == kindMaterialize {
+		ev.Pool = t.pool.ID
+	}
+	s.events = append(s.events, ev)
+	if t.kind == kindMaterialize {
+		s.abandonPool(t.pool, t.restore, err)
+	}
+}
+
+// Why a request waits in the queue: SlotInfo.WaitReason in /slots and the reason label
+// of polykv_requests_waiting_reason. Each is something that makes progress without the
+// request (the liveness invariant, doc.go), except WaitCells when pinned pools hold the
+// cells; every wait ends by Config.QueueTimeout at the latest.
+const (
+	WaitPool      = "pool"      // its pool (or a fork's parent) is being built or restored
+	WaitPrefix    = "prefix"    // a running request will soon hold a longer prefix of its prompt
+	WaitSession   = "session"   // its session's previous turn is still running
+	WaitSequence  = "sequence"  // every sequence id is held by a running request
+	WaitCells     = "cells"     // the cells it needs are held by running requests or pinned pools
+	WaitQueue     = "queue"     // behind a request that waits for cells (first come, first served)
+	WaitAdmission = "admission" // held by an enforced pool's admission gate
+)
 
 // Events drains the events produced since the last call.
 func (s *Scheduler) Events() []Event {
@@ -540,7 +597,6 @@ type placement struct {
 	cpFrom               int
 	cpP                  int  // > 0: reset the sequence and seq_cp [0, cpP) from cpFrom
 	reused               bool // keep or cpP came from the prefix cache (counted as hits)
-	freed                int  // cells the placement frees (held by this sequence alone)
 }
 
 func (s *Scheduler) place(t *task, sl *slot) placement {
@@ -550,9 +606,9 @@ func (s *Scheduler) place(t *task, sl *slot) placement {
 	prompt := t.req.Prompt
 	if s.prefixCached(t) && t.donorSeq >= 0 {
 		if sl.seq == t.donorSeq {
-			return placement{keep: t.donorP, reused: true, freed: s.cells.Exclusive(sl.seq, t.donorP)}
+			return placement{keep: t.donorP, reused: true}
 		}
-		return placement{cpFrom: t.donorSeq, cpP: t.donorP, reused: true, freed: s.cells.Exclusive(sl.seq, 0)}
+		return placement{cpFrom: t.donorSeq, cpP: t.donorP, reused: true}
 	}
 	own := sl.session != "" && sl.session == t.req.SessionID
 	k := 0
@@ -579,66 +635,118 @@ func (s *Scheduler) place(t *task, sl *slot) placement {
 		}
 		// Continuation on the same pool reuses the session's own cells first.
 		if !(own && sl.base == p && k >= P) && P > 0 {
-			return placement{attachP: P, attachTo: p, attachFrom: src, freed: s.cells.Exclusive(sl.seq, 0)}
+			return placement{attachP: P, attachTo: p, attachFrom: src}
 		}
 	}
 	if !own {
-		return placement{freed: s.cells.Exclusive(sl.seq, 0)}
+		return placement{}
 	}
-	return placement{keep: k, freed: s.cells.Exclusive(sl.seq, k)}
+	return placement{keep: k}
 }
 
 // admit moves waiting tasks onto sequences in FIFO order. A task whose cells are not
-// available blocks those behind it, so a long prompt is never starved.
+// available blocks those behind it, so a long prompt is never starved. A pass that
+// seats or drops a task starts over: what it did (a pool restored or created without a
+// prefill, a session's sequence freed) may have let an earlier waiting task go, and a
+// waiting task must be seated in the step its capacity allows it (doc.go, liveness).
 func (s *Scheduler) admit() {
+	if s.afterAdmit != nil {
+		defer s.afterAdmit()
+	}
+	for s.admitPass() {
+	}
+}
+
+// admitPass is one pass of admit over the queue; it reports whether it seated or
+// dropped a task.
+func (s *Scheduler) admitPass() bool {
+	moved := false
 	for i := 0; i < len(s.queue); {
 		t := s.queue[i]
 		if ok, err := s.ready(t); err != nil {
 			s.queue = slices.Delete(s.queue, i, i+1)
 			delete(s.tasks, t.id)
 			s.events = append(s.events, Event{Task: t.id, Done: true, Finish: FinishError, Err: err})
+			moved = true
 			continue
 		} else if !ok {
-			i++ // waits for its pool (or the pool's parent) to be resident
+			i++ // waits for its pool (or the pool's parent), or a donor (t.wait says)
 			continue
 		}
 		sl := s.pickSlot(t)
 		if sl == nil {
 			i++ // its session is busy, or no sequence is free: later tasks may still fit
+			t.wait = WaitSequence
+			if _, ok := s.bySession[t.req.SessionID]; ok && t.req.SessionID != "" {
+				t.wait = WaitSession
+			}
 			continue
 		}
 		pl := s.place(t, sl)
-		kept := pl.keep + pl.attachP + pl.cpP
-		need := len(t.req.Prompt) - kept
-		// A donor's cells that this placement copies are not evictable for it.
-		keep, keepTo := -1, 0
-		if pl.cpP > 0 {
-			keep, keepTo = pl.cpFrom, pl.cpP
-		}
-		if t.kind == kindMaterialize {
-			P, donor := s.poolDonor(t.pool)
-			need = t.pool.L() - P
-			keep, keepTo = donor, P
-		}
-		free := s.cfg.NCtx - s.usedCells() + pl.freed - s.reservedPrefill()
-		if free+s.evictableCellsKeeping(sl, keep, keepTo) < need {
-			return // head-of-line: wait for running tasks to end
+		if need, room := s.fit(t, sl, pl); room < need {
+			// Head-of-line: wait for running tasks to end; those behind wait behind it.
+			t.wait = WaitCells
+			for _, q := range s.queue[i+1:] {
+				q.wait = WaitQueue
+				if dep := q.pool; q.kind == kindGenerate && dep != nil && dep.State != pool.Resident {
+					q.wait = WaitPool // it could not go even if the head did
+				}
+			}
+			return moved
 		}
 		s.seat(t, sl, pl)
-		if free < need {
-			// Seated, t is prefilling: reservedPrefill now counts its need too.
-			s.freeCells(s.reservedPrefill(), sl, 0)
+		if s.cfg.NCtx-s.usedCells() < s.reservedPrefill() {
+			// Seated, t is prefilling: reservedPrefill now counts its need too, and fit
+			// said eviction can free that much.
+			s.freeCells(s.reservedPrefill(), nil, 0)
 		}
 		s.queue = slices.Delete(s.queue, i, i+1)
+		moved = true
 	}
+	return moved
+}
+
+// fit is what t needs on sl as placed, and the room it has: the cells free now, less
+// those promised to prompts already seated (reservedPrefill), plus every cell eviction
+// could reclaim for it. That is exactly what seat and freeCells will do: sl gives up
+// whatever the placement does not keep, and every victim (idle sequences, evictable
+// pools) its cells; what stays is what the placement keeps or borrows (sl's own kept
+// prefix, the donor's copied prefix, the pool it attaches to, which attaching pins)
+// and whatever a sequence that is not a victim holds. Cells that sl shares with other
+// victims count: taking sl and them frees them (counting only what sl or the others
+// held alone left such cells out, and a request could wait forever on an idle server).
+func (s *Scheduler) fit(t *task, sl *slot, pl placement) (need, room int) {
+	set := s.victimSet(nil)
+	keepSeq, keepTo := -1, 0
+	need = len(t.req.Prompt) - pl.keep - pl.attachP - pl.cpP
+	switch {
+	case t.kind == kindMaterialize:
+		var P int
+		P, keepSeq = s.poolDonor(t.pool)
+		need, keepTo = t.pool.L()-P, P
+	case pl.attachP > 0:
+		set.del(pl.attachTo.Seq)   // attached, the pool stays whole
+		set.del(pl.attachFrom.Seq) // and the one it copies from (itself, or its ancestor)
+		set.add(sl.seq)
+	case pl.cpP > 0:
+		keepSeq, keepTo = pl.cpFrom, pl.cpP
+		set.add(sl.seq)
+	default:
+		keepSeq, keepTo = sl.seq, pl.keep
+		set.add(sl.seq)
+	}
+	room = s.cfg.NCtx - s.usedCells() - s.reservedPrefill() + s.cells.Freed(set, keepSeq, keepTo)
+	return need, room
 }
 
 // ready reports whether a waiting task's pool dependencies are met, and starts
 // restoring an evicted pool it needs. A pool released while the task waited fails it.
 func (s *Scheduler) ready(t *task) (bool, error) {
 	if s.prefixCached(t) && s.awaitsDonor(t) {
+		t.wait = WaitPrefix
 		return false, nil
 	}
+	t.wait = WaitPool // until it returns true
 	need := t.pool
 	if t.kind == kindMaterialize {
 		need = t.pool.Parent
@@ -734,6 +842,49 @@ func (s *Scheduler) advance() {
 	s.settle()
 	s.releaseGated()
 	s.admit()
+	s.deadlines()
+}
+
+// deadlines ends the waits past Config.QueueTimeout: a request fails with
+// ErrQueueTimeout, a pool's creation is abandoned with it (so are requests that named
+// it by id; by key they run unpooled), a restore goes back to evicted (the requests
+// that need it restart it, or time out themselves). It runs after admit, so a task
+// whose room came at its deadline still runs, and admits again when it dropped
+// anything: the head of the queue gone, those behind it may fit.
+func (s *Scheduler) deadlines() {
+	if s.cfg.QueueTimeout <= 0 {
+		return
+	}
+	dropped := false
+	for _, t := range slices.Clone(s.queue) {
+		waited := s.now.Sub(t.queued)
+		if waited < s.cfg.QueueTimeout || s.tasks[t.id] != t {
+			continue
+		}
+		s.queueTimeouts++
+		s.unqueue(t, FinishError, fmt.Errorf("%w: waited %s for %s (queue timeout %s)", ErrQueueTimeout, waited.Round(time.Millisecond), waitPhrase(t.wait), s.cfg.QueueTimeout))
+		dropped = true
+	}
+	if dropped {
+		s.admit()
+	}
+}
+
+// waitPhrase says a wait reason in words, for errors.
+func waitPhrase(reason string) string {
+	switch reason {
+	case WaitPool:
+		return "its pool to be built"
+	case WaitPrefix:
+		return "a running request's prefix"
+	case WaitSession:
+		return "its session's running turn"
+	case WaitSequence:
+		return "a sequence (every one is running)"
+	case WaitCells:
+		return "KV cells held by running requests or pinned pools"
+	}
+	return "the request ahead of it, which waits for KV cells"
 }
 
 // Plan builds the next step: one decode token for every generating task, then prompt
@@ -860,7 +1011,7 @@ func (s *Scheduler) onToken(t *task, smp Sampled) {
 	}
 	t.generated++
 	text, stopWord := t.text.push(s.vocab.Piece(smp.Token))
-	ev := Event{Task: t.id, Text: text}
+	ev := Event{Task: t.id, Text: text, Pool: t.poolID()}
 	if t.req.Logprobs {
 		ev.Tokens = []TokenLogprob{{Token: smp.Token, Logprob: smp.Logprob, Top: smp.Top}}
 	}
@@ -889,7 +1040,7 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 	if t.kind == kindMaterialize {
 		s.removeRunning(t)
 		s.events = append(s.events, Event{Task: t.id, Done: true, Finish: reason, Err: err, Pool: t.pool.ID})
-		s.abandonPool(t.pool, t.restore)
+		s.abandonPool(t.pool, t.restore, cmp.Or(err, ErrCancelled))
 		return
 	}
 	stats := Stats{PromptN: len(t.req.Prompt) - t.cacheN, CacheN: t.cacheN, PredictedN: t.generated, Seq: sl.seq}
@@ -905,7 +1056,7 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 	}
 	stats.TPS = t.ewma.Rate()
 	stats.Ctx = s.sessionContext(sl)
-	s.events = append(s.events, Event{Task: t.id, Text: t.text.flush(), Done: true, Finish: reason, StopWord: t.stopWord, Truncated: truncated, Err: err, Stats: stats})
+	s.events = append(s.events, Event{Task: t.id, Text: t.text.flush(), Done: true, Finish: reason, StopWord: t.stopWord, Truncated: truncated, Err: err, Stats: stats, Pool: stats.Pool})
 	s.samplers = append(s.samplers, SamplerOp{Task: t.id, Free: true})
 	s.obs = append(s.obs, Observation{Kind: ObsQuery, Pool: stats.Pool, PromptTokens: len(t.req.Prompt), CachedTokens: t.cacheN})
 	s.removeRunning(t)

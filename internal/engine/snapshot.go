@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"cmp"
 	"fmt"
 	"time"
 
@@ -65,14 +66,59 @@ func (s *Scheduler) Slots() []SlotInfo {
 	return out
 }
 
+// WaitInfo is one request that holds no sequence yet (issue 30: every wait is visible):
+// /slots lists it as a "waiting" entry, and /metrics counts waits by Reason.
+type WaitInfo struct {
+	Task      uint64
+	SessionID string
+	PoolID    *int // the pool it will attach to (nil: none)
+	PromptN   int
+	// Reason is why it still waited after the last admission pass (a Wait* constant;
+	// WaitAdmission: held by an enforced pool's gate).
+	Reason string
+	Waited time.Duration // since it was submitted
+}
+
+// Waiting lists the requests waiting at now for a sequence, cells or their pool, in
+// queue order, then those an enforced pool's admission gate holds. Pool
+// materializations are not requests (GET /polykv/pools shows them as materializing).
+func (s *Scheduler) Waiting(now time.Time) []WaitInfo {
+	s.now = now
+	out := []WaitInfo{}
+	add := func(t *task, reason string) {
+		w := WaitInfo{Task: uint64(t.id), SessionID: t.req.SessionID, PromptN: len(t.req.Prompt), Reason: reason, Waited: s.now.Sub(t.submitted)}
+		if t.pool != nil {
+			id := t.pool.ID
+			w.PoolID = &id
+		}
+		out = append(out, w)
+	}
+	for _, t := range s.queue {
+		if t.kind == kindGenerate {
+			add(t, cmp.Or(t.wait, WaitQueue))
+		}
+	}
+	for _, key := range s.adm.HeldKeys() {
+		if t, ok := s.tasks[TaskID(key)]; ok {
+			add(t, WaitAdmission)
+		}
+	}
+	return out
+}
+
 // Usage is a copy of the engine's load.
 type Usage struct {
 	CellsUsed int
 	CellsMax  int
-	Running   int
-	Waiting   int
-	Sessions  int
-	Pools     int
+	// CellsEvictable are the cells in use that eviction would free for a new request:
+	// those only idle sequences (sessions, cached anonymous ones) and evictable pools
+	// (unpinned, idle past the grace time) hold. CellsUsed - CellsEvictable is what no
+	// new request can get: the KV usage a router should read (issue 30).
+	CellsEvictable int
+	Running        int
+	Waiting        int
+	Sessions       int
+	Pools          int
 	// Prefix cache (issue 12): prompt tokens served from cached prefixes so far, the
 	// cells only finished anonymous sequences kept as cache hold (what dropping the
 	// cache would free), those sequences, and how often one lost cells under pressure.
@@ -85,6 +131,9 @@ type Usage struct {
 	// whose own cells were dropped. Anonymous ones are CacheEvictions.
 	SessionEvictions int64
 	PoolEvictions    int64
+	// QueueTimeouts counts waits that ran past Config.QueueTimeout (requests refused
+	// with ErrQueueTimeout, pool creations and restores abandoned).
+	QueueTimeouts int64
 }
 
 // Usage reports the current load.
@@ -103,13 +152,14 @@ func (s *Scheduler) Usage() Usage {
 	}
 	u := Usage{CellsUsed: s.usedCells(), CellsMax: s.cfg.NCtx, Running: running, Waiting: waiting, Sessions: len(s.bySession), Pools: s.pools.Len(),
 		CacheHitTokens: s.cacheHits, CacheEvictions: s.cacheEvictions,
-		SessionEvictions: s.sessionEvictions, PoolEvictions: s.poolEvictions}
+		SessionEvictions: s.sessionEvictions, PoolEvictions: s.poolEvictions, QueueTimeouts: s.queueTimeouts}
 	for _, sl := range s.slots {
 		if s.cachedSlot(sl.seq) != nil {
 			u.CacheSeqs++
 		}
 	}
 	u.CacheCells = s.cacheOnlyCells()
+	u.CellsEvictable = s.evictableCells(nil)
 	return u
 }
 
@@ -137,6 +187,7 @@ type Snapshot struct {
 	Pools      PoolsStatus
 	TPS        TPSSnapshot
 	Metrics    []PoolMetric
+	Waiting    []WaitInfo
 	Violations int
 	// tokens holds each pool's prefix: pool prefixes are immutable, so the snapshot
 	// shares them instead of copying.
@@ -150,7 +201,7 @@ func (s *Scheduler) Snapshot(now time.Time) *Snapshot {
 	s.now = now
 	metrics, usage := s.Metrics(now)
 	sn := &Snapshot{At: now, Slots: s.Slots(), Usage: usage, Floors: s.Floors(), Pools: s.Pools(), TPS: s.TPS(now),
-		Metrics: metrics, Violations: s.violations, tokens: map[int][]Token{}, admission: map[int]admission.Policy{},
+		Metrics: metrics, Waiting: s.Waiting(now), Violations: s.violations, tokens: map[int][]Token{}, admission: map[int]admission.Policy{},
 		unsupported: s.cfg.PoolsUnsupported}
 	for _, p := range s.pools.All() {
 		sn.tokens[p.ID] = p.Tokens

@@ -23,16 +23,19 @@ import (
 //
 // Commands:
 //
-//	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR [cost=perdecode] [prefixcache=on]
-//	submit name=X prompt=1..6;99 [session=S] [max=N] [pool=P] [shared=N] [reservation=R] [overcommit] [nocache]
-//	pool name=P prompt=... [parent=Q d=N] [pin] [prefilled]   create (or fork) and
-//	                  materialize; prefilled: also print how many tokens were prefilled
+//	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR [cost=perdecode] [prefixcache=on] [queuetimeout=DUR] [attachmin=N]
+//	submit name=X prompt=1..6;99 [session=S] [max=N] [pool=P | poolkey=P] [shared=N] [reservation=R] [overcommit] [nocache]
+//	                  poolkey: name pool P by its content key (prefix hash), as a router does
+//	pool name=P prompt=... [parent=Q d=N] [pin] [prefilled] [nowait]   create (or fork)
+//	                  and materialize; prefilled: also print how many tokens were
+//	                  prefilled; nowait: return at once, the materialization is task P
 //	release|evict|pin|unpin|flush pool=P
 //	cancel name=X
 //	step [n=N]        plan, decode, commit; prints each batch and what ended
 //	run               step until idle; prints what ended
 //	advance d=DUR     move the clock
 //	state             sessions, pools and cells (checked against the fake cache)
+//	waiting           the requests without a sequence yet: why they wait, for how long
 //	admission pool=P [mode=M] [on=S] [floor=F] [guarantee=N] [settle_tokens=N] [settle_ms=N] [queue_ms=N]
 //	capacity pool=P [expected=N] [session=S]   the admission verdict now
 //	reserve name=R pool=P [ttl=DUR] [expected=N]
@@ -92,6 +95,10 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 				}
 			case "prefixcache":
 				cfg.PrefixCache = v == "on"
+			case "attachmin":
+				cfg.AttachMin = atoi(t, d, v)
+			case "queuetimeout":
+				cfg.QueueTimeout = dur(t, d, v)
 			case "recurrent":
 				cfg.Recurrent = v == "on"
 			default:
@@ -112,6 +119,14 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 		}
 		if v := arg(d, "pool"); v != "" {
 			req.HasPool, req.PoolID = true, st.poolID(v)
+		}
+		if v := arg(d, "poolkey"); v != "" {
+			info, err := st.h.s.Pool(st.poolID(v))
+			if err != nil {
+				d.Fatalf(t, "poolkey: %v", err)
+			}
+			key := pool.RollingHash(info.Tokens)[len(info.Tokens)-1]
+			req.PoolKey = &key
 		}
 		req.NoPrefixCache = d.HasArg("nocache")
 		if v := arg(d, "shared"); v != "" {
@@ -193,6 +208,14 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 		return "ok"
 	case "state":
 		st.state()
+	case "waiting":
+		for _, w := range st.h.s.Waiting(st.h.now) {
+			line := fmt.Sprintf("%s: %s for %s", st.names[TaskID(w.Task)], w.Reason, w.Waited)
+			if w.PoolID != nil {
+				line += fmt.Sprintf(" (pool %d)", *w.PoolID)
+			}
+			st.printf("%s\n", line)
+		}
 	case "admission", "capacity", "reserve", "unreserve":
 		return st.admission(t, d)
 	default:
@@ -216,6 +239,13 @@ func (st *story) pool(t *testing.T, d *datadriven.TestData) string {
 	}
 	st.pools[name] = id
 	st.h.collect()
+	if d.HasArg("nowait") {
+		if task == 0 {
+			return fmt.Sprintf("%s: pool %d resident at once", name, id)
+		}
+		st.tasks[name], st.names[task] = task, name
+		return fmt.Sprintf("%s: pool %d materializing", name, id)
+	}
 	prefilled := 0
 	for i := 0; task != 0; i++ {
 		if ev, ok := st.h.done(task); ok {

@@ -110,7 +110,10 @@ type Event struct {
 	Truncated bool   // with Done: stopped because the context ran out
 	Err       error  // with Done: the task failed
 	Stats     Stats  // with Done
-	Pool      int    // with Done, for a pool's materialization: the pool id
+	// Pool: for a pool's materialization (with Done) the pool id; for a request, the
+	// pool its sequence is attached to (0: none), on every event, so a streamed reply
+	// can name it in a header before its first chunk (X-Pool-Id).
+	Pool int
 }
 
 // Sentinel errors, mapped to HTTP statuses by the API layer.
@@ -123,6 +126,8 @@ var (
 	ErrInvalidToken    = errors.New("token outside the vocabulary")
 	ErrDecode          = errors.New("decode failed")
 	ErrContextExceeded = errors.New("the context is exhausted")
+	// ErrQueueTimeout: the request waited in the queue past Config.QueueTimeout.
+	ErrQueueTimeout = errors.New("the request waited too long in the queue")
 )
 
 // BatchEntry is one token of a decode batch.

@@ -95,12 +95,15 @@ type TPSProps struct {
 
 // EngineUsage is the engine's load (in /props).
 type EngineUsage struct {
-	KVCellsUsed     int `json:"kv_cells_used"`
-	KVCellsMax      int `json:"kv_cells_max"`
-	RequestsRunning int `json:"requests_running"`
-	RequestsWaiting int `json:"requests_waiting"`
-	Sessions        int `json:"sessions"`
-	Pools           int `json:"pools"`
+	KVCellsUsed int `json:"kv_cells_used"`
+	KVCellsMax  int `json:"kv_cells_max"`
+	// KVCellsEvictable: of the cells used, those eviction would free for a new request
+	// (idle sessions, cached sequences, unpinned idle pools).
+	KVCellsEvictable int `json:"kv_cells_evictable"`
+	RequestsRunning  int `json:"requests_running"`
+	RequestsWaiting  int `json:"requests_waiting"`
+	Sessions         int `json:"sessions"`
+	Pools            int `json:"pools"`
 	// The prefix cache (engine.Usage's Cache* fields).
 	PrefixCacheHitTokens int64 `json:"prefix_cache_hit_tokens"`
 	PrefixCacheCells     int   `json:"prefix_cache_cells"`
@@ -124,6 +127,12 @@ type Slot struct {
 	CtxTotal          int     `json:"ctx_total"`
 	CtxHeadroomTokens int     `json:"ctx_headroom_tokens"`
 	CtxPressure       float64 `json:"ctx_pressure"` // the session's own context pressure
+	// A waiting request (state "waiting", id -1: no sequence yet) says why it waits
+	// (pool, prefix, session, sequence, cells, queue, admission), since when, and how
+	// long its prompt is.
+	NPromptTokens int    `json:"n_prompt_tokens,omitempty"`
+	WaitingReason string `json:"waiting_reason,omitempty"`
+	WaitingMs     *int64 `json:"waiting_ms,omitempty"`
 }
 
 // TokenizeRequest is POST /tokenize.
