@@ -142,6 +142,10 @@ def live():
         assert r.status_code == 201, r.text
         spare = r.json()["pool_id"]
         assert c.post(f"/polykv/pools/{spare}/evict").status_code == 200
+        # Evicted from the cache: its KV went to the pool tier (ram, with the default
+        # --pool-ram-mb) or, without a tier, nowhere ("evicted").
+        spare_residency = c.get(f"/polykv/pools/{spare}").json()["residency"]
+        assert spare_residency in ("ram", "disk", "evicted"), spare_residency
         r = c.post("/v1/completions", json={"prompt": "Hello", "session_id": "solo-idle", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200, r.text
         plan = []
@@ -161,7 +165,7 @@ def live():
             else:
                 pytest.fail(f"agents did not all start decoding: {snap}")
             yield {"base": base, "pools": {k: v["pool_id"] for k, v in pools.items()}, "agents": agents,
-                   "branch_pos_B": L - 5, "spare": spare}
+                   "branch_pos_B": L - 5, "spare": spare, "spare_residency": spare_residency}
             assert not agents.errors, agents.errors
 
 
@@ -238,7 +242,7 @@ def test_dashboard_shows_live_tree(live, browser):
     assert edge("A") == f"extends #{pools['root']}"
     assert edge("B") == f"branches #{pools['root']} @{live['branch_pos_B']}"
     spare = browser.find_element(By.CSS_SELECTOR, f"#tree > li[data-pool='{live['spare']}'] > .pool")
-    assert "evicted" in spare.find_element(By.CSS_SELECTOR, ".badges").text
+    assert live["spare_residency"] in spare.find_element(By.CSS_SELECTOR, ".badges").text
     assert spare.find_element(By.CSS_SELECTOR, ".none").is_displayed()  # "no sessions attached"
     _wait(browser, lambda d: _rows(d).get("solo-idle", {}).get("pool", 0) is None, what="unpooled idle session")
     assert _rows(browser)["solo-idle"]["state"] == "idle"

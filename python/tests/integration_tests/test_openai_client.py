@@ -16,10 +16,12 @@ def test_models(client):
 def test_chat_completion(client):
     resp = client.chat.completions.create(
         model="smollm2",
-        # No system message: with "You are a helpful assistant." SmolLM2-135M's first
-        # token is a near-tie ("The" -1.65 vs "La" -1.78 nats with ggml's kernels, the
-        # other way round with PolyKV's), and the French branch never says Paris.
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        # An empty system message: SmolLM2-135M on llama.cpp b11434 answers this question
+        # in French (never naming Paris) with no system message (its template's default
+        # one) in PolyKV and llama-server alike, and with "You are a helpful assistant."
+        # its first token is a near-tie ("The" -1.65 vs "La" -1.78 nats) that PolyKV's
+        # kernels resolve to French; with an empty one all three say Paris.
+        messages=[{"role": "system", "content": ""}, {"role": "user", "content": "What is the capital of France?"}],
         max_tokens=24,
         temperature=0,
     )
