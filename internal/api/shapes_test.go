@@ -41,15 +41,36 @@ func newServer(t testing.TB, script []engine.Token, keys ...string) (string, *en
 // newServerCfg is newServer with the engine configuration cfg.
 func newServerCfg(t testing.TB, cfg engine.Config, script []engine.Token, keys ...string) (string, *enginetest.Backend) {
 	t.Helper()
+	return serveFake(t, cfg, script, nil, keys...)
+}
+
+// newServerMetrics is newServerCfg with /metrics served, fed by the engine.
+func newServerMetrics(t testing.TB, cfg engine.Config, script []engine.Token) string {
+	t.Helper()
+	url, _ := serveFake(t, cfg, script, api.NewMetrics())
+	return url
+}
+
+// serveFake serves the API over a fake-backend engine with configuration cfg; metrics
+// (may be nil) observe the engine and are served at /metrics.
+func serveFake(t testing.TB, cfg engine.Config, script []engine.Token, metrics *api.Metrics, keys ...string) (string, *enginetest.Backend) {
+	t.Helper()
 	sched, err := engine.NewScheduler(cfg, enginetest.Vocab{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	be := enginetest.NewBackend(script)
-	eng := engine.New(sched, be, nil)
+	var obs engine.Observer
+	if metrics != nil {
+		obs = metrics
+	}
+	eng := engine.New(sched, be, obs)
+	if metrics != nil {
+		metrics.SetEngine(eng)
+	}
 	srv := api.New(eng, enginetest.Vocab{}, renderer{}, api.Info{ModelID: "fake", NCtx: cfg.NCtx, Parallel: cfg.Parallel,
 		NBatch: cfg.NBatch, NVocab: enginetest.NVocab, MaxPools: cfg.MaxPools, BytesPerCell: cfg.BytesPerCell,
-		BuildInfo: "b11434-test", CPUFeatures: []string{"AVX2", "FMA"}}, nil, nil)
+		BuildInfo: "b11434-test", CPUFeatures: []string{"AVX2", "FMA"}}, metrics, nil)
 	srv.RequireAPIKeys(keys)
 	ts := httptest.NewServer(srv.Handler())
 	t.Cleanup(func() {

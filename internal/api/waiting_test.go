@@ -5,12 +5,10 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/polykv/polykv/internal/api"
 	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/engine/enginetest"
 )
@@ -22,20 +20,7 @@ import (
 // streamed or not, the answer is a plain JSON 503, not a stream.
 func TestQueueTimeout(t *testing.T) {
 	cfg := engine.Config{NCtx: 64, Parallel: 2, MaxPools: 1, NBatch: 64, MaxQueue: 4, QueueTimeout: 400 * time.Millisecond}
-	sched, err := engine.NewScheduler(cfg, enginetest.Vocab{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	metrics := api.NewMetrics()
-	eng := engine.New(sched, enginetest.NewBackend(enginetest.Bytes("a")), metrics)
-	metrics.SetEngine(eng)
-	srv := api.New(eng, enginetest.Vocab{}, renderer{}, api.Info{ModelID: "fake", NCtx: cfg.NCtx, Parallel: cfg.Parallel,
-		NBatch: cfg.NBatch, NVocab: enginetest.NVocab, MaxPools: cfg.MaxPools}, metrics, nil)
-	ts := httptest.NewServer(srv.Handler())
-	t.Cleanup(func() {
-		ts.Close()
-		eng.Close()
-	})
+	base := newServerMetrics(t, cfg, enginetest.Bytes("a"))
 	ids := func(from, n int) []int {
 		out := make([]int, n)
 		for i := range out {
@@ -43,19 +28,19 @@ func TestQueueTimeout(t *testing.T) {
 		}
 		return out
 	}
-	if r := do(t, "POST", ts.URL+"/polykv/pools", map[string]any{"tokens": ids(1, 50), "pin": true}); r.code != 201 {
+	if r := do(t, "POST", base+"/polykv/pools", map[string]any{"tokens": ids(1, 50), "pin": true}); r.code != 201 {
 		t.Fatalf("pool: %d %s", r.code, r.raw)
 	}
 	for _, stream := range []bool{false, true} {
 		start := time.Now()
 		got := make(chan reply, 1)
 		go func() {
-			got <- do(t, "POST", ts.URL+"/v1/completions", map[string]any{"prompt": ids(100, 30), "max_tokens": 2, "stream": stream})
+			got <- do(t, "POST", base+"/v1/completions", map[string]any{"prompt": ids(100, 30), "max_tokens": 2, "stream": stream})
 		}()
 		var waiting map[string]any
 		for deadline := time.Now().Add(5 * time.Second); waiting == nil && time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
 			var slots []map[string]any
-			getJSON(t, ts.URL+"/slots", &slots)
+			getJSON(t, base+"/slots", &slots)
 			for _, s := range slots {
 				if s["state"] == "waiting" {
 					waiting = s
@@ -66,7 +51,7 @@ func TestQueueTimeout(t *testing.T) {
 			waiting["n_prompt_tokens"] != float64(30) || waiting["waiting_ms"] == nil {
 			t.Fatalf("stream=%v: /slots while waiting: %v", stream, waiting)
 		}
-		if m := scrape(t, ts.URL); !strings.Contains(m, `polykv_requests_waiting_reason{reason="cells"} 1`) {
+		if m := scrape(t, base); !strings.Contains(m, `polykv_requests_waiting_reason{reason="cells"} 1`) {
 			t.Fatalf("stream=%v: /metrics while waiting lacks the cells wait:\n%s", stream, m)
 		}
 		r := <-got
@@ -80,7 +65,7 @@ func TestQueueTimeout(t *testing.T) {
 			t.Fatalf("stream=%v: refused after %s, before the timeout", stream, d)
 		}
 	}
-	m := scrape(t, ts.URL)
+	m := scrape(t, base)
 	for _, want := range []string{"polykv_queue_timeouts_total 2", `polykv_requests_waiting_reason{reason="cells"} 0`, "polykv_queue_oldest_wait_seconds 0"} {
 		if !strings.Contains(m, want) {
 			t.Fatalf("/metrics after the timeouts lacks %q:\n%s", want, m)
@@ -116,30 +101,17 @@ func scrape(t *testing.T, base string) string {
 // polykv_kv_cells_evictable); a pinned pool's are not.
 func TestKVUsageRatioCountsWhatCannotBeReclaimed(t *testing.T) {
 	cfg := engine.Config{NCtx: 512, Parallel: 2, MaxPools: 1, NBatch: 64, MaxQueue: 4}
-	sched, err := engine.NewScheduler(cfg, enginetest.Vocab{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	metrics := api.NewMetrics()
-	eng := engine.New(sched, enginetest.NewBackend(enginetest.Bytes("a")), metrics)
-	metrics.SetEngine(eng)
-	srv := api.New(eng, enginetest.Vocab{}, renderer{}, api.Info{ModelID: "fake", NCtx: cfg.NCtx, Parallel: cfg.Parallel,
-		NBatch: cfg.NBatch, NVocab: enginetest.NVocab, MaxPools: cfg.MaxPools}, metrics, nil)
-	ts := httptest.NewServer(srv.Handler())
-	t.Cleanup(func() {
-		ts.Close()
-		eng.Close()
-	})
+	base := newServerMetrics(t, cfg, enginetest.Bytes("a"))
 	prompt := make([]int, 20)
 	for i := range prompt {
 		prompt[i] = 100 + i
 	}
-	if r := do(t, "POST", ts.URL+"/v1/completions", map[string]any{"prompt": prompt, "max_tokens": 2, "session_id": "s"}); r.code != 200 {
+	if r := do(t, "POST", base+"/v1/completions", map[string]any{"prompt": prompt, "max_tokens": 2, "session_id": "s"}); r.code != 200 {
 		t.Fatalf("completion: %d %s", r.code, r.raw)
 	}
 	check := func(when string, used, evictable int) {
 		t.Helper()
-		m := scrape(t, ts.URL)
+		m := scrape(t, base)
 		ratio := float64(used-evictable) / float64(cfg.NCtx)
 		for name, want := range map[string]float64{"polykv_kv_cells_used": float64(used), "polykv_kv_cells_evictable": float64(evictable), "polykv_kv_usage_ratio": ratio} {
 			if got := metricValue(t, m, name); got != want {
@@ -148,7 +120,7 @@ func TestKVUsageRatioCountsWhatCannotBeReclaimed(t *testing.T) {
 		}
 	}
 	check("an idle session", 21, 21) // 20 prompt cells and the first sampled token's
-	if r := do(t, "POST", ts.URL+"/polykv/pools", map[string]any{"tokens": prompt[:10], "pin": true}); r.code != 201 {
+	if r := do(t, "POST", base+"/polykv/pools", map[string]any{"tokens": prompt[:10], "pin": true}); r.code != 201 {
 		t.Fatalf("pool: %d %s", r.code, r.raw)
 	}
 	// Without the prefix cache the pool prefills its own 10 cells: pinned, they are
