@@ -124,7 +124,12 @@ namespace vnni {
 
 // use_vnni: the CPU has AVX-512 VNNI (and VL for its 256-bit form); tests may turn it
 // off to run the AVX2 path (polykv_kq_set_vnni).
-std::atomic<bool> use_vnni{__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")};
+// (__builtin_cpu_init first: this initializer may run before libgcc's own constructor
+// has filled in the CPU model, and would then read "no VNNI".)
+std::atomic<bool> use_vnni{[] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+}()};
 
 size_t packed_bytes(ggml_type t) {
     switch (t) {
@@ -261,6 +266,8 @@ extern "C" unsigned long long polykv_kq_computed(void) { return computed.load();
 
 extern "C" int polykv_kq_available(void) { return 1; }
 
+extern "C" int polykv_kq_vnni(void) { return use_vnni.load() ? 1 : 0; }
+
 extern "C" int polykv_kq_set_vnni(int on) {
     const bool can = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
     use_vnni.store(on != 0 && can);
@@ -365,6 +372,8 @@ extern "C" unsigned long long polykv_kq_computed(void) { return 0; }
 extern "C" int polykv_kq_available(void) { return 0; }
 
 extern "C" int polykv_kq_set_vnni(int on) { (void) on; return 0; }
+
+extern "C" int polykv_kq_vnni(void) { return 0; }
 
 extern "C" int polykv_kq_selftest(int, int, int, int, unsigned, double *, int *, int *) { return -1; }
 

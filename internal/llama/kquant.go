@@ -59,4 +59,4 @@ func kquantSelfTest(typ, m, k, n int, seed uint32) (maxRel float64, identical bo
 
 // MatMulKernelVNNI reports whether PolyKV's matrix kernel runs its AVX-512 VNNI path
 // (chosen at run time where the CPU has it; otherwise its AVX2 path).
-func MatMulKernelVNNI() bool { return C.polykv_kq_set_vnni(C.int(boolToInt(true))) != 0 }
+func MatMulKernelVNNI() bool { return C.polykv_kq_vnni() != 0 }

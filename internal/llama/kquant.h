@@ -19,6 +19,9 @@ int polykv_kq_available(void);
 // path; it returns whether VNNI is now used. The default is VNNI where available.
 int polykv_kq_set_vnni(int on);
 
+// polykv_kq_vnni reports whether the AVX-512 VNNI path is in use.
+int polykv_kq_vnni(void);
+
 // polykv_kq_selftest checks the kernel on random data (see kquant.cpp); 0 on success.
 int polykv_kq_selftest(int type, int M, int K, int N, unsigned seed, double * max_rel, int * identical, int * paths);
 

@@ -3,6 +3,8 @@ package llama
 import (
 	"math"
 	"testing"
+
+	"golang.org/x/sys/cpu"
 )
 
 // TestKQuantKernel checks PolyKV's matrix kernel (Q4_K, Q6_K, Q4_1) on random matrices,
@@ -16,6 +18,10 @@ import (
 func TestKQuantKernel(t *testing.T) {
 	if !MatMulKernelAvailable() {
 		t.Skip("this build has no AVX2/FMA: PolyKV's matrix kernel is not compiled in")
+	}
+	// The run-time choice: VNNI exactly where the CPU has it (and its 256-bit form).
+	if want := cpu.X86.HasAVX512VNNI && cpu.X86.HasAVX512VL; MatMulKernelVNNI() != want {
+		t.Errorf("VNNI path in use %v, CPU has AVX-512 VNNI+VL %v", MatMulKernelVNNI(), want)
 	}
 	for _, tc := range []struct {
 		name    string
