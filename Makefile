@@ -17,7 +17,7 @@ endif
 LLAMA_CFLAGS := $(shell ./scripts/llama.sh cflags)
 # POLYKV_LLAMA_BUILD_INFO names the llama.cpp the headers (and so the libraries) belong to,
 # for /props; being in CGO_CPPFLAGS, it also makes Go recompile the binding after a bump.
-export CGO_CPPFLAGS := -I$(LLAMA_SRC)/include -I$(LLAMA_SRC)/ggml/include -I$(LLAMA_SRC)/ggml/src -DPOLYKV_LLAMA_BUILD_INFO=$(shell ./scripts/llama.sh info)
+export CGO_CPPFLAGS := -I$(LLAMA_SRC)/include -I$(LLAMA_SRC)/ggml/include -I$(LLAMA_SRC)/ggml/src -I$(LLAMA_SRC)/src -DPOLYKV_LLAMA_BUILD_INFO=$(shell ./scripts/llama.sh info)
 export CGO_CFLAGS := -O3 $(LLAMA_CFLAGS)
 export CGO_CXXFLAGS := -O3 $(LLAMA_CFLAGS)
 export CGO_LDFLAGS := -L$(LLAMA_DIR)/src -L$(LLAMA_DIR)/ggml/src

@@ -151,6 +151,19 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
+// AddCompactions exports the whole-cache compactions the backend ran and the seconds they
+// took. With PolyKV's attention kernel over an f16/f32 cache both stay 0 (cells are summed
+// in position order wherever they sit); quantized caches and llama.cpp's kernel still
+// compact after frees, at a cost that grows with every tenant's cells.
+func (m *Metrics) AddCompactions(stats func() (int64, time.Duration)) {
+	m.Registry.MustRegister(
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "polykv_kv_compactions_total", Help: "Whole-KV-cache compactions (each copies every used cell out and back in)."},
+			func() float64 { n, _ := stats(); return float64(n) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "polykv_kv_compaction_seconds_total", Help: "Time spent compacting the KV cache."},
+			func() float64 { _, d := stats(); return d.Seconds() }),
+	)
+}
+
 // AddKVEvents exports the KV-event publisher's counters: messages sent, snapshots
 // sent to newly joined subscribers, and changes dropped because its queue was full
 // (non-zero means a router's view of this replica is stale).

@@ -373,6 +373,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		backend.EnableTier(store)
 		metrics.SetTier(store)
 	}
+	metrics.AddCompactions(backend.Compactions)
 	eng := engine.New(sched, backend, obs)
 	metrics.SetEngine(eng)
 	recoverPools(eng, store, log)

@@ -4,6 +4,7 @@ package llama
 #include <stdlib.h>
 #include "llama.h"
 #include "sampler_shim.h"
+#include "cellorder.h"
 
 static void polykv_batch_set(struct llama_batch * b, int i, llama_token tok, llama_pos pos, llama_seq_id seq, int logits) {
 	b->token[i] = tok;
@@ -47,6 +48,10 @@ type Context struct {
 
 	compactBuf  unsafe.Pointer // C buffer reused by Compact (grows, never shrinks)
 	compactSize C.size_t
+
+	// valueTypesOK: K and V are both f16 or both f32, the caches PolyKV's attention
+	// kernel reads (see OrderedAttention).
+	valueTypesOK bool
 }
 
 // NewContext creates a context for model.
@@ -100,12 +105,17 @@ func NewContext(model *Model, p ContextParams) (*Context, error) {
 	}
 	ctx := &Context{c: c, mem: C.llama_get_memory(c), model: model, nb: p.NBatch}
 	ctx.batch = C.llama_batch_init(C.int32_t(p.NBatch), 0, 1)
+	ctx.valueTypesOK = orderedType(p.TypeK) && p.TypeK.normal() == p.TypeV.normal()
+	if ctx.valueTypesOK && flashAttnInstalled {
+		C.polykv_cells_register(c)
+	}
 	return ctx, nil
 }
 
 // Free releases the context and its batch.
 func (c *Context) Free() {
 	if c.c != nil {
+		C.polykv_cells_unregister(c.c)
 		C.llama_batch_free(c.batch)
 		C.llama_free(c.c)
 		if c.compactBuf != nil {
@@ -205,6 +215,28 @@ func (c *Context) SeqPosMin(seq int) int {
 // SeqPosMax is the largest position held by seq, or -1 when empty.
 func (c *Context) SeqPosMax(seq int) int {
 	return int(C.llama_memory_seq_pos_max(c.mem, C.llama_seq_id(seq)))
+}
+
+// orderedType: a cache type PolyKV's attention kernel reads (f16, the default, or f32).
+func orderedType(t CacheType) bool { return t.normal() == "f16" || t.normal() == "f32" }
+
+// normal names "" as what it means, f16.
+func (t CacheType) normal() CacheType {
+	if t == "" {
+		return "f16"
+	}
+	return t
+}
+
+// OrderedAttention reports whether every attention node of this context sums a query's
+// cells in position order wherever llama.cpp placed them: PolyKV's flash-attention
+// kernel, on the CPU, over an f16 or f32 cache it has registered (fattn.cpp,
+// cellorder.cpp). Then holes left by freed cells change no output and the cache never
+// needs Compact. False for quantized caches, llama.cpp's own kernel (--fa-kernel ggml),
+// flash attention off, GPU offload, or a model one of whose attention nodes PolyKV's
+// kernel does not take (it turns false once such a node has run).
+func (c *Context) OrderedAttention() bool {
+	return c.valueTypesOK && flashAttnInstalled && !stockFlashAttn.Load() && C.polykv_cells_ordered(c.c) == 1
 }
 
 // Compact moves every used KV cell to the bottom of the cache, cells 0..used-1, keeping

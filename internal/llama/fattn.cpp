@@ -9,20 +9,27 @@
 // to eight query rows of the same KV head (transposed and converted to f32 once), keeps
 // the accumulator in f32 and vectorizes the exponentials.
 //
-// Why it keeps a token's logits independent of the batch (PolyKV's determinism
-// promise): every output is a fixed function of the query row and the *ordered list of
-// cells its mask lets through*, whatever else is in the batch or the cache:
+// Why it keeps a token's logits independent of the batch and of other traffic
+// (PolyKV's determinism promise): every output is a fixed function of the query row and
+// the list of cells its mask lets through, *in position order*, whatever else is in the
+// batch or the cache and wherever llama.cpp placed the cells:
 // - a score is one FMA chain over the head dimensions in order (d = 0, 1, ...), in one
 //   SIMD lane, whichever tile, lane or row block computes it;
 // - the softmax is exact two-pass: the maximum over unmasked scores (order-free), then
 //   exp(s - max) per cell, then the sum and the weighted V rows accumulated cell by cell
-//   in cell order, skipping masked cells (so where a sequence's cells sit in the cache
-//   does not matter, only their order, which PolyKV's compaction keeps).
+//   in position order (cellorder.cpp reads the positions from llama.cpp's KV cells), so
+//   a sequence whose next cells landed in a hole below its older ones sums exactly as on
+//   a quiet server, with no compaction of the cache.
+// Why its cost follows a query's own context, not the cache's fill: each block visits
+// only the cells its rows see (runs found once per mask row and graph, see
+// traits::visible), as paged attention's block tables do; other sequences' cells are
+// never loaded.
 // The stock kernel is used for everything else (quantized caches, ALiBi, logit softcap,
-// head sizes over 256, CPUs without AVX2/FMA).
+// head sizes over 256, CPUs without AVX2/FMA); there PolyKV still compacts the cache.
 
 #include "fattn.h"
 #include "kquant.h"
+#include "cellorder.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 
@@ -31,6 +38,8 @@
 #include <string.h>
 
 #include <atomic>
+#include <unordered_map>
+#include <vector>
 
 #include "ggml-cpu/traits.h"
 #include "ggml-cpu/vec.h"
@@ -43,6 +52,7 @@ constexpr int kMaxD = 256;  // largest head size handled
 
 std::atomic<bool> enabled{false};
 std::atomic<unsigned long long> computed{0}; // flash-attention nodes this kernel ran
+std::atomic<unsigned long long> ordered{0};  // of those, nodes of a registered cache (position order)
 
 struct geometry {
     int64_t DK, DV, N, nkv, nq2, nq3, rk2, rk3;
@@ -60,7 +70,8 @@ bool supported(const ggml_tensor * op) {
     if (max_bias != 0 || softcap != 0) {
         return false;
     }
-    if (q->type != GGML_TYPE_F32 || k->type != GGML_TYPE_F16 || v->type != GGML_TYPE_F16 || op->type != GGML_TYPE_F32) {
+    if (q->type != GGML_TYPE_F32 || op->type != GGML_TYPE_F32 || k->type != v->type ||
+        (k->type != GGML_TYPE_F16 && k->type != GGML_TYPE_F32)) {
         return false;
     }
     if (mask && mask->type != GGML_TYPE_F16) {
@@ -74,7 +85,7 @@ bool supported(const ggml_tensor * op) {
         return false;
     }
     // Rows contiguous, dst not permuted, heads broadcast evenly (as the stock kernel asserts).
-    if (q->nb[0] != sizeof(float) || k->nb[0] != sizeof(ggml_fp16_t) || v->nb[0] != sizeof(ggml_fp16_t) || op->nb[0] != sizeof(float)) {
+    if (q->nb[0] != sizeof(float) || k->nb[0] != ggml_type_size(k->type) || v->nb[0] != ggml_type_size(v->type) || op->nb[0] != sizeof(float)) {
         return false;
     }
     if (k->ne[2] != v->ne[2] || k->ne[3] != v->ne[3] || k->ne[1] != v->ne[1]) {
@@ -97,12 +108,17 @@ size_t scratch_floats(const geometry & g) {
     return (size_t) kRows * (g.nkv + 2 * kTile) + (size_t) kMaxD * 2 * kTile + (size_t) kRows * kMaxD + 64;
 }
 
-// load8 converts kTile cells' dims [d0, d0+8) to f32 and transposes them: out[j] holds
-// dim d0+j of cells 0..7 (cells past n are zero).
-inline void load_tile(const char * base, size_t stride, int n, int64_t d0, __m256 out[8]) {
+// row8 loads dims [d0, d0+8) of one cache row as f32.
+inline __m256 row8(const ggml_fp16_t * r, int64_t d0) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (r + d0))); }
+inline __m256 row8(const float * r, int64_t d0) { return _mm256_loadu_ps(r + d0); }
+
+// load_tile converts the dims [d0, d0+8) of up to kTile cells (rows at r[0..n)) to f32
+// and transposes them: out[j] holds dim d0+j of cells 0..7 (cells past n are zero).
+template <typename T>
+inline void load_tile(const T * const * rp, int n, int64_t d0, __m256 out[8]) {
     __m256 r[8];
     for (int c = 0; c < 8; c++) {
-        r[c] = c < n ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (base + c * stride) + d0 / 8)) : _mm256_setzero_ps();
+        r[c] = c < n ? row8(rp[c], d0) : _mm256_setzero_ps();
     }
     // 8x8 transpose.
     __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
@@ -132,7 +148,6 @@ inline __m256 expf8(__m256 x) {
 #endif
 }
 
-// block computes up to kRows query rows that share one KV head.
 // accumulate adds p[c] * vt[c] for NC cells, all visible, to NV vectors at a, in cell
 // order. (Hidden cells are skipped rather than multiplied by 0: V of a cell outside the
 // sequence may be anything, and 0 * inf is NaN.)
@@ -174,18 +189,20 @@ inline void accumulate_some(float * a, const float * p, int n, const float * vt,
     }
 }
 
-// nr is a template parameter so the per-row loops unroll and the accumulators stay in
-// registers.
-template <int nr>
-void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, float * wd) {
+// block computes up to kRows query rows that share one KV head, over the cells
+// idx[0..nu) in that order (the rows' visible cells in position order; a row's mask
+// hides the others). nr is a template parameter so the per-row loops unroll and the
+// accumulators stay in registers; T is the cache's element type (f16 or f32).
+template <int nr, typename T>
+void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, float * wd, const uint32_t * idx, int64_t nu) {
     const ggml_tensor * q = op->src[0], * k = op->src[1], * v = op->src[2], * mask = op->src[3], * sinks = op->src[4];
     float scale = 1;
     memcpy(&scale, (const float *) op->op_params + 0, sizeof(float));
 
-    float * sc = wd;                                  // [kRows][nkv + kTile]
+    float * sc = wd;                                  // [kRows][nu + 2 * kTile]
     float * kt = sc + (size_t) kRows * (g.nkv + 2 * kTile); // [DK][2 * kTile]
     float * acc = kt + (size_t) kMaxD * 2 * kTile;      // [kRows][DV]
-    const int64_t ldsc = g.nkv + 2 * kTile;
+    const int64_t ldsc = nu + 2 * kTile;
 
     const float * qr[kRows];
     const ggml_fp16_t * mr[kRows];
@@ -204,8 +221,10 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
     const char * kbase = (const char *) k->data + ik2 * k->nb[2] + ik3 * k->nb[3];
     const char * vbase = (const char *) v->data + ik2 * v->nb[2] + ik3 * v->nb[3];
     const size_t kstride = k->nb[1], vstride = v->nb[1];
+    auto krow = [&](int64_t u) { return (const T *) (kbase + (size_t) idx[u] * kstride); };
+    auto vrow = [&](int64_t u) { return (const T *) (vbase + (size_t) idx[u] * vstride); };
 
-    // Pass 1: scores, -inf where the mask (or the end of the cache) hides a cell.
+    // Pass 1: scores, -inf where the mask (or the end of the list) hides a cell.
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     const __m256 vscale = _mm256_set1_ps(scale);
     float mrow[kRows];
@@ -218,30 +237,26 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
     for (int r = 0; r < kRows; r++) {
         mx[r] = ninf;
     }
-    for (int64_t c0 = 0; c0 < g.nkv; c0 += 2 * kTile) {
+    for (int64_t c0 = 0; c0 < nu; c0 += 2 * kTile) {
         int n[2];
         __m256 m[kRows][2];
         bool any[2] = {false, false};
         for (int h = 0; h < 2; h++) {
-            const int64_t left = g.nkv - (c0 + h * kTile);
+            const int64_t left = nu - (c0 + h * kTile);
             n[h] = (int) (left <= 0 ? 0 : left < kTile ? left : kTile);
             for (int r = 0; r < nr; r++) {
-                if (n[h] == kTile && mr[r]) {
-                    m[r][h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (mr[r] + c0 + h * kTile)));
-                } else {
-                    float mv[kTile];
-                    for (int c = 0; c < kTile; c++) {
-                        mv[c] = c < n[h] ? (mr[r] ? GGML_CPU_FP16_TO_FP32(mr[r][c0 + h * kTile + c]) : 0.0f) : -INFINITY;
-                    }
-                    m[r][h] = _mm256_loadu_ps(mv);
+                float mv[kTile];
+                for (int c = 0; c < kTile; c++) {
+                    mv[c] = c < n[h] ? (mr[r] ? GGML_CPU_FP16_TO_FP32(mr[r][idx[c0 + h * kTile + c]]) : 0.0f) : -INFINITY;
                 }
+                m[r][h] = _mm256_loadu_ps(mv);
                 any[h] = any[h] || _mm256_movemask_ps(_mm256_cmp_ps(m[r][h], ninf, _CMP_NEQ_OQ)) != 0;
             }
         }
         // Decode steps read K from memory once per step and layer: fetch two tiles ahead.
-        for (int c = 0; c < 2 * kTile && c0 + 4 * kTile + c < g.nkv; c++) {
-            const char * kr = kbase + (c0 + 4 * kTile + c) * kstride;
-            for (int64_t o = 0; o < g.DK * 2; o += 64) {
+        for (int c = 0; c < 2 * kTile && c0 + 4 * kTile + c < nu; c++) {
+            const char * kr = (const char *) krow(c0 + 4 * kTile + c);
+            for (int64_t o = 0; o < g.DK * (int64_t) sizeof(T); o += 64) {
                 _mm_prefetch(kr + o, _MM_HINT_T0);
             }
         }
@@ -253,9 +268,14 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
             continue;
         }
         for (int h = 0; h < 2; h++) {
+            const T * rp[kTile];
+            const int nn = any[h] ? n[h] : 0;
+            for (int c = 0; c < nn; c++) {
+                rp[c] = krow(c0 + h * kTile + c);
+            }
             for (int64_t d0 = 0; d0 < g.DK; d0 += 8) {
                 __m256 t[8];
-                load_tile(kbase + (c0 + h * kTile) * kstride, kstride, any[h] ? n[h] : 0, d0, t);
+                load_tile<T>(rp, nn, d0, t);
                 for (int j = 0; j < 8; j++) {
                     _mm256_storeu_ps(kt + (d0 + j) * 2 * kTile + h * kTile, t[j]);
                 }
@@ -280,7 +300,7 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
                 __m256 x = _mm256_add_ps(_mm256_mul_ps(h == 0 ? s0[r] : s1[r], vscale), m[r][h]);
                 x = _mm256_blendv_ps(x, ninf, _mm256_cmp_ps(m[r][h], ninf, _CMP_EQ_OQ));
                 _mm256_storeu_ps(sc + r * ldsc + c0 + h * kTile, x);
-                mx[r] = _mm256_max_ps(mx[r], x); // lanes past the cache hold -inf
+                mx[r] = _mm256_max_ps(mx[r], x); // lanes past the list hold -inf
             }
         }
     }
@@ -294,7 +314,7 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
         }
     }
 
-    // Pass 2: exp(s - max), then sum and weighted V rows in cell order.
+    // Pass 2: exp(s - max), then sum and weighted V rows in list (= position) order.
     float srow[kRows];
     for (int r = 0; r < nr; r++) {
         srow[r] = 0;
@@ -304,7 +324,7 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
         }
         const __m256 M = _mm256_set1_ps(mrow[r]);
         float * s = sc + r * ldsc;
-        for (int64_t c0 = 0; c0 < g.nkv; c0 += kTile) {
+        for (int64_t c0 = 0; c0 < nu; c0 += kTile) {
             const __m256 x = _mm256_loadu_ps(s + c0);
             const __m256 hidden = _mm256_cmp_ps(x, ninf, _CMP_EQ_OQ);
             const __m256 p = _mm256_blendv_ps(expf8(_mm256_sub_ps(x, M)), _mm256_set1_ps(-1.0f), hidden);
@@ -313,10 +333,10 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
     }
     // Weighted V rows: each tile's V converted to f32 once for all rows; per row and
     // 64-dim chunk the accumulator lives in registers across the tile's cells, which are
-    // added in cell order.
+    // added in list order.
     float * vt = kt; // [kTile][DV], reusing the K tile's space (kMaxD * 2 * kTile floats)
-    for (int64_t c0 = 0; c0 < g.nkv; c0 += kTile) {
-        const int n = (int) (g.nkv - c0 < kTile ? g.nkv - c0 : kTile);
+    for (int64_t c0 = 0; c0 < nu; c0 += kTile) {
+        const int n = (int) (nu - c0 < kTile ? nu - c0 : kTile);
         bool any = false;
         for (int r = 0; r < nr && !any; r++) {
             for (int c = 0; c < n; c++) {
@@ -326,16 +346,16 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
         if (!any) {
             continue;
         }
-        for (int c = 0; c < kTile && c0 + 2 * kTile + c < g.nkv; c++) {
-            const char * vr = vbase + (c0 + 2 * kTile + c) * vstride;
-            for (int64_t o = 0; o < g.DV * 2; o += 64) {
+        for (int c = 0; c < kTile && c0 + 2 * kTile + c < nu; c++) {
+            const char * vr = (const char *) vrow(c0 + 2 * kTile + c);
+            for (int64_t o = 0; o < g.DV * (int64_t) sizeof(T); o += 64) {
                 _mm_prefetch(vr + o, _MM_HINT_T0);
             }
         }
         for (int c = 0; c < n; c++) {
-            const ggml_fp16_t * vr = (const ggml_fp16_t *) (vbase + (c0 + c) * vstride);
+            const T * vr = vrow(c0 + c);
             for (int64_t d0 = 0; d0 < g.DV; d0 += 8) {
-                _mm256_storeu_ps(vt + c * g.DV + d0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (vr + d0))));
+                _mm256_storeu_ps(vt + c * g.DV + d0, row8(vr, d0));
             }
         }
         for (int r = 0; r < nr; r++) {
@@ -403,6 +423,22 @@ int rows_per_block(int64_t heads, int64_t per_head, int nth) {
     return best;
 }
 
+// row_list is one mask row's visible cells (see traits::visible).
+struct row_list {
+    int64_t                 nkv = -1;
+    const void *            cells = nullptr;
+    std::vector<polykv_run> runs;
+};
+
+// Per compute thread: the mask rows' lists of the graph being computed (keyed by the
+// row's address; dropped at every graph's first attention layer) and the scratch cell
+// list of a block. Threads compute one graph at a time, so nothing is shared.
+struct thread_cache {
+    std::unordered_map<const void *, row_list>       rows;
+    std::vector<uint32_t>                            idx;
+};
+thread_local thread_cache tl;
+
 class traits : public ggml::cpu::tensor_traits {
   public:
     bool work_size(int n_threads, const ggml_tensor * op, size_t & size) override {
@@ -413,8 +449,18 @@ class traits : public ggml::cpu::tensor_traits {
     bool compute_forward(ggml_compute_params * params, ggml_tensor * op) override {
         const geometry g = shape(op);
         const size_t per = scratch_floats(g) * sizeof(float) + 64;
+        // A new graph starts at its first attention layer: what this thread cached about the
+        // previous graph's masks is stale from here (see visible()).
+        bool first = false;
+        const void * cells = polykv_cells_find(op->src[1]->data, &first);
+        if (first || cells == nullptr) {
+            tl.rows.clear();
+        }
         if (params->wsize < per * params->nth) {
             return false; // planned without us (e.g. enabled mid-graph): stock kernel
+        }
+        if (cells != nullptr && params->ith == 0) {
+            ordered.fetch_add(1, std::memory_order_relaxed);
         }
         float * wd = (float *) (((uintptr_t) ((char *) params->wdata + per * params->ith) + 63) & ~(uintptr_t) 63);
         // Rows sharing a KV head, grouped kRows at a time: for each (iq3, kv head), the
@@ -423,6 +469,8 @@ class traits : public ggml::cpu::tensor_traits {
         if (params->ith == 0) {
             computed.fetch_add(1, std::memory_order_relaxed);
         }
+        const ggml_tensor * mask = op->src[3];
+        const bool f32 = op->src[1]->type == GGML_TYPE_F32;
         const int64_t nkvh = g.nq2 / g.rk2;
         const int64_t per_head = g.rk2 * g.N;
         const int rpb = rows_per_block(g.nq3 * nkvh, per_head, params->nth);
@@ -432,23 +480,118 @@ class traits : public ggml::cpu::tensor_traits {
             const int64_t hb = b / blocks_per_head, ib = b % blocks_per_head;
             const int64_t iq3 = hb / nkvh, kh = hb % nkvh;
             int64_t rows[kRows];
+            const std::vector<polykv_run> * lists[kRows];
+            int64_t counts[kRows];
             int nr = 0;
             for (int64_t j = ib * rpb; j < per_head && nr < rpb; j++) {
                 const int64_t iq1 = j / g.rk2, iq2 = kh * g.rk2 + j % g.rk2;
-                rows[nr++] = iq3 * g.nq2 * g.N + iq2 * g.N + iq1;
+                rows[nr] = iq3 * g.nq2 * g.N + iq2 * g.N + iq1;
+                const uint16_t * mrow = mask ? (const uint16_t *) ((const char *) mask->data + iq1 * mask->nb[1] +
+                                                                  (iq2 % mask->ne[2]) * mask->nb[2] + (iq3 % mask->ne[3]) * mask->nb[3])
+                                             : nullptr;
+                lists[nr] = &visible(cells, mrow, g.nkv);
+                counts[nr] = 0;
+                for (const polykv_run & x : *lists[nr]) {
+                    counts[nr] += x.len;
+                }
+                nr++;
             }
-            switch (nr) {
-            case 1: block<1>(op, g, rows, wd); break;
-            case 2: block<2>(op, g, rows, wd); break;
-            case 3: block<3>(op, g, rows, wd); break;
-            case 4: block<4>(op, g, rows, wd); break;
-            case 5: block<5>(op, g, rows, wd); break;
-            case 6: block<6>(op, g, rows, wd); break;
-            case 7: block<7>(op, g, rows, wd); break;
-            default: block<8>(op, g, rows, wd); break;
+            // Rows whose visible cells are all among one lead row's (a prompt's rows of one
+            // sequence, the query heads of one token) share its list and so its K/V tiles;
+            // the others form groups of their own. Each row's cells are summed in position
+            // order whichever group it is in.
+            int pending[kRows];
+            int np = nr;
+            for (int r = 0; r < nr; r++) {
+                pending[r] = r;
+            }
+            while (np > 0) {
+                int lead = pending[0];
+                for (int i = 1; i < np; i++) {
+                    lead = counts[pending[i]] > counts[lead] ? pending[i] : lead;
+                }
+                int64_t grows[kRows];
+                int ng = 0, keep = 0;
+                for (int i = 0; i < np; i++) {
+                    const int r = pending[i];
+                    if (subset(*lists[r], *lists[lead])) {
+                        grows[ng++] = rows[r];
+                    } else {
+                        pending[keep++] = r;
+                    }
+                }
+                np = keep;
+                std::vector<uint32_t> & idx = tl.idx;
+                idx.clear();
+                for (const polykv_run & x : *lists[lead]) {
+                    for (uint32_t i = 0; i < x.len; i++) {
+                        idx.push_back(x.cell + i);
+                    }
+                }
+                if (f32) {
+                    dispatch<float>(ng, op, g, grows, wd, idx.data(), (int64_t) idx.size());
+                } else {
+                    dispatch<ggml_fp16_t>(ng, op, g, grows, wd, idx.data(), (int64_t) idx.size());
+                }
             }
         }
         return true;
+    }
+
+  private:
+    template <typename T>
+    static void dispatch(int nr, const ggml_tensor * op, const geometry & g, const int64_t * rows, float * wd, const uint32_t * idx, int64_t nu) {
+        switch (nr) {
+        case 1: block<1, T>(op, g, rows, wd, idx, nu); break;
+        case 2: block<2, T>(op, g, rows, wd, idx, nu); break;
+        case 3: block<3, T>(op, g, rows, wd, idx, nu); break;
+        case 4: block<4, T>(op, g, rows, wd, idx, nu); break;
+        case 5: block<5, T>(op, g, rows, wd, idx, nu); break;
+        case 6: block<6, T>(op, g, rows, wd, idx, nu); break;
+        case 7: block<7, T>(op, g, rows, wd, idx, nu); break;
+        default: block<8, T>(op, g, rows, wd, idx, nu); break;
+        }
+    }
+
+    // subset reports whether every cell of b (runs ordered by position) is a cell of a.
+    static bool subset(const std::vector<polykv_run> & b, const std::vector<polykv_run> & a) {
+        if (&a == &b) {
+            return true;
+        }
+        size_t j = 0;
+        for (const polykv_run & x : b) {
+            while (j < a.size() && a[j].pos + (int64_t) a[j].len <= x.pos) {
+                j++;
+            }
+            if (j == a.size()) {
+                return false;
+            }
+            const polykv_run & y = a[j];
+            if (y.pos > x.pos || x.pos + (int64_t) x.len > y.pos + (int64_t) y.len ||
+                (int64_t) x.cell - x.pos != (int64_t) y.cell - y.pos) {
+                return false;
+            }
+        }
+        return true;
+    }
+
+    // visible is the list of a mask row's visible cells in position order, built once per
+    // graph and thread: a mask row is the same for every layer and head of a graph, so
+    // finding its cells (a scan of the row, 16 cells at a time where none is visible)
+    // costs once per token and graph, not per layer. Without a registered cache (no
+    // positions known, and no graph start to tell) it is rebuilt per node, in cell order.
+    static const std::vector<polykv_run> & visible(const void * cells, const uint16_t * mrow, int64_t nkv) {
+        row_list & e = tl.rows[mrow];
+        if (e.nkv != nkv || e.cells != cells) {
+            e.nkv = nkv;
+            e.cells = cells;
+            if (mrow == nullptr) {
+                e.runs.assign(1, polykv_run{0, 0, (uint32_t) nkv});
+            } else {
+                polykv_visible_runs(cells, mrow, nkv, e.runs);
+            }
+        }
+        return e.runs;
     }
 };
 
@@ -463,7 +606,14 @@ class extra : public ggml::cpu::extra_buffer_type {
         if (ggml::cpu::tensor_traits * kq = polykv_kq_traits(op)) {
             return kq;
         }
-        return enabled.load(std::memory_order_relaxed) && supported(op) ? &t : nullptr;
+        if (!enabled.load(std::memory_order_relaxed) || op->op != GGML_OP_FLASH_ATTN_EXT) {
+            return nullptr;
+        }
+        if (!supported(op)) {
+            polykv_cells_mark_stock(op->src[1]->data); // its context must compact again
+            return nullptr;
+        }
+        return &t;
     }
 };
 
@@ -497,6 +647,8 @@ extern "C" void polykv_fattn_enable(int on) { enabled.store(on != 0); }
 
 extern "C" unsigned long long polykv_fattn_computed(void) { return computed.load(); }
 
+extern "C" unsigned long long polykv_fattn_ordered(void) { return ordered.load(); }
+
 #else
 
 extern "C" int polykv_fattn_install(void) { return 0; }
@@ -504,5 +656,7 @@ extern "C" int polykv_fattn_install(void) { return 0; }
 extern "C" void polykv_fattn_enable(int on) { (void) on; }
 
 extern "C" unsigned long long polykv_fattn_computed(void) { return 0; }
+
+extern "C" unsigned long long polykv_fattn_ordered(void) { return 0; }
 
 #endif

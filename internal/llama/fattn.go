@@ -24,10 +24,19 @@ func SetFlashAttnKernel(polykv bool) {
 // this process (0 where it is unavailable: a CPU or build without AVX2 and FMA).
 func FlashAttnKernelRuns() uint64 { return uint64(C.polykv_fattn_computed()) }
 
+// FlashAttnOrderedRuns counts the flash-attention nodes PolyKV's kernel computed over a
+// registered cache, summing each query's cells in position order (see
+// Context.OrderedAttention).
+func FlashAttnOrderedRuns() uint64 { return uint64(C.polykv_fattn_ordered()) }
+
+// flashAttnInstalled: PolyKV's kernels are registered with ggml-cpu (AVX2 and FMA).
+var flashAttnInstalled bool
+
 // installFlashAttn registers PolyKV's kernels with ggml-cpu (once; it must follow the
 // first model load, see fattn.cpp) and applies the current choices.
 func installFlashAttn() {
 	if C.polykv_fattn_install() != 0 {
+		flashAttnInstalled = true
 		C.polykv_fattn_enable(C.int(boolToInt(!stockFlashAttn.Load())))
 		applyMatMulKernel()
 	}

@@ -15,6 +15,10 @@ void polykv_fattn_enable(int on);
 // polykv_fattn_computed counts the flash-attention nodes the kernel has computed.
 unsigned long long polykv_fattn_computed(void);
 
+// polykv_fattn_ordered counts those of them whose cells it summed in position order
+// (their context registered with polykv_cells_register).
+unsigned long long polykv_fattn_ordered(void);
+
 #ifdef __cplusplus
 }
 #endif

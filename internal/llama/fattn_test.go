@@ -16,12 +16,27 @@ import (
 // One thread: the test runs beside other packages' tests, and ggml's spinning barriers
 // crawl when two multi-threaded processes share two cores.
 func fattnRun(t *testing.T, m *Model, prompt []Token, chunk, neighbour int, then []Token) [][]float32 {
-	return fattnRunFA(t, m, prompt, chunk, neighbour, then, 1)
+	return fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: chunk, neighbour: neighbour, fa: 1})
 }
 
 func fattnRunFA(t *testing.T, m *Model, prompt []Token, chunk, neighbour int, then []Token, fa int) [][]float32 {
+	return fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: chunk, neighbour: neighbour, fa: fa})
+}
+
+// fattnOpts shapes one fattnRun. evict removes the neighbour's cells after the prompt's
+// first chunk: llama.cpp then puts the rest of the prompt and the decoded tokens into the
+// hole below the first chunk's cells, so sequence 0's cells are out of position order.
+type fattnOpts struct {
+	chunk, neighbour, fa int
+	evict                bool
+	cache                CacheType
+	check                func(c *Context) // called once the prompt is in
+}
+
+func fattnRunOpts(t *testing.T, m *Model, prompt, then []Token, o fattnOpts) [][]float32 {
 	t.Helper()
-	c, err := NewContext(m, ContextParams{NCtx: 2048, NBatch: 256, NSeqMax: 2, NThreads: 1, KVUnified: true, FlashAttn: fa, SWAFull: m.NSWA() > 0})
+	c, err := NewContext(m, ContextParams{NCtx: 2048, NBatch: 256, NSeqMax: 2, NThreads: 1, KVUnified: true, FlashAttn: o.fa,
+		SWAFull: m.NSWA() > 0, TypeK: o.cache, TypeV: o.cache})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -41,15 +56,21 @@ func fattnRunFA(t *testing.T, m *Model, prompt []Token, chunk, neighbour int, th
 		}
 		return idx
 	}
-	for i := 0; i < neighbour; i += 64 {
-		n := min(64, neighbour-i)
+	for i := 0; i < o.neighbour; i += 64 {
+		n := min(64, o.neighbour-i)
 		decode(1, slices.Repeat([]Token{Token(200 + i%50)}, n), i, false)
 	}
 	var out [][]float32
 	var idx int
-	for i := 0; i < len(prompt); i += chunk {
-		end := min(i+chunk, len(prompt))
+	for i := 0; i < len(prompt); i += o.chunk {
+		end := min(i+o.chunk, len(prompt))
 		idx = decode(0, prompt[i:end], i, end == len(prompt))
+		if i == 0 && o.evict {
+			c.SeqRm(1, -1, -1)
+		}
+	}
+	if o.check != nil {
+		o.check(c)
 	}
 	out = append(out, c.Logits(idx))
 	for s, next := range then {
@@ -79,8 +100,20 @@ func TestFlashAttnKernel(t *testing.T) {
 		for _, v := range []struct {
 			name             string
 			chunk, neighbour int
-		}{{"after a 37-cell neighbour, 13 tokens at a time", 13, 37}, {"after a 100-cell neighbour", 256, 100}} {
-			got := fattnRun(t, m, prompt, v.chunk, v.neighbour, then)
+			evict            bool
+		}{
+			{"after a 37-cell neighbour, 13 tokens at a time", 13, 37, false},
+			{"after a 100-cell neighbour", 256, 100, false},
+			// Sequence 0's later cells land below its first chunk's: summed in cell order
+			// this differs; PolyKV's kernel sums in position order (no compaction).
+			{"in the hole a 300-cell neighbour left below the first 13 tokens", 13, 300, true},
+		} {
+			got := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: v.chunk, neighbour: v.neighbour, fa: 1, evict: v.evict,
+				check: func(c *Context) {
+					if !c.OrderedAttention() {
+						t.Errorf("%s: attention over an f16 cache with PolyKV's kernel is not ordered by position", v.name)
+					}
+				}})
 			for i := range whole {
 				if d := maxDiff(got[i], whole[i]); d != 0 {
 					t.Errorf("%s: logits of step %d differ from the one-batch prefill by up to %g", v.name, i, d)
@@ -110,6 +143,41 @@ func TestFlashAttnKernel(t *testing.T) {
 		if ours > 2*theirs+0.01 || math.IsNaN(ours) {
 			t.Errorf("PolyKV's kernel is %.5f nats from plain attention, ggml's flash kernel %.5f", ours, theirs)
 		}
+	})
+}
+
+// TestFlashAttnKernelPlacement checks the cases the kernel's position order covers
+// beyond the f16 default and the ones it leaves to compaction: an f32 cache gives the
+// same logits bit for bit whether sequence 0's cells are in position order or scattered
+// below each other; a q8_0 cache and llama.cpp's own kernel are not ordered (the runner
+// compacts for them).
+func TestFlashAttnKernelPlacement(t *testing.T) {
+	forEachFamily(t, func(t *testing.T, m *Model) {
+		prompt, then := fattnPrompt(t, m)
+		defer SetFlashAttnKernel(true)
+		SetFlashAttnKernel(true)
+		ordered := func(want bool, what string) func(c *Context) {
+			return func(c *Context) {
+				if got := c.OrderedAttention(); got != want {
+					t.Errorf("%s: OrderedAttention() = %v, want %v", what, got, want)
+				}
+			}
+		}
+		before := FlashAttnOrderedRuns()
+		whole := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 256, fa: 1, cache: "f32", check: ordered(true, "f32")})
+		if FlashAttnOrderedRuns() == before {
+			t.Skip("PolyKV's flash-attention kernel is not available here (needs AVX2 and FMA)")
+		}
+		got := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 13, neighbour: 300, evict: true, fa: 1, cache: "f32"})
+		for i := range whole {
+			if d := maxDiff(got[i], whole[i]); d != 0 {
+				t.Errorf("f32 cache, cells out of position order: logits of step %d differ by up to %g", i, d)
+			}
+		}
+		fattnRunOpts(t, m, prompt, then[:1], fattnOpts{chunk: 256, fa: 1, cache: "q8_0", check: ordered(false, "q8_0")})
+		fattnRunOpts(t, m, prompt, then[:1], fattnOpts{chunk: 256, fa: 0, check: ordered(false, "flash attention off")})
+		SetFlashAttnKernel(false)
+		fattnRunOpts(t, m, prompt, then[:1], fattnOpts{chunk: 256, fa: 1, check: ordered(false, "llama.cpp's kernel")})
 	})
 }
 

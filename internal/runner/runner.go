@@ -8,6 +8,8 @@ import (
 	"log/slog"
 	"math"
 	"regexp"
+	"sync/atomic"
+	"time"
 
 	"github.com/polykv/polykv/internal/chat"
 	"github.com/polykv/polykv/internal/engine"
@@ -22,11 +24,12 @@ type Backend struct {
 	samplers map[engine.TaskID]*sampler
 	log      *slog.Logger
 
-	// holes is set when cells were removed since the last Decode: the next Decode
-	// compacts the cache first (see Decode).
+	// holes is set when cells were removed since the last compaction: the next Decode
+	// compacts the cache first unless attention is ordered by position (see settle).
 	holes bool
-	// Compactions counts cache compactions (read by tests and the benchmark).
-	Compactions int
+	// compactions and compactNanos count cache compactions and the time spent in them;
+	// atomic so /metrics can read them while the engine goroutine runs.
+	compactions, compactNanos atomic.Int64
 	// GrammarFailures counts tasks whose grammar failed while sampling and that went
 	// on unconstrained (see dropGrammar; read by tests).
 	GrammarFailures int
@@ -37,6 +40,31 @@ type Backend struct {
 
 	// store is the tier below the cache (EnableTier; nil: none).
 	store *tier.Store
+}
+
+// Compactions is the number of whole-cache compactions so far and the time they took
+// (safe from any goroutine).
+func (b *Backend) Compactions() (int64, time.Duration) {
+	return b.compactions.Load(), time.Duration(b.compactNanos.Load())
+}
+
+// settle compacts the cache if cells were removed since the last compaction and this
+// context's attention does not sum cells in position order by itself (a quantized cache
+// or llama.cpp's kernel: see Decode). The compaction copies every used cell, so its cost
+// grows with what every tenant holds; with ordered attention nothing is copied.
+func (b *Backend) settle() error {
+	if !b.holes || b.ctx.OrderedAttention() {
+		return nil
+	}
+	start := time.Now()
+	if err := b.ctx.Compact(); err != nil {
+		b.log.Error("KV cache compaction failed; cached sequences may be lost", "err", err)
+		return err
+	}
+	b.holes = false
+	b.compactions.Add(1)
+	b.compactNanos.Add(int64(time.Since(start)))
+	return nil
 }
 
 // EnableSWAAnchors makes every cell of a sliding-window model's cache non-reusable
@@ -167,20 +195,16 @@ func NewBackend(model *llama.Model, ctx *llama.Context, log *slog.Logger) *Backe
 
 // Decode implements engine.Backend.
 //
-// If cells were removed since the last batch, the cache is compacted first. That keeps
-// every sequence's cells in cell order == position order, which is what makes greedy
-// output independent of other traffic: llama.cpp would otherwise put the next tokens of
-// a running sequence into the hole below its older cells, and attention would sum over
-// that sequence's cells in a different order than on a quiet server (different
-// rounding, different logits). See llama.Context.Compact.
+// Greedy output must not depend on other traffic, yet llama.cpp puts a running
+// sequence's next tokens into the first free cells, possibly in a hole below its older
+// ones. Where the context's attention sums each query's cells in position order
+// (llama.Context.OrderedAttention: PolyKV's kernel over an f16/f32 cache) that changes
+// nothing and no cell moves. Elsewhere (quantized caches, llama.cpp's own kernel) the
+// cache is compacted first when cells were removed since the last batch, so cell order
+// stays position order (see settle).
 func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
-	if b.holes {
-		if err := b.ctx.Compact(); err != nil {
-			b.log.Error("KV cache compaction failed; cached sequences may be lost", "err", err)
-			return nil, err
-		}
-		b.holes = false
-		b.Compactions++
+	if err := b.settle(); err != nil {
+		return nil, err
 	}
 	b.ctx.BatchClear()
 	for _, e := range batch {
@@ -270,8 +294,8 @@ func logprobs(logits []float32, tok llama.Token, n int) (float32, []engine.Token
 	return lp, top
 }
 
-// SeqRm implements engine.Backend. Removing cells that seq holds leaves a hole that the
-// next Decode compacts away.
+// SeqRm implements engine.Backend. Removing cells that seq holds leaves a hole (see
+// settle).
 func (b *Backend) SeqRm(seq, p0, p1 int) bool {
 	if hi := b.ctx.SeqPosMax(seq); hi >= 0 && hi >= p0 && (p1 < 0 || b.ctx.SeqPosMin(seq) < p1) {
 		b.holes = true

@@ -96,17 +96,13 @@ func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 }
 
 // load writes data (from SeqStateGet) into seq and checks that seq then holds exactly
-// positions [lo, hi). The cache is compacted first when cells were removed since the
-// last batch, so the loaded cells land above every resident one, in position order
+// positions [lo, hi). Where attention is not ordered by position the cache is compacted
+// first when cells were removed since the last batch (settle), so the loaded cells land
+// above every resident one, in position order
 // (the order a prefill would leave them in: see Decode). On failure seq holds nothing.
 func (b *Backend) load(seq, lo, hi int, data []byte) error {
-	if b.holes {
-		if err := b.ctx.Compact(); err != nil {
-			b.log.Error("KV cache compaction failed; cached sequences may be lost", "err", err)
-			return err
-		}
-		b.holes = false
-		b.Compactions++
+	if err := b.settle(); err != nil {
+		return err
 	}
 	if err := b.ctx.SeqStateSet(seq, data); err != nil {
 		return err

@@ -1,0 +1,202 @@
+// The KV cells behind PolyKV's flash-attention kernel, read from llama.cpp's KV cache.
+//
+// Why: a token's attention output is a sum over the cells its sequence sees, and a float
+// sum depends on its order. llama.cpp puts a batch's tokens into the first free cells it
+// finds, so after other sequences free cells, a running sequence's next cells can land
+// below its older ones: in cell order its sum would differ from a quiet server's. PolyKV
+// used to compact the whole cache after every free to keep cell order == position order
+// (copying every used cell, other tenants' included, out and back in). Instead the
+// kernel now sums each query's visible cells in position order, which is the cell order
+// of a quiet server, wherever the cells are: this file tells it the positions.
+//
+// It reads llama.cpp internals (llama_kv_cache, llama_kv_cells), so a bump of the pinned
+// llama.cpp that changes them fails to compile here, in the binding, as it should.
+
+#include "cellorder.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <utility>
+
+#include "llama-context.h"
+#include "llama-kv-cache-iswa.h"
+#include "llama-kv-cache.h"
+#include "llama-memory-hybrid-iswa.h"
+#include "llama-memory-hybrid.h"
+
+namespace {
+
+struct layer_ref {
+    const void *           kdata;
+    const llama_kv_cells * cells;
+    bool                   first;
+};
+
+struct registration {
+    const llama_context *  ctx;
+    std::vector<layer_ref> layers;
+    // stock: one of ctx's attention nodes ran another kernel (ggml's: ALiBi, soft-capping,
+    // a head size PolyKV's kernel does not take), which sums in cell order.
+    std::shared_ptr<std::atomic<bool>> stock = std::make_shared<std::atomic<bool>>(false);
+};
+
+std::shared_mutex        mu;
+std::vector<registration> reg; // few contexts: a linear search is enough
+
+// caches lists the attention caches of mem (nullptr entries for kinds this cannot read).
+void caches(llama_memory_i * mem, std::vector<llama_kv_cache *> & out, bool & unknown) {
+    if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
+        out.push_back(kv);
+    } else if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
+        out.push_back(iswa->get_base());
+        out.push_back(iswa->get_swa());
+    } else if (auto * hy = dynamic_cast<llama_memory_hybrid *>(mem)) {
+        out.push_back(hy->get_mem_attn());
+    } else if (auto * hyi = dynamic_cast<llama_memory_hybrid_iswa *>(mem)) {
+        out.push_back(hyi->get_mem_attn()->get_base());
+        out.push_back(hyi->get_mem_attn()->get_swa());
+    } else if (mem != nullptr) {
+        unknown = true; // recurrent-only models have no attention cache; others: not read
+    }
+}
+
+}  // namespace
+
+extern "C" int polykv_cells_register(struct llama_context * ctx) {
+    if (!ctx->get_cparams().flash_attn) {
+        return 0; // the plain attention path (matrix products over all cells) is not ours
+    }
+    llama_memory_i * mem = llama_get_memory(ctx);
+    std::vector<llama_kv_cache *> kvs;
+    bool unknown = false;
+    caches(mem, kvs, unknown);
+    registration r{ctx, {}};
+    uint32_t first_il = UINT32_MAX;
+    bool ok = !unknown;
+    for (llama_kv_cache * kv : kvs) {
+        if (kv == nullptr || kv->get_n_stream() != 1) {
+            ok = false; // one stream per sequence: the kernel could not tell which stream a view is
+            continue;
+        }
+        const llama_kv_cells * cells = &kv->get_cells(0);
+        for (uint32_t il : kv->get_layer_ids()) {
+            ggml_tensor * k = kv->get_k_storage((int32_t) il);
+            if (k == nullptr || k->data == nullptr || k->buffer == nullptr || !ggml_backend_buffer_is_host(k->buffer)) {
+                ok = false; // offloaded to a GPU: computed there, not by this kernel
+                continue;
+            }
+            r.layers.push_back({k->data, cells, false});
+            first_il = std::min(first_il, il);
+        }
+    }
+    // The first attention layer starts every graph: the kernel drops what it cached for
+    // the previous one there.
+    size_t i = 0;
+    for (llama_kv_cache * kv : kvs) {
+        if (kv == nullptr || kv->get_n_stream() != 1) {
+            continue;
+        }
+        for (uint32_t il : kv->get_layer_ids()) {
+            ggml_tensor * k = kv->get_k_storage((int32_t) il);
+            if (k == nullptr || k->data == nullptr || k->buffer == nullptr || !ggml_backend_buffer_is_host(k->buffer)) {
+                continue;
+            }
+            r.layers[i++].first = il == first_il;
+        }
+    }
+    std::unique_lock<std::shared_mutex> lock(mu);
+    reg.erase(std::remove_if(reg.begin(), reg.end(), [&](const registration & x) { return x.ctx == ctx; }), reg.end());
+    if (!ok || r.layers.empty()) {
+        return 0; // some attention layer cannot be ordered: the caller compacts instead
+    }
+    reg.push_back(std::move(r));
+    return 1;
+}
+
+extern "C" void polykv_cells_unregister(struct llama_context * ctx) {
+    std::unique_lock<std::shared_mutex> lock(mu);
+    reg.erase(std::remove_if(reg.begin(), reg.end(), [&](const registration & x) { return x.ctx == ctx; }), reg.end());
+}
+
+const void * polykv_cells_find(const void * kdata, bool * first) {
+    std::shared_lock<std::shared_mutex> lock(mu);
+    for (const registration & r : reg) {
+        for (const layer_ref & l : r.layers) {
+            if (l.kdata == kdata) {
+                *first = l.first;
+                return l.cells;
+            }
+        }
+    }
+    *first = false;
+    return nullptr;
+}
+
+void polykv_cells_mark_stock(const void * kdata) {
+    std::shared_lock<std::shared_mutex> lock(mu);
+    for (const registration & r : reg) {
+        for (const layer_ref & l : r.layers) {
+            if (l.kdata == kdata) {
+                r.stock->store(true);
+                return;
+            }
+        }
+    }
+}
+
+extern "C" int polykv_cells_ordered(struct llama_context * ctx) {
+    std::shared_lock<std::shared_mutex> lock(mu);
+    for (const registration & r : reg) {
+        if (r.ctx == ctx) {
+            return r.stock->load() ? 0 : 1;
+        }
+    }
+    return 0;
+}
+
+void polykv_visible_runs(const void * cells_, const uint16_t * mrow, int64_t nkv, std::vector<polykv_run> & out) {
+    const llama_kv_cells * cells = (const llama_kv_cells *) cells_;
+    constexpr uint16_t kNegInf = 0xFC00; // -inf in f16: how llama.cpp's mask hides a cell
+    out.clear();
+    const __m256i hidden = _mm256_set1_epi16((short) kNegInf);
+    bool sorted = true;
+    int64_t c = 0;
+    while (c < nkv) {
+        // Whole stretches of other sequences' cells are skipped 16 at a time.
+        if (c + 16 <= nkv && (c & 15) == 0) {
+            const __m256i m = _mm256_loadu_si256((const __m256i *) (mrow + c));
+            if ((uint32_t) _mm256_movemask_epi8(_mm256_cmpeq_epi16(m, hidden)) == 0xFFFFFFFFu) {
+                c += 16;
+                continue;
+            }
+        }
+        if (mrow[c] == kNegInf) {
+            c++;
+            continue;
+        }
+        // A visible cell holds a token of the query's sequence, so it is not empty; an
+        // empty one (never seen) sorts first rather than tripping llama.cpp's assert.
+        const int32_t p = cells == nullptr ? (int32_t) c : cells->is_empty((uint32_t) c) ? -1 : cells->pos_get((uint32_t) c);
+        if (!out.empty() && out.back().cell + out.back().len == (uint32_t) c && out.back().pos + (int32_t) out.back().len == p) {
+            out.back().len++;
+        } else {
+            if (!out.empty() && out.back().pos + (int32_t) out.back().len > p) {
+                sorted = false;
+            }
+            out.push_back({(uint32_t) c, p, 1});
+        }
+        c++;
+    }
+    if (!sorted) {
+        // Positions of one sequence are distinct, so runs of one query never overlap and
+        // this is the query's cells in position order.
+        std::sort(out.begin(), out.end(), [](const polykv_run & a, const polykv_run & b) {
+            return a.pos != b.pos ? a.pos < b.pos : a.cell < b.cell;
+        });
+    }
+}
