@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"runtime/pprof"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -35,7 +36,7 @@ func bench(args []string) error {
 	nGen := fs.Int("n", 128, "tokens each session decodes")
 	reps := fs.Int("reps", 2, "repetitions per measurement (best is reported)")
 	cpuProfile := fs.String("cpuprofile", "", "write a Go CPU profile of the server runs to this file")
-	workload := fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on), plain-fanout and agent-loop (plain OpenAI client: automatic prefix reuse vs off vs explicit pool), plain (both plain-client workloads), tier (evicted pool restored from RAM / disk vs prefill; restart with pinned pools) or all")
+	workload := fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on), plain-fanout and agent-loop (plain OpenAI client: automatic prefix reuse vs off vs explicit pool), plain (both plain-client workloads), tier (evicted pool restored from RAM / disk vs prefill; restart with pinned pools), tenants (short requests and one session's decode beside idle pools of other tenants, compaction auto vs always) or all")
 	var pf prefillBench
 	fs.StringVar(&pf.models, "prefill-models", "", "prefill: comma-separated GGUF files (default: -m); missing files are skipped")
 	fs.StringVar(&pf.types, "prefill-cache-types", "f16,q8_0,q4_0", "prefill: KV cache types (K and V alike)")
@@ -60,6 +61,14 @@ func bench(args []string) error {
 	var tb tierBench
 	fs.IntVar(&tb.tokens, "tier-tokens", 2000, "tier: tokens of the evicted pool")
 	fs.IntVar(&tb.pinned, "tier-pinned", 8, "tier: pinned pools recorded before the restart")
+	var tn tenantsBench
+	tnSizes := fs.String("tenants-sizes", "0,4000,16000,30000", "tenants: cells held by idle pinned pools, ascending from 0")
+	tnTypes := fs.String("tenants-cache-types", "f16,f32", "tenants: K/V cache types to run")
+	fs.IntVar(&tn.clients, "tenants-clients", 4, "tenants: clients sending short requests")
+	fs.IntVar(&tn.reqs, "tenants-requests", 25, "tenants: short requests per client and size")
+	fs.IntVar(&tn.own, "tenants-own-tokens", 1000, "tenants: own context of the decoding session")
+	fs.IntVar(&tn.gen, "tenants-gen", 64, "tenants: tokens the session decodes")
+	fs.BoolVar(&tn.compareAlways, "tenants-compare", true, "tenants: also run with --kv-compaction always, alternating")
 	var rp ramp
 	fs.IntVar(&rp.agents, "ramp-agents", 10, "spawn ramp: agents that ask to join")
 	fs.DurationVar(&rp.interval, "ramp-interval", 2*time.Second, "spawn ramp: time between join requests")
@@ -103,6 +112,15 @@ func bench(args []string) error {
 		return pf.run(cfg, *reps)
 	case "tier":
 		return tb.run(cfg, *reps)
+	case "tenants":
+		if tn.sizes, err = parseInts(*tnSizes); err != nil || len(tn.sizes) == 0 || tn.sizes[0] != 0 || !slices.IsSorted(tn.sizes) {
+			return fmt.Errorf("bench: --tenants-sizes must be ascending from 0, got %q", *tnSizes)
+		}
+		tn.cacheTypes = strings.Split(*tnTypes, ",")
+		if tn.clients < 1 || tn.reqs < 1 || tn.own < 1 || tn.gen < 2 {
+			return fmt.Errorf("bench: --tenants-clients, -requests, -own-tokens must be at least 1 and --tenants-gen at least 2")
+		}
+		return tn.run(cfg)
 	}
 	if *workload != "decode" && *workload != "all" {
 		return fmt.Errorf("bench: unknown workload %q", *workload)

@@ -44,11 +44,16 @@ type Config struct {
 	MaxPools   int           // --max-pools: pool sequence ids reserved above the sessions'
 	PoolGrace  time.Duration // --pool-grace-ms; 0: no grace
 	FlashAttn  string        // --flash-attn: on, off, auto
-	FAKernel   string        // --fa-kernel: polykv (default) or ggml: the CPU flash-attention kernel for f16 caches
-	MMKernel   string        // --mm-kernel: polykv (default) or ggml: the CPU matrix kernel for Q4_1/Q4_K/Q6_K weights
-	TPSTau     time.Duration // --tps-tau: EWMA time constant of experienced tps
-	CacheTypeK string        // --cache-type-k: f16, q8_0, q4_0, ...
-	CacheTypeV string        // --cache-type-v: as CacheTypeK; quantized needs flash attention
+	FAKernel   string        // --fa-kernel: polykv (default) or ggml: the CPU flash-attention kernel for f16/f32 caches
+	// KVCompaction (--kv-compaction): auto (default) compacts the cache after frees only
+	// where attention does not sum cells in position order by itself (quantized caches,
+	// --fa-kernel ggml); always compacts after every free, as PolyKV did before its kernel
+	// ordered cells (kept to measure that cost: bench --workload tenants).
+	KVCompaction string
+	MMKernel     string        // --mm-kernel: polykv (default) or ggml: the CPU matrix kernel for Q4_1/Q4_K/Q6_K weights
+	TPSTau       time.Duration // --tps-tau: EWMA time constant of experienced tps
+	CacheTypeK   string        // --cache-type-k: f16, q8_0, q4_0, ...
+	CacheTypeV   string        // --cache-type-v: as CacheTypeK; quantized needs flash attention
 	// ChatTemplate (--chat-template NAME or inline Jinja) and ChatTemplateFile
 	// (--chat-template-file PATH) override the GGUF's tokenizer.chat_template.
 	ChatTemplate     string
@@ -106,22 +111,23 @@ func DefaultConfig() Config {
 		QueueTimeout: 30 * time.Second,
 		// Four KV blocks of 16: well past a chat template's opening (SmolLM2's is 12
 		// tokens), far below any system prompt worth a pool.
-		AttachMin:   64,
-		SessionTTL:  30 * time.Minute,
-		MaxPools:    16,
-		PoolGrace:   30 * time.Second,
-		FlashAttn:   "on",
-		FAKernel:    "polykv",
-		MMKernel:    "polykv",
-		PrefixCache: "on",
-		PoolRAMMB:   512,
-		PoolDiskMB:  4096,
-		TPSTau:      tps.DefaultTau,
-		CacheTypeK:  "f16",
-		CacheTypeV:  "f16",
-		KVBlockSize: kvevents.DefaultBlockSize,
-		GPULayers:   "auto",
-		SplitMode:   "layer",
+		AttachMin:    64,
+		SessionTTL:   30 * time.Minute,
+		MaxPools:     16,
+		PoolGrace:    30 * time.Second,
+		FlashAttn:    "on",
+		FAKernel:     "polykv",
+		KVCompaction: "auto",
+		MMKernel:     "polykv",
+		PrefixCache:  "on",
+		PoolRAMMB:    512,
+		PoolDiskMB:   4096,
+		TPSTau:       tps.DefaultTau,
+		CacheTypeK:   "f16",
+		CacheTypeV:   "f16",
+		KVBlockSize:  kvevents.DefaultBlockSize,
+		GPULayers:    "auto",
+		SplitMode:    "layer",
 	}
 }
 
@@ -172,6 +178,11 @@ func (c Config) Validate() error {
 	default:
 		return fmt.Errorf("--flash-attn must be off, on or auto, got %q", c.FlashAttn)
 	}
+	switch c.KVCompaction {
+	case "auto", "always":
+	default:
+		return fmt.Errorf("--kv-compaction must be auto or always, got %q", c.KVCompaction)
+	}
 	switch c.FAKernel {
 	case "", "polykv", "ggml":
 	default:
@@ -218,7 +229,13 @@ type App struct {
 	// Tier is the store below the cache (nil when off or refused: TierOff says why).
 	Tier    *tier.Store
 	TierOff string
+
+	backend *runner.Backend
 }
+
+// Compactions is the number of whole-KV-cache compactions so far and the time they took
+// (see runner.Backend.Compactions).
+func (a *App) Compactions() (int64, time.Duration) { return a.backend.Compactions() }
 
 // Open loads the model and starts the engine.
 func Open(cfg Config, log *slog.Logger) (*App, error) {
@@ -366,6 +383,10 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		obs = observers{metrics, pub} // the engine hands it the pool prefix changes too
 	}
 	backend := runner.NewBackend(model, ctx, log)
+	backend.AlwaysCompact(cfg.KVCompaction == "always")
+	if !ctx.OrderedAttention() {
+		log.Info("attention is not ordered by position here: the KV cache is compacted after frees", "cache_type_k", cfg.CacheTypeK, "fa_kernel", cfg.FAKernel, "flash_attn", cfg.FlashAttn)
+	}
 	if swa {
 		backend.EnableSWAAnchors(nSeq)
 	}
@@ -394,7 +415,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		srv.SetTier(store)
 	}
 	srv.RequireAPIKeys(cfg.APIKeys)
-	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv, KVEvents: pub, Offload: off, Tier: store, TierOff: tierOff}, nil
+	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv, KVEvents: pub, Offload: off, Tier: store, TierOff: tierOff, backend: backend}, nil
 }
 
 // observers is the metrics and the KV-event publisher as one engine Observer: the

@@ -30,6 +30,8 @@ type Backend struct {
 	// compactions and compactNanos count cache compactions and the time spent in them;
 	// atomic so /metrics can read them while the engine goroutine runs.
 	compactions, compactNanos atomic.Int64
+	// alwaysCompact compacts after frees even where attention is ordered (AlwaysCompact).
+	alwaysCompact bool
 	// GrammarFailures counts tasks whose grammar failed while sampling and that went
 	// on unconstrained (see dropGrammar; read by tests).
 	GrammarFailures int
@@ -48,12 +50,17 @@ func (b *Backend) Compactions() (int64, time.Duration) {
 	return b.compactions.Load(), time.Duration(b.compactNanos.Load())
 }
 
+// AlwaysCompact makes every Decode after a free compact the cache, even where attention
+// is ordered by position: the behaviour before PolyKV's kernel ordered cells, kept so the
+// benchmark can measure what it cost.
+func (b *Backend) AlwaysCompact(on bool) { b.alwaysCompact = on }
+
 // settle compacts the cache if cells were removed since the last compaction and this
 // context's attention does not sum cells in position order by itself (a quantized cache
 // or llama.cpp's kernel: see Decode). The compaction copies every used cell, so its cost
 // grows with what every tenant holds; with ordered attention nothing is copied.
 func (b *Backend) settle() error {
-	if !b.holes || b.ctx.OrderedAttention() {
+	if !b.holes || (!b.alwaysCompact && b.ctx.OrderedAttention()) {
 		return nil
 	}
 	start := time.Now()
