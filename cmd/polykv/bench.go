@@ -120,6 +120,7 @@ func bench(args []string) error {
 		if tn.clients < 1 || tn.reqs < 1 || tn.own < 1 || tn.gen < 2 {
 			return fmt.Errorf("bench: --tenants-clients, -requests, -own-tokens must be at least 1 and --tenants-gen at least 2")
 		}
+		tn.reps = max(1, *reps)
 		return tn.run(cfg)
 	}
 	if *workload != "decode" && *workload != "all" {

@@ -24,6 +24,7 @@
 #include <utility>
 
 #include "llama-context.h"
+#include "llama-model.h"
 #include "llama-kv-cache-iswa.h"
 #include "llama-kv-cache.h"
 #include "llama-memory-hybrid-iswa.h"
@@ -43,6 +44,12 @@ struct registration {
     // stock: one of ctx's attention nodes ran another kernel (ggml's: ALiBi, soft-capping,
     // a head size PolyKV's kernel does not take), which sums in cell order.
     std::shared_ptr<std::atomic<bool>> stock = std::make_shared<std::atomic<bool>>(false);
+    // fa_ok: every attention layer is one PolyKV's kernel takes (no ALiBi, no soft-capping,
+    // head sizes it handles), so an f32 cache's casts to f16 may be skipped (see
+    // polykv_cells_cast_skippable).
+    bool fa_ok = false;
+    // vdata: V storages seen beside this context's K in flash-attention nodes.
+    std::shared_ptr<std::vector<const void *>> vdata = std::make_shared<std::vector<const void *>>();
 };
 
 std::shared_mutex        mu;
@@ -76,6 +83,8 @@ extern "C" int polykv_cells_register(struct llama_context * ctx) {
     bool unknown = false;
     caches(mem, kvs, unknown);
     registration r{ctx, {}};
+    const llama_hparams & hp = ctx->get_model().hparams;
+    r.fa_ok = !hp.use_alibi && !hp.attn_soft_cap;
     uint32_t first_il = UINT32_MAX;
     bool ok = !unknown;
     for (llama_kv_cache * kv : kvs) {
@@ -91,6 +100,8 @@ extern "C" int polykv_cells_register(struct llama_context * ctx) {
                 continue;
             }
             r.layers.push_back({k->data, cells, false});
+            const uint32_t dk = hp.n_embd_head_k(il), dv = hp.n_embd_head_v(il);
+            r.fa_ok = r.fa_ok && dk % 32 == 0 && dv % 32 == 0 && dk <= 256 && dv <= 256;
             first_il = std::min(first_il, il);
         }
     }
@@ -157,6 +168,53 @@ extern "C" int polykv_cells_ordered(struct llama_context * ctx) {
         }
     }
     return 0;
+}
+
+void polykv_cells_learn_v(const void * kdata, const void * vdata) {
+    {
+        std::shared_lock<std::shared_mutex> lock(mu);
+        for (const registration & r : reg) {
+            for (const layer_ref & l : r.layers) {
+                if (l.kdata == kdata) {
+                    if (std::find(r.vdata->begin(), r.vdata->end(), vdata) != r.vdata->end()) {
+                        return;
+                    }
+                    goto learn;
+                }
+            }
+        }
+        return;
+    }
+learn:
+    std::unique_lock<std::shared_mutex> lock(mu);
+    for (registration & r : reg) {
+        for (const layer_ref & l : r.layers) {
+            if (l.kdata == kdata) {
+                if (std::find(r.vdata->begin(), r.vdata->end(), vdata) == r.vdata->end()) {
+                    r.vdata->push_back(vdata);
+                }
+                return;
+            }
+        }
+    }
+}
+
+bool polykv_cells_cast_skippable(const void * data) {
+    std::shared_lock<std::shared_mutex> lock(mu);
+    for (const registration & r : reg) {
+        if (!r.fa_ok || r.stock->load()) {
+            continue;
+        }
+        for (const layer_ref & l : r.layers) {
+            if (l.kdata == data) {
+                return true;
+            }
+        }
+        if (std::find(r.vdata->begin(), r.vdata->end(), data) != r.vdata->end()) {
+            return true;
+        }
+    }
+    return false;
 }
 
 void polykv_visible_runs(const void * cells_, const uint16_t * mrow, int64_t nkv, std::vector<polykv_run> & out) {

@@ -27,6 +27,16 @@ const void * polykv_cells_find(const void * kdata, bool * first);
 // another kernel than PolyKV's (see polykv_cells_ordered).
 void polykv_cells_mark_stock(const void * kdata);
 
+// An f32 cache under flash attention: llama.cpp casts each layer's whole K and V views
+// to f16 before the attention node (llama-graph.cpp, build_attn_mha), a copy of every
+// used cell per layer and step. PolyKV's kernel reads the f32 views under the casts
+// instead, so the casts may be skipped where nothing else reads them:
+// polykv_cells_learn_v records the V storage (vdata) used beside the K storage kdata,
+// and polykv_cells_cast_skippable reports whether data is a registered K or V storage of
+// a context whose every attention node PolyKV's kernel computes.
+void polykv_cells_learn_v(const void * kdata, const void * vdata);
+bool polykv_cells_cast_skippable(const void * data);
+
 // polykv_visible_runs fills out with the cells in [0, nkv) that the f16 mask row lets
 // through (-inf hides a cell), as runs ordered by (position, cell). cells nullptr:
 // ordered by cell index (no positions known).

@@ -217,8 +217,15 @@ func (c *Context) SeqPosMax(seq int) int {
 	return int(C.llama_memory_seq_pos_max(c.mem, C.llama_seq_id(seq)))
 }
 
-// orderedType: a cache type PolyKV's attention kernel reads (f16, the default, or f32).
-func orderedType(t CacheType) bool { return t.normal() == "f16" || t.normal() == "f32" }
+// orderedType: a cache type PolyKV's attention kernel reads (f16, the default, f32, q8_0
+// or q4_0; K and V alike).
+func orderedType(t CacheType) bool {
+	switch t.normal() {
+	case "f16", "f32", "q8_0", "q4_0":
+		return true
+	}
+	return false
+}
 
 // normal names "" as what it means, f16.
 func (t CacheType) normal() CacheType {
@@ -230,9 +237,9 @@ func (t CacheType) normal() CacheType {
 
 // OrderedAttention reports whether every attention node of this context sums a query's
 // cells in position order wherever llama.cpp placed them: PolyKV's flash-attention
-// kernel, on the CPU, over an f16 or f32 cache it has registered (fattn.cpp,
-// cellorder.cpp). Then holes left by freed cells change no output and the cache never
-// needs Compact. False for quantized caches, llama.cpp's own kernel (--fa-kernel ggml),
+// kernel, on the CPU, over an f16, f32, q8_0 or q4_0 cache (K and V of one type) it has
+// registered (fattn.cpp, cellorder.cpp). Then holes left by freed cells change no output
+// and the cache never needs Compact. False for other or mixed cache types, llama.cpp's own kernel (--fa-kernel ggml),
 // flash attention off, GPU offload, or a model one of whose attention nodes PolyKV's
 // kernel does not take (it turns false once such a node has run).
 func (c *Context) OrderedAttention() bool {

@@ -24,8 +24,9 @@
 // only the cells its rows see (runs found once per mask row and graph, see
 // traits::visible), as paged attention's block tables do; other sequences' cells are
 // never loaded.
-// The stock kernel is used for everything else (quantized caches, ALiBi, logit softcap,
-// head sizes over 256, CPUs without AVX2/FMA); there PolyKV still compacts the cache.
+// Caches: f16, f32, q8_0 and q4_0 (K and V of one type). The stock kernel is used for
+// everything else (other or mixed cache types, ALiBi, logit softcap, head sizes over 256,
+// CPUs without AVX2/FMA); there PolyKV still compacts the cache.
 
 #include "fattn.h"
 #include "kquant.h"
@@ -53,17 +54,29 @@ constexpr int kMaxD = 256;  // largest head size handled
 std::atomic<bool> enabled{false};
 std::atomic<unsigned long long> computed{0}; // flash-attention nodes this kernel ran
 std::atomic<unsigned long long> ordered{0};  // of those, nodes of a registered cache (position order)
+std::atomic<unsigned long long> skipped{0};  // f32-to-f16 casts of cache views left uncomputed
 
 struct geometry {
     int64_t DK, DV, N, nkv, nq2, nq3, rk2, rk3;
 };
+
+// cache_view is the K or V a flash-attention node reads, seen through llama.cpp's cast of
+// an f32 cache view to f16 (see cellorder.h): this kernel reads the f32 view itself, so
+// the cast's output is never needed (and its copy is skipped: traits::get_tensor_traits).
+const ggml_tensor * cache_view(const ggml_tensor * t) {
+    if (t->op == GGML_OP_CPY && t->type == GGML_TYPE_F16 && t->src[0] != nullptr && t->src[0]->type == GGML_TYPE_F32 &&
+        ggml_are_same_shape(t, t->src[0])) {
+        return t->src[0];
+    }
+    return t;
+}
 
 // supported reports whether op is a flash-attention node this kernel computes.
 bool supported(const ggml_tensor * op) {
     if (op->op != GGML_OP_FLASH_ATTN_EXT) {
         return false;
     }
-    const ggml_tensor * q = op->src[0], * k = op->src[1], * v = op->src[2], * mask = op->src[3], * sinks = op->src[4];
+    const ggml_tensor * q = op->src[0], * k = cache_view(op->src[1]), * v = cache_view(op->src[2]), * mask = op->src[3], * sinks = op->src[4];
     float max_bias = 0, softcap = 0;
     memcpy(&max_bias, (const float *) op->op_params + 1, sizeof(float));
     memcpy(&softcap, (const float *) op->op_params + 2, sizeof(float));
@@ -71,8 +84,11 @@ bool supported(const ggml_tensor * op) {
         return false;
     }
     if (q->type != GGML_TYPE_F32 || op->type != GGML_TYPE_F32 || k->type != v->type ||
-        (k->type != GGML_TYPE_F16 && k->type != GGML_TYPE_F32)) {
+        (k->type != GGML_TYPE_F16 && k->type != GGML_TYPE_F32 && k->type != GGML_TYPE_Q8_0 && k->type != GGML_TYPE_Q4_0)) {
         return false;
+    }
+    if (ggml_is_quantized(k->type) && (k->ne[0] % 32 != 0 || v->ne[0] % 32 != 0)) {
+        return false; // rows of whole 32-value blocks
     }
     if (mask && mask->type != GGML_TYPE_F16) {
         return false;
@@ -98,7 +114,7 @@ bool supported(const ggml_tensor * op) {
 }
 
 geometry shape(const ggml_tensor * op) {
-    const ggml_tensor * q = op->src[0], * k = op->src[1], * v = op->src[2];
+    const ggml_tensor * q = op->src[0], * k = cache_view(op->src[1]), * v = cache_view(op->src[2]);
     return geometry{k->ne[0], v->ne[0], q->ne[1], k->ne[1], q->ne[2], q->ne[3], q->ne[2] / k->ne[2], q->ne[3] / k->ne[3]};
 }
 
@@ -108,9 +124,35 @@ size_t scratch_floats(const geometry & g) {
     return (size_t) kRows * (g.nkv + 2 * kTile) + (size_t) kMaxD * 2 * kTile + (size_t) kRows * kMaxD + 64;
 }
 
-// row8 loads dims [d0, d0+8) of one cache row as f32.
+// The quantized cache rows this kernel reads, as ggml lays them out (ggml-common.h):
+// 32 values per block, an f16 scale d, then the codes.
+struct q8_block { // value j = d * qs[j]
+    ggml_fp16_t d;
+    int8_t      qs[32];
+};
+struct q4_block { // value j = d * ((qs[j % 16] >> (4 * (j / 16))) & 15) - 8)
+    ggml_fp16_t d;
+    uint8_t     qs[16];
+};
+static_assert(sizeof(q8_block) == 34 && sizeof(q4_block) == 18, "ggml's q8_0 / q4_0 block layout");
+
+// row8 loads dims [d0, d0+8) of one cache row as f32 (d0 a multiple of 8). A quantized
+// value is d * code in f32, exactly what dequantizing the row first would give.
 inline __m256 row8(const ggml_fp16_t * r, int64_t d0) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (r + d0))); }
 inline __m256 row8(const float * r, int64_t d0) { return _mm256_loadu_ps(r + d0); }
+inline __m256 row8(const q8_block * r, int64_t d0) {
+    const q8_block & b = r[d0 / 32];
+    const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (b.qs + d0 % 32)));
+    return _mm256_mul_ps(_mm256_set1_ps(GGML_CPU_FP16_TO_FP32(b.d)), _mm256_cvtepi32_ps(q));
+}
+inline __m256 row8(const q4_block * r, int64_t d0) {
+    const q4_block & b = r[d0 / 32];
+    const int off = (int) (d0 % 32);
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (b.qs + off % 16)));
+    q = _mm256_and_si256(_mm256_srli_epi32(q, off < 16 ? 0 : 4), _mm256_set1_epi32(15));
+    q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));
+    return _mm256_mul_ps(_mm256_set1_ps(GGML_CPU_FP16_TO_FP32(b.d)), _mm256_cvtepi32_ps(q));
+}
 
 // load_tile converts the dims [d0, d0+8) of up to kTile cells (rows at r[0..n)) to f32
 // and transposes them: out[j] holds dim d0+j of cells 0..7 (cells past n are zero).
@@ -195,7 +237,7 @@ inline void accumulate_some(float * a, const float * p, int n, const float * vt,
 // accumulators stay in registers; T is the cache's element type (f16 or f32).
 template <int nr, typename T>
 void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, float * wd, const uint32_t * idx, int64_t nu) {
-    const ggml_tensor * q = op->src[0], * k = op->src[1], * v = op->src[2], * mask = op->src[3], * sinks = op->src[4];
+    const ggml_tensor * q = op->src[0], * k = cache_view(op->src[1]), * v = cache_view(op->src[2]), * mask = op->src[3], * sinks = op->src[4];
     float scale = 1;
     memcpy(&scale, (const float *) op->op_params + 0, sizeof(float));
 
@@ -221,6 +263,7 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
     const char * kbase = (const char *) k->data + ik2 * k->nb[2] + ik3 * k->nb[3];
     const char * vbase = (const char *) v->data + ik2 * v->nb[2] + ik3 * v->nb[3];
     const size_t kstride = k->nb[1], vstride = v->nb[1];
+    const size_t krow_bytes = ggml_row_size(k->type, g.DK), vrow_bytes = ggml_row_size(v->type, g.DV);
     auto krow = [&](int64_t u) { return (const T *) (kbase + (size_t) idx[u] * kstride); };
     auto vrow = [&](int64_t u) { return (const T *) (vbase + (size_t) idx[u] * vstride); };
 
@@ -256,7 +299,7 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
         // Decode steps read K from memory once per step and layer: fetch two tiles ahead.
         for (int c = 0; c < 2 * kTile && c0 + 4 * kTile + c < nu; c++) {
             const char * kr = (const char *) krow(c0 + 4 * kTile + c);
-            for (int64_t o = 0; o < g.DK * (int64_t) sizeof(T); o += 64) {
+            for (int64_t o = 0; o < (int64_t) krow_bytes; o += 64) {
                 _mm_prefetch(kr + o, _MM_HINT_T0);
             }
         }
@@ -348,7 +391,7 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
         }
         for (int c = 0; c < kTile && c0 + 2 * kTile + c < nu; c++) {
             const char * vr = (const char *) vrow(c0 + 2 * kTile + c);
-            for (int64_t o = 0; o < g.DV * (int64_t) sizeof(T); o += 64) {
+            for (int64_t o = 0; o < (int64_t) vrow_bytes; o += 64) {
                 _mm_prefetch(vr + o, _MM_HINT_T0);
             }
         }
@@ -452,7 +495,11 @@ class traits : public ggml::cpu::tensor_traits {
         // A new graph starts at its first attention layer: what this thread cached about the
         // previous graph's masks is stale from here (see visible()).
         bool first = false;
-        const void * cells = polykv_cells_find(op->src[1]->data, &first);
+        const ggml_tensor * k = cache_view(op->src[1]), * v = cache_view(op->src[2]);
+        const void * cells = polykv_cells_find(k->data, &first);
+        if (cells != nullptr && v != op->src[2] && params->ith == 0) {
+            polykv_cells_learn_v(k->data, v->data); // its cast may be skipped from now on
+        }
         if (first || cells == nullptr) {
             tl.rows.clear();
         }
@@ -470,7 +517,6 @@ class traits : public ggml::cpu::tensor_traits {
             computed.fetch_add(1, std::memory_order_relaxed);
         }
         const ggml_tensor * mask = op->src[3];
-        const bool f32 = op->src[1]->type == GGML_TYPE_F32;
         const int64_t nkvh = g.nq2 / g.rk2;
         const int64_t per_head = g.rk2 * g.N;
         const int rpb = rows_per_block(g.nq3 * nkvh, per_head, params->nth);
@@ -528,10 +574,11 @@ class traits : public ggml::cpu::tensor_traits {
                         idx.push_back(x.cell + i);
                     }
                 }
-                if (f32) {
-                    dispatch<float>(ng, op, g, grows, wd, idx.data(), (int64_t) idx.size());
-                } else {
-                    dispatch<ggml_fp16_t>(ng, op, g, grows, wd, idx.data(), (int64_t) idx.size());
+                switch (k->type) {
+                case GGML_TYPE_F32: dispatch<float>(ng, op, g, grows, wd, idx.data(), (int64_t) idx.size()); break;
+                case GGML_TYPE_Q8_0: dispatch<q8_block>(ng, op, g, grows, wd, idx.data(), (int64_t) idx.size()); break;
+                case GGML_TYPE_Q4_0: dispatch<q4_block>(ng, op, g, grows, wd, idx.data(), (int64_t) idx.size()); break;
+                default: dispatch<ggml_fp16_t>(ng, op, g, grows, wd, idx.data(), (int64_t) idx.size()); break;
                 }
             }
         }
@@ -595,6 +642,22 @@ class traits : public ggml::cpu::tensor_traits {
     }
 };
 
+// skip_cast leaves llama.cpp's f16 cast of an f32 cache view uncomputed: only PolyKV's
+// kernel reads it, and that reads the f32 view under it (cache_view).
+class skip_cast : public ggml::cpu::tensor_traits {
+  public:
+    bool work_size(int, const ggml_tensor *, size_t & size) override {
+        size = 0;
+        return true;
+    }
+    bool compute_forward(ggml_compute_params * params, ggml_tensor *) override {
+        if (params->ith == 0) {
+            skipped.fetch_add(1, std::memory_order_relaxed);
+        }
+        return true;
+    }
+};
+
 class extra : public ggml::cpu::extra_buffer_type {
   public:
     bool supports_op(ggml_backend_dev_t, const ggml_tensor *) override { return false; }
@@ -606,11 +669,19 @@ class extra : public ggml::cpu::extra_buffer_type {
         if (ggml::cpu::tensor_traits * kq = polykv_kq_traits(op)) {
             return kq;
         }
-        if (!enabled.load(std::memory_order_relaxed) || op->op != GGML_OP_FLASH_ATTN_EXT) {
+        static skip_cast skip;
+        if (!enabled.load(std::memory_order_relaxed)) {
+            return nullptr;
+        }
+        if (op->op == GGML_OP_CPY && op->type == GGML_TYPE_F16 && op->src[0]->type == GGML_TYPE_F32 &&
+            polykv_cells_cast_skippable(op->src[0]->data)) {
+            return &skip;
+        }
+        if (op->op != GGML_OP_FLASH_ATTN_EXT) {
             return nullptr;
         }
         if (!supported(op)) {
-            polykv_cells_mark_stock(op->src[1]->data); // its context must compact again
+            polykv_cells_mark_stock(cache_view(op->src[1])->data); // its context must compact again
             return nullptr;
         }
         return &t;
@@ -649,6 +720,8 @@ extern "C" unsigned long long polykv_fattn_computed(void) { return computed.load
 
 extern "C" unsigned long long polykv_fattn_ordered(void) { return ordered.load(); }
 
+extern "C" unsigned long long polykv_fattn_casts_skipped(void) { return skipped.load(); }
+
 #else
 
 extern "C" int polykv_fattn_install(void) { return 0; }
@@ -658,5 +731,7 @@ extern "C" void polykv_fattn_enable(int on) { (void) on; }
 extern "C" unsigned long long polykv_fattn_computed(void) { return 0; }
 
 extern "C" unsigned long long polykv_fattn_ordered(void) { return 0; }
+
+extern "C" unsigned long long polykv_fattn_casts_skipped(void) { return 0; }
 
 #endif

@@ -29,6 +29,11 @@ func FlashAttnKernelRuns() uint64 { return uint64(C.polykv_fattn_computed()) }
 // Context.OrderedAttention).
 func FlashAttnOrderedRuns() uint64 { return uint64(C.polykv_fattn_ordered()) }
 
+// FlashAttnCastsSkipped counts llama.cpp's per-layer f16 casts of an f32 cache's K and
+// V views that were left uncomputed because PolyKV's kernel reads the f32 views itself
+// (each cast copies every used cell of the layer).
+func FlashAttnCastsSkipped() uint64 { return uint64(C.polykv_fattn_casts_skipped()) }
+
 // flashAttnInstalled: PolyKV's kernels are registered with ggml-cpu (AVX2 and FMA).
 var flashAttnInstalled bool
 

@@ -19,6 +19,10 @@ unsigned long long polykv_fattn_computed(void);
 // (their context registered with polykv_cells_register).
 unsigned long long polykv_fattn_ordered(void);
 
+// polykv_fattn_casts_skipped counts llama.cpp's f16 casts of f32 cache views left
+// uncomputed because this kernel reads the f32 views (cellorder.h).
+unsigned long long polykv_fattn_casts_skipped(void);
+
 #ifdef __cplusplus
 }
 #endif

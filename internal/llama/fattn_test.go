@@ -146,11 +146,12 @@ func TestFlashAttnKernel(t *testing.T) {
 	})
 }
 
-// TestFlashAttnKernelPlacement checks the cases the kernel's position order covers
-// beyond the f16 default and the ones it leaves to compaction: an f32 cache gives the
-// same logits bit for bit whether sequence 0's cells are in position order or scattered
-// below each other; a q8_0 cache and llama.cpp's own kernel are not ordered (the runner
-// compacts for them).
+// TestFlashAttnKernelPlacement checks the cache types the kernel's position order covers
+// beyond the f16 default and the ones it leaves to compaction: with f32, q8_0 and q4_0
+// caches a token's logits are the same bit for bit whether its sequence's cells are in
+// position order or scattered below each other, and the quantized ones are about as
+// close to plain attention as ggml's kernel over the same cache; a q5_0 cache, flash
+// attention off and llama.cpp's own kernel are not ordered (the runner compacts there).
 func TestFlashAttnKernelPlacement(t *testing.T) {
 	forEachFamily(t, func(t *testing.T, m *Model) {
 		prompt, then := fattnPrompt(t, m)
@@ -168,13 +169,38 @@ func TestFlashAttnKernelPlacement(t *testing.T) {
 		if FlashAttnOrderedRuns() == before {
 			t.Skip("PolyKV's flash-attention kernel is not available here (needs AVX2 and FMA)")
 		}
+		plain := fattnRunFA(t, m, prompt, 256, 0, then, 0)
+		skipped := FlashAttnCastsSkipped()
 		got := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 13, neighbour: 300, evict: true, fa: 1, cache: "f32"})
+		if FlashAttnCastsSkipped() == skipped {
+			t.Error("f32 cache: llama.cpp's casts of the cache views to f16 were all computed (PolyKV's kernel reads the f32 views)")
+		}
 		for i := range whole {
 			if d := maxDiff(got[i], whole[i]); d != 0 {
 				t.Errorf("f32 cache, cells out of position order: logits of step %d differ by up to %g", i, d)
 			}
 		}
-		fattnRunOpts(t, m, prompt, then[:1], fattnOpts{chunk: 256, fa: 1, cache: "q8_0", check: ordered(false, "q8_0")})
+		// Quantized caches: PolyKV's kernel dequantizes each row to f32 (ggml's converts the
+		// query to q8_0 instead), so it is at least as close to plain attention.
+		for _, ct := range []CacheType{"q8_0", "q4_0"} {
+			q := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 256, fa: 1, cache: ct, check: ordered(true, string(ct))})
+			scattered := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 13, neighbour: 300, evict: true, fa: 1, cache: ct})
+			SetFlashAttnKernel(false)
+			stock := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 256, fa: 1, cache: ct})
+			SetFlashAttnKernel(true)
+			ours, theirs := 0.0, 0.0
+			for i := range q {
+				if d := maxDiff(scattered[i], q[i]); d != 0 {
+					t.Errorf("%s cache, cells out of position order: logits of step %d differ by up to %g", ct, i, d)
+				}
+				ours, theirs = max(ours, kl(plain[i], q[i])), max(theirs, kl(plain[i], stock[i]))
+			}
+			t.Logf("%s cache: largest KL divergence from plain f16 attention: PolyKV's kernel %.5f, ggml's %.5f nats", ct, ours, theirs)
+			if ours > 2*theirs+0.01 || math.IsNaN(ours) {
+				t.Errorf("%s cache: PolyKV's kernel is %.5f nats from plain attention, ggml's flash kernel %.5f", ct, ours, theirs)
+			}
+		}
+		fattnRunOpts(t, m, prompt, then[:1], fattnOpts{chunk: 256, fa: 1, cache: "q5_0", check: ordered(false, "q5_0 (ggml's kernel)")})
 		fattnRunOpts(t, m, prompt, then[:1], fattnOpts{chunk: 256, fa: 0, check: ordered(false, "flash attention off")})
 		SetFlashAttnKernel(false)
 		fattnRunOpts(t, m, prompt, then[:1], fattnOpts{chunk: 256, fa: 1, check: ordered(false, "llama.cpp's kernel")})
