@@ -161,9 +161,6 @@ func (m *Model) IsRecurrent() bool { return bool(C.llama_model_is_recurrent(m.m)
 // IsHybrid reports a model mixing attention and recurrent layers.
 func (m *Model) IsHybrid() bool { return bool(C.llama_model_is_hybrid(m.m)) }
 
-// SizeBytes is the size of the model's weights.
-func (m *Model) SizeBytes() uint64 { return uint64(C.llama_model_size(m.m)) }
-
 // ChatTemplate is the model's own chat template (GGUF tokenizer.chat_template), or "".
 func (m *Model) ChatTemplate() string {
 	t := C.llama_model_chat_template(m.m, nil)
