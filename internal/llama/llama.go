@@ -15,8 +15,8 @@
 package llama
 
 /*
-#cgo CFLAGS: -std=c11
-#cgo CXXFLAGS: -std=c++17
+#cgo CFLAGS: -std=c11 -Wall
+#cgo CXXFLAGS: -std=c++17 -Wall -Wextra
 #cgo LDFLAGS: -lllama -lggml -lggml-cpu -lggml-base -lstdc++ -lm -lpthread -ldl
 #include <stdlib.h>
 #include <string.h>
