@@ -13,11 +13,6 @@ import (
 // thinking, tool_use and tool_result blocks become chat messages, tools and
 // tool_choice chat's, stop_sequences stop strings. Errors answer in Anthropic's shape.
 
-func (s *Server) routeMessages(mux *http.ServeMux) {
-	mux.HandleFunc("POST /v1/messages", s.handleMessages)
-	mux.HandleFunc("POST /v1/messages/count_tokens", s.handleCountTokens)
-}
-
 func (s *Server) handleMessages(w http.ResponseWriter, r *http.Request) {
 	var req wire.MessagesRequest
 	if e := s.decodeBody(w, r, &req); e != nil {

@@ -16,12 +16,6 @@ import (
 // reuses the cells that hold the conversation so far (usage.input_tokens_details.
 // cached_tokens) instead of prefilling it again.
 
-func (s *Server) routeResponses(mux *http.ServeMux) {
-	mux.HandleFunc("POST /v1/responses", s.handleResponses)
-	mux.HandleFunc("GET /v1/responses/{id}", s.handleGetResponse)
-	mux.HandleFunc("DELETE /v1/responses/{id}", s.handleDeleteResponse)
-}
-
 // responseTurn is what a response carries from its request to its end: the chain it
 // continues and the conversation it stores.
 type responseTurn struct {
