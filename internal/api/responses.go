@@ -26,19 +26,17 @@ type responseTurn struct {
 }
 
 func (s *Server) handleResponses(w http.ResponseWriter, r *http.Request) {
-	var req wire.ResponsesRequest
-	if e := s.decodeBody(w, r, &req); e != nil {
-		writeAPIError(w, e)
+	req, ok := decodeGen[wire.ResponsesRequest](s, w, r, writeAPIError)
+	if !ok {
 		return
 	}
-	sessionFromHeader(r, &req.GenParams)
 	id := newID("resp_")
-	creq, turn, e := s.responsesChat(id, &req)
+	creq, turn, e := s.responsesChat(id, req)
 	if e != nil {
 		writeAPIError(w, e)
 		return
 	}
-	sh := &responsesShape{s: s, resp: responseSkeleton(s, id, &req, creq), turn: turn}
+	sh := &responsesShape{s: s, resp: responseSkeleton(s, id, req, creq), turn: turn}
 	s.submitChat(w, r, creq, generation{k: kindChat, id: id, shape: sh})
 }
 

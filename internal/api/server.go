@@ -270,6 +270,23 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	_ = json.NewEncoder(w).Encode(v)
 }
 
+// decodeGen is the preamble of the generation routes (chat and text completions,
+// Responses, Messages): it reads the JSON body into a new T, answers a body that does
+// not decode through fail (the route's error shape) and returns false, and takes the
+// session id from the x-session-id header when the body names none.
+func decodeGen[T any, PT interface {
+	*T
+	Params() *wire.GenParams
+}](s *Server, w http.ResponseWriter, r *http.Request, fail func(http.ResponseWriter, *apiError)) (*T, bool) {
+	req := new(T)
+	if e := s.decodeBody(w, r, req); e != nil {
+		fail(w, e)
+		return nil, false
+	}
+	sessionFromHeader(r, PT(req).Params())
+	return req, true
+}
+
 // decodeBody reads a JSON object into v, turning decoder errors into clear 400s.
 // Unknown fields are ignored: OpenAI clients send extras.
 func (s *Server) decodeBody(w http.ResponseWriter, r *http.Request, v any) *apiError {
