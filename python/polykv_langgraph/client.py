@@ -345,7 +345,7 @@ class PolyKVClient:
 
     def compact_by_refork(self, ancestor_pool: int, branch_pos: int, *, compacted_tokens: Sequence[int] | None = None,
                           compacted_text: str | None = None, release_pool: int | None = None) -> dict:
-        """Compaction as a prompt rewrite (design §13.2): fork ``ancestor_pool`` at
+        """Compaction as a prompt rewrite (docs/design.md §13.2): fork ``ancestor_pool`` at
         ``branch_pos`` (its stable system prefix) with a compacted continuation, then
         release the old working subtree ``release_pool``. The child's full prefix is the
         ancestor's tokens [0, branch_pos) + the compacted tokens. Returns the new pool."""

@@ -1,4 +1,4 @@
-"""Compaction by re-fork (design §13.2): a prompt rewrite, never an in-place KV edit."""
+"""Compaction by re-fork (docs/design.md §13.2): a prompt rewrite, never an in-place KV edit."""
 
 from __future__ import annotations
 
