@@ -17,7 +17,7 @@ endif
 LLAMA_CFLAGS := $(shell ./scripts/llama.sh cflags)
 # POLYKV_LLAMA_BUILD_INFO names the llama.cpp the headers (and so the libraries) belong to,
 # for /props; being in CGO_CPPFLAGS, it also makes Go recompile the binding after a bump.
-export CGO_CPPFLAGS := -I$(LLAMA_SRC)/include -I$(LLAMA_SRC)/ggml/include -I$(LLAMA_SRC)/ggml/src -I$(LLAMA_SRC)/src -DPOLYKV_LLAMA_BUILD_INFO=$(shell ./scripts/llama.sh info)
+export CGO_CPPFLAGS := -isystem $(LLAMA_SRC)/include -isystem $(LLAMA_SRC)/ggml/include -isystem $(LLAMA_SRC)/ggml/src -isystem $(LLAMA_SRC)/src -DPOLYKV_LLAMA_BUILD_INFO=$(shell ./scripts/llama.sh info)
 export CGO_CFLAGS := -O3 $(LLAMA_CFLAGS)
 export CGO_CXXFLAGS := -O3 $(LLAMA_CFLAGS)
 export CGO_LDFLAGS := -L$(LLAMA_DIR)/src -L$(LLAMA_DIR)/ggml/src
@@ -27,7 +27,7 @@ export POLYKV_MODEL ?= $(POLYKV_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 export POLYKV_MODEL_GEMMA ?= $(POLYKV_CACHE)/models/gemma-3-270m-q4_k_m.gguf
 VENV ?= $(POLYKV_CACHE)/venv
 
-.PHONY: build llama llama-tools bump-llama testmodels model templates test test-go test-python demo bench venv browser clean env
+.PHONY: build llama llama-tools bump-llama testmodels model templates test lint test-go test-python demo bench venv browser clean env
 
 # The pinned llama.cpp's static libraries (a no-op once built for this version and CPU target).
 llama:
@@ -64,13 +64,23 @@ testmodels:
 
 test: build model testmodels templates venv browser test-go test-python
 
+# Static checks of the Go and C++ code (make test runs them first; each failure fails it):
+# gofmt, go vet, staticcheck at a pinned version (go run fetches it through the module
+# proxy into Go's own caches, nothing in the repo), and PolyKV's C++ files compiled with
+# -Wall -Wextra -Werror (go build compiles them with -Wall -Wextra, see llama.go's #cgo
+# lines, and only warns; llama.cpp's headers are -isystem, so the warnings are ours).
+STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
+lint:
+	@unformatted=$$(gofmt -l cmd internal); if [ -n "$$unformatted" ]; then echo "gofmt needed:"; echo "$$unformatted"; exit 1; fi
+	go vet ./...
+	go run $(STATICCHECK) ./...
+	for f in internal/llama/*.cpp; do $(CXX) -std=c++17 -Wall -Wextra -Werror $(CGO_CPPFLAGS) $(CGO_CXXFLAGS) -c -o /dev/null $$f || exit 1; done
+
 # -p 1: one test binary at a time. Real-model tests in several packages each run llama.cpp
 # with a thread per core, and ggml's threads spin at every graph node's barrier: two such
 # processes on 2 cores wait out each other's time slices at every node (measured: decode
 # fell from ~100 to under 1 token/s with the cores oversubscribed).
-test-go:
-	@unformatted=$$(gofmt -l cmd internal); if [ -n "$$unformatted" ]; then echo "gofmt needed:"; echo "$$unformatted"; exit 1; fi
-	go vet ./...
+test-go: lint
 	POLYKV_REQUIRE_MODEL=1 go test -p 1 -count=1 -timeout 40m ./...
 	./scripts/fuzz.sh
 

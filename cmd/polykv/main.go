@@ -27,8 +27,8 @@ import (
 func usage() {
 	fmt.Fprintln(os.Stderr, `usage:
   polykv serve -m MODEL.gguf [flags]   run the HTTP server
-  polykv bench -m MODEL.gguf [flags]   measure server vs raw decode throughput
-run "polykv serve -h" for the flags`)
+  polykv bench -m MODEL.gguf [flags]   run the benchmark workloads (--workload; docs/benchmarks.md)
+run "polykv serve -h" or "polykv bench -h" for the flags`)
 }
 
 func main() {

@@ -1,4 +1,4 @@
-// Package admission decides whether a pool can take one more session (design §4.4, §6,
+// Package admission decides whether a pool can take one more session (docs/design.md §4.4, §6,
 // §13.3, §14). Decide is a pure function of a pool's snapshot; the Controller
 // (controller.go) holds all admission state between decisions (policies, settle
 // windows, the measured-drop forecast, held requests, reservations) and reads no clock.

@@ -8,7 +8,7 @@ import (
 	"time"
 )
 
-// Controller is the admission state of every pool of one scheduler (design §14.2):
+// Controller is the admission state of every pool of one scheduler (docs/design.md §14.2):
 // policies, the settle window after each new-session admit, the measured-drop forecast,
 // new sessions held by an enforced gate, and reservations. It is as pure as Decide: it
 // reads no clock (every call is given now), does no I/O and knows nothing of sequences

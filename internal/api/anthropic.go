@@ -13,23 +13,16 @@ import (
 // thinking, tool_use and tool_result blocks become chat messages, tools and
 // tool_choice chat's, stop_sequences stop strings. Errors answer in Anthropic's shape.
 
-func (s *Server) routeMessages(mux *http.ServeMux) {
-	mux.HandleFunc("POST /v1/messages", s.handleMessages)
-	mux.HandleFunc("POST /v1/messages/count_tokens", s.handleCountTokens)
-}
-
 func (s *Server) handleMessages(w http.ResponseWriter, r *http.Request) {
-	var req wire.MessagesRequest
-	if e := s.decodeBody(w, r, &req); e != nil {
-		writeAnthropicError(w, e)
+	req, ok := decodeGen[wire.MessagesRequest](s, w, r, writeAnthropicError)
+	if !ok {
 		return
 	}
-	sessionFromHeader(r, &req.GenParams)
 	if req.MaxTokens == nil {
 		writeAnthropicError(w, invalidParam("max_tokens", "max_tokens: Field required"))
 		return
 	}
-	creq, e := messagesChat(&req)
+	creq, e := messagesChat(req)
 	if e != nil {
 		writeAnthropicError(w, e)
 		return

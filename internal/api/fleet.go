@@ -12,11 +12,6 @@ import (
 // endpoint picker): render endpoints the router tokenizes through, the x-session-id
 // header and content-addressed pool keys.
 
-func (s *Server) routeFleet(mux *http.ServeMux) {
-	mux.HandleFunc("POST /v1/chat/completions/render", s.handleChatRender)
-	mux.HandleFunc("POST /v1/completions/render", s.handleCompletionsRender)
-}
-
 // handleChatRender answers the token ids a chat request would prefill, without
 // running it: the same messages, tools and template path as /v1/chat/completions.
 func (s *Server) handleChatRender(w http.ResponseWriter, r *http.Request) {

@@ -301,13 +301,11 @@ func flattenContent(raw json.RawMessage) (string, error) {
 var knownRoles = map[string]bool{"system": true, "developer": true, "user": true, "assistant": true, "tool": true}
 
 func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
-	var req wire.ChatRequest
-	if e := s.decodeBody(w, r, &req); e != nil {
-		writeAPIError(w, e)
+	req, ok := decodeGen[wire.ChatRequest](s, w, r, writeAPIError)
+	if !ok {
 		return
 	}
-	sessionFromHeader(r, &req.GenParams)
-	s.submitChat(w, r, &req, generation{k: kindChat, id: newID("chatcmpl-"), shape: openaiShape{}})
+	s.submitChat(w, r, req, generation{k: kindChat, id: newID("chatcmpl-"), shape: openaiShape{}})
 }
 
 // submitChat is the one path from a chat request to the engine. Chat completions come
@@ -370,12 +368,10 @@ func (s *Server) chatPrompt(req *wire.ChatRequest) ([]int32, toolPlan, *apiError
 }
 
 func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
-	var req wire.CompletionRequest
-	if e := s.decodeBody(w, r, &req); e != nil {
-		writeAPIError(w, e)
+	req, ok := decodeGen[wire.CompletionRequest](s, w, r, writeAPIError)
+	if !ok {
 		return
 	}
-	sessionFromHeader(r, &req.GenParams)
 	ereq, e := s.toEngine(&req.GenParams)
 	if e != nil {
 		writeAPIError(w, e)

@@ -9,18 +9,6 @@ import (
 	"github.com/polykv/polykv/internal/engine"
 )
 
-func (s *Server) routePools(mux *http.ServeMux) {
-	mux.HandleFunc("POST /polykv/pools", s.handleCreatePool)
-	mux.HandleFunc("GET /polykv/pools", s.handleListPools)
-	mux.HandleFunc("GET /polykv/pools/{id}", s.handleGetPool)
-	mux.HandleFunc("DELETE /polykv/pools/{id}", s.handleReleasePool)
-	mux.HandleFunc("POST /polykv/pools/{id}/fork", s.handleForkPool)
-	mux.HandleFunc("POST /polykv/pools/{id}/pin", s.poolAction(func(id int) engine.Msg { return engine.PinPool{Pool: id, Pin: true} }))
-	mux.HandleFunc("POST /polykv/pools/{id}/unpin", s.poolAction(func(id int) engine.Msg { return engine.PinPool{Pool: id} }))
-	mux.HandleFunc("POST /polykv/pools/{id}/evict", s.poolAction(func(id int) engine.Msg { return engine.EvictPool{Pool: id} }))
-	mux.HandleFunc("POST /polykv/pools/{id}/flush", s.poolAction(func(id int) engine.Msg { return engine.FlushPool{Pool: id} }))
-}
-
 func pathPoolID(r *http.Request) (int, *apiError) {
 	raw := r.PathValue("id")
 	id, err := strconv.Atoi(raw)

@@ -13,11 +13,6 @@ import (
 // the engine goroutine, one at a time), DELETE gives it back unused. A chat or
 // completion request carrying `reservation_id` uses it instead of the enforced gate.
 
-func (s *Server) routeReservations(mux *http.ServeMux) {
-	mux.HandleFunc("POST /polykv/pools/{id}/reservations", s.handleReserve)
-	mux.HandleFunc("DELETE /polykv/pools/{id}/reservations/{rid}", s.handleReleaseReservation)
-}
-
 // reservationError maps the reservation sentinels, then defers to errorFor.
 func reservationError(err error) *apiError {
 	switch {

@@ -16,12 +16,6 @@ import (
 // reuses the cells that hold the conversation so far (usage.input_tokens_details.
 // cached_tokens) instead of prefilling it again.
 
-func (s *Server) routeResponses(mux *http.ServeMux) {
-	mux.HandleFunc("POST /v1/responses", s.handleResponses)
-	mux.HandleFunc("GET /v1/responses/{id}", s.handleGetResponse)
-	mux.HandleFunc("DELETE /v1/responses/{id}", s.handleDeleteResponse)
-}
-
 // responseTurn is what a response carries from its request to its end: the chain it
 // continues and the conversation it stores.
 type responseTurn struct {
@@ -32,19 +26,17 @@ type responseTurn struct {
 }
 
 func (s *Server) handleResponses(w http.ResponseWriter, r *http.Request) {
-	var req wire.ResponsesRequest
-	if e := s.decodeBody(w, r, &req); e != nil {
-		writeAPIError(w, e)
+	req, ok := decodeGen[wire.ResponsesRequest](s, w, r, writeAPIError)
+	if !ok {
 		return
 	}
-	sessionFromHeader(r, &req.GenParams)
 	id := newID("resp_")
-	creq, turn, e := s.responsesChat(id, &req)
+	creq, turn, e := s.responsesChat(id, req)
 	if e != nil {
 		writeAPIError(w, e)
 		return
 	}
-	sh := &responsesShape{s: s, resp: responseSkeleton(s, id, &req, creq), turn: turn}
+	sh := &responsesShape{s: s, resp: responseSkeleton(s, id, req, creq), turn: turn}
 	s.submitChat(w, r, creq, generation{k: kindChat, id: id, shape: sh})
 }
 

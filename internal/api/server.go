@@ -22,6 +22,7 @@ import (
 	"github.com/polykv/polykv/internal/tier"
 	"github.com/polykv/polykv/internal/tps"
 	"github.com/polykv/polykv/internal/ui"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
 // Tokenizer is the read-only model surface handlers use. *llama.Model implements it.
@@ -111,27 +112,55 @@ func New(eng *engine.Engine, tok Tokenizer, chat ChatRenderer, info Info, metric
 		responses: newResponseStore(info.SessionTTL, info.ResponsesMax, info.ResponsesMaxBytes)}
 }
 
-// Handler returns the routed handler.
+// Handler returns the routed handler. This is the route table: every route the server
+// answers is registered here, grouped by API, and nowhere else.
 func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
+	// OpenAI-compatible generation; the paths without /v1 are llama-server's aliases.
 	mux.HandleFunc("POST /v1/chat/completions", s.handleChat)
 	mux.HandleFunc("POST /chat/completions", s.handleChat)
 	mux.HandleFunc("POST /v1/completions", s.handleCompletions)
 	mux.HandleFunc("POST /completions", s.handleCompletions)
 	mux.HandleFunc("GET /v1/models", s.handleModels)
 	mux.HandleFunc("GET /models", s.handleModels)
+	// OpenAI's Responses API (responses.go) and Anthropic's Messages API (anthropic.go).
+	mux.HandleFunc("POST /v1/responses", s.handleResponses)
+	mux.HandleFunc("GET /v1/responses/{id}", s.handleGetResponse)
+	mux.HandleFunc("DELETE /v1/responses/{id}", s.handleDeleteResponse)
+	mux.HandleFunc("POST /v1/messages", s.handleMessages)
+	mux.HandleFunc("POST /v1/messages/count_tokens", s.handleCountTokens)
+	// Rendering without generating: the token ids a request would prefill (fleet.go, for
+	// llm-d's router) and llama-server's prompt text (template.go).
+	mux.HandleFunc("POST /v1/chat/completions/render", s.handleChatRender)
+	mux.HandleFunc("POST /v1/completions/render", s.handleCompletionsRender)
+	mux.HandleFunc("POST /apply-template", s.handleApplyTemplate)
+	// llama-server's utility routes and slot API (slots.go).
 	mux.HandleFunc("POST /tokenize", s.handleTokenize)
 	mux.HandleFunc("POST /detokenize", s.handleDetokenize)
 	mux.HandleFunc("GET /health", s.handleHealth)
 	mux.HandleFunc("GET /props", s.handleProps)
 	mux.HandleFunc("GET /slots", s.handleSlots)
-	s.routeResponses(mux)
-	s.routeMessages(mux)
-	s.routeSlots(mux)
-	s.routePools(mux)
-	s.routeTPS(mux)
-	s.routeTemplate(mux)
-	s.routeFleet(mux)
+	mux.HandleFunc("POST /slots/{id}", s.handleSlotAction)
+	// Pools (pools.go).
+	mux.HandleFunc("POST /polykv/pools", s.handleCreatePool)
+	mux.HandleFunc("GET /polykv/pools", s.handleListPools)
+	mux.HandleFunc("GET /polykv/pools/{id}", s.handleGetPool)
+	mux.HandleFunc("DELETE /polykv/pools/{id}", s.handleReleasePool)
+	mux.HandleFunc("POST /polykv/pools/{id}/fork", s.handleForkPool)
+	mux.HandleFunc("POST /polykv/pools/{id}/pin", s.poolAction(func(id int) engine.Msg { return engine.PinPool{Pool: id, Pin: true} }))
+	mux.HandleFunc("POST /polykv/pools/{id}/unpin", s.poolAction(func(id int) engine.Msg { return engine.PinPool{Pool: id} }))
+	mux.HandleFunc("POST /polykv/pools/{id}/evict", s.poolAction(func(id int) engine.Msg { return engine.EvictPool{Pool: id} }))
+	mux.HandleFunc("POST /polykv/pools/{id}/flush", s.poolAction(func(id int) engine.Msg { return engine.FlushPool{Pool: id} }))
+	// Speed and admission (tps.go, reservations.go).
+	mux.HandleFunc("GET /polykv/tps", s.handleTPS)
+	mux.HandleFunc("GET /polykv/pools/{id}/capacity", s.handleCapacity)
+	mux.HandleFunc("GET /polykv/pools/{id}/admission", s.handleGetAdmission)
+	mux.HandleFunc("POST /polykv/pools/{id}/admission", s.handleSetAdmission)
+	mux.HandleFunc("POST /polykv/pools/{id}/reservations", s.handleReserve)
+	mux.HandleFunc("DELETE /polykv/pools/{id}/reservations/{rid}", s.handleReleaseReservation)
+	if s.metrics != nil {
+		mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.Registry, promhttp.HandlerOpts{}))
+	}
 	ui.Register(mux) // the dashboard page: GET /ui/ (and GET / redirects there)
 	// No catch-all "/" route: it would match every method and turn a wrong method
 	// into 404; routeErrors answers unmatched requests with JSON 404 or 405 + Allow.
@@ -239,6 +268,23 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)
 	_ = json.NewEncoder(w).Encode(v)
+}
+
+// decodeGen is the preamble of the generation routes (chat and text completions,
+// Responses, Messages): it reads the JSON body into a new T, answers a body that does
+// not decode through fail (the route's error shape) and returns false, and takes the
+// session id from the x-session-id header when the body names none.
+func decodeGen[T any, PT interface {
+	*T
+	Params() *wire.GenParams
+}](s *Server, w http.ResponseWriter, r *http.Request, fail func(http.ResponseWriter, *apiError)) (*T, bool) {
+	req := new(T)
+	if e := s.decodeBody(w, r, req); e != nil {
+		fail(w, e)
+		return nil, false
+	}
+	sessionFromHeader(r, PT(req).Params())
+	return req, true
 }
 
 // decodeBody reads a JSON object into v, turning decoder errors into clear 400s.

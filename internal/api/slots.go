@@ -19,10 +19,6 @@ import (
 // written atomically and carry the model key and a checksum (package tier's format), so
 // a restore of a torn, corrupt or foreign file is refused with 400, never loaded.
 
-func (s *Server) routeSlots(mux *http.ServeMux) {
-	mux.HandleFunc("POST /slots/{id}", s.handleSlotAction)
-}
-
 type slotRequest struct {
 	Filename string `json:"filename"`
 }

@@ -79,10 +79,6 @@ func (s *Server) renderChat(msgs []chat.Message, tools []chat.Tool, addGen bool,
 	return text, nil
 }
 
-func (s *Server) routeTemplate(mux *http.ServeMux) {
-	mux.HandleFunc("POST /apply-template", s.handleApplyTemplate)
-}
-
 // handleApplyTemplate is llama-server's /apply-template: a chat body in, the prompt the
 // server would generate from out ({prompt}), nothing generated.
 func (s *Server) handleApplyTemplate(w http.ResponseWriter, r *http.Request) {

@@ -8,23 +8,10 @@ import (
 	"strings"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus/promhttp"
-
 	"github.com/polykv/polykv/internal/admission"
 	"github.com/polykv/polykv/internal/api/wire"
 	"github.com/polykv/polykv/internal/engine"
 )
-
-func (s *Server) routeTPS(mux *http.ServeMux) {
-	mux.HandleFunc("GET /polykv/tps", s.handleTPS)
-	mux.HandleFunc("GET /polykv/pools/{id}/capacity", s.handleCapacity)
-	mux.HandleFunc("GET /polykv/pools/{id}/admission", s.handleGetAdmission)
-	mux.HandleFunc("POST /polykv/pools/{id}/admission", s.handleSetAdmission)
-	s.routeReservations(mux)
-	if s.metrics != nil {
-		mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.Registry, promhttp.HandlerOpts{}))
-	}
-}
 
 func (s *Server) tpsSnapshot() wire.TPS {
 	return wireTPS(s.eng.Snapshot().TPS)

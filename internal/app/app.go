@@ -285,15 +285,11 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	// Bytes per cell from the real element types: pool and session KV accounting
 	// (own_kv_bytes, marginal_kv_bytes, ...) scale with them.
 	ecfg.BytesPerCell = model.KVBytesPerCellTyped(tk, tv)
-	if model.IsRecurrent() || model.IsHybrid() {
-		// Recurrent state is one value per sequence, not cells per position: pools work
-		// at pool boundaries only (engine.Config.Recurrent), and automatic prefix sharing,
-		// which borrows any resident prefix at any length, cannot.
-		ecfg.Recurrent = true
-		if ecfg.PrefixCache && log != nil {
-			log.Info("prefix cache off: recurrent memory cannot be shared at an arbitrary token prefix")
-		}
-		ecfg.PrefixCache = false
+	// What the architecture allows (recurrent state, sliding windows): runner.Policy.
+	pol := runner.ModelPolicy(model)
+	pol.Anchors = pol.Anchors && !cfg.noSWAAnchors
+	if pol.Configure(&ecfg) && log != nil {
+		log.Info("prefix cache off: recurrent memory cannot be shared at an arbitrary token prefix")
 	}
 	if cfg.NCtx > model.NCtxTrain() && model.NCtxTrain() > 0 {
 		if log != nil {
@@ -304,29 +300,16 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	llama.SetFlashAttnKernel(cfg.FAKernel != "ggml")
 	llama.SetMatMulKernel(cfg.MMKernel != "ggml")
 	nSeq := cfg.Parallel + cfg.MaxPools
-	// Sliding-window models (Gemma 3): a full-size SWA cache (swa_full), so a pool keeps
-	// every position of its prefix in the SWA layers too, and shadow sequences that stop
-	// llama.cpp from reusing out-of-window cells (runner.EnableSWAAnchors). Both cost
-	// memory (the SWA layers hold n_ctx cells) and the shadows halve the sequence ids.
-	swa := model.NSWA() > 0 && !cfg.noSWAAnchors
-	ctxSeqs := nSeq
-	if swa {
-		ctxSeqs = 2 * nSeq
-		if ctxSeqs > engine.MaxSeqs {
-			model.Free()
-			return nil, fmt.Errorf("this model uses sliding-window attention, which needs two sequence ids per session or pool: --parallel + --max-pools must be at most %d, got %d", engine.MaxSeqs/2, nSeq)
-		}
-		if cfg.NUBatch < cfg.NBatch && cfg.NBatch > model.NSWA() {
-			// Within one llama_decode a later micro-batch could reuse the cells of an
-			// earlier one before they are anchored.
-			model.Free()
-			return nil, fmt.Errorf("with a sliding-window model (window %d) --batch above the window needs --ubatch equal to --batch", model.NSWA())
-		}
+	if err := pol.Check(nSeq, cfg.NBatch, cfg.NUBatch); err != nil {
+		model.Free()
+		return nil, err
 	}
-	ctx, err := llama.NewContext(model, llama.ContextParams{FlashAttn: fa,
-		NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: ctxSeqs,
-		NThreads: cfg.Threads, KVUnified: true, TypeK: tk, TypeV: tv, SWAFull: model.NSWA() > 0,
-	})
+	cp := llama.ContextParams{FlashAttn: fa,
+		NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: pol.ContextSeqs(nSeq),
+		NThreads: cfg.Threads, KVUnified: true, TypeK: tk, TypeV: tv,
+	}
+	pol.Params(&cp)
+	ctx, err := llama.NewContext(model, cp)
 	if err != nil {
 		model.Free()
 		return nil, err
@@ -354,7 +337,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 			func() float64 { return float64(pub.Snapshots.Load()) },
 			func() float64 { return float64(pub.Dropped.Load()) })
 	}
-	store, tierOff, key, err := openTier(cfg, model, ecfg, log)
+	store, tierOff, key, err := openTier(cfg, model, ecfg, pol, log)
 	if err != nil {
 		if pub != nil {
 			_ = pub.Close()
@@ -387,9 +370,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	if !ctx.OrderedAttention() {
 		log.Info("attention is not ordered by position here: the KV cache is compacted after frees", "cache_type_k", cfg.CacheTypeK, "fa_kernel", cfg.FAKernel, "flash_attn", cfg.FlashAttn)
 	}
-	if swa {
-		backend.EnableSWAAnchors(nSeq)
-	}
+	pol.Enable(backend, nSeq)
 	if store != nil {
 		backend.EnableTier(store)
 		metrics.SetTier(store)
@@ -441,12 +422,10 @@ func (a *App) Close() {
 // openTier opens the store below the cache when --pool-ram-mb or --pool-dir asks for
 // one, or says why the tier is off for this model (the second result; "" when on or
 // not asked for). The third is the model key saved KV is valid for, when the tier or
-// --slot-save-path needs it. Refused: pools that cannot exist (recurrent memory) and
-// sliding-window models (Gemma 3): llama.cpp's sequence state leaves out the cells
-// that a sliding-window layer masks for the sequence's last position, so a restored
-// pool would lack them, and an attach or fork below its last window would read KV that
-// is not there. Such pools are prefilled again, as without a tier.
-func openTier(cfg Config, model *llama.Model, ecfg engine.Config, log *slog.Logger) (*tier.Store, string, string, error) {
+// --slot-save-path needs it. Refused without pools and for the models whose policy
+// refuses it (runner.Policy.TierOff: sliding-window and recurrent models); their
+// evicted pools are prefilled again, as without a tier.
+func openTier(cfg Config, model *llama.Model, ecfg engine.Config, pol runner.Policy, log *slog.Logger) (*tier.Store, string, string, error) {
 	key := ""
 	if cfg.SlotSavePath != "" || cfg.PoolRAMMB > 0 || cfg.PoolDir != "" {
 		var err error
@@ -461,12 +440,8 @@ func openTier(cfg Config, model *llama.Model, ecfg engine.Config, log *slog.Logg
 	switch {
 	case ecfg.PoolsUnsupported != "" || cfg.MaxPools == 0:
 		off = "this server has no pools"
-	case model.NSWA() > 0:
-		off = "sliding-window model: llama.cpp's sequence state leaves out the cells the window masks, so a restored pool could not serve an attach or fork below its last window; evicted pools are prefilled again"
-	case ecfg.Recurrent:
-		// A spill saves a pool's own cells only (its parent keeps the rest), and a
-		// recurrent layer's state is not split by position: not restored that way yet.
-		off = "model with recurrent state: a spill keeps a pool's own attention cells, not a recurrent state valid for them; evicted pools are prefilled again"
+	default:
+		off = pol.TierOff()
 	}
 	if off != "" {
 		if log != nil {

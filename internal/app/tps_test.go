@@ -33,14 +33,6 @@ func TestEWMAMatchesTimings(t *testing.T) {
 	}
 }
 
-func tpsOnce(t testing.TB, base string) wire.TPS {
-	var snap wire.TPS
-	if code := get(t, base+"/polykv/tps?once=1", &snap); code != 200 {
-		t.Fatalf("tps once: %d", code)
-	}
-	return snap
-}
-
 func TestAggregateIsSumAndSSE(t *testing.T) {
 	_, base := startServer(t, Config{NCtx: 2048, Parallel: 2})
 	var wg sync.WaitGroup

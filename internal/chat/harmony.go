@@ -40,7 +40,7 @@ func (h *harmonyStream) push(text string) (reasoning, content string) {
 				end, at = j, e
 			}
 		}
-		body := h.buf
+		var body string
 		if end >= 0 {
 			body = h.buf[:end]
 		} else {

@@ -418,8 +418,3 @@ func (e *Engine) shutdown(sched *Scheduler, be Backend, streams map[TaskID]*Stre
 		st.push(Event{Task: id, Done: true, Finish: FinishError, Err: ErrEngineClosed})
 	}
 }
-
-// IsClientError reports errors caused by the request rather than the server.
-func IsClientError(err error) bool {
-	return errors.Is(err, ErrPromptTooLong) || errors.Is(err, ErrEmptyPrompt) || errors.Is(err, ErrInvalidToken)
-}

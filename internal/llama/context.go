@@ -204,9 +204,6 @@ func (c *Context) SeqCp(src, dst, p0, p1 int) {
 	C.llama_memory_seq_cp(c.mem, C.llama_seq_id(src), C.llama_seq_id(dst), C.llama_pos(p0), C.llama_pos(p1))
 }
 
-// SeqKeep removes every cell not held by seq.
-func (c *Context) SeqKeep(seq int) { C.llama_memory_seq_keep(c.mem, C.llama_seq_id(seq)) }
-
 // SeqPosMin is the smallest position held by seq, or -1 when empty.
 func (c *Context) SeqPosMin(seq int) int {
 	return int(C.llama_memory_seq_pos_min(c.mem, C.llama_seq_id(seq)))
@@ -295,9 +292,6 @@ func (c *Context) Compact() error {
 func (c *Context) SeqStateSize(seq int) int64 {
 	return int64(C.llama_state_seq_get_size(c.c, C.llama_seq_id(seq)))
 }
-
-// MemoryClear empties the whole KV cache.
-func (c *Context) MemoryClear() { C.llama_memory_clear(c.mem, true) }
 
 // SamplerParams configures a sampler chain. Temperature <= 0 means greedy.
 type SamplerParams struct {

@@ -60,3 +60,8 @@ func kquantSelfTest(typ, m, k, n int, seed uint32) (maxRel float64, identical bo
 // MatMulKernelVNNI reports whether PolyKV's matrix kernel runs its AVX-512 VNNI path
 // (chosen at run time where the CPU has it; otherwise its AVX2 path).
 func MatMulKernelVNNI() bool { return C.polykv_kq_vnni() != 0 }
+
+// setMatMulKernelVNNI turns the VNNI path on (where the CPU has it) or off, so tests run
+// the plain AVX2 path a CPU without AVX-512 VNNI takes; it returns whether VNNI is now
+// used. Process-wide, for graphs computed from then on.
+func setMatMulKernelVNNI(on bool) bool { return C.polykv_kq_set_vnni(C.int(boolToInt(on))) != 0 }

@@ -20,8 +20,15 @@ func TestKQuantKernel(t *testing.T) {
 		t.Skip("this build has no AVX2/FMA: PolyKV's matrix kernel is not compiled in")
 	}
 	// The run-time choice: VNNI exactly where the CPU has it (and its 256-bit form).
-	if want := cpu.X86.HasAVX512VNNI && cpu.X86.HasAVX512VL; MatMulKernelVNNI() != want {
-		t.Errorf("VNNI path in use %v, CPU has AVX-512 VNNI+VL %v", MatMulKernelVNNI(), want)
+	vnni := cpu.X86.HasAVX512VNNI && cpu.X86.HasAVX512VL
+	if MatMulKernelVNNI() != vnni {
+		t.Errorf("VNNI path in use %v, CPU has AVX-512 VNNI+VL %v", MatMulKernelVNNI(), vnni)
+	}
+	// Where the CPU has VNNI, the self-test also runs the AVX2 path and compares the
+	// bits: that is the path every x86-64-v3 CPU without AVX-512 takes.
+	wantPaths := 1
+	if vnni {
+		wantPaths = 2
 	}
 	for _, tc := range []struct {
 		name    string
@@ -43,6 +50,9 @@ func TestKQuantKernel(t *testing.T) {
 		if !same {
 			t.Errorf("%s %dx%d: rows computed together differ from rows computed alone", tc.name, tc.m, tc.k)
 		}
+		if paths != wantPaths {
+			t.Errorf("%s %dx%d: %d instruction path(s) compared, want %d", tc.name, tc.m, tc.k, paths, wantPaths)
+		}
 		if rel > 1e-5 {
 			t.Errorf("%s %dx%d: differs from ggml's vec_dot by %.3g of the largest result", tc.name, tc.m, tc.k, rel)
 		}
@@ -55,8 +65,9 @@ func TestKQuantKernel(t *testing.T) {
 // none in the second, a token's logits are the same bits whether the prompt is
 // prefilled 256 or 13 tokens at a time, and the two kernels' next-token distributions
 // agree to float rounding (both compute the same integer dot products; only the order
-// of the float scaling differs). The exact check against ggml's vec_dot is
-// TestKQuantKernel's.
+// of the float scaling differs). Where the CPU has AVX-512 VNNI, the AVX2 path (what
+// CPUs without it run) must give the same bits. The exact check against ggml's vec_dot
+// is TestKQuantKernel's.
 func TestKQuantKernelModel(t *testing.T) {
 	forEachFamily(t, func(t *testing.T, m *Model) {
 		if !MatMulKernelAvailable() {
@@ -76,6 +87,20 @@ func TestKQuantKernelModel(t *testing.T) {
 			if d := maxDiff(chunked[i], ours[i]); d != 0 {
 				t.Errorf("logits of step %d differ by up to %g between 256- and 13-token prefill chunks", i, d)
 			}
+		}
+		// The plain AVX2 path (a CPU without AVX-512 VNNI) gives the same bits on the
+		// whole model, not only on TestKQuantKernel's random matrices.
+		if MatMulKernelVNNI() {
+			setMatMulKernelVNNI(false)
+			avx2 := fattnRun(t, m, prompt, 13, 37, then)
+			setMatMulKernelVNNI(true)
+			for i := range ours {
+				if d := maxDiff(avx2[i], ours[i]); d != 0 {
+					t.Errorf("logits of step %d differ by up to %g between the VNNI and AVX2 paths", i, d)
+				}
+			}
+		} else {
+			t.Log("this CPU has no AVX-512 VNNI: the run above was the AVX2 path")
 		}
 
 		SetMatMulKernel(false)

@@ -15,8 +15,8 @@
 package llama
 
 /*
-#cgo CFLAGS: -std=c11
-#cgo CXXFLAGS: -std=c++17
+#cgo CFLAGS: -std=c11 -Wall
+#cgo CXXFLAGS: -std=c++17 -Wall -Wextra
 #cgo LDFLAGS: -lllama -lggml -lggml-cpu -lggml-base -lstdc++ -lm -lpthread -ldl
 #include <stdlib.h>
 #include <string.h>
@@ -160,9 +160,6 @@ func (m *Model) IsRecurrent() bool { return bool(C.llama_model_is_recurrent(m.m)
 
 // IsHybrid reports a model mixing attention and recurrent layers.
 func (m *Model) IsHybrid() bool { return bool(C.llama_model_is_hybrid(m.m)) }
-
-// SizeBytes is the size of the model's weights.
-func (m *Model) SizeBytes() uint64 { return uint64(C.llama_model_size(m.m)) }
 
 // ChatTemplate is the model's own chat template (GGUF tokenizer.chat_template), or "".
 func (m *Model) ChatTemplate() string {

@@ -70,23 +70,43 @@ def build(base_url: str, client: PolyKVClient, n: int):
     def plan(state: Main):
         root = client.create_pool(messages=convert_to_openai_messages([system]))
         # Nesting: the task pool extends the root (D == root.L) with the task message.
-        child = client.fork_pool(root["pool_id"], root["prefix_len"], messages=convert_to_openai_messages([system, task]))
+        child = client.fork_pool(
+            root["pool_id"], root["prefix_len"], messages=convert_to_openai_messages([system, task])
+        )
         return {"task_pool": child["pool_id"]}
 
     def fan_out(state: Main):
-        return [Send("gate", {"task_pool": state["task_pool"], "question": q, "index": i}) for i, q in enumerate(QUESTIONS[:n])]
+        return [
+            Send("gate", {"task_pool": state["task_pool"], "question": q, "index": i})
+            for i, q in enumerate(QUESTIONS[:n])
+        ]
 
     # Each branch reserves its place atomically; a held branch re-enters the gate in the
     # next superstep, after the sub-agents granted in this one have run.
     gate = capacity_gate(client, spawn="sub_agent", hold="gate", pool_key="task_pool", send=True, hold_delay_s=0.2)
 
     def sub_agent(state: Sub):
-        llm = ChatPolyKV(base_url=base_url, pool_id=state["task_pool"], session_id=f"sub-{state['index']}", temperature=0, max_tokens=48)
+        llm = ChatPolyKV(
+            base_url=base_url,
+            pool_id=state["task_pool"],
+            session_id=f"sub-{state['index']}",
+            temperature=0,
+            max_tokens=48,
+        )
         msg = llm.invoke([system, task, HumanMessage(state["question"])], reservation_id=state["reservation_id"])
         md = msg.response_metadata
-        return {"results": [{"agent": state["index"], "question": state["question"], "answer": msg.content.strip(),
-                             "tps": md["session_tps"], "cached": msg.usage_metadata["input_token_details"]["cache_read"],
-                             "prompt": msg.usage_metadata["input_tokens"]}]}
+        return {
+            "results": [
+                {
+                    "agent": state["index"],
+                    "question": state["question"],
+                    "answer": msg.content.strip(),
+                    "tps": md["session_tps"],
+                    "cached": msg.usage_metadata["input_token_details"]["cache_read"],
+                    "prompt": msg.usage_metadata["input_tokens"],
+                }
+            ]
+        }
 
     g = StateGraph(Main)
     g.add_node("plan", plan)

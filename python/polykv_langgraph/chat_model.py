@@ -83,7 +83,9 @@ class ChatPolyKV(BaseChatModel):
 
     def _client(self) -> httpx.Client:
         if self._http is None:
-            self._http = httpx.Client(base_url=self.base_url, timeout=self.timeout, transport=self.transport, headers=self._auth())
+            self._http = httpx.Client(
+                base_url=self.base_url, timeout=self.timeout, transport=self.transport, headers=self._auth()
+            )
         return self._http
 
     def _aclient(self) -> httpx.AsyncClient:
@@ -170,7 +172,11 @@ class ChatPolyKV(BaseChatModel):
     # request building -------------------------------------------------------------
 
     def _body(self, messages: list[BaseMessage], stop: Optional[list[str]], stream: bool, **kwargs: Any) -> dict:
-        body: dict[str, Any] = {"model": self.model_name, "messages": convert_to_openai_messages(messages), "stream": stream}
+        body: dict[str, Any] = {
+            "model": self.model_name,
+            "messages": convert_to_openai_messages(messages),
+            "stream": stream,
+        }
         for key, value in (("temperature", self.temperature), ("max_tokens", self.max_tokens), ("seed", self.seed),
                            ("pool_id", self.pool_id), ("session_id", self.session_id), ("logprobs", self.logprobs)):
             if value is not None:
@@ -291,7 +297,15 @@ class ChatPolyKV(BaseChatModel):
                 args = json.loads(fn.get("arguments") or "{}")
                 tool_calls.append({"name": fn.get("name", ""), "args": args, "id": call.get("id"), "type": "tool_call"})
             except json.JSONDecodeError as e:
-                invalid.append({"name": fn.get("name"), "args": fn.get("arguments"), "id": call.get("id"), "error": str(e), "type": "invalid_tool_call"})
+                invalid.append(
+                    {
+                        "name": fn.get("name"),
+                        "args": fn.get("arguments"),
+                        "id": call.get("id"),
+                        "error": str(e),
+                        "type": "invalid_tool_call",
+                    }
+                )
         meta = self._metadata(data, resp.headers, choice.get("finish_reason"))
         if choice.get("logprobs"):
             meta["logprobs"] = choice["logprobs"]
@@ -303,7 +317,11 @@ class ChatPolyKV(BaseChatModel):
             response_metadata=meta,
             id=data.get("id"),
         )
-        return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": choice.get("finish_reason")})])
+        return ChatResult(
+            generations=[
+                ChatGeneration(message=message, generation_info={"finish_reason": choice.get("finish_reason")})
+            ]
+        )
 
     def _line(self, line: str, headers: httpx.Headers) -> Any:
         """Parse one SSE line: a list of chunks, or _DONE at ``data: [DONE]``."""
@@ -327,8 +345,12 @@ class ChatPolyKV(BaseChatModel):
         choice = data["choices"][0]
         delta = choice.get("delta") or {}
         chunks = [
-            tool_call_chunk(name=(tc.get("function") or {}).get("name"), args=(tc.get("function") or {}).get("arguments"),
-                            id=tc.get("id"), index=tc.get("index"))
+            tool_call_chunk(
+                name=(tc.get("function") or {}).get("name"),
+                args=(tc.get("function") or {}).get("arguments"),
+                id=tc.get("id"),
+                index=tc.get("index"),
+            )
             for tc in delta.get("tool_calls") or []
         ]
         finish = choice.get("finish_reason")
@@ -382,8 +404,13 @@ class ChatPolyKV(BaseChatModel):
                     raise transport_error(e) from e
                 time.sleep(_backoff(attempt))
 
-    async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
-                       run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
         body = self._body(messages, stop, True, **kwargs)
         http = self._aclient()
         for attempt in range(self.max_retries + 1):
@@ -414,8 +441,13 @@ class ChatPolyKV(BaseChatModel):
                     raise transport_error(e) from e
                 await asyncio.sleep(_backoff(attempt))
 
-    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
-                   tool_choice: Optional[str | dict | bool] = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        *,
+        tool_choice: Optional[str | dict | bool] = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind OpenAI-format tools. ``tool_choice``: "auto", "none", "any"/"required"/True,
         or a tool name (forces that tool)."""
         formatted = [convert_to_openai_tool(t) for t in tools]
@@ -437,8 +469,13 @@ class ChatPolyKV(BaseChatModel):
         is_model = isinstance(schema, type) and issubclass(schema, BaseModel)
         if method == "json_schema":
             js = convert_to_json_schema(schema)
-            llm = self.bind(response_format={"type": "json_schema", "json_schema": {"name": js.get("title", "output"), "schema": js}},
-                            ls_structured_output_format={"kwargs": {"method": method}, "schema": js})
+            llm = self.bind(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": js.get("title", "output"), "schema": js},
+                },
+                ls_structured_output_format={"kwargs": {"method": method}, "schema": js},
+            )
         elif method == "json_mode":
             llm = self.bind(response_format={"type": "json_object"})
         else:

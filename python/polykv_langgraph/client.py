@@ -51,7 +51,9 @@ class PolyKVError(Exception):
 class PoolSaturatedError(PolyKVError, ModelRateLimitError):
     """429: an enforced pool refused a new session. ``retry_after`` is in seconds."""
 
-    def __init__(self, status: int, message: str, type_: str = "", body: dict | None = None, retry_after: float | None = None):
+    def __init__(
+        self, status: int, message: str, type_: str = "", body: dict | None = None, retry_after: float | None = None
+    ):
         super().__init__(status, message, type_, body)
         self.retry_after = retry_after
         self.capacity = (body or {}).get("error", {}).get("capacity")
@@ -107,7 +109,12 @@ def error_for(status: int, body: Any, text: str = "", retry_after: str | None = 
         return PoolSaturatedError(status, msg, typ, body, retry_after=ra)
     if status == 400 and typ == "exceed_context_size_error":
         return PolyKVContextOverflowError(status, msg, typ, body)
-    by_status: dict[int, type[PolyKVError]] = {401: AuthenticationError, 404: PoolNotFoundError, 409: PrefixContractError, 503: CapacityError}
+    by_status: dict[int, type[PolyKVError]] = {
+        401: AuthenticationError,
+        404: PoolNotFoundError,
+        409: PrefixContractError,
+        503: CapacityError,
+    }
     cls = by_status.get(status)
     if cls is None:
         cls = ServerError if status >= 500 else InvalidRequestError if 400 <= status < 500 else PolyKVError
@@ -131,8 +138,17 @@ def transport_error(e: httpx.TransportError) -> PolyKVError:
     return PolyKVConnectionError(0, f"cannot reach the server: {e!r}", "connection_error")
 
 
-def _prefix_body(tokens=None, prompt=None, messages=None, from_session=None) -> dict:
-    body = {k: v for k, v in {"tokens": tokens, "prompt": prompt, "messages": messages, "from_session": from_session}.items() if v is not None}
+def _prefix_body(
+    tokens: list[int] | None = None,
+    prompt: str | None = None,
+    messages: list[dict] | None = None,
+    from_session: str | None = None,
+) -> dict:
+    body: dict[str, Any] = {
+        k: v
+        for k, v in {"tokens": tokens, "prompt": prompt, "messages": messages, "from_session": from_session}.items()
+        if v is not None
+    }
     if len(body) != 1:
         raise ValueError("give exactly one of tokens, prompt, messages or from_session")
     return body
@@ -142,7 +158,14 @@ class _Routes:
     """Request builders shared by the sync and async clients (no I/O here)."""
 
     @staticmethod
-    def create_pool(tokens=None, prompt=None, messages=None, from_session=None, pin=False, tools=None):
+    def create_pool(
+        tokens: list[int] | None = None,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        from_session: str | None = None,
+        pin: bool = False,
+        tools: list[dict] | None = None,
+    ) -> tuple[str, str, dict]:
         body = _prefix_body(tokens, prompt, messages, from_session)
         if pin:
             body["pin"] = True
@@ -151,7 +174,15 @@ class _Routes:
         return "POST", "/polykv/pools", body
 
     @staticmethod
-    def fork_pool(pool_id, branch_pos, tokens=None, prompt=None, messages=None, from_session=None, pin=False):
+    def fork_pool(
+        pool_id: int,
+        branch_pos: int,
+        tokens: list[int] | None = None,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        from_session: str | None = None,
+        pin: bool = False,
+    ) -> tuple[str, str, dict]:
         body = _prefix_body(tokens, prompt, messages, from_session)
         body["branch_pos"] = branch_pos
         if pin:
@@ -168,8 +199,13 @@ class _Routes:
 class PolyKVClient:
     """Synchronous client. Every method raises a PolyKVError subclass on failure."""
 
-    def __init__(self, base_url: str = DEFAULT_BASE_URL, timeout: float = 120.0, transport: httpx.BaseTransport | None = None,
-                 api_key: str | None = None):
+    def __init__(
+        self,
+        base_url: str = DEFAULT_BASE_URL,
+        timeout: float = 120.0,
+        transport: httpx.BaseTransport | None = None,
+        api_key: str | None = None,
+    ):
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport,
                                   headers=auth_headers(api_key))
@@ -177,10 +213,10 @@ class PolyKVClient:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self):
+    def __enter__(self) -> PolyKVClient:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _call(self, method: str, path: str, body: dict | None = None, params: dict | None = None) -> Any:
@@ -189,15 +225,40 @@ class PolyKVClient:
         return resp.json()
 
     # pools
-    def create_pool(self, *, tokens: Sequence[int] | None = None, prompt: str | None = None, messages: list[dict] | None = None,
-                    from_session: str | None = None, pin: bool = False, tools: list[dict] | None = None) -> dict:
+    def create_pool(
+        self,
+        *,
+        tokens: Sequence[int] | None = None,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        from_session: str | None = None,
+        pin: bool = False,
+        tools: list[dict] | None = None,
+    ) -> dict:
         """Create a root pool. ``tools`` (OpenAI format) go with ``messages`` so the pool
         renders like a chat request with those tools."""
-        return self._call(*_Routes.create_pool(list(tokens) if tokens is not None else None, prompt, messages, from_session, pin, tools))
+        return self._call(
+            *_Routes.create_pool(
+                list(tokens) if tokens is not None else None, prompt, messages, from_session, pin, tools
+            )
+        )
 
-    def fork_pool(self, pool_id: int, branch_pos: int, *, tokens: Sequence[int] | None = None, prompt: str | None = None,
-                  messages: list[dict] | None = None, from_session: str | None = None, pin: bool = False) -> dict:
-        return self._call(*_Routes.fork_pool(pool_id, branch_pos, list(tokens) if tokens is not None else None, prompt, messages, from_session, pin))
+    def fork_pool(
+        self,
+        pool_id: int,
+        branch_pos: int,
+        *,
+        tokens: Sequence[int] | None = None,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        from_session: str | None = None,
+        pin: bool = False,
+    ) -> dict:
+        return self._call(
+            *_Routes.fork_pool(
+                pool_id, branch_pos, list(tokens) if tokens is not None else None, prompt, messages, from_session, pin
+            )
+        )
 
     def pools(self) -> dict:
         return self._call("GET", "/polykv/pools")
@@ -230,7 +291,9 @@ class PolyKVClient:
 
     # admission and speed
     def capacity(self, pool_id: int, *, expected_tokens: int | None = None, session_id: str | None = None) -> dict:
-        params = {k: v for k, v in {"expected_tokens": expected_tokens, "session_id": session_id}.items() if v is not None}
+        params = {
+            k: v for k, v in {"expected_tokens": expected_tokens, "session_id": session_id}.items() if v is not None
+        }
         return self._call("GET", f"/polykv/pools/{pool_id}/capacity", params=params)
 
     def set_admission(self, pool_id: int, **policy: Any) -> dict:
@@ -253,7 +316,9 @@ class PolyKVClient:
 
     def tps_stream(self, interval_ms: int = 500) -> Iterator[dict]:
         """Yield /polykv/tps snapshots from the SSE stream until the caller stops."""
-        with self._http.stream("GET", "/polykv/tps", params={"interval_ms": interval_ms}, headers={"Accept": "text/event-stream"}) as resp:
+        with self._http.stream(
+            "GET", "/polykv/tps", params={"interval_ms": interval_ms}, headers={"Accept": "text/event-stream"}
+        ) as resp:
             _raise_for(resp)
             for line in resp.iter_lines():
                 if line.startswith("data: "):
@@ -280,14 +345,18 @@ class PolyKVClient:
 
     def compact_by_refork(self, ancestor_pool: int, branch_pos: int, *, compacted_tokens: Sequence[int] | None = None,
                           compacted_text: str | None = None, release_pool: int | None = None) -> dict:
-        """Compaction as a prompt rewrite (design §13.2): fork ``ancestor_pool`` at
+        """Compaction as a prompt rewrite (docs/design.md §13.2): fork ``ancestor_pool`` at
         ``branch_pos`` (its stable system prefix) with a compacted continuation, then
         release the old working subtree ``release_pool``. The child's full prefix is the
         ancestor's tokens [0, branch_pos) + the compacted tokens. Returns the new pool."""
         if (compacted_tokens is None) == (compacted_text is None):
             raise ValueError("give exactly one of compacted_tokens or compacted_text")
         base = self.pool(ancestor_pool)["tokens"][:branch_pos]
-        tail = list(compacted_tokens) if compacted_tokens is not None else self.tokenize(str(compacted_text), add_special=False)
+        tail = (
+            list(compacted_tokens)
+            if compacted_tokens is not None
+            else self.tokenize(str(compacted_text), add_special=False)
+        )
         new = self.fork_pool(ancestor_pool, branch_pos, tokens=base + tail)
         if release_pool is not None and release_pool != ancestor_pool:
             new["released"] = self.release_subtree(release_pool)
@@ -297,8 +366,13 @@ class PolyKVClient:
 class AsyncPolyKVClient:
     """Asynchronous twin of PolyKVClient."""
 
-    def __init__(self, base_url: str = DEFAULT_BASE_URL, timeout: float = 120.0, transport: httpx.AsyncBaseTransport | None = None,
-                 api_key: str | None = None):
+    def __init__(
+        self,
+        base_url: str = DEFAULT_BASE_URL,
+        timeout: float = 120.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
+    ):
         self.base_url = base_url.rstrip("/")
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, transport=transport,
                                   headers=auth_headers(api_key))
@@ -306,10 +380,10 @@ class AsyncPolyKVClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> AsyncPolyKVClient:
         return self
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def _call(self, method: str, path: str, body: dict | None = None, params: dict | None = None) -> Any:
@@ -317,11 +391,38 @@ class AsyncPolyKVClient:
         _raise_for(resp)
         return resp.json()
 
-    async def create_pool(self, *, tokens=None, prompt=None, messages=None, from_session=None, pin=False, tools=None) -> dict:
-        return await self._call(*_Routes.create_pool(list(tokens) if tokens is not None else None, prompt, messages, from_session, pin, tools))
+    async def create_pool(
+        self,
+        *,
+        tokens: Sequence[int] | None = None,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        from_session: str | None = None,
+        pin: bool = False,
+        tools: list[dict] | None = None,
+    ) -> dict:
+        return await self._call(
+            *_Routes.create_pool(
+                list(tokens) if tokens is not None else None, prompt, messages, from_session, pin, tools
+            )
+        )
 
-    async def fork_pool(self, pool_id, branch_pos, *, tokens=None, prompt=None, messages=None, from_session=None, pin=False) -> dict:
-        return await self._call(*_Routes.fork_pool(pool_id, branch_pos, list(tokens) if tokens is not None else None, prompt, messages, from_session, pin))
+    async def fork_pool(
+        self,
+        pool_id: int,
+        branch_pos: int,
+        *,
+        tokens: Sequence[int] | None = None,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        from_session: str | None = None,
+        pin: bool = False,
+    ) -> dict:
+        return await self._call(
+            *_Routes.fork_pool(
+                pool_id, branch_pos, list(tokens) if tokens is not None else None, prompt, messages, from_session, pin
+            )
+        )
 
     async def pools(self) -> dict:
         return await self._call("GET", "/polykv/pools")
@@ -351,8 +452,12 @@ class AsyncPolyKVClient:
         await self.release_pool(pool_id)
         return released + [pool_id]
 
-    async def capacity(self, pool_id: int, *, expected_tokens: int | None = None, session_id: str | None = None) -> dict:
-        params = {k: v for k, v in {"expected_tokens": expected_tokens, "session_id": session_id}.items() if v is not None}
+    async def capacity(
+        self, pool_id: int, *, expected_tokens: int | None = None, session_id: str | None = None
+    ) -> dict:
+        params = {
+            k: v for k, v in {"expected_tokens": expected_tokens, "session_id": session_id}.items() if v is not None
+        }
         return await self._call("GET", f"/polykv/pools/{pool_id}/capacity", params=params)
 
     async def set_admission(self, pool_id: int, **policy: Any) -> dict:
@@ -371,7 +476,9 @@ class AsyncPolyKVClient:
         return await self._call("GET", "/polykv/tps", params={"once": "1"})
 
     async def tps_stream(self, interval_ms: int = 500) -> AsyncIterator[dict]:
-        async with self._http.stream("GET", "/polykv/tps", params={"interval_ms": interval_ms}, headers={"Accept": "text/event-stream"}) as resp:
+        async with self._http.stream(
+            "GET", "/polykv/tps", params={"interval_ms": interval_ms}, headers={"Accept": "text/event-stream"}
+        ) as resp:
             _raise_for(resp)
             async for line in resp.aiter_lines():
                 if line.startswith("data: "):
@@ -395,12 +502,23 @@ class AsyncPolyKVClient:
     async def slots(self) -> list[dict]:
         return await self._call("GET", "/slots")
 
-    async def compact_by_refork(self, ancestor_pool: int, branch_pos: int, *, compacted_tokens=None, compacted_text=None,
-                                release_pool: int | None = None) -> dict:
+    async def compact_by_refork(
+        self,
+        ancestor_pool: int,
+        branch_pos: int,
+        *,
+        compacted_tokens: Sequence[int] | None = None,
+        compacted_text: str | None = None,
+        release_pool: int | None = None,
+    ) -> dict:
         if (compacted_tokens is None) == (compacted_text is None):
             raise ValueError("give exactly one of compacted_tokens or compacted_text")
         base = (await self.pool(ancestor_pool))["tokens"][:branch_pos]
-        tail = list(compacted_tokens) if compacted_tokens is not None else await self.tokenize(compacted_text, add_special=False)
+        tail = (
+            list(compacted_tokens)
+            if compacted_tokens is not None
+            else await self.tokenize(str(compacted_text), add_special=False)
+        )
         new = await self.fork_pool(ancestor_pool, branch_pos, tokens=base + tail)
         if release_pool is not None and release_pool != ancestor_pool:
             new["released"] = await self.release_subtree(release_pool)

@@ -1,4 +1,4 @@
-"""Compaction by re-fork (design §13.2): a prompt rewrite, never an in-place KV edit."""
+"""Compaction by re-fork (docs/design.md §13.2): a prompt rewrite, never an in-place KV edit."""
 
 from __future__ import annotations
 
@@ -49,7 +49,10 @@ class CompactionNode:
         self.threshold, self.min_headroom, self.keep_last = threshold, min_headroom, keep_last
         self.pool_key, self.system_pool_key, self.session_key = pool_key, system_pool_key, session_key
         self.rearm_fraction, self.state_key = rearm_fraction, state_key
-        self.summary_prompt = summary_prompt or "Summarise the conversation above in a few sentences, keeping facts, decisions and open tasks."
+        self.summary_prompt = (
+            summary_prompt
+            or "Summarise the conversation above in a few sentences, keeping facts, decisions and open tasks."
+        )
 
     def pressure(self, state: dict) -> tuple[bool, dict]:
         """Whether to compact now, and what the decision read."""
@@ -64,11 +67,20 @@ class CompactionNode:
         if not ctx:
             info["skipped"] = "the session holds no context on the server"
             return False, info
-        used, headroom, pressure = ctx.get("ctx_used", 0), ctx.get("ctx_headroom_tokens", 0), ctx.get("ctx_pressure", 0.0)
+        used, headroom, pressure = (
+            ctx.get("ctx_used", 0),
+            ctx.get("ctx_headroom_tokens", 0),
+            ctx.get("ctx_pressure", 0.0),
+        )
         info.update(ctx_used=used, ctx_headroom_tokens=headroom, session_pressure=pressure)
         over = pressure >= self.threshold or headroom < self.min_headroom
         last = state.get(self.state_key) or {}
-        if over and last.get("new_pool") is not None and ctx.get("pool_id") is not None and ctx["pool_id"] != state[self.pool_key]:
+        if (
+            over
+            and last.get("new_pool") is not None
+            and ctx.get("pool_id") is not None
+            and ctx["pool_id"] != state[self.pool_key]
+        ):
             # The session still holds its pre-compaction context (it has not run on the
             # new pool yet): that is not growth.
             info["skipped"] = "hysteresis: the session has not run since the last compaction"

@@ -21,7 +21,9 @@ def bound_tools(model: Any) -> list[dict]:
     return [t if isinstance(t, dict) and t.get("type") == "function" else convert_to_openai_tool(t) for t in tools]
 
 
-def create_model_pool(client: PolyKVClient, model: Any, system: Union[str, SystemMessage], *, pin: bool = False) -> dict:
+def create_model_pool(
+    client: PolyKVClient, model: Any, system: Union[str, SystemMessage], *, pin: bool = False
+) -> dict:
     """Create a root pool holding the prefix that ``ChatPolyKV`` requests of ``model``
     start with: the system message, rendered by the server's chat template together
     with the tools bound to ``model`` (``bind_tools``), exactly as a chat request with
@@ -54,8 +56,12 @@ def make_pool_tools(client: PolyKVClient) -> list[BaseTool]:
     a tool-bound agent itself attaches to, use :func:`create_model_pool`."""
 
     @_safe
-    def create_pool(prompt: Optional[str] = None, system_message: Optional[str] = None, from_session: Optional[str] = None,
-                    pin: bool = False) -> dict:
+    def create_pool(
+        prompt: Optional[str] = None,
+        system_message: Optional[str] = None,
+        from_session: Optional[str] = None,
+        pin: bool = False,
+    ) -> dict:
         """Create a root pool (a shared prefix other agents can attach to) from raw prompt
         text, a system message (rendered exactly like a chat's start), or a live session."""
         messages = [{"role": "system", "content": system_message}] if system_message is not None else None
@@ -105,4 +111,7 @@ def make_pool_tools(client: PolyKVClient) -> list[BaseTool]:
         """Release a pool (children first): no new attaches; its cells are freed once unused."""
         return client.release_pool(pool_id)
 
-    return [StructuredTool.from_function(f) for f in (create_pool, fork_pool, pool_status, session_tps, capacity, release_pool)]
+    return [
+        StructuredTool.from_function(f)
+        for f in (create_pool, fork_pool, pool_status, session_tps, capacity, release_pool)
+    ]

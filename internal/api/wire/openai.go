@@ -35,6 +35,10 @@ type GenParams struct {
 	CachePrompt *bool `json:"cache_prompt"`
 }
 
+// Params returns the generation fields themselves. Every request type that embeds
+// GenParams has it too, so internal/api decodes all of them with one generic function.
+func (g *GenParams) Params() *GenParams { return g }
+
 // StreamOptions is OpenAI's stream_options.
 type StreamOptions struct {
 	IncludeUsage bool `json:"include_usage"`

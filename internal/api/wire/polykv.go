@@ -58,7 +58,7 @@ type PoolsStatus struct {
 	KVBytesPerCell int64      `json:"kv_bytes_per_cell"`
 }
 
-// PoolInfo is one pool's status (design §4.2); GET /polykv/pools/{id} adds tokens.
+// PoolInfo is one pool's status (docs/design.md §4.2); GET /polykv/pools/{id} adds tokens.
 type PoolInfo struct {
 	PoolID         int           `json:"pool_id"`
 	Parent         *int          `json:"parent"`

@@ -36,8 +36,8 @@ const (
 	tokEOF
 )
 
-// scanNumber reads the number literal that starts at s[i] (a digit) the way jinja2's
-// lexer does and returns its kind and end. Digits may be grouped with single
+// scanNumber (PolyKV fork) reads the number literal that starts at s[i] (a digit) the
+// way jinja2's lexer does and returns its kind and end. Digits may be grouped with single
 // underscores (1_000); a float has a fraction (.5), an exponent (e3, E-4), or both;
 // 0b, 0o and 0x start binary, octal and hexadecimal integers.
 func scanNumber(s string, i int) (tokKind, int) {

@@ -95,6 +95,7 @@ func writeJSON(b *strings.Builder, v Value, o JSONOptions, depth int) error {
 		nl(depth)
 		b.WriteByte('}')
 	default:
+		//lint:ignore ST1005 Python's own TypeError text, as json.dumps raises it.
 		return fmt.Errorf("Object of type %s is not JSON serializable", v.typeName())
 	}
 	return nil

@@ -21,7 +21,15 @@ def get_weather(city: str) -> str:
 
 
 def test_langchain_chat_openai_responses(server):
-    llm = ChatOpenAI(base_url=server + "/v1", api_key="unused", model="m", use_responses_api=True, temperature=0, max_tokens=32, max_retries=0)
+    llm = ChatOpenAI(
+        base_url=server + "/v1",
+        api_key="unused",
+        model="m",
+        use_responses_api=True,
+        temperature=0,
+        max_tokens=32,
+        max_retries=0,
+    )
     reply = llm.invoke([("system", SYSTEM), ("human", "What is the capital of France?")])
     assert "Paris" in reply.text
     assert reply.usage_metadata and reply.usage_metadata["input_tokens"] > 0
@@ -30,11 +38,17 @@ def test_langchain_chat_openai_responses(server):
     # A forced call needs room: the tool's schema makes it longer than a short answer.
     caller = llm.model_copy(update={"max_tokens": 80})
     call = caller.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
-    assert call.tool_calls and call.tool_calls[0]["name"] == "get_weather" and isinstance(call.tool_calls[0]["args"]["city"], str)
+    assert (
+        call.tool_calls
+        and call.tool_calls[0]["name"] == "get_weather"
+        and isinstance(call.tool_calls[0]["args"]["city"], str)
+    )
 
 
 def test_langchain_chat_anthropic(server):
-    llm = ChatAnthropic(base_url=server, api_key="unused", model="claude-polykv", temperature=0, max_tokens=32, max_retries=0)
+    llm = ChatAnthropic(
+        base_url=server, api_key="unused", model="claude-polykv", temperature=0, max_tokens=32, max_retries=0
+    )
     reply = llm.invoke([("system", SYSTEM), ("human", "What is the capital of France?")])
     assert "Paris" in reply.text
     assert reply.usage_metadata and reply.usage_metadata["output_tokens"] > 0
@@ -42,7 +56,11 @@ def test_langchain_chat_anthropic(server):
     assert "".join(c.text for c in chunks)
     caller = llm.model_copy(update={"max_tokens": 80})
     call = caller.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
-    assert call.tool_calls and call.tool_calls[0]["name"] == "get_weather" and isinstance(call.tool_calls[0]["args"]["city"], str)
+    assert (
+        call.tool_calls
+        and call.tool_calls[0]["name"] == "get_weather"
+        and isinstance(call.tool_calls[0]["args"]["city"], str)
+    )
 
 
 def test_agents_sdk_two_tools(server):
@@ -61,12 +79,26 @@ def test_agents_sdk_two_tools(server):
         used.append("population")
         return f"{city} has 2 million inhabitants"
 
-    model = OpenAIResponsesModel(model="m", openai_client=openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0))
+    model = OpenAIResponsesModel(
+        model="m", openai_client=openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    )
     # tool_choice "required" makes the tiny test model call a tool on its first turn;
     # the SDK resets it after the call, so the agent can then answer in text.
-    agent = Agent(name="city", instructions="Use the tools to answer questions about cities.", tools=[weather, population], model=model,
-                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=80))
-    result = asyncio.run(Runner.run(agent, "What is the weather and population of Paris?", max_turns=4, run_config=RunConfig(tracing_disabled=True)))
+    agent = Agent(
+        name="city",
+        instructions="Use the tools to answer questions about cities.",
+        tools=[weather, population],
+        model=model,
+        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=80),
+    )
+    result = asyncio.run(
+        Runner.run(
+            agent,
+            "What is the weather and population of Paris?",
+            max_turns=4,
+            run_config=RunConfig(tracing_disabled=True),
+        )
+    )
     assert used and set(used) <= {"weather", "population"}
     assert isinstance(result.final_output, str)
     calls = [item for item in result.new_items if item.type == "tool_call_item"]

@@ -92,7 +92,10 @@ class Agents:
         body = {"prompt": prompt, "pool_id": pool_id, "session_id": session, "max_tokens": 900,
                 "temperature": 0, "ignore_eos": True, "stream": True}
         try:
-            with httpx.Client(base_url=self.base, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            with (
+                httpx.Client(base_url=self.base, timeout=120) as c,
+                c.stream("POST", "/v1/completions", json=body) as r,
+            ):
                 if r.status_code != 200:
                     self.errors.append(f"{session}: HTTP {r.status_code} {r.read()!r}")
                     return
@@ -146,7 +149,9 @@ def live():
         # --pool-ram-mb) or, without a tier, nowhere ("evicted").
         spare_residency = c.get(f"/polykv/pools/{spare}").json()["residency"]
         assert spare_residency in ("ram", "disk", "evicted"), spare_residency
-        r = c.post("/v1/completions", json={"prompt": "Hello", "session_id": "solo-idle", "max_tokens": 4, "temperature": 0})
+        r = c.post(
+            "/v1/completions", json={"prompt": "Hello", "session_id": "solo-idle", "max_tokens": 4, "temperature": 0}
+        )
         assert r.status_code == 200, r.text
         plan = []
         for i in range(N_SESSIONS):
@@ -294,7 +299,10 @@ def test_dashboard_shows_live_tree(live, browser):
     assert float(browser.find_element(By.ID, "kv-pct").text) > 0
 
     # No layout jumps: the tree's boxes keep their place while values update.
-    rects = "return [...document.querySelectorAll('li[data-pool] > .pool, .srow')].map(e => {const r = e.getBoundingClientRect(); return [r.x, r.y, r.width, r.height]})"
+    rects = (
+        "return [...document.querySelectorAll('li[data-pool] > .pool, .srow')]"
+        ".map(e => {const r = e.getBoundingClientRect(); return [r.x, r.y, r.width, r.height]})"
+    )
     r0 = browser.execute_script(rects)
     time.sleep(2)
     assert browser.execute_script(rects) == r0
@@ -346,7 +354,9 @@ class _AuthProxy:
                     return
                 conn = http.client.HTTPConnection(proxy.up.hostname, proxy.up.port, timeout=60)
                 try:
-                    conn.request("GET", self.path, headers={k: v for k, v in self.headers.items() if k.lower() != "host"})
+                    conn.request(
+                        "GET", self.path, headers={k: v for k, v in self.headers.items() if k.lower() != "host"}
+                    )
                     resp = conn.getresponse()
                     self.send_response(resp.status)
                     for k, v in resp.getheaders():
@@ -392,7 +402,9 @@ def test_dashboard_with_api_key(live, browser):
         browser.find_element(By.ID, "apikey").send_keys(API_KEY)
         browser.find_element(By.ID, "key-save").click()
         _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "li[data-pool]")) == 5, what="tree after key")
-        _wait(browser, lambda d: d.find_element(By.ID, "conn").get_attribute("data-state") == "live", what="live stream")
+        _wait(
+            browser, lambda d: d.find_element(By.ID, "conn").get_attribute("data-state") == "live", what="live stream"
+        )
         assert browser.find_element(By.ID, "banner").get_attribute("hidden")
         assert ("/polykv/tps", True) in proxy.seen
 

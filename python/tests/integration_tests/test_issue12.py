@@ -18,9 +18,13 @@ SERVER_ARGS = ("-c", "4096", "--parallel", "4", "--pool-grace-ms", "0")
 REUSE_OFF = ("--prefix-cache", "off")
 
 # A system prompt long enough that sharing it is visible in the cell count (~300 tokens).
-SYSTEM = "You are one of several research agents. Call tools, read their results, and report briefly. Tools:\n" + "".join(
-    f"- lookup_{i}(key: string): the record for key in area {i * 13}; use it for questions about area {i * 13}.\n"
-    for i in range(12))
+SYSTEM = (
+    "You are one of several research agents. Call tools, read their results, and report briefly. Tools:\n"
+    + "".join(
+        f"- lookup_{i}(key: string): the record for key in area {i * 13}; use it for questions about area {i * 13}.\n"
+        for i in range(12)
+    )
+)
 
 
 def cache_info(base: str) -> Optional[dict]:
@@ -111,8 +115,13 @@ def test_agent_loop_without_session_reuses_its_history(reuse_server):
             assert usage.prompt_tokens_details.cached_tokens >= prev_prompt - 4, (turn, usage, prev_prompt)
         assert usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
         prev_prompt = usage.prompt_tokens
-        msgs += [{"role": "assistant", "content": resp.choices[0].message.content},
-                 {"role": "user", "content": f"Tool result {turn}: area 39 row {turn} = {turn * 17 % 100}; rows checked {turn + 1}."}]
+        msgs += [
+            {"role": "assistant", "content": resp.choices[0].message.content},
+            {
+                "role": "user",
+                "content": f"Tool result {turn}: area 39 row {turn} = {turn * 17 % 100}; rows checked {turn + 1}.",
+            },
+        ]
 
 
 def test_greedy_with_reuse_equals_reuse_off(reuse_server, off_server):
@@ -122,8 +131,16 @@ def test_greedy_with_reuse_equals_reuse_off(reuse_server, off_server):
     # A donor that shares the system prompt and diverges in the user turn.
     on.chat.completions.create(model="m", max_tokens=8, temperature=0, messages=[
         {"role": "system", "content": SYSTEM}, {"role": "user", "content": "Report on area 0."}])
-    kwargs = dict(model="m", max_tokens=32, temperature=0, logprobs=True, messages=[
-        {"role": "system", "content": SYSTEM}, {"role": "user", "content": "What does lookup_5 return? Answer briefly."}])
+    kwargs = dict(
+        model="m",
+        max_tokens=32,
+        temperature=0,
+        logprobs=True,
+        messages=[
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "What does lookup_5 return? Answer briefly."},
+        ],
+    )
     warm = on.chat.completions.create(**kwargs)
     cold = off.chat.completions.create(**kwargs)
     assert warm.usage.prompt_tokens_details.cached_tokens > 0
@@ -131,4 +148,6 @@ def test_greedy_with_reuse_equals_reuse_off(reuse_server, off_server):
     assert warm.usage.prompt_tokens == cold.usage.prompt_tokens
     assert warm.choices[0].message.content == cold.choices[0].message.content
     assert [t.token for t in warm.choices[0].logprobs.content] == [t.token for t in cold.choices[0].logprobs.content]
-    assert [t.logprob for t in warm.choices[0].logprobs.content] == [t.logprob for t in cold.choices[0].logprobs.content]
+    assert [t.logprob for t in warm.choices[0].logprobs.content] == [
+        t.logprob for t in cold.choices[0].logprobs.content
+    ]

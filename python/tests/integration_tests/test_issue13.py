@@ -74,7 +74,9 @@ def test_send_fanout_behind_reservations_never_overshoots(server):
         # granted in this one have run), so it spawns as capacity returns.
         g.add_node("gate", capacity_gate(client, spawn="agent", hold="gate", send=True, hold_delay_s=0.1))
         g.add_node("agent", agent)
-        g.add_conditional_edges(START, lambda s: [Send("gate", {"pool_id": s["pool_id"], "index": i}) for i in range(6)])
+        g.add_conditional_edges(
+            START, lambda s: [Send("gate", {"pool_id": s["pool_id"], "index": i}) for i in range(6)]
+        )
         out = g.compile().invoke({"pool_id": pid}, {"recursion_limit": 200})
         assert peak[0] <= 2, f"{peak[0]} agents ran at once; the pool admits 2"
         assert sorted(i for i, _, _ in out["done"]) == list(range(6)) and not out.get("held")
@@ -90,9 +92,16 @@ def test_compaction_ignores_a_busy_neighbour(compact_server):
         hog.invoke("word " * 650)
         sys_pool = client.create_pool(messages=[{"role": "system", "content": SYSTEM}])
         msgs = [SystemMessage(SYSTEM), HumanMessage("Hi, what is 2+2?")]
-        llm = ChatPolyKV(base_url=compact_server, pool_id=sys_pool["pool_id"], session_id="chat", temperature=0, max_tokens=16)
+        llm = ChatPolyKV(
+            base_url=compact_server, pool_id=sys_pool["pool_id"], session_id="chat", temperature=0, max_tokens=16
+        )
         reply = llm.invoke(msgs)
-        state = {"messages": msgs + [reply], "pool_id": sys_pool["pool_id"], "system_pool_id": sys_pool["pool_id"], "session_id": "chat"}
+        state = {
+            "messages": msgs + [reply],
+            "pool_id": sys_pool["pool_id"],
+            "system_pool_id": sys_pool["pool_id"],
+            "session_id": "chat",
+        }
         cap = client.capacity(sys_pool["pool_id"], session_id="chat")
         assert cap["compaction_pressure"] > 0.6, cap  # the server is busy...
         assert cap["session_pressure"] < 0.15, cap  # ...but this conversation is short
@@ -104,8 +113,13 @@ def test_compaction_ignores_a_busy_neighbour(compact_server):
 def test_a_conversation_that_fills_its_context_compacts_once_and_continues(compact_server):
     with PolyKVClient(compact_server) as client:
         sys_pool = client.create_pool(messages=[{"role": "system", "content": SYSTEM}])
-        state = {"messages": [SystemMessage(SYSTEM)], "pool_id": sys_pool["pool_id"], "system_pool_id": sys_pool["pool_id"],
-                 "session_id": "filler", "compaction": {}}
+        state = {
+            "messages": [SystemMessage(SYSTEM)],
+            "pool_id": sys_pool["pool_id"],
+            "system_pool_id": sys_pool["pool_id"],
+            "session_id": "filler",
+            "compaction": {},
+        }
         summariser = ChatPolyKV(base_url=compact_server, temperature=0, max_tokens=48, timeout=600)
         # Each turn adds ~10% of the context: it crosses 0.6 after ~6 turns; the compacted
         # context (system, summary, last 2 messages) has room for two more turns.
@@ -116,10 +130,22 @@ def test_a_conversation_that_fills_its_context_compacts_once_and_continues(compa
             update = node(state)
             if update:
                 compactions += 1
-                state = {**state, "pool_id": update["pool_id"], "messages": update["messages"][1:], "compaction": update["compaction"]}
+                state = {
+                    **state,
+                    "pool_id": update["pool_id"],
+                    "messages": update["messages"][1:],
+                    "compaction": update["compaction"],
+                }
                 # Never twice in a row without growth: asked again at once, it holds.
                 assert node(state) == {}
-            llm = ChatPolyKV(base_url=compact_server, pool_id=state["pool_id"], session_id="filler", temperature=0, max_tokens=24, timeout=600)
+            llm = ChatPolyKV(
+                base_url=compact_server,
+                pool_id=state["pool_id"],
+                session_id="filler",
+                temperature=0,
+                max_tokens=24,
+                timeout=600,
+            )
             ask = HumanMessage(f"Turn {turn}. {filler} How many chairs are in room {turn}?")
             reply = llm.invoke(state["messages"] + [ask], ignore_eos=True)
             assert reply.content

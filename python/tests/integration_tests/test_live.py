@@ -62,7 +62,11 @@ def test_bind_tools_and_structured_output(server):
 
     llm = ChatPolyKV(base_url=server, temperature=0, max_tokens=80)
     out = llm.bind_tools([get_weather], tool_choice="any").invoke("What is the weather in Rome?")
-    assert out.tool_calls and out.tool_calls[0]["name"] == "get_weather" and isinstance(out.tool_calls[0]["args"]["city"], str)
+    assert (
+        out.tool_calls
+        and out.tool_calls[0]["name"] == "get_weather"
+        and isinstance(out.tool_calls[0]["args"]["city"], str)
+    )
     from pydantic import BaseModel, Field
 
     class Answer(BaseModel):
@@ -124,8 +128,11 @@ def test_gate_routes_under_enforced_pool(server, client):
 
     def run():
         # The spawned agent's first request uses the gate's reservation.
-        result["msg"] = first.invoke([SystemMessage(SYSTEM + " Gate test."), HumanMessage("Count to fifty.")], ignore_eos=True,
-                                     reservation_id=spawned["reservation_id"])
+        result["msg"] = first.invoke(
+            [SystemMessage(SYSTEM + " Gate test."), HumanMessage("Count to fifty.")],
+            ignore_eos=True,
+            reservation_id=spawned["reservation_id"],
+        )
         done.set()
 
     t = threading.Thread(target=run)
@@ -154,8 +161,13 @@ def test_compact_by_refork_end_to_end(server, client):
     sys_msg = SystemMessage(SYSTEM + " Compaction test.")
     sys_pool = system_pool(client, sys_msg.content)
     # The working pool: the system block plus the conversation so far.
-    convo = [sys_msg, HumanMessage("We are planning a trip to Rome in May."), AIMessage("Great, May is pleasant in Rome."),
-             HumanMessage("We like museums and food."), AIMessage("Then visit the Vatican Museums and Trastevere.")]
+    convo = [
+        sys_msg,
+        HumanMessage("We are planning a trip to Rome in May."),
+        AIMessage("Great, May is pleasant in Rome."),
+        HumanMessage("We like museums and food."),
+        AIMessage("Then visit the Vatican Museums and Trastevere."),
+    ]
     from langchain_core.messages import convert_to_openai_messages
 
     work = client.fork_pool(sys_pool["pool_id"], sys_pool["prefix_len"], messages=convert_to_openai_messages(convo))
@@ -184,7 +196,9 @@ def test_compact_by_refork_end_to_end(server, client):
 def test_context_pressure_visible(small_server):
     with PolyKVClient(small_server) as c:
         pool = c.create_pool(messages=[{"role": "system", "content": SYSTEM}])
-        llm = ChatPolyKV(base_url=small_server, pool_id=pool["pool_id"], session_id="pressure", temperature=0, max_tokens=400)
+        llm = ChatPolyKV(
+            base_url=small_server, pool_id=pool["pool_id"], session_id="pressure", temperature=0, max_tokens=400
+        )
         llm.invoke([SystemMessage(SYSTEM), HumanMessage("Write a long story.")], ignore_eos=True)
         cap = c.capacity(pool["pool_id"], expected_tokens=5000)
         assert cap["can_admit"] is False and cap["reason"] == "context headroom exhausted"

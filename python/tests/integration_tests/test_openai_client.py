@@ -63,7 +63,10 @@ def test_session_cache_reported(client):
     msgs = [{"role": "user", "content": "Name a fruit."}]
     extra = {"session_id": "py-session"}
     first = client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0, extra_body=extra)
-    msgs += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Another."}]
+    msgs += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Another."},
+    ]
     second = client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0, extra_body=extra)
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
 

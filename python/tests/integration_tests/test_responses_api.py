@@ -22,7 +22,9 @@ def client(server):
 
 
 def test_create(client):
-    resp = client.responses.create(model="m", instructions=SYSTEM, input="What is the capital of France?", max_output_tokens=32, temperature=0)
+    resp = client.responses.create(
+        model="m", instructions=SYSTEM, input="What is the capital of France?", max_output_tokens=32, temperature=0
+    )
     assert resp.object == "response" and resp.id.startswith("resp_")
     assert resp.status in ("completed", "incomplete")
     assert "Paris" in resp.output_text
@@ -54,14 +56,26 @@ def test_stream_matches_create(client):
 
 
 def test_function_call_round_trip(client):
-    first = client.responses.create(model="m", input="What is the weather in Paris?", tools=[WEATHER], tool_choice="required",
-                                    max_output_tokens=60, temperature=0)
+    first = client.responses.create(
+        model="m",
+        input="What is the weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        max_output_tokens=60,
+        temperature=0,
+    )
     calls = [item for item in first.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
     assert isinstance(json.loads(calls[0].arguments)["city"], str)
     # The tool's answer goes back by previous_response_id, as function_call_output.
-    second = client.responses.create(model="m", previous_response_id=first.id, tools=[WEATHER], max_output_tokens=24, temperature=0,
-                                     input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"temperature_c": 18}'}])
+    second = client.responses.create(
+        model="m",
+        previous_response_id=first.id,
+        tools=[WEATHER],
+        max_output_tokens=24,
+        temperature=0,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"temperature_c": 18}'}],
+    )
     assert second.status in ("completed", "incomplete") and second.previous_response_id == first.id
     assert second.usage is not None and second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
     # Streamed, the argument deltas add up to the call the stream completes with.
@@ -76,14 +90,24 @@ def test_function_call_round_trip(client):
     assert len(streamed) == 1 and streamed[0].arguments == args and json.loads(args)
     # An output for a call never made is a 400 naming the field.
     with pytest.raises(openai.BadRequestError) as err:
-        client.responses.create(model="m", input=[{"type": "function_call_output", "call_id": "call_nope", "output": "x"}])
+        client.responses.create(
+            model="m", input=[{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]
+        )
     assert "call_id" in str(err.value)
 
 
 def test_previous_response_id_chain_reuses_kv(client):
-    first = client.responses.create(model="m", instructions=SYSTEM, input="Name a fruit.", max_output_tokens=12, temperature=0)
-    second = client.responses.create(model="m", instructions=SYSTEM, input="Name another one.", previous_response_id=first.id,
-                                     max_output_tokens=12, temperature=0)
+    first = client.responses.create(
+        model="m", instructions=SYSTEM, input="Name a fruit.", max_output_tokens=12, temperature=0
+    )
+    second = client.responses.create(
+        model="m",
+        instructions=SYSTEM,
+        input="Name another one.",
+        previous_response_id=first.id,
+        max_output_tokens=12,
+        temperature=0,
+    )
     assert first.usage is not None and second.usage is not None
     # The second turn continues the first's session: its history is not prefilled again.
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
@@ -99,7 +123,12 @@ class City(BaseModel):
 
 
 def test_structured_output_parse(client):
-    resp = client.responses.parse(model="m", input="Give the capital of France as JSON with name and country.", text_format=City,
-                                  max_output_tokens=60, temperature=0)
+    resp = client.responses.parse(
+        model="m",
+        input="Give the capital of France as JSON with name and country.",
+        text_format=City,
+        max_output_tokens=60,
+        temperature=0,
+    )
     city = resp.output_parsed
     assert isinstance(city, City) and city.name and city.country

@@ -18,8 +18,13 @@ XFAIL = {
     "test_structured_output_async": _LOOPS,
     "test_structured_output_pydantic_2_v1": _LOOPS,
     "test_structured_output_optional_param": _LOOPS,
-    "test_json_mode": "json_object constrains the reply to a JSON object, not to the requested schema, which the 135M model does not follow from the prompt",
-    "test_agent_loop": "with tool_choice auto (unconstrained) the 135M model answers in prose instead of calling the tool",
+    "test_json_mode": (
+        "json_object constrains the reply to a JSON object, not to the requested schema, "
+        "which the 135M model does not follow from the prompt"
+    ),
+    "test_agent_loop": (
+        "with tool_choice auto (unconstrained) the 135M model answers in prose instead of calling the tool"
+    ),
 }
 
 
@@ -34,7 +39,12 @@ class TestChatPolyKVIntegration(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict:
-        return {"base_url": getattr(type(self), "_base_url", "http://127.0.0.1:9"), "model": "smollm2", "temperature": 0, "max_tokens": 128}
+        return {
+            "base_url": getattr(type(self), "_base_url", "http://127.0.0.1:9"),
+            "model": "smollm2",
+            "temperature": 0,
+            "max_tokens": 128,
+        }
 
     @property
     def has_tool_calling(self) -> bool:

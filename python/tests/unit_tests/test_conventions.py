@@ -26,7 +26,11 @@ BASE = {"id": "c", "model": "smol", "object": "chat.completion.chunk"}
 
 
 def delta(text, finish=None, **extra):
-    return {**BASE, **extra, "choices": [{"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}]}
+    return {
+        **BASE,
+        **extra,
+        "choices": [{"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}],
+    }
 
 
 def sse_bytes(*chunks):
@@ -152,7 +156,11 @@ async def test_async_retries_and_stream_errors(no_backoff):
     out = [c.content async for c in llm.astream("hi")]
     assert "".join(out) == "x" and n["chat"] == 2
     # An error the server reports inside the stream is typed as well.
-    bad = httpx.MockTransport(lambda r: httpx.Response(200, content=b'data: {"error": {"code": 503, "type": "unavailable_error", "message": "x"}}\n\n'))
+    bad = httpx.MockTransport(
+        lambda r: httpx.Response(
+            200, content=b'data: {"error": {"code": 503, "type": "unavailable_error", "message": "x"}}\n\n'
+        )
+    )
     with pytest.raises(ModelAPIError):
         async for _ in ChatPolyKV(base_url="http://polykv.test", async_transport=bad, max_retries=0).astream("hi"):
             pass
@@ -202,7 +210,9 @@ async def test_one_async_client_per_event_loop():
 
 def test_token_counting_goes_through_tokenize():
     fs = FakeServer()
-    fs.on("POST", "/tokenize", lambda r, b: httpx.Response(200, json={"tokens": list(range(len(b["content"].split())))}))
+    fs.on(
+        "POST", "/tokenize", lambda r, b: httpx.Response(200, json={"tokens": list(range(len(b["content"].split())))})
+    )
     llm = ChatPolyKV(base_url="http://polykv.test", transport=httpx.MockTransport(fs))
     assert llm.get_token_ids("one two three") == [0, 1, 2]
     assert llm.get_num_tokens("a b c d") == 4
@@ -214,8 +224,14 @@ def test_ls_model_name_is_the_served_model_and_logprobs_in_metadata():
     fs = FakeServer()
     fs.on("GET", "/v1/models", lambda r, b: httpx.Response(200, json={"data": [{"id": "SmolLM2-135M-Instruct.Q4_1"}]}))
     lp = {"content": [{"token": "hi", "logprob": -0.25, "bytes": [104, 105], "top_logprobs": []}]}
-    data = {"id": "x", "model": "SmolLM2-135M-Instruct.Q4_1", "context": {"ctx_used": 30, "ctx_headroom_tokens": 994, "ctx_pressure": 0.029},
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop", "logprobs": lp}]}
+    data = {
+        "id": "x",
+        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "context": {"ctx_used": 30, "ctx_headroom_tokens": 994, "ctx_pressure": 0.029},
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop", "logprobs": lp}
+        ],
+    }
     fs.on("POST", "/v1/chat/completions", lambda r, b: httpx.Response(200, json=data))
     llm = ChatPolyKV(base_url="http://polykv.test", transport=httpx.MockTransport(fs), logprobs=True)
     assert llm._get_ls_params()["ls_model_name"] == "SmolLM2-135M-Instruct.Q4_1"
@@ -227,7 +243,11 @@ def test_ls_model_name_is_the_served_model_and_logprobs_in_metadata():
     chunks = [delta("h", logprobs=None), delta("i"), delta("", "stop")]
     chunks[0]["choices"][0]["logprobs"] = {"content": [lp["content"][0]]}
     chunks[1]["choices"][0]["logprobs"] = {"content": [{**lp["content"][0], "token": "i"}]}
-    fs.on("POST", "/v1/chat/completions", lambda r, b: httpx.Response(200, content=sse_bytes(*chunks) + b"data: [DONE]\n\n"))
+    fs.on(
+        "POST",
+        "/v1/chat/completions",
+        lambda r, b: httpx.Response(200, content=sse_bytes(*chunks) + b"data: [DONE]\n\n"),
+    )
     full = None
     for c in llm.stream("hi"):
         full = c if full is None else full + c

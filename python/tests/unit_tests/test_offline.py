@@ -48,7 +48,9 @@ class FakeServer:
 
 
 def err(status, typ, msg, headers=None):
-    return lambda req, body: httpx.Response(status, json={"error": {"code": status, "type": typ, "message": msg}}, headers=headers or {})
+    return lambda req, body: httpx.Response(
+        status, json={"error": {"code": status, "type": typ, "message": msg}}, headers=headers or {}
+    )
 
 
 def test_errors_are_typed():
@@ -73,11 +75,25 @@ def test_errors_are_typed():
 
 def test_compact_by_refork_builds_full_prefix_and_releases_subtree():
     fs = FakeServer()
-    fs.on("GET", "/polykv/pools/4", lambda r, b: httpx.Response(200, json={"pool_id": 4, "tokens": [1, 2, 3, 4, 5], "prefix_len": 5, "children": [5]}))
-    fs.on("GET", "/polykv/pools/5", lambda r, b: httpx.Response(200, json={"pool_id": 5, "tokens": [1, 2, 3, 4, 5, 6], "children": [6]}))
+    fs.on(
+        "GET",
+        "/polykv/pools/4",
+        lambda r, b: httpx.Response(
+            200, json={"pool_id": 4, "tokens": [1, 2, 3, 4, 5], "prefix_len": 5, "children": [5]}
+        ),
+    )
+    fs.on(
+        "GET",
+        "/polykv/pools/5",
+        lambda r, b: httpx.Response(200, json={"pool_id": 5, "tokens": [1, 2, 3, 4, 5, 6], "children": [6]}),
+    )
     fs.on("GET", "/polykv/pools/6", lambda r, b: httpx.Response(200, json={"pool_id": 6, "tokens": [], "children": []}))
     fs.on("POST", "/tokenize", lambda r, b: httpx.Response(200, json={"tokens": [70, 71]}))
-    fs.on("POST", "/polykv/pools/4/fork", lambda r, b: httpx.Response(201, json={"pool_id": 7, "prefix_len": len(b["tokens"])}))
+    fs.on(
+        "POST",
+        "/polykv/pools/4/fork",
+        lambda r, b: httpx.Response(201, json={"pool_id": 7, "prefix_len": len(b["tokens"])}),
+    )
     for pid in (5, 6):
         fs.on("DELETE", f"/polykv/pools/{pid}", lambda r, b: httpx.Response(200, json={"released": True}))
     out = fs.client().compact_by_refork(4, 3, compacted_text="summary", release_pool=5)
@@ -93,16 +109,26 @@ def chat_response(content="", tool_calls=None, finish="stop", headers=None):
     if tool_calls:
         msg["tool_calls"] = tool_calls
     data = {
-        "id": "chatcmpl-1", "model": "smol", "pool_id": 4, "session_id": "s1",
+        "id": "chatcmpl-1",
+        "model": "smol",
+        "pool_id": 4,
+        "session_id": "s1",
         "choices": [{"index": 0, "message": msg, "finish_reason": finish}],
-        "usage": {"prompt_tokens": 30, "completion_tokens": 5, "total_tokens": 35, "prompt_tokens_details": {"cached_tokens": 20}},
+        "usage": {
+            "prompt_tokens": 30,
+            "completion_tokens": 5,
+            "total_tokens": 35,
+            "prompt_tokens_details": {"cached_tokens": 20},
+        },
         "timings": {"tps_ewma": 42.5, "cache_n": 20, "predicted_per_second": 41.0},
     }
     return lambda req, body: httpx.Response(200, json=data, headers=headers or {})
 
 
 def model_for(fs, **kw):
-    return ChatPolyKV(base_url="http://polykv.test", transport=httpx.MockTransport(fs), pool_id=4, session_id="s1", **kw)
+    return ChatPolyKV(
+        base_url="http://polykv.test", transport=httpx.MockTransport(fs), pool_id=4, session_id="s1", **kw
+    )
 
 
 def test_chat_model_request_and_metadata():
@@ -138,7 +164,11 @@ def test_chat_model_tool_calls_and_history():
     # A tool round trip is sent back in OpenAI's shapes.
     model_for(fs).invoke([HumanMessage("1+2?"), out, ToolMessage("3", tool_call_id="call_1")])
     hist = fs.bodies()[1]["messages"]
-    assert hist[1]["tool_calls"][0]["function"]["name"] == "add" and hist[2] == {"role": "tool", "tool_call_id": "call_1", "content": "3"}
+    assert hist[1]["tool_calls"][0]["function"]["name"] == "add" and hist[2] == {
+        "role": "tool",
+        "tool_call_id": "call_1",
+        "content": "3",
+    }
 
 
 def sse(*chunks):
@@ -149,16 +179,70 @@ def sse(*chunks):
 def test_chat_model_stream_reassembles_text_and_tool_calls():
     base = {"id": "c", "model": "smol", "object": "chat.completion.chunk"}
     fs = FakeServer()
-    fs.on("POST", "/v1/chat/completions", sse(
-        {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
-        {**base, "choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
-        {**base, "choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": None}]},
-        {**base, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_9", "type": "function", "function": {"name": "f", "arguments": ""}}]}, "finish_reason": None}]},
-        {**base, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"x": '}}]}, "finish_reason": None}]},
-        {**base, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}, "finish_reason": None}]},
-        {**base, "pool_id": 4, "timings": {"tps_ewma": 9.0}, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
-        {**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 1}}},
-    ))
+    fs.on(
+        "POST",
+        "/v1/chat/completions",
+        sse(
+            {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+            {**base, "choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
+            {**base, "choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": None}]},
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {
+                            "tool_calls": [
+                                {
+                                    "index": 0,
+                                    "id": "call_9",
+                                    "type": "function",
+                                    "function": {"name": "f", "arguments": ""},
+                                }
+                            ]
+                        },
+                        "finish_reason": None,
+                    }
+                ],
+            },
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"x": '}}]},
+                        "finish_reason": None,
+                    }
+                ],
+            },
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]},
+                        "finish_reason": None,
+                    }
+                ],
+            },
+            {
+                **base,
+                "pool_id": 4,
+                "timings": {"tps_ewma": 9.0},
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}],
+            },
+            {
+                **base,
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": 3,
+                    "completion_tokens": 4,
+                    "total_tokens": 7,
+                    "prompt_tokens_details": {"cached_tokens": 1},
+                },
+            },
+        ),
+    )
     full = None
     for chunk in model_for(fs).stream("hi"):
         full = chunk if full is None else full + chunk
@@ -177,8 +261,16 @@ def test_chat_model_retries_429_then_raises():
 
 
 def capacity(ok, **kw):
-    return lambda req, body: httpx.Response(200, json={"can_admit": ok, "reason": "ok" if ok else "projected mean tps below floor",
-                                                       "headroom_sessions": 5 if ok else 0, "mean_active_tps": 30.0, **kw})
+    return lambda req, body: httpx.Response(
+        200,
+        json={
+            "can_admit": ok,
+            "reason": "ok" if ok else "projected mean tps below floor",
+            "headroom_sessions": 5 if ok else 0,
+            "mean_active_tps": 30.0,
+            **kw,
+        },
+    )
 
 
 def test_capacity_gate_routes():
@@ -187,7 +279,11 @@ def test_capacity_gate_routes():
     gate = capacity_gate(fs.client(), spawn="spawn", hold="hold", reserve=False)
     cmd = gate({"pool_id": 4})
     assert isinstance(cmd, Command) and cmd.goto == "spawn"
-    assert cmd.update["capacity_ok"] is True and cmd.update["headroom_sessions"] == 5 and cmd.update["mean_active_tps"] == 30.0
+    assert (
+        cmd.update["capacity_ok"] is True
+        and cmd.update["headroom_sessions"] == 5
+        and cmd.update["mean_active_tps"] == 30.0
+    )
     fs.on("GET", "/polykv/pools/4/capacity", capacity(False))
     assert gate({"pool_id": 4}).goto == "hold"
 
@@ -196,7 +292,9 @@ def test_capacity_gate_waits_for_settle():
     fs = FakeServer()
     answers = iter([capacity(False, settling=True, settle_remaining_ms=10), capacity(True)])
     fs.on("GET", "/polykv/pools/4/capacity", lambda r, b: next(answers)(r, b))
-    cmd = capacity_gate(fs.client(), spawn="go", hold="wait", pool_id=4, wait_for_capacity=True, poll_s=0.01, reserve=False)({})
+    cmd = capacity_gate(
+        fs.client(), spawn="go", hold="wait", pool_id=4, wait_for_capacity=True, poll_s=0.01, reserve=False
+    )({})
     assert cmd.goto == "go" and len(fs.requests) == 2
 
 
@@ -225,14 +323,24 @@ class FakeSummarizer(ChatPolyKV):
 
 
 def session_capacity(pressure, used, headroom=1000, server_wide=0.1):
-    return lambda req, body: httpx.Response(200, json={
-        "can_admit": True, "compaction_pressure": server_wide,
-        "session_pressure": pressure, "session": {"ctx_used": used, "ctx_headroom_tokens": headroom, "ctx_pressure": pressure}})
+    return lambda req, body: httpx.Response(
+        200,
+        json={
+            "can_admit": True,
+            "compaction_pressure": server_wide,
+            "session_pressure": pressure,
+            "session": {"ctx_used": used, "ctx_headroom_tokens": headroom, "ctx_pressure": pressure},
+        },
+    )
 
 
 def compaction_server():
     fs = FakeServer()
-    fs.on("GET", "/polykv/pools/4", lambda r, b: httpx.Response(200, json={"pool_id": 4, "prefix_len": 12, "children": [5]}))
+    fs.on(
+        "GET",
+        "/polykv/pools/4",
+        lambda r, b: httpx.Response(200, json={"pool_id": 4, "prefix_len": 12, "children": [5]}),
+    )
     fs.on("GET", "/polykv/pools/5", lambda r, b: httpx.Response(200, json={"pool_id": 5, "children": []}))
     fs.on("GET", "/polykv/pools/6", lambda r, b: httpx.Response(200, json={"pool_id": 6, "children": []}))
     fs.on("POST", "/polykv/pools/4/fork", lambda r, b: httpx.Response(201, json={"pool_id": 6, "prefix_len": 40}))
@@ -267,7 +375,12 @@ def test_compaction_reads_the_sessions_own_pressure_not_the_servers():
     fs = compaction_server()
     fs.on("GET", "/polykv/pools/5/capacity", session_capacity(0.05, 60, 1100, server_wide=0.95))
     node = CompactionNode(FakeSummarizer(), fs.client(), threshold=0.3)
-    state = {"pool_id": 5, "system_pool_id": 4, "session_id": "s1", "messages": [SystemMessage("sys"), HumanMessage("a")]}
+    state = {
+        "pool_id": 5,
+        "system_pool_id": 4,
+        "session_id": "s1",
+        "messages": [SystemMessage("sys"), HumanMessage("a")],
+    }
     assert node(state) == {}
     # No session: nothing to measure, nothing fires (the server-wide figure is not the session's).
     assert node({**state, "session_id": None}) == {}
@@ -313,7 +426,9 @@ def test_capacity_gate_interrupt_blocks_until_resumed():
 
     fs = FakeServer()
     answers = [capacity(False), capacity(True)]
-    fs.on("GET", "/polykv/pools/4/capacity", lambda r, b: answers.pop(0)(r, b) if len(answers) > 1 else answers[0](r, b))
+    fs.on(
+        "GET", "/polykv/pools/4/capacity", lambda r, b: answers.pop(0)(r, b) if len(answers) > 1 else answers[0](r, b)
+    )
     g = StateGraph(S)
     g.add_node("gate", capacity_gate(fs.client(), spawn="spawn", hold="hold", use_interrupt=True, reserve=False))
     g.add_node("spawn", lambda s: {"route": "spawn"})
@@ -340,9 +455,27 @@ def reservation_server(limit):
         if len(fs.granted) < fs.limit:
             rid = f"rsv-{len(fs.granted)}"
             fs.granted.append(rid)
-            return httpx.Response(200, json={"granted": True, "reservation_id": rid, "verdict": {"can_admit": True, "reason": "guaranteed minimum"}})
-        return httpx.Response(200, json={"granted": False, "reservation_id": None,
-                                         "verdict": {"can_admit": False, "reason": "measurement settling", "settling": True, "settle_remaining_ms": 0}})
+            return httpx.Response(
+                200,
+                json={
+                    "granted": True,
+                    "reservation_id": rid,
+                    "verdict": {"can_admit": True, "reason": "guaranteed minimum"},
+                },
+            )
+        return httpx.Response(
+            200,
+            json={
+                "granted": False,
+                "reservation_id": None,
+                "verdict": {
+                    "can_admit": False,
+                    "reason": "measurement settling",
+                    "settling": True,
+                    "settle_remaining_ms": 0,
+                },
+            },
+        )
 
     fs.on("POST", "/polykv/pools/4/reservations", reserve)
     return fs
@@ -370,7 +503,9 @@ def fanout_graph(gate):
 
 def test_capacity_gate_reserves_so_a_send_fanout_cannot_overshoot():
     fs = reservation_server(limit=2)
-    out = fanout_graph(capacity_gate(fs.client(), spawn="agent", hold="held", send=True)).compile().invoke({"pool_id": 4})
+    out = (
+        fanout_graph(capacity_gate(fs.client(), spawn="agent", hold="held", send=True)).compile().invoke({"pool_id": 4})
+    )
     assert len(out["spawned"]) == 2 and len(out["held"]) == 4
     # Each spawned branch carries its own reservation, to send with its first request.
     assert sorted(r for _, r in out["spawned"]) == ["rsv-0", "rsv-1"]
@@ -402,10 +537,16 @@ def test_api_key_is_sent_from_argument_or_env_and_401_is_typed(monkeypatch):
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(request.headers.get("authorization"))
         if request.headers.get("authorization") != "Bearer k1":
-            return httpx.Response(401, json={"error": {"code": 401, "type": "authentication_error", "message": "Invalid API Key"}})
+            return httpx.Response(
+                401, json={"error": {"code": 401, "type": "authentication_error", "message": "Invalid API Key"}}
+            )
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": "smol"}]})
-        return chat_response("hi")(request, None) if request.url.path == "/v1/chat/completions" else httpx.Response(200, json={"pools": []})
+        return (
+            chat_response("hi")(request, None)
+            if request.url.path == "/v1/chat/completions"
+            else httpx.Response(200, json={"pools": []})
+        )
 
     monkeypatch.delenv("POLYKV_API_KEY", raising=False)
     PolyKVClient("http://polykv.test", transport=httpx.MockTransport(handler), api_key="k1").pools()
@@ -422,4 +563,6 @@ def test_api_key_is_sent_from_argument_or_env_and_401_is_typed(monkeypatch):
     assert seen[-1] == "Bearer k1"
     assert "k1" not in repr(llm)  # a SecretStr: logs and tracebacks do not show the key
     with pytest.raises(AuthenticationError):
-        ChatPolyKV(base_url="http://polykv.test", transport=httpx.MockTransport(handler), api_key="wrong", max_retries=0).invoke("x")
+        ChatPolyKV(
+            base_url="http://polykv.test", transport=httpx.MockTransport(handler), api_key="wrong", max_retries=0
+        ).invoke("x")

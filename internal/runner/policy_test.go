@@ -1,0 +1,50 @@
+package runner
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/polykv/polykv/internal/engine"
+)
+
+// Each architecture's policy, without a model: a plain transformer changes nothing, a
+// recurrent one runs pools at boundaries without the prefix cache, and a sliding-window
+// one doubles the sequence ids, refuses what the shadows cannot protect and the tier.
+func TestPolicy(t *testing.T) {
+	plain, recurrent := Policy{}, Policy{Recurrent: true}
+	swa := Policy{SWA: 512, Anchors: true}
+
+	c := engine.Config{PrefixCache: true}
+	if plain.Configure(&c) || c.Recurrent || !c.PrefixCache {
+		t.Errorf("plain model changed the engine config: %+v", c)
+	}
+	if !recurrent.Configure(&c) || !c.Recurrent || c.PrefixCache {
+		t.Errorf("recurrent model: config %+v, want Recurrent and no prefix cache (reported)", c)
+	}
+	if recurrent.Configure(&c) {
+		t.Error("recurrent model reported turning off a prefix cache that was already off")
+	}
+
+	if plain.ContextSeqs(20) != 20 || swa.ContextSeqs(20) != 40 || (Policy{SWA: 512}).ContextSeqs(20) != 20 {
+		t.Error("context sequence ids: want n, 2n with SWA anchors, n without")
+	}
+	if err := swa.Check(engine.MaxSeqs/2, 512, 512); err != nil {
+		t.Errorf("SWA model at the sequence limit: %v", err)
+	}
+	if err := swa.Check(engine.MaxSeqs/2+1, 512, 512); err == nil || !strings.Contains(err.Error(), "two sequence ids") {
+		t.Errorf("SWA model over the sequence limit: %v", err)
+	}
+	if err := swa.Check(8, 1024, 256); err == nil || !strings.Contains(err.Error(), "--ubatch") {
+		t.Errorf("SWA model with micro-batches of a batch above the window: %v", err)
+	}
+	if err := swa.Check(8, 512, 256); err != nil {
+		t.Errorf("SWA model with a batch within the window: %v", err)
+	}
+	if err := plain.Check(engine.MaxSeqs, 1024, 256); err != nil {
+		t.Errorf("plain model: %v", err)
+	}
+
+	if plain.TierOff() != "" || !strings.Contains(swa.TierOff(), "sliding-window") || !strings.Contains(recurrent.TierOff(), "recurrent") {
+		t.Errorf("tier: plain %q, swa %q, recurrent %q", plain.TierOff(), swa.TierOff(), recurrent.TierOff())
+	}
+}
