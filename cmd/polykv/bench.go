@@ -121,6 +121,17 @@ func bench(args []string) error {
 			return fmt.Errorf("bench: --tenants-clients, -requests, -own-tokens must be at least 1 and --tenants-gen at least 2")
 		}
 		tn.reps = max(1, *reps)
+		if *cpuProfile != "" {
+			f, err := os.Create(*cpuProfile)
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			if err := pprof.StartCPUProfile(f); err != nil {
+				return err
+			}
+			defer pprof.StopCPUProfile()
+		}
 		return tn.run(cfg)
 	}
 	if *workload != "decode" && *workload != "all" {
