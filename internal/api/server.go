@@ -82,6 +82,10 @@ type Info struct {
 	// features its CPU backend was compiled with (llama.CPUFeatures).
 	BuildInfo   string
 	CPUFeatures []string
+	// OrderedAttention reports whether attention is ordered by position (nil: false; see
+	// llama.Context.OrderedAttention). A func: it turns false if an attention node ever
+	// runs llama.cpp's kernel.
+	OrderedAttention func() bool
 }
 
 // Server holds the handlers' dependencies.
@@ -380,6 +384,7 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 			CPUFeatures:      s.info.CPUFeatures,
 			PoolGraceMs:      s.info.PoolGraceMs,
 			KVBytesPerCell:   s.info.BytesPerCell,
+			KVOrdered:        s.info.OrderedAttention != nil && s.info.OrderedAttention(),
 			NSeqMax:          s.info.Parallel + s.info.MaxPools,
 			PoolsSupported:   s.info.PoolsUnsupported == "",
 			PoolsUnsupported: s.info.PoolsUnsupported,

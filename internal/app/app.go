@@ -389,6 +389,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	info.Compute = off
 	info.SessionTTL, info.ResponsesMax, info.ResponsesMaxBytes = cfg.SessionTTL, cfg.ResponsesMax, cfg.ResponsesMaxBytes
 	info.BuildInfo, info.CPUFeatures = llama.BuildInfo(), llama.CPUFeatures()
+	info.OrderedAttention = ctx.OrderedAttention
 	info.PoolTier = tierOff
 	info.SlotSavePath, info.ModelKey = cfg.SlotSavePath, key
 	srv := api.New(eng, model, renderer, info, metrics, log)

@@ -61,14 +61,17 @@ type Props struct {
 type PolyKVProps struct {
 	AdmissionDefault Policy `json:"admission_default"`
 	// CPUFeatures are the x86 features llama.cpp's CPU backend was built with.
-	CPUFeatures      []string           `json:"cpu_features"`
-	Floors           map[string]float64 `json:"floors"` // pool id -> tps floor, for pools with one
-	KVBytesPerCell   int64              `json:"kv_bytes_per_cell"`
-	MaxPools         int                `json:"max_pools"`
-	NSeqMax          int                `json:"n_seq_max"`
-	PoolGraceMs      int64              `json:"pool_grace_ms"`
-	PoolsSupported   bool               `json:"pools_supported"`
-	PoolsUnsupported string             `json:"pools_unsupported"`
+	CPUFeatures    []string           `json:"cpu_features"`
+	Floors         map[string]float64 `json:"floors"` // pool id -> tps floor, for pools with one
+	KVBytesPerCell int64              `json:"kv_bytes_per_cell"`
+	// KVOrdered: attention sums each query's cells in position order wherever they sit
+	// (PolyKV's kernel), so the cache is never compacted; false: compacted after frees.
+	KVOrdered        bool   `json:"kv_ordered_attention"`
+	MaxPools         int    `json:"max_pools"`
+	NSeqMax          int    `json:"n_seq_max"`
+	PoolGraceMs      int64  `json:"pool_grace_ms"`
+	PoolsSupported   bool   `json:"pools_supported"`
+	PoolsUnsupported string `json:"pools_unsupported"`
 	// PoolTier is the tier below the cache (--pool-ram-mb, --pool-dir): absent when
 	// not asked for.
 	PoolTier    *PoolTierProps   `json:"pool_tier,omitempty"`
