@@ -204,7 +204,7 @@ type harness struct {
 	prefixes PrefixObserver
 	// mirror, when set (trackResidency), is what the residency reports say each
 	// sequence holds, checked against the fake KV cache after every collect.
-	mirror map[int][]Token
+	mirror   map[int][]Token
 	reported int // tokens reported in all
 	// stepCost scripts how long a decode step takes (default 10 ms); a cost that grows
 	// with the batch makes per-session tps fall as sessions join, deterministically.
