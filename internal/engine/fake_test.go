@@ -203,7 +203,7 @@ type harness struct {
 	// hand them over.
 	prefixes PrefixObserver
 	// mirror, when set (trackResidency), is what the residency reports say each
-	// sequence holds, checked against the fake KV cache after every collect.
+	// sequence holds, checked against the cell tree after every collect.
 	mirror   map[int][]Token
 	reported int // tokens reported in all
 	// stepCost scripts how long a decode step takes (default 10 ms); a cost that grows
