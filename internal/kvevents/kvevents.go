@@ -217,7 +217,12 @@ func (p *Publisher) look() {
 		return
 	}
 	if !p.live {
+		// The connections accepted so far are this subscriber's (a second one that
+		// connected in the same instant and has not subscribed yet would be missed).
 		p.live = true
+		if p.accepts != nil {
+			p.seen, p.joined = p.accepts.Load(), time.Time{}
+		}
 		p.snapshot()
 		return
 	}
