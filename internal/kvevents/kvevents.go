@@ -155,13 +155,23 @@ func (p *Publisher) SeqChanged(c engine.SeqChange) {
 	}
 }
 
-// Close sends what is queued and closes the socket. The engine must not report
-// changes after Close (close the engine first).
+// Close sends what is queued, then AllBlocksCleared (a replica shutting down tells
+// its routers to forget its blocks at once, rather than route to them until discovery
+// drops it), and closes the socket. The engine must not report changes after Close
+// (close the engine first).
 func (p *Publisher) Close() error {
 	p.closing.Do(func() { close(p.ch) })
 	<-p.done
+	if p.live {
+		p.send([]any{[]any{TagAllBlocksCleared}})
+		// zmq4 sends from its own goroutine: give the last message time to leave.
+		time.Sleep(closeLinger)
+	}
 	return p.sock.Close()
 }
+
+// closeLinger is how long Close waits for its last message to be written.
+const closeLinger = 100 * time.Millisecond
 
 type subscribed interface{ Topics() []string }
 

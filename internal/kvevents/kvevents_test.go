@@ -222,7 +222,6 @@ func TestPublisherWireFormat(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer pub.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	sub := dialSub(t, ctx, pub)
@@ -245,6 +244,15 @@ func TestPublisherWireFormat(t *testing.T) {
 	}
 	if got[1].Seq < 1 || got[2].Seq < got[1].Seq {
 		t.Fatalf("sequence numbers %d, %d after 0", got[1].Seq, got[2].Seq)
+	}
+	// Closing (a replica shutting down) tells the router to forget this replica.
+	pub.SeqChanged(engine.SeqChange{Seq: 3, Tokens: toks(tk)})
+	if err := pub.Close(); err != nil {
+		t.Fatal(err)
+	}
+	last := recvEvents(t, sub, 2)
+	if last[0].Events[0].Tag != TagBlockStored || last[1].Events[0].Tag != TagAllBlocksCleared {
+		t.Fatalf("after Close: %+v, want the queued BlockStored, then AllBlocksCleared", last)
 	}
 }
 
