@@ -90,7 +90,7 @@ type Publisher struct {
 	seq    uint64 // next sequence number
 	live   bool   // someone was subscribed at the last look
 	seen   uint64 // accepts already answered with a snapshot
-	joined time.Time
+	joined time.Time // when unanswered accepts were first seen (zero: none)
 	init   uint64
 	seqs   map[int]*mirror
 	refs   map[uint64]int // block hash → sequences holding it
@@ -108,9 +108,10 @@ type mirror struct {
 }
 
 // queueLen bounds the changes waiting to be sent. A decoding sequence reports a token a
-// step, so a second of a busy replica is a few hundred; a full queue drops (and counts)
-// rather than block the engine, and the router's view of this replica goes stale until
-// a subscriber rejoins.
+// step, so a second of a busy replica is a few hundred; a full queue drops (and counts,
+// polykv_kv_events_dropped_total) rather than block the engine. A dropped change leaves
+// the mirror of that sequence wrong until the sequence is freed, so the router's view
+// of this replica is then stale: restart the replica.
 const queueLen = 1 << 16
 
 // Open binds the PUB socket. The first subscriber receives AllBlocksCleared as
