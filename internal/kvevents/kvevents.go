@@ -87,9 +87,9 @@ type Publisher struct {
 	done    chan struct{}
 	closing sync.Once
 	// The publisher goroutine's own state.
-	seq    uint64 // next sequence number
-	live   bool   // someone was subscribed at the last look
-	seen   uint64 // accepts already answered with a snapshot
+	seq    uint64    // next sequence number
+	live   bool      // someone was subscribed at the last look
+	seen   uint64    // accepts already answered with a snapshot
 	joined time.Time // when unanswered accepts were first seen (zero: none)
 	init   uint64
 	seqs   map[int]*mirror
