@@ -6,13 +6,17 @@
 # starts a fresh fleet, so no run inherits another's cache. Needs what run.sh needs
 # (EPP_BIN, ENVOY). Prints a markdown table; logs go to WORK (artifacts/fleet-bench).
 # BENCH_ARGS sizes the workload (default: 3 teams x 3 agents x 3 turns, ~500-token
-# system prompts); THREADS per replica (1). Run from the repository root.
+# system prompts); THREADS per replica (1); PARTS (default "single configs fault") and
+# CONFIGS (default "precise session random"; also "speculative") choose what runs.
+# Run from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 : "${EPP_BIN:?set EPP_BIN (see docs/fleet.md)}"
 WORK=${WORK:-artifacts/fleet-bench}
 THREADS=${THREADS:-1}
 read -r -a ARGS <<<"${BENCH_ARGS:--teams 3 -agents 3 -turns 3 -system-words 350 -max-tokens 16}"
+PARTS=${PARTS:-single configs fault}
+CONFIGS=${CONFIGS:-precise session random}
 REPLICAS=127.0.0.2:8000,127.0.0.3:8000,127.0.0.4:8000
 MODEL=${POLYKV_MODEL:-$HOME/.cache/polykv/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 mkdir -p "$WORK"
@@ -49,16 +53,21 @@ serve() {
 bench() { bin/fleetbench "${ARGS[@]}" -replicas "$REPLICAS" "$@" | tee -a "$TABLE"; }
 
 # One server alone: the hit ratio routing should approach.
-serve 127.0.0.5 "$WORK/single.log"
-bin/fleetbench "${ARGS[@]}" -url http://127.0.0.5:8000 -replicas 127.0.0.5:8000 -label "one server" | tee -a "$TABLE"
-kill "$extra"; wait "$extra" || true; extra=
+if [[ " $PARTS " == *" single "* ]]; then
+  serve 127.0.0.5 "$WORK/single.log"
+  bin/fleetbench "${ARGS[@]}" -url http://127.0.0.5:8000 -replicas 127.0.0.5:8000 -label "one server" | tee -a "$TABLE"
+  kill "$extra"; wait "$extra" || true; extra=
+fi
 
-for cfg in precise:epp-config session:epp-session random:epp-random; do
-  name=${cfg%%:*}
-  fleet_up "deploy/local/${cfg#*:}.yaml" "$WORK/$name"
-  bench -label "$name"
-  fleet_down
-done
+declare -A file=([precise]=epp-config [session]=epp-session [random]=epp-random [speculative]=epp-speculative)
+if [[ " $PARTS " == *" configs "* ]]; then
+  for name in $CONFIGS; do
+    fleet_up "deploy/local/${file[$name]}.yaml" "$WORK/$name"
+    bench -label "$name"
+    fleet_down
+  done
+fi
+[[ " $PARTS " == *" fault "* ]] || exit 0
 
 # Faults: 127.0.0.3 is killed (SIGKILL, a crash) at half the requests; 2 s later it
 # leaves the endpoint list (what a failing readiness probe does in Kubernetes), and the

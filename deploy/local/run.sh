@@ -9,7 +9,8 @@
 #            `envoy` on PATH.
 # Optional: EPP_CONFIG (default deploy/local/epp-config.yaml: precise prefix routing),
 # THREADS per replica (1), LOGDIR (artifacts/fleet). Run from the repository root.
-# It prints "fleet up" once every part answers; Ctrl-C (or SIGTERM) stops everything.
+# It prints "fleet up" once every part answers; Ctrl-C (or SIGTERM) stops everything,
+# and so does the EPP or Envoy exiting (a replica exiting does not: see docs/fleet.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MODEL=${POLYKV_MODEL:-$HOME/.cache/polykv/models/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -68,10 +69,14 @@ for ip in "${IPS[@]}"; do wait_for "replica $ip" "http://$ip:8000/health"; done
   --grpc-port 9002 --grpc-health-port 9003 --metrics-port 9090 \
   --secure-serving=false --allow-experimental-plugins >"$LOGDIR/epp.log" 2>&1 &
 pids+=($!)
+gateway=($!)
 wait_for "the EPP" "http://127.0.0.1:9090/metrics"
 "$ENVOY" -c deploy/local/envoy.yaml --log-level warn >"$LOGDIR/envoy.log" 2>&1 &
 pids+=($!)
+gateway+=($!)
 wait_for "Envoy" "http://127.0.0.1:19000/ready"
 echo "fleet up: send OpenAI requests to http://127.0.0.1:8081 with \"model\": \"smollm2\" (logs in $LOGDIR)"
-wait -n "${pids[@]}" || true
-die "a part of the fleet exited (logs in $LOGDIR)"
+# A replica may die and come back (the fleet routes around it); the EPP or Envoy
+# exiting ends the fleet.
+wait -n "${gateway[@]}" || true
+die "the EPP or Envoy exited (logs in $LOGDIR)"
