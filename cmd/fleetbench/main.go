@@ -3,7 +3,8 @@
 // prompt, each agent a session (x-session-id) of several turns whose history grows
 // with the replies, sent as plain streamed OpenAI chat requests. It reports the time to
 // first token (median, P90), the prefix-cache hit ratio (cached prompt tokens / prompt
-// tokens, from each reply's usage), failed requests, and how many requests each
+// tokens, from each reply's usage), failed attempts (a failed turn is retried, after a
+// wait, as a client would) and turns lost after every retry, and how many requests each
 // replica served (from the replicas' polykv_queries_total before and after).
 //
 //	fleetbench -url http://127.0.0.1:8081 -label precise -replicas 127.0.0.2:8000,127.0.0.3:8000,127.0.0.4:8000
@@ -41,14 +42,17 @@ type config struct {
 	maxTokens         int
 	stagger           time.Duration
 	timeout           time.Duration
-	during            func() // called once, halfway through the requests (faults)
+	retries           int           // attempts after a failed one
+	retryWait         time.Duration // before each retry, as a client backs off
+	during            func()        // called once, halfway through the requests (faults)
 }
 
-// result is one request's outcome.
+// result is one turn's outcome: its last attempt, and how many attempts failed.
 type result struct {
 	ttft           time.Duration
 	prompt, cached int
 	err            error
+	failed         int
 }
 
 // systemPrompt is team t's shared instructions: about words words, different from
@@ -190,9 +194,22 @@ func run(c config) int {
 				for turn := range c.turns {
 					msgs = append(msgs, message{Role: "user", Content: fmt.Sprintf(
 						"Agent %d, turn %d: what should I do about item %d?", a, turn, (a*31+turn*17+t)%97)})
-					rctx, cancel := context.WithTimeout(ctx, c.timeout)
-					reply, r := ask(rctx, c, session, msgs)
-					cancel()
+					var reply string
+					var r result
+					for attempt := 0; ; attempt++ {
+						rctx, cancel := context.WithTimeout(ctx, c.timeout)
+						reply, r = ask(rctx, c, session, msgs)
+						cancel()
+						r.failed = attempt
+						if r.err == nil || attempt == c.retries {
+							break
+						}
+						fmt.Fprintf(os.Stderr, "%s turn %d attempt %d: %v\n", session, turn, attempt+1, r.err)
+						time.Sleep(c.retryWait)
+					}
+					if r.err != nil {
+						r.failed++
+					}
 					mu.Lock()
 					results = append(results, r)
 					n := len(results)
@@ -201,7 +218,7 @@ func run(c config) int {
 						once.Do(c.during)
 					}
 					if r.err != nil {
-						fmt.Fprintf(os.Stderr, "%s turn %d: %v\n", session, turn, r.err)
+						fmt.Fprintf(os.Stderr, "%s turn %d lost: %v\n", session, turn, r.err)
 						reply = "(no answer)"
 					}
 					msgs = append(msgs, message{Role: "assistant", Content: reply})
@@ -213,10 +230,11 @@ func run(c config) int {
 	}
 	wg.Wait()
 	var ttft []time.Duration
-	prompt, cached, failed := 0, 0, 0
+	prompt, cached, failed, lost := 0, 0, 0, 0
 	for _, r := range results {
+		failed += r.failed
 		if r.err != nil {
-			failed++
+			lost++
 			continue
 		}
 		ttft = append(ttft, r.ttft)
@@ -236,9 +254,9 @@ func run(c config) int {
 	if prompt > 0 {
 		ratio = float64(cached) / float64(prompt)
 	}
-	fmt.Printf("| %s | %d | %d | %.2f | %.2f | %.3f | %s |\n", c.label, len(results), failed,
+	fmt.Printf("| %s | %d | %d | %d | %.2f | %.2f | %.3f | %s |\n", c.label, len(results), failed, lost,
 		percentile(ttft, 0.5).Seconds(), percentile(ttft, 0.9).Seconds(), ratio, strings.Join(spread, " / "))
-	if failed == len(results) {
+	if lost == len(results) {
 		return 1
 	}
 	return 0
@@ -258,6 +276,8 @@ func main() {
 	flag.IntVar(&c.maxTokens, "max-tokens", 16, "tokens generated per turn")
 	flag.DurationVar(&c.stagger, "stagger", 500*time.Millisecond, "delay between starting agents")
 	flag.DurationVar(&c.timeout, "timeout", 5*time.Minute, "per-request timeout")
+	flag.IntVar(&c.retries, "retries", 3, "retries of a failed turn")
+	flag.DurationVar(&c.retryWait, "retry-wait", time.Second, "wait before each retry")
 	flag.StringVar(&faultCmd, "fault", "", "shell command run once when half the requests are done (e.g. kill a replica)")
 	header := flag.Bool("header", false, "print the table header first")
 	headerOnly := flag.Bool("header-only", false, "print the table header and exit")
@@ -274,8 +294,8 @@ func main() {
 		}
 	}
 	if *header || *headerOnly {
-		fmt.Println("| config | requests | failed | TTFT median (s) | TTFT P90 (s) | hit ratio | requests per replica |")
-		fmt.Println("|---|---|---|---|---|---|---|")
+		fmt.Println("| config | turns | failed attempts | lost turns | TTFT median (s) | TTFT P90 (s) | hit ratio | requests per replica |")
+		fmt.Println("|---|---|---|---|---|---|---|---|")
 	}
 	if *headerOnly {
 		return

@@ -34,7 +34,7 @@ trap cleanup EXIT
 
 # fleet_up CONFIG DIR: a fresh fleet with that EPP config, logs in DIR.
 fleet_up() {
-  LOGDIR="$2" EPP_CONFIG="$1" THREADS="$THREADS" deploy/local/run.sh >"$2.out" 2>&1 &
+  LOGDIR="$2" EPP_CONFIG="$1" THREADS="$THREADS" EPP_ARGS="${EPP_ARGS:-}" deploy/local/run.sh >"$2.out" 2>&1 &
   fleet=$!
   until grep -q "fleet up" "$2.out"; do
     kill -0 "$fleet" 2>/dev/null || { cat "$2.out" >&2; exit 1; }
@@ -72,7 +72,7 @@ fi
 # Faults: 127.0.0.3 is killed (SIGKILL, a crash) at half the requests; 2 s later it
 # leaves the endpoint list (what a failing readiness probe does in Kubernetes), and the
 # EPP drops its subscriber and its blocks. Then it restarts and rejoins.
-fleet_up deploy/local/epp-config.yaml "$WORK/fault"
+EPP_ARGS=--v=4 fleet_up deploy/local/epp-config.yaml "$WORK/fault" # its debug log shows the subscriber removed
 victim=$(pgrep -f -- "--host 127.0.0.3 --port 8000")
 without="$WORK/fault/endpoints-without.yaml"
 awk '/name: polykv-1/{skip=4} skip>0{skip--; next} {print}' deploy/local/endpoints.yaml >"$without"
@@ -84,5 +84,7 @@ sleep 3 # the EPP discovers it again and subscribes: the restarted replica's sna
 bench -label "precise, after the restart"
 m=$(curl -s http://127.0.0.3:8000/metrics)
 echo "restarted 127.0.0.3: $(grep -E '^polykv_kv_events_(messages|snapshots)_total' <<<"$m" | tr '\n' ' ')" | tee -a "$TABLE"
+removed=$(grep -c "Removed KV-events subscriber" "$WORK/fault/epp.log" || true)
+echo "EPP: $removed KV-events subscriber removed (its index entries cleared with it)" | tee -a "$TABLE"
 fleet_down
 echo "table: $TABLE"

