@@ -37,6 +37,7 @@ type config struct {
 	url, model, label string
 	replicas          []string
 	teams, agents     int
+	teamBase          int // the first team's number: another base, other system prompts
 	turns             int
 	systemWords       int
 	maxTokens         int
@@ -189,11 +190,12 @@ func run(c config) int {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				session := fmt.Sprintf("%s-team%d-agent%d", c.label, t, a)
-				msgs := []message{{Role: "system", Content: systemPrompt(t, c.systemWords)}}
+				team := c.teamBase + t
+				session := fmt.Sprintf("%s-team%d-agent%d", c.label, team, a)
+				msgs := []message{{Role: "system", Content: systemPrompt(team, c.systemWords)}}
 				for turn := range c.turns {
 					msgs = append(msgs, message{Role: "user", Content: fmt.Sprintf(
-						"Agent %d, turn %d: what should I do about item %d?", a, turn, (a*31+turn*17+t)%97)})
+						"Agent %d, turn %d: what should I do about item %d?", a, turn, (a*31+turn*17+team)%97)})
 					var reply string
 					var r result
 					for attempt := 0; ; attempt++ {
@@ -270,6 +272,7 @@ func main() {
 	flag.StringVar(&c.label, "label", "fleet", "name of this configuration in the output (and in session ids)")
 	flag.StringVar(&replicas, "replicas", "", "comma-separated host:port of the replicas, for the per-replica spread")
 	flag.IntVar(&c.teams, "teams", 3, "teams (each shares one system prompt)")
+	flag.IntVar(&c.teamBase, "team-base", 0, "number of the first team (teams of another base share no system prompt with these)")
 	flag.IntVar(&c.agents, "agents", 3, "agents per team (each one session)")
 	flag.IntVar(&c.turns, "turns", 3, "turns per agent")
 	flag.IntVar(&c.systemWords, "system-words", 350, "approximate length of each team's system prompt, in words")

@@ -81,7 +81,9 @@ bench -label "precise, 127.0.0.3 killed" \
 serve 127.0.0.3 "$WORK/fault/polykv-127.0.0.3-restarted.log"
 cp deploy/local/endpoints.yaml "$WORK/fault/endpoints.tmp" && mv "$WORK/fault/endpoints.tmp" "$WORK/fault/endpoints.yaml"
 sleep 3 # the EPP discovers it again and subscribes: the restarted replica's snapshot
-bench -label "precise, after the restart"
+# New teams (system prompts no replica holds), so the cold replica competes on equal
+# terms: traffic returns to it.
+bench -label "precise, after the restart" -team-base 3
 m=$(curl -s http://127.0.0.3:8000/metrics)
 echo "restarted 127.0.0.3: $(grep -E '^polykv_kv_events_(messages|snapshots)_total' <<<"$m" | tr '\n' ' ')" | tee -a "$TABLE"
 removed=$(grep -c "Removed KV-events subscriber" "$WORK/fault/epp.log" || true)
