@@ -177,6 +177,11 @@ func run(c config) int {
 	for i, r := range c.replicas {
 		before[i] = queries(r)
 	}
+	return report(c, collect(c), before)
+}
+
+// collect runs every agent's turns and returns each turn's outcome.
+func collect(c config) []result {
 	total := c.teams * c.agents * c.turns
 	var (
 		mu      sync.Mutex
@@ -231,6 +236,11 @@ func run(c config) int {
 		}
 	}
 	wg.Wait()
+	return results
+}
+
+// report prints one table row, or returns 1 when every turn was lost.
+func report(c config, results []result, before []float64) int {
 	var ttft []time.Duration
 	prompt, cached, failed, lost := 0, 0, 0, 0
 	for _, r := range results {
