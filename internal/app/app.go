@@ -363,7 +363,8 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	}
 	var obs engine.Observer = metrics
 	if pub != nil {
-		obs = observers{metrics, pub} // the engine hands it the pool prefix changes too
+		sched.ReportResidency()
+		obs = observers{metrics, pub} // the engine hands it every sequence's changes too
 	}
 	backend := runner.NewBackend(model, ctx, log)
 	backend.AlwaysCompact(cfg.KVCompaction == "always")
@@ -401,7 +402,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 }
 
 // observers is the metrics and the KV-event publisher as one engine Observer: the
-// metrics take the measurements, the publisher the pool prefix changes.
+// metrics take the measurements, the publisher the sequences' changes (residency).
 type observers struct {
 	*api.Metrics
 	*kvevents.Publisher

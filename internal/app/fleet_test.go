@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -23,7 +24,6 @@ import (
 
 	"github.com/polykv/polykv/internal/api/wire"
 	"github.com/polykv/polykv/internal/kvevents"
-	"github.com/polykv/polykv/internal/pool"
 )
 
 type replica struct {
@@ -31,6 +31,103 @@ type replica struct {
 	app           *App
 	srv           *httptest.Server
 	sub           *subscriber
+	view          *routerView
+}
+
+// routerView is one replica's blocks as llm-d's event pool indexes them
+// (llm-d-router pkg/kvevents/pool.go): a BlockStored must name a parent already held
+// (the router drops it otherwise), its keys are recomputed from its tokens, chained from
+// the parent or the model's init hash, and each hash is counted, removed at zero.
+type routerView struct {
+	topic string
+	model string
+	late  bool   // joined mid-stream: the first message sets seq
+	seq   uint64 // the next sequence number expected
+	index map[uint64]int
+}
+
+// apply checks and applies one message.
+func (v *routerView) apply(t *testing.T, m kvevents.Message) {
+	t.Helper()
+	if m.Topic != v.topic {
+		t.Fatalf("topic %q, want %q", m.Topic, v.topic)
+	}
+	if v.late {
+		v.seq, v.late = m.Seq, false
+	}
+	if m.Seq != v.seq {
+		t.Fatalf("sequence number %d, want %d (consecutive from 0)", m.Seq, v.seq)
+	}
+	v.seq++
+	for _, ev := range m.Events {
+		switch ev.Tag {
+		case kvevents.TagAllBlocksCleared:
+			v.index = map[uint64]int{}
+		case kvevents.TagBlockRemoved:
+			for _, h := range ev.Hashes {
+				if v.index[h]--; v.index[h] <= 0 {
+					delete(v.index, h)
+				}
+			}
+		case kvevents.TagBlockStored:
+			parent := kvevents.InitHash("", v.model)
+			if ev.Parent != nil {
+				parent = *ev.Parent
+				if v.index[parent] == 0 {
+					t.Fatalf("BlockStored with a parent %#x never announced: the router would drop it", parent)
+				}
+			}
+			if ev.BlockSize != 16 || len(ev.Tokens) != len(ev.Hashes)*16 {
+				t.Fatalf("BlockStored breaks the full-block rule: %d hashes, %d tokens, block size %d", len(ev.Hashes), len(ev.Tokens), ev.BlockSize)
+			}
+			if keys := kvevents.BlockHashes(parent, ev.Tokens, 16); !slices.Equal(keys, ev.Hashes) {
+				t.Fatalf("announced %#x, the router's keys for those tokens are %#x", ev.Hashes, keys)
+			}
+			for _, h := range ev.Hashes {
+				v.index[h]++
+			}
+		}
+	}
+}
+
+// holds is how many leading full blocks of tokens the router finds on this replica.
+func (v *routerView) holds(tokens []int32) int {
+	n := 0
+	for _, h := range kvevents.BlockHashes(kvevents.InitHash("", v.model), tokens, 16) {
+		if v.index[h] == 0 {
+			break
+		}
+		n++
+	}
+	return n
+}
+
+// await applies r's events until cond holds (failing after 20 s without one).
+func (r *replica) await(t *testing.T, what string, cond func(v *routerView) bool) {
+	t.Helper()
+	for !cond(r.view) {
+		select {
+		case m := <-r.sub.msgs:
+			r.view.apply(t, m)
+		case err := <-r.sub.errs:
+			t.Fatalf("%s: kv events do not decode: %v", r.ip, err)
+		case <-time.After(20 * time.Second):
+			t.Fatalf("%s: %s: not seen within 20 s (router view holds %d blocks)", r.ip, what, len(r.view.index))
+		}
+	}
+}
+
+// drain applies what has arrived, waiting until nothing comes for 300 ms.
+func (r *replica) drain(t *testing.T) {
+	t.Helper()
+	for {
+		select {
+		case m := <-r.sub.msgs:
+			r.view.apply(t, m)
+		case <-time.After(300 * time.Millisecond):
+			return
+		}
+	}
 }
 
 // subscriber receives one replica's KV events, decoded as llm-d decodes them.
@@ -71,20 +168,6 @@ func subscribe(t *testing.T, endpoint string) *subscriber {
 	return s
 }
 
-// next returns the next message, failing after a timeout.
-func (s *subscriber) next(t *testing.T) kvevents.Message {
-	t.Helper()
-	select {
-	case m := <-s.msgs:
-		return m
-	case err := <-s.errs:
-		t.Fatalf("kv events do not decode: %v", err)
-	case <-time.After(20 * time.Second):
-		t.Fatal("no kv event within 20 s")
-	}
-	return kvevents.Message{}
-}
-
 func startReplica(t *testing.T, ip, zmqEndpoint string) *replica {
 	t.Helper()
 	ln, err := net.Listen("tcp", ip+":0")
@@ -106,7 +189,8 @@ func startReplica(t *testing.T, ip, zmqEndpoint string) *replica {
 	srv.Listener.Close()
 	srv.Listener = ln
 	srv.Start()
-	r := &replica{ip: ip, base: srv.URL, zmq: "tcp://" + a.KVEvents.Addr(), app: a, srv: srv}
+	r := &replica{ip: ip, base: srv.URL, zmq: "tcp://" + a.KVEvents.Addr(), app: a, srv: srv,
+		view: &routerView{topic: "kv@" + ln.Addr().String() + "@SmolLM2-135M-Instruct.Q4_1", model: "SmolLM2-135M-Instruct.Q4_1", index: map[uint64]int{}}}
 	r.sub = subscribe(t, r.zmq)
 	t.Cleanup(r.stop)
 	return r
@@ -118,36 +202,6 @@ func (r *replica) stop() {
 		r.app.Close()
 		r.srv = nil
 	}
-}
-
-// stored collects the next BlockStored events until n blocks have arrived, checking
-// consecutive sequence numbers from *seq.
-func expectMsg(t *testing.T, r *replica, seq *uint64) kvevents.Message {
-	t.Helper()
-	m := r.sub.next(t)
-	if m.Seq != *seq {
-		t.Fatalf("%s: sequence number %d, want %d (consecutive from 0)", r.ip, m.Seq, *seq)
-	}
-	*seq++
-	if want := "kv@" + strings.TrimPrefix(r.base, "http://") + "@SmolLM2-135M-Instruct.Q4_1"; m.Topic != want {
-		t.Fatalf("topic %q, want %q", m.Topic, want)
-	}
-	return m
-}
-
-func expectEvent(t *testing.T, r *replica, seq *uint64, tag string) kvevents.Event {
-	t.Helper()
-	m := expectMsg(t, r, seq)
-	if len(m.Events) != 1 || m.Events[0].Tag != tag {
-		t.Fatalf("%s: events %+v, want one %s", r.ip, m.Events, tag)
-	}
-	ev := m.Events[0]
-	if tag == kvevents.TagBlockStored {
-		if ev.BlockSize != 16 || len(ev.Hashes) == 0 || len(ev.Tokens) != len(ev.Hashes)*ev.BlockSize {
-			t.Fatalf("BlockStored breaks the full-block rule: %d hashes, %d tokens, block size %d", len(ev.Hashes), len(ev.Tokens), ev.BlockSize)
-		}
-	}
-	return ev
 }
 
 func postHeaders(t *testing.T, url string, body any, hdr map[string]string) (int, http.Header, map[string]any) {
@@ -187,14 +241,13 @@ func tokenIDs(t *testing.T, out map[string]any) []int32 {
 func TestFleetKVEventsRenderAndPoolKeys(t *testing.T) {
 	ips := []string{"127.0.0.2", "127.0.0.3", "127.0.0.4"}
 	var reps []*replica
-	seqs := make([]uint64, len(ips))
 	for _, ip := range ips {
 		reps = append(reps, startReplica(t, ip, ""))
 	}
 	a, b, c := reps[0], reps[1], reps[2]
 	// Every replica starts its stream with AllBlocksCleared at sequence 0.
-	for i, r := range reps {
-		expectEvent(t, r, &seqs[i], kvevents.TagAllBlocksCleared)
+	for _, r := range reps {
+		r.await(t, "the first snapshot", func(v *routerView) bool { return v.seq > 0 })
 	}
 
 	system := longSystem(t, a.app, 100)
@@ -227,8 +280,8 @@ func TestFleetKVEventsRenderAndPoolKeys(t *testing.T) {
 		t.Fatalf("completions render %v, want %v", tokenIDs(t, outT[0]), want)
 	}
 
-	// A pool on A over the chat's system block: BlockStored carries exactly the rendered
-	// prompt's leading full blocks.
+	// A pool on A over the chat's system block: the router then finds the rendered
+	// prompt's leading full blocks on A, under its own keys.
 	created := createPool(t, a.base, map[string]any{"messages": []map[string]any{{"role": "system", "content": system}}})
 	poolA := num(created["pool_id"])
 	var info wire.PoolInfo
@@ -237,51 +290,40 @@ func TestFleetKVEventsRenderAndPoolKeys(t *testing.T) {
 	if L < 32 || !slices.Equal(rendered[:L], info.Tokens) {
 		t.Fatalf("pool prefix (%d tokens) is not a prefix of the rendered chat", L)
 	}
-	root := expectEvent(t, a, &seqs[0], kvevents.TagBlockStored)
-	full := L / 16 * 16
-	if root.Parent != nil || !slices.Equal(root.Tokens, rendered[:full]) {
-		t.Fatalf("root BlockStored: parent %v, tokens %d; want no parent and the render's first %d tokens", root.Parent, len(root.Tokens), full)
-	}
-	rolling := pool.RollingHash(rendered)
-	for k, h := range root.Hashes {
-		if h != rolling[16*k+15] {
-			t.Fatalf("block %d hash %x, want the prefix hash at token %d", k, h, 16*k+15)
-		}
-	}
-
-	// A child extending the pool chains to the root's last announced block.
+	a.await(t, "the pool's blocks", func(v *routerView) bool { return v.holds(rendered) == L/16 })
+	// A child extending the pool: its own blocks chain to the root's (the view checks
+	// every parent was announced before).
 	childToks := append(slices.Clone(info.Tokens), suffixTokens(t, a.app, " The user asks about search tools and rankings, in detail, with examples.")...)
 	code, fork := forkPool(t, a.base, poolA, L, map[string]any{"tokens": childToks})
 	if code != 201 {
 		t.Fatalf("fork: %d %v", code, fork)
 	}
-	child := expectEvent(t, a, &seqs[0], kvevents.TagBlockStored)
-	t.Logf("pool: %d tokens, %d blocks; child: %d tokens, %d own blocks; render: %d tokens", L, len(root.Hashes), len(childToks), len(child.Hashes), len(rendered))
 	if len(childToks)/16 <= L/16 {
 		t.Fatalf("the child (%d tokens) must own a full block past the root's %d", len(childToks), L)
 	}
-	{
-		first := L / 16
-		if child.Parent == nil || *child.Parent != root.Hashes[first-1] {
-			t.Fatalf("child's parent hash %v, want the root's block %d (%x)", child.Parent, first-1, root.Hashes[first-1])
-		}
-		if !slices.Equal(child.Tokens, childToks[first*16:len(childToks)/16*16]) {
-			t.Fatal("child's BlockStored tokens are not its own blocks")
-		}
+	a.await(t, "the child's blocks", func(v *routerView) bool { return v.holds(childToks) == len(childToks)/16 })
+
+	// A plain request on C, no pool anywhere: its prompt stays as prefix cache and the
+	// router finds it there (issue 27: cached sequences are announced, not only pools).
+	codeC0, _, outC0 := postHeaders(t, c.base+"/v1/chat/completions", chatBody, nil)
+	if codeC0 != 200 {
+		t.Fatalf("plain request on C: %d %v", codeC0, outC0)
+	}
+	c.await(t, "the cached request's blocks", func(v *routerView) bool { return v.holds(rendered) == len(rendered)/16 })
+	b.drain(t)
+	if n := b.view.holds(rendered); n != 0 {
+		t.Fatalf("B served nothing but the router finds %d blocks there", n)
 	}
 
-	// The same system block as a pool on B announces the same hashes: a fleet-wide name.
+	// The same system block as a pool on B announces the same keys: a fleet-wide name.
 	createdB := createPool(t, b.base, map[string]any{"messages": []map[string]any{{"role": "system", "content": system}}})
 	if createdB["prefix_hash"] != created["prefix_hash"] {
 		t.Fatalf("prefix_hash differs across replicas: %v vs %v", createdB["prefix_hash"], created["prefix_hash"])
 	}
-	rootB := expectEvent(t, b, &seqs[1], kvevents.TagBlockStored)
-	if !slices.Equal(rootB.Hashes, root.Hashes) {
-		t.Fatal("the same prefix announces different block hashes on two replicas")
-	}
+	b.await(t, "B's pool blocks", func(v *routerView) bool { return v.holds(rendered) == L/16 })
 
-	// pool_key with x-session-id: A attaches, C (no such pool) prefills and answers
-	// the same greedy tokens.
+	// pool_key with x-session-id: A attaches, C (no such pool) borrows its cached prefix
+	// and answers the same greedy tokens.
 	key := created["prefix_hash"].(string)
 	keyed := withFields(chatBody, map[string]any{"pool_key": key})
 	codeA, hA, outA := postHeaders(t, a.base+"/v1/chat/completions", keyed, map[string]string{"x-session-id": "agent-7"})
@@ -292,8 +334,8 @@ func TestFleetKVEventsRenderAndPoolKeys(t *testing.T) {
 	if got, _ := strconv.Atoi(hA.Get("X-Cached-Prefix-Tokens")); got != L || hA.Get("X-Pool-Id") != strconv.Itoa(poolA) {
 		t.Fatalf("A: X-Cached-Prefix-Tokens %q, X-Pool-Id %q; want %d from pool %d", hA.Get("X-Cached-Prefix-Tokens"), hA.Get("X-Pool-Id"), L, poolA)
 	}
-	if hC.Get("X-Cached-Prefix-Tokens") != "0" || hC.Get("X-Pool-Id") != "" {
-		t.Fatalf("C lacks the pool: X-Cached-Prefix-Tokens %q, X-Pool-Id %q; want 0 and none", hC.Get("X-Cached-Prefix-Tokens"), hC.Get("X-Pool-Id"))
+	if hC.Get("X-Pool-Id") != "" {
+		t.Fatalf("C lacks the pool: X-Pool-Id %q; want none", hC.Get("X-Pool-Id"))
 	}
 	msg := func(o map[string]any) string {
 		return o["choices"].([]any)[0].(map[string]any)["message"].(map[string]any)["content"].(string)
@@ -324,43 +366,35 @@ func TestFleetKVEventsRenderAndPoolKeys(t *testing.T) {
 		t.Fatalf("pool_id with pool_key: %d %v, want 400", code, out)
 	}
 
-	// Release the child: BlockRemoved with its hashes (no new request may attach).
-	req, _ := http.NewRequest(http.MethodDelete, fmt.Sprintf("%s/polykv/pools/%d", a.base, num(fork["pool_id"])), nil)
-	if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != 200 {
-		t.Fatalf("release child: %v %v", resp, err)
-	}
-	if len(child.Hashes) > 0 {
-		rm := expectEvent(t, a, &seqs[0], kvevents.TagBlockRemoved)
-		if !slices.Equal(rm.Hashes, child.Hashes) {
-			t.Fatalf("BlockRemoved %x, want the child's %x", rm.Hashes, child.Hashes)
-		}
-	}
-	// Evict B's pool: BlockRemoved with the root's hashes.
+	// Evict B's pool: its blocks leave the router's view of B (nothing else held them).
 	if code, out := post(t, fmt.Sprintf("%s/polykv/pools/%d/evict", b.base, num(createdB["pool_id"])), map[string]any{}); code != 200 {
 		t.Fatalf("evict: %d %v", code, out)
 	}
-	if rm := expectEvent(t, b, &seqs[1], kvevents.TagBlockRemoved); !slices.Equal(rm.Hashes, rootB.Hashes) {
-		t.Fatalf("evict BlockRemoved %x, want %x", rm.Hashes, rootB.Hashes)
+	b.await(t, "the evicted pool's removal", func(v *routerView) bool { return v.holds(rendered) == 0 })
+
+	// A second router subscribing to A while the first listens gets the whole state.
+	// Both then hold the same blocks: the first router got the snapshot too.
+	late := &replica{ip: a.ip, sub: subscribe(t, a.zmq), view: &routerView{topic: a.view.topic, model: a.view.model, late: true, index: map[uint64]int{}}}
+	late.await(t, "the late subscriber's snapshot", func(v *routerView) bool { return v.holds(childToks) == len(childToks)/16 })
+	a.await(t, "the snapshot, again", func(v *routerView) bool { return v.seq == late.view.seq })
+	if !maps.Equal(a.view.index, late.view.index) {
+		t.Fatalf("the first router holds %d blocks of A, the late one %d", len(a.view.index), len(late.view.index))
 	}
 
-	// Restart C on the same endpoint: a new stream, AllBlocksCleared at sequence 0.
+	// Restart C on the same endpoint: a new stream from sequence 0, AllBlocksCleared
+	// first (the router forgets the old run's blocks).
 	zmqC := c.zmq
 	c.stop()
 	c2 := startReplica(t, "127.0.0.4", zmqC)
-	var seqC2 uint64
-	expectEvent(t, c2, &seqC2, kvevents.TagAllBlocksCleared)
-	seqs[2] = 0
+	c2.await(t, "the restarted replica's snapshot", func(v *routerView) bool { return v.seq > 0 })
+	if n := c2.view.holds(rendered); n != 0 {
+		t.Fatalf("a fresh replica announces %d blocks", n)
+	}
 
 	// Protocol metrics parse with Prometheus' parser, under the names the shipped
 	// engineConfigs name.
-	checkProtocolMetrics(t, a.base, seqs[0])
-	for i, r := range []*replica{a, b} {
-		select {
-		case m := <-r.sub.msgs:
-			t.Fatalf("%s: unexpected event %+v (seq %d)", r.ip, m, seqs[i])
-		default:
-		}
-	}
+	a.drain(t)
+	checkProtocolMetrics(t, a.base, a.view.seq, 2)
 }
 
 // withFields returns a copy of base with extra set.
@@ -375,7 +409,7 @@ func withFields(base, extra map[string]any) map[string]any {
 	return out
 }
 
-func checkProtocolMetrics(t *testing.T, base string, received uint64) {
+func checkProtocolMetrics(t *testing.T, base string, received uint64, snapshots float64) {
 	t.Helper()
 	families := scrapeMetrics(t, base)
 	cfgYAML, err := os.ReadFile("../../deploy/engine-configs.yaml")
@@ -406,8 +440,8 @@ func checkProtocolMetrics(t *testing.T, base string, received uint64) {
 	if sent := counter("polykv_kv_events_messages_total"); sent != float64(received) {
 		t.Fatalf("polykv_kv_events_messages_total %g, the subscriber received %d", sent, received)
 	}
-	if counter("polykv_kv_events_snapshots_total") != 1 || counter("polykv_kv_events_dropped_total") != 0 {
-		t.Fatal("want one snapshot (the test's subscriber) and no dropped change")
+	if counter("polykv_kv_events_snapshots_total") != snapshots || counter("polykv_kv_events_dropped_total") != 0 {
+		t.Fatalf("snapshots %g, dropped %g; want %g (one a subscriber) and none", counter("polykv_kv_events_snapshots_total"), counter("polykv_kv_events_dropped_total"), snapshots)
 	}
 	labels := map[string]string{}
 	for _, l := range families["polykv_cache_config_info"].GetMetric()[0].GetLabel() {

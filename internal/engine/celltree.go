@@ -30,6 +30,8 @@ type cellTree struct {
 	total int
 	// firstPool: sequence ids >= firstPool are pools' (preferred owners).
 	firstPool int
+	// watch, when set, notes each sequence's changes for residency reports.
+	watch *seqWatch
 }
 
 type cellNode struct {
@@ -109,6 +111,7 @@ func (c *cellTree) Append(seq int, toks []Token) {
 	if len(toks) == 0 {
 		return
 	}
+	c.touch(seq, c.Len(seq))
 	t := c.tip[seq]
 	if t == nil {
 		t = c.root
@@ -164,6 +167,7 @@ func (c *cellTree) Rm(seq, q int) {
 	if t == nil || q >= t.end() {
 		return
 	}
+	c.touch(seq, max(q, 0))
 	keep := c.cutAt(seq, max(q, 0))
 	stop := keep
 	if stop == nil {
@@ -233,6 +237,7 @@ func (c *cellTree) Cp(src, dst, p1 int) {
 	if t == nil {
 		return
 	}
+	c.touch(dst, 0)
 	c.tip[dst] = t
 	for n := t; n != c.root; n = n.parent {
 		n.holders.add(dst)

@@ -202,6 +202,10 @@ type harness struct {
 	// prefixes, when set, receives the pool prefix observations as the engine would
 	// hand them over.
 	prefixes PrefixObserver
+	// mirror, when set (trackResidency), is what the residency reports say each
+	// sequence holds, checked against the cell tree after every collect.
+	mirror   map[int][]Token
+	reported int // tokens reported in all
 	// stepCost scripts how long a decode step takes (default 10 ms); a cost that grows
 	// with the batch makes per-session tps fall as sessions join, deterministically.
 	stepCost func(batch []BatchEntry) time.Duration
@@ -219,14 +223,20 @@ func newHarness(t *testing.T, cfg Config) *harness {
 }
 
 func (h *harness) collect() {
-	if h.prefixes != nil {
+	if h.prefixes != nil || h.mirror != nil {
 		for _, o := range h.s.Observations() {
-			switch o.Kind {
-			case ObsPrefixStored:
+			switch {
+			case o.Kind == ObsSeqChange && h.mirror != nil:
+				h.applySeqChange(o.Seq)
+			case h.prefixes == nil:
+			case o.Kind == ObsPrefixStored:
 				h.prefixes.PrefixStored(o.Prefix)
-			case ObsPrefixRemoved:
+			case o.Kind == ObsPrefixRemoved:
 				h.prefixes.PrefixRemoved(o.Prefix)
 			}
+		}
+		if h.mirror != nil {
+			h.checkResidency()
 		}
 	}
 	for _, ev := range h.s.Events() {

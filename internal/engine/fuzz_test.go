@@ -48,6 +48,7 @@ func fuzzScheduler(t *testing.T, data []byte, cache bool, nctx int) {
 			SessionTTL: time.Minute, PoolGrace: time.Second, BytesPerCell: 10, PrefixCache: cache,
 			QueueTimeout: 3 * time.Second}
 		h := newHarness(t, cfg)
+		h.trackResidency()
 		prompts := map[TaskID][]Token{}
 		families := [][]Token{seqTokens(100, 60), seqTokens(300, 60), append(seqTokens(100, 20), seqTokens(500, 40)...)}
 		var pools []int

@@ -29,6 +29,7 @@ const (
 	ObsQuery                        // a finished request: PromptTokens, CachedTokens, on Pool
 	ObsPrefixStored                 // a pool's prefix became resident: Prefix
 	ObsPrefixRemoved                // a pool's prefix can no longer be reused here: Prefix
+	ObsSeqChange                    // a sequence's reusable content changed: Seq (residency.go)
 )
 
 // Observation is one measurement made during a step.
@@ -38,14 +39,20 @@ type Observation struct {
 	D                          time.Duration
 	PromptTokens, CachedTokens int
 	Prefix                     PrefixChange
+	Seq                        SeqChange
 }
 
 // Observe hands observations to o; the prefix changes only when o also implements
-// PrefixObserver.
+// PrefixObserver, the sequence changes only when it implements ResidencyObserver.
 func Observe(o Observer, obs []Observation) {
 	po, _ := o.(PrefixObserver)
+	ro, _ := o.(ResidencyObserver)
 	for _, x := range obs {
 		switch x.Kind {
+		case ObsSeqChange:
+			if ro != nil {
+				ro.SeqChanged(x.Seq)
+			}
 		case ObsPrefixStored:
 			if po != nil {
 				po.PrefixStored(x.Prefix)

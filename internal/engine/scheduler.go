@@ -408,6 +408,7 @@ func (s *Scheduler) Events() []Event {
 // Observations drains the measurements made since the last call; the engine hands
 // them to its Observer, so the scheduler itself calls out to nothing.
 func (s *Scheduler) Observations() []Observation {
+	s.residencyObs()
 	o := s.obs
 	s.obs = nil
 	return o

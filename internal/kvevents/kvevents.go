@@ -1,29 +1,28 @@
 // Package kvevents publishes the KV-cache events llm-d's precise-prefix scorer consumes:
-// which full token blocks of which prefixes this replica holds. The wire format is
-// vLLM's (what llm-d's kvevents package decodes): a ZMQ PUB socket sends three frames
-// per message, the topic "kv@<pod-id>@<model>", an 8-byte big-endian sequence number,
-// and a msgpack payload [ts, [events...], dp_rank], each event a positional array
-// tagged BlockStored, BlockRemoved or AllBlocksCleared.
+// which full token blocks this replica holds. The wire format is vLLM's (what llm-d's
+// kvevents package decodes): a ZMQ PUB socket sends three frames per message, the topic
+// "kv@<pod-id>@<model>", an 8-byte big-endian sequence number, and a msgpack payload
+// [ts, [events...], dp_rank], each event a positional array tagged BlockStored,
+// BlockRemoved or AllBlocksCleared.
 //
-// What is announced: the pools (shared prefixes) the engine reports through
-// engine.PrefixObserver, as full blocks only. Sessions' own cells are not announced:
-// PolyKV reuses a session's cells only for that same session (session affinity routes
-// those), and automatic prefix sharing across requests (issue 12) is not built yet.
+// What is announced (issue 27): every prefix a new request could reuse here. The
+// engine reports each sequence's content as it changes (engine.ResidencyObserver): with
+// the prefix cache on that is every sequence (sessions, cached anonymous sequences,
+// running requests, pools), since a request without a pool or a known session starts
+// from the longest prefix any of them holds; with it off, pools only. The publisher
+// mirrors each sequence's tokens and the hashes of its full blocks, and keeps a
+// reference count per block hash: a block is announced (BlockStored) when the first
+// sequence holding it appears and removed (BlockRemoved) when the last one lets it go,
+// so the router's index holds each resident block of this replica exactly once.
 //
-// Block hashes are the engine's opaque keys, which llm-d maps to its own recomputed
-// keys from the token ids: block k of a prefix is named by pool.RollingHash at its
-// last token, a content address of the whole prefix [0, (k+1)·B). So the hash of a
-// block already chains its parent's, the same tokens give the same hash on every
-// replica and in every pool, and a child pool's first block names its parent block by
-// the same value the parent announced. Each pool announces the blocks it owns: from
-// the block holding its branch position D to its last full block; the blocks before
-// are its ancestors'. llm-d reference-counts repeated announcements of one hash, so a
-// block two pools both announce (a branch whose first block happens to equal the
-// parent's) is removed from its index only when both have removed it.
+// Block hashes are the router's own keys for the same tokens (hash.go): block k of a
+// sequence is named by a chain over every token before it, so the same tokens give the
+// same hash on every replica, and a block's parent is always a block this replica has
+// already announced (a hash's holders hold all blocks before it, so the new blocks of a
+// sequence are always a suffix of its chain, and their parent is resident).
 package kvevents
 
 import (
-	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -41,9 +40,8 @@ import (
 )
 
 // DefaultBlockSize is 16 tokens: vLLM's default block size and the default
-// blockSizeTokens of llm-d's token processor, so the EPP's recomputed block keys and
-// ours line up one to one without configuration, and a prefix is matched to within 16
-// tokens. A block costs 8 bytes of hash and 4 per token in an event, and pools are few.
+// blockSizeTokens of llm-d's token processor, so our block hashes are the router's keys
+// without configuration, and a prefix is matched to within 16 tokens.
 const DefaultBlockSize = 16
 
 // Event tags, as vLLM and llm-d name them.
@@ -53,37 +51,6 @@ const (
 	TagAllBlocksCleared = "AllBlocksCleared"
 )
 
-// Blocks is the run of full blocks a pool owns.
-type Blocks struct {
-	Hashes []uint64 // one per block, in order; each chains all tokens before it
-	Parent *uint64  // the hash of the block before the first (nil: the run starts at 0)
-	Tokens []int32  // len(Hashes)·blockSize tokens
-}
-
-// OwnedBlocks is the full blocks of c that c's pool owns: block k covers tokens
-// [k·bs, (k+1)·bs); the run starts at the block containing D (blocks wholly before D
-// are the parent's) and ends at the last full block. A partial last block is left
-// out: the router only counts full blocks.
-func OwnedBlocks(c engine.PrefixChange, bs int) Blocks {
-	var b Blocks
-	if bs <= 0 {
-		return b
-	}
-	first, end := c.D/bs, len(c.Tokens)/bs
-	if first >= end || len(c.Hash) != len(c.Tokens) {
-		return b
-	}
-	for k := first; k < end; k++ {
-		b.Hashes = append(b.Hashes, c.Hash[(k+1)*bs-1])
-	}
-	if first > 0 {
-		h := c.Hash[first*bs-1]
-		b.Parent = &h
-	}
-	b.Tokens = c.Tokens[first*bs : end*bs]
-	return b
-}
-
 // Config configures a Publisher.
 type Config struct {
 	// Endpoint is where the PUB socket binds, e.g. tcp://127.0.0.2:5557 (the EPP dials
@@ -91,36 +58,42 @@ type Config struct {
 	Endpoint  string
 	BlockSize int    // tokens per block (DefaultBlockSize when 0)
 	PodID     string // topic's pod id (the EPP keys events by the address it dialled)
-	Model     string // topic's model name: the name requests use
-	Log       *slog.Logger
+	Model     string // topic's model name: the name requests use (the hash chain starts from it)
+	// HashSeed is the router's tokenProcessorConfig.hashSeed ("" by default).
+	HashSeed string
+	Log      *slog.Logger
 }
 
-type change struct {
-	stored bool
-	c      engine.PrefixChange
-}
-
-// Publisher is an engine.PrefixObserver that sends KV events over ZMQ. The engine
-// goroutine only queues changes; a goroutine of the publisher encodes and sends them.
+// Publisher is an engine.ResidencyObserver that sends KV events over ZMQ. The engine
+// goroutine only queues changes; a goroutine of the publisher hashes, encodes and
+// sends them.
 //
 // A PUB socket drops what it sends while nobody is subscribed, and a subscriber that
-// joins later sees nothing of the past. So the publisher keeps a mirror of the pools
-// that are resident and, each time the socket goes from no subscriber to some, it
-// sends a snapshot first: AllBlocksCleared, then BlockStored for every resident pool
-// (parents before children), then live changes. A router that starts after PolyKV, or
-// restarts, so learns the whole state without vLLM's replay socket. Sequence numbers
-// count the messages sent, from 0 for the first subscriber.
+// joins later sees nothing of the past. So the publisher keeps its mirror of every
+// sequence and, each time a subscriber joins (the socket goes from no subscriber to
+// some, or, on tcp, a new connection was accepted: subscribeGrace later, once it has
+// subscribed), it sends a snapshot: AllBlocksCleared, then BlockStored for every
+// resident block, each chain's blocks parents first. PUB sends it to every subscriber:
+// those already listening get the same state again (AllBlocksCleared first, so
+// nothing is counted twice). A router that starts after PolyKV, restarts, or runs
+// beside another router so learns the whole state, without vLLM's replay socket.
+// Sequence numbers count the messages sent, from 0 for the first.
 type Publisher struct {
-	cfg      Config
-	topic    string
-	sock     zmq4.Socket
-	ch       chan change
-	done     chan struct{}
-	closing  sync.Once
-	seq      uint64           // next sequence number (publisher goroutine only)
-	live     bool             // someone was subscribed at the last look
-	resident map[int]resident // pool id → its stored prefix (publisher goroutine only)
-	order    uint64
+	cfg     Config
+	topic   string
+	sock    zmq4.Socket
+	accepts *atomic.Uint64 // connections accepted (tcp endpoints), nil otherwise
+	ch      chan engine.SeqChange
+	done    chan struct{}
+	closing sync.Once
+	// The publisher goroutine's own state.
+	seq    uint64    // next sequence number
+	live   bool      // someone was subscribed at the last look
+	seen   uint64    // accepts already answered with a snapshot
+	joined time.Time // when unanswered accepts were first seen (zero: none)
+	init   uint64
+	seqs   map[int]*mirror
+	refs   map[uint64]int // block hash → sequences holding it
 	// Sent, Snapshots and Dropped count messages sent, snapshots sent to newly joined
 	// subscribers, and changes lost to a full queue.
 	Sent      atomic.Uint64
@@ -128,15 +101,18 @@ type Publisher struct {
 	Dropped   atomic.Uint64
 }
 
-type resident struct {
-	c     engine.PrefixChange
-	order uint64 // when it was stored: a parent is always stored before its child
+// mirror is what one sequence holds, as last reported, and its full blocks' hashes.
+type mirror struct {
+	tokens []int32
+	chain  []uint64
 }
 
-// queueLen bounds the changes waiting to be sent. A change is one pool becoming
-// resident or being dropped, so even a burst is a few hundred; a full queue drops
-// (and counts) rather than block the engine.
-const queueLen = 1 << 14
+// queueLen bounds the changes waiting to be sent. A decoding sequence reports a token a
+// step, so a second of a busy replica is a few hundred; a full queue drops (and counts,
+// polykv_kv_events_dropped_total) rather than block the engine. A dropped change leaves
+// the mirror of that sequence wrong until the sequence is freed, so the router's view
+// of this replica is then stale: restart the replica.
+const queueLen = 1 << 16
 
 // Open binds the PUB socket. The first subscriber receives AllBlocksCleared as
 // message 0, so a router forgets whatever an earlier run of this replica announced.
@@ -151,12 +127,14 @@ func Open(cfg Config) (*Publisher, error) {
 		cfg.Log = slog.Default()
 	}
 	sock := zmq4.NewPub(context.Background())
-	if err := sock.Listen(cfg.Endpoint); err != nil {
+	ep, accepts := countAccepts(cfg.Endpoint)
+	if err := listenCounting(sock, ep, accepts); err != nil {
 		_ = sock.Close()
 		return nil, fmt.Errorf("kv events: bind %s: %w", cfg.Endpoint, err)
 	}
-	p := &Publisher{cfg: cfg, topic: "kv@" + cfg.PodID + "@" + cfg.Model, sock: sock,
-		ch: make(chan change, queueLen), done: make(chan struct{}), resident: map[int]resident{}}
+	p := &Publisher{cfg: cfg, topic: "kv@" + cfg.PodID + "@" + cfg.Model, sock: sock, accepts: accepts,
+		ch: make(chan engine.SeqChange, queueLen), done: make(chan struct{}),
+		init: InitHash(cfg.HashSeed, cfg.Model), seqs: map[int]*mirror{}, refs: map[uint64]int{}}
 	go p.run()
 	return p, nil
 }
@@ -167,15 +145,10 @@ func (p *Publisher) Topic() string { return p.topic }
 // BlockSize is the block size in tokens.
 func (p *Publisher) BlockSize() int { return p.cfg.BlockSize }
 
-// PrefixStored implements engine.PrefixObserver.
-func (p *Publisher) PrefixStored(c engine.PrefixChange) { p.enqueue(change{stored: true, c: c}) }
-
-// PrefixRemoved implements engine.PrefixObserver.
-func (p *Publisher) PrefixRemoved(c engine.PrefixChange) { p.enqueue(change{c: c}) }
-
-func (p *Publisher) enqueue(ch change) {
+// SeqChanged implements engine.ResidencyObserver.
+func (p *Publisher) SeqChanged(c engine.SeqChange) {
 	select {
-	case p.ch <- ch:
+	case p.ch <- c:
 	default:
 		if p.Dropped.Add(1) == 1 {
 			p.cfg.Log.Warn("kv events: queue full, dropping changes (the router's view of this replica is now stale)")
@@ -183,13 +156,23 @@ func (p *Publisher) enqueue(ch change) {
 	}
 }
 
-// Close sends what is queued and closes the socket. The engine must not report
-// changes after Close (close the engine first).
+// Close sends what is queued, then AllBlocksCleared (a replica shutting down tells
+// its routers to forget its blocks at once, rather than route to them until discovery
+// drops it), and closes the socket. The engine must not report changes after Close
+// (close the engine first).
 func (p *Publisher) Close() error {
 	p.closing.Do(func() { close(p.ch) })
 	<-p.done
+	if p.live {
+		p.send([]any{[]any{TagAllBlocksCleared}})
+		// zmq4 sends from its own goroutine: give the last message time to leave.
+		time.Sleep(closeLinger)
+	}
 	return p.sock.Close()
 }
+
+// closeLinger is how long Close waits for its last message to be written.
+const closeLinger = 100 * time.Millisecond
 
 type subscribed interface{ Topics() []string }
 
@@ -197,19 +180,23 @@ type subscribed interface{ Topics() []string }
 // no change arrives.
 const subscriberPoll = 20 * time.Millisecond
 
+// subscribeGrace is how long after a connection is accepted the publisher waits for
+// its subscription before sending the snapshot: the SUB side sends it right after the
+// handshake, and PUB sends a message only to the connections subscribed by then.
+const subscribeGrace = 300 * time.Millisecond
+
 func (p *Publisher) run() {
 	defer close(p.done)
 	tick := time.NewTicker(subscriberPoll)
 	defer tick.Stop()
 	for {
 		select {
-		case ch, ok := <-p.ch:
+		case c, ok := <-p.ch:
 			if !ok {
 				return
 			}
 			p.look() // a snapshot, if any, goes out before this change
-			var events []any
-			events = p.take(events, ch)
+			events := p.take(nil, c)
 			// Batch what else is already queued into the same message.
 		more:
 			for len(events) < 256 {
@@ -236,55 +223,127 @@ func (p *Publisher) run() {
 func (p *Publisher) look() {
 	s, ok := p.sock.(subscribed)
 	has := !ok || len(s.Topics()) > 0
-	switch {
-	case has && !p.live:
-		p.live = true
-		p.snapshot()
-	case !has:
+	if !has {
 		p.live = false
+		return
+	}
+	if !p.live {
+		// The connections accepted so far are this subscriber's (a second one that
+		// connected in the same instant and has not subscribed yet would be missed).
+		p.live = true
+		if p.accepts != nil {
+			p.seen, p.joined = p.accepts.Load(), time.Time{}
+		}
+		p.snapshot()
+		return
+	}
+	if p.accepts == nil {
+		return
+	}
+	// Another connection while someone listens: snapshot once it has had time to
+	// subscribe (the newest accept restarts the wait).
+	if n := p.accepts.Load(); n != p.seen {
+		if p.joined.IsZero() {
+			p.joined = time.Now()
+		}
+		if time.Since(p.joined) >= subscribeGrace {
+			p.seen, p.joined = n, time.Time{}
+			p.snapshot()
+		}
 	}
 }
 
-// snapshot sends AllBlocksCleared and the resident pools, parents first.
+// snapshot sends AllBlocksCleared and every resident block.
 func (p *Publisher) snapshot() {
-	pools := make([]resident, 0, len(p.resident))
-	for _, r := range p.resident {
-		pools = append(pools, r)
-	}
-	slices.SortFunc(pools, func(a, b resident) int { return cmp.Compare(a.order, b.order) })
-	events := []any{[]any{TagAllBlocksCleared}}
-	for _, r := range pools {
-		events = p.events(events, change{stored: true, c: r.c})
-	}
-	p.send(events)
+	p.send(p.snapshotEvents())
 	p.Snapshots.Add(1)
 }
 
-// take applies ch to the mirror and appends its event.
-func (p *Publisher) take(events []any, ch change) []any {
-	if ch.stored {
-		p.order++
-		p.resident[ch.c.Pool] = resident{c: ch.c, order: p.order}
-	} else {
-		delete(p.resident, ch.c.Pool)
+// snapshotEvents is AllBlocksCleared and every resident block, each once, parents first.
+func (p *Publisher) snapshotEvents() []any {
+	events := []any{[]any{TagAllBlocksCleared}}
+	sent := map[uint64]bool{}
+	ids := make([]int, 0, len(p.seqs))
+	for q := range p.seqs {
+		ids = append(ids, q)
 	}
-	return p.events(events, ch)
+	slices.Sort(ids)
+	for _, q := range ids {
+		m := p.seqs[q]
+		// The blocks already sent form a prefix of the chain (the same hash means the
+		// same tokens before it).
+		f := 0
+		for f < len(m.chain) && sent[m.chain[f]] {
+			f++
+		}
+		for _, h := range m.chain[f:] {
+			sent[h] = true
+		}
+		events = p.stored(events, m, f, len(m.chain))
+	}
+	return events
 }
 
-// events appends ch's event (none when the pool owns no full block).
-func (p *Publisher) events(out []any, ch change) []any {
-	b := OwnedBlocks(ch.c, p.cfg.BlockSize)
-	if len(b.Hashes) == 0 {
+// stored appends BlockStored for m's blocks [from, to) (none when empty).
+func (p *Publisher) stored(out []any, m *mirror, from, to int) []any {
+	if from >= to {
 		return out
 	}
-	if !ch.stored {
-		return append(out, []any{TagBlockRemoved, b.Hashes})
+	bs := p.cfg.BlockSize
+	var parent any // nil: the chain starts at the model's init hash
+	if from > 0 {
+		parent = m.chain[from-1]
 	}
-	var parent any
-	if b.Parent != nil {
-		parent = *b.Parent
+	// Copies: the mirror changes in place while a batch is still being built.
+	return append(out, []any{TagBlockStored, slices.Clone(m.chain[from:to]), parent, slices.Clone(m.tokens[from*bs : to*bs]), bs})
+}
+
+// take applies c to the mirror and the reference counts and appends the events: the
+// blocks no sequence holds any more, then the blocks no sequence held before.
+func (p *Publisher) take(events []any, c engine.SeqChange) []any {
+	bs := p.cfg.BlockSize
+	m := p.seqs[c.Seq]
+	if m == nil {
+		m = &mirror{}
+		p.seqs[c.Seq] = m
 	}
-	return append(out, []any{TagBlockStored, b.Hashes, parent, b.Tokens, p.cfg.BlockSize})
+	keep := min(c.Keep, len(m.tokens))
+	kb := keep / bs
+	m.tokens = append(m.tokens[:keep], c.Tokens...)
+	parent := p.init
+	if kb > 0 {
+		parent = m.chain[kb-1]
+	}
+	fresh := BlockHashes(parent, m.tokens[kb*bs:], bs)
+	old := m.chain[kb:]
+	same := 0
+	for same < len(old) && same < len(fresh) && old[same] == fresh[same] {
+		same++
+	}
+	var gone []uint64
+	for _, h := range old[same:] {
+		if p.refs[h]--; p.refs[h] <= 0 {
+			delete(p.refs, h)
+			gone = append(gone, h)
+		}
+	}
+	first := -1 // the first block no sequence held: all after it are new too
+	for i, h := range fresh[same:] {
+		if p.refs[h]++; p.refs[h] == 1 && first < 0 {
+			first = kb + same + i
+		}
+	}
+	m.chain = append(m.chain[:kb+same], fresh[same:]...)
+	if len(gone) > 0 {
+		events = append(events, []any{TagBlockRemoved, gone})
+	}
+	if first >= 0 {
+		events = p.stored(events, m, first, len(m.chain))
+	}
+	if len(m.tokens) == 0 {
+		delete(p.seqs, c.Seq)
+	}
+	return events
 }
 
 func (p *Publisher) send(events []any) {

@@ -2,6 +2,7 @@ package kvevents
 
 import (
 	"context"
+	"math/rand/v2"
 	"slices"
 	"testing"
 	"time"
@@ -9,12 +10,7 @@ import (
 	"github.com/go-zeromq/zmq4"
 
 	"github.com/polykv/polykv/internal/engine"
-	"github.com/polykv/polykv/internal/pool"
 )
-
-func prefix(d int, toks []int32) engine.PrefixChange {
-	return engine.PrefixChange{Pool: 1, D: d, Tokens: toks, Hash: pool.RollingHash(toks)}
-}
 
 func seqTokens(n int, base int32) []int32 {
 	out := make([]int32, n)
@@ -24,37 +20,200 @@ func seqTokens(n int, base int32) []int32 {
 	return out
 }
 
-func TestOwnedBlocksFullBlocksAndParentChain(t *testing.T) {
-	parentToks := seqTokens(40, 100) // blocks 0, 1 full; 32..39 partial
-	parent := prefix(0, parentToks)
-	pb := OwnedBlocks(parent, 16)
-	if len(pb.Hashes) != 2 || pb.Parent != nil || !slices.Equal(pb.Tokens, parentToks[:32]) {
-		t.Fatalf("root: %d blocks, parent %v, %d tokens; want 2 blocks from 0, 32 tokens", len(pb.Hashes), pb.Parent, len(pb.Tokens))
+func toks(t []int32) []engine.Token { return t }
+
+// router models what llm-d's event pool does with our events (llm-d-router
+// pkg/kvevents/pool.go, processEventBatch): a BlockStored whose parent it has never
+// seen is dropped; otherwise it recomputes the keys from the event's tokens, chained
+// from the parent's key (or the model's init hash), and counts each stored hash per
+// pod (event_dedup_filter.go), removing a hash from the index when its count reaches 0.
+type router struct {
+	t     *testing.T
+	init  uint64
+	index map[uint64]int
+}
+
+func (r *router) apply(events []any) {
+	r.t.Helper()
+	for _, raw := range events {
+		ev := raw.([]any)
+		switch ev[0] {
+		case TagAllBlocksCleared:
+			r.index = map[uint64]int{}
+		case TagBlockRemoved:
+			for _, h := range ev[1].([]uint64) {
+				if r.index[h]--; r.index[h] <= 0 {
+					delete(r.index, h)
+				}
+			}
+		case TagBlockStored:
+			hashes, tokens, bs := ev[1].([]uint64), ev[3].([]int32), ev[4].(int)
+			parent := r.init
+			if ev[2] != nil {
+				parent = ev[2].(uint64)
+				if r.index[parent] == 0 {
+					r.t.Fatalf("BlockStored with parent %#x the router does not hold: it would drop the event", parent)
+				}
+			}
+			if keys := BlockHashes(parent, tokens, bs); !slices.Equal(keys, hashes) {
+				r.t.Fatalf("announced hashes %#x, the router computes %#x for the same tokens", hashes, keys)
+			}
+			for _, h := range hashes {
+				r.index[h]++
+			}
+		}
 	}
-	// A child extending at D = 40 owns blocks 2..4: block 2 mixes the parent's partial
-	// tail (32..39) with its own 40..47, and chains to the parent's block 1.
-	childToks := append(slices.Clone(parentToks), seqTokens(41, 500)...) // L = 81: blocks 0..4 full
-	child := prefix(40, childToks)
-	cb := OwnedBlocks(child, 16)
-	if len(cb.Hashes) != 3 || !slices.Equal(cb.Tokens, childToks[32:80]) {
-		t.Fatalf("child: %d blocks, %d tokens; want blocks 2..4 (48 tokens)", len(cb.Hashes), len(cb.Tokens))
+}
+
+// holds reports how many leading full blocks of tokens the router would find.
+func (r *router) holds(tokens []int32, bs int) int {
+	n := 0
+	for _, h := range BlockHashes(r.init, tokens, bs) {
+		if r.index[h] == 0 {
+			break
+		}
+		n++
 	}
-	if cb.Parent == nil || *cb.Parent != pb.Hashes[1] {
-		t.Fatalf("child's parent hash %v, want the parent's last block %x", cb.Parent, pb.Hashes[1])
+	return n
+}
+
+func newMirrorOnly(bs int) *Publisher {
+	return &Publisher{cfg: Config{BlockSize: bs}, init: InitHash("", "m"), seqs: map[int]*mirror{}, refs: map[uint64]int{}}
+}
+
+// TestSharedBlocksAnnouncedOnce: two sequences sharing a system prompt announce its
+// blocks once; the second announces only its own blocks, chained to the shared one; a
+// decoding sequence announces a block when it fills; a block goes when the last
+// sequence holding it lets it go.
+func TestSharedBlocksAnnouncedOnce(t *testing.T) {
+	p := newMirrorOnly(16)
+	r := &router{t: t, init: p.init, index: map[uint64]int{}}
+	system := seqTokens(40, 1)
+	a := append(slices.Clone(system), seqTokens(10, 500)...) // 50 tokens: 3 blocks
+	b := append(slices.Clone(system[:32]), seqTokens(20, 900)...)
+	ev := p.take(nil, engine.SeqChange{Seq: 0, Tokens: toks(a)})
+	r.apply(ev)
+	if len(ev) != 1 || len(ev[0].([]any)[1].([]uint64)) != 3 || ev[0].([]any)[2] != nil {
+		t.Fatalf("first sequence: %v, want one BlockStored of 3 blocks from the root", ev)
 	}
-	// The same tokens in a root pool give the same hashes (content addressed).
-	whole := OwnedBlocks(prefix(0, childToks), 16)
-	if !slices.Equal(whole.Hashes[:2], pb.Hashes) || !slices.Equal(whole.Hashes[2:], cb.Hashes) {
-		t.Fatalf("a root over the child's tokens must announce the same block hashes")
+	ev = p.take(nil, engine.SeqChange{Seq: 1, Tokens: toks(b)})
+	r.apply(ev)
+	chainA := BlockHashes(p.init, a, 16)
+	if len(ev) != 1 || !slices.Equal(ev[0].([]any)[3].([]int32), b[32:48]) || ev[0].([]any)[2] != chainA[1] {
+		t.Fatalf("second sequence: %v, want only its third block, parent A's block 1", ev)
 	}
-	// Shorter than a block: nothing to announce.
-	if b := OwnedBlocks(prefix(0, seqTokens(15, 1)), 16); len(b.Hashes) != 0 {
-		t.Fatalf("a 15-token prefix has no full 16-token block, got %d", len(b.Hashes))
+	// Decoding B: 12 tokens more, one a step; the block [48, 64) is announced once full.
+	stored := 0
+	for i := range 12 {
+		ev = p.take(nil, engine.SeqChange{Seq: 1, Keep: len(b), Tokens: []engine.Token{int32(2000 + i)}})
+		b = append(b, int32(2000+i))
+		r.apply(ev)
+		stored += len(ev)
 	}
-	// A branch whose own tokens end inside the block holding D owns nothing.
-	if b := OwnedBlocks(prefix(33, append(seqTokens(33, 100), 7, 8)), 16); len(b.Hashes) != 0 {
-		t.Fatalf("branch at 33 with L 35 owns no full block, got %d", len(b.Hashes))
+	if stored != 1 || r.holds(b, 16) != 4 {
+		t.Fatalf("decoding 12 tokens: %d events, the router holds %d of B's blocks; want 1 event and 4 blocks", stored, r.holds(b, 16))
 	}
+	// A is freed: only its own third block goes; B's (and the shared) stay.
+	ev = p.take(nil, engine.SeqChange{Seq: 0})
+	r.apply(ev)
+	if len(ev) != 1 || ev[0].([]any)[0] != TagBlockRemoved || !slices.Equal(ev[0].([]any)[1].([]uint64), chainA[2:]) {
+		t.Fatalf("freeing A: %v, want BlockRemoved of A's own block", ev)
+	}
+	if r.holds(a, 16) != 2 || r.holds(b, 16) != 4 {
+		t.Fatalf("after A: router holds %d of A's, %d of B's blocks; want 2 and 4", r.holds(a, 16), r.holds(b, 16))
+	}
+	// B truncated to 20 tokens and refilled with other tokens (a new request taking the
+	// cached sequence over): its blocks past the first are replaced.
+	nb := append(slices.Clone(b[:20]), seqTokens(30, 7000)...)
+	r.apply(p.take(nil, engine.SeqChange{Seq: 1, Keep: 20, Tokens: toks(nb[20:])}))
+	if r.holds(nb, 16) != 3 || r.holds(b, 16) != 1 || len(r.index) != 3 {
+		t.Fatalf("after the takeover: router holds %d of the new, %d of the old blocks, %d in all; want 3, 1, 3", r.holds(nb, 16), r.holds(b, 16), len(r.index))
+	}
+	r.apply(p.take(nil, engine.SeqChange{Seq: 1}))
+	if len(r.index) != 0 || len(p.refs) != 0 || len(p.seqs) != 0 {
+		t.Fatalf("all freed: router holds %d, publisher %d refs and %d sequences", len(r.index), len(p.refs), len(p.seqs))
+	}
+}
+
+// TestRandomChangesKeepTheRouterExact: random appends, truncations and frees of
+// sequences drawn from three prompt families; after every change the modelled router
+// (which drops a block whose parent it lacks) holds every full block of every sequence
+// and nothing else, and a snapshot rebuilds the same index from scratch.
+func TestRandomChangesKeepTheRouterExact(t *testing.T) {
+	for _, bs := range []int{16, 4} {
+		rng := rand.New(rand.NewPCG(7, uint64(bs)))
+		p := newMirrorOnly(bs)
+		r := &router{t: t, init: p.init, index: map[uint64]int{}}
+		held := map[int][]int32{}
+		families := [][]int32{seqTokens(80, 1), seqTokens(80, 1000), append(seqTokens(24, 1), seqTokens(60, 3000)...)}
+		for step := range 3000 {
+			q := rng.IntN(6)
+			cur := held[q]
+			var c engine.SeqChange
+			switch op := rng.IntN(10); {
+			case op < 2: // freed
+				c = engine.SeqChange{Seq: q}
+				cur = nil
+			case op < 4: // truncated, then a prompt of a family from there
+				keep := rng.IntN(len(cur) + 1)
+				f := families[rng.IntN(3)]
+				n := keep + rng.IntN(40)
+				next := slices.Clone(cur[:keep])
+				for i := keep; i < n; i++ {
+					if i < len(f) && rng.IntN(20) > 0 {
+						next = append(next, f[i])
+					} else {
+						next = append(next, int32(9000+rng.IntN(5)))
+					}
+				}
+				c = engine.SeqChange{Seq: q, Keep: keep, Tokens: toks(next[keep:])}
+				cur = next
+			default: // decoding
+				tok := int32(9000 + rng.IntN(3))
+				c = engine.SeqChange{Seq: q, Keep: len(cur), Tokens: []engine.Token{tok}}
+				cur = append(slices.Clone(cur), tok)
+			}
+			if len(cur) == 0 {
+				delete(held, q)
+			} else {
+				held[q] = cur
+			}
+			r.apply(p.take(nil, c))
+			want := map[uint64]bool{}
+			for _, s := range held {
+				for _, h := range BlockHashes(p.init, s, bs) {
+					want[h] = true
+				}
+			}
+			if len(r.index) != len(want) {
+				t.Fatalf("bs %d step %d: router holds %d blocks, the sequences %d", bs, step, len(r.index), len(want))
+			}
+			for h := range want {
+				if r.index[h] != 1 {
+					t.Fatalf("bs %d step %d: block %#x counted %d times, want once", bs, step, h, r.index[h])
+				}
+			}
+			if step%500 == 0 {
+				fresh := &router{t: t, init: p.init, index: map[uint64]int{}}
+				fresh.apply(p.snapshotEvents())
+				if !mapsEqual(fresh.index, r.index) {
+					t.Fatalf("bs %d step %d: snapshot rebuilds %d blocks, live %d", bs, step, len(fresh.index), len(r.index))
+				}
+			}
+		}
+	}
+}
+
+func mapsEqual(a, b map[uint64]int) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, v := range a {
+		if b[k] != v {
+			return false
+		}
+	}
+	return true
 }
 
 // TestPublisherWireFormat subscribes over real ZMQ and decodes what a router would.
@@ -63,25 +222,45 @@ func TestPublisherWireFormat(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer pub.Close()
-	addr := pub.sock.Addr().String()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	sub := zmq4.NewSub(ctx)
+	sub := dialSub(t, ctx, pub)
 	defer sub.Close()
-	if err := sub.Dial("tcp://" + addr); err != nil {
-		t.Fatal(err)
-	}
-	if err := sub.SetOption(zmq4.OptionSubscribe, "kv@"); err != nil {
-		t.Fatal(err)
-	}
 	waitSnapshot(t, pub, 1)
-	toks := seqTokens(35, 10)
-	c := prefix(0, toks)
-	pub.PrefixStored(c)
-	pub.PrefixRemoved(c)
+	tk := seqTokens(35, 10)
+	pub.SeqChanged(engine.SeqChange{Seq: 3, Tokens: toks(tk)})
+	pub.SeqChanged(engine.SeqChange{Seq: 3})
+	got := recvEvents(t, sub, 3)
+	if got[0].Topic != "kv@pod-a@m" || got[0].Seq != 0 || got[0].Events[0].Tag != TagAllBlocksCleared {
+		t.Fatalf("first message %+v, want AllBlocksCleared at seq 0 on kv@pod-a@m", got[0])
+	}
+	st, rm := got[1].Events[0], got[2].Events[0]
+	want := BlockHashes(InitHash("", "m"), tk, 16)
+	if st.Tag != TagBlockStored || !slices.Equal(st.Hashes, want) || st.Parent != nil || st.BlockSize != 16 || !slices.Equal(st.Tokens, tk[:32]) {
+		t.Fatalf("stored %+v, want 2 blocks of 16 from 0", st)
+	}
+	if rm.Tag != TagBlockRemoved || !slices.Equal(rm.Hashes, want) {
+		t.Fatalf("removed %+v, want the stored hashes", rm)
+	}
+	if got[1].Seq < 1 || got[2].Seq < got[1].Seq {
+		t.Fatalf("sequence numbers %d, %d after 0", got[1].Seq, got[2].Seq)
+	}
+	// Closing (a replica shutting down) tells the router to forget this replica.
+	pub.SeqChanged(engine.SeqChange{Seq: 3, Tokens: toks(tk)})
+	if err := pub.Close(); err != nil {
+		t.Fatal(err)
+	}
+	last := recvEvents(t, sub, 2)
+	if last[0].Events[0].Tag != TagBlockStored || last[1].Events[0].Tag != TagAllBlocksCleared {
+		t.Fatalf("after Close: %+v, want the queued BlockStored, then AllBlocksCleared", last)
+	}
+}
+
+// recvEvents receives until n events have arrived, one Message per event.
+func recvEvents(t *testing.T, sub zmq4.Socket, n int) []Message {
+	t.Helper()
 	var got []Message
-	for len(got) < 3 {
+	for len(got) < n {
 		msg, err := sub.Recv()
 		if err != nil {
 			t.Fatal(err)
@@ -90,31 +269,18 @@ func TestPublisherWireFormat(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		for _, ev := range m.Events { // a batch may hold both changes: one message per event here
+		for _, ev := range m.Events { // a batch may hold several changes
 			got = append(got, Message{Topic: m.Topic, Seq: m.Seq, Events: []Event{ev}})
 		}
 	}
-	if got[0].Topic != "kv@pod-a@m" || got[0].Seq != 0 || got[0].Events[0].Tag != TagAllBlocksCleared {
-		t.Fatalf("first message %+v, want AllBlocksCleared at seq 0 on kv@pod-a@m", got[0])
-	}
-	st, rm := got[1].Events[0], got[2].Events[0]
-	want := OwnedBlocks(c, 16)
-	if st.Tag != TagBlockStored || !slices.Equal(st.Hashes, want.Hashes) || st.Parent != nil || st.BlockSize != 16 || !slices.Equal(st.Tokens, toks[:32]) {
-		t.Fatalf("stored %+v, want 2 blocks of 16 from 0", st)
-	}
-	if rm.Tag != TagBlockRemoved || !slices.Equal(rm.Hashes, want.Hashes) {
-		t.Fatalf("removed %+v, want the stored hashes", rm)
-	}
-	if got[1].Seq < 1 || got[2].Seq < got[1].Seq {
-		t.Fatalf("sequence numbers %d, %d after 0", got[1].Seq, got[2].Seq)
-	}
+	return got
 }
 
 func waitSnapshot(t *testing.T, pub *Publisher, n uint64) {
 	t.Helper()
 	for deadline := time.Now().Add(10 * time.Second); pub.Snapshots.Load() < n; {
 		if time.Now().After(deadline) {
-			t.Fatal("no subscriber seen within 10 s")
+			t.Fatalf("snapshot %d not sent within 10 s", n)
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
@@ -132,46 +298,64 @@ func dialSub(t *testing.T, ctx context.Context, pub *Publisher) zmq4.Socket {
 	return sub
 }
 
-// TestLateSubscriberGetsSnapshot: pools stored before anyone listens reach a router
-// that subscribes later, parents before children, after AllBlocksCleared, at seq 0;
-// a removed pool is not in the snapshot.
-func TestLateSubscriberGetsSnapshot(t *testing.T) {
+// TestEverySubscriberGetsSnapshot: blocks stored before anyone listens reach a router
+// that subscribes later (AllBlocksCleared first, at seq 0, shared blocks once, parents
+// first; a freed sequence's blocks absent), and a second router that joins while the
+// first listens gets the same snapshot (the first receives it again: the same state).
+func TestEverySubscriberGetsSnapshot(t *testing.T) {
 	pub, err := Open(Config{Endpoint: "tcp://127.0.0.1:0", PodID: "p", Model: "m"})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer pub.Close()
 	root := seqTokens(40, 1)
-	childToks := append(slices.Clone(root), seqTokens(30, 900)...)
-	gone := prefix(0, seqTokens(20, 5000))
-	gone.Pool = 9
-	pub.PrefixStored(prefix(0, root))
-	child := prefix(40, childToks)
-	child.Pool = 2
-	pub.PrefixStored(child)
-	pub.PrefixStored(gone)
-	pub.PrefixRemoved(gone)
+	child := append(slices.Clone(root), seqTokens(30, 900)...)
+	pub.SeqChanged(engine.SeqChange{Seq: 0, Tokens: toks(root)})
+	pub.SeqChanged(engine.SeqChange{Seq: 1, Tokens: toks(child)})
+	pub.SeqChanged(engine.SeqChange{Seq: 2, Tokens: toks(seqTokens(20, 5000))})
+	pub.SeqChanged(engine.SeqChange{Seq: 2})
 	time.Sleep(100 * time.Millisecond) // nobody listens: nothing is sent
 	if n := pub.Sent.Load(); n != 0 {
 		t.Fatalf("%d messages sent with no subscriber", n)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	sub := dialSub(t, ctx, pub)
-	defer sub.Close()
-	msg, err := sub.Recv()
-	if err != nil {
-		t.Fatal(err)
+	check := func(who string, m Message) {
+		t.Helper()
+		if len(m.Events) != 3 || m.Events[0].Tag != TagAllBlocksCleared {
+			t.Fatalf("%s: snapshot with %d events, want AllBlocksCleared, root, child", who, len(m.Events))
+		}
+		rh, ch := BlockHashes(InitHash("", "m"), root, 16), BlockHashes(InitHash("", "m"), child, 16)
+		if !slices.Equal(m.Events[1].Hashes, rh) || !slices.Equal(m.Events[2].Hashes, ch[2:]) || *m.Events[2].Parent != rh[1] {
+			t.Fatalf("%s: snapshot is not the root's blocks then the child's own chained to them: %+v", who, m.Events[1:])
+		}
 	}
-	m, err := Decode(msg.Frames)
-	if err != nil {
-		t.Fatal(err)
+	recv := func(sub zmq4.Socket) Message {
+		t.Helper()
+		msg, err := sub.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := Decode(msg.Frames)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
 	}
-	if m.Seq != 0 || len(m.Events) != 3 || m.Events[0].Tag != TagAllBlocksCleared {
-		t.Fatalf("snapshot seq %d with %d events, want seq 0: AllBlocksCleared, root, child", m.Seq, len(m.Events))
+	first := dialSub(t, ctx, pub)
+	defer first.Close()
+	m := recv(first)
+	if m.Seq != 0 {
+		t.Fatalf("first snapshot at seq %d, want 0", m.Seq)
 	}
-	rb, cb := OwnedBlocks(prefix(0, root), 16), OwnedBlocks(child, 16)
-	if !slices.Equal(m.Events[1].Hashes, rb.Hashes) || !slices.Equal(m.Events[2].Hashes, cb.Hashes) || *m.Events[2].Parent != rb.Hashes[1] {
-		t.Fatalf("snapshot is not root then child chained to it: %+v", m.Events[1:])
+	check("first subscriber", m)
+	second := dialSub(t, ctx, pub)
+	defer second.Close()
+	m2 := recv(second)
+	check("second subscriber", m2)
+	if again := recv(first); again.Seq != m2.Seq {
+		t.Fatalf("the first subscriber got seq %d, the second %d: one stream", again.Seq, m2.Seq)
+	} else {
+		check("first subscriber, again", again)
 	}
 }
