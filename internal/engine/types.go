@@ -93,8 +93,8 @@ type Stats struct {
 	// decoding), DraftAccepted those the model agreed with (llama-server's draft_n and
 	// draft_n_accepted); accepted drafts are part of PredictedN.
 	DraftN, DraftAccepted int
-	TPS         float64       // experienced decode tps (EWMA) at the end
-	Ctx         SessionCtx    // the sequence's own context pressure at the end
+	TPS                   float64    // experienced decode tps (EWMA) at the end
+	Ctx                   SessionCtx // the sequence's own context pressure at the end
 }
 
 // TokenLogprob is one sampled token with its log-probability and, when the task asked
