@@ -96,6 +96,12 @@ type Config struct {
 	// files ("": those actions answer 501).
 	SlotSavePath string
 
+	// Speculative decoding (issue 23): SpecType (--spec-type) is none or a
+	// comma-separated list of drafters (engine.SpecTypes), tried in order; DraftMax
+	// (--draft-max) and DraftMin (--draft-min) bound a session's proposal per step.
+	SpecType           string
+	DraftMax, DraftMin int
+
 	noSWAAnchors bool // tests only: show what goes wrong without runner SWA anchors
 }
 
@@ -128,6 +134,8 @@ func DefaultConfig() Config {
 		KVBlockSize:  kvevents.DefaultBlockSize,
 		GPULayers:    "auto",
 		SplitMode:    "layer",
+		SpecType:     engine.SpecNone,
+		DraftMax:     engine.DefaultDraftMax,
 	}
 }
 
@@ -198,6 +206,12 @@ func (c Config) Validate() error {
 	default:
 		return fmt.Errorf("--prefix-cache must be on or off, got %q", c.PrefixCache)
 	}
+	if _, err := engine.ParseSpecTypes(c.SpecType); err != nil {
+		return fmt.Errorf("--spec-type: %v", err)
+	}
+	if c.DraftMax < 1 || c.DraftMax > engine.MaxDraft || c.DraftMin < 0 || c.DraftMin > c.DraftMax {
+		return fmt.Errorf("--draft-max must be in 1..%d and --draft-min in 0..--draft-max, got %d and %d", engine.MaxDraft, c.DraftMax, c.DraftMin)
+	}
 	return nil
 }
 
@@ -246,6 +260,8 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	ecfg := engine.Config{NCtx: cfg.NCtx, Parallel: cfg.Parallel, MaxPools: cfg.MaxPools, NBatch: cfg.NBatch,
 		MaxQueue: cfg.MaxQueue, QueueTimeout: cfg.QueueTimeout, AttachMin: cfg.AttachMin, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau,
 		PrefixCache: cfg.PrefixCache == "on"}
+	specTypes, _ := engine.ParseSpecTypes(cfg.SpecType) // checked by Validate
+	ecfg.Spec = engine.Spec{Types: specTypes, DraftMax: cfg.DraftMax, DraftMin: cfg.DraftMin}
 	if err := ecfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -294,6 +310,10 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 			log.Info("prefix cache off: recurrent memory cannot be shared at an arbitrary token prefix")
 		}
 		ecfg.PrefixCache = false
+		if ecfg.Spec.On() && log != nil {
+			log.Info("speculative decoding off: recurrent state cannot be cut back past a rejected draft")
+		}
+		ecfg.Spec = engine.Spec{}
 	}
 	if cfg.NCtx > model.NCtxTrain() && model.NCtxTrain() > 0 {
 		if log != nil {
@@ -405,6 +425,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	}
 	info.TPSTauMs = cfg.TPSTau.Milliseconds()
 	info.PrefixCache = ecfg.PrefixCache
+	info.Spec = ecfg.Spec
 	info.Compute = off
 	info.SessionTTL, info.ResponsesMax, info.ResponsesMaxBytes = cfg.SessionTTL, cfg.ResponsesMax, cfg.ResponsesMaxBytes
 	info.BuildInfo, info.CPUFeatures = llama.BuildInfo(), llama.CPUFeatures()

@@ -127,6 +127,10 @@ type Slot struct {
 	CtxTotal          int     `json:"ctx_total"`
 	CtxHeadroomTokens int     `json:"ctx_headroom_tokens"`
 	CtxPressure       float64 `json:"ctx_pressure"` // the session's own context pressure
+	// DraftN, DraftNAccepted: the running request's speculative draft tokens verified
+	// and accepted so far (only once it drafted any).
+	DraftN         *int `json:"draft_n,omitempty"`
+	DraftNAccepted *int `json:"draft_n_accepted,omitempty"`
 	// A waiting request (state "waiting", id -1: no sequence yet) says why it waits
 	// (pool, prefix, session, sequence, cells, queue, admission), since when, and how
 	// long its prompt is.
