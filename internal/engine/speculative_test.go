@@ -243,3 +243,31 @@ func TestSpeculationBounds(t *testing.T) {
 		}
 	}
 }
+
+// TestSpeculationReported: a running task's proposals and accepted drafts show in
+// /slots (Slots) and /polykv/tps (TPS) while it runs, and its tps counts every
+// accepted token: with every draft accepted the aggregate rate is several tokens per
+// step.
+func TestSpeculationReported(t *testing.T) {
+	cfg := poolCfg()
+	cfg.Spec = Spec{Types: []string{SpecNgramSimple}, DraftMax: 8}
+	h := newHarness(t, cfg)
+	h.be.model = func(seq []Token) Token { return seq[len(seq)-4] } // copies exactly
+	h.submit(Request{Prompt: seqTokens(1, 12), MaxTokens: 200})
+	for range 12 {
+		h.step()
+	}
+	sl := h.s.Slots()[0]
+	ts := h.s.TPS(h.now).Sessions[0]
+	if sl.DraftN == 0 || sl.DraftAccepted != sl.DraftN || ts.DraftN != sl.DraftN || ts.DraftAccepted != sl.DraftAccepted {
+		t.Fatalf("slots %+v, tps %+v: want the same nonzero draft counts, all accepted", sl, ts)
+	}
+	// A harness step takes 20 ms (10 to plan, 10 to decode): one token a step is
+	// 50 tok/s.
+	if r := h.s.TPS(h.now).AggregateTPS; r < 150 {
+		t.Fatalf("aggregate tps %.0f with every draft accepted, want well above 50", r)
+	}
+	if sl.Decoded <= 12 {
+		t.Fatalf("%d tokens decoded in 12 steps", sl.Decoded)
+	}
+}
