@@ -353,6 +353,9 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 			},
 		},
 	}
+	if sp := s.info.Spec; sp.On() {
+		props.PolyKV.Speculative = &wire.SpeculativeProps{Types: sp.Types, DraftMax: sp.DraftMax, DraftMin: sp.DraftMin}
+	}
 	s.templateProps(&props)
 	writeJSON(w, http.StatusOK, props)
 }

@@ -74,6 +74,15 @@ type PolyKVProps struct {
 	PoolTier    *PoolTierProps   `json:"pool_tier,omitempty"`
 	PrefixCache PrefixCacheProps `json:"prefix_cache"`
 	TPS         TPSProps         `json:"tps"`
+	// Speculative is the speculative decoding in force (--spec-type): absent when off.
+	Speculative *SpeculativeProps `json:"speculative,omitempty"`
+}
+
+// SpeculativeProps describe speculative decoding in /props.
+type SpeculativeProps struct {
+	Types    []string `json:"types"` // drafters, tried in order
+	DraftMax int      `json:"draft_max"`
+	DraftMin int      `json:"draft_min"`
 }
 
 // PrefixCacheProps describe automatic prefix sharing (--prefix-cache) in /props.
