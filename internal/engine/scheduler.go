@@ -936,6 +936,12 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 			decoders++
 		}
 	}
+	// spare is what drafts may use: cells free now beyond those promised to prompts
+	// being prefilled, so a draft never makes a prefill chunk evict anything.
+	spare := 0
+	if s.cfg.Spec.On() {
+		spare = free - s.reservedPrefill()
+	}
 	for _, t := range slices.Clone(s.running) {
 		if !t.hasNext {
 			continue
@@ -953,18 +959,20 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 		batch = append(batch, BatchEntry{Token: t.next, Pos: pos, Seq: t.slot.seq, Sample: true, Task: t.id})
 		f := inflight{t: t, n: 1, decode: true, sample: true}
 		free--
+		spare--
 		planned++
 		budget--
 		if s.specOn(t) {
-			// Drafts use what the other decoders leave of the budget and only cells
-			// free now: they are gone again after the step, not worth an eviction.
-			k := min(s.specBudget(t), budget-decoders, free-decoders)
+			// Drafts use what the other decoders leave of the budget and only spare
+			// cells: they are gone again after the step, not worth an eviction.
+			k := min(s.specBudget(t), budget-decoders, spare-decoders)
 			if d := s.specDraft(t, k); len(d) > 0 {
 				for i, tok := range d {
 					batch = append(batch, BatchEntry{Token: tok, Pos: pos + 1 + i, Seq: t.slot.seq, Sample: true, Task: t.id, Draft: true})
 				}
 				f.drafts, f.n = d, 1+len(d)
 				free -= len(d)
+				spare -= len(d)
 				planned += len(d)
 				budget -= len(d)
 			}
