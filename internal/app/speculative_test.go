@@ -54,8 +54,14 @@ func specCompletion(t testing.TB, base string, body map[string]any) specRun {
 	return r
 }
 
+// TestSpeculativeSameOutput runs on SmolLM2 and on Gemma 3 (sliding-window layers:
+// the runner's shadow sequences follow the drafts' cells and their removal).
 func TestSpeculativeSameOutput(t *testing.T) {
 	cfg := Config{NCtx: 2048, Parallel: 4, MaxPools: 2, SpecType: "ngram-simple,ngram-mod", DraftMax: 12}
+	forEachModel(t, cfg, testSpeculativeSameOutput)
+}
+
+func testSpeculativeSameOutput(t *testing.T, cfg Config) {
 	a, base := startServer(t, cfg)
 	prompt := tokenize(t, a, editPrompt(17))
 	pool := num(createPool(t, base, map[string]any{"tokens": prompt[:len(prompt)-8], "pin": true})["pool_id"])

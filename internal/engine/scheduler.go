@@ -192,6 +192,10 @@ type task struct {
 	draftCap              int
 	modFed, modLow        int
 	draftN, draftAccepted int
+	// specWait is how many more steps t decodes without drafting after proposals that
+	// were wholly rejected (specMisses of them in a row): a backoff, since every
+	// rejection costs a verification and the removal of its cells.
+	specWait, specMisses int
 }
 
 func (t *task) prefilling() bool { return t.slot != nil && len(t.slot.tokens) < len(t.req.Prompt) }
@@ -962,7 +966,9 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 		spare--
 		planned++
 		budget--
-		if s.specOn(t) {
+		if s.specOn(t) && t.specWait > 0 {
+			t.specWait--
+		} else if s.specOn(t) {
 			// Drafts use what the other decoders leave of the budget and only spare
 			// cells: they are gone again after the step, not worth an eviction.
 			k := min(s.specBudget(t), budget-decoders, spare-decoders)

@@ -214,6 +214,9 @@ func specAccepted(drafts []Token, smp []Sampled) int {
 	return a
 }
 
+// specMaxWait bounds the backoff after wholly rejected proposals (task.specWait).
+const specMaxWait = 32
+
 // specAdapt updates t's draft cap from one verification: a fully accepted proposal
 // doubles it (up to DraftMax), a rejected one shrinks it to what was accepted plus one,
 // so a session whose text stopped repeating soon proposes little, and one copying text
@@ -226,6 +229,15 @@ func (s *Scheduler) specAdapt(t *task, k, a int) {
 		t.draftCap = min(max(t.draftCap, 1)*2, s.cfg.Spec.DraftMax)
 	} else {
 		t.draftCap = max(a+1, 1)
+	}
+	// Wholly rejected proposals back off: 1, 2, 4, ... up to specMaxWait steps without
+	// drafting, until a proposal gets a token accepted. Text that does not repeat its
+	// context (plain chat) then rarely pays for a verification.
+	if a == 0 {
+		t.specMisses++
+		t.specWait = min(1<<min(t.specMisses-1, 10), specMaxWait)
+	} else {
+		t.specMisses = 0
 	}
 	if s.mod != nil {
 		// llama.cpp's ngram-mod: a session whose proposals keep failing (under a
