@@ -98,9 +98,12 @@ type Config struct {
 
 	// Speculative decoding (issue 23): SpecType (--spec-type) is none or a
 	// comma-separated list of drafters (engine.SpecTypes), tried in order; DraftMax
-	// (--draft-max) and DraftMin (--draft-min) bound a session's proposal per step.
+	// (--draft-max) and DraftMin (--draft-min) bound a session's proposal per step;
+	// SpecNgramMin (--spec-ngram-min) is the shortest context suffix ngram-simple
+	// matches.
 	SpecType           string
 	DraftMax, DraftMin int
+	SpecNgramMin       int
 
 	noSWAAnchors bool // tests only: show what goes wrong without runner SWA anchors
 }
@@ -136,6 +139,7 @@ func DefaultConfig() Config {
 		SplitMode:    "layer",
 		SpecType:     engine.SpecNone,
 		DraftMax:     engine.DefaultDraftMax,
+		SpecNgramMin: engine.DefaultNgramMin,
 	}
 }
 
@@ -212,6 +216,9 @@ func (c Config) Validate() error {
 	if c.DraftMax < 1 || c.DraftMax > engine.MaxDraft || c.DraftMin < 0 || c.DraftMin > c.DraftMax {
 		return fmt.Errorf("--draft-max must be in 1..%d and --draft-min in 0..--draft-max, got %d and %d", engine.MaxDraft, c.DraftMax, c.DraftMin)
 	}
+	if c.SpecNgramMin < 1 || c.SpecNgramMin > engine.DefaultNgramMax {
+		return fmt.Errorf("--spec-ngram-min must be in 1..%d, got %d", engine.DefaultNgramMax, c.SpecNgramMin)
+	}
 	return nil
 }
 
@@ -261,7 +268,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		MaxQueue: cfg.MaxQueue, QueueTimeout: cfg.QueueTimeout, AttachMin: cfg.AttachMin, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau,
 		PrefixCache: cfg.PrefixCache == "on"}
 	specTypes, _ := engine.ParseSpecTypes(cfg.SpecType) // checked by Validate
-	ecfg.Spec = engine.Spec{Types: specTypes, DraftMax: cfg.DraftMax, DraftMin: cfg.DraftMin}
+	ecfg.Spec = engine.Spec{Types: specTypes, DraftMax: cfg.DraftMax, DraftMin: cfg.DraftMin, NgramMin: cfg.SpecNgramMin}
 	if err := ecfg.Validate(); err != nil {
 		return nil, err
 	}
