@@ -33,6 +33,9 @@ type fakeBackend struct {
 	// test can check that a verification draws no more than plain decoding would.
 	model func(seq []Token) Token
 	drawn int
+	// sample, when set, replaces model with a sampler of task's own (a stochastic
+	// model: each call is one draw of the task's RNG).
+	sample func(task TaskID, seq []Token) Token
 }
 
 // Tier implements TierBackend with the fake's tokens.
@@ -133,7 +136,12 @@ func (f *fakeBackend) Decode(batch []BatchEntry) ([]Sampled, error) {
 				out = append(out, Sampled{Token: NotDrawn})
 				continue
 			}
-			tok := model(f.tokens(e.Seq))
+			var tok Token
+			if f.sample != nil {
+				tok = f.sample(e.Task, f.tokens(e.Seq))
+			} else {
+				tok = model(f.tokens(e.Seq))
+			}
 			f.drawn++
 			last[e.Task] = tok
 			out = append(out, Sampled{Token: tok})

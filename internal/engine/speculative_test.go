@@ -2,6 +2,8 @@ package engine
 
 import (
 	"fmt"
+	"math"
+	"math/rand/v2"
 	"slices"
 	"testing"
 )
@@ -270,4 +272,78 @@ func TestSpeculationReported(t *testing.T) {
 	if sl.Decoded <= 12 {
 		t.Fatalf("%d tokens decoded in 12 steps", sl.Decoded)
 	}
+}
+
+// TestSpeculativeSamplingDistribution is the statistical check of speculation with
+// sampling: a stochastic fake model (each task its own seeded RNG: the token four back
+// with probability 0.6, else one of 10..19 uniformly) whose repeats ngram-simple
+// drafts eagerly. If verification kept a draft the model did not draw, the share of
+// repeated tokens would rise above the model's; it must match the model's expected
+// share within four standard deviations, with and without speculation, and each seed
+// gives the same tokens either way.
+func TestSpeculativeSamplingDistribution(t *testing.T) {
+	const tasks, gen = 300, 24
+	run := func(spec bool) ([]string, float64, float64, int) {
+		cfg := poolCfg()
+		if spec {
+			cfg.Spec = Spec{Types: []string{SpecNgramSimple}, DraftMax: 8, NgramMin: 2}
+		}
+		h := newHarness(t, cfg)
+		rngs := map[TaskID]*rand.Rand{}
+		h.be.sample = func(task TaskID, seq []Token) Token {
+			r := rngs[task]
+			if r.Float64() < 0.6 {
+				return seq[len(seq)-4]
+			}
+			return Token(10 + r.IntN(10))
+		}
+		var ids []TaskID
+		for i := range tasks {
+			id := h.submit(Request{Prompt: []Token{1, 2, 3, 4, 15, 16}, MaxTokens: gen, Sampling: SamplingParams{Temperature: 1, Seed: uint32(i)}})
+			rngs[id] = rand.New(rand.NewPCG(uint64(i), 23))
+			ids = append(ids, id)
+			if i%4 == 3 {
+				h.run()
+			}
+		}
+		h.run()
+		var texts []string
+		obs, exp, variance, drafted := 0.0, 0.0, 0.0, 0
+		for _, id := range ids {
+			ev, _ := h.done(id)
+			drafted += ev.Stats.DraftN
+			texts = append(texts, h.text(id))
+			seq := []Token{1, 2, 3, 4, 15, 16}
+			for _, ev := range h.events[id] {
+				var tok Token
+				if _, err := fmt.Sscanf(ev.Text, "<%d>", &tok); err != nil {
+					continue
+				}
+				back := seq[len(seq)-4]
+				p := 0.6
+				if back >= 10 && back < 20 {
+					p += 0.4 / 10
+				}
+				if tok == back {
+					obs++
+				}
+				exp += p
+				variance += p * (1 - p)
+				seq = append(seq, tok)
+			}
+		}
+		return texts, obs - exp, math.Sqrt(variance), drafted
+	}
+	offTexts, offDev, offSD, _ := run(false)
+	onTexts, onDev, onSD, drafted := run(true)
+	if drafted == 0 {
+		t.Fatal("nothing was drafted")
+	}
+	if math.Abs(offDev) > 4*offSD || math.Abs(onDev) > 4*onSD {
+		t.Fatalf("repeated tokens off the model's share: without speculation %.1f (σ %.1f), with %.1f (σ %.1f)", offDev, offSD, onDev, onSD)
+	}
+	if !slices.Equal(offTexts, onTexts) {
+		t.Fatal("a seed gave other tokens with speculation")
+	}
+	t.Logf("drafted %d; deviation from the model's expected repeats: off %.1f, on %.1f (σ %.1f)", drafted, offDev, onDev, onSD)
 }
