@@ -74,6 +74,7 @@ func bench(args []string) error {
 	fs.StringVar(&sb.workloads, "spec-workloads", "edit,chat", "spec: workloads: edit (return a ~600-token JSON document with one field changed), chat (a short story)")
 	fs.StringVar(&sb.types, "spec-bench-type", "ngram-simple", "spec: the drafters to measure when --spec-type is none")
 	fs.IntVar(&sb.chatGen, "spec-chat-gen", 256, "spec: tokens each chat agent decodes at most")
+	fs.StringVar(&sb.llamaServer, "spec-llama-server", "", "spec: also run the workloads on this llama-server binary (make llama-tools), without speculation and with --spec-type ngram-mod")
 	var rp ramp
 	fs.IntVar(&rp.agents, "ramp-agents", 10, "spawn ramp: agents that ask to join")
 	fs.DurationVar(&rp.interval, "ramp-interval", 2*time.Second, "spawn ramp: time between join requests")

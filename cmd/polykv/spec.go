@@ -2,6 +2,11 @@ package main
 
 import (
 	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -22,6 +27,9 @@ type specBench struct {
 	workloads string // edit, chat
 	types     string // --spec-type for the benchmark when the server flag is none
 	chatGen   int    // tokens each chat agent decodes
+	// llamaServer, when set, is a llama-server binary run on the same workloads: one
+	// instance without speculation, one with --spec-type ngram-mod (its defaults).
+	llamaServer string
 }
 
 // specResult is one run of one workload in one mode.
@@ -99,7 +107,7 @@ func (sb specBench) run(cfg app.Config, reps int) error {
 	}
 	fmt.Printf("speculative decoding: %s, --spec-type %s, --draft-max %d, --draft-min %d, --spec-ngram-min %d, %d threads; decode tok/s = generated tokens / longest decode phase; best of %d, off and on alternating\n\n",
 		cfg.ModelPath, cfg.SpecType, cfg.DraftMax, cfg.DraftMin, cfg.SpecNgramMin, cfg.Threads, reps)
-	fmt.Println("workload   N  off tok/s  on tok/s  on/off  drafted  accepted  accept%  tokens  same output")
+	fmt.Println("server       workload   N  off tok/s  on tok/s  on/off  drafted  accepted  accept%  tokens  same output")
 	for _, n := range ns {
 		c := cfg
 		c.Parallel = n
@@ -111,7 +119,7 @@ func (sb specBench) run(cfg app.Config, reps int) error {
 			return err
 		}
 		for _, w := range workloads {
-			if err := sb.compare(base, w, n, reps); err != nil {
+			if err := sb.compare("polykv", base, base, w, n, reps); err != nil {
 				srv.Close()
 				a.Close()
 				return err
@@ -119,17 +127,86 @@ func (sb specBench) run(cfg app.Config, reps int) error {
 		}
 		srv.Close()
 		a.Close()
+		if sb.llamaServer != "" {
+			if err := sb.llama(c, workloads, n, reps); err != nil {
+				return err
+			}
+		}
 	}
 	return nil
 }
 
-// compare runs workload w with N agents reps times in each mode, alternating, and prints
-// one row.
-func (sb specBench) compare(base, w string, n, reps int) error {
-	// An untimed round fills the prefix cache with every agent's prompt, so neither
-	// mode pays a prefill the other does not.
-	if _, err := sb.once(base, w, n, true, 1); err != nil {
+// llama runs the workloads on llama-server: one instance without speculation and one
+// with --spec-type ngram-mod, as many slots as agents, the same context and threads.
+func (sb specBench) llama(c app.Config, workloads []string, n, reps int) error {
+	args := []string{"-m", c.ModelPath, "-c", strconv.Itoa(c.NCtx), "-np", strconv.Itoa(n), "-t", strconv.Itoa(c.Threads), "-b", strconv.Itoa(c.NBatch)}
+	off, offBase, err := startLlamaServer(sb.llamaServer, args)
+	if err != nil {
 		return err
+	}
+	defer stopProcess(off)
+	on, onBase, err := startLlamaServer(sb.llamaServer, append(args, "--spec-type", "ngram-mod"))
+	if err != nil {
+		return err
+	}
+	defer stopProcess(on)
+	for _, w := range workloads {
+		if err := sb.compare("llama-server", offBase, onBase, w, n, reps); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// startLlamaServer starts bin with args on a free loopback port and waits until its
+// /health answers.
+func startLlamaServer(bin string, args []string) (*exec.Cmd, string, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, "", err
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+	cmd := exec.Command(bin, append(args, "--host", "127.0.0.1", "--port", strconv.Itoa(port))...)
+	cmd.Stdout, cmd.Stderr = nil, nil
+	if err := cmd.Start(); err != nil {
+		return nil, "", err
+	}
+	base := fmt.Sprintf("http://127.0.0.1:%d", port)
+	for deadline := time.Now().Add(2 * time.Minute); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		if resp, err := http.Get(base + "/health"); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return cmd, base, nil
+			}
+		}
+	}
+	stopProcess(cmd)
+	return nil, "", fmt.Errorf("bench: %s did not become healthy", bin)
+}
+
+func stopProcess(cmd *exec.Cmd) {
+	_ = cmd.Process.Signal(os.Interrupt)
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		_ = cmd.Process.Kill()
+		<-done
+	}
+}
+
+// compare runs workload w with N agents reps times in each mode, alternating, and prints
+// one row: off on offBase (with speculative false), on on onBase (PolyKV: the same
+// server; llama-server: a second instance with speculation).
+func (sb specBench) compare(server, offBase, onBase, w string, n, reps int) error {
+	// An untimed round fills the prefix caches with every agent's prompt, so neither
+	// mode pays a prefill the other does not.
+	for _, base := range []string{offBase, onBase} {
+		if _, err := sb.once(base, w, n, true, 1); err != nil {
+			return err
+		}
 	}
 	var best [2]specResult
 	var bestTPS [2]float64
@@ -137,6 +214,10 @@ func (sb specBench) compare(base, w string, n, reps int) error {
 	for range reps {
 		var res [2]specResult
 		for m, on := range []bool{false, true} {
+			base := offBase
+			if on {
+				base = onBase
+			}
 			r, err := sb.once(base, w, n, on, 0)
 			if err != nil {
 				return err
@@ -156,7 +237,7 @@ func (sb specBench) compare(base, w string, n, reps int) error {
 	if on.drafted > 0 {
 		acc = 100 * float64(on.accepts) / float64(on.drafted)
 	}
-	fmt.Printf("%-8s %3d  %9.1f  %8.1f  %6.2f  %7d  %8d  %6.1f%%  %6d  %v\n", w, n, bestTPS[0], bestTPS[1], bestTPS[1]/bestTPS[0],
+	fmt.Printf("%-12s %-8s %3d  %9.1f  %8.1f  %6.2f  %7d  %8d  %6.1f%%  %6d  %v\n", server, w, n, bestTPS[0], bestTPS[1], bestTPS[1]/bestTPS[0],
 		on.drafted, on.accepts, acc, tokens, same)
 	return nil
 }
