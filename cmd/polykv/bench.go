@@ -36,7 +36,7 @@ func bench(args []string) error {
 	nGen := fs.Int("n", 128, "tokens each session decodes")
 	reps := fs.Int("reps", 2, "repetitions per measurement (best is reported)")
 	cpuProfile := fs.String("cpuprofile", "", "write a Go CPU profile of the server runs to this file")
-	workload := fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on), plain-fanout and agent-loop (plain OpenAI client: automatic prefix reuse vs off vs explicit pool), plain (both plain-client workloads), tier (evicted pool restored from RAM / disk vs prefill; restart with pinned pools), tenants (short requests and one session's decode beside idle pools of other tenants, compaction auto vs always) or all")
+	workload := fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on), plain-fanout and agent-loop (plain OpenAI client: automatic prefix reuse vs off vs explicit pool), plain (both plain-client workloads), tier (evicted pool restored from RAM / disk vs prefill; restart with pinned pools), tenants (short requests and one session's decode beside idle pools of other tenants, compaction auto vs always), spec (speculative decoding off vs on: edit and chat agents; not part of all) or all")
 	var pf prefillBench
 	fs.StringVar(&pf.models, "prefill-models", "", "prefill: comma-separated GGUF files (default: -m); missing files are skipped")
 	fs.StringVar(&pf.types, "prefill-cache-types", "f16,q8_0,q4_0", "prefill: KV cache types (K and V alike)")
@@ -69,6 +69,12 @@ func bench(args []string) error {
 	fs.IntVar(&tn.own, "tenants-own-tokens", 1000, "tenants: own context of the decoding session")
 	fs.IntVar(&tn.gen, "tenants-gen", 64, "tenants: tokens the session decodes")
 	fs.BoolVar(&tn.compareAlways, "tenants-compare", true, "tenants: also run with --kv-compaction always, alternating")
+	sb := specBench{}
+	fs.StringVar(&sb.agents, "spec-agents", "1,8", "spec: agent counts N")
+	fs.StringVar(&sb.workloads, "spec-workloads", "edit,chat", "spec: workloads: edit (return a ~600-token JSON document with one field changed), chat (a short story)")
+	fs.StringVar(&sb.types, "spec-bench-type", "ngram-simple", "spec: the drafters to measure when --spec-type is none")
+	fs.IntVar(&sb.chatGen, "spec-chat-gen", 256, "spec: tokens each chat agent decodes at most")
+	fs.StringVar(&sb.llamaServer, "spec-llama-server", "", "spec: also run the workloads on this llama-server binary (make llama-tools), without speculation and with --spec-type ngram-mod")
 	var rp ramp
 	fs.IntVar(&rp.agents, "ramp-agents", 10, "spawn ramp: agents that ask to join")
 	fs.DurationVar(&rp.interval, "ramp-interval", 2*time.Second, "spawn ramp: time between join requests")
@@ -133,6 +139,8 @@ func bench(args []string) error {
 			defer pprof.StopCPUProfile()
 		}
 		return tn.run(cfg)
+	case "spec":
+		return sb.run(cfg, *reps)
 	}
 	if *workload != "decode" && *workload != "all" {
 		return fmt.Errorf("bench: unknown workload %q", *workload)

@@ -22,6 +22,7 @@ import (
 
 	"github.com/polykv/polykv/internal/app"
 	"github.com/polykv/polykv/internal/chat"
+	"github.com/polykv/polykv/internal/engine"
 )
 
 func usage() {
@@ -101,6 +102,10 @@ func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
 	fs.StringVar(&cfg.PoolDir, "pool-dir", cfg.PoolDir, "directory for evicted pools' KV below RAM and for pinned pools that survive restarts (\"\": none)")
 	fs.IntVar(&cfg.PoolDiskMB, "pool-disk-mb", cfg.PoolDiskMB, "disk budget (MiB) under --pool-dir")
 	fs.StringVar(&cfg.SlotSavePath, "slot-save-path", cfg.SlotSavePath, "directory for POST /slots/{id}?action=save|restore files (\"\": those actions are off)")
+	fs.StringVar(&cfg.SpecType, "spec-type", cfg.SpecType, "speculative decoding: none, or a comma-separated list of drafters tried in order for every decoding session each step: "+strings.Join(engine.SpecTypes, ", ")+" (lossless: greedy and seeded output are the same as without; grammar-constrained requests do not speculate)")
+	fs.IntVar(&cfg.DraftMax, "draft-max", cfg.DraftMax, "most draft tokens a session proposes per step (speculative decoding)")
+	fs.IntVar(&cfg.DraftMin, "draft-min", cfg.DraftMin, "fewest draft tokens worth verifying; a shorter proposal is dropped")
+	fs.IntVar(&cfg.SpecNgramMin, "spec-ngram-min", cfg.SpecNgramMin, "ngram-simple: the shortest end of the context it looks up (longer: fewer, surer drafts)")
 	gpuFlags(fs, cfg)
 }
 

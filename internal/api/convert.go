@@ -50,9 +50,20 @@ func wireUsage(u engine.Usage) wire.EngineUsage {
 }
 
 func wireSlot(s engine.SlotInfo) wire.Slot {
-	return wire.Slot{ID: s.Seq, SessionID: s.SessionID, State: s.State, NPast: s.NPast, NDecoded: s.Decoded,
+	w := wire.Slot{ID: s.Seq, SessionID: s.SessionID, State: s.State, NPast: s.NPast, NDecoded: s.Decoded,
 		TaskID: s.Task, PoolID: s.PoolID, NShared: s.Shared, NOwnCells: s.Own, TPSEWMA: s.TPSEWMA, CtxUsed: s.CtxUsed,
 		CtxTotal: s.CtxTotal, CtxHeadroomTokens: s.Headroom, CtxPressure: s.Pressure}
+	w.DraftN, w.DraftNAccepted = drafts(s.DraftN, s.DraftAccepted)
+	return w
+}
+
+// drafts are llama-server's draft_n and draft_n_accepted: present once a request
+// drafted anything (speculative decoding), absent otherwise, as llama-server shows them.
+func drafts(n, accepted int) (*int, *int) {
+	if n == 0 {
+		return nil, nil
+	}
+	return &n, &accepted
 }
 
 // wireWaiting is a waiting request as a /slots entry.
@@ -96,9 +107,11 @@ func wireReservation(r engine.ReservationReport) wire.Reservation {
 }
 
 func wireSessionTPS(s engine.SessionTPS) wire.SessionTPS {
-	return wire.SessionTPS{SessionID: s.SessionID, SeqID: s.Seq, PoolID: s.PoolID, State: s.State, TPSEWMA: s.TPSEWMA,
+	w := wire.SessionTPS{SessionID: s.SessionID, SeqID: s.Seq, PoolID: s.PoolID, State: s.State, TPSEWMA: s.TPSEWMA,
 		Warming: s.Warming, NDecoded: s.Decoded, CtxUsed: s.CtxUsed, CtxTotal: s.CtxTotal,
 		CtxHeadroomTokens: s.CtxHeadroomTokens, CtxPressure: s.CtxPressure}
+	w.DraftN, w.DraftNAccepted = drafts(s.DraftN, s.DraftAccepted)
+	return w
 }
 
 func wireTPS(t engine.TPSSnapshot) wire.TPS {
@@ -126,5 +139,6 @@ func wireTimings(st engine.Stats) wire.Timings {
 		t.PredictedPerTokenMs = gms / float64(st.PredictedN)
 		t.PredictedPerSecond = 1000 * float64(st.PredictedN) / gms
 	}
+	t.DraftN, t.DraftNAccepted = drafts(st.DraftN, st.DraftAccepted)
 	return t
 }

@@ -19,6 +19,9 @@ type Metrics struct {
 	queries  *prometheus.CounterVec
 	eng      *engine.Engine
 	cacheCfg *prometheus.GaugeVec
+	// Speculative decoding, per pool: proposals verified, their draft tokens, and the
+	// draft tokens accepted.
+	specProposals, specDrafted, specAccepted *prometheus.CounterVec
 }
 
 // NewMetrics registers the collectors. Attach the engine with SetEngine before serving.
@@ -35,7 +38,13 @@ func NewMetrics() *Metrics {
 	m.cacheCfg = prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "polykv_cache_config_info",
 		Help: "KV cache configuration as labels (value 1), in the shape of vllm:cache_config_info: block_size is the KV-event block size in tokens, num_gpu_blocks the cache's cells divided by it."},
 		[]string{"block_size", "num_gpu_blocks"})
-	m.Registry.MustRegister(m.ttft, m.itl, m.hits, m.queries, m.cacheCfg, m)
+	m.specProposals = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "polykv_spec_proposals_total",
+		Help: "Speculative decoding: draft proposals verified (one per session per step that drafted)."}, []string{"pool"})
+	m.specDrafted = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "polykv_spec_draft_tokens_total",
+		Help: "Speculative decoding: draft tokens verified (llama-server's draft_n)."}, []string{"pool"})
+	m.specAccepted = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "polykv_spec_draft_tokens_accepted_total",
+		Help: "Speculative decoding: draft tokens the model accepted (llama-server's draft_n_accepted); accepted / drafted is the acceptance rate."}, []string{"pool"})
+	m.Registry.MustRegister(m.ttft, m.itl, m.hits, m.queries, m.cacheCfg, m.specProposals, m.specDrafted, m.specAccepted, m)
 	return m
 }
 
@@ -65,6 +74,14 @@ func (m *Metrics) TTFT(_ int, d time.Duration) { m.ttft.Observe(d.Seconds()) }
 
 // TokenLatency implements engine.Observer.
 func (m *Metrics) TokenLatency(d time.Duration) { m.itl.Observe(d.Seconds()) }
+
+// Draft implements engine.DraftObserver.
+func (m *Metrics) Draft(pool, drafted, accepted int) {
+	l := poolLabel(pool)
+	m.specProposals.WithLabelValues(l).Inc()
+	m.specDrafted.WithLabelValues(l).Add(float64(drafted))
+	m.specAccepted.WithLabelValues(l).Add(float64(accepted))
+}
 
 // Query implements engine.Observer.
 func (m *Metrics) Query(pool, _ int, cached int) {

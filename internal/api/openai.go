@@ -100,6 +100,9 @@ func (s *Server) toEngine(g *wire.GenParams) (engine.Request, *apiError) {
 	}
 	req.IgnoreEOS = g.IgnoreEOS
 	req.NoPrefixCache = g.CachePrompt != nil && !*g.CachePrompt
+	if req.Spec, e = parseSpeculative(g); e != nil {
+		return req, e
+	}
 	req.Overcommit = g.Overcommit
 	if req.Logprobs, req.Sampling.NProbs, e = parseLogprobs(g.Logprobs, g.TopLogprobs); e != nil {
 		return req, e
@@ -111,6 +114,45 @@ func (s *Server) toEngine(g *wire.GenParams) (engine.Request, *apiError) {
 		req.SessionID = *g.SessionID
 	}
 	return req, nil
+}
+
+// parseSpeculative reads the request's speculative decoding settings: speculative
+// (false: off; true; or an object with n_max and n_min) and llama-server's flat
+// speculative.n_max and speculative.n_min.
+func parseSpeculative(g *wire.GenParams) (engine.SpecRequest, *apiError) {
+	var sr engine.SpecRequest
+	nmax, nmin := g.SpecNMax, g.SpecNMin
+	if !isNull(g.Speculative) {
+		var on bool
+		var obj struct {
+			NMax *int `json:"n_max"`
+			NMin *int `json:"n_min"`
+		}
+		switch {
+		case json.Unmarshal(g.Speculative, &on) == nil:
+			sr.Off = !on
+		case json.Unmarshal(g.Speculative, &obj) == nil:
+			if obj.NMax != nil {
+				nmax = obj.NMax
+			}
+			if obj.NMin != nil {
+				nmin = obj.NMin
+			}
+		default:
+			return sr, badRequest("speculative must be a boolean or an object {\"n_max\": N, \"n_min\": N}")
+		}
+	}
+	if nmax != nil && (*nmax < 0 || *nmax > engine.MaxDraft) {
+		return sr, badRequest("speculative.n_max must be in 0..%d, got %d", engine.MaxDraft, *nmax)
+	}
+	if nmin != nil && *nmin < 0 {
+		return sr, badRequest("speculative.n_min must not be negative, got %d", *nmin)
+	}
+	if nmax != nil && nmin != nil && *nmin > *nmax {
+		return sr, badRequest("speculative.n_min (%d) must not exceed speculative.n_max (%d)", *nmin, *nmax)
+	}
+	sr.NMax, sr.NMin = nmax, nmin
+	return sr, nil
 }
 
 // poolFields reads pool_id or pool_key and the fields that need a pool.

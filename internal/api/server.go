@@ -69,6 +69,9 @@ type Info struct {
 	TPSTauMs     int64
 	// PrefixCache: automatic prefix sharing is on (--prefix-cache).
 	PrefixCache bool
+	// Spec is the speculative decoding in force (--spec-type, --draft-max,
+	// --draft-min; off on a recurrent model).
+	Spec engine.Spec
 	// Compute is where the model runs (devices, GPU layers), as app.Offload describes it.
 	Compute any
 	// SessionTTL is --session-ttl: stored responses expire with it, as their chain's
@@ -400,6 +403,9 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 				StreamIntervalMsDefault: 500,
 			},
 		},
+	}
+	if sp := s.info.Spec; sp.On() {
+		props.PolyKV.Speculative = &wire.SpeculativeProps{Types: sp.Types, DraftMax: sp.DraftMax, DraftMin: sp.DraftMin}
 	}
 	s.templateProps(&props)
 	writeJSON(w, http.StatusOK, props)

@@ -96,6 +96,15 @@ type Config struct {
 	// files ("": those actions answer 501).
 	SlotSavePath string
 
+	// Speculative decoding (issue 23): SpecType (--spec-type) is none or a
+	// comma-separated list of drafters (engine.SpecTypes), tried in order; DraftMax
+	// (--draft-max) and DraftMin (--draft-min) bound a session's proposal per step;
+	// SpecNgramMin (--spec-ngram-min) is the shortest context suffix ngram-simple
+	// matches.
+	SpecType           string
+	DraftMax, DraftMin int
+	SpecNgramMin       int
+
 	noSWAAnchors bool // tests only: show what goes wrong without runner SWA anchors
 }
 
@@ -128,6 +137,9 @@ func DefaultConfig() Config {
 		KVBlockSize:  kvevents.DefaultBlockSize,
 		GPULayers:    "auto",
 		SplitMode:    "layer",
+		SpecType:     engine.SpecNone,
+		DraftMax:     engine.DefaultDraftMax,
+		SpecNgramMin: engine.DefaultNgramMin,
 	}
 }
 
@@ -198,6 +210,15 @@ func (c Config) Validate() error {
 	default:
 		return fmt.Errorf("--prefix-cache must be on or off, got %q", c.PrefixCache)
 	}
+	if _, err := engine.ParseSpecTypes(c.SpecType); err != nil {
+		return fmt.Errorf("--spec-type: %v", err)
+	}
+	if c.DraftMax < 1 || c.DraftMax > engine.MaxDraft || c.DraftMin < 0 || c.DraftMin > c.DraftMax {
+		return fmt.Errorf("--draft-max must be in 1..%d and --draft-min in 0..--draft-max, got %d and %d", engine.MaxDraft, c.DraftMax, c.DraftMin)
+	}
+	if c.SpecNgramMin < 1 || c.SpecNgramMin > engine.DefaultNgramMax {
+		return fmt.Errorf("--spec-ngram-min must be in 1..%d, got %d", engine.DefaultNgramMax, c.SpecNgramMin)
+	}
 	return nil
 }
 
@@ -246,6 +267,8 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	ecfg := engine.Config{NCtx: cfg.NCtx, Parallel: cfg.Parallel, MaxPools: cfg.MaxPools, NBatch: cfg.NBatch,
 		MaxQueue: cfg.MaxQueue, QueueTimeout: cfg.QueueTimeout, AttachMin: cfg.AttachMin, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau,
 		PrefixCache: cfg.PrefixCache == "on"}
+	specTypes, _ := engine.ParseSpecTypes(cfg.SpecType) // checked by Validate
+	ecfg.Spec = engine.Spec{Types: specTypes, DraftMax: cfg.DraftMax, DraftMin: cfg.DraftMin, NgramMin: cfg.SpecNgramMin}
 	if err := ecfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -288,8 +311,12 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	// What the architecture allows (recurrent state, sliding windows): runner.Policy.
 	pol := runner.ModelPolicy(model)
 	pol.Anchors = pol.Anchors && !cfg.noSWAAnchors
+	specAsked := ecfg.Spec.On()
 	if pol.Configure(&ecfg) && log != nil {
 		log.Info("prefix cache off: recurrent memory cannot be shared at an arbitrary token prefix")
+	}
+	if specAsked && !ecfg.Spec.On() && log != nil {
+		log.Info("speculative decoding off: recurrent state cannot be cut back past a rejected draft")
 	}
 	if cfg.NCtx > model.NCtxTrain() && model.NCtxTrain() > 0 {
 		if log != nil {
@@ -387,6 +414,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	}
 	info.TPSTauMs = cfg.TPSTau.Milliseconds()
 	info.PrefixCache = ecfg.PrefixCache
+	info.Spec = ecfg.Spec
 	info.Compute = off
 	info.SessionTTL, info.ResponsesMax, info.ResponsesMaxBytes = cfg.SessionTTL, cfg.ResponsesMax, cfg.ResponsesMaxBytes
 	info.BuildInfo, info.CPUFeatures = llama.BuildInfo(), llama.CPUFeatures()

@@ -8,7 +8,8 @@
 // planned tier restore: tier.go) through one entry,
 // Step(now, msg), which answers
 // with a Result. Each step of the model is a Plan: sampler and sequence operations to
-// perform, and one batch holding a decode token for every generating task plus prompt
+// perform, and one batch holding a decode token for every generating task (followed by
+// its speculative draft tokens when speculation is on: speculative.go) plus prompt
 // chunks (chunked prefill) within the batch budget. The backend's sampled tokens go
 // back through Commit, and Events drains the text and completions to deliver. A log of
 // (time, message) pairs and backend results replays a run exactly.

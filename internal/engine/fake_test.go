@@ -29,6 +29,13 @@ type fakeBackend struct {
 	tail map[int][]fakeCell
 	// tierSpills, tierRestores count the operations.
 	tierSpills, tierRestores int
+	// model is the fake model (nil: fakeNext); drawn counts the samples it drew, so a
+	// test can check that a verification draws no more than plain decoding would.
+	model func(seq []Token) Token
+	drawn int
+	// sample, when set, replaces model with a sampler of task's own (a stochastic
+	// model: each call is one draw of the task's RNG).
+	sample func(task TaskID, seq []Token) Token
 }
 
 // Tier implements TierBackend with the fake's tokens.
@@ -107,6 +114,13 @@ func (f *fakeBackend) Decode(batch []BatchEntry) ([]Sampled, error) {
 		return nil, fmt.Errorf("fake: no KV slot (%d used + %d > %d)", f.cells(), len(batch), f.nCtx)
 	}
 	var out []Sampled
+	model := f.model
+	if model == nil {
+		model = fakeNext
+	}
+	// last is each task's previous sample in this batch: a draft is only sampled when
+	// it confirms it (BatchEntry.Draft), as the real backend does.
+	last := map[TaskID]Token{}
 	for _, e := range batch {
 		if e.Pos != len(f.kv[e.Seq]) {
 			f.t.Errorf("fake: seq %d gets pos %d but holds %d tokens", e.Seq, e.Pos, len(f.kv[e.Seq]))
@@ -117,10 +131,40 @@ func (f *fakeBackend) Decode(batch []BatchEntry) ([]Sampled, error) {
 			if !f.samplers[e.Task] {
 				f.t.Errorf("fake: sampling for task %d without a sampler", e.Task)
 			}
-			out = append(out, Sampled{Token: fakeNext(f.tokens(e.Seq))})
+			if prev, ok := last[e.Task]; e.Draft && (!ok || prev != e.Token) {
+				last[e.Task] = NotDrawn
+				out = append(out, Sampled{Token: NotDrawn})
+				continue
+			}
+			var tok Token
+			if f.sample != nil {
+				tok = f.sample(e.Task, f.tokens(e.Seq))
+			} else {
+				tok = model(f.tokens(e.Seq))
+			}
+			f.drawn++
+			last[e.Task] = tok
+			out = append(out, Sampled{Token: tok})
 		}
 	}
 	return out, nil
+}
+
+// fakeRepeater is a fake model whose text repeats, so speculation has something to
+// find: mostly the token period positions back, but every fifth position or so (by a
+// hash of the whole sequence, so any cache mistake still changes the output) a token
+// of its own.
+func fakeRepeater(period int) func(seq []Token) Token {
+	return func(seq []Token) Token {
+		h := uint32(7)
+		for _, t := range seq {
+			h = h*31 + uint32(t)
+		}
+		if len(seq) >= period && h%5 != 0 {
+			return seq[len(seq)-period]
+		}
+		return Token(10 + h%50)
+	}
 }
 
 // fakeNext is the fake model: a token in 10..59 determined by the whole sequence.

@@ -34,21 +34,34 @@ func FuzzSchedulerInvariants(f *testing.F) {
 		// Every input runs without and with the prefix cache (issue 12), and in a roomy
 		// and a tight cache: in 96 cells three idle sequences of up to 60 tokens and a
 		// pool or two fill it, so requests wait on cells that only eviction can give.
+		// And with speculative decoding (issue 23) on a model that repeats itself, so
+		// drafts take cells and budget beside everything else and rejected ones go.
 		for _, cache := range []bool{false, true} {
 			for _, nctx := range []int{256, 96} {
-				fuzzScheduler(t, slices.Clone(data), cache, nctx)
+				for _, spec := range []bool{false, true} {
+					fuzzScheduler(t, slices.Clone(data), cache, nctx, spec)
+				}
 			}
 		}
 	})
 }
 
-func fuzzScheduler(t *testing.T, data []byte, cache bool, nctx int) {
+func fuzzScheduler(t *testing.T, data []byte, cache bool, nctx int, spec bool) {
 	{
 		cfg := Config{NCtx: nctx, Parallel: 3, MaxPools: 3, NBatch: 16, MaxQueue: 4,
 			SessionTTL: time.Minute, PoolGrace: time.Second, BytesPerCell: 10, PrefixCache: cache,
 			QueueTimeout: 3 * time.Second}
+		if spec {
+			cfg.Spec = Spec{Types: []string{SpecNgramSimple, SpecNgramMod}, DraftMax: 6, ModN: 3}
+		}
 		h := newHarness(t, cfg)
 		h.trackResidency()
+		model, maxTok := fakeNext, 8
+		if spec {
+			// Longer answers: drafts need some output to repeat.
+			model, maxTok = fakeRepeater(4), 24
+			h.be.model = model
+		}
 		prompts := map[TaskID][]Token{}
 		families := [][]Token{seqTokens(100, 60), seqTokens(300, 60), append(seqTokens(100, 20), seqTokens(500, 40)...)}
 		var pools []int
@@ -79,7 +92,7 @@ func fuzzScheduler(t *testing.T, data []byte, cache bool, nctx int) {
 		for steps := 0; len(data) > 0 && steps < 200; steps++ {
 			switch next() % 10 {
 			case 0, 1, 2:
-				req := Request{Prompt: prompt(), MaxTokens: 1 + next()%8}
+				req := Request{Prompt: prompt(), MaxTokens: 1 + next()%maxTok}
 				k := next() % 5
 				if k < 4 {
 					req.SessionID = string(rune('A' + k))
@@ -191,7 +204,7 @@ func fuzzScheduler(t *testing.T, data []byte, cache bool, nctx int) {
 			if !ok {
 				t.Fatalf("task %d never ended", id)
 			}
-			got, want := h.text(id), coldText(prompt, 8)
+			got, want := h.text(id), coldText(model, prompt, maxTok)
 			if !strings.HasPrefix(want, got) {
 				t.Fatalf("cache=%v: task %d (prompt %v, cache_n %d) generated %q, a cold prefill %q", cache, id, prompt, ev.Stats.CacheN, got, want)
 			}
@@ -199,12 +212,12 @@ func fuzzScheduler(t *testing.T, data []byte, cache bool, nctx int) {
 	}
 }
 
-// coldText is what the fake model generates for prompt, n tokens, on an empty cache.
-func coldText(prompt []Token, n int) string {
+// coldText is what model generates for prompt, n tokens, on an empty cache.
+func coldText(model func([]Token) Token, prompt []Token, n int) string {
 	seq := slices.Clone(prompt)
 	var b strings.Builder
 	for range n {
-		tok := fakeNext(seq)
+		tok := model(seq)
 		fmt.Fprintf(&b, "<%d>", tok)
 		seq = append(seq, tok)
 	}

@@ -30,7 +30,14 @@ const (
 	ObsPrefixStored                 // a pool's prefix became resident: Prefix
 	ObsPrefixRemoved                // a pool's prefix can no longer be reused here: Prefix
 	ObsSeqChange                    // a sequence's reusable content changed: Seq (residency.go)
+	ObsDraft                        // a verified speculative proposal: Drafted tokens, Accepted of them, on Pool
 )
+
+// DraftObserver is an Observer that also counts speculative decoding's proposals and
+// their acceptance (Prometheus, per pool).
+type DraftObserver interface {
+	Draft(pool, drafted, accepted int)
+}
 
 // Observation is one measurement made during a step.
 type Observation struct {
@@ -40,6 +47,7 @@ type Observation struct {
 	PromptTokens, CachedTokens int
 	Prefix                     PrefixChange
 	Seq                        SeqChange
+	Drafted, Accepted          int
 }
 
 // Observe hands observations to o; the prefix changes only when o also implements
@@ -47,6 +55,7 @@ type Observation struct {
 func Observe(o Observer, obs []Observation) {
 	po, _ := o.(PrefixObserver)
 	ro, _ := o.(ResidencyObserver)
+	do, _ := o.(DraftObserver)
 	for _, x := range obs {
 		switch x.Kind {
 		case ObsSeqChange:
@@ -67,6 +76,10 @@ func Observe(o Observer, obs []Observation) {
 			o.TokenLatency(x.D)
 		case ObsQuery:
 			o.Query(x.Pool, x.PromptTokens, x.CachedTokens)
+		case ObsDraft:
+			if do != nil {
+				do.Draft(x.Pool, x.Drafted, x.Accepted)
+			}
 		}
 	}
 }
@@ -358,6 +371,9 @@ type SessionTPS struct {
 	CtxTotal          int
 	CtxHeadroomTokens int
 	CtxPressure       float64 // the session's own pressure (sessionContext)
+	// DraftN, DraftAccepted: the running task's speculative proposals so far and the
+	// tokens of them accepted (llama-server's draft_n, draft_n_accepted).
+	DraftN, DraftAccepted int
 }
 
 // TPSSnapshot is one event of GET /polykv/tps.
@@ -388,6 +404,7 @@ func (s *Scheduler) sessionTPS(sl *slot, free int) SessionTPS {
 		st.TPSEWMA = t.ewma.RateAt(s.now)
 		st.Warming = t.ewma.Warming()
 		st.Decoded = t.generated
+		st.DraftN, st.DraftAccepted = t.draftN, t.draftAccepted
 	}
 	return st
 }

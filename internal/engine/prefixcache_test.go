@@ -59,7 +59,9 @@ func TestRandomTrafficWithPrefixCache(t *testing.T) {
 		}
 		for _, cache := range []bool{false, true} {
 			for _, nctx := range []int{256, 96} {
-				fuzzScheduler(t, slices.Clone(data), cache, nctx)
+				for _, spec := range []bool{false, true} {
+					fuzzScheduler(t, slices.Clone(data), cache, nctx, spec)
+				}
 			}
 		}
 	}

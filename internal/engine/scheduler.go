@@ -59,6 +59,10 @@ type Config struct {
 	// session lives); below it the request runs unpooled (issue 30). A request naming a
 	// pool by id attaches whatever it shares: its client asked for the pool.
 	AttachMin int
+	// Spec turns on speculative decoding (issue 23, speculative.go): every decoding
+	// session proposes drafts that the step verifies beside everything else.
+	// Not on a recurrent model (its state cannot be cut back past a rejected draft).
+	Spec Spec
 }
 
 // MaxSeqs is the largest n_seq_max llama.cpp accepts.
@@ -83,6 +87,11 @@ func (c Config) Validate() error {
 		return fmt.Errorf("attach minimum must not be negative, got %d", c.AttachMin)
 	case c.QueueTimeout < 0:
 		return fmt.Errorf("queue timeout must not be negative, got %s", c.QueueTimeout)
+	case c.Spec.On() && c.Recurrent:
+		return fmt.Errorf("speculative decoding needs sequences that can be cut back after a rejected draft; this model's recurrent state cannot")
+	}
+	if c.Spec.On() {
+		return c.Spec.withDefaults().validate()
 	}
 	return nil
 }
@@ -177,6 +186,16 @@ type task struct {
 	// why it was still waiting after the last admission pass (a Wait* reason).
 	queued time.Time
 	wait   string
+	// Speculative decoding (speculative.go): the most drafts proposed next (adapted to
+	// how the last ones fared), ngram-mod's progress over the context and its streak
+	// of poor proposals, and the totals proposed and accepted (Stats.DraftN).
+	draftCap              int
+	modFed, modLow        int
+	draftN, draftAccepted int
+	// specWait is how many more steps t decodes without drafting after proposals that
+	// were wholly rejected (specMisses of them in a row): a backoff, since every
+	// rejection costs a verification and the removal of its cells.
+	specWait, specMisses int
 }
 
 func (t *task) prefilling() bool { return t.slot != nil && len(t.slot.tokens) < len(t.req.Prompt) }
@@ -187,6 +206,10 @@ type inflight struct {
 	n      int  // tokens of this task in the batch
 	decode bool // a decode token (else a prefill chunk)
 	sample bool
+	// drafts (with decode) follow the decode token at the next positions, each
+	// sampled (speculative decoding); accepted is how many the samples confirmed.
+	drafts   []Token
+	accepted int
 }
 
 // Scheduler is PolyKV's batching state machine. It performs no I/O and reads no clock:
@@ -219,6 +242,8 @@ type Scheduler struct {
 
 	// cells mirrors the cache: which sequences share which cells (cellTree).
 	cells *cellTree
+	// mod is ngram-mod's table shared by all sessions (nil unless Config.Spec has it).
+	mod *ngramMod
 	// Prefix cache counters (issue 12): prompt tokens served from cached prefixes,
 	// and evictions of cached anonymous sequences' cells.
 	cacheHits      int64
@@ -262,6 +287,9 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	if cfg.TPSTau <= 0 {
 		cfg.TPSTau = tps.DefaultTau
 	}
+	if cfg.Spec.On() {
+		cfg.Spec = cfg.Spec.withDefaults()
+	}
 	cells := newCellTree(cfg.Parallel)
 	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
 		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools, cells), poolSeqs: map[int]*slot{}, inTier: map[int]bool{},
@@ -271,6 +299,9 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 		s.slots = append(s.slots, &slot{seq: i})
 	}
 	s.pools.SkipIDs(cfg.PoolIDFloor)
+	if slices.Contains(cfg.Spec.Types, SpecNgramMod) {
+		s.mod = newNgramMod(cfg.Spec.ModN)
+	}
 	return s, nil
 }
 
@@ -809,6 +840,7 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 			s.cacheHits += int64(t.cacheN)
 		}
 		t.ewma = tps.NewEWMA(s.cfg.TPSTau)
+		t.draftCap = s.cfg.Spec.DraftMax
 		s.adm.SessionSeated(t.req.SessionID, s.now)
 	}
 	sl.task = t
@@ -901,10 +933,25 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	// the cell tree counts them only once its Restored answer comes.
 	free := s.cfg.NCtx - s.usedCells() - s.tierPending()
 	planned := 0
+	// decoders still to plan: each needs one token of the budget and one cell, which
+	// drafts never take from them.
+	decoders := 0
+	for _, t := range s.running {
+		if t.hasNext {
+			decoders++
+		}
+	}
+	// spare is what drafts may use: cells free now beyond those promised to prompts
+	// being prefilled, so a draft never makes a prefill chunk evict anything.
+	spare := 0
+	if s.cfg.Spec.On() {
+		spare = free - s.reservedPrefill()
+	}
 	for _, t := range slices.Clone(s.running) {
 		if !t.hasNext {
 			continue
 		}
+		decoders--
 		if free == 0 {
 			free = s.freeCells(1, nil, planned)
 		}
@@ -913,11 +960,31 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 			s.finish(t, FinishLength, true, nil)
 			continue
 		}
-		batch = append(batch, BatchEntry{Token: t.next, Pos: len(t.slot.tokens), Seq: t.slot.seq, Sample: true, Task: t.id})
-		s.inflight = append(s.inflight, inflight{t: t, n: 1, decode: true, sample: true})
+		pos := len(t.slot.tokens)
+		batch = append(batch, BatchEntry{Token: t.next, Pos: pos, Seq: t.slot.seq, Sample: true, Task: t.id})
+		f := inflight{t: t, n: 1, decode: true, sample: true}
 		free--
+		spare--
 		planned++
 		budget--
+		if s.specOn(t) && t.specWait > 0 {
+			t.specWait--
+		} else if s.specOn(t) {
+			// Drafts use what the other decoders leave of the budget and only spare
+			// cells: they are gone again after the step, not worth an eviction.
+			k := min(s.specBudget(t), budget-decoders, spare-decoders)
+			if d := s.specDraft(t, k); len(d) > 0 {
+				for i, tok := range d {
+					batch = append(batch, BatchEntry{Token: tok, Pos: pos + 1 + i, Seq: t.slot.seq, Sample: true, Task: t.id, Draft: true})
+				}
+				f.drafts, f.n = d, 1+len(d)
+				free -= len(d)
+				spare -= len(d)
+				planned += len(d)
+				budget -= len(d)
+			}
+		}
+		s.inflight = append(s.inflight, f)
 	}
 	for _, t := range s.running {
 		if budget == 0 {
@@ -967,17 +1034,28 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 		}
 		return
 	}
-	s.measureStep(in, now)
 	si := 0
+	for i, f := range in {
+		if f.decode && len(f.drafts) > 0 && si < len(sampled) {
+			in[i].accepted = specAccepted(f.drafts, sampled[si:min(si+1+len(f.drafts), len(sampled))])
+		}
+		if f.sample {
+			si += 1 + len(f.drafts)
+		}
+	}
+	s.measureStep(in, now)
+	si = 0
 	for _, f := range in {
 		t := f.t
 		if f.decode {
-			s.cells.Append(t.slot.seq, []Token{t.next})
-			t.slot.tokens = append(t.slot.tokens, t.next)
-			t.hasNext = false
-			t.ewma.Observe(1, now)
-			s.obs = append(s.obs, Observation{Kind: ObsTokenLatency, D: now.Sub(t.lastTok)})
-			t.lastTok = now
+			if si+f.n > len(sampled) {
+				s.rmOp(t.slot.seq, len(t.slot.tokens))
+				s.finish(t, FinishError, false, fmt.Errorf("%w: backend returned %d samples for a batch that asked for more", ErrDecode, len(sampled)))
+				continue
+			}
+			s.commitDecode(f, sampled[si:si+f.n], now)
+			si += f.n
+			continue
 		} else {
 			have := len(t.slot.tokens)
 			s.cells.Append(t.slot.seq, t.req.Prompt[have:have+f.n])
@@ -997,6 +1075,50 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 			s.onToken(t, sampled[si])
 			si++
 		}
+	}
+}
+
+// commitDecode applies one decode token and its drafts (speculative decoding): the
+// decoded token joins the sequence, then each sample in turn is a generated token, and
+// while the task goes on and the sample confirms the next draft, that draft (already
+// in the cache) joins the sequence too. The cells of drafts past the first mismatch, or
+// past where the task ended, are removed with the next step's operations; the cell tree
+// never held them.
+func (s *Scheduler) commitDecode(f inflight, smp []Sampled, now time.Time) {
+	t, sl := f.t, f.t.slot
+	seq, pos := sl.seq, len(sl.tokens)
+	s.cells.Append(seq, []Token{t.next})
+	sl.tokens = append(sl.tokens, t.next)
+	t.hasNext = false
+	k := len(f.drafts)
+	a := specAccepted(f.drafts, smp)
+	if k > 0 {
+		t.draftN += k
+		t.draftAccepted += a
+		s.specAdapt(t, k, a)
+		s.obs = append(s.obs, Observation{Kind: ObsDraft, Pool: t.poolID(), Drafted: k, Accepted: a})
+	}
+	// The step made a+1 tokens (the EWMA takes them in one observation: it folds
+	// observations at one instant), and they share its time for inter-token latency.
+	t.ewma.Observe(a+1, now)
+	d := now.Sub(t.lastTok) / time.Duration(a+1)
+	t.lastTok = now
+	kept := pos + 1
+	for i := 0; i <= a; i++ {
+		s.obs = append(s.obs, Observation{Kind: ObsTokenLatency, D: d})
+		s.onToken(t, smp[i])
+		if !t.hasNext || i == a {
+			break // ended (its sequence may be gone), or the step's last token
+		}
+		// smp[i] == f.drafts[i]: that draft's cell at pos+1+i is now the sequence's.
+		s.cells.Append(seq, f.drafts[i:i+1])
+		sl.tokens = append(sl.tokens, f.drafts[i])
+		t.hasNext = false
+		kept++
+	}
+	if kept < pos+1+k && len(sl.tokens) == kept {
+		// Not the cell tree's: only the backend's cache holds these.
+		s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: seq, P0: kept, P1: -1})
 	}
 }
 
@@ -1044,7 +1166,8 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 		s.abandonPool(t.pool, t.restore, cmp.Or(err, ErrCancelled))
 		return
 	}
-	stats := Stats{PromptN: len(t.req.Prompt) - t.cacheN, CacheN: t.cacheN, PredictedN: t.generated, Seq: sl.seq}
+	stats := Stats{PromptN: len(t.req.Prompt) - t.cacheN, CacheN: t.cacheN, PredictedN: t.generated, Seq: sl.seq,
+		DraftN: t.draftN, DraftAccepted: t.draftAccepted}
 	if sl.base != nil {
 		stats.Pool = sl.base.ID
 		stats.Shared = sl.shared
@@ -1099,7 +1222,7 @@ func (s *Scheduler) measureStep(in []inflight, now time.Time) {
 	for _, f := range in {
 		switch {
 		case f.decode:
-			gen++
+			gen += 1 + f.accepted // accepted drafts are tokens generated in this step
 		case f.t.kind == kindGenerate && f.sample:
 			gen++ // the first token, sampled from the prompt's last position
 			prompt += f.n

@@ -119,6 +119,13 @@ func slotIO(sched *Scheduler, be Backend, msg Msg, res *Result) {
 			res.Err = errNoSlots
 			return
 		}
+		// Operations planned since the last step go first: a task that just ended may
+		// leave rejected draft cells that the next step would remove (speculative.go).
+		ops := sched.ops
+		sched.ops = nil
+		for _, m := range apply(be, Plan{SeqOps: ops}) {
+			sched.Step(sched.now, m) // a restore's answer
+		}
 		res.Data, res.Err = sb.SaveSeq(m.Seq)
 	case LoadSlot:
 		err := errNoSlots

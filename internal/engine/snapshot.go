@@ -28,6 +28,9 @@ type SlotInfo struct {
 	CtxTotal int
 	Headroom int
 	Pressure float64 // the session's own context pressure
+	// DraftN, DraftAccepted: the running task's speculative proposals and accepted
+	// draft tokens so far.
+	DraftN, DraftAccepted int
 }
 
 func slotState(sl *slot) string {
@@ -60,6 +63,7 @@ func (s *Scheduler) Slots() []SlotInfo {
 		if t := sl.task; t != nil {
 			info.Task = uint64(t.id)
 			info.Decoded = t.generated
+			info.DraftN, info.DraftAccepted = t.draftN, t.draftAccepted
 		}
 		out = append(out, info)
 	}

@@ -24,6 +24,9 @@ import (
 // Commands:
 //
 //	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR [cost=perdecode] [prefixcache=on] [queuetimeout=DUR] [attachmin=N]
+//	       [spec=TYPES draftmax=N draftmin=N] [repeat=N]
+//	                  spec: speculative decoding with these drafters (comma-separated);
+//	                  repeat: the fake model mostly repeats the token N back (fakeRepeater)
 //	submit name=X prompt=1..6;99 [session=S] [max=N] [pool=P | poolkey=P] [shared=N] [reservation=R] [overcommit] [nocache]
 //	                  poolkey: name pool P by its content key (prefix hash), as a router does
 //	pool name=P prompt=... [parent=Q d=N] [pin] [prefilled] [nowait]   create (or fork)
@@ -31,7 +34,7 @@ import (
 //	                  prefilled; nowait: return at once, the materialization is task P
 //	release|evict|pin|unpin|flush pool=P
 //	cancel name=X
-//	step [n=N]        plan, decode, commit; prints each batch and what ended
+//	step [n=N]        plan, decode, commit; prints each batch (drafts as seqS@P..Q?) and what ended
 //	run               step until idle; prints what ended
 //	advance d=DUR     move the clock
 //	state             sessions, pools and cells (checked against the fake cache)
@@ -101,6 +104,17 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 				cfg.QueueTimeout = dur(t, d, v)
 			case "recurrent":
 				cfg.Recurrent = v == "on"
+			case "spec":
+				types, err := ParseSpecTypes(v)
+				if err != nil {
+					d.Fatalf(t, "%v", err)
+				}
+				cfg.Spec.Types = types
+			case "draftmax":
+				cfg.Spec.DraftMax = atoi(t, d, v)
+			case "draftmin":
+				cfg.Spec.DraftMin = atoi(t, d, v)
+			case "repeat":
 			default:
 				d.Fatalf(t, "unknown config key %s", a.Key)
 			}
@@ -108,6 +122,9 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 		st.h, st.nended = newHarness(t, cfg), 0 // a new harness: its ended list starts empty
 		if arg(d, "cost") == "perdecode" {
 			st.h.stepCost = perDecodeCost
+		}
+		if v := arg(d, "repeat"); v != "" {
+			st.h.be.model = fakeRepeater(atoi(t, d, v))
 		}
 		st.tasks, st.names, st.pools, st.rsv = map[string]TaskID{}, map[TaskID]string{}, map[string]int{}, map[string]string{}
 		return "ok"
@@ -375,6 +392,9 @@ func (st *story) ended() {
 		if ev.Stats.Pool != 0 {
 			line += fmt.Sprintf(" pool=%d shared=%d", ev.Stats.Pool, ev.Stats.Shared)
 		}
+		if ev.Stats.DraftN != 0 {
+			line += fmt.Sprintf(" drafted=%d accepted=%d", ev.Stats.DraftN, ev.Stats.DraftAccepted)
+		}
 		if ev.Err != nil {
 			line += " err=" + ev.Err.Error()
 		}
@@ -392,14 +412,17 @@ func (st *story) printBatch(b []BatchEntry) {
 	var parts []string
 	for i := 0; i < len(b); {
 		j := i
-		for j+1 < len(b) && b[j+1].Seq == b[i].Seq && b[j+1].Pos == b[j].Pos+1 {
+		for j+1 < len(b) && b[j+1].Seq == b[i].Seq && b[j+1].Pos == b[j].Pos+1 && b[j+1].Draft == b[i].Draft {
 			j++
 		}
 		p := fmt.Sprintf("seq%d@%d", b[i].Seq, b[i].Pos)
 		if j > i {
 			p = fmt.Sprintf("seq%d@%d..%d", b[i].Seq, b[i].Pos, b[j].Pos)
 		}
-		if b[j].Sample {
+		switch {
+		case b[i].Draft:
+			p += "?" // speculative drafts, each sampled while the earlier ones hold
+		case b[j].Sample:
 			p += "*"
 		}
 		parts = append(parts, p)

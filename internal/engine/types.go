@@ -66,6 +66,9 @@ type Request struct {
 	// NoPrefixCache: do not start from another sequence's cached prefix, prefill the
 	// whole prompt (cache_prompt: false; a cold reference for comparisons).
 	NoPrefixCache bool
+	// Spec is the request's own speculative decoding settings (speculative: false,
+	// speculative.n_max, speculative.n_min); the zero value follows the server's.
+	Spec SpecRequest
 }
 
 // Finish reasons, as OpenAI names them.
@@ -86,8 +89,12 @@ type Stats struct {
 	Seq         int           // sequence the task ran on
 	Pool        int           // pool the sequence is attached to (0: none)
 	Shared      int           // leading tokens borrowed from that pool
-	TPS         float64       // experienced decode tps (EWMA) at the end
-	Ctx         SessionCtx    // the sequence's own context pressure at the end
+	// DraftN are the draft tokens proposed for the task and verified (speculative
+	// decoding), DraftAccepted those the model agreed with (llama-server's draft_n and
+	// draft_n_accepted); accepted drafts are part of PredictedN.
+	DraftN, DraftAccepted int
+	TPS                   float64    // experienced decode tps (EWMA) at the end
+	Ctx                   SessionCtx // the sequence's own context pressure at the end
 }
 
 // TokenLogprob is one sampled token with its log-probability and, when the task asked
@@ -137,6 +144,11 @@ type BatchEntry struct {
 	Seq    int
 	Sample bool   // sample the next token from this entry's output
 	Task   TaskID // whose sampler to use when Sample is set
+	// Draft marks a speculative draft token (with Sample set): it is only sampled when
+	// the task's previous sampled token in this batch equals Token (every earlier draft
+	// of the task was accepted); otherwise its Sampled is NotDrawn and the task's
+	// sampler is not touched. A task's entries are in position order.
+	Draft bool
 }
 
 // Sampled is the token drawn for a batch entry with Sample set.
@@ -150,7 +162,8 @@ type Sampled struct {
 
 // Backend executes what the scheduler plans. Only the engine goroutine calls it.
 type Backend interface {
-	// Decode runs the batch and returns one Sampled per entry with Sample set, in order.
+	// Decode runs the batch and returns one Sampled per entry with Sample set, in order
+	// (NotDrawn for a Draft entry past a rejected draft, see BatchEntry.Draft).
 	Decode(batch []BatchEntry) ([]Sampled, error)
 	// SeqRm removes seq's cells in [p0, p1) (p1 < 0: to the end).
 	SeqRm(seq, p0, p1 int) bool

@@ -44,6 +44,9 @@ func (p Policy) Configure(c *engine.Config) (prefixCacheOff bool) {
 	}
 	c.Recurrent = true
 	prefixCacheOff, c.PrefixCache = c.PrefixCache, false
+	// Speculative decoding off too: recurrent state cannot be cut back past a rejected
+	// draft (llama.cpp keeps one state per sequence, not one per position).
+	c.Spec = engine.Spec{}
 	return prefixCacheOff
 }
 

@@ -226,9 +226,20 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 		b.anchorNewCells(batch)
 	}
 	var out []engine.Sampled
+	// last is each task's previous sample in this batch: a speculative draft is only
+	// sampled when that sample confirms it, so the sampler (its RNG, penalty history,
+	// grammar) advances over exactly the tokens plain decoding would give it.
+	last := map[engine.TaskID]llama.Token{}
 	for i, e := range batch {
 		if !e.Sample {
 			continue
+		}
+		if e.Draft {
+			if prev, ok := last[e.Task]; !ok || prev != e.Token {
+				last[e.Task] = engine.NotDrawn
+				out = append(out, engine.Sampled{Token: engine.NotDrawn})
+				continue
+			}
 		}
 		smp, ok := b.samplers[e.Task]
 		if !ok {
@@ -243,6 +254,7 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 		if smp.lazy != nil {
 			b.watchFreeText(e.Task, smp, tok)
 		}
+		last[e.Task] = tok
 		s := engine.Sampled{Token: tok}
 		if smp.logprobs {
 			s.Logprob, s.Top = logprobs(b.ctx.Logits(i), tok, smp.nProbs)

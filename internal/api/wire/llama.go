@@ -77,6 +77,15 @@ type PolyKVProps struct {
 	PoolTier    *PoolTierProps   `json:"pool_tier,omitempty"`
 	PrefixCache PrefixCacheProps `json:"prefix_cache"`
 	TPS         TPSProps         `json:"tps"`
+	// Speculative is the speculative decoding in force (--spec-type): absent when off.
+	Speculative *SpeculativeProps `json:"speculative,omitempty"`
+}
+
+// SpeculativeProps describe speculative decoding in /props.
+type SpeculativeProps struct {
+	Types    []string `json:"types"` // drafters, tried in order
+	DraftMax int      `json:"draft_max"`
+	DraftMin int      `json:"draft_min"`
 }
 
 // PrefixCacheProps describe automatic prefix sharing (--prefix-cache) in /props.
@@ -130,6 +139,10 @@ type Slot struct {
 	CtxTotal          int     `json:"ctx_total"`
 	CtxHeadroomTokens int     `json:"ctx_headroom_tokens"`
 	CtxPressure       float64 `json:"ctx_pressure"` // the session's own context pressure
+	// DraftN, DraftNAccepted: the running request's speculative draft tokens verified
+	// and accepted so far (only once it drafted any).
+	DraftN         *int `json:"draft_n,omitempty"`
+	DraftNAccepted *int `json:"draft_n_accepted,omitempty"`
 	// A waiting request (state "waiting", id -1: no sequence yet) says why it waits
 	// (pool, prefix, session, sequence, cells, queue, admission), since when, and how
 	// long its prompt is.

@@ -33,6 +33,12 @@ type GenParams struct {
 	// CachePrompt false (llama-server's name): prefill the whole prompt rather than
 	// start from a cached prefix of another sequence (a cold reference).
 	CachePrompt *bool `json:"cache_prompt"`
+	// Speculative is false to turn speculative decoding off for the request, or an
+	// object {"n_max", "n_min"} bounding its drafts; SpecNMax and SpecNMin are
+	// llama-server's flat fields speculative.n_max and speculative.n_min.
+	Speculative json.RawMessage `json:"speculative"`
+	SpecNMax    *int            `json:"speculative.n_max"`
+	SpecNMin    *int            `json:"speculative.n_min"`
 }
 
 // Params returns the generation fields themselves. Every request type that embeds
@@ -205,6 +211,10 @@ type Timings struct {
 	PromptPerSecond     float64 `json:"prompt_per_second"`
 	PromptPerTokenMs    float64 `json:"prompt_per_token_ms"`
 	TPSEWMA             float64 `json:"tps_ewma"`
+	// DraftN and DraftNAccepted (llama-server's names): speculative draft tokens
+	// verified for the request and those accepted; only when it drafted any.
+	DraftN         *int `json:"draft_n,omitempty"`
+	DraftNAccepted *int `json:"draft_n_accepted,omitempty"`
 }
 
 // SessionCtx is one session's own context pressure: what its sequence holds against

@@ -214,4 +214,8 @@ type SessionTPS struct {
 	CtxTotal          int     `json:"ctx_total"`
 	CtxHeadroomTokens int     `json:"ctx_headroom_tokens"`
 	CtxPressure       float64 `json:"ctx_pressure"` // the session's own pressure
+	// DraftN, DraftNAccepted: the running request's speculative draft tokens verified
+	// and accepted so far (only once it drafted any).
+	DraftN         *int `json:"draft_n,omitempty"`
+	DraftNAccepted *int `json:"draft_n_accepted,omitempty"`
 }

@@ -103,7 +103,9 @@ func (Vocab) CheckGrammar(string) error { return nil }
 // last entry repeats), its logprob is TopLogprob(0), and the NProbs alternatives are
 // the sampled token followed by the next token ids, with logprobs TopLogprob(1), ….
 // It tracks each sequence's length and fails a batch that breaks position
-// contiguity, so a scheduling bug shows up as an error rather than silently.
+// contiguity, so a scheduling bug shows up as an error rather than silently. A
+// speculative Draft entry is sampled only when the task's previous sample in the batch
+// equals its token (engine.BatchEntry.Draft), else it is engine.NotDrawn.
 type Backend struct {
 	mu       sync.Mutex
 	script   []engine.Token
@@ -136,6 +138,7 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	var out []engine.Sampled
+	last := map[engine.TaskID]engine.Token{}
 	for _, e := range batch {
 		if e.Pos != b.seqLen[e.Seq] {
 			return nil, fmt.Errorf("enginetest: seq %d gets pos %d but holds %d tokens", e.Seq, e.Pos, b.seqLen[e.Seq])
@@ -148,8 +151,14 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 		if !ok {
 			return nil, fmt.Errorf("enginetest: sampling for task %d without a sampler", e.Task)
 		}
+		if prev, ok := last[e.Task]; e.Draft && (!ok || prev != e.Token) {
+			last[e.Task] = engine.NotDrawn
+			out = append(out, engine.Sampled{Token: engine.NotDrawn})
+			continue
+		}
 		tok := b.script[min(s.drawn, len(b.script)-1)]
 		s.drawn++
+		last[e.Task] = tok
 		smp := engine.Sampled{Token: tok}
 		if s.logprobs {
 			smp.Logprob = TopLogprob(0)

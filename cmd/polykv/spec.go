@@ -1,0 +1,294 @@
+package main
+
+import (
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/polykv/polykv/internal/app"
+	"github.com/polykv/polykv/internal/engine"
+)
+
+// specBench is issue 23's speculative decoding benchmark. Two workloads: edit (each of N
+// agents gets a JSON document of about 600 tokens and asks for it back with one field
+// changed: an answer that mostly copies its context, which is what agents' tool-call
+// arguments and file edits look like) and chat (N agents ask for a short story: little
+// to copy). Every request is greedy. One server per N runs with speculation on; each
+// round runs the workload with speculative false and then with speculation, so both see
+// the same machine state, and the outputs of the two must be identical.
+type specBench struct {
+	agents    string // agent counts N
+	workloads string // edit, chat
+	types     string // --spec-type for the benchmark when the server flag is none
+	chatGen   int    // tokens each chat agent decodes
+	// llamaServer, when set, is a llama-server binary run on the same workloads: one
+	// instance without speculation, one with --spec-type ngram-mod (its defaults).
+	llamaServer string
+}
+
+// specResult is one run of one workload in one mode.
+type specResult struct {
+	texts            []string
+	predicted        int           // generated tokens, all agents
+	span             time.Duration // the longest decode phase (first token to end)
+	drafted, accepts int
+}
+
+// decodeTPS is the run's aggregate decode speed: generated tokens over the longest
+// agent's decode phase (the agents start together, so the decode phases overlap; for
+// one agent it is its predicted_per_second). Prefill is left out: both modes share it.
+func (r specResult) decodeTPS() float64 {
+	if r.span <= 0 {
+		return 0
+	}
+	return float64(r.predicted) / r.span.Seconds()
+}
+
+// specDoc is agent i's JSON document: a service configuration of about 600 tokens
+// (SmolLM2's tokenizer), with a "status" field the edit changes.
+func specDoc(i int) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "{\n  \"service\": \"billing-api-%d\",\n  \"version\": \"2.%d.0\",\n  \"status\": \"active\",\n", i, 10+i)
+	fmt.Fprintf(&b, "  \"owner\": {\"team\": \"payments\", \"email\": \"payments-%d@example.com\", \"oncall\": \"pager-%d\"},\n", i, i%7)
+	b.WriteString("  \"regions\": [\"eu-west-1\", \"us-east-2\", \"ap-south-1\"],\n  \"features\": [\n")
+	names := []string{"invoices", "refunds", "disputes", "ledger", "payouts", "webhooks", "reports", "exports", "alerts", "audit", "tax", "currency"}
+	for j, name := range names {
+		sep := ","
+		if j == len(names)-1 {
+			sep = ""
+		}
+		fmt.Fprintf(&b, "    {\"name\": \"%s\", \"enabled\": %v, \"rollout\": %d, \"timeout_ms\": %d, \"retries\": %d}%s\n",
+			name, (i+j)%3 != 0, (j*17+i*5)%100, 250*(1+(i+j)%8), (i+j)%4, sep)
+	}
+	b.WriteString("  ],\n  \"limits\": {\"requests_per_minute\": 1200, \"burst\": 200, \"max_body_bytes\": 1048576},\n")
+	fmt.Fprintf(&b, "  \"database\": {\"host\": \"db-%d.internal\", \"port\": 5432, \"pool_size\": %d, \"replicas\": 2}\n}", i, 10+i%5)
+	return b.String()
+}
+
+// specMessages is agent i's request in workload w.
+func specMessages(w string, i int) []map[string]any {
+	if w == "edit" {
+		return []map[string]any{
+			{"role": "system", "content": "You are a precise JSON editor."},
+			{"role": "user", "content": "Here is a JSON document:\n```json\n" + specDoc(i) +
+				"\n```\nReturn the same JSON document with \"status\" changed to \"archived\". Output only the JSON, nothing else."},
+		}
+	}
+	topics := []string{"a lighthouse keeper", "a lost robot", "a baker in Paris", "a dragon who hates gold", "two rival chess players",
+		"a city under the sea", "a time-travelling cat", "the last tree on Mars"}
+	return []map[string]any{
+		{"role": "system", "content": "You are a helpful assistant."},
+		{"role": "user", "content": "Write a short story about " + topics[i%len(topics)] + "."},
+	}
+}
+
+func (sb specBench) run(cfg app.Config, reps int) error {
+	ns, err := parseCounts(sb.agents, maxBenchSessions)
+	if err != nil {
+		return err
+	}
+	if _, err := engine.ParseSpecTypes(cfg.SpecType); err != nil {
+		return err
+	}
+	if types, _ := engine.ParseSpecTypes(cfg.SpecType); len(types) == 0 {
+		cfg.SpecType = sb.types
+	}
+	workloads := strings.Split(sb.workloads, ",")
+	for _, w := range workloads {
+		if w != "edit" && w != "chat" {
+			return fmt.Errorf("bench: unknown spec workload %q (edit, chat)", w)
+		}
+	}
+	fmt.Printf("speculative decoding: %s, --spec-type %s, --draft-max %d, --draft-min %d, --spec-ngram-min %d, %d threads; decode tok/s = generated tokens / longest decode phase; best of %d, off and on alternating\n\n",
+		cfg.ModelPath, cfg.SpecType, cfg.DraftMax, cfg.DraftMin, cfg.SpecNgramMin, cfg.Threads, reps)
+	fmt.Println("server       workload   N  off tok/s  on tok/s  on/off  drafted  accepted  accept%  tokens  same output")
+	for _, n := range ns {
+		c := cfg
+		c.Parallel = n
+		// Every agent's prompt and answer fit at once, twice over (the prefix cache keeps
+		// the finished ones).
+		c.NCtx = max(cfg.NCtx, 2*n*1600)
+		a, srv, base, err := serveApp(c)
+		if err != nil {
+			return err
+		}
+		for _, w := range workloads {
+			if err := sb.compare("polykv", base, base, w, n, reps); err != nil {
+				srv.Close()
+				a.Close()
+				return err
+			}
+		}
+		srv.Close()
+		a.Close()
+		if sb.llamaServer != "" {
+			if err := sb.llama(c, workloads, n, reps); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// llama runs the workloads on llama-server: one instance without speculation and one
+// with --spec-type ngram-mod, as many slots as agents, the same context and threads.
+func (sb specBench) llama(c app.Config, workloads []string, n, reps int) error {
+	args := []string{"-m", c.ModelPath, "-c", strconv.Itoa(c.NCtx), "-np", strconv.Itoa(n), "-t", strconv.Itoa(c.Threads), "-b", strconv.Itoa(c.NBatch)}
+	off, offBase, err := startLlamaServer(sb.llamaServer, args)
+	if err != nil {
+		return err
+	}
+	defer stopProcess(off)
+	on, onBase, err := startLlamaServer(sb.llamaServer, append(args, "--spec-type", "ngram-mod"))
+	if err != nil {
+		return err
+	}
+	defer stopProcess(on)
+	for _, w := range workloads {
+		if err := sb.compare("llama-server", offBase, onBase, w, n, reps); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// startLlamaServer starts bin with args on a free loopback port and waits until its
+// /health answers.
+func startLlamaServer(bin string, args []string) (*exec.Cmd, string, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, "", err
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+	cmd := exec.Command(bin, append(args, "--host", "127.0.0.1", "--port", strconv.Itoa(port))...)
+	cmd.Stdout, cmd.Stderr = nil, nil
+	if err := cmd.Start(); err != nil {
+		return nil, "", err
+	}
+	base := fmt.Sprintf("http://127.0.0.1:%d", port)
+	for deadline := time.Now().Add(2 * time.Minute); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		if resp, err := http.Get(base + "/health"); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return cmd, base, nil
+			}
+		}
+	}
+	stopProcess(cmd)
+	return nil, "", fmt.Errorf("bench: %s did not become healthy", bin)
+}
+
+func stopProcess(cmd *exec.Cmd) {
+	_ = cmd.Process.Signal(os.Interrupt)
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		_ = cmd.Process.Kill()
+		<-done
+	}
+}
+
+// compare runs workload w with N agents reps times in each mode, alternating, and prints
+// one row: off on offBase (with speculative false), on on onBase (PolyKV: the same
+// server; llama-server: a second instance with speculation).
+func (sb specBench) compare(server, offBase, onBase, w string, n, reps int) error {
+	// An untimed round fills the prefix caches with every agent's prompt, so neither
+	// mode pays a prefill the other does not.
+	for _, base := range []string{offBase, onBase} {
+		if _, err := sb.once(base, w, n, true, 1); err != nil {
+			return err
+		}
+	}
+	var best [2]specResult
+	var bestTPS [2]float64
+	same, tokens := true, 0
+	for range reps {
+		var res [2]specResult
+		for m, on := range []bool{false, true} {
+			base := offBase
+			if on {
+				base = onBase
+			}
+			r, err := sb.once(base, w, n, on, 0)
+			if err != nil {
+				return err
+			}
+			res[m] = r
+			if tps := r.decodeTPS(); tps > bestTPS[m] {
+				best[m], bestTPS[m] = r, tps
+			}
+		}
+		for i := range res[0].texts {
+			same = same && res[0].texts[i] == res[1].texts[i]
+		}
+		tokens = res[1].predicted
+	}
+	on := best[1]
+	acc := 0.0
+	if on.drafted > 0 {
+		acc = 100 * float64(on.accepts) / float64(on.drafted)
+	}
+	fmt.Printf("%-12s %-8s %3d  %9.1f  %8.1f  %6.2f  %7d  %8d  %6.1f%%  %6d  %v\n", server, w, n, bestTPS[0], bestTPS[1], bestTPS[1]/bestTPS[0],
+		on.drafted, on.accepts, acc, tokens, same)
+	return nil
+}
+
+// once runs workload w: N agents at once, greedy, with speculation on or off; maxTokens
+// 0 is the workload's own length.
+func (sb specBench) once(base, w string, n int, on bool, maxTokens int) (specResult, error) {
+	if maxTokens == 0 {
+		maxTokens = sb.chatGen
+		if w == "edit" {
+			maxTokens = 900 // past the end of the document: the model stops at its end
+		}
+	}
+	type reply struct {
+		Choices []struct {
+			Message struct {
+				Content string `json:"content"`
+			} `json:"message"`
+		} `json:"choices"`
+		Timings struct {
+			PredictedN     int     `json:"predicted_n"`
+			PredictedMs    float64 `json:"predicted_ms"`
+			DraftN         int     `json:"draft_n"`
+			DraftNAccepted int     `json:"draft_n_accepted"`
+		} `json:"timings"`
+	}
+	out := make([]reply, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			body := map[string]any{"messages": specMessages(w, i), "max_tokens": maxTokens, "temperature": 0, "speculative": on}
+			errs[i] = postInto(base+"/v1/chat/completions", body, &out[i])
+		}()
+	}
+	wg.Wait()
+	var r specResult
+	for i := range n {
+		if errs[i] != nil {
+			return r, errs[i]
+		}
+		tm := out[i].Timings
+		if len(out[i].Choices) > 0 {
+			r.texts = append(r.texts, out[i].Choices[0].Message.Content)
+		}
+		r.predicted += tm.PredictedN
+		r.span = max(r.span, time.Duration(tm.PredictedMs*float64(time.Millisecond)))
+		r.drafted += tm.DraftN
+		r.accepts += tm.DraftNAccepted
+	}
+	return r, nil
+}

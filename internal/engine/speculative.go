@@ -1,0 +1,368 @@
+package engine
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+)
+
+// Speculative decoding (issue 23). Each decoding session may propose draft tokens that
+// continue its own context; the step verifies every proposal in the same batch as the
+// other sessions' decode tokens and prefill chunks, and the session keeps the drafts the
+// model agrees with plus the token the model chose after them.
+//
+// The batch holds, for a session at position n, its next token at n (Sample set, as
+// without drafts) and then draft d_0..d_{k-1} at n+1..n+k, each with Sample and Draft
+// set. The backend samples the entries of one task in order, and samples a Draft entry
+// only if the task's previous sample equals that entry's token (the draft so far is
+// accepted); past the first mismatch it returns NotDrawn and does not touch the
+// sampler. So the sampler (its RNG, penalty history, grammar) sees exactly the tokens it
+// would have seen one step at a time, and with batch-invariant logits every sample is
+// the one a plain decode would have drawn: greedy and seeded sampling alike give the
+// same output with and without speculation. With sampling this is standard speculative
+// sampling for a draft that is a point mass: a draft is kept with the model's
+// probability of it, and on a rejection the token drawn is the model's draw conditioned
+// on not being the draft, so the output distribution is the model's.
+//
+// Drafting is pure: tokens in, a proposal out (ngramLookup, ngramMod), all state in
+// the scheduler. The cells of rejected drafts are removed (an OpSeqRm planned with the
+// next step) and never enter the cell tree.
+
+// Speculation types (--spec-type), named as llama-server names its n-gram drafters.
+const (
+	// SpecNgramSimple looks the end of the session's own context (its prompt, the
+	// tokens it borrows from its pool, what it generated) up in that context and
+	// proposes what followed the longest most recent match (prompt lookup decoding).
+	SpecNgramSimple = "ngram-simple"
+	// SpecNgramMod is llama.cpp's ngram-mod: one hashed table of n-gram → next token
+	// shared by every session (what one agent wrote drafts for another), fed with each
+	// session's context.
+	SpecNgramMod = "ngram-mod"
+	// SpecNone turns speculation off.
+	SpecNone = "none"
+)
+
+// SpecTypes are the drafters the engine implements, in the order flag help lists them.
+var SpecTypes = []string{SpecNgramSimple, SpecNgramMod}
+
+// Spec configures speculative decoding (Config.Spec).
+type Spec struct {
+	// Types are the drafters tried, in order, for every decoding session in every step:
+	// the first proposal of at least DraftMin tokens is verified. Empty: off.
+	Types []string
+	// DraftMax is the most tokens a session proposes in one step; DraftMin the fewest
+	// worth verifying (a shorter proposal is dropped).
+	DraftMax, DraftMin int
+	// NgramMin is the shortest suffix of the context ngram-simple matches (default
+	// 3); NgramMax the longest it tries to extend a match to (default 16).
+	NgramMin, NgramMax int
+	// ModN is ngram-mod's n-gram length (llama.cpp's n_match; default 24).
+	ModN int
+}
+
+// Spec defaults. DraftMax 16: on a CPU a verification's cost grows with its tokens, so
+// a long run of rejected drafts is not free; the adaptive cap (task.draftCap) halves it
+// after rejections anyway.
+const (
+	DefaultDraftMax = 16
+	DefaultNgramMin = 3
+	DefaultNgramMax = 16
+	DefaultModN     = 24
+	// MaxDraft bounds --draft-max and a request's speculative.n_max.
+	MaxDraft = 256
+	// modSize is ngram-mod's table (entries of 4 bytes): llama.cpp uses 4M entries;
+	// one million suffice for the 25% occupancy at which the table is reset.
+	modSize = 1 << 20
+)
+
+// On reports whether any drafter is configured.
+func (sp Spec) On() bool { return len(sp.Types) > 0 }
+
+// ParseSpecTypes reads a comma-separated --spec-type list ("none" or empty: off).
+func ParseSpecTypes(v string) ([]string, error) {
+	var out []string
+	for _, name := range strings.Split(v, ",") {
+		name = strings.TrimSpace(name)
+		switch {
+		case name == "" || name == SpecNone:
+			continue
+		case !slices.Contains(SpecTypes, name):
+			return nil, fmt.Errorf("unknown speculation type %q: want none or a comma-separated list of %s", name, strings.Join(SpecTypes, ", "))
+		case slices.Contains(out, name):
+			return nil, fmt.Errorf("speculation type %q listed twice", name)
+		}
+		out = append(out, name)
+	}
+	if strings.Contains(","+v+",", ","+SpecNone+",") && len(out) > 0 {
+		return nil, fmt.Errorf("speculation type none cannot be combined with others (%q)", v)
+	}
+	return out, nil
+}
+
+// withDefaults fills the zero fields.
+func (sp Spec) withDefaults() Spec {
+	if sp.DraftMax == 0 {
+		sp.DraftMax = DefaultDraftMax
+	}
+	if sp.NgramMin == 0 {
+		sp.NgramMin = DefaultNgramMin
+	}
+	if sp.NgramMax == 0 {
+		sp.NgramMax = DefaultNgramMax
+	}
+	if sp.ModN == 0 {
+		sp.ModN = DefaultModN
+	}
+	return sp
+}
+
+// validate checks a configuration (with defaults filled).
+func (sp Spec) validate() error {
+	for _, t := range sp.Types {
+		if !slices.Contains(SpecTypes, t) {
+			return fmt.Errorf("unknown speculation type %q (want %s)", t, strings.Join(SpecTypes, ", "))
+		}
+	}
+	switch {
+	case sp.DraftMax < 1 || sp.DraftMax > MaxDraft:
+		return fmt.Errorf("draft max must be in 1..%d, got %d", MaxDraft, sp.DraftMax)
+	case sp.DraftMin < 0 || sp.DraftMin > sp.DraftMax:
+		return fmt.Errorf("draft min must be in 0..draft max (%d), got %d", sp.DraftMax, sp.DraftMin)
+	case sp.NgramMin < 1 || sp.NgramMax < sp.NgramMin:
+		return fmt.Errorf("n-gram lengths must satisfy 1 <= min <= max, got %d and %d", sp.NgramMin, sp.NgramMax)
+	case sp.ModN < 1:
+		return fmt.Errorf("ngram-mod length must be positive, got %d", sp.ModN)
+	}
+	return nil
+}
+
+// SpecRequest is a request's own speculation settings (llama-server's speculative.*
+// request fields).
+type SpecRequest struct {
+	Off bool // speculative: false
+	// NMax, NMin override the server's DraftMax and DraftMin when set (NMax 0: off).
+	NMax, NMin *int
+}
+
+// NotDrawn is the token of a Sampled for a Draft entry the backend did not sample: an
+// earlier draft of the same task was rejected.
+const NotDrawn Token = -1
+
+// specDraft is the proposal for t, whose next token (t.next, not yet decoded) will sit
+// at position len(t.slot.tokens), of at most k tokens; nil when none is worth verifying.
+func (s *Scheduler) specDraft(t *task, k int) []Token {
+	sp := s.cfg.Spec
+	minN := sp.DraftMin
+	if t.req.Spec.NMin != nil {
+		minN = *t.req.Spec.NMin
+	}
+	k = min(k, t.draftCap)
+	if k < max(minN, 1) {
+		return nil
+	}
+	ctx := t.slot.tokens
+	for _, typ := range sp.Types {
+		var d []Token
+		switch typ {
+		case SpecNgramSimple:
+			d = ngramLookup(ctx, t.next, sp.NgramMin, sp.NgramMax, k)
+		case SpecNgramMod:
+			s.modFeed(t)
+			d = s.mod.draft(ctx, t.next, k)
+		}
+		if len(d) >= max(minN, 1) {
+			return d
+		}
+	}
+	return nil
+}
+
+// specOn reports whether t drafts: a generating task of a server with speculation on
+// that did not turn it off, without a grammar. A grammar-constrained request does not
+// speculate: verification would be exact (the grammar sampler accepts tokens one by
+// one and stops at the first mismatch like any other), but a draft the grammar forbids
+// is a wasted verification, and grammar-filtered drafting is not built.
+func (s *Scheduler) specOn(t *task) bool {
+	if !s.cfg.Spec.On() || t.kind != kindGenerate || t.req.Spec.Off || t.req.Sampling.Grammar != "" {
+		return false
+	}
+	return t.req.Spec.NMax == nil || *t.req.Spec.NMax > 0
+}
+
+// specBudget is the most tokens t may draft now: its cap, what max_tokens leaves after
+// the token this step samples anyway, and the context (no position reaches n_ctx).
+func (s *Scheduler) specBudget(t *task) int {
+	k := s.cfg.Spec.DraftMax
+	if t.req.Spec.NMax != nil {
+		k = *t.req.Spec.NMax
+	}
+	if t.req.MaxTokens > 0 {
+		k = min(k, t.req.MaxTokens-t.generated-1)
+	}
+	// t.next sits at len(tokens); draft i at len(tokens)+1+i must stay below n_ctx.
+	return min(k, s.cfg.NCtx-1-len(t.slot.tokens))
+}
+
+// specAccepted is how many of drafts the samples confirm: sample i is the model's token
+// after draft i-1 (after the decoded token for i = 0), so draft i stands when sample i
+// equals it and every earlier draft stood.
+func specAccepted(drafts []Token, smp []Sampled) int {
+	a := 0
+	for a < len(drafts) && a < len(smp) && smp[a].Token == drafts[a] {
+		a++
+	}
+	return a
+}
+
+// specMaxWait bounds the backoff after wholly rejected proposals (task.specWait).
+const specMaxWait = 32
+
+// specAdapt updates t's draft cap from one verification: a fully accepted proposal
+// doubles it (up to DraftMax), a rejected one shrinks it to what was accepted plus one,
+// so a session whose text stopped repeating soon proposes little, and one copying text
+// grows back to long proposals within a few steps.
+func (s *Scheduler) specAdapt(t *task, k, a int) {
+	if k == 0 {
+		return
+	}
+	if a == k {
+		t.draftCap = min(max(t.draftCap, 1)*2, s.cfg.Spec.DraftMax)
+	} else {
+		t.draftCap = max(a+1, 1)
+	}
+	// Wholly rejected proposals back off: 1, 2, 4, ... up to specMaxWait steps without
+	// drafting, until a proposal gets a token accepted. Text that does not repeat its
+	// context (plain chat) then rarely pays for a verification.
+	if a == 0 {
+		t.specMisses++
+		t.specWait = min(1<<min(t.specMisses-1, 10), specMaxWait)
+	} else {
+		t.specMisses = 0
+	}
+	if s.mod != nil {
+		// llama.cpp's ngram-mod: a session whose proposals keep failing (under a
+		// quarter accepted, five times running) resets the shared table, which has
+		// filled with n-grams that no longer predict anything.
+		if 4*a < k {
+			t.modLow++
+			if t.modLow >= 5 {
+				s.mod.reset()
+				for _, r := range s.running {
+					r.modFed = 0
+				}
+				t.modLow = 0
+			}
+		} else {
+			t.modLow = 0
+		}
+	}
+}
+
+// ngramLookup proposes up to k tokens continuing ctx followed by last: it finds the
+// longest suffix of that sequence (at least minN tokens, at most maxN) that also occurs
+// earlier in it, the most recent such occurrence, and proposes the tokens that followed
+// it. nil when no suffix of minN tokens recurs.
+func ngramLookup(ctx []Token, last Token, minN, maxN, k int) []Token {
+	n := len(ctx) + 1
+	at := func(i int) Token {
+		if i == len(ctx) {
+			return last
+		}
+		return ctx[i]
+	}
+	best, bestEnd := 0, -1
+	// j is where an earlier occurrence of the suffix ends (it is followed by j+1).
+	for j := n - 2; j >= 0 && best < maxN; j-- {
+		if ctx[j] != last {
+			continue
+		}
+		m := 1
+		for m < maxN && j-m >= 0 && ctx[j-m] == at(n-1-m) {
+			m++
+		}
+		if m > best {
+			best, bestEnd = m, j
+		}
+	}
+	if best < minN {
+		return nil
+	}
+	out := make([]Token, 0, k)
+	for i := bestEnd + 1; i < n && len(out) < k; i++ {
+		out = append(out, at(i))
+	}
+	return out
+}
+
+// ngramMod is llama.cpp's common_ngram_mod: a fixed table indexed by a hash of n
+// tokens, holding the token that last followed them (collisions overwrite).
+type ngramMod struct {
+	n       int
+	entries []Token
+	used    int
+}
+
+func newNgramMod(n int) *ngramMod {
+	m := &ngramMod{n: n, entries: make([]Token, modSize)}
+	m.reset()
+	return m
+}
+
+func (m *ngramMod) reset() {
+	for i := range m.entries {
+		m.entries[i] = NotDrawn
+	}
+	m.used = 0
+}
+
+// idx hashes n tokens as llama.cpp does.
+func (m *ngramMod) idx(toks []Token) int {
+	var h uint64
+	for _, t := range toks[:m.n] {
+		h = h*6364136223846793005 + uint64(int64(t))
+	}
+	return int(h % uint64(len(m.entries)))
+}
+
+// add records that toks[n] followed toks[:n].
+func (m *ngramMod) add(toks []Token) {
+	i := m.idx(toks)
+	if m.entries[i] == NotDrawn {
+		m.used++
+	}
+	m.entries[i] = toks[m.n]
+}
+
+// draft chains lookups from the last n tokens of ctx+last, up to k tokens.
+func (m *ngramMod) draft(ctx []Token, last Token, k int) []Token {
+	if len(ctx)+1 < m.n {
+		return nil
+	}
+	win := make([]Token, 0, m.n+k)
+	win = append(win, ctx[len(ctx)-(m.n-1):]...)
+	win = append(win, last)
+	for range k {
+		tok := m.entries[m.idx(win[len(win)-m.n:])]
+		if tok == NotDrawn {
+			break
+		}
+		win = append(win, tok)
+	}
+	return win[m.n:]
+}
+
+// modFeed adds the n-grams of t's context it has not added yet (the whole prompt on the
+// first call: its pool's tokens too), and resets the table past a quarter full as
+// llama.cpp does (collisions would make most proposals wrong).
+func (s *Scheduler) modFeed(t *task) {
+	m, ctx := s.mod, t.slot.tokens
+	for ; t.modFed+m.n < len(ctx); t.modFed++ {
+		m.add(ctx[t.modFed : t.modFed+m.n+1])
+	}
+	if 4*m.used > len(m.entries) {
+		m.reset()
+		for _, r := range s.running {
+			r.modFed = 0
+		}
+	}
+}

@@ -1,0 +1,349 @@
+package engine
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"testing"
+)
+
+func TestNgramLookup(t *testing.T) {
+	for _, c := range []struct {
+		ctx        []Token
+		last       Token
+		minN, maxN int
+		k          int
+		want       []Token
+	}{
+		// "1 2 3" recurs: what followed it the first time is proposed.
+		{ctx: []Token{1, 2, 3, 4, 5, 9, 1, 2}, last: 3, minN: 3, maxN: 8, k: 4, want: []Token{4, 5, 9, 1}},
+		// k bounds the proposal.
+		{ctx: []Token{1, 2, 3, 4, 5, 9, 1, 2}, last: 3, minN: 3, maxN: 8, k: 2, want: []Token{4, 5}},
+		// Too short a match: nothing.
+		{ctx: []Token{1, 2, 3, 4, 5, 9, 7, 2}, last: 3, minN: 3, maxN: 8, k: 4, want: nil},
+		// The longest match wins over a more recent shorter one: "7 2 3" (twice) beats
+		// "2 3" after 8.
+		{ctx: []Token{7, 2, 3, 40, 41, 8, 2, 3, 50, 7, 2}, last: 3, minN: 2, maxN: 8, k: 2, want: []Token{40, 41}},
+		// Among equally long matches the most recent: "2 3" followed by 50, not 40.
+		{ctx: []Token{2, 3, 40, 2, 3, 50, 2}, last: 3, minN: 2, maxN: 8, k: 1, want: []Token{50}},
+		// A run: the longest match ends just before last, so the proposal is last
+		// itself (what followed the match), no further.
+		{ctx: []Token{5, 5, 5}, last: 5, minN: 2, maxN: 8, k: 3, want: []Token{5}},
+	} {
+		got := ngramLookup(c.ctx, c.last, c.minN, c.maxN, c.k)
+		if !slices.Equal(got, c.want) {
+			t.Errorf("ngramLookup(%v, %d, %d, %d, %d) = %v, want %v", c.ctx, c.last, c.minN, c.maxN, c.k, got, c.want)
+		}
+	}
+}
+
+func TestNgramMod(t *testing.T) {
+	m := newNgramMod(3)
+	text := []Token{1, 2, 3, 4, 5, 6, 7}
+	for i := 0; i+3 < len(text); i++ {
+		m.add(text[i : i+4])
+	}
+	// The last three tokens are 3 4 5: 6 followed them, then 7 followed 4 5 6.
+	if got := m.draft([]Token{9, 3, 4}, 5, 4); !slices.Equal(got, []Token{6, 7}) {
+		t.Errorf("draft after 3 4 5 = %v, want [6 7] (then nothing: 5 6 7 was never followed)", got)
+	}
+	if got := m.draft([]Token{9, 9}, 9, 4); len(got) != 0 {
+		t.Errorf("draft after an unseen n-gram = %v, want none", got)
+	}
+	m.reset()
+	if got := m.draft([]Token{9, 3, 4}, 5, 4); len(got) != 0 || m.used != 0 {
+		t.Errorf("after reset: draft %v, used %d", got, m.used)
+	}
+}
+
+func TestParseSpecTypes(t *testing.T) {
+	for in, want := range map[string]string{
+		"":                       "[]",
+		"none":                   "[]",
+		"ngram-mod":              "[ngram-mod]",
+		"ngram-simple,ngram-mod": "[ngram-simple ngram-mod]",
+		"ngram-cache":            "error",
+		"ngram-mod,ngram-mod":    "error",
+		"none,ngram-mod":         "error",
+	} {
+		got, err := ParseSpecTypes(in)
+		s := fmt.Sprint(got)
+		if err != nil {
+			s = "error"
+		}
+		if s != want {
+			t.Errorf("ParseSpecTypes(%q) = %s (%v), want %s", in, s, err, want)
+		}
+	}
+	if err := (Config{NCtx: 64, Parallel: 1, NBatch: 8, Spec: Spec{Types: []string{SpecNgramMod}, DraftMax: 4, DraftMin: 5}}).Validate(); err == nil {
+		t.Error("draft min above draft max validated")
+	}
+	if err := (Config{NCtx: 64, Parallel: 1, NBatch: 8, Recurrent: true, Spec: Spec{Types: []string{SpecNgramMod}}}).Validate(); err == nil {
+		t.Error("speculation on a recurrent model validated")
+	}
+}
+
+// specRun is one run of specWorkload: each task's text, finish and counters.
+type specRun struct {
+	texts          []string
+	finish         []string
+	predicted      []int
+	draftN, accept int
+	drawn          int
+	mixed          bool // some batch held drafts beside a prefill chunk
+}
+
+// specWorkload runs the same traffic with the given speculation: four sessions on a
+// repeating fake model, one attached to a pool, two anonymous ones (prefix cache on),
+// one session that comes back for a second turn, and a request that arrives while the
+// others decode, so its prefill shares batches with their drafts.
+func specWorkload(t *testing.T, spec Spec) specRun {
+	cfg := poolCfg()
+	cfg.PrefixCache = true
+	cfg.Spec = spec
+	h := newHarness(t, cfg)
+	h.be.model = fakeRepeater(9)
+	pid := h.createPool(PoolSpec{Tokens: seqTokens(100, 40)})
+	var ids []TaskID
+	submit := func(req Request) { ids = append(ids, h.submit(req)) }
+	submit(Request{Prompt: append(seqTokens(100, 40), seqTokens(1, 12)...), HasPool: true, PoolID: pid, MaxTokens: 60})
+	submit(Request{Prompt: seqTokens(200, 30), MaxTokens: 45})
+	submit(Request{Prompt: seqTokens(200, 25), MaxTokens: 70})
+	submit(Request{Prompt: seqTokens(300, 20), SessionID: "s", MaxTokens: 33})
+	for range 6 {
+		h.step()
+	}
+	submit(Request{Prompt: seqTokens(400, 90), MaxTokens: 20})
+	h.run()
+	// The session's second turn continues its own cells.
+	prompt := append(seqTokens(300, 20), Token(77))
+	submit(Request{Prompt: prompt, SessionID: "s", MaxTokens: 40})
+	h.run()
+	h.checkAccounting()
+	var r specRun
+	for _, id := range ids {
+		ev, ok := h.done(id)
+		if !ok {
+			t.Fatalf("task %d did not end", id)
+		}
+		if ev.Err != nil {
+			t.Fatalf("task %d: %v", id, ev.Err)
+		}
+		r.texts = append(r.texts, h.text(id))
+		r.finish = append(r.finish, ev.Finish)
+		r.predicted = append(r.predicted, ev.Stats.PredictedN)
+		r.draftN += ev.Stats.DraftN
+		r.accept += ev.Stats.DraftAccepted
+	}
+	r.drawn = h.be.drawn
+	for _, b := range h.be.batches {
+		drafts, prefill := false, false
+		for _, e := range b {
+			drafts = drafts || e.Draft
+			prefill = prefill || !e.Sample
+		}
+		r.mixed = r.mixed || drafts && prefill
+	}
+	return r
+}
+
+// TestSpeculativeLossless: the fake model's output is the same with and without
+// speculation, for each drafter, pooled, cached, in sessions and beside prefills; the
+// drafts are verified beside prefill chunks, many are accepted, rejected drafts' cells
+// are gone (the fake cache and the accounting agree, and the fake fails a batch whose
+// positions skip), and the backend never draws more samples than plain decoding does.
+func TestSpeculativeLossless(t *testing.T) {
+	base := specWorkload(t, Spec{})
+	if base.draftN != 0 {
+		t.Fatalf("speculation off proposed %d drafts", base.draftN)
+	}
+	for _, types := range [][]string{{SpecNgramSimple}, {SpecNgramMod}, {SpecNgramMod, SpecNgramSimple}} {
+		for _, dmax := range []int{1, 4, 16} {
+			t.Run(fmt.Sprintf("%v/max%d", types, dmax), func(t *testing.T) {
+				sp := Spec{Types: types, DraftMax: dmax}
+				if slices.Contains(types, SpecNgramMod) {
+					sp.ModN = 4 // the fake's texts are short
+				}
+				r := specWorkload(t, sp)
+				for i := range base.texts {
+					if r.texts[i] != base.texts[i] || r.finish[i] != base.finish[i] || r.predicted[i] != base.predicted[i] {
+						t.Errorf("task %d: with speculation %q (%s, %d tokens), without %q (%s, %d tokens)",
+							i, r.texts[i], r.finish[i], r.predicted[i], base.texts[i], base.finish[i], base.predicted[i])
+					}
+				}
+				if r.draftN == 0 || r.accept == 0 || r.accept > r.draftN {
+					t.Errorf("drafted %d, accepted %d: want some of each", r.draftN, r.accept)
+				}
+				if r.drawn != base.drawn {
+					t.Errorf("the backend drew %d samples, %d without speculation", r.drawn, base.drawn)
+				}
+				if !r.mixed {
+					t.Error("no batch verified drafts beside a prefill chunk")
+				}
+				t.Logf("drafted %d, accepted %d (%.0f%%)", r.draftN, r.accept, 100*float64(r.accept)/float64(r.draftN))
+			})
+		}
+	}
+}
+
+// TestSpeculationOffPerRequest: speculative false, or n_max 0, proposes nothing; a
+// grammar-constrained request does not speculate either (specOn).
+func TestSpeculationOffPerRequest(t *testing.T) {
+	zero := 0
+	for name, req := range map[string]Request{
+		"off":     {Spec: SpecRequest{Off: true}},
+		"nmax0":   {Spec: SpecRequest{NMax: &zero}},
+		"grammar": {Sampling: SamplingParams{Grammar: `root ::= [a-z]+`}},
+	} {
+		cfg := poolCfg()
+		cfg.Spec = Spec{Types: []string{SpecNgramSimple}}
+		h := newHarness(t, cfg)
+		h.be.model = fakeRepeater(5)
+		req.Prompt, req.MaxTokens = seqTokens(1, 20), 30
+		id := h.submit(req)
+		h.run()
+		ev, _ := h.done(id)
+		if ev.Stats.PredictedN != 30 || ev.Stats.DraftN != 0 {
+			t.Errorf("%s: predicted %d, drafted %d; want 30 and none", name, ev.Stats.PredictedN, ev.Stats.DraftN)
+		}
+	}
+}
+
+// TestSpeculationBounds: drafts never run past max_tokens (no wasted verification)
+// nor take the decode token or the cell another session needs.
+func TestSpeculationBounds(t *testing.T) {
+	cfg := poolCfg()
+	cfg.NBatch = 4 // four sessions decode: no room for any draft
+	cfg.Spec = Spec{Types: []string{SpecNgramSimple}, DraftMax: 8}
+	h := newHarness(t, cfg)
+	h.be.model = fakeRepeater(3)
+	var ids []TaskID
+	for i := range 4 {
+		// One-token prompts: all four prefill in the first step, then decode together.
+		ids = append(ids, h.submit(Request{Prompt: seqTokens(10*i+1, 1), MaxTokens: 10}))
+	}
+	h.run()
+	for _, id := range ids {
+		if ev, _ := h.done(id); ev.Stats.DraftN != 0 || ev.Stats.PredictedN != 10 {
+			t.Errorf("task %d: drafted %d, predicted %d with a full batch", id, ev.Stats.DraftN, ev.Stats.PredictedN)
+		}
+	}
+	cfg.NBatch = 32
+	h = newHarness(t, cfg)
+	h.be.model = fakeRepeater(3)
+	id := h.submit(Request{Prompt: seqTokens(1, 6), MaxTokens: 7})
+	h.run()
+	if ev, _ := h.done(id); ev.Stats.PredictedN != 7 {
+		t.Fatalf("predicted %d, want 7", ev.Stats.PredictedN)
+	}
+	for _, b := range h.be.batches {
+		for _, e := range b {
+			if e.Pos >= 6+7-1 {
+				t.Errorf("entry at position %d: past the last token max_tokens needs decoded (%d)", e.Pos, 6+7-2)
+			}
+		}
+	}
+}
+
+// TestSpeculationReported: a running task's proposals and accepted drafts show in
+// /slots (Slots) and /polykv/tps (TPS) while it runs, and its tps counts every
+// accepted token: with every draft accepted the aggregate rate is several tokens per
+// step.
+func TestSpeculationReported(t *testing.T) {
+	cfg := poolCfg()
+	cfg.Spec = Spec{Types: []string{SpecNgramSimple}, DraftMax: 8}
+	h := newHarness(t, cfg)
+	h.be.model = func(seq []Token) Token { return seq[len(seq)-4] } // copies exactly
+	h.submit(Request{Prompt: seqTokens(1, 12), MaxTokens: 200})
+	for range 12 {
+		h.step()
+	}
+	sl := h.s.Slots()[0]
+	ts := h.s.TPS(h.now).Sessions[0]
+	if sl.DraftN == 0 || sl.DraftAccepted != sl.DraftN || ts.DraftN != sl.DraftN || ts.DraftAccepted != sl.DraftAccepted {
+		t.Fatalf("slots %+v, tps %+v: want the same nonzero draft counts, all accepted", sl, ts)
+	}
+	// A harness step takes 20 ms (10 to plan, 10 to decode): one token a step is
+	// 50 tok/s.
+	if r := h.s.TPS(h.now).AggregateTPS; r < 150 {
+		t.Fatalf("aggregate tps %.0f with every draft accepted, want well above 50", r)
+	}
+	if sl.Decoded <= 12 {
+		t.Fatalf("%d tokens decoded in 12 steps", sl.Decoded)
+	}
+}
+
+// TestSpeculativeSamplingDistribution is the statistical check of speculation with
+// sampling: a stochastic fake model (each task its own seeded RNG: the token four back
+// with probability 0.6, else one of 10..19 uniformly) whose repeats ngram-simple
+// drafts eagerly. If verification kept a draft the model did not draw, the share of
+// repeated tokens would rise above the model's; it must match the model's expected
+// share within four standard deviations, with and without speculation, and each seed
+// gives the same tokens either way.
+func TestSpeculativeSamplingDistribution(t *testing.T) {
+	const tasks, gen = 300, 24
+	run := func(spec bool) ([]string, float64, float64, int) {
+		cfg := poolCfg()
+		if spec {
+			cfg.Spec = Spec{Types: []string{SpecNgramSimple}, DraftMax: 8, NgramMin: 2}
+		}
+		h := newHarness(t, cfg)
+		rngs := map[TaskID]*rand.Rand{}
+		h.be.sample = func(task TaskID, seq []Token) Token {
+			r := rngs[task]
+			if r.Float64() < 0.6 {
+				return seq[len(seq)-4]
+			}
+			return Token(10 + r.IntN(10))
+		}
+		var ids []TaskID
+		for i := range tasks {
+			id := h.submit(Request{Prompt: []Token{1, 2, 3, 4, 15, 16}, MaxTokens: gen, Sampling: SamplingParams{Temperature: 1, Seed: uint32(i)}})
+			rngs[id] = rand.New(rand.NewPCG(uint64(i), 23))
+			ids = append(ids, id)
+			if i%4 == 3 {
+				h.run()
+			}
+		}
+		h.run()
+		var texts []string
+		obs, exp, variance, drafted := 0.0, 0.0, 0.0, 0
+		for _, id := range ids {
+			ev, _ := h.done(id)
+			drafted += ev.Stats.DraftN
+			texts = append(texts, h.text(id))
+			seq := []Token{1, 2, 3, 4, 15, 16}
+			for _, ev := range h.events[id] {
+				var tok Token
+				if _, err := fmt.Sscanf(ev.Text, "<%d>", &tok); err != nil {
+					continue
+				}
+				back := seq[len(seq)-4]
+				p := 0.6
+				if back >= 10 && back < 20 {
+					p += 0.4 / 10
+				}
+				if tok == back {
+					obs++
+				}
+				exp += p
+				variance += p * (1 - p)
+				seq = append(seq, tok)
+			}
+		}
+		return texts, obs - exp, math.Sqrt(variance), drafted
+	}
+	offTexts, offDev, offSD, _ := run(false)
+	onTexts, onDev, onSD, drafted := run(true)
+	if drafted == 0 {
+		t.Fatal("nothing was drafted")
+	}
+	if math.Abs(offDev) > 4*offSD || math.Abs(onDev) > 4*onSD {
+		t.Fatalf("repeated tokens off the model's share: without speculation %.1f (σ %.1f), with %.1f (σ %.1f)", offDev, offSD, onDev, onSD)
+	}
+	if !slices.Equal(offTexts, onTexts) {
+		t.Fatal("a seed gave other tokens with speculation")
+	}
+	t.Logf("drafted %d; deviation from the model's expected repeats: off %.1f, on %.1f (σ %.1f)", drafted, offDev, onDev, onSD)
+}
