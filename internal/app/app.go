@@ -395,7 +395,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	}
 	backend := runner.NewBackend(model, ctx, log)
 	backend.AlwaysCompact(cfg.KVCompaction == "always")
-	if !ctx.OrderedAttention() {
+	if !ctx.OrderedAttention() && log != nil {
 		log.Info("attention is not ordered by position here: the KV cache is compacted after frees", "cache_type_k", cfg.CacheTypeK, "fa_kernel", cfg.FAKernel, "flash_attn", cfg.FlashAttn)
 	}
 	pol.Enable(backend, nSeq)
