@@ -147,7 +147,15 @@ def live():
         assert c.post(f"/polykv/pools/{spare}/evict").status_code == 200
         # Evicted from the cache: its KV went to the pool tier (ram, with the default
         # --pool-ram-mb) or, without a tier, nowhere ("evicted").
-        spare_residency = c.get(f"/polykv/pools/{spare}").json()["residency"]
+        # The spill to the tier finishes after the evict answers: until then the pool reads
+        # "evicted", and the dashboard, read later, would show "ram". Wait for it to settle.
+        tiered = "pool_tier" in c.get("/props").json()["polykv"]
+        settle = time.monotonic() + 30
+        while True:
+            spare_residency = c.get(f"/polykv/pools/{spare}").json()["residency"]
+            if not tiered or spare_residency != "evicted" or time.monotonic() > settle:
+                break
+            time.sleep(0.1)
         assert spare_residency in ("ram", "disk", "evicted"), spare_residency
         r = c.post(
             "/v1/completions", json={"prompt": "Hello", "session_id": "solo-idle", "max_tokens": 4, "temperature": 0}
