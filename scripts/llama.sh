@@ -120,8 +120,10 @@ tool() { # $1 target: builds it once, prints its path
 
 # Tiny random-weight models (2 layers, 128-token vocabulary, fixed seed) for architectures
 # with no small real model here, written by llama.cpp's own test-llama-archs to
-# $cache/testmodels/<arch>.gguf. Gemma 4 is not among them: this build's test-llama-archs
-# skips it ("ISWA KV cache initialization needs more fixture params").
+# $cache/testmodels/<arch>.gguf. Gemma 4 is written by scripts/gemma4-testmodel.cpp
+# instead (5 layers, iSWA): this build's test-llama-archs skips it ("ISWA KV cache
+# initialization needs more fixture params"); that program gives Gemma 4's parameters in
+# full and is compiled here against the same static libraries PolyKV links.
 testmodels() {
 	local gen out=$cache/testmodels arch tmp
 	gen=$(tool test-llama-archs)
@@ -134,6 +136,19 @@ testmodels() {
 		rm -rf "$tmp" "$tmp.log"
 		echo "llama.sh: wrote $out/$arch.gguf" >&2
 	done
+	[ -f "$out/gemma4.gguf" ] && return
+	do_build
+	gen=$dir/gemma4-testmodel
+	if [ ! -x "$gen" ] || [ "$root/scripts/gemma4-testmodel.cpp" -nt "$gen" ]; then
+		${CXX:-c++} -std=c++17 -O1 -Wall -Wextra -I"$src/include" -I"$src/ggml/include" -I"$src/src" \
+			"$root/scripts/gemma4-testmodel.cpp" "$dir/src/libllama.a" "$dir/ggml/src/libggml.a" \
+			"$dir/ggml/src/libggml-cpu.a" "$dir/ggml/src/libggml-base.a" -lpthread -ldl -lm -o "$gen"
+	fi
+	tmp=$(mktemp "$out/gen.XXXXXX")
+	"$gen" "$tmp" 42 || { rm -f "$tmp"; exit 1; }
+	chmod 644 "$tmp"
+	mv "$tmp" "$out/gemma4.gguf"
+	echo "llama.sh: wrote $out/gemma4.gguf" >&2
 }
 
 case "${1:-}" in

@@ -32,11 +32,11 @@ func archTokens(a *App, seed uint64, n int) []int32 {
 }
 
 func TestArchsPoolsAndTraffic(t *testing.T) {
-	for _, arch := range []string{"qwen35", "lfm2", "granitehybrid", "llama"} {
+	for _, arch := range []string{"qwen35", "lfm2", "granitehybrid", "gemma4", "llama"} {
 		t.Run(arch, func(t *testing.T) {
 			a, base := startServer(t, Config{ModelPath: testmodel.Arch(t, arch), NCtx: 2048, Parallel: 4, MaxPools: 4, Threads: 2})
 			recurrent := a.Model.IsRecurrent() || a.Model.IsHybrid()
-			if want := arch != "llama"; recurrent != want {
+			if want := arch != "llama" && arch != "gemma4"; recurrent != want {
 				t.Fatalf("%s: recurrent or hybrid = %v, want %v", arch, recurrent, want)
 			}
 			rootToks := archTokens(a, 1, 120)

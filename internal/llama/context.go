@@ -5,6 +5,7 @@ package llama
 #include "llama.h"
 #include "sampler_shim.h"
 #include "cellorder.h"
+#include "memsize.h"
 
 static void polykv_batch_set(struct llama_batch * b, int i, llama_token tok, llama_pos pos, llama_seq_id seq, int logits) {
 	b->token[i] = tok;
@@ -285,6 +286,18 @@ func (c *Context) Compact() error {
 	}
 	return nil
 }
+
+// RecurrentBytesPerSeq is the size of one sequence's recurrent state (a hybrid or
+// recurrent model's r and s tensors for every recurrent layer, with llama.cpp's rollback
+// snapshots), read from the context's memory; 0 on a model without recurrent layers.
+// Every sequence holding any tokens has its own copy: unlike KV cells it is not shared
+// between a pool and the sessions attached to it.
+func (c *Context) RecurrentBytesPerSeq() int64 { return int64(C.polykv_recurrent_bytes_per_seq(c.c)) }
+
+// MemoryBytes is the size of the context's whole sequence memory (KV caches and
+// recurrent state) as llama.cpp reports it. Tests check the per-cell and per-sequence
+// accounting against it.
+func (c *Context) MemoryBytes() int64 { return int64(C.polykv_memory_bytes(c.c)) }
 
 // SeqStateSize is the size of seq's saved state (llama_state_seq_get_size): its cells'
 // positions and memberships plus their K and V rows in every layer, as llama.cpp stores

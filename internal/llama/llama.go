@@ -21,6 +21,7 @@ package llama
 #include <stdlib.h>
 #include <string.h>
 #include "llama.h"
+#include "memsize.h"
 
 static void polykv_quiet_log(enum ggml_log_level level, const char * text, void * user_data) {
 	(void)text; (void)user_data;
@@ -67,7 +68,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"strconv"
 	"sync"
 	"unsafe"
 )
@@ -346,25 +346,18 @@ func (t CacheType) rowBytes(n int64) int64 {
 func (m *Model) KVBytesPerCell() int64 { return m.KVBytesPerCellTyped("", "") }
 
 // KVBytesPerCellTyped is the size of one KV cell (one token position across all
-// layers) with K and V caches of types tk and tv: per layer one K row of
-// n_head_kv × key_length elements and one V row of n_head_kv × value_length, sized by
-// ggml_row_size (quantized types store whole blocks), the head sizes read from the GGUF
-// (n_embd / n_head when absent).
+// layers) with K and V caches of types tk and tv: per layer that keeps K and V, one K
+// row of n_head_kv × key_length elements and one V row of n_head_kv × value_length,
+// sized by ggml_row_size (quantized types store whole blocks), the geometry read per
+// layer from llama.cpp's hyperparameters (memsize.cpp): a hybrid's recurrent layers keep
+// no KV, and Gemma 4's sliding-window layers have smaller heads than its full layers.
 func (m *Model) KVBytesPerCellTyped(tk, tv CacheType) int64 {
-	if m.NHead() == 0 {
+	gk, errK := tk.ggml()
+	gv, errV := tv.ggml()
+	if errK != nil || errV != nil {
 		return 0
 	}
-	arch := m.Meta("general.architecture")
-	headK := int64(m.NEmbd() / m.NHead())
-	headV := headK
-	if v, err := strconv.Atoi(m.Meta(arch + ".attention.key_length")); err == nil && v > 0 {
-		headK = int64(v)
-	}
-	if v, err := strconv.Atoi(m.Meta(arch + ".attention.value_length")); err == nil && v > 0 {
-		headV = int64(v)
-	}
-	kv := int64(m.NHeadKV())
-	return int64(m.NLayer()) * (tk.rowBytes(kv*headK) + tv.rowBytes(kv*headV))
+	return int64(C.polykv_kv_bytes_per_cell(m.m, C.int(gk), C.int(gv)))
 }
 
 // BuildInfo names the linked llama.cpp the way llama-server's /props build_info does:

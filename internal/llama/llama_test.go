@@ -60,3 +60,60 @@ func TestKVBytesPerCellMatchesCache(t *testing.T) {
 		t.Error("an unknown cache type was accepted")
 	}
 }
+
+// TestMemoryBytesArchs checks the byte accounting on the random-weight models of this
+// year's families (make testmodels) against the memory llama.cpp allocates: 256 more
+// cells of context cost 256 × the bytes per cell (a hybrid's recurrent layers add
+// nothing per cell; Gemma 4's sliding-window cache is full-size, as PolyKV runs it), and
+// two more sequences cost twice the recurrent state per sequence (nothing on a model
+// without recurrent layers). A saved sequence carries its recurrent state too.
+func TestMemoryBytesArchs(t *testing.T) {
+	for _, c := range []struct {
+		arch      string
+		recurrent bool
+	}{{"qwen35", true}, {"lfm2", true}, {"granitehybrid", true}, {"gemma4", false}, {"llama", false}} {
+		t.Run(c.arch, func(t *testing.T) {
+			m, err := LoadModel(testmodel.Arch(t, c.arch))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer m.Free()
+			open := func(nCtx, nSeq int) *Context {
+				ctx, err := NewContext(m, ContextParams{NCtx: nCtx, NBatch: 64, NSeqMax: nSeq, NThreads: 2, KVUnified: true, FlashAttn: 1, SWAFull: true})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return ctx
+			}
+			mem := func(nCtx, nSeq int) int64 {
+				ctx := open(nCtx, nSeq)
+				defer ctx.Free()
+				return ctx.MemoryBytes()
+			}
+			base := mem(256, 2)
+			kv, perCell := m.KVBytesPerCell(), (mem(512, 2)-base)/256
+			if kv <= 0 || perCell != kv {
+				t.Errorf("256 more cells cost %d bytes each, accounting says %d", perCell, kv)
+			}
+			ctx := open(256, 2)
+			defer ctx.Free()
+			rec, perSeq := ctx.RecurrentBytesPerSeq(), (mem(256, 4)-base)/2
+			if perSeq != rec || (rec > 0) != c.recurrent {
+				t.Errorf("2 more sequences cost %d bytes each, accounting says %d (recurrent: %v)", perSeq, rec, c.recurrent)
+			}
+			ctx.BatchClear()
+			for pos := range 8 {
+				if _, err := ctx.BatchAdd(Token(4+pos), pos, 0, pos == 7); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := ctx.Decode(); err != nil {
+				t.Fatal(err)
+			}
+			if st := ctx.SeqStateSize(0); st < rec+8*kv {
+				t.Errorf("saved state of 8 tokens %d bytes, less than its recurrent state %d + 8 cells of %d", st, rec, kv)
+			}
+			t.Logf("%s: %d KV bytes per cell, %d recurrent-state bytes per sequence", c.arch, kv, rec)
+		})
+	}
+}

@@ -1,0 +1,209 @@
+// gemma4-testmodel writes a tiny random-weight Gemma 4 model (arch "gemma4") for PolyKV's
+// tests: `scripts/llama.sh testmodels` compiles it against the pinned llama.cpp's static
+// libraries and runs it once. llama.cpp's own test-llama-archs, which writes the other
+// architectures' test models, skips gemma4 in build 11434 ("ISWA KV cache initialization
+// needs more fixture params"): its fixture gives the sliding-window pattern as a scalar
+// period, which Gemma 4's loader reads as a per-layer array. This program follows that
+// tool's approach (llama.cpp's model saver writes the metadata, llama_model_init_from_user
+// fills every tensor from a seeded normal distribution, llama_model_save_to_file writes the
+// GGUF) with Gemma 4's parameters given in full, then loads the file back and decodes a
+// few tokens so that a model llama.cpp cannot run is never left behind.
+//
+// The layout is Gemma 4's: interleaved sliding-window attention (four sliding layers, then
+// one full layer), a different head size on the sliding and the full layers, per-layer
+// embeddings (as in E2B/E4B), q/k norms, proportional RoPE factors on the full layers and
+// a final logit soft-cap. The window is small (32 positions) so that test prompts of a few
+// hundred tokens go well past it.
+//
+// Usage: gemma4-testmodel OUT.gguf [SEED]
+
+#include "ggml-backend.h"
+#include "ggml.h"
+#include "gguf.h"
+#include "llama.h"
+
+// llama.cpp's internal headers, as test-llama-archs includes them: the model saver, the
+// architecture's key names and the model's tensors are not in the public API.
+#include "llama-arch.h"
+#include "llama-model-saver.h"
+#include "llama-model.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+const uint32_t per_layer_embd = 32; // Gemma 4's per-layer embeddings (E2B/E4B), a quarter of n_embd here
+
+struct fill_params {
+    unsigned long seed;
+    float         stdev;
+};
+
+// fill draws each tensor's values from N(0, stdev) seeded by the tensor's name, as
+// test-llama-archs does, except the full layers' RoPE frequency factors: they divide the
+// rotation frequencies, so they are set to 1 (plain RoPE) rather than to values near 0.
+void fill(ggml_tensor * t, void * ud) {
+    const fill_params & p = *static_cast<const fill_params *>(ud);
+    std::mt19937 gen(p.seed ^ std::hash<std::string>{}(t->name));
+    std::normal_distribution<float> dis(0.0f, p.stdev);
+    const bool ones = strstr(t->name, "rope_freqs") != nullptr;
+    const int64_t n = ggml_nelements(t);
+    if (t->type == GGML_TYPE_F32) {
+        std::vector<float> v(n);
+        for (auto & x : v) {
+            x = ones ? 1.0f : dis(gen);
+        }
+        ggml_backend_tensor_set(t, v.data(), 0, ggml_nbytes(t));
+    } else if (t->type == GGML_TYPE_F16) {
+        std::vector<ggml_fp16_t> v(n);
+        for (auto & x : v) {
+            x = ggml_fp32_to_fp16(ones ? 1.0f : dis(gen));
+        }
+        ggml_backend_tensor_set(t, v.data(), 0, ggml_nbytes(t));
+    } else {
+        fprintf(stderr, "gemma4-testmodel: tensor %s has unexpected type %s\n", t->name, ggml_type_name(t->type));
+        abort();
+    }
+}
+
+gguf_context * metadata() {
+    gguf_context * g = gguf_init_empty();
+    llama_model_saver ms(LLM_ARCH_GEMMA4, g);
+
+    const uint32_t n_vocab = 128, n_ctx = 4096, n_embd = 128, n_head = 2, n_head_kv = 1, n_ff = 192, n_layer = 5;
+    const uint32_t head_full = 64, head_swa = 32;
+
+    ms.add_kv(LLM_KV_GENERAL_ARCHITECTURE, llm_arch_name(LLM_ARCH_GEMMA4));
+    ms.add_kv(LLM_KV_VOCAB_SIZE, n_vocab);
+    ms.add_kv(LLM_KV_CONTEXT_LENGTH, n_ctx);
+    ms.add_kv(LLM_KV_EMBEDDING_LENGTH, n_embd);
+    ms.add_kv(LLM_KV_BLOCK_COUNT, n_layer);
+    ms.add_kv(LLM_KV_FEED_FORWARD_LENGTH, n_ff);
+    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT, n_head);
+    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT_KV, n_head_kv);
+    ms.add_kv(LLM_KV_ATTENTION_KEY_LENGTH, head_full);
+    ms.add_kv(LLM_KV_ATTENTION_VALUE_LENGTH, head_full);
+    ms.add_kv(LLM_KV_ATTENTION_KEY_LENGTH_SWA, head_swa);
+    ms.add_kv(LLM_KV_ATTENTION_VALUE_LENGTH_SWA, head_swa);
+    ms.add_kv(LLM_KV_ROPE_DIMENSION_COUNT, head_full);
+    ms.add_kv(LLM_KV_ROPE_DIMENSION_COUNT_SWA, head_swa);
+    ms.add_kv(LLM_KV_ROPE_FREQ_BASE, 1000000.0f);
+    ms.add_kv(LLM_KV_ROPE_FREQ_BASE_SWA, 10000.0f);
+    ms.add_kv(LLM_KV_ATTENTION_LAYERNORM_RMS_EPS, 1e-6f);
+    ms.add_kv(LLM_KV_ATTENTION_SLIDING_WINDOW, uint32_t(32));
+    // Per layer, 1 = sliding window: the pattern Gemma 4 repeats (four sliding, one full).
+    ms.add_kv(LLM_KV_ATTENTION_SLIDING_WINDOW_PATTERN, std::vector<uint32_t>{1, 1, 1, 1, 0});
+    ms.add_kv(LLM_KV_ATTENTION_SHARED_KV_LAYERS, uint32_t(0));
+    ms.add_kv(LLM_KV_EMBEDDING_LENGTH_PER_LAYER, per_layer_embd);
+    ms.add_kv(LLM_KV_FINAL_LOGIT_SOFTCAPPING, 30.0f);
+
+    // llama.cpp's test tokenizer: ids are tok_<i>, no special tokens.
+    std::vector<std::string> toks(n_vocab);
+    for (uint32_t i = 0; i < n_vocab; i++) {
+        toks[i] = "tok_" + std::to_string(i);
+    }
+    ms.add_kv(LLM_KV_TOKENIZER_MODEL, "test");
+    ms.add_kv(LLM_KV_TOKENIZER_LIST, toks);
+    ms.add_kv(LLM_KV_TOKENIZER_SCORES, std::vector<float>(n_vocab, 0.0f));
+    return g;
+}
+
+bool quiet(float, void *) { return true; }
+
+// check loads path as a file and decodes 80 tokens (past the 32-position window) in one
+// sequence: the model must load as gemma4 and give finite logits.
+bool check(const char * path) {
+    llama_model_params mp = llama_model_default_params();
+    mp.progress_callback = quiet;
+    llama_model * m = llama_model_load_from_file(path, mp);
+    if (m == nullptr) {
+        fprintf(stderr, "gemma4-testmodel: %s does not load\n", path);
+        return false;
+    }
+    char arch[64] = {0};
+    llama_model_meta_val_str(m, "general.architecture", arch, sizeof(arch));
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = 256;
+    cp.n_threads = cp.n_threads_batch = 2;
+    llama_context * c = llama_init_from_model(m, cp);
+    bool ok = c != nullptr && strcmp(arch, "gemma4") == 0;
+    if (ok) {
+        const int n = 80;
+        llama_batch b = llama_batch_init(n, 0, 1);
+        for (int i = 0; i < n; i++) {
+            b.token[i] = 4 + (i * 37) % 120;
+            b.pos[i] = i;
+            b.n_seq_id[i] = 1;
+            b.seq_id[i][0] = 0;
+            b.logits[i] = i == n - 1;
+        }
+        b.n_tokens = n;
+        ok = llama_decode(c, b) == 0;
+        if (ok) {
+            const float * l = llama_get_logits_ith(c, n - 1);
+            for (int j = 0; j < llama_vocab_n_tokens(llama_model_get_vocab(m)); j++) {
+                ok = ok && std::isfinite(l[j]);
+            }
+        }
+        llama_batch_free(b);
+    }
+    if (!ok) {
+        fprintf(stderr, "gemma4-testmodel: %s (arch '%s') does not decode\n", path, arch);
+    }
+    llama_free(c);
+    llama_model_free(m);
+    return ok;
+}
+
+} // namespace
+
+int main(int argc, char ** argv) {
+    if (argc < 2 || argc > 3) {
+        fprintf(stderr, "usage: %s OUT.gguf [SEED]\n", argv[0]);
+        return 2;
+    }
+    const std::string out = argv[1];
+    fill_params fp = {argc == 3 ? strtoul(argv[2], nullptr, 10) : 42ul, 0.1f};
+    llama_backend_init();
+    llama_log_set([](ggml_log_level level, const char * text, void *) {
+        if (level >= GGML_LOG_LEVEL_WARN) {
+            fputs(text, stderr);
+        }
+    }, nullptr);
+
+    gguf_context * g = metadata();
+    llama_model_params mp = llama_model_default_params();
+    mp.progress_callback = quiet;
+    llama_model * m = llama_model_init_from_user(g, fill, &fp, mp);
+    if (m == nullptr) {
+        fprintf(stderr, "gemma4-testmodel: llama.cpp refused the model's metadata\n");
+        return 1;
+    }
+    // The saver writes what the model holds, but in b11434 not all of Gemma 4's per-layer
+    // embeddings: not their width nor the shared-KV layer count (the loader needs the
+    // first) and not the two model-wide projection tensors. They are added beside it.
+    {
+        llama_model_saver ms(m);
+        ms.add_kv_from_model();
+        ms.add_kv(LLM_KV_EMBEDDING_LENGTH_PER_LAYER, per_layer_embd);
+        ms.add_kv(LLM_KV_ATTENTION_SHARED_KV_LAYERS, uint32_t(0));
+        ms.add_tensors_from_model();
+        ms.add_tensor(m->per_layer_model_proj);
+        ms.add_tensor(m->per_layer_proj_norm);
+        ms.save(out);
+    }
+    llama_model_free(m);
+    gguf_free(g);
+    if (!check(out.c_str())) {
+        remove(out.c_str());
+        return 1;
+    }
+    llama_backend_free();
+    return 0;
+}
