@@ -51,7 +51,8 @@ func wireUsage(u engine.Usage) wire.EngineUsage {
 
 func wireSlot(s engine.SlotInfo) wire.Slot {
 	w := wire.Slot{ID: s.Seq, SessionID: s.SessionID, State: s.State, NPast: s.NPast, NDecoded: s.Decoded,
-		TaskID: s.Task, PoolID: s.PoolID, NShared: s.Shared, NOwnCells: s.Own, TPSEWMA: s.TPSEWMA, CtxUsed: s.CtxUsed,
+		TaskID: s.Task, PoolID: s.PoolID, NShared: s.Shared, NOwnCells: s.Own, OwnKVBytes: s.OwnKVBytes,
+		RecurrentStateBytes: s.RecurrentStateBytes, TPSEWMA: s.TPSEWMA, CtxUsed: s.CtxUsed,
 		CtxTotal: s.CtxTotal, CtxHeadroomTokens: s.Headroom, CtxPressure: s.Pressure}
 	w.DraftN, w.DraftNAccepted = drafts(s.DraftN, s.DraftAccepted)
 	return w
@@ -75,12 +76,13 @@ func wireWaiting(w engine.WaitInfo) wire.Slot {
 
 func wirePoolSession(s engine.PoolSession) wire.PoolSession {
 	return wire.PoolSession{SessionID: s.SessionID, SeqID: s.Seq, SuffixNTokens: s.SuffixNTokens,
-		MarginalKVBytes: s.MarginalKVBytes, State: s.State, TaskID: s.Task}
+		MarginalKVBytes: s.MarginalKVBytes, RecurrentStateBytes: s.RecurrentStateBytes, State: s.State, TaskID: s.Task}
 }
 
 func wirePool(p engine.PoolInfo) wire.PoolInfo {
 	return wire.PoolInfo{PoolID: p.PoolID, Parent: p.Parent, BranchPos: p.BranchPos, PrefixLen: p.PrefixLen,
-		OwnLen: p.OwnLen, OwnKVBytes: p.OwnKVBytes, SubtreeKVBytes: p.SubtreeKVBytes, Residency: p.Residency,
+		OwnLen: p.OwnLen, OwnKVBytes: p.OwnKVBytes, SubtreeKVBytes: p.SubtreeKVBytes,
+		RecurrentStateBytes: p.RecurrentStateBytes, Residency: p.Residency,
 		State: p.State, Pinned: p.Pinned, UserPinned: p.UserPinned, OrphanedPin: p.OrphanedPin,
 		LastAccessTS: p.LastAccessTS, Children: p.Children, Sessions: mapSlice(p.Sessions, wirePoolSession),
 		TreeDepth: p.Depth, PrefixHash: p.PrefixHash, Tokens: p.Tokens}
@@ -89,7 +91,7 @@ func wirePool(p engine.PoolInfo) wire.PoolInfo {
 func wirePools(st engine.PoolsStatus) wire.PoolsStatus {
 	return wire.PoolsStatus{Pools: mapSlice(st.Pools, wirePool), TreeDepth: st.TreeDepth, SeqIDsUsed: st.SeqIDsUsed,
 		SeqIDsMax: st.SeqIDsMax, PoolsMax: st.PoolsMax, KVCellsUsed: st.KVCellsUsed, KVCellsMax: st.KVCellsMax,
-		KVBytesPerCell: st.BytesPerCell}
+		KVBytesPerCell: st.BytesPerCell, RecurrentStateBytesPerSeq: st.RecurrentBytesPerSeq}
 }
 
 func wireCapacity(c engine.CapacityReport) wire.Capacity {

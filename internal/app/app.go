@@ -341,6 +341,9 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		model.Free()
 		return nil, err
 	}
+	// A hybrid's or recurrent model's per-sequence state, from the context's memory: pool
+	// and session reports count it beside their KV bytes.
+	ecfg.RecurrentBytesPerSeq = ctx.RecurrentBytesPerSeq()
 	metrics := api.NewMetrics()
 	metrics.SetCacheConfig(cfg.KVBlockSize, cfg.NCtx)
 	id := strings.TrimSuffix(filepath.Base(cfg.ModelPath), filepath.Ext(cfg.ModelPath))

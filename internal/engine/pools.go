@@ -430,8 +430,11 @@ type PoolSession struct {
 	Seq             int
 	SuffixNTokens   int
 	MarginalKVBytes int64
-	State           string
-	Task            *uint64
+	// RecurrentStateBytes is the session's own copy of the recurrent state (hybrid and
+	// recurrent models): copied from the pool at attach, then its own.
+	RecurrentStateBytes int64
+	State               string
+	Task                *uint64
 }
 
 // PoolInfo is a copy of one pool's state (§4.2 shape).
@@ -443,17 +446,20 @@ type PoolInfo struct {
 	OwnLen         int
 	OwnKVBytes     int64
 	SubtreeKVBytes int64
-	Residency      string
-	State          string
-	Pinned         bool
-	UserPinned     bool
-	OrphanedPin    bool
-	LastAccessTS   float64
-	Children       []int
-	Sessions       []PoolSession
-	Depth          int // 1 for a root; the same name as the list's (the deepest)
-	PrefixHash     string
-	Tokens         []Token
+	// RecurrentStateBytes is the recurrent state the pool's own sequence holds at its
+	// boundary (hybrid and recurrent models, while resident; 0 otherwise).
+	RecurrentStateBytes int64
+	Residency           string
+	State               string
+	Pinned              bool
+	UserPinned          bool
+	OrphanedPin         bool
+	LastAccessTS        float64
+	Children            []int
+	Sessions            []PoolSession
+	Depth               int // 1 for a root; the same name as the list's (the deepest)
+	PrefixHash          string
+	Tokens              []Token
 }
 
 // PoolsStatus is a copy of the whole tree.
@@ -466,6 +472,8 @@ type PoolsStatus struct {
 	KVCellsUsed  int
 	KVCellsMax   int
 	BytesPerCell int64
+	// RecurrentBytesPerSeq is one sequence's recurrent state (0 without recurrent layers).
+	RecurrentBytesPerSeq int64
 }
 
 func (s *Scheduler) poolInfo(p *pool.Pool, withTokens bool) PoolInfo {
@@ -482,11 +490,15 @@ func (s *Scheduler) poolInfo(p *pool.Pool, withTokens bool) PoolInfo {
 		id := p.Parent.ID
 		info.Parent = &id
 	}
+	if info.Residency != "evicted" {
+		info.RecurrentStateBytes = s.cfg.RecurrentBytesPerSeq
+	}
 	for _, sl := range s.slots {
 		if sl.base != p {
 			continue
 		}
-		ps := PoolSession{SessionID: sl.session, Seq: sl.seq, SuffixNTokens: s.own(sl), MarginalKVBytes: int64(s.own(sl)) * bpc, State: slotState(sl)}
+		ps := PoolSession{SessionID: sl.session, Seq: sl.seq, SuffixNTokens: s.own(sl), MarginalKVBytes: int64(s.own(sl)) * bpc,
+			RecurrentStateBytes: s.slotRecurrentBytes(sl), State: slotState(sl)}
 		if sl.task != nil {
 			id := uint64(sl.task.id)
 			ps.Task = &id
@@ -497,6 +509,15 @@ func (s *Scheduler) poolInfo(p *pool.Pool, withTokens bool) PoolInfo {
 		info.Tokens = slices.Clone(p.Tokens)
 	}
 	return info
+}
+
+// slotRecurrentBytes is the recurrent state sl's sequence holds: one copy once it holds
+// any tokens (0 on a model without recurrent layers).
+func (s *Scheduler) slotRecurrentBytes(sl *slot) int64 {
+	if len(sl.tokens) == 0 {
+		return 0
+	}
+	return s.cfg.RecurrentBytesPerSeq
 }
 
 func residency(p *pool.Pool) string {
@@ -541,7 +562,8 @@ func (s *Scheduler) Pool(id int) (PoolInfo, error) {
 // Pools copies out the tree.
 func (s *Scheduler) Pools() PoolsStatus {
 	st := PoolsStatus{Pools: []PoolInfo{}, TreeDepth: s.pools.MaxDepth(), SeqIDsMax: s.cfg.Parallel + s.cfg.MaxPools,
-		PoolsMax: s.cfg.MaxPools, KVCellsUsed: s.usedCells(), KVCellsMax: s.cfg.NCtx, BytesPerCell: s.cfg.BytesPerCell}
+		PoolsMax: s.cfg.MaxPools, KVCellsUsed: s.usedCells(), KVCellsMax: s.cfg.NCtx, BytesPerCell: s.cfg.BytesPerCell,
+		RecurrentBytesPerSeq: s.cfg.RecurrentBytesPerSeq}
 	for _, p := range s.pools.All() {
 		st.Pools = append(st.Pools, s.poolInfo(p, false))
 	}

@@ -21,6 +21,10 @@ type Config struct {
 	SessionTTL   time.Duration // idle sessions older than this lose their KV (0 = never)
 	PoolGrace    time.Duration // a pool is not reclaimed or evicted within this of its last use
 	BytesPerCell int64         // KV bytes of one cell, for status reports
+	// RecurrentBytesPerSeq is the recurrent state of one sequence (hybrid and recurrent
+	// models; 0 otherwise), for status reports: unlike KV cells, which a pool's sessions
+	// share zero-copy, every sequence holding tokens has its own copy.
+	RecurrentBytesPerSeq int64
 	// PoolsUnsupported, when set, is why pool operations are refused.
 	PoolsUnsupported string
 	// Recurrent: the model keeps per-sequence recurrent state (recurrent or hybrid

@@ -22,12 +22,15 @@ type SlotInfo struct {
 	// Own is the cells attributed to this sequence by ownership (Σ over sequences and
 	// pools == cells in use); the rest of NPast it shares with a pool or with the
 	// sequence it copied a cached prefix from.
-	Own      int
-	TPSEWMA  float64
-	CtxUsed  int
-	CtxTotal int
-	Headroom int
-	Pressure float64 // the session's own context pressure
+	Own int
+	// OwnKVBytes is Own's KV bytes; RecurrentStateBytes the sequence's own copy of the
+	// recurrent state (hybrid and recurrent models), which is never shared.
+	OwnKVBytes, RecurrentStateBytes int64
+	TPSEWMA                         float64
+	CtxUsed                         int
+	CtxTotal                        int
+	Headroom                        int
+	Pressure                        float64 // the session's own context pressure
 	// DraftN, DraftAccepted: the running task's speculative proposals and accepted
 	// draft tokens so far.
 	DraftN, DraftAccepted int
@@ -55,6 +58,7 @@ func (s *Scheduler) Slots() []SlotInfo {
 		}
 		st := s.sessionTPS(sl, free)
 		info := SlotInfo{Seq: sl.seq, SessionID: sl.session, State: slotState(sl), NPast: len(sl.tokens), Shared: sl.shared, Own: s.own(sl),
+			OwnKVBytes: int64(s.own(sl)) * s.cfg.BytesPerCell, RecurrentStateBytes: s.slotRecurrentBytes(sl),
 			TPSEWMA: st.TPSEWMA, CtxUsed: st.CtxUsed, CtxTotal: st.CtxTotal, Headroom: st.CtxHeadroomTokens, Pressure: st.CtxPressure}
 		if sl.base != nil {
 			id := sl.base.ID

@@ -125,20 +125,24 @@ type EngineUsage struct {
 
 // Slot is one session sequence in use, in GET /slots (an array of them).
 type Slot struct {
-	ID                int     `json:"id"`
-	SessionID         string  `json:"session_id"`
-	State             string  `json:"state"` // idle | prefill | decode | cached
-	NPast             int     `json:"n_past"`
-	NDecoded          int     `json:"n_decoded"`
-	TaskID            uint64  `json:"task_id,omitempty"`
-	PoolID            *int    `json:"pool_id"`
-	NShared           int     `json:"n_shared"`    // leading tokens borrowed from the pool
-	NOwnCells         int     `json:"n_own_cells"` // cells attributed to it by ownership
-	TPSEWMA           float64 `json:"tps_ewma"`
-	CtxUsed           int     `json:"ctx_used"`
-	CtxTotal          int     `json:"ctx_total"`
-	CtxHeadroomTokens int     `json:"ctx_headroom_tokens"`
-	CtxPressure       float64 `json:"ctx_pressure"` // the session's own context pressure
+	ID         int    `json:"id"`
+	SessionID  string `json:"session_id"`
+	State      string `json:"state"` // idle | prefill | decode | cached
+	NPast      int    `json:"n_past"`
+	NDecoded   int    `json:"n_decoded"`
+	TaskID     uint64 `json:"task_id,omitempty"`
+	PoolID     *int   `json:"pool_id"`
+	NShared    int    `json:"n_shared"`     // leading tokens borrowed from the pool
+	NOwnCells  int    `json:"n_own_cells"`  // cells attributed to it by ownership
+	OwnKVBytes int64  `json:"own_kv_bytes"` // those cells' KV bytes
+	// RecurrentStateBytes is the sequence's own recurrent state (hybrid and recurrent
+	// models; 0 otherwise): copied, never shared.
+	RecurrentStateBytes int64   `json:"recurrent_state_bytes"`
+	TPSEWMA             float64 `json:"tps_ewma"`
+	CtxUsed             int     `json:"ctx_used"`
+	CtxTotal            int     `json:"ctx_total"`
+	CtxHeadroomTokens   int     `json:"ctx_headroom_tokens"`
+	CtxPressure         float64 `json:"ctx_pressure"` // the session's own context pressure
 	// DraftN, DraftNAccepted: the running request's speculative draft tokens verified
 	// and accepted so far (only once it drafted any).
 	DraftN         *int `json:"draft_n,omitempty"`

@@ -56,28 +56,34 @@ type PoolsStatus struct {
 	KVCellsUsed    int        `json:"kv_cells_used"`
 	KVCellsMax     int        `json:"kv_cells_max"`
 	KVBytesPerCell int64      `json:"kv_bytes_per_cell"`
+	// RecurrentStateBytesPerSeq is one sequence's recurrent state (hybrid and recurrent
+	// models; 0 otherwise): every pool and session holding tokens has its own copy.
+	RecurrentStateBytesPerSeq int64 `json:"recurrent_state_bytes_per_seq"`
 }
 
 // PoolInfo is one pool's status (docs/design.md §4.2); GET /polykv/pools/{id} adds tokens.
 type PoolInfo struct {
-	PoolID         int           `json:"pool_id"`
-	Parent         *int          `json:"parent"`
-	BranchPos      int           `json:"branch_pos"`
-	PrefixLen      int           `json:"prefix_len"`
-	OwnLen         int           `json:"own_len"`
-	OwnKVBytes     int64         `json:"own_kv_bytes"`
-	SubtreeKVBytes int64         `json:"subtree_kv_bytes"`
-	Residency      string        `json:"residency"`
-	State          string        `json:"state"`
-	Pinned         bool          `json:"pinned"`
-	UserPinned     bool          `json:"user_pinned"`
-	OrphanedPin    bool          `json:"orphaned_pin"`
-	LastAccessTS   float64       `json:"last_access_ts"`
-	Children       []int         `json:"children"`
-	Sessions       []PoolSession `json:"sessions"`
-	TreeDepth      int           `json:"tree_depth"` // 1 for a root; the same name as the list's (the deepest)
-	PrefixHash     string        `json:"prefix_hash"`
-	Tokens         []int32       `json:"tokens,omitempty"`
+	PoolID         int   `json:"pool_id"`
+	Parent         *int  `json:"parent"`
+	BranchPos      int   `json:"branch_pos"`
+	PrefixLen      int   `json:"prefix_len"`
+	OwnLen         int   `json:"own_len"`
+	OwnKVBytes     int64 `json:"own_kv_bytes"`
+	SubtreeKVBytes int64 `json:"subtree_kv_bytes"`
+	// RecurrentStateBytes is the recurrent state the pool holds at its boundary (0 when
+	// evicted or without recurrent layers), beside its KV bytes.
+	RecurrentStateBytes int64         `json:"recurrent_state_bytes"`
+	Residency           string        `json:"residency"`
+	State               string        `json:"state"`
+	Pinned              bool          `json:"pinned"`
+	UserPinned          bool          `json:"user_pinned"`
+	OrphanedPin         bool          `json:"orphaned_pin"`
+	LastAccessTS        float64       `json:"last_access_ts"`
+	Children            []int         `json:"children"`
+	Sessions            []PoolSession `json:"sessions"`
+	TreeDepth           int           `json:"tree_depth"` // 1 for a root; the same name as the list's (the deepest)
+	PrefixHash          string        `json:"prefix_hash"`
+	Tokens              []int32       `json:"tokens,omitempty"`
 	// RestoreCost is what attaching to an evicted pool will cost (with a pool tier).
 	RestoreCost *RestoreCost `json:"restore_cost,omitempty"`
 }
@@ -94,12 +100,14 @@ type RestoreCost struct {
 
 // PoolSession is a sequence attached to a pool.
 type PoolSession struct {
-	SessionID       string  `json:"session_id"`
-	SeqID           int     `json:"seq_id"`
-	SuffixNTokens   int     `json:"suffix_n_tokens"`
-	MarginalKVBytes int64   `json:"marginal_kv_bytes"`
-	State           string  `json:"state"`
-	TaskID          *uint64 `json:"task_id,omitempty"`
+	SessionID       string `json:"session_id"`
+	SeqID           int    `json:"seq_id"`
+	SuffixNTokens   int    `json:"suffix_n_tokens"`
+	MarginalKVBytes int64  `json:"marginal_kv_bytes"`
+	// RecurrentStateBytes is the session's own copy of the recurrent state.
+	RecurrentStateBytes int64   `json:"recurrent_state_bytes"`
+	State               string  `json:"state"`
+	TaskID              *uint64 `json:"task_id,omitempty"`
 }
 
 // Policy is a pool's admission policy.
