@@ -9,10 +9,11 @@
 // GGUF) with Gemma 4's parameters given in full, then loads the file back and decodes a
 // few tokens so that a model llama.cpp cannot run is never left behind.
 //
-// The layout is Gemma 4's: interleaved sliding-window attention (four sliding layers, then
-// one full layer), a different head size on the sliding and the full layers, per-layer
-// embeddings (as in E2B/E4B), q/k norms, proportional RoPE factors on the full layers and
-// a final logit soft-cap. The window is small (32 positions) so that test prompts of a few
+// The layout is Gemma 4's (E2B/E4B in miniature): 10 layers of interleaved sliding-window
+// attention (four sliding layers, then one full layer), a different head size on the
+// sliding and the full layers, the last 5 layers sharing earlier layers' KV, per-layer
+// embeddings, q/k norms, proportional RoPE factors on the full layers and a final logit
+// soft-cap. The window is small (32 positions) so that test prompts of a few
 // hundred tokens go well past it.
 //
 // Usage: gemma4-testmodel OUT.gguf [SEED]
@@ -38,7 +39,8 @@
 
 namespace {
 
-const uint32_t per_layer_embd = 32; // Gemma 4's per-layer embeddings (E2B/E4B), a quarter of n_embd here
+const uint32_t per_layer_embd   = 32; // Gemma 4's per-layer embeddings (E2B/E4B), a quarter of n_embd here
+const uint32_t shared_kv_layers = 5;  // layers 5..9 reuse layers 3 and 4's KV (E2B/E4B)
 
 struct fill_params {
     unsigned long seed;
@@ -76,7 +78,7 @@ gguf_context * metadata() {
     gguf_context * g = gguf_init_empty();
     llama_model_saver ms(LLM_ARCH_GEMMA4, g);
 
-    const uint32_t n_vocab = 128, n_ctx = 4096, n_embd = 128, n_head = 2, n_head_kv = 1, n_ff = 192, n_layer = 5;
+    const uint32_t n_vocab = 128, n_ctx = 4096, n_embd = 128, n_head = 2, n_head_kv = 1, n_ff = 192, n_layer = 10;
     const uint32_t head_full = 64, head_swa = 32;
 
     ms.add_kv(LLM_KV_GENERAL_ARCHITECTURE, llm_arch_name(LLM_ARCH_GEMMA4));
@@ -98,8 +100,10 @@ gguf_context * metadata() {
     ms.add_kv(LLM_KV_ATTENTION_LAYERNORM_RMS_EPS, 1e-6f);
     ms.add_kv(LLM_KV_ATTENTION_SLIDING_WINDOW, uint32_t(32));
     // Per layer, 1 = sliding window: the pattern Gemma 4 repeats (four sliding, one full).
-    ms.add_kv(LLM_KV_ATTENTION_SLIDING_WINDOW_PATTERN, std::vector<uint32_t>{1, 1, 1, 1, 0});
-    ms.add_kv(LLM_KV_ATTENTION_SHARED_KV_LAYERS, uint32_t(0));
+    ms.add_kv(LLM_KV_ATTENTION_SLIDING_WINDOW_PATTERN, std::vector<uint32_t>{1, 1, 1, 1, 0, 1, 1, 1, 1, 0});
+    // The last shared_kv_layers layers keep no KV of their own: they read the last sliding
+    // and the last full layer's before them (layers 3 and 4), as E2B's last 20 of 35 do.
+    ms.add_kv(LLM_KV_ATTENTION_SHARED_KV_LAYERS, shared_kv_layers);
     ms.add_kv(LLM_KV_EMBEDDING_LENGTH_PER_LAYER, per_layer_embd);
     ms.add_kv(LLM_KV_FINAL_LOGIT_SOFTCAPPING, 30.0f);
 
@@ -192,7 +196,7 @@ int main(int argc, char ** argv) {
         llama_model_saver ms(m);
         ms.add_kv_from_model();
         ms.add_kv(LLM_KV_EMBEDDING_LENGTH_PER_LAYER, per_layer_embd);
-        ms.add_kv(LLM_KV_ATTENTION_SHARED_KV_LAYERS, uint32_t(0));
+        ms.add_kv(LLM_KV_ATTENTION_SHARED_KV_LAYERS, shared_kv_layers);
         ms.add_tensors_from_model();
         ms.add_tensor(m->per_layer_model_proj);
         ms.add_tensor(m->per_layer_proj_norm);

@@ -1,9 +1,11 @@
 package app
 
 // Architectures with no small real model here, on tiny random-weight models that
-// llama.cpp's own test-llama-archs writes (make testmodels): Qwen3.5 (gated delta-net
-// layers + attention), LFM2 (short convolutions + attention) and Granite hybrid (Mamba 2
-// + attention) — this year's hybrid families — and llama as the plain-attention control.
+// make testmodels writes (llama.cpp's own test-llama-archs; Gemma 4 by
+// scripts/gemma4-testmodel.cpp): Qwen3.5 (gated delta-net layers + attention), LFM2
+// (short convolutions + attention) and Granite hybrid (Mamba 2 + attention) — this
+// year's hybrid families —, Gemma 4 (interleaved sliding-window and full attention, two
+// head sizes, per-layer embeddings) and llama as the plain-attention control.
 // Their outputs are noise, but it is the noise each architecture's real graph computes,
 // so loading, batching, pools and determinism under traffic are checked on it.
 
@@ -38,6 +40,11 @@ func TestArchsPoolsAndTraffic(t *testing.T) {
 			recurrent := a.Model.IsRecurrent() || a.Model.IsHybrid()
 			if want := arch != "llama" && arch != "gemma4"; recurrent != want {
 				t.Fatalf("%s: recurrent or hybrid = %v, want %v", arch, recurrent, want)
+			}
+			// Gemma 4 loads with its interleaved sliding window (32 positions in the test
+			// model): the prompts below go past it, so pools rely on the SWA anchors.
+			if got := a.Model.Meta("general.architecture"); got != arch || (arch == "gemma4") != (a.Model.NSWA() == 32) {
+				t.Fatalf("loaded as %q with a %d-position window", got, a.Model.NSWA())
 			}
 			rootToks := archTokens(a, 1, 120)
 			L := len(rootToks)
@@ -89,6 +96,7 @@ func TestArchsPoolsAndTraffic(t *testing.T) {
 			// A session's second turn extends the first one's whole context: kept whole.
 			turn1 := append(slices.Clone(rootToks), archTokens(a, 6, 5)...)
 			first, _ := sessionTurn(t, base, "s1", turn1, root, 6)
+			checkMemoryBytes(t, a, base, root, "s1", recurrent)
 			held := len(turn1) + 5 // the last token sampled is not decoded
 			turn2 := slices.Clone(turn1)
 			for _, id := range first[:5] {
@@ -164,4 +172,64 @@ func sessionTurn(t *testing.T, base, id string, prompt []int32, pool, n int) ([]
 		ids = append(ids, num(v))
 	}
 	return ids, num(out["timings"].(map[string]any)["cache_n"])
+}
+
+// checkMemoryBytes checks the bytes /polykv/pools and /slots report while session id is
+// attached to pool: KV bytes are cells × llama.cpp's bytes per cell (per layer: a
+// hybrid's recurrent layers hold none), and the recurrent state — one copy per sequence,
+// the pool's at its boundary and the session's own — is counted beside them, on a model
+// with recurrent layers only.
+func checkMemoryBytes(t *testing.T, a *App, base string, pool int, id string, recurrent bool) {
+	t.Helper()
+	var st struct {
+		Pools []struct {
+			PoolID     int   `json:"pool_id"`
+			OwnLen     int   `json:"own_len"`
+			OwnKVBytes int64 `json:"own_kv_bytes"`
+			Recurrent  int64 `json:"recurrent_state_bytes"`
+			Sessions   []struct {
+				SessionID string `json:"session_id"`
+				Recurrent int64  `json:"recurrent_state_bytes"`
+			} `json:"sessions"`
+		} `json:"pools"`
+		BytesPerCell int64 `json:"kv_bytes_per_cell"`
+		PerSeq       int64 `json:"recurrent_state_bytes_per_seq"`
+	}
+	get(t, base+"/polykv/pools", &st)
+	perSeq := a.Ctx.RecurrentBytesPerSeq()
+	if st.BytesPerCell != a.Model.KVBytesPerCell() || st.PerSeq != perSeq || (perSeq > 0) != recurrent {
+		t.Fatalf("kv_bytes_per_cell %d (model %d), recurrent_state_bytes_per_seq %d (context %d), recurrent %v",
+			st.BytesPerCell, a.Model.KVBytesPerCell(), st.PerSeq, perSeq, recurrent)
+	}
+	found := false
+	for _, p := range st.Pools {
+		if p.OwnKVBytes != int64(p.OwnLen)*st.BytesPerCell || p.Recurrent != perSeq {
+			t.Fatalf("pool %d: own_kv_bytes %d for %d cells, recurrent_state_bytes %d (want %d)", p.PoolID, p.OwnKVBytes, p.OwnLen, p.Recurrent, perSeq)
+		}
+		for _, s := range p.Sessions {
+			if p.PoolID == pool && s.SessionID == id {
+				found = true
+				if s.Recurrent != perSeq {
+					t.Fatalf("pool %d session %s: recurrent_state_bytes %d, want %d", pool, id, s.Recurrent, perSeq)
+				}
+			}
+		}
+	}
+	var slots []struct {
+		SessionID  string `json:"session_id"`
+		NOwnCells  int    `json:"n_own_cells"`
+		OwnKVBytes int64  `json:"own_kv_bytes"`
+		Recurrent  int64  `json:"recurrent_state_bytes"`
+	}
+	get(t, base+"/slots", &slots)
+	for _, sl := range slots {
+		if sl.SessionID == id {
+			found = found && sl.OwnKVBytes == int64(sl.NOwnCells)*st.BytesPerCell && sl.NOwnCells > 0 && sl.Recurrent == perSeq
+			if !found {
+				t.Fatalf("slot of %s: %d own cells, own_kv_bytes %d, recurrent_state_bytes %d (want %d)", id, sl.NOwnCells, sl.OwnKVBytes, sl.Recurrent, perSeq)
+			}
+			return
+		}
+	}
+	t.Fatalf("session %s not found attached to pool %d in /polykv/pools and /slots", id, pool)
 }
