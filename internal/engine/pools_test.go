@@ -578,3 +578,46 @@ func TestPoolByKeyPrefersResident(t *testing.T) {
 		t.Fatalf("the evicted pool was %s, want it left evicted", p.State)
 	}
 }
+
+// TestRecurrentStateBytesReported: on a model with recurrent state (Config.
+// RecurrentBytesPerSeq from llama.cpp's recurrent cache) every sequence holding tokens
+// reports one copy — a resident pool, a session attached to it (its own copy, unlike the
+// pool's KV cells it shares), a /slots entry — beside its KV bytes; an evicted pool holds
+// none.
+func TestRecurrentStateBytesReported(t *testing.T) {
+	cfg := poolCfg()
+	cfg.RecurrentBytesPerSeq = 5000
+	h := newHarness(t, cfg)
+	prefix := seqTokens(1, 40)
+	id := h.createPool(PoolSpec{Tokens: prefix})
+	spare := h.createPool(PoolSpec{Tokens: seqTokens(2, 20)})
+	h.submit(Request{Prompt: append(slices.Clone(prefix), 100, 101), HasPool: true, PoolID: id, SessionID: "s", MaxTokens: 3})
+	h.run()
+	if err := h.evictPool(spare); err != nil {
+		t.Fatal(err)
+	}
+	h.step()
+	st := h.s.Pools()
+	if st.RecurrentBytesPerSeq != 5000 {
+		t.Fatalf("recurrent bytes per sequence %d", st.RecurrentBytesPerSeq)
+	}
+	for _, p := range st.Pools {
+		want := int64(5000)
+		if p.PoolID == spare {
+			want = 0
+		}
+		if p.RecurrentStateBytes != want {
+			t.Fatalf("pool %d (%s): recurrent state %d bytes, want %d", p.PoolID, p.Residency, p.RecurrentStateBytes, want)
+		}
+		for _, ss := range p.Sessions {
+			if ss.RecurrentStateBytes != 5000 {
+				t.Fatalf("session %s: recurrent state %d bytes, want 5000", ss.SessionID, ss.RecurrentStateBytes)
+			}
+		}
+	}
+	slots := h.s.Slots()
+	if len(slots) != 1 || slots[0].RecurrentStateBytes != 5000 || slots[0].Own == 0 || slots[0].OwnKVBytes != int64(slots[0].Own)*100 {
+		t.Fatalf("slots %+v", slots)
+	}
+	h.checkAccounting()
+}
