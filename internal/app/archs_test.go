@@ -18,6 +18,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/polykv/polykv/internal/runner"
 	"github.com/polykv/polykv/internal/testmodel"
 )
 
@@ -45,6 +46,9 @@ func TestArchsPoolsAndTraffic(t *testing.T) {
 			// model): the prompts below go past it, so pools rely on the SWA anchors.
 			if got := a.Model.Meta("general.architecture"); got != arch || (arch == "gemma4" && a.Model.NSWA() != 32) {
 				t.Fatalf("loaded as %q with a %d-position window", got, a.Model.NSWA())
+			}
+			if pol := runner.ModelPolicy(a.Model); arch == "gemma4" && (pol.SWA != 32 || !pol.Anchors || pol.Recurrent || pol.TierOff() == "") {
+				t.Fatalf("Gemma 4's policy %+v (tier: %q): want SWA anchors for its window, no recurrent rules, the tier refused", pol, pol.TierOff())
 			}
 			rootToks := archTokens(a, 1, 120)
 			L := len(rootToks)
