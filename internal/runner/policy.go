@@ -51,10 +51,11 @@ func (p Policy) Configure(c *engine.Config) (prefixCacheOff bool) {
 }
 
 // ContextSeqs is how many sequence ids the llama context needs for nSeq engine
-// sequences (sessions and pools): twice as many with SWA anchors, one shadow each.
+// sequences (sessions and pools): with SWA anchors twice as many, one shadow each, and
+// the scratch sequence the tier loads through (Backend.EnableSWAAnchors).
 func (p Policy) ContextSeqs(nSeq int) int {
 	if p.anchors() {
-		return 2 * nSeq
+		return 2*nSeq + 1
 	}
 	return nSeq
 }
@@ -67,8 +68,8 @@ func (p Policy) Check(nSeq, nBatch, nUBatch int) error {
 	if !p.anchors() {
 		return nil
 	}
-	if 2*nSeq > engine.MaxSeqs {
-		return fmt.Errorf("this model uses sliding-window attention, which needs two sequence ids per session or pool: --parallel + --max-pools must be at most %d, got %d", engine.MaxSeqs/2, nSeq)
+	if p.ContextSeqs(nSeq) > engine.MaxSeqs {
+		return fmt.Errorf("this model uses sliding-window attention, which needs two sequence ids per session or pool and one more: --parallel + --max-pools must be at most %d, got %d", (engine.MaxSeqs-1)/2, nSeq)
 	}
 	if nUBatch < nBatch && nBatch > p.SWA {
 		return fmt.Errorf("with a sliding-window model (window %d) --batch above the window needs --ubatch equal to --batch", p.SWA)
@@ -85,8 +86,10 @@ func (p Policy) Params(c *llama.ContextParams) {
 // when they can.
 func (p Policy) TierOff() string {
 	switch {
-	case p.SWA > 0:
-		return "sliding-window model: llama.cpp's sequence state leaves out the cells the window masks, so a restored pool could not serve an attach or fork below its last window; evicted pools are prefilled again"
+	case p.SWA > 0 && !p.Anchors:
+		// The chunked save (Backend.saveChunks) needs the anchors' scratch sequence, and a
+		// loaded cell without its shadow could be handed out again.
+		return "sliding-window model without SWA anchors: its state is saved and loaded through the anchors' scratch sequence; evicted pools are prefilled again"
 	case p.Recurrent:
 		// A spill saves a pool's own cells only (its parent keeps the rest), and a
 		// recurrent layer's state is not split by position: not restored that way yet.

@@ -82,8 +82,13 @@ func (b *Backend) settle() error {
 // (see Decode). A cell with two members is never reused, so each sequence q gets a
 // shadow sequence q+offset that holds exactly q's cells: SeqRm and SeqCp are mirrored
 // on it and Decode adds it to q's new cells. The engine's ids are 0..offset-1; the
-// context needs 2×offset sequence ids. Nothing is computed for the shadows.
+// context needs 2×offset sequence ids, and one more: the scratch sequence 2×offset,
+// through which the tier saves and loads such a model's state (see swaChunks). Nothing
+// is computed for the shadows or the scratch.
 func (b *Backend) EnableSWAAnchors(offset int) { b.anchor = offset }
+
+// scratch is the sequence id after the shadows, empty between calls (with anchors).
+func (b *Backend) scratch() int { return 2 * b.anchor }
 
 type sampler struct {
 	s        *llama.Sampler

@@ -1,6 +1,7 @@
 package runner
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"time"
@@ -12,9 +13,8 @@ import (
 var _ engine.TierBackend = (*Backend)(nil)
 
 // EnableTier makes the backend perform the engine's tier operations (issue 25) with
-// store. Not with SWA anchors: llama.cpp's sequence state leaves out the cells a
-// sliding-window layer has masked, so a restored pool could not serve an attach or a
-// fork below its last window (the app refuses the tier for such models).
+// store. A sliding-window model needs its SWA anchors on (and so the scratch sequence
+// they bring): its state is saved and loaded a window at a time (see swaChunks).
 func (b *Backend) EnableTier(store *tier.Store) { b.store = store }
 
 // Tier implements engine.TierBackend. A pool's own cells [D, L) are what is stored: a
@@ -68,6 +68,10 @@ func (b *Backend) ownState(op engine.SeqOp, keep bool) ([]byte, error) {
 	if lo, hi := b.ctx.SeqPosMin(op.Seq), b.ctx.SeqPosMax(op.Seq); lo != 0 || hi != len(op.Tokens)-1 {
 		return nil, fmt.Errorf("pool %d's sequence holds positions [%d, %d], want [0, %d)", op.Pool, lo, hi, len(op.Tokens))
 	}
+	if b.anchor > 0 {
+		// Nothing is taken out of the pool's sequence: the chunks are copied from it.
+		return b.saveChunks(op.Seq, op.D, len(op.Tokens))
+	}
 	if op.D > 0 {
 		b.ctx.SeqRm(op.Seq, 0, op.D)
 		if keep {
@@ -104,6 +108,9 @@ func (b *Backend) load(seq, lo, hi int, data []byte) error {
 	if err := b.settle(); err != nil {
 		return err
 	}
+	if b.anchor > 0 {
+		return b.loadChunks(seq, lo, hi, data)
+	}
 	if err := b.ctx.SeqStateSet(seq, data); err != nil {
 		return err
 	}
@@ -120,19 +127,105 @@ var _ engine.SlotBackend = (*Backend)(nil)
 // SaveSeq implements engine.SlotBackend (llama-server's slot save).
 func (b *Backend) SaveSeq(seq int) ([]byte, error) {
 	if b.anchor > 0 {
-		return nil, errSWASlots
+		if lo := b.ctx.SeqPosMin(seq); lo != 0 {
+			return nil, fmt.Errorf("sequence %d starts at position %d, not 0", seq, lo)
+		}
+		return b.saveChunks(seq, 0, b.ctx.SeqPosMax(seq)+1)
 	}
 	return b.ctx.SeqStateGet(seq)
 }
 
 // LoadSeq implements engine.SlotBackend (llama-server's slot restore).
 func (b *Backend) LoadSeq(seq, n int, data []byte) error {
-	if b.anchor > 0 {
-		return errSWASlots
-	}
 	return b.load(seq, 0, n, data)
 }
 
-// errSWASlots: as for the tier (EnableTier), a sliding-window model's saved sequence
-// lacks the cells its window masks, so a borrower of a shorter prefix would miss them.
-var errSWASlots = errors.New("slot save and restore are not available for sliding-window models: llama.cpp's sequence state leaves out the cells the window masks")
+// A sliding-window model's saved state, in chunks. llama.cpp's sequence state leaves
+// out every cell the window masks for the sequence's last position
+// (llama_kv_cache::state_write), so one state of a pool holds only its last window in
+// the SWA layers, and the pool could not serve an attach or fork below it. Its state is
+// therefore saved a window-aligned chunk of positions at a time, each copied into the
+// scratch sequence alone, where no cell of the chunk is masked for the chunk's own last
+// position (a standard or chunked window; anything else fails the position check on
+// load and counts as a miss). On load, each chunk goes into the scratch sequence (a
+// sequence's load first drops what it held), then is shared with the pool's sequence
+// and its shadow, so every loaded cell keeps two members and is never handed out again
+// while the next chunks load (see EnableSWAAnchors). Hand-written: llama.cpp has no
+// flag that writes a sequence's masked cells (LLAMA_STATE_SEQ_FLAGS_* select parts of
+// the memory, not the window).
+//
+// Format: per chunk, its first position, one past its last, and its state's length
+// (each a little-endian uint64), then the state.
+
+// swaChunks is the window-aligned chunks of positions [lo, hi).
+func (b *Backend) swaChunks(lo, hi int) [][2]int {
+	w := b.model.NSWA()
+	var out [][2]int
+	for a := lo; a < hi; {
+		e := min(hi, (a/w+1)*w)
+		out = append(out, [2]int{a, e})
+		a = e
+	}
+	return out
+}
+
+// saveChunks copies out the cells [lo, hi) of seq, chunk by chunk (see above).
+func (b *Backend) saveChunks(seq, lo, hi int) ([]byte, error) {
+	x := b.scratch()
+	defer b.ctx.SeqRm(x, -1, -1)
+	var out []byte
+	for _, c := range b.swaChunks(lo, hi) {
+		b.ctx.SeqRm(x, -1, -1)
+		b.ctx.SeqCp(seq, x, c[0], c[1])
+		data, err := b.ctx.SeqStateGet(x)
+		if err != nil {
+			return nil, err
+		}
+		out = binary.LittleEndian.AppendUint64(out, uint64(c[0]))
+		out = binary.LittleEndian.AppendUint64(out, uint64(c[1]))
+		out = binary.LittleEndian.AppendUint64(out, uint64(len(data)))
+		out = append(out, data...)
+	}
+	return out, nil
+}
+
+// loadChunks loads what saveChunks wrote into seq (and its shadow), which must be
+// empty, and checks that each chunk and the whole hold exactly their positions. On
+// failure seq holds nothing.
+func (b *Backend) loadChunks(seq, lo, hi int, data []byte) (err error) {
+	x := b.scratch()
+	defer func() {
+		b.ctx.SeqRm(x, -1, -1)
+		if err != nil {
+			b.SeqRm(seq, -1, -1)
+			b.holes = true
+		}
+	}()
+	next := lo
+	for len(data) > 0 {
+		if len(data) < 24 {
+			return fmt.Errorf("chunked state: %d bytes left, want a 24-byte chunk header", len(data))
+		}
+		c0, c1, n := binary.LittleEndian.Uint64(data), binary.LittleEndian.Uint64(data[8:]), binary.LittleEndian.Uint64(data[16:])
+		data = data[24:]
+		if c0 != uint64(next) || c1 <= c0 || c1 > uint64(hi) || n > uint64(len(data)) {
+			return fmt.Errorf("chunked state: chunk [%d, %d) of %d bytes, want one from %d up to %d within %d bytes", c0, c1, n, next, hi, len(data))
+		}
+		if err := b.ctx.SeqStateSet(x, data[:n]); err != nil {
+			return err
+		}
+		data = data[n:]
+		if p0, p1 := b.ctx.SeqPosMin(x), b.ctx.SeqPosMax(x); p0 != int(c0) || p1 != int(c1)-1 {
+			return fmt.Errorf("chunk loaded positions [%d, %d], want [%d, %d)", p0, p1, c0, c1)
+		}
+		b.SeqCp(x, seq, int(c0), int(c1)) // mirrored on seq's shadow
+		next = int(c1)
+	}
+	if next != hi {
+		return fmt.Errorf("chunked state ends at position %d, want %d", next, hi)
+	}
+	if p0, p1 := b.ctx.SeqPosMin(seq), b.ctx.SeqPosMax(seq); p0 != lo || p1 != hi-1 {
+		return fmt.Errorf("loaded positions [%d, %d], want [%d, %d)", p0, p1, lo, hi)
+	}
+	return nil
+}
