@@ -370,7 +370,9 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 type TierBackend interface {
 	// Tier performs OpSpill, OpRestore, OpRecord or OpForget. For OpRestore the error
 	// says why nothing was loaded (the sequence then holds nothing); the others report
-	// their failures to the tier's counters, as nothing waits for them.
+	// their failures to the tier's counters, as nothing waits for them. A restore loads
+	// the pool's own cells [D, L); with Config.Recurrent it also shares the parent's
+	// [0, D) from op.Src (the scheduler then plans no seq_cp for them).
 	Tier(op SeqOp) error
 }
 

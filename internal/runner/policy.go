@@ -51,11 +51,15 @@ func (p Policy) Configure(c *engine.Config) (prefixCacheOff bool) {
 }
 
 // ContextSeqs is how many sequence ids the llama context needs for nSeq engine
-// sequences (sessions and pools): with SWA anchors twice as many, one shadow each, and
-// the scratch sequence the tier loads through (Backend.EnableSWAAnchors).
+// sequences (sessions and pools): with SWA anchors twice as many, one shadow each;
+// with anchors or recurrent state one more, the scratch sequence the tier saves and
+// loads through (Backend.EnableScratch).
 func (p Policy) ContextSeqs(nSeq int) int {
-	if p.anchors() {
+	switch {
+	case p.anchors():
 		return 2*nSeq + 1
+	case p.Recurrent:
+		return nSeq + 1
 	}
 	return nSeq
 }
@@ -66,6 +70,9 @@ func (p Policy) ContextSeqs(nSeq int) int {
 // reuse the cells of an earlier one before they are anchored).
 func (p Policy) Check(nSeq, nBatch, nUBatch int) error {
 	if !p.anchors() {
+		if p.ContextSeqs(nSeq) > engine.MaxSeqs {
+			return fmt.Errorf("this model has recurrent state, whose pool tier needs one sequence id more than the sessions and pools: --parallel + --max-pools must be at most %d, got %d", engine.MaxSeqs-1, nSeq)
+		}
 		return nil
 	}
 	if p.ContextSeqs(nSeq) > engine.MaxSeqs {
@@ -87,21 +94,23 @@ func (p Policy) Params(c *llama.ContextParams) {
 func (p Policy) TierOff() string {
 	switch {
 	case p.SWA > 0 && !p.Anchors:
-		// The chunked save (Backend.saveChunks) needs the anchors' scratch sequence, and a
-		// loaded cell without its shadow could be handed out again.
-		return "sliding-window model without SWA anchors: its state is saved and loaded through the anchors' scratch sequence; evicted pools are prefilled again"
-	case p.Recurrent:
-		// A spill saves a pool's own cells only (its parent keeps the rest), and a
-		// recurrent layer's state is not split by position: not restored that way yet.
-		return "model with recurrent state: a spill keeps a pool's own attention cells, not a recurrent state valid for them; evicted pools are prefilled again"
+		// A loaded cell without its shadow could be handed out again.
+		return "sliding-window model without SWA anchors: a loaded pool's cells could be handed out again; evicted pools are prefilled again"
+	case p.SWA > 0 && p.Recurrent:
+		// Both would need the scratch sequence, chunked: not built (no such model here).
+		return "model with both sliding-window layers and recurrent state: not supported by the tier; evicted pools are prefilled again"
 	}
 	return ""
 }
 
 // Enable turns on what the backend needs for this model, for nSeq engine sequences.
 func (p Policy) Enable(b *Backend, nSeq int) {
-	if p.anchors() {
+	switch {
+	case p.anchors():
 		b.EnableSWAAnchors(nSeq)
+		b.EnableScratch(2 * nSeq)
+	case p.Recurrent:
+		b.EnableScratch(nSeq)
 	}
 }
 

@@ -42,7 +42,16 @@ type Backend struct {
 
 	// store is the tier below the cache (EnableTier; nil: none).
 	store *tier.Store
+	// scratch is a sequence id no engine sequence uses, empty between calls, through
+	// which the tier saves and loads state where a sequence's own state cannot be taken
+	// as it is (EnableScratch; -1: none).
+	scratch int
 }
+
+// EnableScratch gives the backend sequence id seq, which the engine never uses, to save
+// and load a sliding-window or recurrent model's pools through (see saveChunks and
+// saveRecurrent). The context must have seq+1 sequence ids at least.
+func (b *Backend) EnableScratch(seq int) { b.scratch = seq }
 
 // Compactions is the number of whole-cache compactions so far and the time they took
 // (safe from any goroutine).
@@ -82,13 +91,8 @@ func (b *Backend) settle() error {
 // (see Decode). A cell with two members is never reused, so each sequence q gets a
 // shadow sequence q+offset that holds exactly q's cells: SeqRm and SeqCp are mirrored
 // on it and Decode adds it to q's new cells. The engine's ids are 0..offset-1; the
-// context needs 2×offset sequence ids, and one more: the scratch sequence 2×offset,
-// through which the tier saves and loads such a model's state (see swaChunks). Nothing
-// is computed for the shadows or the scratch.
+// context needs 2×offset sequence ids. Nothing is computed for the shadows.
 func (b *Backend) EnableSWAAnchors(offset int) { b.anchor = offset }
-
-// scratch is the sequence id after the shadows, empty between calls (with anchors).
-func (b *Backend) scratch() int { return 2 * b.anchor }
 
 type sampler struct {
 	s        *llama.Sampler
@@ -202,7 +206,7 @@ func NewBackend(model *llama.Model, ctx *llama.Context, log *slog.Logger) *Backe
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Backend{ctx: ctx, model: model, samplers: map[engine.TaskID]*sampler{}, log: log}
+	return &Backend{ctx: ctx, model: model, samplers: map[engine.TaskID]*sampler{}, log: log, scratch: -1}
 }
 
 // Decode implements engine.Backend.

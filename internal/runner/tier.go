@@ -13,8 +13,9 @@ import (
 var _ engine.TierBackend = (*Backend)(nil)
 
 // EnableTier makes the backend perform the engine's tier operations (issue 25) with
-// store. A sliding-window model needs its SWA anchors on (and so the scratch sequence
-// they bring): its state is saved and loaded a window at a time (see swaChunks).
+// store. A sliding-window model needs its SWA anchors and a model with recurrent state
+// its scratch sequence (Policy.Enable): the first is saved and loaded a window at a
+// time (see swaChunks), the second through the scratch sequence (see saveRecurrent).
 func (b *Backend) EnableTier(store *tier.Store) { b.store = store }
 
 // Tier implements engine.TierBackend. A pool's own cells [D, L) are what is stored: a
@@ -65,6 +66,9 @@ func (b *Backend) Tier(op engine.SeqOp) error {
 // resident, so its membership of the parent's [0, D) is put back afterwards (an
 // evicted pool's sequence is cleared by the engine's next operation anyway).
 func (b *Backend) ownState(op engine.SeqOp, keep bool) ([]byte, error) {
+	if b.recurrent() {
+		return b.saveRecurrent(op.Seq, op.D, len(op.Tokens))
+	}
 	if lo, hi := b.ctx.SeqPosMin(op.Seq), b.ctx.SeqPosMax(op.Seq); lo != 0 || hi != len(op.Tokens)-1 {
 		return nil, fmt.Errorf("pool %d's sequence holds positions [%d, %d], want [0, %d)", op.Pool, lo, hi, len(op.Tokens))
 	}
@@ -87,7 +91,12 @@ func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 	start := time.Now()
 	data, loc, err := b.store.Get(m)
 	if err == nil {
-		if err = b.load(op.Seq, op.D, len(op.Tokens), data); err != nil {
+		if b.recurrent() {
+			err = b.loadRecurrent(op.Seq, op.Src, op.D, len(op.Tokens), data)
+		} else {
+			err = b.load(op.Seq, op.D, len(op.Tokens), data)
+		}
+		if err != nil {
 			err = &tier.MissError{Reason: tier.MissRejected, Err: err}
 		}
 	}
@@ -137,7 +146,79 @@ func (b *Backend) SaveSeq(seq int) ([]byte, error) {
 
 // LoadSeq implements engine.SlotBackend (llama-server's slot restore).
 func (b *Backend) LoadSeq(seq, n int, data []byte) error {
+	if b.recurrent() {
+		return b.loadRecurrent(seq, -1, 0, n, data)
+	}
 	return b.load(seq, 0, n, data)
+}
+
+// recurrent: the model keeps recurrent state (recurrent or hybrid layers).
+func (b *Backend) recurrent() bool { return b.model.IsRecurrent() || b.model.IsHybrid() }
+
+// A model with recurrent state keeps one state per sequence, valid at its last position,
+// beside (in a hybrid) attention cells per position. A pool's entry holds its own
+// attention cells [D, L) and its recurrent state at L. It cannot be taken from the
+// pool's sequence by removing the parent's [0, D) first, as for attention alone: putting
+// them back (seq_cp) would also replace the pool's recurrent state by its parent's
+// (llama.cpp's recurrent seq_cp copies a sequence's state whatever the range). So the
+// cells [D, L) and the state are shared onto the scratch sequence, saved from there,
+// and the pool's sequence is never touched. A load goes the other way: the entry into
+// the scratch sequence, then the parent's [0, D) shared onto the pool's sequence and
+// the scratch's [D, L) and state after them, so that the state the pool ends with is
+// its own. The engine leaves that share to the backend (Config.Recurrent in
+// Scheduler.restored).
+
+// saveRecurrent copies out seq's cells [lo, hi) and its recurrent state (at hi-1).
+func (b *Backend) saveRecurrent(seq, lo, hi int) ([]byte, error) {
+	if b.scratch < 0 {
+		return nil, errors.New("no scratch sequence for a recurrent model's state")
+	}
+	if p := b.ctx.SeqPosMax(seq); p != hi-1 {
+		return nil, fmt.Errorf("sequence %d ends at position %d, want %d", seq, p, hi-1)
+	}
+	x := b.scratch
+	b.ctx.SeqRm(x, -1, -1)
+	defer b.ctx.SeqRm(x, -1, -1)
+	b.ctx.SeqCp(seq, x, lo, hi)
+	return b.ctx.SeqStateGet(x)
+}
+
+// loadRecurrent loads what saveRecurrent wrote into seq, which must be empty, with
+// src's [0, lo) shared before it (src < 0: lo must be 0). On failure seq holds nothing.
+func (b *Backend) loadRecurrent(seq, src, lo, hi int, data []byte) (err error) {
+	if b.scratch < 0 {
+		return errors.New("no scratch sequence for a recurrent model's state")
+	}
+	if lo > 0 && src < 0 {
+		return fmt.Errorf("load from position %d without a sequence holding the positions below", lo)
+	}
+	if err := b.settle(); err != nil {
+		return err
+	}
+	x := b.scratch
+	defer func() {
+		b.ctx.SeqRm(x, -1, -1)
+		if err != nil {
+			b.ctx.SeqRm(seq, -1, -1)
+			b.holes = true
+		}
+	}()
+	if err := b.ctx.SeqStateSet(x, data); err != nil {
+		return err
+	}
+	// A hybrid's lowest position is its recurrent state's (the larger of the two
+	// memories' minimums): the attention cells cannot be checked apart from it.
+	if p0, p1 := b.ctx.SeqPosMin(x), b.ctx.SeqPosMax(x); p0 != hi-1 || p1 != hi-1 {
+		return fmt.Errorf("loaded positions [%d, %d], want a state at %d", p0, p1, hi-1)
+	}
+	if lo > 0 {
+		b.ctx.SeqCp(src, seq, 0, lo)
+	}
+	b.ctx.SeqCp(x, seq, lo, hi) // last: seq's recurrent state becomes x's
+	if p := b.ctx.SeqPosMax(seq); p != hi-1 {
+		return fmt.Errorf("sequence ends at position %d after the load, want %d", p, hi-1)
+	}
+	return nil
 }
 
 // A sliding-window model's saved state, in chunks. llama.cpp's sequence state leaves
@@ -171,7 +252,7 @@ func (b *Backend) swaChunks(lo, hi int) [][2]int {
 
 // saveChunks copies out the cells [lo, hi) of seq, chunk by chunk (see above).
 func (b *Backend) saveChunks(seq, lo, hi int) ([]byte, error) {
-	x := b.scratch()
+	x := b.scratch
 	defer b.ctx.SeqRm(x, -1, -1)
 	var out []byte
 	for _, c := range b.swaChunks(lo, hi) {
@@ -193,7 +274,7 @@ func (b *Backend) saveChunks(seq, lo, hi int) ([]byte, error) {
 // empty, and checks that each chunk and the whole hold exactly their positions. On
 // failure seq holds nothing.
 func (b *Backend) loadChunks(seq, lo, hi int, data []byte) (err error) {
-	x := b.scratch()
+	x := b.scratch
 	defer func() {
 		b.ctx.SeqRm(x, -1, -1)
 		if err != nil {
