@@ -10,7 +10,7 @@ import (
 // Each architecture's policy, without a model: a plain transformer changes nothing, a
 // recurrent one runs pools at boundaries without the prefix cache, and a sliding-window
 // one doubles the sequence ids, refuses what the shadows cannot protect, and the tier
-// only without its anchors.
+// only without its anchors; a recurrent one takes one scratch sequence id more.
 func TestPolicy(t *testing.T) {
 	plain, recurrent := Policy{}, Policy{Recurrent: true}
 	swa := Policy{SWA: 512, Anchors: true}
@@ -45,7 +45,13 @@ func TestPolicy(t *testing.T) {
 		t.Errorf("plain model: %v", err)
 	}
 
-	if plain.TierOff() != "" || swa.TierOff() != "" || !strings.Contains((Policy{SWA: 512}).TierOff(), "sliding-window") || !strings.Contains(recurrent.TierOff(), "recurrent") {
-		t.Errorf("tier: plain %q, swa %q, recurrent %q", plain.TierOff(), swa.TierOff(), recurrent.TierOff())
+	both := Policy{SWA: 512, Anchors: true, Recurrent: true}
+	if plain.TierOff() != "" || swa.TierOff() != "" || recurrent.TierOff() != "" ||
+		!strings.Contains((Policy{SWA: 512}).TierOff(), "sliding-window") || !strings.Contains(both.TierOff(), "recurrent") {
+		t.Errorf("tier: plain %q, swa %q, recurrent %q, swa without anchors %q, both %q",
+			plain.TierOff(), swa.TierOff(), recurrent.TierOff(), (Policy{SWA: 512}).TierOff(), both.TierOff())
+	}
+	if recurrent.ContextSeqs(20) != 21 || recurrent.Check(engine.MaxSeqs-1, 512, 512) != nil || recurrent.Check(engine.MaxSeqs, 512, 512) == nil {
+		t.Error("recurrent model: want one sequence id more than the engine's (the tier's scratch sequence), within the limit")
 	}
 }
