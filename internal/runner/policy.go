@@ -96,9 +96,6 @@ func (p Policy) TierOff() string {
 	case p.SWA > 0 && !p.Anchors:
 		// A loaded cell without its shadow could be handed out again.
 		return "sliding-window model without SWA anchors: a loaded pool's cells could be handed out again; evicted pools are prefilled again"
-	case p.SWA > 0 && p.Recurrent:
-		// Both would need the scratch sequence, chunked: not built (no such model here).
-		return "model with both sliding-window layers and recurrent state: not supported by the tier; evicted pools are prefilled again"
 	}
 	return ""
 }

@@ -135,7 +135,7 @@ var _ engine.SlotBackend = (*Backend)(nil)
 
 // SaveSeq implements engine.SlotBackend (llama-server's slot save).
 func (b *Backend) SaveSeq(seq int) ([]byte, error) {
-	if b.anchor > 0 {
+	if b.anchor > 0 && !b.recurrent() {
 		if lo := b.ctx.SeqPosMin(seq); lo != 0 {
 			return nil, fmt.Errorf("sequence %d starts at position %d, not 0", seq, lo)
 		}
@@ -167,6 +167,11 @@ func (b *Backend) recurrent() bool { return b.model.IsRecurrent() || b.model.IsH
 // the scratch's [D, L) and state after them, so that the state the pool ends with is
 // its own. The engine leaves that share to the backend (Config.Recurrent in
 // Scheduler.restored).
+//
+// With sliding-window layers too (Qwen3.5), one state is enough, unlike saveChunks: its
+// SWA part leaves out the cells masked for the pool's last position, but such a model
+// is only ever continued from a pool boundary (Config.Recurrent), and what follows a
+// boundary never attends to a cell the window masks there.
 
 // saveRecurrent copies out seq's cells [lo, hi) and its recurrent state (at hi-1).
 func (b *Backend) saveRecurrent(seq, lo, hi int) ([]byte, error) {
@@ -199,7 +204,7 @@ func (b *Backend) loadRecurrent(seq, src, lo, hi int, data []byte) (err error) {
 	defer func() {
 		b.ctx.SeqRm(x, -1, -1)
 		if err != nil {
-			b.ctx.SeqRm(seq, -1, -1)
+			b.SeqRm(seq, -1, -1)
 			b.holes = true
 		}
 	}()
@@ -211,10 +216,11 @@ func (b *Backend) loadRecurrent(seq, src, lo, hi int, data []byte) (err error) {
 	if p0, p1 := b.ctx.SeqPosMin(x), b.ctx.SeqPosMax(x); p0 != hi-1 || p1 != hi-1 {
 		return fmt.Errorf("loaded positions [%d, %d], want a state at %d", p0, p1, hi-1)
 	}
+	// Through b.SeqCp: with SWA anchors seq's shadow gets them too.
 	if lo > 0 {
-		b.ctx.SeqCp(src, seq, 0, lo)
+		b.SeqCp(src, seq, 0, lo)
 	}
-	b.ctx.SeqCp(x, seq, lo, hi) // last: seq's recurrent state becomes x's
+	b.SeqCp(x, seq, lo, hi) // last: seq's recurrent state becomes x's
 	if p := b.ctx.SeqPosMax(seq); p != hi-1 {
 		return fmt.Errorf("sequence ends at position %d after the load, want %d", p, hi-1)
 	}
