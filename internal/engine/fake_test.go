@@ -27,6 +27,9 @@ type fakeBackend struct {
 	// copied under them.
 	tier map[int][]Token
 	tail map[int][]fakeCell
+	// recurrent: a restore shares the parent's [0, D) itself, as the runner does for a
+	// model with recurrent state (Config.Recurrent; see TierBackend).
+	recurrent bool
 	// tierSpills, tierRestores count the operations.
 	tierSpills, tierRestores int
 	// model is the fake model (nil: fakeNext); drawn counts the samples it drew, so a
@@ -66,9 +69,12 @@ func (f *fakeBackend) Tier(op SeqOp) error {
 			f.nextCell++
 			cells = append(cells, fakeCell{id: f.nextCell, tok: t})
 		}
-		if op.D == 0 {
+		switch {
+		case op.D == 0:
 			f.kv[op.Seq] = cells
-		} else {
+		case f.recurrent:
+			f.kv[op.Seq] = append(append([]fakeCell(nil), f.kv[op.Src][:op.D]...), cells...)
+		default:
 			f.tail[op.Seq] = cells
 		}
 		f.tierRestores++
@@ -262,6 +268,7 @@ func newHarness(t *testing.T, cfg Config) *harness {
 		t.Fatal(err)
 	}
 	h := &harness{t: t, s: s, be: newFakeBackend(t, cfg.NCtx), now: time.Unix(1000, 0), events: map[TaskID][]Event{}}
+	h.be.recurrent = cfg.Recurrent
 	s.afterAdmit = h.checkLiveness
 	return h
 }

@@ -74,6 +74,44 @@ func TestTierSpillRestore(t *testing.T) {
 	}
 }
 
+// On a model with recurrent state the driver shares a restored child's [0, D) itself (a
+// seq_cp after the load would replace the child's recurrent state by its parent's): the
+// scheduler plans none (the fake refuses a seq_cp onto a non-empty sequence), the
+// output is the same, the child's [0, D) are its parent's very cells and the cell tree
+// still matches the cache.
+func TestTierRecurrentChildRestore(t *testing.T) {
+	cfg := tierCfg()
+	cfg.Recurrent = true
+	h := newHarness(t, cfg)
+	root := seqTokens(1, 40)
+	r := h.createPool(PoolSpec{Tokens: root})
+	childToks := append(slices.Clone(root), seqTokens(200, 10)...)
+	c := h.createPool(PoolSpec{HasParent: true, Parent: r, D: len(root), Tokens: childToks})
+	prompt := append(slices.Clone(childToks), 7, 8)
+	want := expectedText(t, prompt, 4)
+	if err := h.evictPool(c); err != nil {
+		t.Fatal(err)
+	}
+	h.step()
+	from := len(h.be.batches)
+	tid := h.submit(Request{Prompt: prompt, HasPool: true, PoolID: c, MaxTokens: 4})
+	h.run()
+	ev, _ := h.done(tid)
+	if got := h.text(tid); ev.Err != nil || got != want || ev.Stats.CacheN != len(childToks) {
+		t.Fatalf("after restore %q (cache_n %d, err %v), want %q", got, ev.Stats.CacheN, ev.Err, want)
+	}
+	if n := h.prefilledFor(h.poolSeq(c), from); n != 0 || h.be.tierRestores != 1 || h.s.tierMisses != 0 {
+		t.Fatalf("%d tokens prefilled on the child's sequence, %d restores, %d misses; want a restore alone", n, h.be.tierRestores, h.s.tierMisses)
+	}
+	rs, cs := h.be.kv[h.poolSeq(r)], h.be.kv[h.poolSeq(c)]
+	for i := range root {
+		if rs[i].id != cs[i].id {
+			t.Fatalf("child's cell %d is a copy (%d), not the parent's (%d)", i, cs[i].id, rs[i].id)
+		}
+	}
+	h.checkAccounting()
+}
+
 // A root evicted under its own eviction message and one lost by the tier: the lost one
 // falls back to a prefill (a counted miss) with the same output.
 func TestTierMissPrefills(t *testing.T) {
