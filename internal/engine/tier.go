@@ -55,6 +55,11 @@ func (s *Scheduler) tierRestore(t *task) bool {
 	return true
 }
 
+// tierWaiting reports whether pool's restore onto seq is still awaited.
+func (s *Scheduler) tierWaiting(pool, seq int) bool {
+	return slices.ContainsFunc(s.running, func(t *task) bool { return t.tierWait && t.pool.ID == pool && t.pool.Seq == seq })
+}
+
 // tierPending counts the cells restores planned and not yet answered will write.
 func (s *Scheduler) tierPending() int {
 	n := 0

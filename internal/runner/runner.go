@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"math"
 	"regexp"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -42,6 +43,11 @@ type Backend struct {
 
 	// store is the tier below the cache (EnableTier; nil: none).
 	store *tier.Store
+	// ready and prefetched: restores whose entries are read off the engine goroutine
+	// (see restore); mu guards prefetched, which the readers fill.
+	ready      chan engine.SeqOp
+	mu         sync.Mutex
+	prefetched map[int]prefetch
 	// scratch is a sequence id no engine sequence uses, empty between calls, through
 	// which the tier saves and loads state where a sequence's own state cannot be taken
 	// as it is (EnableScratch; -1: none).

@@ -13,10 +13,37 @@ import (
 var _ engine.TierBackend = (*Backend)(nil)
 
 // EnableTier makes the backend perform the engine's tier operations (issue 25) with
-// store. A sliding-window model needs its SWA anchors and a model with recurrent state
+// store. A restore from disk reads the file on another goroutine (see restore). A sliding-window model needs its SWA anchors and a model with recurrent state
 // its scratch sequence (Policy.Enable): the first is saved and loaded a window at a
 // time (see swaChunks), the second through the scratch sequence (see saveRecurrent).
-func (b *Backend) EnableTier(store *tier.Store) { b.store = store }
+func (b *Backend) EnableTier(store *tier.Store) {
+	b.store = store
+	// One pending read per waiting pool at most, and pools are fewer than MaxSeqs: a
+	// reader never blocks on the send.
+	b.ready = make(chan engine.SeqOp, engine.MaxSeqs)
+	b.prefetched = map[int]prefetch{}
+}
+
+var _ engine.AsyncTierBackend = (*Backend)(nil)
+
+// prefetch is a restore's entry read off the engine goroutine, and how long the read
+// took.
+type prefetch struct {
+	data []byte
+	loc  tier.Location
+	err  error
+	read time.Duration
+}
+
+// TierReady implements engine.AsyncTierBackend.
+func (b *Backend) TierReady() <-chan engine.SeqOp { return b.ready }
+
+// TierDiscard implements engine.AsyncTierBackend.
+func (b *Backend) TierDiscard(pool int) {
+	b.mu.Lock()
+	delete(b.prefetched, pool)
+	b.mu.Unlock()
+}
 
 // Tier implements engine.TierBackend. A pool's own cells [D, L) are what is stored: a
 // child's [0, D) are its parent's cells, resident whenever the child is, so they are
@@ -87,9 +114,38 @@ func (b *Backend) ownState(op engine.SeqOp, keep bool) ([]byte, error) {
 
 // restore loads a pool's own cells from the tier into its empty sequence (load), or
 // counts why not.
+//
+// An entry only on disk is read on another goroutine: the engine goroutine, which every
+// session's step runs on, is answered engine.ErrTierPending at once, and the op is sent
+// back on TierReady when the bytes are in memory; applied again, it finds them here and
+// loads them (the load into llama.cpp must run on the engine goroutine). The restore
+// time counted is the read's plus the load's, not the wait in between.
 func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 	start := time.Now()
-	data, loc, err := b.store.Get(m)
+	b.mu.Lock()
+	pf, ok := b.prefetched[op.Pool]
+	delete(b.prefetched, op.Pool)
+	b.mu.Unlock()
+	var data []byte
+	var loc tier.Location
+	var err error
+	switch {
+	case ok:
+		data, loc, err = pf.data, pf.loc, pf.err
+		start = start.Add(-pf.read)
+	case b.store.OnDiskOnly(m):
+		go func() {
+			t0 := time.Now()
+			data, loc, err := b.store.Get(m)
+			b.mu.Lock()
+			b.prefetched[op.Pool] = prefetch{data: data, loc: loc, err: err, read: time.Since(t0)}
+			b.mu.Unlock()
+			b.ready <- op
+		}()
+		return engine.ErrTierPending
+	default:
+		data, loc, err = b.store.Get(m)
+	}
 	if err == nil {
 		if b.recurrent() {
 			err = b.loadRecurrent(op.Seq, op.Src, op.D, len(op.Tokens), data)
