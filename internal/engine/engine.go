@@ -406,8 +406,9 @@ func tierReady(be Backend) <-chan SeqOp {
 }
 
 // resumeRestore applies a restore whose bytes were read off the engine goroutine, if
-// its pool still waits for it on the same sequence (its request may have been
-// cancelled and the sequence reused meanwhile).
+// its pool still waits for it on the same sequence (a late duplicate read, or a
+// materialization that ended meanwhile, must not load into a sequence that may now be
+// someone else's).
 func resumeRestore(sched *Scheduler, be Backend, op SeqOp, now time.Time) {
 	if !sched.tierWaiting(op.Pool, op.Seq) {
 		be.(AsyncTierBackend).TierDiscard(op.Pool)
