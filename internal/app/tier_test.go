@@ -1,16 +1,21 @@
 package app
 
 import (
+	"encoding/json"
 	"fmt"
+	"math/rand/v2"
 	"net/http/httptest"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/polykv/polykv/internal/api/wire"
+	"github.com/polykv/polykv/internal/testmodel"
 )
 
 // greedyLogprobs completes prompt tokens greedily, optionally attached to a pool, and
@@ -79,8 +84,9 @@ func tierProps(t testing.TB, base string) *wire.PoolTierProps {
 // TestTierRestoreEqualsPrefill: greedy tokens and logprobs after a pool is evicted and
 // restored from RAM or from disk equal a cold full prefill's, for a root, a child
 // (whose own cells sit above its parent's shared ones) and a fork of a restored pool,
-// with f16 and q8_0 caches. On Gemma 3 (sliding window) the tier is refused with its
-// reason and an evicted pool is prefilled again, with the same output.
+// with f16 and q8_0 caches. On Gemma 3 (sliding window) the root is longer than a
+// window and a half, so its state takes two chunks and the branch forked below its last
+// window needs SWA cells a single sequence state would have left out.
 func TestTierRestoreEqualsPrefill(t *testing.T) {
 	for _, ct := range []string{"f16", "q8_0"} {
 		for _, where := range []string{"ram", "disk"} {
@@ -92,12 +98,6 @@ func TestTierRestoreEqualsPrefill(t *testing.T) {
 					cfg.PoolRAMMB, cfg.PoolDir = 1, t.TempDir() // entries of several MB skip a 1 MiB RAM tier
 				}
 				forEachModel(t, cfg, func(t *testing.T, cfg Config) {
-					if strings.Contains(cfg.ModelPath, "gemma") && (ct != "f16" || where != "ram") {
-						// The tier is refused for Gemma 3 whatever the cache type or tier:
-						// one combination shows the refusal and the prefill fallback (this
-						// model is slow on two shared cores).
-						t.Skip("tier refused for sliding-window models: checked once, in f16/ram")
-					}
 					checkRestoreEqualsPrefill(t, cfg, where)
 				})
 			})
@@ -107,15 +107,14 @@ func TestTierRestoreEqualsPrefill(t *testing.T) {
 
 func checkRestoreEqualsPrefill(t *testing.T, cfg Config, where string) {
 	a, base := startServer(t, cfg)
-	swa := a.Model.NSWA() > 0
-	if props := tierProps(t, base); swa {
-		if props == nil || props.Enabled || !strings.Contains(props.Off, "sliding-window") {
-			t.Fatalf("sliding-window model: tier props %+v, want off with the reason", props)
-		}
-	} else if props == nil || !props.Enabled {
+	if props := tierProps(t, base); props == nil || !props.Enabled {
 		t.Fatalf("tier props %+v, want enabled", props)
 	}
-	rootToks := tokenize(t, a, longSystem(t, a, 150))
+	n := 150
+	if w := a.Model.NSWA(); w > 0 {
+		n = w + w/2 + 40
+	}
+	rootToks := tokenize(t, a, longSystem(t, a, n))
 	question := suffixTokens(t, a, " Question: what should the team do first? Answer:")
 	root := num(createPool(t, base, map[string]any{"tokens": rootToks})["pool_id"])
 	check := func(name string, id int, prefix []int32) {
@@ -130,11 +129,7 @@ func checkRestoreEqualsPrefill(t *testing.T, cfg Config, where string) {
 	// Evict the root and restore it by attaching.
 	evict(t, base, root)
 	info := poolEntry(t, base, root)
-	if swa {
-		if info.Residency != "evicted" || info.RestoreCost != nil {
-			t.Fatalf("evicted pool without a tier: %+v", info)
-		}
-	} else if info.Residency != where || info.RestoreCost == nil || info.RestoreCost.From != where || info.RestoreCost.Bytes <= 0 {
+	if info.Residency != where || info.RestoreCost == nil || info.RestoreCost.From != where || info.RestoreCost.Bytes <= 0 {
 		t.Fatalf("evicted root: residency %q restore_cost %+v, want %s", info.Residency, info.RestoreCost, where)
 	}
 	check("root restored", root, rootToks)
@@ -160,9 +155,6 @@ func checkRestoreEqualsPrefill(t *testing.T, cfg Config, where string) {
 	branch := num(out["pool_id"])
 	evict(t, base, branch)
 	check("branch child restored", branch, branchToks)
-	if swa {
-		return
-	}
 	props := tierProps(t, base)
 	// On "disk" a 1 MiB RAM tier still takes the entries that fit it (small children,
 	// q8_0); the root's does not.
@@ -234,18 +226,27 @@ func TestTierFaults(t *testing.T) {
 
 // TestTierRestart: pinned pools recorded under --pool-dir are back after a restart with
 // the same ids, tree and prefix_hash, restored from disk (not prefilled), with the cold
-// output; new ids never repeat old ones.
+// output; new ids never repeat old ones. On Gemma 3 the root is longer than a window
+// (its record is saved in two chunks).
 func TestTierRestart(t *testing.T) {
+	forEachModel(t, Config{NCtx: 2048, Parallel: 2, MaxPools: 4, PrefixCache: "off"}, checkTierRestart)
+}
+
+func checkTierRestart(t *testing.T, cfg Config) {
 	dir := t.TempDir()
-	cfg := withDefaults(Config{NCtx: 2048, Parallel: 2, MaxPools: 4, PoolDir: dir, PrefixCache: "off"})
-	cfg.ModelPath = modelPath(t)
+	cfg.PoolDir = dir
+	cfg = withDefaults(cfg)
 	a, err := Open(cfg, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ts := httptest.NewServer(a.API.Handler())
 	base := ts.URL
-	rootToks := tokenize(t, a, longSystem(t, a, 120))
+	n := 120
+	if w := a.Model.NSWA(); w > 0 {
+		n = w + 100
+	}
+	rootToks := tokenize(t, a, longSystem(t, a, n))
 	root := createPool(t, base, map[string]any{"tokens": rootToks, "pin": true})
 	childToks := append(slices.Clone(rootToks), suffixTokens(t, a, " Task: plan the week.")...)
 	code, child := forkPool(t, base, num(root["pool_id"]), len(rootToks), map[string]any{"tokens": childToks, "pin": true})
@@ -293,11 +294,21 @@ func TestTierRestart(t *testing.T) {
 
 // TestSlotSaveRestoreErase: llama-server's slot actions. A session's slot is saved to a
 // file, erased, restored into another slot, and a request for the same prompt then
-// starts from the restored cells with the cold output; bad input answers 400/501.
+// starts from the restored cells with the cold output; bad input answers 400/501. On
+// Gemma 3 the slot holds more than a window (its state is saved in chunks).
 func TestSlotSaveRestoreErase(t *testing.T) {
+	forEachModel(t, Config{NCtx: 2048, Parallel: 2, MaxPools: 1}, checkSlotSaveRestoreErase)
+}
+
+func checkSlotSaveRestoreErase(t *testing.T, cfg Config) {
 	dir := t.TempDir()
-	a, base := startServer(t, Config{NCtx: 2048, Parallel: 2, MaxPools: 1, SlotSavePath: dir})
-	toks := tokenize(t, a, longSystem(t, a, 100))
+	cfg.SlotSavePath = dir
+	a, base := startServer(t, cfg)
+	n := 100
+	if w := a.Model.NSWA(); w > 0 {
+		n = w + 100
+	}
+	toks := tokenize(t, a, longSystem(t, a, n))
 	prompt := append(slices.Clone(toks), suffixTokens(t, a, " Answer:")...)
 	code, out := post(t, base+"/v1/completions", map[string]any{"prompt": toks, "max_tokens": 1, "session_id": "s", "temperature": 0})
 	if code != 200 {
@@ -354,8 +365,217 @@ func TestSlotSaveRestoreErase(t *testing.T) {
 		t.Fatalf("corrupt file: %d %v", code, out)
 	}
 	// Without --slot-save-path: 501.
-	_, base2 := startServer(t, Config{NCtx: 512, Parallel: 1, MaxPools: 1})
+	_, base2 := startServer(t, Config{ModelPath: cfg.ModelPath, ChatTemplate: cfg.ChatTemplate, NCtx: 512, Parallel: 1, MaxPools: 1})
 	if code, out := post(t, fmt.Sprintf("%s/slots/0?action=save", base2), map[string]any{"filename": "x"}); code != 501 {
 		t.Fatalf("no slot path: %d %v", code, out)
 	}
+}
+
+// TestTierRecurrentRestoreEqualsPrefill: on models with recurrent state (Qwen3.5's gated
+// delta-net and LFM2's short convolutions, both beside attention layers, Qwen3.5's with
+// a sliding window; random weights) an evicted pool comes back from the tier with its
+// recurrent state at its boundary: a root, an extend fork of the restored root and that
+// child restored (its state its own, not its parent's) give a fully prefilled request's
+// greedy tokens and logprobs, from RAM and from disk, f16 and q8_0 caches.
+func TestTierRecurrentRestoreEqualsPrefill(t *testing.T) {
+	for _, arch := range []string{"qwen35", "lfm2"} {
+		for _, c := range []struct{ ct, where string }{{"f16", "ram"}, {"q8_0", "disk"}} {
+			t.Run(arch+"/"+c.ct+"/"+c.where, func(t *testing.T) {
+				cfg := withDefaults(Config{ModelPath: testmodel.Arch(t, arch), NCtx: 1024, Parallel: 2, MaxPools: 4, Threads: 2,
+					CacheTypeK: c.ct, CacheTypeV: c.ct, PoolGrace: time.Nanosecond})
+				if c.where == "disk" {
+					cfg.PoolRAMMB, cfg.PoolDir = 0, t.TempDir()
+				}
+				a, base := openServer(t, cfg)
+				if props := tierProps(t, base); props == nil || !props.Enabled {
+					t.Fatalf("tier props %+v, want enabled on a recurrent model", props)
+				}
+				question := archTokens(a, 3, 9)
+				check := func(name string, id int, prefix []int32) {
+					t.Helper()
+					prompt := append(slices.Clone(prefix), question...)
+					gotIDs, gotLP, cacheN := greedyLogprobs(t, base, prompt, id, 8)
+					wantIDs, wantLP, _ := greedyLogprobs(t, base, prompt, 0, 8)
+					if cacheN != len(prefix) || !slices.Equal(gotIDs, wantIDs) || !slices.Equal(gotLP, wantLP) {
+						t.Fatalf("%s: cache_n %d (want %d); tokens %v logprobs %v, a cold prefill gives %v %v", name, cacheN, len(prefix), gotIDs, gotLP, wantIDs, wantLP)
+					}
+				}
+				rootToks := archTokens(a, 1, 120)
+				L := len(rootToks)
+				root := num(createPool(t, base, map[string]any{"tokens": rootToks})["pool_id"])
+				evict(t, base, root)
+				if info := poolEntry(t, base, root); info.Residency != c.where {
+					t.Fatalf("evicted root: residency %q, want %s", info.Residency, c.where)
+				}
+				check("root restored", root, rootToks)
+				childToks := append(slices.Clone(rootToks), archTokens(a, 2, 30)...)
+				code, out := forkPool(t, base, root, L, map[string]any{"tokens": childToks})
+				if code != 201 {
+					t.Fatalf("extend fork: %d %v", code, out)
+				}
+				child := num(out["pool_id"])
+				check("extend fork of the restored root", child, childToks)
+				evict(t, base, child)
+				check("child restored", child, childToks)
+				check("root after its child's restore", root, rootToks)
+				props := tierProps(t, base)
+				if props.Restores[c.where] != 2 || len(props.Misses) != 0 || props.Spills != 2 {
+					t.Fatalf("tier counters %+v, want 2 spills and 2 restores from %s, no miss", props, c.where)
+				}
+			})
+		}
+	}
+}
+
+// TestTierServerKill9: the whole server (a child process running this package's
+// TestTierServerHelper) is killed with SIGKILL while it writes spilled pools to disk,
+// then killed while a restart reloads its recorded pools, once during Open and once
+// while the recovered pools are being restored. The server started after that comes
+// back clean: no temporary file left, the three pinned pools recorded before the first
+// kill back under their ids and resident, each giving a cold prefill's greedy tokens
+// and logprobs, no miss but a counted one, and new pool ids above the killed runs'.
+func TestTierServerKill9(t *testing.T) {
+	if os.Getenv("POLYKV_TIER_SERVER") != "" {
+		return
+	}
+	tk, _ := startServer(t, Config{NCtx: 512, Parallel: 1, MaxPools: 1}) // a tokenizer
+	dir := t.TempDir()
+	start := func(waitURL bool) *exec.Cmd {
+		t.Helper()
+		urlFile := filepath.Join(t.TempDir(), "url")
+		cmd := exec.Command(os.Args[0], "-test.run=^TestTierServerHelper$")
+		cmd.Env = append(os.Environ(), "POLYKV_TIER_SERVER="+dir, "POLYKV_TIER_SERVER_URL="+urlFile)
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		if !waitURL {
+			return cmd
+		}
+		for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+			if b, err := os.ReadFile(urlFile); err == nil && len(b) > 0 {
+				cmd.Args = append(cmd.Args, string(b)) // the base URL, for the caller
+				return cmd
+			}
+			if time.Now().After(deadline) {
+				_ = cmd.Process.Kill()
+				_ = cmd.Wait()
+				t.Fatal("helper server did not start")
+			}
+		}
+	}
+	kill := func(cmd *exec.Cmd) {
+		_ = cmd.Process.Signal(syscall.SIGKILL)
+		_ = cmd.Wait()
+	}
+	recorded := func() int {
+		var m struct{ Pools []any }
+		b, _ := os.ReadFile(filepath.Join(dir, "pools.json"))
+		_ = json.Unmarshal(b, &m)
+		return len(m.Pools)
+	}
+
+	// 1. Pinned pools recorded, then four spills to disk, killed while they are written.
+	cmd := start(true)
+	base := cmd.Args[len(cmd.Args)-1]
+	pinned := map[int][]int32{}
+	for i := range 3 {
+		toks := tokenize(t, tk, fmt.Sprintf("Team %d. ", i)+longSystem(t, tk, 120))
+		pinned[num(createPool(t, base, map[string]any{"tokens": toks, "pin": true})["pool_id"])] = toks
+	}
+	for deadline := time.Now().Add(30 * time.Second); recorded() < 3; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			kill(cmd)
+			t.Fatalf("pinned pools not recorded: pools.json lists %d", recorded())
+		}
+	}
+	var spare []int
+	for i := range 4 {
+		spare = append(spare, num(createPool(t, base, map[string]any{"tokens": tokenize(t, tk, fmt.Sprintf("Spare %d. ", i)+longSystem(t, tk, 200))})["pool_id"]))
+	}
+	for _, id := range spare {
+		if code, out := post(t, fmt.Sprintf("%s/polykv/pools/%d/evict", base, id), map[string]any{}); code != 200 {
+			t.Fatalf("evict %d: %d %v", id, code, out)
+		}
+	}
+	time.Sleep(time.Duration(rand.IntN(20)) * time.Millisecond)
+	kill(cmd)
+	kvs, _ := filepath.Glob(filepath.Join(dir, "*.kv"))
+	tmps, _ := filepath.Glob(filepath.Join(dir, ".tmp-*"))
+	t.Logf("killed while spilling: %d entries and %d temporary files on disk", len(kvs), len(tmps))
+
+	// 2. Killed while a restart reloads: during Open, then while restoring.
+	cmd = start(false)
+	time.Sleep(time.Duration(100+rand.IntN(400)) * time.Millisecond)
+	kill(cmd)
+	kill(start(true))
+
+	// 3. A clean restart.
+	cfg := withDefaults(Config{ModelPath: modelPath(t), NCtx: 2048, Parallel: 2, MaxPools: 8, PoolDir: dir, PrefixCache: "off"})
+	cfg.PoolRAMMB = 0
+	a, base := openServer(t, cfg)
+	if tmps, _ := filepath.Glob(filepath.Join(dir, ".tmp-*")); len(tmps) != 0 {
+		t.Fatalf("temporary files left after a restart: %v", tmps)
+	}
+	var after wire.PoolsStatus
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		after = wire.PoolsStatus{}
+		get(t, base+"/polykv/pools", &after)
+		if len(after.Pools) == 3 && !slices.ContainsFunc(after.Pools, func(p wire.PoolInfo) bool { return p.Residency != "resident" }) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("recovered pools: %+v, want the 3 pinned ones resident", after.Pools)
+		}
+	}
+	question := suffixTokens(t, a, " Question: which tool first? Answer:")
+	for _, p := range after.Pools {
+		toks, ok := pinned[p.PoolID]
+		if !ok {
+			t.Fatalf("recovered pool %d was not one of the pinned %v", p.PoolID, pinned)
+		}
+		prompt := append(slices.Clone(toks), question...)
+		gotIDs, gotLP, cacheN := greedyLogprobs(t, base, prompt, p.PoolID, 8)
+		wantIDs, wantLP, _ := greedyLogprobs(t, base, prompt, 0, 8)
+		if cacheN != len(toks) || !slices.Equal(gotIDs, wantIDs) || !slices.Equal(gotLP, wantLP) {
+			t.Fatalf("pool %d after the kills: cache_n %d, %v vs cold %v", p.PoolID, cacheN, gotIDs, wantIDs)
+		}
+	}
+	if props := tierProps(t, base); props.Restores["disk"] != 3 || len(props.Misses) != 0 {
+		t.Fatalf("restores %v misses %v, want the 3 pinned pools from disk", props.Restores, props.Misses)
+	}
+	if id := num(createPool(t, base, map[string]any{"prompt": "A new root."})["pool_id"]); id <= spare[len(spare)-1] {
+		t.Fatalf("new pool id %d repeats a killed run's (up to %d)", id, spare[len(spare)-1])
+	}
+}
+
+// TestTierServerHelper is the server TestTierServerKill9 kills: SmolLM2 with its pools
+// on disk only, serving until it dies.
+func TestTierServerHelper(t *testing.T) {
+	dir := os.Getenv("POLYKV_TIER_SERVER")
+	if dir == "" {
+		t.Skip("helper process of TestTierServerKill9")
+	}
+	cfg := withDefaults(Config{ModelPath: modelPath(t), NCtx: 2048, Parallel: 2, MaxPools: 8, PoolDir: dir, PoolGrace: time.Nanosecond, PrefixCache: "off"})
+	cfg.PoolRAMMB = 0 // every spill is a disk write
+	a, err := Open(cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := httptest.NewServer(a.API.Handler())
+	if err := os.WriteFile(os.Getenv("POLYKV_TIER_SERVER_URL"), []byte(ts.URL), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	select {}
+}
+
+// openServer opens an App with cfg exactly as given (startServer would give zero fields
+// their defaults: a RAM tier of 0 MiB, for one) and serves it until the test ends.
+func openServer(t testing.TB, cfg Config) (*App, string) {
+	t.Helper()
+	a, err := Open(cfg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Close)
+	return a, serve(t, a)
 }

@@ -321,12 +321,15 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 	// request arrives.
 	tick := time.NewTicker(200 * time.Millisecond)
 	defer tick.Stop()
+	ready := tierReady(be)
 	idle := true
 	for {
 		if idle {
 			select {
 			case m := <-e.inbox:
 				handle(m)
+			case op := <-ready:
+				resumeRestore(sched, be, op, time.Now())
 			case <-tick.C:
 				handle(envelope{msg: Tick{}})
 			case <-e.quit:
@@ -338,6 +341,8 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 			select {
 			case m := <-e.inbox:
 				handle(m)
+			case op := <-ready:
+				resumeRestore(sched, be, op, time.Now())
 			case <-e.quit:
 				e.shutdown(sched, be, streams)
 				return
@@ -370,8 +375,48 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 type TierBackend interface {
 	// Tier performs OpSpill, OpRestore, OpRecord or OpForget. For OpRestore the error
 	// says why nothing was loaded (the sequence then holds nothing); the others report
-	// their failures to the tier's counters, as nothing waits for them.
+	// their failures to the tier's counters, as nothing waits for them. A restore loads
+	// the pool's own cells [D, L); with Config.Recurrent it also shares the parent's
+	// [0, D) from op.Src (the scheduler then plans no seq_cp for them).
 	Tier(op SeqOp) error
+}
+
+// AsyncTierBackend is a TierBackend that reads a restore's bytes off the engine
+// goroutine, so that other sequences' steps do not wait on a disk: its Tier answers such
+// an OpRestore ErrTierPending and, once the bytes are in memory, sends the op on
+// TierReady; the engine then applies it again (the load into llama.cpp, on the engine
+// goroutine) if the pool still waits for it, or calls TierDiscard.
+type AsyncTierBackend interface {
+	TierBackend
+	TierReady() <-chan SeqOp
+	TierDiscard(pool int)
+}
+
+// ErrTierPending is an AsyncTierBackend's answer to an OpRestore whose bytes are being
+// read: no Restored answer yet (the pool keeps waiting).
+var ErrTierPending = errors.New("tier read in progress")
+
+// tierReady is be's channel of restores whose bytes are read (nil, which never
+// receives, for a backend that reads on the engine goroutine).
+func tierReady(be Backend) <-chan SeqOp {
+	if ab, ok := be.(AsyncTierBackend); ok {
+		return ab.TierReady()
+	}
+	return nil
+}
+
+// resumeRestore applies a restore whose bytes were read off the engine goroutine, if
+// its pool still waits for it on the same sequence (a late duplicate read, or a
+// materialization that ended meanwhile, must not load into a sequence that may now be
+// someone else's).
+func resumeRestore(sched *Scheduler, be Backend, op SeqOp, now time.Time) {
+	if !sched.tierWaiting(op.Pool, op.Seq) {
+		be.(AsyncTierBackend).TierDiscard(op.Pool)
+		return
+	}
+	for _, m := range apply(be, Plan{SeqOps: []SeqOp{op}}) {
+		sched.Step(now, m)
+	}
 }
 
 // apply runs a plan's samplers and sequence operations on the backend and returns the
@@ -400,7 +445,9 @@ func apply(be Backend, p Plan) []Msg {
 			}
 			if op.Kind == OpRestore {
 				answers = slices.DeleteFunc(answers, func(m Msg) bool { return m.(Restored).Pool == op.Pool })
-				answers = append(answers, Restored{Pool: op.Pool, Err: err})
+				if !errors.Is(err, ErrTierPending) {
+					answers = append(answers, Restored{Pool: op.Pool, Err: err})
+				}
 			}
 		}
 	}

@@ -27,6 +27,16 @@ type fakeBackend struct {
 	// copied under them.
 	tier map[int][]Token
 	tail map[int][]fakeCell
+	// recurrent: a restore shares the parent's [0, D) itself, as the runner does for a
+	// model with recurrent state (Config.Recurrent; see TierBackend).
+	recurrent bool
+	// async makes a restore's read asynchronous (AsyncTierBackend): the first OpRestore
+	// of a pool is answered ErrTierPending and queued in reads; read marks what a test
+	// has let finish; discarded counts TierDiscard calls.
+	async     bool
+	reads     []SeqOp
+	read      map[int]bool
+	discarded int
 	// tierSpills, tierRestores count the operations.
 	tierSpills, tierRestores int
 	// model is the fake model (nil: fakeNext); drawn counts the samples it drew, so a
@@ -36,6 +46,15 @@ type fakeBackend struct {
 	// sample, when set, replaces model with a sampler of task's own (a stochastic
 	// model: each call is one draw of the task's RNG).
 	sample func(task TaskID, seq []Token) Token
+}
+
+// TierReady implements AsyncTierBackend; tests call resumeRestore themselves.
+func (f *fakeBackend) TierReady() <-chan SeqOp { return nil }
+
+// TierDiscard implements AsyncTierBackend.
+func (f *fakeBackend) TierDiscard(pool int) {
+	delete(f.read, pool)
+	f.discarded++
 }
 
 // Tier implements TierBackend with the fake's tokens.
@@ -54,6 +73,11 @@ func (f *fakeBackend) Tier(op SeqOp) error {
 		f.tier[op.Pool] = append([]Token(nil), f.tokens(op.Seq)[op.D:]...)
 		f.tierSpills++
 	case OpRestore:
+		if f.async && !f.read[op.Pool] {
+			f.reads = append(f.reads, op)
+			return ErrTierPending
+		}
+		delete(f.read, op.Pool)
 		toks, ok := f.tier[op.Pool]
 		if !ok {
 			return fmt.Errorf("fake tier: pool %d not stored", op.Pool)
@@ -66,9 +90,12 @@ func (f *fakeBackend) Tier(op SeqOp) error {
 			f.nextCell++
 			cells = append(cells, fakeCell{id: f.nextCell, tok: t})
 		}
-		if op.D == 0 {
+		switch {
+		case op.D == 0:
 			f.kv[op.Seq] = cells
-		} else {
+		case f.recurrent:
+			f.kv[op.Seq] = append(append([]fakeCell(nil), f.kv[op.Src][:op.D]...), cells...)
+		default:
 			f.tail[op.Seq] = cells
 		}
 		f.tierRestores++
@@ -262,6 +289,7 @@ func newHarness(t *testing.T, cfg Config) *harness {
 		t.Fatal(err)
 	}
 	h := &harness{t: t, s: s, be: newFakeBackend(t, cfg.NCtx), now: time.Unix(1000, 0), events: map[TaskID][]Event{}}
+	h.be.recurrent = cfg.Recurrent
 	s.afterAdmit = h.checkLiveness
 	return h
 }

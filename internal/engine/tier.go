@@ -18,7 +18,9 @@ import (
 // What a tier entry holds is a pool's own cells, [D, L): its [0, D) are its parent's
 // cells (branch contract), which are resident before a child is restored (ready), and
 // are shared again by seq_cp once the child's own cells are back, exactly as a prefill
-// from the parent's node would leave them.
+// from the parent's node would leave them. With recurrent state (Config.Recurrent) the
+// entry also holds the pool's state at L, and the driver's restore shares [0, D) itself,
+// before that state is put in place (a seq_cp copies a sequence's recurrent state).
 
 // tierOp plans a tier operation on p.
 func (s *Scheduler) tierOp(kind OpKind, p *pool.Pool) {
@@ -51,6 +53,11 @@ func (s *Scheduler) tierRestore(t *task) bool {
 	s.tierOp(OpRestore, p)
 	t.tierWait = true
 	return true
+}
+
+// tierWaiting reports whether pool's restore onto seq is still awaited.
+func (s *Scheduler) tierWaiting(pool, seq int) bool {
+	return slices.ContainsFunc(s.running, func(t *task) bool { return t.tierWait && t.pool.ID == pool && t.pool.Seq == seq })
 }
 
 // tierPending counts the cells restores planned and not yet answered will write.
@@ -89,7 +96,12 @@ func (s *Scheduler) restored(m Restored) {
 		return
 	}
 	s.tierRestores++
-	if p.D > 0 {
+	switch {
+	case p.D > 0 && s.cfg.Recurrent:
+		// The driver shared the parent's [0, D) itself, before the pool's own cells and
+		// state: a seq_cp now would replace the loaded recurrent state by the parent's.
+		s.cells.Cp(p.Parent.Seq, p.Seq, p.D)
+	case p.D > 0:
 		s.cpOp(p.Parent.Seq, p.Seq, p.D)
 	}
 	s.cells.Append(p.Seq, p.Tokens[p.D:])

@@ -74,6 +74,96 @@ func TestTierSpillRestore(t *testing.T) {
 	}
 }
 
+// On a model with recurrent state the driver shares a restored child's [0, D) itself (a
+// seq_cp after the load would replace the child's recurrent state by its parent's): the
+// scheduler plans none (the fake refuses a seq_cp onto a non-empty sequence), the
+// output is the same, the child's [0, D) are its parent's very cells and the cell tree
+// still matches the cache.
+func TestTierRecurrentChildRestore(t *testing.T) {
+	cfg := tierCfg()
+	cfg.Recurrent = true
+	h := newHarness(t, cfg)
+	root := seqTokens(1, 40)
+	r := h.createPool(PoolSpec{Tokens: root})
+	childToks := append(slices.Clone(root), seqTokens(200, 10)...)
+	c := h.createPool(PoolSpec{HasParent: true, Parent: r, D: len(root), Tokens: childToks})
+	prompt := append(slices.Clone(childToks), 7, 8)
+	want := expectedText(t, prompt, 4)
+	if err := h.evictPool(c); err != nil {
+		t.Fatal(err)
+	}
+	h.step()
+	from := len(h.be.batches)
+	tid := h.submit(Request{Prompt: prompt, HasPool: true, PoolID: c, MaxTokens: 4})
+	h.run()
+	ev, _ := h.done(tid)
+	if got := h.text(tid); ev.Err != nil || got != want || ev.Stats.CacheN != len(childToks) {
+		t.Fatalf("after restore %q (cache_n %d, err %v), want %q", got, ev.Stats.CacheN, ev.Err, want)
+	}
+	if n := h.prefilledFor(h.poolSeq(c), from); n != 0 || h.be.tierRestores != 1 || h.s.tierMisses != 0 {
+		t.Fatalf("%d tokens prefilled on the child's sequence, %d restores, %d misses; want a restore alone", n, h.be.tierRestores, h.s.tierMisses)
+	}
+	rs, cs := h.be.kv[h.poolSeq(r)], h.be.kv[h.poolSeq(c)]
+	for i := range root {
+		if rs[i].id != cs[i].id {
+			t.Fatalf("child's cell %d is a copy (%d), not the parent's (%d)", i, cs[i].id, rs[i].id)
+		}
+	}
+	h.checkAccounting()
+}
+
+// A restore whose bytes are read off the engine goroutine (AsyncTierBackend): while the
+// read is pending the pool's request waits and other requests run; once the read is
+// done the restore is applied and the request answers what a prefill would, with no
+// prefill. A read that comes back when its pool no longer waits is discarded.
+func TestTierAsyncRead(t *testing.T) {
+	h := newHarness(t, tierCfg())
+	h.be.async, h.be.read = true, map[int]bool{}
+	root := seqTokens(1, 40)
+	r := h.createPool(PoolSpec{Tokens: root})
+	prompt := append(slices.Clone(root), 7, 8)
+	want := expectedText(t, prompt, 4)
+	if err := h.evictPool(r); err != nil {
+		t.Fatal(err)
+	}
+	h.step()
+	tid := h.submit(Request{Prompt: prompt, HasPool: true, PoolID: r, MaxTokens: 4})
+	other := h.submit(Request{Prompt: seqTokens(500, 6), MaxTokens: 3})
+	for range 20 {
+		h.step()
+	}
+	if _, ok := h.done(tid); ok || len(h.be.reads) != 1 {
+		t.Fatalf("request on a pool being read: done %v, %d reads; want it waiting on one read", ok, len(h.be.reads))
+	}
+	if _, ok := h.done(other); !ok {
+		t.Fatal("another request did not run while a read was pending")
+	}
+	op := h.be.reads[0]
+	h.be.read[r] = true
+	resumeRestore(h.s, h.be, op, h.now)
+	from := len(h.be.batches)
+	h.run()
+	ev, _ := h.done(tid)
+	if got := h.text(tid); ev.Err != nil || got != want || ev.Stats.CacheN != len(root) {
+		t.Fatalf("after the read: %q (cache_n %d, err %v), want %q", got, ev.Stats.CacheN, ev.Err, want)
+	}
+	if n := h.prefilledFor(h.poolSeq(r), from); n != 0 || h.be.tierRestores != 1 || h.s.tierMisses != 0 {
+		t.Fatalf("%d tokens prefilled, %d restores, %d misses; want a restore alone", n, h.be.tierRestores, h.s.tierMisses)
+	}
+	h.checkAccounting()
+
+	// A read that comes back when its pool no longer waits (a late duplicate; or its
+	// sequence reused) is discarded: nothing is loaded again.
+	held := len(h.be.kv[op.Seq])
+	h.be.read[r] = true
+	resumeRestore(h.s, h.be, op, h.now)
+	if h.be.discarded != 1 || h.be.tierRestores != 1 || len(h.be.kv[op.Seq]) != held {
+		t.Fatalf("read of a restore no longer awaited: %d discarded, %d restores, seq %d holds %d cells (had %d); want it discarded, nothing loaded",
+			h.be.discarded, h.be.tierRestores, op.Seq, len(h.be.kv[op.Seq]), held)
+	}
+	h.checkAccounting()
+}
+
 // A root evicted under its own eviction message and one lost by the tier: the lost one
 // falls back to a prefill (a counted miss) with the same output.
 func TestTierMissPrefills(t *testing.T) {

@@ -587,12 +587,23 @@ func (s *Sampler) Free() {
 // the same model, llama.cpp build, cache types and flash-attention setting (V layout);
 // callers key what they store by all of them (package tier).
 func (c *Context) SeqStateGet(seq int) ([]byte, error) {
-	size := C.llama_state_seq_get_size(c.c, C.llama_seq_id(seq))
+	return c.seqStateGet(seq, C.LLAMA_STATE_SEQ_FLAGS_NONE)
+}
+
+// SeqPartialStateGet copies out only the partial part of what seq holds
+// (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY): a recurrent or hybrid model's recurrent state,
+// without its attention cells. For the same reuse as SeqStateGet.
+func (c *Context) SeqPartialStateGet(seq int) ([]byte, error) {
+	return c.seqStateGet(seq, C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+}
+
+func (c *Context) seqStateGet(seq int, flags C.llama_state_seq_flags) ([]byte, error) {
+	size := C.llama_state_seq_get_size_ext(c.c, C.llama_seq_id(seq), flags)
 	if size == 0 {
 		return nil, fmt.Errorf("save sequence %d: llama.cpp reports an empty state", seq)
 	}
 	buf := make([]byte, int(size))
-	if n := C.llama_state_seq_get_data(c.c, (*C.uint8_t)(unsafe.Pointer(&buf[0])), size, C.llama_seq_id(seq)); n != size {
+	if n := C.llama_state_seq_get_data_ext(c.c, (*C.uint8_t)(unsafe.Pointer(&buf[0])), size, C.llama_seq_id(seq), flags); n != size {
 		return nil, fmt.Errorf("save sequence %d: wrote %d of %d bytes", seq, uint64(n), uint64(size))
 	}
 	return buf, nil
@@ -604,11 +615,21 @@ func (c *Context) SeqStateGet(seq int) ([]byte, error) {
 // types, row sizes, V transposition) and refuses a mismatch; on failure seq holds
 // nothing.
 func (c *Context) SeqStateSet(seq int, data []byte) error {
+	return c.seqStateSet(seq, data, C.LLAMA_STATE_SEQ_FLAGS_NONE)
+}
+
+// SeqPartialStateSet loads bytes from SeqPartialStateGet into seq: its recurrent state
+// is replaced, its attention cells are left as they are. On failure seq holds nothing.
+func (c *Context) SeqPartialStateSet(seq int, data []byte) error {
+	return c.seqStateSet(seq, data, C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+}
+
+func (c *Context) seqStateSet(seq int, data []byte, flags C.llama_state_seq_flags) error {
 	if len(data) == 0 {
 		return fmt.Errorf("load sequence %d: no data", seq)
 	}
 	// The buffer is only read during the call (cgo pointer rules allow Go memory).
-	n := C.llama_state_seq_set_data(c.c, (*C.uint8_t)(unsafe.Pointer(&data[0])), C.size_t(len(data)), C.llama_seq_id(seq))
+	n := C.llama_state_seq_set_data_ext(c.c, (*C.uint8_t)(unsafe.Pointer(&data[0])), C.size_t(len(data)), C.llama_seq_id(seq), flags)
 	if n == 0 {
 		C.llama_memory_seq_rm(c.mem, C.llama_seq_id(seq), -1, -1)
 		return fmt.Errorf("load sequence %d: llama.cpp refused the %d bytes (layout or size mismatch, or no free cells)", seq, len(data))

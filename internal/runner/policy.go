@@ -51,10 +51,15 @@ func (p Policy) Configure(c *engine.Config) (prefixCacheOff bool) {
 }
 
 // ContextSeqs is how many sequence ids the llama context needs for nSeq engine
-// sequences (sessions and pools): twice as many with SWA anchors, one shadow each.
+// sequences (sessions and pools): with SWA anchors twice as many, one shadow each;
+// with anchors or recurrent state one more, the scratch sequence the tier saves and
+// loads through (Backend.EnableScratch).
 func (p Policy) ContextSeqs(nSeq int) int {
-	if p.anchors() {
-		return 2 * nSeq
+	switch {
+	case p.anchors():
+		return 2*nSeq + 1
+	case p.Recurrent:
+		return nSeq + 1
 	}
 	return nSeq
 }
@@ -65,10 +70,13 @@ func (p Policy) ContextSeqs(nSeq int) int {
 // reuse the cells of an earlier one before they are anchored).
 func (p Policy) Check(nSeq, nBatch, nUBatch int) error {
 	if !p.anchors() {
+		if p.ContextSeqs(nSeq) > engine.MaxSeqs {
+			return fmt.Errorf("this model has recurrent state, whose pool tier needs one sequence id more than the sessions and pools: --parallel + --max-pools must be at most %d, got %d", engine.MaxSeqs-1, nSeq)
+		}
 		return nil
 	}
-	if 2*nSeq > engine.MaxSeqs {
-		return fmt.Errorf("this model uses sliding-window attention, which needs two sequence ids per session or pool: --parallel + --max-pools must be at most %d, got %d", engine.MaxSeqs/2, nSeq)
+	if p.ContextSeqs(nSeq) > engine.MaxSeqs {
+		return fmt.Errorf("this model uses sliding-window attention, which needs two sequence ids per session or pool and one more: --parallel + --max-pools must be at most %d, got %d", (engine.MaxSeqs-1)/2, nSeq)
 	}
 	if nUBatch < nBatch && nBatch > p.SWA {
 		return fmt.Errorf("with a sliding-window model (window %d) --batch above the window needs --ubatch equal to --batch", p.SWA)
@@ -85,20 +93,21 @@ func (p Policy) Params(c *llama.ContextParams) {
 // when they can.
 func (p Policy) TierOff() string {
 	switch {
-	case p.SWA > 0:
-		return "sliding-window model: llama.cpp's sequence state leaves out the cells the window masks, so a restored pool could not serve an attach or fork below its last window; evicted pools are prefilled again"
-	case p.Recurrent:
-		// A spill saves a pool's own cells only (its parent keeps the rest), and a
-		// recurrent layer's state is not split by position: not restored that way yet.
-		return "model with recurrent state: a spill keeps a pool's own attention cells, not a recurrent state valid for them; evicted pools are prefilled again"
+	case p.SWA > 0 && !p.Anchors:
+		// A loaded cell without its shadow could be handed out again.
+		return "sliding-window model without SWA anchors: a loaded pool's cells could be handed out again; evicted pools are prefilled again"
 	}
 	return ""
 }
 
 // Enable turns on what the backend needs for this model, for nSeq engine sequences.
 func (p Policy) Enable(b *Backend, nSeq int) {
-	if p.anchors() {
+	switch {
+	case p.anchors():
 		b.EnableSWAAnchors(nSeq)
+		b.EnableScratch(2 * nSeq)
+	case p.Recurrent:
+		b.EnableScratch(nSeq)
 	}
 }
 

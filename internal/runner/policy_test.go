@@ -9,7 +9,8 @@ import (
 
 // Each architecture's policy, without a model: a plain transformer changes nothing, a
 // recurrent one runs pools at boundaries without the prefix cache, and a sliding-window
-// one doubles the sequence ids, refuses what the shadows cannot protect and the tier.
+// one doubles the sequence ids, refuses what the shadows cannot protect, and the tier
+// only without its anchors; a recurrent one takes one scratch sequence id more.
 func TestPolicy(t *testing.T) {
 	plain, recurrent := Policy{}, Policy{Recurrent: true}
 	swa := Policy{SWA: 512, Anchors: true}
@@ -25,13 +26,13 @@ func TestPolicy(t *testing.T) {
 		t.Error("recurrent model reported turning off a prefix cache that was already off")
 	}
 
-	if plain.ContextSeqs(20) != 20 || swa.ContextSeqs(20) != 40 || (Policy{SWA: 512}).ContextSeqs(20) != 20 {
-		t.Error("context sequence ids: want n, 2n with SWA anchors, n without")
+	if plain.ContextSeqs(20) != 20 || swa.ContextSeqs(20) != 41 || (Policy{SWA: 512}).ContextSeqs(20) != 20 {
+		t.Error("context sequence ids: want n, 2n+1 with SWA anchors, n without")
 	}
-	if err := swa.Check(engine.MaxSeqs/2, 512, 512); err != nil {
+	if err := swa.Check((engine.MaxSeqs-1)/2, 512, 512); err != nil {
 		t.Errorf("SWA model at the sequence limit: %v", err)
 	}
-	if err := swa.Check(engine.MaxSeqs/2+1, 512, 512); err == nil || !strings.Contains(err.Error(), "two sequence ids") {
+	if err := swa.Check((engine.MaxSeqs-1)/2+1, 512, 512); err == nil || !strings.Contains(err.Error(), "two sequence ids") {
 		t.Errorf("SWA model over the sequence limit: %v", err)
 	}
 	if err := swa.Check(8, 1024, 256); err == nil || !strings.Contains(err.Error(), "--ubatch") {
@@ -44,7 +45,13 @@ func TestPolicy(t *testing.T) {
 		t.Errorf("plain model: %v", err)
 	}
 
-	if plain.TierOff() != "" || !strings.Contains(swa.TierOff(), "sliding-window") || !strings.Contains(recurrent.TierOff(), "recurrent") {
-		t.Errorf("tier: plain %q, swa %q, recurrent %q", plain.TierOff(), swa.TierOff(), recurrent.TierOff())
+	both := Policy{SWA: 512, Anchors: true, Recurrent: true}
+	if plain.TierOff() != "" || swa.TierOff() != "" || recurrent.TierOff() != "" || both.TierOff() != "" ||
+		!strings.Contains((Policy{SWA: 512}).TierOff(), "sliding-window") {
+		t.Errorf("tier: plain %q, swa %q, recurrent %q, both %q, swa without anchors %q",
+			plain.TierOff(), swa.TierOff(), recurrent.TierOff(), both.TierOff(), (Policy{SWA: 512}).TierOff())
+	}
+	if recurrent.ContextSeqs(20) != 21 || recurrent.Check(engine.MaxSeqs-1, 512, 512) != nil || recurrent.Check(engine.MaxSeqs, 512, 512) == nil {
+		t.Error("recurrent model: want one sequence id more than the engine's (the tier's scratch sequence), within the limit")
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"math"
 	"regexp"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -42,7 +43,21 @@ type Backend struct {
 
 	// store is the tier below the cache (EnableTier; nil: none).
 	store *tier.Store
+	// ready and prefetched: restores whose entries are read off the engine goroutine
+	// (see restore); mu guards prefetched, which the readers fill.
+	ready      chan engine.SeqOp
+	mu         sync.Mutex
+	prefetched map[int]prefetch
+	// scratch is a sequence id no engine sequence uses, empty between calls, through
+	// which the tier saves and loads state where a sequence's own state cannot be taken
+	// as it is (EnableScratch; -1: none).
+	scratch int
 }
+
+// EnableScratch gives the backend sequence id seq, which the engine never uses, to save
+// and load a sliding-window or recurrent model's pools through (see saveChunks and
+// saveRecurrent). The context must have seq+1 sequence ids at least.
+func (b *Backend) EnableScratch(seq int) { b.scratch = seq }
 
 // Compactions is the number of whole-cache compactions so far and the time they took
 // (safe from any goroutine).
@@ -197,7 +212,7 @@ func NewBackend(model *llama.Model, ctx *llama.Context, log *slog.Logger) *Backe
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Backend{ctx: ctx, model: model, samplers: map[engine.TaskID]*sampler{}, log: log}
+	return &Backend{ctx: ctx, model: model, samplers: map[engine.TaskID]*sampler{}, log: log, scratch: -1}
 }
 
 // Decode implements engine.Backend.

@@ -1,6 +1,7 @@
 package runner
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"time"
@@ -12,10 +13,37 @@ import (
 var _ engine.TierBackend = (*Backend)(nil)
 
 // EnableTier makes the backend perform the engine's tier operations (issue 25) with
-// store. Not with SWA anchors: llama.cpp's sequence state leaves out the cells a
-// sliding-window layer has masked, so a restored pool could not serve an attach or a
-// fork below its last window (the app refuses the tier for such models).
-func (b *Backend) EnableTier(store *tier.Store) { b.store = store }
+// store. A restore from disk reads the file on another goroutine (see restore). A sliding-window model needs its SWA anchors and a model with recurrent state
+// its scratch sequence (Policy.Enable): the first is saved and loaded a window at a
+// time (see swaChunks), the second through the scratch sequence (see saveRecurrent).
+func (b *Backend) EnableTier(store *tier.Store) {
+	b.store = store
+	// One pending read per waiting pool at most, and pools are fewer than MaxSeqs: a
+	// reader never blocks on the send.
+	b.ready = make(chan engine.SeqOp, engine.MaxSeqs)
+	b.prefetched = map[int]prefetch{}
+}
+
+var _ engine.AsyncTierBackend = (*Backend)(nil)
+
+// prefetch is a restore's entry read off the engine goroutine, and how long the read
+// took.
+type prefetch struct {
+	data []byte
+	loc  tier.Location
+	err  error
+	read time.Duration
+}
+
+// TierReady implements engine.AsyncTierBackend.
+func (b *Backend) TierReady() <-chan engine.SeqOp { return b.ready }
+
+// TierDiscard implements engine.AsyncTierBackend.
+func (b *Backend) TierDiscard(pool int) {
+	b.mu.Lock()
+	delete(b.prefetched, pool)
+	b.mu.Unlock()
+}
 
 // Tier implements engine.TierBackend. A pool's own cells [D, L) are what is stored: a
 // child's [0, D) are its parent's cells, resident whenever the child is, so they are
@@ -65,8 +93,15 @@ func (b *Backend) Tier(op engine.SeqOp) error {
 // resident, so its membership of the parent's [0, D) is put back afterwards (an
 // evicted pool's sequence is cleared by the engine's next operation anyway).
 func (b *Backend) ownState(op engine.SeqOp, keep bool) ([]byte, error) {
+	if b.recurrent() {
+		return b.saveRecurrent(op.Seq, op.D, len(op.Tokens))
+	}
 	if lo, hi := b.ctx.SeqPosMin(op.Seq), b.ctx.SeqPosMax(op.Seq); lo != 0 || hi != len(op.Tokens)-1 {
 		return nil, fmt.Errorf("pool %d's sequence holds positions [%d, %d], want [0, %d)", op.Pool, lo, hi, len(op.Tokens))
+	}
+	if b.anchor > 0 {
+		// Nothing is taken out of the pool's sequence: the chunks are copied from it.
+		return b.saveChunks(op.Seq, op.D, len(op.Tokens))
 	}
 	if op.D > 0 {
 		b.ctx.SeqRm(op.Seq, 0, op.D)
@@ -79,11 +114,45 @@ func (b *Backend) ownState(op engine.SeqOp, keep bool) ([]byte, error) {
 
 // restore loads a pool's own cells from the tier into its empty sequence (load), or
 // counts why not.
+//
+// An entry only on disk is read on another goroutine: the engine goroutine, which every
+// session's step runs on, is answered engine.ErrTierPending at once, and the op is sent
+// back on TierReady when the bytes are in memory; applied again, it finds them here and
+// loads them (the load into llama.cpp must run on the engine goroutine). The restore
+// time counted is the read's plus the load's, not the wait in between.
 func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 	start := time.Now()
-	data, loc, err := b.store.Get(m)
+	b.mu.Lock()
+	pf, ok := b.prefetched[op.Pool]
+	delete(b.prefetched, op.Pool)
+	b.mu.Unlock()
+	var data []byte
+	var loc tier.Location
+	var err error
+	switch {
+	case ok:
+		data, loc, err = pf.data, pf.loc, pf.err
+		start = start.Add(-pf.read)
+	case b.store.OnDiskOnly(m):
+		go func() {
+			t0 := time.Now()
+			data, loc, err := b.store.Get(m)
+			b.mu.Lock()
+			b.prefetched[op.Pool] = prefetch{data: data, loc: loc, err: err, read: time.Since(t0)}
+			b.mu.Unlock()
+			b.ready <- op
+		}()
+		return engine.ErrTierPending
+	default:
+		data, loc, err = b.store.Get(m)
+	}
 	if err == nil {
-		if err = b.load(op.Seq, op.D, len(op.Tokens), data); err != nil {
+		if b.recurrent() {
+			err = b.loadRecurrent(op.Seq, op.Src, op.D, len(op.Tokens), data)
+		} else {
+			err = b.load(op.Seq, op.D, len(op.Tokens), data)
+		}
+		if err != nil {
 			err = &tier.MissError{Reason: tier.MissRejected, Err: err}
 		}
 	}
@@ -104,6 +173,9 @@ func (b *Backend) load(seq, lo, hi int, data []byte) error {
 	if err := b.settle(); err != nil {
 		return err
 	}
+	if b.anchor > 0 {
+		return b.loadChunks(seq, lo, hi, data)
+	}
 	if err := b.ctx.SeqStateSet(seq, data); err != nil {
 		return err
 	}
@@ -119,20 +191,184 @@ var _ engine.SlotBackend = (*Backend)(nil)
 
 // SaveSeq implements engine.SlotBackend (llama-server's slot save).
 func (b *Backend) SaveSeq(seq int) ([]byte, error) {
-	if b.anchor > 0 {
-		return nil, errSWASlots
+	if b.anchor > 0 && !b.recurrent() {
+		if lo := b.ctx.SeqPosMin(seq); lo != 0 {
+			return nil, fmt.Errorf("sequence %d starts at position %d, not 0", seq, lo)
+		}
+		return b.saveChunks(seq, 0, b.ctx.SeqPosMax(seq)+1)
 	}
 	return b.ctx.SeqStateGet(seq)
 }
 
 // LoadSeq implements engine.SlotBackend (llama-server's slot restore).
 func (b *Backend) LoadSeq(seq, n int, data []byte) error {
-	if b.anchor > 0 {
-		return errSWASlots
+	if b.recurrent() {
+		return b.loadRecurrent(seq, -1, 0, n, data)
 	}
 	return b.load(seq, 0, n, data)
 }
 
-// errSWASlots: as for the tier (EnableTier), a sliding-window model's saved sequence
-// lacks the cells its window masks, so a borrower of a shorter prefix would miss them.
-var errSWASlots = errors.New("slot save and restore are not available for sliding-window models: llama.cpp's sequence state leaves out the cells the window masks")
+// recurrent: the model keeps recurrent state (recurrent or hybrid layers).
+func (b *Backend) recurrent() bool { return b.model.IsRecurrent() || b.model.IsHybrid() }
+
+// A model with recurrent state keeps one state per sequence, valid at its last position,
+// beside (in a hybrid) attention cells per position. A pool's entry holds its own
+// attention cells [D, L) and its recurrent state at L. It cannot be taken from the
+// pool's sequence by removing the parent's [0, D) first, as for attention alone: putting
+// them back (seq_cp) would also replace the pool's recurrent state by its parent's
+// (llama.cpp's recurrent seq_cp copies a sequence's state whatever the range). So the
+// cells [D, L) and the state are shared onto the scratch sequence, saved from there,
+// and the pool's sequence is never touched. A load goes the other way: the entry into
+// the scratch sequence, then the parent's [0, D) shared onto the pool's sequence and
+// the scratch's [D, L) and state after them, so that the state the pool ends with is
+// its own. The engine leaves that share to the backend (Config.Recurrent in
+// Scheduler.restored).
+//
+// With sliding-window layers too (Qwen3.5), one state is enough, unlike saveChunks: its
+// SWA part leaves out the cells masked for the pool's last position, but such a model
+// is only ever continued from a pool boundary (Config.Recurrent), and what follows a
+// boundary never attends to a cell the window masks there.
+
+// saveRecurrent copies out seq's cells [lo, hi) and its recurrent state (at hi-1).
+func (b *Backend) saveRecurrent(seq, lo, hi int) ([]byte, error) {
+	if b.scratch < 0 {
+		return nil, errors.New("no scratch sequence for a recurrent model's state")
+	}
+	if p := b.ctx.SeqPosMax(seq); p != hi-1 {
+		return nil, fmt.Errorf("sequence %d ends at position %d, want %d", seq, p, hi-1)
+	}
+	x := b.scratch
+	b.ctx.SeqRm(x, -1, -1)
+	defer b.ctx.SeqRm(x, -1, -1)
+	b.ctx.SeqCp(seq, x, lo, hi)
+	return b.ctx.SeqStateGet(x)
+}
+
+// loadRecurrent loads what saveRecurrent wrote into seq, which must be empty, with
+// src's [0, lo) shared before it (src < 0: lo must be 0). On failure seq holds nothing.
+func (b *Backend) loadRecurrent(seq, src, lo, hi int, data []byte) (err error) {
+	if b.scratch < 0 {
+		return errors.New("no scratch sequence for a recurrent model's state")
+	}
+	if lo > 0 && src < 0 {
+		return fmt.Errorf("load from position %d without a sequence holding the positions below", lo)
+	}
+	if err := b.settle(); err != nil {
+		return err
+	}
+	x := b.scratch
+	defer func() {
+		b.ctx.SeqRm(x, -1, -1)
+		if err != nil {
+			b.SeqRm(seq, -1, -1)
+			b.holes = true
+		}
+	}()
+	if err := b.ctx.SeqStateSet(x, data); err != nil {
+		return err
+	}
+	// A hybrid's lowest position is its recurrent state's (the larger of the two
+	// memories' minimums): the attention cells cannot be checked apart from it.
+	if p0, p1 := b.ctx.SeqPosMin(x), b.ctx.SeqPosMax(x); p0 != hi-1 || p1 != hi-1 {
+		return fmt.Errorf("loaded positions [%d, %d], want a state at %d", p0, p1, hi-1)
+	}
+	// Through b.SeqCp: with SWA anchors seq's shadow gets them too.
+	if lo > 0 {
+		b.SeqCp(src, seq, 0, lo)
+	}
+	b.SeqCp(x, seq, lo, hi) // last: seq's recurrent state becomes x's
+	if p := b.ctx.SeqPosMax(seq); p != hi-1 {
+		return fmt.Errorf("sequence ends at position %d after the load, want %d", p, hi-1)
+	}
+	return nil
+}
+
+// A sliding-window model's saved state, in chunks. llama.cpp's sequence state leaves
+// out every cell the window masks for the sequence's last position
+// (llama_kv_cache::state_write), so one state of a pool holds only its last window in
+// the SWA layers, and the pool could not serve an attach or fork below it. Its state is
+// therefore saved a window-aligned chunk of positions at a time, each copied into the
+// scratch sequence alone, where no cell of the chunk is masked for the chunk's own last
+// position (a standard or chunked window; anything else fails the position check on
+// load and counts as a miss). On load, each chunk goes into the scratch sequence (a
+// sequence's load first drops what it held), then is shared with the pool's sequence
+// and its shadow, so every loaded cell keeps two members and is never handed out again
+// while the next chunks load (see EnableSWAAnchors). Hand-written: llama.cpp has no
+// flag that writes a sequence's masked cells (LLAMA_STATE_SEQ_FLAGS_* select parts of
+// the memory, not the window).
+//
+// Format: per chunk, its first position, one past its last, and its state's length
+// (each a little-endian uint64), then the state.
+
+// swaChunks is the window-aligned chunks of positions [lo, hi).
+func (b *Backend) swaChunks(lo, hi int) [][2]int {
+	w := b.model.NSWA()
+	var out [][2]int
+	for a := lo; a < hi; {
+		e := min(hi, (a/w+1)*w)
+		out = append(out, [2]int{a, e})
+		a = e
+	}
+	return out
+}
+
+// saveChunks copies out the cells [lo, hi) of seq, chunk by chunk (see above).
+func (b *Backend) saveChunks(seq, lo, hi int) ([]byte, error) {
+	x := b.scratch
+	defer b.ctx.SeqRm(x, -1, -1)
+	var out []byte
+	for _, c := range b.swaChunks(lo, hi) {
+		b.ctx.SeqRm(x, -1, -1)
+		b.ctx.SeqCp(seq, x, c[0], c[1])
+		data, err := b.ctx.SeqStateGet(x)
+		if err != nil {
+			return nil, err
+		}
+		out = binary.LittleEndian.AppendUint64(out, uint64(c[0]))
+		out = binary.LittleEndian.AppendUint64(out, uint64(c[1]))
+		out = binary.LittleEndian.AppendUint64(out, uint64(len(data)))
+		out = append(out, data...)
+	}
+	return out, nil
+}
+
+// loadChunks loads what saveChunks wrote into seq (and its shadow), which must be
+// empty, and checks that each chunk and the whole hold exactly their positions. On
+// failure seq holds nothing.
+func (b *Backend) loadChunks(seq, lo, hi int, data []byte) (err error) {
+	x := b.scratch
+	defer func() {
+		b.ctx.SeqRm(x, -1, -1)
+		if err != nil {
+			b.SeqRm(seq, -1, -1)
+			b.holes = true
+		}
+	}()
+	next := lo
+	for len(data) > 0 {
+		if len(data) < 24 {
+			return fmt.Errorf("chunked state: %d bytes left, want a 24-byte chunk header", len(data))
+		}
+		c0, c1, n := binary.LittleEndian.Uint64(data), binary.LittleEndian.Uint64(data[8:]), binary.LittleEndian.Uint64(data[16:])
+		data = data[24:]
+		if c0 != uint64(next) || c1 <= c0 || c1 > uint64(hi) || n > uint64(len(data)) {
+			return fmt.Errorf("chunked state: chunk [%d, %d) of %d bytes, want one from %d up to %d within %d bytes", c0, c1, n, next, hi, len(data))
+		}
+		if err := b.ctx.SeqStateSet(x, data[:n]); err != nil {
+			return err
+		}
+		data = data[n:]
+		if p0, p1 := b.ctx.SeqPosMin(x), b.ctx.SeqPosMax(x); p0 != int(c0) || p1 != int(c1)-1 {
+			return fmt.Errorf("chunk loaded positions [%d, %d], want [%d, %d)", p0, p1, c0, c1)
+		}
+		b.SeqCp(x, seq, int(c0), int(c1)) // mirrored on seq's shadow
+		next = int(c1)
+	}
+	if next != hi {
+		return fmt.Errorf("chunked state ends at position %d, want %d", next, hi)
+	}
+	if p0, p1 := b.ctx.SeqPosMin(seq), b.ctx.SeqPosMax(seq); p0 != lo || p1 != hi-1 {
+		return fmt.Errorf("loaded positions [%d, %d], want [%d, %d)", p0, p1, lo, hi)
+	}
+	return nil
+}

@@ -200,6 +200,15 @@ func (s *Store) Has(m Meta) bool {
 	return s.ram[k] != nil || s.pending[k] != nil || s.disk[k] != nil
 }
 
+// OnDiskOnly reports whether m's entry is on disk and nowhere in memory: a Get would
+// read a file.
+func (s *Store) OnDiskOnly(m Meta) bool {
+	k := MakeKey(s.cfg.Model, m.D, m.Tokens)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.ram[k] == nil && s.pending[k] == nil && s.disk[k] != nil
+}
+
 // Put stores the KV of pool's [m.D, L) (payload from llama.Context.SeqStateGet): in RAM
 // when the budget allows (the least recently used entries move to disk, or are
 // dropped without a disk tier), else straight to disk. It returns where the entry
