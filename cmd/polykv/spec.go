@@ -105,8 +105,8 @@ func (sb specBench) run(cfg app.Config, reps int) error {
 			return fmt.Errorf("bench: unknown spec workload %q (edit, chat)", w)
 		}
 	}
-	fmt.Printf("speculative decoding: %s, --spec-type %s, --draft-max %d, --draft-min %d, --spec-ngram-min %d, %d threads; decode tok/s = generated tokens / longest decode phase; best of %d, off and on alternating\n\n",
-		cfg.ModelPath, cfg.SpecType, cfg.DraftMax, cfg.DraftMin, cfg.SpecNgramMin, cfg.Threads, reps)
+	fmt.Printf("speculative decoding: %s, --spec-type %s, --draft-max %d, --draft-min %d, --spec-ngram-min %d, --spec-step-cost %g, %d threads; decode tok/s = generated tokens / longest decode phase; best of %d, off and on alternating\n\n",
+		cfg.ModelPath, cfg.SpecType, cfg.DraftMax, cfg.DraftMin, cfg.SpecNgramMin, cfg.SpecStepCost, cfg.Threads, reps)
 	fmt.Println("server       workload   N  off tok/s  on tok/s  on/off  drafted  accepted  accept%  tokens  same output")
 	for _, n := range ns {
 		c := cfg
