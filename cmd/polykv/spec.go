@@ -105,8 +105,8 @@ func (sb specBench) run(cfg app.Config, reps int) error {
 			return fmt.Errorf("bench: unknown spec workload %q (edit, chat)", w)
 		}
 	}
-	fmt.Printf("speculative decoding: %s, --spec-type %s, --draft-max %d, --draft-min %d, --spec-ngram-min %d, %d threads; decode tok/s = generated tokens / longest decode phase; best of %d, off and on alternating\n\n",
-		cfg.ModelPath, cfg.SpecType, cfg.DraftMax, cfg.DraftMin, cfg.SpecNgramMin, cfg.Threads, reps)
+	fmt.Printf("speculative decoding: %s, --spec-type %s, --draft-max %d, --draft-min %d, --spec-ngram-min %d, --spec-step-cost %s, %d threads; decode tok/s = generated tokens / longest decode phase; best of %d, off and on alternating\n\n",
+		cfg.ModelPath, cfg.SpecType, cfg.DraftMax, cfg.DraftMin, cfg.SpecNgramMin, stepCost(cfg.SpecStepCost), cfg.Threads, reps)
 	fmt.Println("server       workload   N  off tok/s  on tok/s  on/off  drafted  accepted  accept%  tokens  same output")
 	for _, n := range ns {
 		c := cfg
@@ -291,4 +291,15 @@ func (sb specBench) once(base, w string, n int, on bool, maxTokens int) (specRes
 		r.accepts += tm.DraftNAccepted
 	}
 	return r, nil
+}
+
+// stepCost prints --spec-step-cost as the engine applies it.
+func stepCost(v float64) string {
+	switch {
+	case v == 0:
+		return fmt.Sprintf("%g (default)", engine.DefaultStepCost)
+	case v < 0:
+		return fmt.Sprintf("%g (no limit)", v)
+	}
+	return fmt.Sprintf("%g", v)
 }

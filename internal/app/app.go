@@ -100,10 +100,13 @@ type Config struct {
 	// comma-separated list of drafters (engine.SpecTypes), tried in order; DraftMax
 	// (--draft-max) and DraftMin (--draft-min) bound a session's proposal per step;
 	// SpecNgramMin (--spec-ngram-min) is the shortest context suffix ngram-simple
-	// matches.
+	// matches. SpecStepCost (--spec-step-cost) is engine.Spec.StepCost: a step's
+	// fixed cost in batch rows for the cost-aware draft limit (0: the default,
+	// negative: no limit).
 	SpecType           string
 	DraftMax, DraftMin int
 	SpecNgramMin       int
+	SpecStepCost       float64
 
 	noSWAAnchors bool // tests only: show what goes wrong without runner SWA anchors
 }
@@ -268,7 +271,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		MaxQueue: cfg.MaxQueue, QueueTimeout: cfg.QueueTimeout, AttachMin: cfg.AttachMin, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau,
 		PrefixCache: cfg.PrefixCache == "on"}
 	specTypes, _ := engine.ParseSpecTypes(cfg.SpecType) // checked by Validate
-	ecfg.Spec = engine.Spec{Types: specTypes, DraftMax: cfg.DraftMax, DraftMin: cfg.DraftMin, NgramMin: cfg.SpecNgramMin}
+	ecfg.Spec = engine.Spec{Types: specTypes, DraftMax: cfg.DraftMax, DraftMin: cfg.DraftMin, NgramMin: cfg.SpecNgramMin, StepCost: cfg.SpecStepCost}
 	if err := ecfg.Validate(); err != nil {
 		return nil, err
 	}

@@ -200,6 +200,10 @@ type task struct {
 	// were wholly rejected (specMisses of them in a row): a backoff, since every
 	// rejection costs a verification and the removal of its cells.
 	specWait, specMisses int
+	// specHits/specTrials: t's decayed draft history for the cost-aware limit
+	// (specCostCap); specIdle counts steps since t last drafted (its probes).
+	specHits, specTrials float64
+	specIdle             int
 }
 
 func (t *task) prefilling() bool { return t.slot != nil && len(t.slot.tokens) < len(t.req.Prompt) }
@@ -845,6 +849,7 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 		}
 		t.ewma = tps.NewEWMA(s.cfg.TPSTau)
 		t.draftCap = s.cfg.Spec.DraftMax
+		t.specHits, t.specTrials, t.specIdle = specPriorHits, specPriorTrials, specProbeEvery
 		s.adm.SessionSeated(t.req.SessionID, s.now)
 	}
 	sl.task = t
@@ -951,6 +956,9 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	if s.cfg.Spec.On() {
 		spare = free - s.reservedPrefill()
 	}
+	// The step's expected tokens and rows so far, for the cost-aware draft limit:
+	// every decoder's token, and the drafts planned and expected to land.
+	specGain, specRows := float64(decoders), float64(decoders)
 	for _, t := range slices.Clone(s.running) {
 		if !t.hasNext {
 			continue
@@ -977,7 +985,18 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 			// Drafts use what the other decoders leave of the budget and only spare
 			// cells: they are gone again after the step, not worth an eviction.
 			k := min(s.specBudget(t), budget-decoders, spare-decoders)
+			if c := s.specCostCap(t, k, specGain, specRows); c > 0 {
+				k = c
+			} else if t.specIdle >= specProbeEvery {
+				k = min(k, specProbeLen) // a probe: does t copy again?
+			} else {
+				k = 0
+			}
+			t.specIdle++
 			if d := s.specDraft(t, k); len(d) > 0 {
+				t.specIdle = 0
+				specGain += t.specExpected(len(d))
+				specRows += float64(len(d))
 				for i, tok := range d {
 					batch = append(batch, BatchEntry{Token: tok, Pos: pos + 1 + i, Seq: t.slot.seq, Sample: true, Task: t.id, Draft: true})
 				}

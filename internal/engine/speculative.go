@@ -2,6 +2,7 @@ package engine
 
 import (
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 )
@@ -58,6 +59,14 @@ type Spec struct {
 	NgramMin, NgramMax int
 	// ModN is ngram-mod's n-gram length (llama.cpp's n_match; default 24).
 	ModN int
+	// StepCost is what a step costs besides its batch rows, counted in rows (the
+	// fixed part of a step: the weights read once, the graph, the sampling), for the
+	// cost-aware draft limit (specCostCap): a draft row is planned only where its
+	// expected accepted tokens raise the step's tokens per unit of cost. Small on a
+	// compute-bound CPU, large where a step is bound by reading the weights (a GPU).
+	// 0: DefaultStepCost; negative: no limit (every proposal the drafter makes, up
+	// to the adaptive cap, is verified).
+	StepCost float64
 }
 
 // Spec defaults. DraftMax 16: on a CPU a verification's cost grows with its tokens, so
@@ -68,6 +77,10 @@ const (
 	DefaultNgramMin = 3
 	DefaultNgramMax = 16
 	DefaultModN     = 24
+	// DefaultStepCost is StepCost's default, measured on SmolLM2-135M Q4_1 with 2
+	// threads (docs/speculative.md): a step of R rows took about (DefaultStepCost+R)
+	// times one row's share.
+	DefaultStepCost = 2.0
 	// MaxDraft bounds --draft-max and a request's speculative.n_max.
 	MaxDraft = 256
 	// modSize is ngram-mod's table (entries of 4 bytes): llama.cpp uses 4M entries;
@@ -113,6 +126,9 @@ func (sp Spec) withDefaults() Spec {
 	if sp.ModN == 0 {
 		sp.ModN = DefaultModN
 	}
+	if sp.StepCost == 0 {
+		sp.StepCost = DefaultStepCost
+	}
 	return sp
 }
 
@@ -132,6 +148,8 @@ func (sp Spec) validate() error {
 		return fmt.Errorf("n-gram lengths must satisfy 1 <= min <= max, got %d and %d", sp.NgramMin, sp.NgramMax)
 	case sp.ModN < 1:
 		return fmt.Errorf("ngram-mod length must be positive, got %d", sp.ModN)
+	case math.IsNaN(sp.StepCost):
+		return fmt.Errorf("step cost must be a number")
 	}
 	return nil
 }
@@ -217,6 +235,78 @@ func specAccepted(drafts []Token, smp []Sampled) int {
 // specMaxWait bounds the backoff after wholly rejected proposals (task.specWait).
 const specMaxWait = 32
 
+// The cost-aware draft limit (specCostCap). A session's drafts are modelled as
+// accepted one after another with probability p each (conditional on the earlier ones
+// holding), so draft i lands with probability p^i. A step of R rows costs StepCost+R
+// and yields G tokens (its decoders' plus the drafts expected to land); one more draft
+// row raises tokens per cost iff p^i·(StepCost+R) > G. p is the session's own history
+// (specHits/specTrials, decayed by specDecay per trial, starting at specPrior), so a
+// session whose drafts rarely land stops drafting once other sessions fill the step,
+// and one copying its context (p near 1) keeps long proposals.
+const (
+	// specDecay weighs a session's past trials: about the last 1/(1-specDecay) draft
+	// positions verified count, so a session that stops copying soon stops drafting.
+	specDecay = 0.95
+	// specPriorHits/specPriorTrials: a new session's p (0.75, worth two trials), so
+	// a lone session drafts from its first step and one early rejection does not stop
+	// it; among eight decoders it only probes until its drafts have landed.
+	specPriorHits, specPriorTrials = 1.5, 2.0
+	// specProbeEvery: a session the limit keeps from drafting still proposes after
+	// that many steps without a draft (its p would never change otherwise), at most
+	// specProbeLen tokens, so a session that starts copying is found again.
+	specProbeEvery = 16
+	specProbeLen   = 4
+)
+
+// specP is t's estimated probability that a draft lands given the earlier ones did.
+func (t *task) specP() float64 { return t.specHits / t.specTrials }
+
+// specCostCap is how many of at most k drafts pay for their rows in a step that so far
+// yields gain tokens from rows rows (specDecay's comment has the model); k when the
+// limit is off (StepCost < 0).
+func (s *Scheduler) specCostCap(t *task, k int, gain, rows float64) int {
+	c := s.cfg.Spec.StepCost
+	if c < 0 {
+		return k
+	}
+	p, q := t.specP(), 1.0
+	n := 0
+	for n < k {
+		q *= p
+		if q*(c+rows) <= gain {
+			break
+		}
+		gain += q
+		rows++
+		n++
+	}
+	return n
+}
+
+// specExpected is what n drafts of t add to the step's expected tokens.
+func (t *task) specExpected(n int) float64 {
+	p, q, e := t.specP(), 1.0, 0.0
+	for range n {
+		q *= p
+		e += q
+	}
+	return e
+}
+
+// specLearn folds one verification into t's history: a accepted of k proposed is a
+// successful trials and, if a < k, one failed one (drafts after a rejection are not
+// tried).
+func (t *task) specLearn(k, a int) {
+	for i := 0; i < a; i++ {
+		t.specHits = t.specHits*specDecay + 1
+		t.specTrials = t.specTrials*specDecay + 1
+	}
+	if a < k {
+		t.specHits *= specDecay
+		t.specTrials = t.specTrials*specDecay + 1
+	}
+}
+
 // specAdapt updates t's draft cap from one verification: a fully accepted proposal
 // doubles it (up to DraftMax), a rejected one shrinks it to what was accepted plus one,
 // so a session whose text stopped repeating soon proposes little, and one copying text
@@ -225,6 +315,7 @@ func (s *Scheduler) specAdapt(t *task, k, a int) {
 	if k == 0 {
 		return
 	}
+	t.specLearn(k, a)
 	if a == k {
 		t.draftCap = min(max(t.draftCap, 1)*2, s.cfg.Spec.DraftMax)
 	} else {

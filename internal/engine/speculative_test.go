@@ -149,7 +149,9 @@ func specWorkload(t *testing.T, spec Spec) specRun {
 }
 
 // TestSpeculativeLossless: the fake model's output is the same with and without
-// speculation, for each drafter, pooled, cached, in sessions and beside prefills; the
+// speculation, for each drafter, with and without the cost-aware draft limit (drafts
+// beside prefill chunks are required without it: the limit may leave none), pooled,
+// cached, in sessions and beside prefills; the
 // drafts are verified beside prefill chunks, many are accepted, rejected drafts' cells
 // are gone (the fake cache and the accounting agree, and the fake fails a batch whose
 // positions skip), and the backend never draws more samples than plain decoding does.
@@ -160,29 +162,31 @@ func TestSpeculativeLossless(t *testing.T) {
 	}
 	for _, types := range [][]string{{SpecNgramSimple}, {SpecNgramMod}, {SpecNgramMod, SpecNgramSimple}} {
 		for _, dmax := range []int{1, 4, 16} {
-			t.Run(fmt.Sprintf("%v/max%d", types, dmax), func(t *testing.T) {
-				sp := Spec{Types: types, DraftMax: dmax}
-				if slices.Contains(types, SpecNgramMod) {
-					sp.ModN = 4 // the fake's texts are short
-				}
-				r := specWorkload(t, sp)
-				for i := range base.texts {
-					if r.texts[i] != base.texts[i] || r.finish[i] != base.finish[i] || r.predicted[i] != base.predicted[i] {
-						t.Errorf("task %d: with speculation %q (%s, %d tokens), without %q (%s, %d tokens)",
-							i, r.texts[i], r.finish[i], r.predicted[i], base.texts[i], base.finish[i], base.predicted[i])
+			for _, cost := range []float64{-1, 0} {
+				t.Run(fmt.Sprintf("%v/max%d/stepcost%g", types, dmax, cost), func(t *testing.T) {
+					sp := Spec{Types: types, DraftMax: dmax, StepCost: cost}
+					if slices.Contains(types, SpecNgramMod) {
+						sp.ModN = 4 // the fake's texts are short
 					}
-				}
-				if r.draftN == 0 || r.accept == 0 || r.accept > r.draftN {
-					t.Errorf("drafted %d, accepted %d: want some of each", r.draftN, r.accept)
-				}
-				if r.drawn != base.drawn {
-					t.Errorf("the backend drew %d samples, %d without speculation", r.drawn, base.drawn)
-				}
-				if !r.mixed {
-					t.Error("no batch verified drafts beside a prefill chunk")
-				}
-				t.Logf("drafted %d, accepted %d (%.0f%%)", r.draftN, r.accept, 100*float64(r.accept)/float64(r.draftN))
-			})
+					r := specWorkload(t, sp)
+					for i := range base.texts {
+						if r.texts[i] != base.texts[i] || r.finish[i] != base.finish[i] || r.predicted[i] != base.predicted[i] {
+							t.Errorf("task %d: with speculation %q (%s, %d tokens), without %q (%s, %d tokens)",
+								i, r.texts[i], r.finish[i], r.predicted[i], base.texts[i], base.finish[i], base.predicted[i])
+						}
+					}
+					if r.draftN == 0 || r.accept == 0 || r.accept > r.draftN {
+						t.Errorf("drafted %d, accepted %d: want some of each", r.draftN, r.accept)
+					}
+					if r.drawn != base.drawn {
+						t.Errorf("the backend drew %d samples, %d without speculation", r.drawn, base.drawn)
+					}
+					if !r.mixed && cost < 0 {
+						t.Error("no batch verified drafts beside a prefill chunk")
+					}
+					t.Logf("drafted %d, accepted %d (%.0f%%)", r.draftN, r.accept, 100*float64(r.accept)/float64(r.draftN))
+				})
+			}
 		}
 	}
 }
@@ -346,4 +350,125 @@ func TestSpeculativeSamplingDistribution(t *testing.T) {
 		t.Fatal("a seed gave other tokens with speculation")
 	}
 	t.Logf("drafted %d; deviation from the model's expected repeats: off %.1f, on %.1f (σ %.1f)", drafted, offDev, onDev, onSD)
+}
+
+// TestSpecCostCap: the cost-aware limit's arithmetic (specCostCap). With one decoder a
+// step's fixed cost dominates, so even an even-odds draft pays; with eight, a session
+// whose drafts land half the time proposes nothing and one copying its context (p near
+// 1) still proposes long drafts; a negative StepCost turns the limit off.
+func TestSpecCostCap(t *testing.T) {
+	s := &Scheduler{cfg: Config{Spec: Spec{StepCost: DefaultStepCost}}}
+	for _, c := range []struct {
+		p         float64
+		decoders  float64
+		k, wantLo int
+		wantHi    int
+	}{
+		{p: 0.5, decoders: 1, k: 16, wantLo: 1, wantHi: 1},
+		{p: 0.95, decoders: 1, k: 16, wantLo: 5, wantHi: 9},
+		{p: 0.995, decoders: 1, k: 16, wantLo: 16, wantHi: 16},
+		{p: 0.5, decoders: 8, k: 16, wantLo: 0, wantHi: 0},
+		{p: 0.7, decoders: 8, k: 16, wantLo: 0, wantHi: 0},
+		{p: 0.98, decoders: 8, k: 16, wantLo: 8, wantHi: 16},
+		{p: 0.98, decoders: 8, k: 3, wantLo: 3, wantHi: 3},
+	} {
+		tk := &task{specHits: c.p, specTrials: 1}
+		got := s.specCostCap(tk, c.k, c.decoders, c.decoders)
+		if got < c.wantLo || got > c.wantHi {
+			t.Errorf("p %.2f, %v decoders, k %d: cap %d, want %d..%d", c.p, c.decoders, c.k, got, c.wantLo, c.wantHi)
+		}
+	}
+	s.cfg.Spec.StepCost = -1
+	if got := s.specCostCap(&task{specHits: 0.1, specTrials: 1}, 7, 8, 8); got != 7 {
+		t.Errorf("limit off: cap %d, want 7", got)
+	}
+	// A session's history: a wholly rejected proposal lowers p, an accepted run raises it.
+	tk := &task{specHits: specPriorHits, specTrials: specPriorTrials}
+	tk.specLearn(4, 0)
+	if p := tk.specP(); p >= 0.5 {
+		t.Errorf("p %.3f after a rejection, want below 0.5", p)
+	}
+	tk.specLearn(16, 16)
+	if p := tk.specP(); p < 0.9 {
+		t.Errorf("p %.3f after 16 accepted, want at least 0.9", p)
+	}
+}
+
+// fakeMixed is a fake model for two kinds of sessions, told apart by their first token:
+// below 2000 a copier (the token period back, as an agent returning its context), from
+// 2000 on a chatter whose text repeats three tokens in four, so n-gram drafts find
+// matches and some land, most not far.
+func fakeMixed(period int) func(seq []Token) Token {
+	return func(seq []Token) Token {
+		h := uint32(7)
+		for _, t := range seq {
+			h = h*31 + uint32(t)
+		}
+		if len(seq) >= period && (seq[0] < 2000 || h%4 != 0) {
+			return seq[len(seq)-period]
+		}
+		return Token(10 + h%50)
+	}
+}
+
+// TestSpeculativeCostLimit: eight sessions decode together, four copying their context
+// and four chatting. Against speculation without the limit (StepCost -1), the cost-aware
+// limit keeps the output identical, cuts the chatters' drafts to half or less (the
+// ones left are probes and drafts once fewer sessions decode) at no lower acceptance, keeps most
+// of the copiers' accepted drafts, and raises the step model's tokens per cost (a step
+// of R rows costing DefaultStepCost+R: the model the limit optimizes).
+func TestSpeculativeCostLimit(t *testing.T) {
+	type group struct{ drafted, accepted int }
+	run := func(stepCost float64) (texts []string, copier, chatter group, tokPerCost float64) {
+		cfg := poolCfg()
+		cfg.Parallel, cfg.MaxQueue = 8, 8
+		cfg.Spec = Spec{Types: []string{SpecNgramSimple}, StepCost: stepCost}
+		h := newHarness(t, cfg)
+		h.be.model = fakeMixed(7)
+		var ids []TaskID
+		for i := range 8 {
+			ids = append(ids, h.submit(Request{Prompt: seqTokens(1000*(1+i%2)+100*i, 14), MaxTokens: 80}))
+		}
+		h.run()
+		h.checkAccounting()
+		var tokens int
+		for i, id := range ids {
+			ev, ok := h.done(id)
+			if !ok || ev.Err != nil {
+				t.Fatalf("task %d: ended %v, %v", id, ok, ev.Err)
+			}
+			texts = append(texts, h.text(id))
+			tokens += ev.Stats.PredictedN
+			g := &copier
+			if i%2 == 1 {
+				g = &chatter
+			}
+			g.drafted += ev.Stats.DraftN
+			g.accepted += ev.Stats.DraftAccepted
+		}
+		cost := 0.0
+		for _, b := range h.be.batches {
+			cost += DefaultStepCost + float64(len(b))
+		}
+		return texts, copier, chatter, float64(tokens) / cost
+	}
+	offTexts, offCopier, offChatter, offRate := run(-1)
+	texts, copier, chatter, rate := run(0)
+	if !slices.Equal(texts, offTexts) {
+		t.Fatalf("the limit changed the output:\n%q\n%q", texts, offTexts)
+	}
+	t.Logf("no limit: copiers %+v, chatters %+v, %.3f tokens/cost; limit: copiers %+v, chatters %+v, %.3f tokens/cost",
+		offCopier, offChatter, offRate, copier, chatter, rate)
+	if offChatter.drafted == 0 || 2*chatter.drafted > offChatter.drafted {
+		t.Errorf("chatters drafted %d with the limit, %d without: want at most half", chatter.drafted, offChatter.drafted)
+	}
+	if chatter.accepted*offChatter.drafted < offChatter.accepted*chatter.drafted {
+		t.Errorf("chatters' acceptance %d/%d with the limit, %d/%d without: want no lower", chatter.accepted, chatter.drafted, offChatter.accepted, offChatter.drafted)
+	}
+	if 10*copier.accepted < 7*offCopier.accepted {
+		t.Errorf("copiers' accepted drafts fell from %d to %d with the limit: want at least 70%%", offCopier.accepted, copier.accepted)
+	}
+	if rate <= offRate {
+		t.Errorf("tokens per modelled cost %.3f with the limit, %.3f without: want higher", rate, offRate)
+	}
 }

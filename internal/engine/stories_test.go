@@ -24,8 +24,9 @@ import (
 // Commands:
 //
 //	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR [cost=perdecode] [prefixcache=on] [queuetimeout=DUR] [attachmin=N]
-//	       [spec=TYPES draftmax=N draftmin=N] [repeat=N]
+//	       [spec=TYPES draftmax=N draftmin=N stepcost=F] [repeat=N]
 //	                  spec: speculative decoding with these drafters (comma-separated);
+//	                  stepcost: Spec.StepCost (-1: no cost-aware draft limit);
 //	                  repeat: the fake model mostly repeats the token N back (fakeRepeater)
 //	submit name=X prompt=1..6;99 [session=S] [max=N] [pool=P | poolkey=P] [shared=N] [reservation=R] [overcommit] [nocache]
 //	                  poolkey: name pool P by its content key (prefix hash), as a router does
@@ -114,6 +115,12 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 				cfg.Spec.DraftMax = atoi(t, d, v)
 			case "draftmin":
 				cfg.Spec.DraftMin = atoi(t, d, v)
+			case "stepcost":
+				f, err := strconv.ParseFloat(v, 64)
+				if err != nil {
+					d.Fatalf(t, "stepcost: %v", err)
+				}
+				cfg.Spec.StepCost = f
 			case "repeat":
 			default:
 				d.Fatalf(t, "unknown config key %s", a.Key)
