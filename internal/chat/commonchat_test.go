@@ -189,7 +189,7 @@ const familyPrompt = `[{"role": "user", "content": "What is the weather in Paris
 
 // commonParsed parses text as common/chat would for a request with familyTools.
 func commonParsed(cc *llama.CommonChat, text string, partial bool) (Parsed, error) {
-	p, err := cc.Apply(familyPrompt, familyToolsJSON(), true, true, true)
+	p, err := cc.Apply(familyPrompt, familyToolsJSON(), true, true, false)
 	if err != nil {
 		return Parsed{}, err
 	}
@@ -270,7 +270,7 @@ func TestCommonChatFamilies(t *testing.T) {
 			cc, err := llama.NewCommonChat(src, "<s>", "</s>")
 			if err == nil {
 				var p llama.CommonChatParams
-				p, err = cc.Apply(familyPrompt, familyToolsJSON(), true, true, true)
+				p, err = cc.Apply(familyPrompt, familyToolsJSON(), true, true, false)
 				fmtName = p.FormatName
 				var whole Parsed
 				if err == nil {
@@ -452,7 +452,7 @@ func FuzzCommonChatParse(f *testing.F) {
 			if err != nil {
 				return
 			}
-			if p, err = cc.Apply(familyPrompt, familyToolsJSON(), true, true, true); err != nil {
+			if p, err = cc.Apply(familyPrompt, familyToolsJSON(), true, true, false); err != nil {
 				return
 			}
 			tmpls[format] = p
