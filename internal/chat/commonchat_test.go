@@ -187,15 +187,8 @@ func familyToolsJSON() string {
 
 const familyPrompt = `[{"role": "user", "content": "What is the weather in Paris?"}]`
 
-// commonParsed parses text as common/chat would for a request with familyTools.
-func commonParsed(cc *llama.CommonChat, text string, partial bool) (Parsed, error) {
-	p, err := cc.Apply(familyPrompt, familyToolsJSON(), true, true, false)
-	if err != nil {
-		return Parsed{}, err
-	}
-	return commonParseWith(p, text, partial)
-}
-
+// commonParseWith parses text with what common_chat_templates_apply returned, as
+// llama-server does, and reads the OpenAI-form message back.
 func commonParseWith(p llama.CommonChatParams, text string, partial bool) (Parsed, error) {
 	out, err := llama.CommonChatParse(p, text, partial)
 	if err != nil {
