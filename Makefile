@@ -109,12 +109,12 @@ bench: build model
 # The measurement behind docs/chat.md: llama.cpp's common/chat against internal/chat on
 # the same tests (template corpus, family parse cases, crash safety, render speed). The
 # binding (internal/llama/commonchat.*) is built only with the commonchat tag, against the
-# tools tree's libllama-common; it is not part of build or test. Fuzz it with
-# COMMONCHAT_FUZZ=60s.
-LLAMA_TOOLS := $(LLAMA_DIR)-tools
-commonchat: llama llama-tools templates venv
-	set -o pipefail; CGO_CPPFLAGS="$(CGO_CPPFLAGS) -isystem $(LLAMA_SRC)/common -isystem $(LLAMA_SRC)/vendor" \
-	CGO_LDFLAGS="$(CGO_LDFLAGS) -L$(LLAMA_TOOLS)/common -L$(LLAMA_TOOLS)/vendor/cpp-httplib" \
+# tools tree's libllama-common (scripts/llama.sh common builds it once); it is not part of
+# build or test. Fuzz it with COMMONCHAT_FUZZ=60s.
+commonchat: llama templates venv
+	set -o pipefail; t=$$(./scripts/llama.sh common) && \
+	CGO_CPPFLAGS="$(CGO_CPPFLAGS) -isystem $(LLAMA_SRC)/common -isystem $(LLAMA_SRC)/vendor" \
+	CGO_LDFLAGS="$(CGO_LDFLAGS) -L$$t/common -L$$t/vendor/cpp-httplib" \
 	go test -tags commonchat -count=1 -v -run 'TestCommonChat' \
 		$(if $(COMMONCHAT_FUZZ),-fuzz '^FuzzCommonChatParse$$' -fuzztime $(COMMONCHAT_FUZZ) -parallel 1) ./internal/chat 2>&1 \
 		| grep -v '^common_chat\|^Template supports\|^render_message_to_json'
