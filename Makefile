@@ -27,7 +27,7 @@ export POLYKV_MODEL ?= $(POLYKV_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 export POLYKV_MODEL_GEMMA ?= $(POLYKV_CACHE)/models/gemma-3-270m-q4_k_m.gguf
 VENV ?= $(POLYKV_CACHE)/venv
 
-.PHONY: build llama llama-tools bump-llama testmodels model templates test lint test-go test-python demo bench venv browser clean env
+.PHONY: build llama llama-tools bump-llama testmodels model templates test lint test-go test-python demo bench venv browser clean env commonchat
 
 # The pinned llama.cpp's static libraries (a no-op once built for this version and CPU target).
 llama:
@@ -105,6 +105,19 @@ llama-tools:
 # row, measured alternately in one run (`make llama-tools` prints where it built one).
 bench: build model
 	./bin/polykv bench -m "$(POLYKV_MODEL)" --prefill-models "$(POLYKV_MODEL),$(POLYKV_MODEL_GEMMA)" --prefill-decode 64 --prefill-decode-depth 512 $(if $(LLAMA_BENCH),--prefill-baseline "$(LLAMA_BENCH)")
+
+# The measurement behind docs/chat.md: llama.cpp's common/chat against internal/chat on
+# the same tests (template corpus, family parse cases, crash safety, render speed). The
+# binding (internal/llama/commonchat.*) is built only with the commonchat tag, against the
+# tools tree's libllama-common (scripts/llama.sh common builds it once); it is not part of
+# build or test. Fuzz it with COMMONCHAT_FUZZ=60s.
+commonchat: llama templates venv
+	set -o pipefail; t=$$(./scripts/llama.sh common) && \
+	CGO_CPPFLAGS="$(CGO_CPPFLAGS) -isystem $(LLAMA_SRC)/common -isystem $(LLAMA_SRC)/vendor" \
+	CGO_LDFLAGS="$(CGO_LDFLAGS) -L$$t/common -L$$t/vendor/cpp-httplib" \
+	go test -tags commonchat -count=1 -v -run 'TestCommonChat' \
+		$(if $(COMMONCHAT_FUZZ),-fuzz '^FuzzCommonChatParse$$' -fuzztime $(COMMONCHAT_FUZZ) -parallel 1) ./internal/chat 2>&1 \
+		| grep -v '^common_chat\|^Template supports\|^render_message_to_json'
 
 clean:
 	rm -rf bin

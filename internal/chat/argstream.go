@@ -13,37 +13,9 @@ type CallDelta struct {
 	Args     string
 }
 
-// callHeads find, in held text, where a call's name is complete and its JSON
-// arguments begin, for the formats whose arguments are JSON written as generated.
-// Group 1 is the name; group 2, when present, a model-given id. XML-style formats
-// (values written as text) and structured ones are sent when the reply ends.
-var callHeads = map[Format]*regexp.Regexp{
-	FormatHermes:         regexp.MustCompile(`<tool_call>\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*`),
-	FormatLlama3:         regexp.MustCompile(`(?:^|<\|python_tag\|>)\s*\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"(?:parameters|arguments)"\s*:\s*`),
-	FormatMistralArgs:    regexp.MustCompile(`\[TOOL_CALLS\]([A-Za-z0-9_.-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\]`),
-	FormatKimiK2:         regexp.MustCompile(`<\|tool_call_begin\|>\s*(?:functions\.)?([A-Za-z0-9_.-]+?)(?::\d+)?\s*<\|tool_call_argument_begin\|>`),
-	FormatDeepSeek:       regexp.MustCompile(`<｜tool▁call▁begin｜>([A-Za-z0-9_.-]+)<｜tool▁sep｜>`),
-	FormatFunctionaryV31: regexp.MustCompile(`<function=([A-Za-z0-9_.-]+)>`),
-	// List formats: the first call after the list's opening, later ones after the
-	// previous call object's "}," (listGap checks that this "}" closes that call).
-	FormatMistral: regexp.MustCompile(`(?:\[TOOL_CALLS\]\s*\[|\}\s*,)\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*`),
-	// Command R7B: the model's tool_call_id is not captured (the name must be group 1);
-	// streamed calls get ids of their own, as for every family without ids.
-	FormatCommandR7B: regexp.MustCompile(`(?:<\|START_ACTION\|>\s*\[|\}\s*,)\s*\{\s*"tool_call_id"\s*:\s*"[^"\\]*"\s*,\s*"tool_name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"parameters"\s*:\s*`),
-	FormatGranite:    regexp.MustCompile(`(?:<\|tool_call\|>\s*\[|\}\s*,)\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"arguments"\s*:\s*`),
-}
-
 // listGap is what may stand between a listed call's arguments and the "}" that closes
 // its object: nothing, or Mistral Nemo's model-given id.
 var listGap = regexp.MustCompile(`^\s*(?:,\s*"id"\s*:\s*"[^"\\]*"\s*)?$`)
-
-// listFormats write their calls as one JSON list.
-func listFormat(f Format) bool {
-	return f == FormatMistral || f == FormatGranite || f == FormatCommandR7B
-}
-
-// forced-grammar calls are Hermes-tagged in every format without a grammar of its own.
-var hermesHead = callHeads[FormatHermes]
 
 type streamedCall struct {
 	id, name string
@@ -54,17 +26,15 @@ type streamedCall struct {
 // header once its name is complete, then its arguments as far as they are written.
 func (c *CallStream) streamArgs() {
 	held := c.buf.String()[c.sent:]
-	if c.format == FormatQwenXML && !strings.HasPrefix(strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(held), "<tool_call>")), "{") {
-		c.streamXMLArgs(held)
+	if c.fam.streamArgs != nil && c.fam.streamArgs(c, held) {
 		return
 	}
+	// The family's own call head, then Hermes' (forced calls), then any others.
 	heads := []*regexp.Regexp{hermesHead}
-	if re := callHeads[c.format]; re != nil && re != hermesHead {
+	if re := c.fam.head; re != nil && re != hermesHead {
 		heads = append([]*regexp.Regexp{re}, heads...)
 	}
-	if c.format == FormatHermes {
-		heads = append(heads, callHeads[FormatLlama3]) // a bare JSON call (ParseWith's bareJSON)
-	}
+	heads = append(heads, c.fam.moreHeads...)
 	for _, re := range heads {
 		ms := re.FindAllStringSubmatchIndex(held, -1)
 		if len(ms) == 0 {
@@ -73,7 +43,7 @@ func (c *CallStream) streamArgs() {
 		prevEnd := -1 // list formats: where the previous call's arguments ended
 		i := -1       // index of the call m starts
 		for _, m := range ms {
-			if listFormat(c.format) && re == callHeads[c.format] {
+			if c.fam.list && re == c.fam.head {
 				first := held[m[0]] != '}'
 				if i < 0 && !first {
 					return // not a list of calls: wait for the end
@@ -92,10 +62,8 @@ func (c *CallStream) streamArgs() {
 				if len(m) > 4 && m[4] >= 0 {
 					id = held[m[4]:m[5]]
 				}
-				if c.format == FormatKimiK2 {
-					id = strings.TrimSpace(held[m[0]:m[1]])
-					id = strings.TrimSuffix(strings.TrimPrefix(id, "<|tool_call_begin|>"), "<|tool_call_argument_begin|>")
-					id = strings.TrimSpace(id)
+				if c.fam.headID != nil && re == c.fam.head {
+					id = c.fam.headID(held[m[0]:m[1]])
 				}
 				if id == "" {
 					id = NewCallIDFor(c.format)
@@ -224,75 +192,4 @@ func jsonValuePrefix(s string) (int, bool) {
 	// advance last (taking one more off would also hold back the character before it,
 	// which a split stream had already sent).
 	return last, false
-}
-
-// xmlHead is a Qwen3-Coder / Qwen 3.5 call's start: its function name is complete.
-var xmlHead = regexp.MustCompile(`<tool_call>\s*<function=([A-Za-z0-9_.-]+)>`)
-
-// streamXMLArgs streams Qwen3-Coder XML calls: the header once the function's name is
-// complete, then the JSON arguments one parameter at a time, as each </parameter>
-// closes (a value's type, and so its JSON form, is only known once it is whole); the
-// closing brace with </function>. The pieces are exactly the prefixes of what ParseWith
-// builds from the whole call, so Finish agrees with them.
-func (c *CallStream) streamXMLArgs(held string) {
-	ms := xmlHead.FindAllStringSubmatchIndex(held, -1)
-	for i, m := range ms {
-		name := held[m[2]:m[3]]
-		if !c.knownTool(name) {
-			return
-		}
-		if i == len(c.streamed) {
-			id := NewCallIDFor(c.format)
-			c.streamed = append(c.streamed, streamedCall{id: id, name: name})
-			c.deltas = append(c.deltas, CallDelta{Index: i, ID: id, Name: name})
-		}
-		if i >= len(c.streamed) || c.streamed[i].name != name {
-			return
-		}
-		body := held[m[1]:]
-		if i+1 < len(ms) {
-			body = held[m[1]:ms[i+1][0]]
-		}
-		args := xmlArgsPrefix(body, (&parser{tools: c.tools}).schemaFor(name))
-		if sent := c.streamed[i].args; len(args) > len(sent) {
-			if !strings.HasPrefix(args, sent) {
-				return
-			}
-			c.deltas = append(c.deltas, CallDelta{Index: i, Args: args[len(sent):]})
-			c.streamed[i].args = args
-		}
-	}
-}
-
-// xmlArgsPrefix is the JSON arguments of the complete <parameter=K>V</parameter>
-// blocks at the start of body (without the closing brace), or the whole object once
-// </function> closes the call; "" while no parameter is complete.
-func xmlArgsPrefix(body string, types map[string]string) string {
-	args := newArgs(types)
-	rest := body
-	for {
-		r := strings.TrimSpace(rest)
-		if strings.HasPrefix(r, "</function>") {
-			return args.String()
-		}
-		r, ok := strings.CutPrefix(r, "<parameter=")
-		if !ok {
-			break
-		}
-		k, r, ok := strings.Cut(r, ">")
-		if !ok {
-			break
-		}
-		v, after, ok := strings.Cut(r, "</parameter>")
-		if !ok {
-			break
-		}
-		v = strings.TrimSuffix(strings.TrimPrefix(v, "\n"), "\n")
-		args.add(k, v)
-		rest = after
-	}
-	if args.n == 0 {
-		return ""
-	}
-	return args.b.String()
 }

@@ -239,7 +239,7 @@ func TestLiveCallDeltasEveryFamily(t *testing.T) {
 					t.Fatalf("%s step %d: call %d rebuilt %+v, Finish %+v", c.name, step, i, rebuilt[i], fin.Calls[i])
 				}
 			}
-			re := callHeads[c.format]
+			re := lookup(c.format).markers().head
 			if jsonArgs := re != nil && re.MatchString(c.text) && !strings.Contains(c.text, "```"); jsonArgs && early == 0 {
 				t.Fatalf("%s: no arguments streamed before the reply ended", c.name)
 			}

@@ -21,8 +21,7 @@ type Trigger struct {
 // opener as a word (a special token when the vocabulary has it), and for families whose
 // calls are bare JSON, a call object naming a declared tool.
 //
-// Families whose values are bare text (Qwen3-Coder XML, GLM, MiniMax, DeepSeek V3.2
-// DSML), Harmony, LFM2 and Functionary v3.2 are built by familyAutoGrammar. ok is false
+// Each family's file writes its own (family.grammar). ok is false
 // where a tool cannot be written in the family's syntax so that its parser reads back a
 // valid call (a name or key the syntax cannot carry, a text value the parser could
 // misread): that reply stays unconstrained, and the parser keeps anything that is not
@@ -32,124 +31,19 @@ func AutoGrammar(f Format, tools []Tool, parallel bool) (grammar string, trigger
 }
 
 // callGrammar is AutoGrammar, or with forced ForcedGrammar's call rule (the same but
-// for the variants only a lazy start needs).
+// for the variants only a lazy start needs): the family's grammar method, then the
+// characters its JSON strings may not hold raw (finishChars).
 func callGrammar(f Format, tools []Tool, parallel, forced bool) (grammar string, triggers []Trigger, ok bool, err error) {
 	if len(tools) == 0 {
 		return "", nil, false, nil
 	}
-	switch f {
-	case FormatQwenXML, FormatGLM, FormatMiniMax, FormatDeepSeekDSML, FormatHarmony, FormatLFM2, FormatFunctionaryV32:
-		return familyAutoGrammar(f, tools, parallel)
-	}
-	c := &gbnf{rules: map[string]string{}}
-	args, err := c.toolArgs(tools)
-	if err != nil {
+	r := &callRules{gbnf: &gbnf{rules: map[string]string{}}, tools: tools, parallel: parallel, forced: forced}
+	triggers, ok, err = lookup(f).grammar(r)
+	if !ok || err != nil {
 		return "", nil, false, err
 	}
-	c.prim("space")
-	names := make([]string, len(tools))
-	for i, t := range tools {
-		names[i] = t.Function.Name
-	}
-	// nameStart matches a JSON call object's start naming a declared tool (tool names
-	// are letters, digits, _ and -, none special in a regex).
-	nameStart := `\{\s*"name"\s*:\s*"(?:` + strings.Join(names, "|") + `)"`
-	alts := func(each func(i int, name string) string) string {
-		var out []string
-		for i, t := range tools {
-			out = append(out, each(i, t.Function.Name))
-		}
-		return strings.Join(out, " | ")
-	}
-	// jsonCall is {"<nameKey>": "NAME", "<argsKey>": ARGS} with the arguments' rule.
-	jsonCall := func(nameKey, argsKey string) string {
-		return alts(func(i int, name string) string {
-			return fmt.Sprintf(`"{" space %s space ":" space %s space "," space %s space ":" space %s "}" space`,
-				q(`"`+nameKey+`"`), q(`"`+name+`"`), q(`"`+argsKey+`"`), args[i])
-		})
-	}
-	// list is "[" item ("," item)* "]", the tail only with parallel.
-	list := func(item string) string {
-		if parallel {
-			return fmt.Sprintf(`"[" space %s ("," space %s)* "]" space`, item, item)
-		}
-		return fmt.Sprintf(`"[" space %s "]" space`, item)
-	}
-	// more repeats a call rule after the first one when parallel.
-	more := func(sep, call string) string {
-		if parallel {
-			return fmt.Sprintf(" (%s %s)*", sep, call)
-		}
-		return ""
-	}
-	switch f {
-	case FormatHermes:
-		c.rules["call"] = jsonCall("name", "arguments")
-		c.rules["tagged"] = `"<tool_call>" space call space "</tool_call>"`
-		// A reply that is one bare call object (models served with a Hermes prompt
-		// they were not trained on; ParseWith accepts exactly that) is constrained too.
-		c.rules["root"] = `tagged` + more(`"\n"`, "tagged") + ` | call`
-		if forced {
-			// Forced, the reply is tagged as the family writes calls: a bare object
-			// would stream as content until it ended (the stream holds from the tag).
-			c.rules["root"] = `tagged` + more(`"\n"`, "tagged")
-		}
-		triggers = []Trigger{{Word: "<tool_call>"}, {Pattern: `\s*(` + nameStart + `)[\s\S]*`}}
-	case FormatLlama3:
-		c.rules["call"] = jsonCall("name", "parameters")
-		c.rules["root"] = `"<|python_tag|>"? space call` + more(`(";" | "\n") space`, "call")
-		triggers = []Trigger{{Word: "<|python_tag|>"}, {Pattern: `[\s\S]*?(` + nameStart + `)[\s\S]*`}}
-	case FormatMistral:
-		c.rules["call"] = jsonCall("name", "arguments")
-		c.rules["root"] = `"[TOOL_CALLS]" space ` + list("call")
-		triggers = []Trigger{{Word: "[TOOL_CALLS]"}}
-	case FormatMistralArgs:
-		c.rules["call"] = `"[TOOL_CALLS]" (` + alts(func(i int, name string) string {
-			return fmt.Sprintf(`%s "[ARGS]" %s`, q(name), args[i])
-		}) + ")"
-		c.rules["root"] = "call" + more(`space`, "call")
-		triggers = []Trigger{{Word: "[TOOL_CALLS]"}}
-	case FormatGranite:
-		c.rules["call"] = jsonCall("name", "arguments")
-		c.rules["root"] = `"<|tool_call|>" space ` + list("call")
-		triggers = []Trigger{{Word: "<|tool_call|>"}}
-	case FormatCommandR7B:
-		c.prim("string")
-		c.rules["call"] = alts(func(i int, name string) string {
-			return fmt.Sprintf(`"{" space %s space ":" space string "," space %s space ":" space %s space "," space %s space ":" space %s "}" space`,
-				q(`"tool_call_id"`), q(`"tool_name"`), q(`"`+name+`"`), q(`"parameters"`), args[i])
-		})
-		c.rules["root"] = `"<|START_ACTION|>" space ` + list("call") + ` "<|END_ACTION|>"`
-		triggers = []Trigger{{Word: "<|START_ACTION|>"}}
-	case FormatKimiK2:
-		c.rules["call"] = `"<|tool_call_begin|>" (` + alts(func(i int, name string) string {
-			return fmt.Sprintf(`%s ":" [0-9]{1,3} "<|tool_call_argument_begin|>" %s`, q("functions."+name), args[i])
-		}) + `) "<|tool_call_end|>"`
-		c.rules["root"] = `"<|tool_calls_section_begin|>" space call` + more("space", "call") + ` space "<|tool_calls_section_end|>"`
-		triggers = []Trigger{{Word: "<|tool_calls_section_begin|>"}}
-	case FormatDeepSeek:
-		// R1 writes "function<｜tool▁sep｜>NAME\n```json\n{...}\n```", V3.1 "NAME<｜tool▁sep｜>{...}".
-		c.rules["call"] = `"<｜tool▁call▁begin｜>" (` + alts(func(i int, name string) string {
-			return fmt.Sprintf(`"function<｜tool▁sep｜>" %s %s %s %s | %s "<｜tool▁sep｜>" %s`,
-				q(name), q("\n```json\n"), args[i], q("\n```"), q(name), args[i])
-		}) + `) "<｜tool▁call▁end｜>"`
-		c.rules["root"] = `"<｜tool▁calls▁begin｜>" space call` + more("space", "call") + ` space "<｜tool▁calls▁end｜>"`
-		triggers = []Trigger{{Word: "<｜tool▁calls▁begin｜>"}}
-	case FormatFunctionaryV31:
-		c.rules["call"] = alts(func(i int, name string) string {
-			return fmt.Sprintf(`%s space %s "</function>"`, q("<function="+name+">"), args[i])
-		})
-		c.rules["root"] = "call" + more("space", "call")
-		triggers = []Trigger{{Word: "<function="}}
-	default:
-		return "", nil, false, nil
-	}
-	// A JSON string holding the family's closing tag would end the call there: the
-	// parsers cut at it before reading the JSON.
-	c.ban = map[Format]string{FormatHermes: "</", FormatFunctionaryV31: "</", FormatKimiK2: "<|",
-		FormatCommandR7B: "<|", FormatDeepSeek: "<｜"}[f]
-	c.finishChars()
-	return c.String(), triggers, true, nil
+	r.finishChars()
+	return r.String(), triggers, true, nil
 }
 
 // ForcedGrammar is the grammar of a forced call (tool_choice "required", or a named

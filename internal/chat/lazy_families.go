@@ -9,10 +9,11 @@ import (
 	"strings"
 )
 
-// Auto grammars for the families whose calls are not one JSON object in a wrapper:
+// Grammar helpers for the families whose calls are not one JSON object in a wrapper:
 // argument values as bare text (Qwen3-Coder / Qwen 3.5 XML, GLM 4.5+, MiniMax-M2,
-// DeepSeek V3.2 DSML), Harmony's recipient headers, LFM2's Python calls and
-// Functionary v3.2's recipient lines. Each grammar writes exactly what the family's
+// DeepSeek V3.2 DSML: xmlFamily with the form in each family's file), Harmony's
+// recipient headers, LFM2's Python calls and Functionary v3.2's recipient lines (in
+// their family files). Each grammar writes exactly what the family's
 // parser (ParseWith, the ReplyStream) reads back as a call of a declared tool with
 // arguments its schema accepts: a text value runs to its closing tag and contains none
 // of the tags the parser cuts at, JSON strings inside these calls cannot hold the
@@ -22,38 +23,6 @@ import (
 // safeName: tool and parameter names every one of these syntaxes can carry as written
 // (OpenAI's own rule for function names, dots allowed).
 var safeName = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_.-]*$`)
-
-// familyAutoGrammar builds the grammar of the families above; ok is false for other
-// formats, and for tools these syntaxes cannot express (auto then stays free, as the
-// parser still reads what the model writes).
-func familyAutoGrammar(f Format, tools []Tool, parallel bool) (string, []Trigger, bool, error) {
-	for _, t := range tools {
-		if !safeName.MatchString(t.Function.Name) {
-			return "", nil, false, nil
-		}
-	}
-	c := &gbnf{rules: map[string]string{}}
-	var root string
-	var triggers []Trigger
-	var ok bool
-	var err error
-	switch f {
-	case FormatQwenXML, FormatGLM, FormatMiniMax, FormatDeepSeekDSML:
-		root, triggers, ok, err = c.xmlFamily(f, tools, parallel)
-	case FormatHarmony:
-		root, triggers, ok, err = c.harmonyFamily(tools)
-	case FormatFunctionaryV32:
-		root, triggers, ok, err = c.functionary32Family(tools, parallel)
-	case FormatLFM2:
-		root, triggers, ok, err = c.lfm2Family(tools, parallel)
-	}
-	if !ok || err != nil {
-		return "", nil, false, err
-	}
-	c.rules["root"] = root
-	c.finishChars()
-	return c.String(), triggers, true, nil
-}
 
 // finishChars keeps c.ban out of the raw text of JSON strings: a string holding the
 // start of a tag the family's parser cuts at would end the call there. ban is two
@@ -88,52 +57,35 @@ func (c *gbnf) finishChars() {
 	c.rules["string"] = fmt.Sprintf(`"\"" schar* %s "\"" space`, tail)
 }
 
-// xmlFamily: the four families that write argument values as tagged text.
-func (c *gbnf) xmlFamily(f Format, tools []Tool, parallel bool) (string, []Trigger, bool, error) {
-	type form struct {
-		word       string                // trigger, and the start of the grammar
-		open       string                // rule body before the calls
-		close      string                // rule body after them
-		call       func(n string) string // a call's opening
-		afterName  string                // between the opening and the first parameter
-		callClose  string
-		param      func(k string, str bool) string
-		valueOpen  string // rule body between a parameter's key and its value
-		valueEnd   string
-		stops      []string // tags a text value must not contain: the parser cuts there
-		strip      bool     // the parser strips one "\n" at each end of a value
-		perCall    bool     // open ... close wraps each call, not the whole list
-		attributes bool     // DSML: string="true|false" says how a value is read
+// xmlForm is how one of the families that write argument values as tagged text
+// writes a call (each family's file holds its form).
+type xmlForm struct {
+	word       string                // trigger, and the start of the grammar
+	open       string                // rule body before the calls
+	close      string                // rule body after them
+	call       func(n string) string // a call's opening
+	afterName  string                // between the opening and the first parameter
+	callClose  string
+	param      func(k string, str bool) string
+	valueOpen  string // rule body between a parameter's key and its value
+	valueEnd   string
+	stops      []string // tags a text value must not contain: the parser cuts there
+	strip      bool     // the parser strips one "\n" at each end of a value
+	perCall    bool     // open ... close wraps each call, not the whole list
+	attributes bool     // DSML: string="true|false" says how a value is read
+}
+
+// xmlFamily builds the grammar of a family whose values are tagged text (Qwen3-Coder
+// XML, GLM, MiniMax, DeepSeek V3.2 DSML) from its form.
+func (r *callRules) xmlFamily(fm xmlForm) ([]Trigger, bool, error) {
+	if !r.safeNames() {
+		return nil, false, nil
 	}
-	var fm form
-	switch f {
-	case FormatQwenXML:
-		// llama.cpp triggers on "<tool_call>\n<function=" (a word); the opener alone also
-		// constrains a call written without the newline, which ParseWith reads too.
-		fm = form{word: "<tool_call>", open: `"<tool_call>" "\n"?`, close: `"\n"? "</tool_call>"`, perCall: true,
-			call: func(n string) string { return "<function=" + n + ">" }, afterName: `"\n"?`, callClose: "</function>",
-			param:    func(k string, _ bool) string { return "<parameter=" + k + ">" },
-			valueEnd: "</parameter>", stops: []string{"</function>", "</tool_call>"}, strip: true}
-	case FormatGLM:
-		// llama.cpp's word is "\n<tool_call>"; GLM 4.7 opens a reply with the call and no
-		// newline, so the opener (one special token) is the word here.
-		fm = form{word: "<tool_call>", open: `"<tool_call>"`, close: `"</tool_call>"`, perCall: true,
-			call: func(n string) string { return n }, afterName: `"\n"?`, callClose: "",
-			param:     func(k string, _ bool) string { return "<arg_key>" + k + "</arg_key>" },
-			valueOpen: `"\n"? "<arg_value>"`, valueEnd: "</arg_value>", stops: []string{"</tool_call>"}}
-	case FormatMiniMax:
-		fm = form{word: "<minimax:tool_call>", open: `"<minimax:tool_call>" "\n"?`, close: `"\n"? "</minimax:tool_call>"`,
-			call: func(n string) string { return `<invoke name="` + n + `">` }, afterName: `"\n"?`, callClose: "</invoke>",
-			param:    func(k string, _ bool) string { return `<parameter name="` + k + `">` },
-			valueEnd: "</parameter>", stops: []string{"</invoke>", "</minimax:tool_call>"}, strip: true}
-	case FormatDeepSeekDSML:
-		fm = form{word: "<｜DSML｜function_calls>", open: `"<｜DSML｜function_calls>" "\n"?`, close: `"\n"? "</｜DSML｜function_calls>"`,
-			call: func(n string) string { return `<｜DSML｜invoke name="` + n + `">` }, afterName: `"\n"?`, callClose: "</｜DSML｜invoke>",
-			param: func(k string, str bool) string {
-				return `<｜DSML｜parameter name="` + k + `" string="` + strconv.FormatBool(str) + `">`
-			},
-			valueEnd: "</｜DSML｜parameter>", stops: []string{"</｜DSML｜invoke>", "</｜DSML｜function_calls>"}, strip: true, attributes: true}
-	}
+	return r.setRoot(r.xmlRules(fm, r.tools, r.parallel))
+}
+
+// xmlRules: the call rules of an xmlForm family; it returns the root rule's body.
+func (c *gbnf) xmlRules(fm xmlForm, tools []Tool, parallel bool) (string, []Trigger, bool, error) {
 	c.ban = "</" // every tag these parsers cut at starts with "</"
 	var calls []string
 	for i, t := range tools {
@@ -219,102 +171,6 @@ func (c *gbnf) xmlFamily(f Format, tools []Tool, parallel bool) (string, []Trigg
 		root = fmt.Sprintf(`%s %s %s`, fm.open, list, fm.close)
 	}
 	return root, []Trigger{{Word: fm.word}}, true, nil
-}
-
-// harmonyFamily: GPT-OSS writes a call as a message to=functions.NAME, the recipient in
-// the channel line or in the role line; llama.cpp triggers on both (and on a reply that
-// opens with the recipient, after a prompt ending in "<|start|>assistant").
-func (c *gbnf) harmonyFamily(tools []Tool) (string, []Trigger, bool, error) {
-	c.ban = "<|" // the body ends at <|call|>, <|end|> or <|return|>
-	args, err := c.toolArgs(tools)
-	if err != nil {
-		return "", nil, false, err
-	}
-	if !objectArgs(tools) {
-		return "", nil, false, nil
-	}
-	c.prim("space")
-	c.rules["channel"] = `"<|channel|>" ( "commentary" | "analysis" )`
-	c.rules["message"] = `( " <|constrain|>json" | " json" )? "<|message|>"`
-	var inChannel, inRole []string
-	for i, t := range tools {
-		inChannel = append(inChannel, fmt.Sprintf(`%s message %s`, q(t.Function.Name), args[i]))
-		inRole = append(inRole, fmt.Sprintf(`%s channel message %s`, q(t.Function.Name), args[i]))
-	}
-	root := fmt.Sprintf(`channel " to=functions." ( %s ) | "<|start|>assistant"? " to=functions." ( %s )`,
-		strings.Join(inChannel, " | "), strings.Join(inRole, " | "))
-	triggers := []Trigger{
-		{Pattern: `[\s\S]*?(<\|channel\|>(?:commentary|analysis) to)[\s\S]*`},
-		{Pattern: `[\s\S]*?(<\|start\|>assistant to)[\s\S]*`},
-		{Pattern: `( to)[\s\S]*`},
-	}
-	return root, triggers, true, nil
-}
-
-// functionary32Family: after the prompt's ">>>" the reply names its recipient on the
-// first line, "all" for text; a call is "NAME\n{...}", later ones after ">>>". As in
-// llama.cpp, a pattern per tool fires once "NAME\n{" starts the reply or follows ">>>",
-// and the grammar starts at the name.
-func (c *gbnf) functionary32Family(tools []Tool, parallel bool) (string, []Trigger, bool, error) {
-	c.ban = ">>>" // the parser splits the reply there
-	args, err := c.toolArgs(tools)
-	if err != nil {
-		return "", nil, false, err
-	}
-	if !objectArgs(tools) {
-		return "", nil, false, nil
-	}
-	c.prim("space")
-	var alts []string
-	var triggers []Trigger
-	for i, t := range tools {
-		alts = append(alts, fmt.Sprintf(`%s %s`, q(t.Function.Name+"\n"), args[i]))
-		triggers = append(triggers, Trigger{Pattern: `(?:[\s\S]*?>>>)?(` + regexQuote(t.Function.Name) + `\n)\{[\s\S]*`})
-	}
-	call := c.define("call", strings.Join(alts, " | "))
-	root := call
-	if parallel {
-		root += ` ( ">>>" call )*`
-	}
-	return root, triggers, true, nil
-}
-
-// lfm2Family: <|tool_call_start|>[name(key=value, ...), ...]<|tool_call_end|> with
-// Python literals (parsePythonCalls).
-func (c *gbnf) lfm2Family(tools []Tool, parallel bool) (string, []Trigger, bool, error) {
-	c.py = true
-	var calls []string
-	for i, t := range tools {
-		props, required, ok := topProperties(t)
-		if !ok {
-			return "", nil, false, nil
-		}
-		c.root, c.refNS = props.root, fmt.Sprintf("t%d-", i)
-		var req, opt []string
-		for _, k := range props.keys {
-			if !safeName.MatchString(k) {
-				return "", nil, false, nil
-			}
-			v, err := c.visit(props.vals[k], c.fresh(fmt.Sprintf("t%d-p-%s", i, sanitize(k))))
-			if err != nil {
-				return "", nil, false, fmt.Errorf("tool %q: %w", t.Function.Name, err)
-			}
-			kv := fmt.Sprintf(`%s space %s`, q(k+"="), v)
-			if required[k] {
-				req = append(req, kv)
-			} else {
-				opt = append(opt, kv)
-			}
-		}
-		c.prim("space")
-		calls = append(calls, c.define(fmt.Sprintf("call-%d", i), fmt.Sprintf(`%s space %s ")"`, q(t.Function.Name+"("), c.members(req, opt, fmt.Sprintf("t%d-rest", i)))))
-	}
-	call := c.define("call", strings.Join(calls, " | "))
-	list := call
-	if parallel {
-		list += ` ( "," space call )*`
-	}
-	return fmt.Sprintf(`"<|tool_call_start|>" "[" %s "]" "<|tool_call_end|>"`, list), []Trigger{{Word: "<|tool_call_start|>"}}, true, nil
 }
 
 // members is a comma-separated list of the required parts in order, then any subset

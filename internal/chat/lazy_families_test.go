@@ -11,7 +11,7 @@ import (
 	"github.com/santhosh-tekuri/jsonschema/v6"
 )
 
-// The families whose auto grammar familyAutoGrammar builds.
+// The families whose auto grammar is built by xmlFamily, harmonyFamily, functionary32Family and lfm2Family.
 var grammarFamilies = []Format{FormatQwenXML, FormatGLM, FormatMiniMax, FormatDeepSeekDSML, FormatHarmony, FormatLFM2, FormatFunctionaryV32}
 
 // grammarTools declare a parameter of every kind the text forms tell apart: plain,

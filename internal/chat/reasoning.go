@@ -18,9 +18,6 @@ const (
 // (Qwen3, DeepSeek R1, GLM, MiniMax, Kimi Thinking, SmolLM3, … Seed-OSS and Command R7B).
 var thinkTags = [][2]string{{"<think>", "</think>"}, {"<seed:think>", "</seed:think>"}, {"<|START_THINKING|>", "<|END_THINKING|>"}}
 
-// responseMarkers wrap Command R7B's answer; they are syntax, not content.
-var responseMarkers = []string{"<|START_RESPONSE|>", "<|END_RESPONSE|>"}
-
 // PromptOpensThinking reports whether the rendered prompt ends inside a think block
 // (DeepSeek R1 and Qwen3 thinking templates end their generation prompt with
 // "<think>\n"): the reply then starts with reasoning and has no opening tag.
@@ -54,9 +51,9 @@ type ReplyOptions struct {
 
 // structured formats carry reasoning and content in their own syntax throughout.
 // (Command R7B's thinking, response and action blocks stream like think tags, plain
-// text and a call list: see thinkTags, responseMarkers and the call heads.)
+// text and a call list: see thinkTags, its markers' responseMarkers and call head.)
 func (o ReplyOptions) structured() bool {
-	return o.Format == FormatHarmony
+	return lookup(o.Format).markers().holdAll
 }
 
 // ParseReply splits a whole reply into reasoning, content and tool calls.
@@ -84,8 +81,8 @@ type ReplyStream struct {
 // NewReplyStream returns a stream for o.
 func NewReplyStream(o ReplyOptions) *ReplyStream {
 	r := &ReplyStream{o: o}
-	if o.Format == FormatHarmony {
-		r.harmony = &harmonyStream{tools: o.Tools}
+	if newStream := lookup(o.Format).markers().newStream; newStream != nil {
+		r.harmony = newStream(o.Tools)
 		return r
 	}
 	if o.Calls || o.structured() {
@@ -103,7 +100,7 @@ func NewReplyStream(o ReplyOptions) *ReplyStream {
 }
 
 func (r *ReplyStream) content(s string) string {
-	if r.o.Format == FormatCommandR7B {
+	if len(lookup(r.o.Format).markers().responseMarkers) > 0 {
 		s = r.stripMarkers(s, false)
 	}
 	if r.calls != nil {
@@ -112,10 +109,11 @@ func (r *ReplyStream) content(s string) string {
 	return s
 }
 
-// stripMarkers removes Command R7B's response markers from content, holding back a
+// stripMarkers removes the family's response markers (Command R7B's) from content, holding back a
 // tail that may be the start of one so the result does not depend on token splits.
 func (r *ReplyStream) stripMarkers(s string, final bool) string {
 	s = r.marker + s
+	responseMarkers := lookup(r.o.Format).markers().responseMarkers
 	for _, m := range responseMarkers {
 		s = strings.ReplaceAll(s, m, "")
 	}

@@ -8,6 +8,7 @@ import "strings"
 // calls are bare JSON) everything is held, and Finish parses it into content and calls.
 type CallStream struct {
 	format   Format
+	fam      *markers
 	tools    []Tool
 	triggers []string
 	buf      strings.Builder
@@ -29,39 +30,11 @@ func (c *CallStream) LiveCalls() *CallStream { c.live = true; return c }
 
 // NewCallStreamWith returns a CallStream that parses with the declared tools.
 func NewCallStreamWith(f Format, tools []Tool) *CallStream {
-	c := &CallStream{format: f, tools: tools, triggers: callTriggers(f)}
-	switch f {
-	case FormatHarmony:
-		c.holdAll = true
-	}
-	return c
-}
-
-// callTriggers are the texts that open a call in each format. "<tool_call>" is in every
-// list: grammar-forced calls use Hermes tags when a format has no grammar of its own.
-func callTriggers(f Format) []string {
-	t := map[Format][]string{
-		FormatMistral:        {"[TOOL_CALLS]"},
-		FormatMistralArgs:    {"[TOOL_CALLS]"},
-		FormatDeepSeek:       {"<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"},
-		FormatDeepSeekDSML:   {"<｜DSML｜function_calls>"},
-		FormatKimiK2:         {"<|tool_calls_section_begin|>"},
-		FormatMiniMax:        {"<minimax:tool_call>"},
-		FormatGranite:        {"<|tool_call|>"},
-		FormatFunctionaryV31: {"<function=", "<|python_tag|>"},
-		FormatFunctionaryV32: {">>>"},
-		FormatLFM2:           {"<|tool_call_start|>"},
-		FormatCommandR7B:     {"<|START_ACTION|>"},
-		// Llama 3.x may write its JSON call after some text: hold from where a call
-		// object would start (llama.cpp triggers on the same shapes).
-		FormatLlama3: {"<|python_tag|>", `{"name"`, `{"type"`, `{ "name"`, `{ "type"`},
-	}[f]
-	return append(t, "<tool_call>")
-}
-
-// opensWithJSON: formats whose call may be a bare JSON object at the reply's start.
-func (c *CallStream) opensWithJSON() bool {
-	return c.format == FormatLlama3 || c.format == FormatHermes
+	m := lookup(f).markers()
+	// "<tool_call>" is in every list: grammar-forced calls use Hermes tags when a
+	// format has no grammar of its own.
+	triggers := append(append([]string(nil), m.triggers...), "<tool_call>")
+	return &CallStream{format: f, fam: m, tools: tools, triggers: triggers, holdAll: m.holdAll}
 }
 
 // Push adds generated text and returns what can be sent to the client now.
@@ -82,24 +55,24 @@ func (c *CallStream) Push(text string) string {
 		if trimmed == "" {
 			return ""
 		}
-		if c.format == FormatFunctionaryV32 {
-			// The reply names its recipient first: "all\n" is text, anything else a call.
-			if len(trimmed) < len("all\n") && strings.HasPrefix("all\n", trimmed) {
+		if lead := c.fam.textLead; lead != "" {
+			// The reply names its recipient first: lead is text, anything else a call.
+			if len(trimmed) < len(lead) && strings.HasPrefix(lead, trimmed) {
 				return ""
 			}
 			c.decided = true
-			if !strings.HasPrefix(trimmed, "all\n") {
+			if !strings.HasPrefix(trimmed, lead) {
 				c.inCall = true
 				if c.live {
 					c.streamArgs() // as a later Push would: the outcome must not depend on the split
 				}
 				return ""
 			}
-			c.sent += len(pending) - len(trimmed) + len("all\n")
+			c.sent += len(pending) - len(trimmed) + len(lead)
 			pending = c.buf.String()[c.sent:]
 		} else {
 			c.decided = true
-			if c.opensWithJSON() && trimmed[0] == '{' {
+			if c.fam.opensWithJSON && trimmed[0] == '{' {
 				c.inCall = true
 				if c.live {
 					c.streamArgs()

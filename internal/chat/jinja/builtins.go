@@ -691,6 +691,15 @@ func filterList(args []Value, kwargs map[string]Value) (Value, error) {
 	if v.IsList() {
 		return v, nil
 	}
+	if v.IsDict() {
+		// PolyKV fork (upstream v1.9's fix): list(dict) is its keys in order, as in jinja2.
+		keys := v.AsDict().OrderedKeys()
+		items := make([]Value, len(keys))
+		for i, key := range keys {
+			items[i] = NewString(key)
+		}
+		return NewList(items), nil
+	}
 	if v.IsString() {
 		runes := []rune(v.AsString())
 		items := make([]Value, len(runes))

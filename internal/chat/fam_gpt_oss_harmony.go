@@ -1,6 +1,48 @@
 package chat
 
-import "strings"
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+)
+
+// harmony: GPT-OSS channels; analysis is reasoning, final is content, and a call is a
+// commentary message to=functions.NAME (its body the JSON arguments).
+type harmony struct{}
+
+func (harmony) format() Format { return FormatHarmony }
+func (harmony) detect(has func(...string) bool) bool {
+	return has("<|channel|>", "<|call|>")
+}
+func (harmony) markers() *markers { return harmonyMarkers }
+
+var harmonyMarkers = &markers{
+	holdAll:   true,
+	newStream: func(tools []Tool) *harmonyStream { return &harmonyStream{tools: tools} },
+}
+
+func (harmony) parse(ps *parser, text string) Parsed { return ps.harmony(text) }
+
+func (harmony) grammar(r *callRules) ([]Trigger, bool, error) {
+	if !r.safeNames() {
+		return nil, false, nil
+	}
+	return r.setRoot(r.harmonyFamily(r.tools))
+}
+
+// harmonyHeader reads a message header (what precedes <|message|>): its channel and
+// recipient. The whole-reply parser and the stream both read headers with it.
+func harmonyHeader(hd string) (channel, recipient string) {
+	for _, f := range strings.Fields(strings.NewReplacer("<|channel|>", " <|channel|>", "<|constrain|>", " <|constrain|>", "<|start|>", " ").Replace(hd)) {
+		switch {
+		case strings.HasPrefix(f, "<|channel|>"):
+			channel = strings.TrimPrefix(f, "<|channel|>")
+		case strings.HasPrefix(f, "to="):
+			recipient = strings.TrimPrefix(f, "to=")
+		}
+	}
+	return channel, recipient
+}
 
 // harmonyStream splits GPT-OSS's Harmony output as it is generated: each message is a
 // header (channel, recipient) up to <|message|>, then a body up to <|end|>, <|call|> or
@@ -79,15 +121,7 @@ func (h *harmonyStream) push(text string) (reasoning, content string) {
 }
 
 func (h *harmonyStream) header(hd string) {
-	channel, recipient := "", ""
-	for _, f := range strings.Fields(strings.NewReplacer("<|channel|>", " <|channel|>", "<|constrain|>", " <|constrain|>", "<|start|>", " ").Replace(hd)) {
-		switch {
-		case strings.HasPrefix(f, "<|channel|>"):
-			channel = strings.TrimPrefix(f, "<|channel|>")
-		case strings.HasPrefix(f, "to="):
-			recipient = strings.TrimPrefix(f, "to=")
-		}
-	}
+	channel, recipient := harmonyHeader(hd)
 	switch {
 	case harmonyCallName(recipient) != "":
 		h.kind = 2
@@ -157,4 +191,74 @@ func harmonyCallName(recipient string) string {
 		return ""
 	}
 	return name
+}
+
+// harmony parses GPT-OSS messages: analysis is reasoning, final is content, a
+// commentary message to=functions.NAME is a call (its body the arguments).
+func (ps *parser) harmony(text string) Parsed {
+	if !strings.Contains(text, "<|channel|>") && !strings.Contains(text, "<|message|>") {
+		return Parsed{Content: strings.TrimSpace(text)}
+	}
+	var p Parsed
+	var content, reasoning []string
+	for _, seg := range strings.Split(text, "<|start|>") {
+		h, body, ok := strings.Cut(seg, "<|message|>")
+		if !ok {
+			if s := strings.TrimSpace(seg); s != "" && s != "assistant" {
+				content = append(content, s)
+			}
+			continue
+		}
+		for _, end := range []string{"<|end|>", "<|call|>", "<|return|>"} {
+			if j := strings.Index(body, end); j >= 0 {
+				body = body[:j]
+			}
+		}
+		channel, recipient := harmonyHeader(h)
+		switch {
+		case harmonyCallName(recipient) != "":
+			args := strings.TrimSpace(body)
+			if !json.Valid([]byte(args)) || !strings.HasPrefix(args, "{") {
+				return Parsed{Content: strings.TrimSpace(text)}
+			}
+			p.Calls = append(p.Calls, ps.call(harmonyCallName(recipient), args, ""))
+		case channel == "analysis":
+			reasoning = append(reasoning, body)
+		default:
+			content = append(content, body)
+		}
+	}
+	p.Content = strings.TrimSpace(strings.Join(content, "\n"))
+	p.Reasoning = strings.TrimSpace(strings.Join(reasoning, "\n"))
+	return p
+}
+
+// harmonyFamily: GPT-OSS writes a call as a message to=functions.NAME, the recipient in
+// the channel line or in the role line; llama.cpp triggers on both (and on a reply that
+// opens with the recipient, after a prompt ending in "<|start|>assistant").
+func (c *gbnf) harmonyFamily(tools []Tool) (string, []Trigger, bool, error) {
+	c.ban = "<|" // the body ends at <|call|>, <|end|> or <|return|>
+	args, err := c.toolArgs(tools)
+	if err != nil {
+		return "", nil, false, err
+	}
+	if !objectArgs(tools) {
+		return "", nil, false, nil
+	}
+	c.prim("space")
+	c.rules["channel"] = `"<|channel|>" ( "commentary" | "analysis" )`
+	c.rules["message"] = `( " <|constrain|>json" | " json" )? "<|message|>"`
+	var inChannel, inRole []string
+	for i, t := range tools {
+		inChannel = append(inChannel, fmt.Sprintf(`%s message %s`, q(t.Function.Name), args[i]))
+		inRole = append(inRole, fmt.Sprintf(`%s channel message %s`, q(t.Function.Name), args[i]))
+	}
+	root := fmt.Sprintf(`channel " to=functions." ( %s ) | "<|start|>assistant"? " to=functions." ( %s )`,
+		strings.Join(inChannel, " | "), strings.Join(inRole, " | "))
+	triggers := []Trigger{
+		{Pattern: `[\s\S]*?(<\|channel\|>(?:commentary|analysis) to)[\s\S]*`},
+		{Pattern: `[\s\S]*?(<\|start\|>assistant to)[\s\S]*`},
+		{Pattern: `( to)[\s\S]*`},
+	}
+	return root, triggers, true, nil
 }
