@@ -48,11 +48,13 @@
 // hold a longer one, and its sequence stays as cache when it ends. The cell tree
 // (celltree.go) mirrors which sequences share which cells, exactly as llama.cpp does:
 // it is the cell accounting (used cells, ownership, what an eviction frees) and the
-// longest-prefix index. Pools are named nodes of the same tree (their residency and own
+// longest-prefix index. The KV-cache manager (kvCache, kvcache.go) owns it behind a
+// small API (allocate, free, share, longest prefix, victims, makeRoom): the scheduler
+// plans and asks, and only the manager changes cells. Pools are named nodes of the same tree (their residency and own
 // cells are read from it), built by the same longest-prefix seq_cp, a fork from its
 // parent's node. Admission reserves the cells a prompt needs, evicting in one least
 // recently used order over the tree's leaves (cached sequences' and idle sessions'
-// tails, unpinned idle pools: cells.go), so two half-prefilled prompts can never
+// tails, unpinned idle pools: kvcache.go; what a taken victim loses: cells.go), so two half-prefilled prompts can never
 // deadlock the cache. When no cell is left a generating task stops with finish
 // "length" and Truncated set; the context is never shifted. Pools (package pool) change state only through their
 // lifecycle verbs; a verb the scheduler's request breaks is counted (Violations).

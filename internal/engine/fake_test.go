@@ -488,10 +488,10 @@ func (h *harness) checkLiveness() {
 			need -= share
 			set.del(t.pool.Seq)
 		}
-		room := s.cfg.NCtx - s.cells.total - promised + s.cells.Freed(set, -1, 0)
+		room := s.cfg.NCtx - s.kv.used() - promised + s.kv.freedBy(set, -1, 0)
 		if need <= room {
 			h.t.Fatalf("liveness: task %d waits for %d cells with room for %d (%d used of %d, %d promised to prefills); queue %d, running %d",
-				t.id, need, room, s.cells.total, s.cfg.NCtx, promised, len(s.queue), len(s.running))
+				t.id, need, room, s.kv.used(), s.cfg.NCtx, promised, len(s.queue), len(s.running))
 		}
 		return
 	}

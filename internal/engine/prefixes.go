@@ -35,7 +35,7 @@ func prefixChange(p *pool.Pool) PrefixChange {
 // prefixStored records a pool that has just become resident.
 func (s *Scheduler) prefixStored(p *pool.Pool) {
 	s.obs = append(s.obs, Observation{Kind: ObsPrefixStored, Pool: p.ID, Prefix: prefixChange(p)})
-	s.cells.touch(p.Seq, 0) // with the prefix cache off, its cells become reportable
+	s.kv.cells.touch(p.Seq, 0) // with the prefix cache off, its cells become reportable
 }
 
 // prefixAnnounced reports a pool whose prefix was reported stored and not yet removed:
@@ -50,7 +50,7 @@ func prefixAnnounced(p *pool.Pool) bool {
 // prefixAnnounced before the transition.
 func (s *Scheduler) prefixRemoved(p *pool.Pool) {
 	s.obs = append(s.obs, Observation{Kind: ObsPrefixRemoved, Pool: p.ID, Prefix: prefixChange(p)})
-	s.cells.touch(p.Seq, 0)
+	s.kv.cells.touch(p.Seq, 0)
 }
 
 // PoolByKey finds a live pool (not released) by its content address: the rolling hash

@@ -54,7 +54,7 @@ func (s *Scheduler) Slots() []SlotInfo {
 			continue
 		}
 		st := s.sessionTPS(sl, free)
-		info := SlotInfo{Seq: sl.seq, SessionID: sl.session, State: slotState(sl), NPast: len(sl.tokens), Shared: sl.shared, Own: s.own(sl),
+		info := SlotInfo{Seq: sl.seq, SessionID: sl.session, State: slotState(sl), NPast: len(sl.tokens), Shared: sl.shared, Own: s.kv.owned(sl.seq),
 			TPSEWMA: st.TPSEWMA, CtxUsed: st.CtxUsed, CtxTotal: st.CtxTotal, Headroom: st.CtxHeadroomTokens, Pressure: st.CtxPressure}
 		if sl.base != nil {
 			id := sl.base.ID
@@ -154,7 +154,7 @@ func (s *Scheduler) Usage() Usage {
 			waiting++
 		}
 	}
-	u := Usage{CellsUsed: s.usedCells(), CellsMax: s.cfg.NCtx, Running: running, Waiting: waiting, Sessions: len(s.bySession), Pools: s.pools.Len(),
+	u := Usage{CellsUsed: s.kv.used(), CellsMax: s.cfg.NCtx, Running: running, Waiting: waiting, Sessions: len(s.bySession), Pools: s.pools.Len(),
 		CacheHitTokens: s.cacheHits, CacheEvictions: s.cacheEvictions,
 		SessionEvictions: s.sessionEvictions, PoolEvictions: s.poolEvictions, QueueTimeouts: s.queueTimeouts}
 	for _, sl := range s.slots {
@@ -163,7 +163,7 @@ func (s *Scheduler) Usage() Usage {
 		}
 	}
 	u.CacheCells = s.cacheOnlyCells()
-	u.CellsEvictable = s.evictableCells(nil)
+	u.CellsEvictable = s.kv.evictable(s.now, nil)
 	return u
 }
 
@@ -176,7 +176,7 @@ func (s *Scheduler) cacheOnlyCells() int {
 			cached.add(sl.seq)
 		}
 	}
-	return s.cells.Freed(cached, -1, 0)
+	return s.kv.freedBy(cached, -1, 0)
 }
 
 // Snapshot is an immutable copy of everything the HTTP layer reads: the engine

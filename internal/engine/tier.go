@@ -90,9 +90,9 @@ func (s *Scheduler) restored(m Restored) {
 	}
 	s.tierRestores++
 	if p.D > 0 {
-		s.cpOp(p.Parent.Seq, p.Seq, p.D)
+		s.kv.share(p.Parent.Seq, p.Seq, p.D)
 	}
-	s.cells.Append(p.Seq, p.Tokens[p.D:])
+	s.kv.allocate(p.Seq, p.Tokens[p.D:])
 	sl.tokens = slices.Clone(p.Tokens)
 	t.cacheN = p.L()
 	s.poolMaterialized(t)
