@@ -239,6 +239,10 @@ type Scheduler struct {
 	events   []Event
 	obs      []Observation
 	inflight []inflight
+	// snapAt is when Ready last handed out a snapshot; snapDue forces the next one
+	// (a message was stepped, a decode failed).
+	snapAt  time.Time
+	snapDue bool
 
 	// kv is the KV-cache manager (kvcache.go): the one owner of the cells.
 	kv *kvCache
@@ -1025,6 +1029,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 	in := s.inflight
 	s.inflight = nil
 	if err != nil {
+		s.snapDue = true
 		for _, f := range in {
 			if f.t.slot == nil {
 				continue
