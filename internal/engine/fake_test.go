@@ -243,9 +243,6 @@ type harness struct {
 	now    time.Time
 	events map[TaskID][]Event
 	ended  []TaskID // tasks in the order their Done event came
-	// prefixes, when set, receives the pool prefix observations as the engine would
-	// hand them over.
-	prefixes PrefixObserver
 	// mirror, when set (trackResidency), is what the residency reports say each
 	// sequence holds, checked against the cell tree after every collect.
 	mirror   map[int][]Token
@@ -267,21 +264,13 @@ func newHarness(t *testing.T, cfg Config) *harness {
 }
 
 func (h *harness) collect() {
-	if h.prefixes != nil || h.mirror != nil {
+	if h.mirror != nil {
 		for _, o := range h.s.Observations() {
-			switch {
-			case o.Kind == ObsSeqChange && h.mirror != nil:
+			if o.Kind == ObsSeqChange {
 				h.applySeqChange(o.Seq)
-			case h.prefixes == nil:
-			case o.Kind == ObsPrefixStored:
-				h.prefixes.PrefixStored(o.Prefix)
-			case o.Kind == ObsPrefixRemoved:
-				h.prefixes.PrefixRemoved(o.Prefix)
 			}
 		}
-		if h.mirror != nil {
-			h.checkResidency()
-		}
+		h.checkResidency()
 	}
 	for _, ev := range h.s.Events() {
 		h.events[ev.Task] = append(h.events[ev.Task], ev)

@@ -24,13 +24,11 @@ type ObsKind int
 
 // Measurements the scheduler makes.
 const (
-	ObsTTFT          ObsKind = iota // a task's first token: D since submission, on Pool
-	ObsTokenLatency                 // D between a task's consecutive tokens
-	ObsQuery                        // a finished request: PromptTokens, CachedTokens, on Pool
-	ObsPrefixStored                 // a pool's prefix became resident: Prefix
-	ObsPrefixRemoved                // a pool's prefix can no longer be reused here: Prefix
-	ObsSeqChange                    // a sequence's reusable content changed: Seq (residency.go)
-	ObsDraft                        // a verified speculative proposal: Drafted tokens, Accepted of them, on Pool
+	ObsTTFT         ObsKind = iota // a task's first token: D since submission, on Pool
+	ObsTokenLatency                // D between a task's consecutive tokens
+	ObsQuery                       // a finished request: PromptTokens, CachedTokens, on Pool
+	ObsSeqChange                   // a sequence's reusable content changed: Seq (residency.go)
+	ObsDraft                       // a verified speculative proposal: Drafted tokens, Accepted of them, on Pool
 )
 
 // DraftObserver is an Observer that also counts speculative decoding's proposals and
@@ -45,15 +43,13 @@ type Observation struct {
 	Pool                       int
 	D                          time.Duration
 	PromptTokens, CachedTokens int
-	Prefix                     PrefixChange
 	Seq                        SeqChange
 	Drafted, Accepted          int
 }
 
-// Observe hands observations to o; the prefix changes only when o also implements
-// PrefixObserver, the sequence changes only when it implements ResidencyObserver.
+// Observe hands observations to o; the sequence changes only when it implements
+// ResidencyObserver, the drafts only when it implements DraftObserver.
 func Observe(o Observer, obs []Observation) {
-	po, _ := o.(PrefixObserver)
 	ro, _ := o.(ResidencyObserver)
 	do, _ := o.(DraftObserver)
 	for _, x := range obs {
@@ -61,14 +57,6 @@ func Observe(o Observer, obs []Observation) {
 		case ObsSeqChange:
 			if ro != nil {
 				ro.SeqChanged(x.Seq)
-			}
-		case ObsPrefixStored:
-			if po != nil {
-				po.PrefixStored(x.Prefix)
-			}
-		case ObsPrefixRemoved:
-			if po != nil {
-				po.PrefixRemoved(x.Prefix)
 			}
 		case ObsTTFT:
 			o.TTFT(x.Pool, x.D)

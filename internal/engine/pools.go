@@ -12,9 +12,8 @@ import (
 
 // Errors of pool operations beyond those of package pool.
 var (
-	ErrSessionNotFound  = errors.New("session not found")
-	ErrSessionBusy      = errors.New("session is busy")
-	ErrPoolsUnsupported = errors.New("pools are not supported for this model")
+	ErrSessionNotFound = errors.New("session not found")
+	ErrSessionBusy     = errors.New("session is busy")
 	// ErrRecurrentBranch: on a model with recurrent state a pool can only be extended
 	// at a pool boundary (Config.Recurrent); the API answers 409.
 	ErrRecurrentBranch = errors.New("recurrent state cannot branch inside a pool")
@@ -56,13 +55,6 @@ type PoolSpec struct {
 	Pin         bool
 }
 
-func (s *Scheduler) poolsAllowed() error {
-	if s.cfg.PoolsUnsupported != "" {
-		return fmt.Errorf("%w: %s", ErrPoolsUnsupported, s.cfg.PoolsUnsupported)
-	}
-	return nil
-}
-
 // createPool makes a pool (message CreatePool): a name on a path of the cell tree. A
 // pool built from a session by zero-copy seq_cp, or whose whole prefix some resident
 // sequence already holds, is resident at once (task 0); otherwise the returned task
@@ -70,9 +62,6 @@ func (s *Scheduler) poolsAllowed() error {
 // event tells when the pool can be attached. Nothing is left behind when it fails.
 func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 	now := s.now
-	if err := s.poolsAllowed(); err != nil {
-		return 0, 0, err
-	}
 	var parent *pool.Pool
 	if spec.HasParent {
 		var err error
@@ -305,9 +294,6 @@ func (s *Scheduler) reclaim(p *pool.Pool) {
 
 // attachable checks a request's pool before it is queued.
 func (s *Scheduler) attachable(req Request) (*pool.Pool, error) {
-	if err := s.poolsAllowed(); err != nil {
-		return nil, err
-	}
 	p, err := s.pools.Get(req.PoolID)
 	if err != nil {
 		return nil, err
@@ -330,9 +316,6 @@ func (s *Scheduler) attachable(req Request) (*pool.Pool, error) {
 }
 
 func (s *Scheduler) getLive(id int) (*pool.Pool, error) {
-	if err := s.poolsAllowed(); err != nil {
-		return nil, err
-	}
 	p, err := s.pools.Get(id)
 	if err != nil {
 		return nil, err
@@ -528,9 +511,6 @@ func (s *Scheduler) subtreeCells(p *pool.Pool) int64 {
 
 // Pool copies out one pool (with its tokens).
 func (s *Scheduler) Pool(id int) (PoolInfo, error) {
-	if err := s.poolsAllowed(); err != nil {
-		return PoolInfo{}, err
-	}
 	p, err := s.pools.Get(id)
 	if err != nil {
 		return PoolInfo{}, err

@@ -451,18 +451,6 @@ func TestPressureEvictsIdleUnpinnedPoolsOnly(t *testing.T) {
 	h.checkAccounting()
 }
 
-func TestPoolsUnsupported(t *testing.T) {
-	cfg := poolCfg()
-	cfg.PoolsUnsupported = "recurrent memory"
-	h := newHarness(t, cfg)
-	if _, _, err := h.tryCreatePool(PoolSpec{Tokens: seqTokens(1, 4)}); !errors.Is(err, ErrPoolsUnsupported) {
-		t.Fatalf("create on a recurrent model: %v", err)
-	}
-	if _, err := h.trySubmit(Request{Prompt: seqTokens(1, 4), HasPool: true, PoolID: 4}); !errors.Is(err, ErrPoolsUnsupported) {
-		t.Fatalf("attach on a recurrent model: %v", err)
-	}
-}
-
 // Released children wait only for their grace time or last session; they must not make
 // the parent's release answer 409 meanwhile. Everything is reclaimed in the end.
 func TestReleasedChildrenDoNotBlockParentRelease(t *testing.T) {

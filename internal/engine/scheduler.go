@@ -21,8 +21,6 @@ type Config struct {
 	SessionTTL   time.Duration // idle sessions older than this lose their KV (0 = never)
 	PoolGrace    time.Duration // a pool is not reclaimed or evicted within this of its last use
 	BytesPerCell int64         // KV bytes of one cell, for status reports
-	// PoolsUnsupported, when set, is why pool operations are refused.
-	PoolsUnsupported string
 	// Recurrent: the model keeps per-sequence recurrent state (recurrent or hybrid
 	// layers: Qwen3.5's gated delta-net, LFM2's short convolutions, Mamba). That state is
 	// one value for the whole sequence, not a cell per position, so a sequence can be

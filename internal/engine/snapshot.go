@@ -195,9 +195,8 @@ type Snapshot struct {
 	Violations int
 	// tokens holds each pool's prefix: pool prefixes are immutable, so the snapshot
 	// shares them instead of copying.
-	tokens      map[int][]Token
-	admission   map[int]admission.Policy
-	unsupported string
+	tokens    map[int][]Token
+	admission map[int]admission.Policy
 }
 
 // Snapshot copies out the observable state at now.
@@ -205,8 +204,7 @@ func (s *Scheduler) Snapshot(now time.Time) *Snapshot {
 	s.now = now
 	metrics, usage := s.Metrics(now)
 	sn := &Snapshot{At: now, Slots: s.Slots(), Usage: usage, Floors: s.Floors(), Pools: s.Pools(), TPS: s.TPS(now),
-		Metrics: metrics, Waiting: s.Waiting(now), Violations: s.violations, tokens: map[int][]Token{}, admission: map[int]admission.Policy{},
-		unsupported: s.cfg.PoolsUnsupported}
+		Metrics: metrics, Waiting: s.Waiting(now), Violations: s.violations, tokens: map[int][]Token{}, admission: map[int]admission.Policy{}}
 	for _, p := range s.pools.All() {
 		sn.tokens[p.ID] = p.Tokens
 		sn.admission[p.ID] = s.adm.Policy(p.ID)
@@ -216,9 +214,6 @@ func (s *Scheduler) Snapshot(now time.Time) *Snapshot {
 
 // Pool returns one pool's status with its tokens (GET /polykv/pools/{id}).
 func (sn *Snapshot) Pool(id int) (PoolInfo, error) {
-	if sn.unsupported != "" {
-		return PoolInfo{}, fmt.Errorf("%w: %s", ErrPoolsUnsupported, sn.unsupported)
-	}
 	for _, p := range sn.Pools.Pools {
 		if p.PoolID == id {
 			p.Tokens = sn.tokens[id]
