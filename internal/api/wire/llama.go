@@ -70,9 +70,11 @@ type PolyKVProps struct {
 	MaxPools    int   `json:"max_pools"`
 	NSeqMax     int   `json:"n_seq_max"`
 	PoolGraceMs int64 `json:"pool_grace_ms"`
-	// PoolsSupported is always true: every model the server loads has pools (one
-	// with recurrent state at pool boundaries only: runner.Policy).
-	PoolsSupported bool `json:"pools_supported"`
+	// PoolsSupported is always true and PoolsUnsupported always empty: every model the
+	// server loads has pools (one with recurrent state at pool boundaries only:
+	// runner.Policy). Both stay on the wire for clients that read them.
+	PoolsSupported   bool   `json:"pools_supported"`
+	PoolsUnsupported string `json:"pools_unsupported"`
 	// PoolTier is the tier below the cache (--pool-ram-mb, --pool-dir): absent when
 	// not asked for.
 	PoolTier    *PoolTierProps   `json:"pool_tier,omitempty"`
