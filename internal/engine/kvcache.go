@@ -19,7 +19,9 @@ import (
 //
 // Its API is small: allocate, free, share (the three changes), longest/longestFrom
 // (the prefix lookup), victims, evictable and makeRoom (eviction), and the counts
-// (used, room, owned, freedBy).
+// (used, room, owned, freedBy). The cell tree changes only through it (Append, Rm and
+// Cp are called here alone); readers that only look (the pool tree's ownership, the
+// residency reports, poolsUsed) read kv.cells directly.
 type kvCache struct {
 	nCtx  int
 	cells *cellTree
