@@ -4,8 +4,6 @@ import (
 	"bytes"
 	"flag"
 	"io"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
@@ -53,33 +51,5 @@ func TestListDevicesCPUOnly(t *testing.T) {
 	if !strings.Contains(s, "GPU library directories: ["+dir+"]") || !strings.Contains(s, "no GPU backend library found") ||
 		!strings.Contains(s, "  CPU: ") || !strings.Contains(s, "(CPU, cpu,") {
 		t.Fatalf("--list-devices:\n%s", s)
-	}
-}
-
-// The benchmark's first line says which device it runs on (the CPU here, and why).
-func TestBenchPrintsDevice(t *testing.T) {
-	model := os.Getenv("POLYKV_MODEL")
-	if model == "" {
-		home, _ := os.UserHomeDir()
-		model = filepath.Join(home, ".cache", "polykv", "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
-	}
-	if _, err := os.Stat(model); err != nil {
-		if os.Getenv("POLYKV_REQUIRE_MODEL") != "" {
-			t.Fatalf("test model missing: %v", err)
-		}
-		t.Skip("test model missing (make model)")
-	}
-	t.Setenv(app.LibraryPathEnv, t.TempDir())
-	cfg := parseCore(t, "-m", model)
-	var out bytes.Buffer
-	if err := printDevice(&out, cfg); err != nil {
-		t.Fatal(err)
-	}
-	if !strings.HasPrefix(out.String(), "device: CPU (no GPU device: no GPU backend library") {
-		t.Fatalf("bench device line: %q", out.String())
-	}
-	cfg = parseCore(t, "-m", model, "-ngl", "all")
-	if err := printDevice(&out, cfg); err == nil || !strings.Contains(err.Error(), "no GPU device") {
-		t.Fatalf("bench -ngl all without a GPU: %v", err)
 	}
 }

@@ -42,7 +42,7 @@ func main() {
 	case "serve":
 		err = serve(os.Args[2:])
 	case "bench":
-		err = bench(os.Args[2:])
+		err = runBench(os.Args[2:])
 	case "-h", "--help", "help":
 		usage()
 		return

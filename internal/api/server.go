@@ -58,8 +58,6 @@ type Info struct {
 	MaxPools     int
 	PoolGraceMs  int64
 	BytesPerCell int64
-	// PoolsUnsupported is why pools are off for this model ("" when they work).
-	PoolsUnsupported string
 	// PoolTier is why the pool tier is off although asked for ("" when on or not asked).
 	PoolTier string
 	// SlotSavePath is --slot-save-path ("": slot save/restore off); ModelKey names the
@@ -238,7 +236,7 @@ func errorFor(err error) *apiError {
 	case errors.Is(err, pool.ErrPrefixMismatch), errors.Is(err, pool.ErrHasChildren), errors.Is(err, pool.ErrConflict), errors.Is(err, engine.ErrSessionBusy),
 		errors.Is(err, engine.ErrRecurrentBranch):
 		return &apiError{status: http.StatusConflict, typ: "conflict_error", msg: err.Error()}
-	case errors.Is(err, pool.ErrBadRequest), errors.Is(err, engine.ErrPoolsUnsupported):
+	case errors.Is(err, pool.ErrBadRequest):
 		return badRequest("%v", err)
 	case errors.Is(err, engine.ErrEngineClosed):
 		return &apiError{status: http.StatusServiceUnavailable, typ: "unavailable_error", msg: err.Error()}
@@ -383,15 +381,14 @@ func (s *Server) handleProps(w http.ResponseWriter, r *http.Request) {
 		Usage:            wireUsage(snap.Usage),
 		Compute:          s.info.Compute,
 		PolyKV: wire.PolyKVProps{
-			MaxPools:         s.info.MaxPools,
-			CPUFeatures:      s.info.CPUFeatures,
-			PoolGraceMs:      s.info.PoolGraceMs,
-			KVBytesPerCell:   s.info.BytesPerCell,
-			KVOrdered:        s.info.OrderedAttention != nil && s.info.OrderedAttention(),
-			NSeqMax:          s.info.Parallel + s.info.MaxPools,
-			PoolsSupported:   s.info.PoolsUnsupported == "",
-			PoolsUnsupported: s.info.PoolsUnsupported,
-			PoolTier:         s.tierProps(),
+			MaxPools:       s.info.MaxPools,
+			CPUFeatures:    s.info.CPUFeatures,
+			PoolGraceMs:    s.info.PoolGraceMs,
+			KVBytesPerCell: s.info.BytesPerCell,
+			KVOrdered:      s.info.OrderedAttention != nil && s.info.OrderedAttention(),
+			NSeqMax:        s.info.Parallel + s.info.MaxPools,
+			PoolsSupported: true,
+			PoolTier:       s.tierProps(),
 			PrefixCache: wire.PrefixCacheProps{Enabled: s.info.PrefixCache, HitTokens: snap.Usage.CacheHitTokens,
 				ResidentTokens: snap.Usage.CacheCells, CachedSequences: snap.Usage.CacheSeqs, Evictions: snap.Usage.CacheEvictions},
 			AdmissionDefault: wirePolicy(admission.DefaultPolicy()),

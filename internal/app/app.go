@@ -416,7 +416,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	info := api.Info{
 		ModelID: id, ModelPath: cfg.ModelPath, ModelDesc: model.Desc(), NCtx: cfg.NCtx, NCtxTrain: model.NCtxTrain(),
 		Parallel: cfg.Parallel, NBatch: cfg.NBatch, NVocab: model.NVocab(), ChatTemplate: tmplSrc, Started: time.Now(),
-		MaxPools: cfg.MaxPools, PoolGraceMs: cfg.PoolGrace.Milliseconds(), BytesPerCell: ecfg.BytesPerCell, PoolsUnsupported: ecfg.PoolsUnsupported,
+		MaxPools: cfg.MaxPools, PoolGraceMs: cfg.PoolGrace.Milliseconds(), BytesPerCell: ecfg.BytesPerCell,
 	}
 	info.TPSTauMs = cfg.TPSTau.Milliseconds()
 	info.PrefixCache = ecfg.PrefixCache
@@ -474,7 +474,7 @@ func openTier(cfg Config, model *llama.Model, ecfg engine.Config, pol runner.Pol
 	}
 	off := ""
 	switch {
-	case ecfg.PoolsUnsupported != "" || cfg.MaxPools == 0:
+	case cfg.MaxPools == 0:
 		off = "this server has no pools"
 	default:
 		off = pol.TierOff()

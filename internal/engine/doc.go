@@ -11,25 +11,27 @@
 // perform, and one batch holding a decode token for every generating task (followed by
 // its speculative draft tokens when speculation is on: speculative.go) plus prompt
 // chunks (chunked prefill) within the batch budget. The backend's sampled tokens go
-// back through Commit, and Events drains the text and completions to deliver. A log of
+// back through Commit. Everything the scheduler has for its driver comes out in one
+// Ready (ready.go, as etcd raft's RawNode.Ready): the plan, the events (text and
+// completions to deliver), the observations and, when due, a snapshot. A log of
 // (time, message) pairs and backend results replays a run exactly.
 //
 // The Engine drives a Scheduler on one goroutine, the only one that touches the
 // Backend (and so the llama.cpp context) and the only reader of the clock. Its loop is,
-// in full:
+// in full (deliver: observe, publish the snapshot if any, then push the events):
 //
 //	for {
 //		for each waiting message m (or a Tick when idle for 200 ms):
 //			res := sched.Step(time.Now(), m)
-//			publish(sched.Snapshot(now)); deliver(sched.Events()); reply(res)
-//		plan := sched.Plan(time.Now())
-//		run plan.Samplers and plan.SeqOps on the backend
+//			deliver(sched.Ready(now, false)); reply(res)
+//		rd := sched.Ready(time.Now(), true)
+//		run rd.Plan.Samplers and rd.Plan.SeqOps on the backend
 //		for each planned tier restore: sched.Step(now, Restored{...})
-//		publish if due; deliver(sched.Events())
-//		if len(plan.Batch) == 0 { wait for a message; continue }
-//		sampled, err := backend.Decode(plan.Batch)
+//		deliver(rd), then deliver(sched.Ready(now, false)) if restores were answered
+//		if len(rd.Plan.Batch) == 0 { wait for a message; continue }
+//		sampled, err := backend.Decode(rd.Plan.Batch)
 //		sched.Commit(sampled, err, time.Now())
-//		publish if due; deliver(sched.Events())
+//		deliver(sched.Ready(now, false))
 //	}
 //
 // Other goroutines (the HTTP handlers) only send messages (Engine.Submit, CreatePool,
@@ -48,11 +50,13 @@
 // hold a longer one, and its sequence stays as cache when it ends. The cell tree
 // (celltree.go) mirrors which sequences share which cells, exactly as llama.cpp does:
 // it is the cell accounting (used cells, ownership, what an eviction frees) and the
-// longest-prefix index. Pools are named nodes of the same tree (their residency and own
+// longest-prefix index. The KV-cache manager (kvCache, kvcache.go) owns it behind a
+// small API (allocate, free, share, longest prefix, victims, makeRoom): the scheduler
+// plans and asks, and only the manager changes cells. Pools are named nodes of the same tree (their residency and own
 // cells are read from it), built by the same longest-prefix seq_cp, a fork from its
 // parent's node. Admission reserves the cells a prompt needs, evicting in one least
 // recently used order over the tree's leaves (cached sequences' and idle sessions'
-// tails, unpinned idle pools: cells.go), so two half-prefilled prompts can never
+// tails, unpinned idle pools: kvcache.go; what a taken victim loses: cells.go), so two half-prefilled prompts can never
 // deadlock the cache. When no cell is left a generating task stops with finish
 // "length" and Truncated set; the context is never shifted. Pools (package pool) change state only through their
 // lifecycle verbs; a verb the scheduler's request breaks is counted (Violations).

@@ -250,37 +250,23 @@ func (e *Engine) Close() {
 // Done is closed once the engine goroutine has exited.
 func (e *Engine) Done() <-chan struct{} { return e.stopped }
 
-// snapshotEvery bounds how often a decoding engine republishes its snapshot: building
-// one walks every slot and pool, which does not belong on each decode step. Messages
-// and finished tasks always republish, so a reader sees its own command's effect.
-const snapshotEvery = 50 * time.Millisecond
-
 func (e *Engine) run(sched *Scheduler, be Backend) {
 	// The backend's C state is used from this thread only.
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	defer close(e.stopped)
 	streams := map[TaskID]*Stream{}
-	var published time.Time
-	publish := func(now time.Time) {
-		e.snap.Store(sched.Snapshot(now))
-		published = now
-	}
-	// flush publishes a snapshot when forced, when a task ended or when the last one is
-	// snapshotEvery old, then hands out the scheduler's events: publishing first means
-	// a reader woken by an event already sees what it did in the snapshot.
-	flush := func(now time.Time, force bool) {
-		if obs := sched.Observations(); e.obs != nil {
-			Observe(e.obs, obs)
+	// deliver hands a Ready's outputs out: measurements to the Observer, the snapshot
+	// (when due) to readers, then the events to their streams: publishing first means a
+	// reader woken by an event already sees what it did in the snapshot.
+	deliver := func(rd Ready) {
+		if e.obs != nil {
+			Observe(e.obs, rd.Observations)
 		}
-		evs := sched.Events()
-		for _, ev := range evs {
-			force = force || ev.Done
+		if rd.Snapshot != nil {
+			e.snap.Store(rd.Snapshot)
 		}
-		if force || now.Sub(published) >= snapshotEvery {
-			publish(now)
-		}
-		for _, ev := range evs {
+		for _, ev := range rd.Events {
 			if st, ok := streams[ev.Task]; ok {
 				st.push(ev)
 				if ev.Done {
@@ -312,7 +298,7 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 				streams[task] = r.stream
 			}
 		}
-		flush(now, true)
+		deliver(sched.Ready(now, false))
 		if m.reply != nil {
 			m.reply <- r
 		}
@@ -351,12 +337,17 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 			}
 		}
 		now := time.Now()
-		p := sched.Plan(now)
-		for _, m := range apply(be, p) {
+		rd := sched.Ready(now, true)
+		p := rd.Plan
+		answers := apply(be, p)
+		for _, m := range answers {
 			sched.Step(time.Now(), m) // restores' answers, before the batch runs
 		}
+		deliver(rd)
+		if len(answers) > 0 {
+			deliver(sched.Ready(now, false)) // what the answers did
+		}
 		changed := len(p.SeqOps) > 0 || len(p.Samplers) > 0
-		flush(now, changed && len(p.Batch) == 0)
 		if len(p.Batch) == 0 {
 			// A plan that only released sequences may let a waiting task start: plan again.
 			idle = !changed
@@ -366,7 +357,7 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 		sampled, err := be.Decode(p.Batch)
 		now = time.Now()
 		sched.Commit(sampled, err, now)
-		flush(now, err != nil)
+		deliver(sched.Ready(now, false))
 	}
 }
 

@@ -270,9 +270,6 @@ type harness struct {
 	now    time.Time
 	events map[TaskID][]Event
 	ended  []TaskID // tasks in the order their Done event came
-	// prefixes, when set, receives the pool prefix observations as the engine would
-	// hand them over.
-	prefixes PrefixObserver
 	// mirror, when set (trackResidency), is what the residency reports say each
 	// sequence holds, checked against the cell tree after every collect.
 	mirror   map[int][]Token
@@ -295,21 +292,13 @@ func newHarness(t *testing.T, cfg Config) *harness {
 }
 
 func (h *harness) collect() {
-	if h.prefixes != nil || h.mirror != nil {
+	if h.mirror != nil {
 		for _, o := range h.s.Observations() {
-			switch {
-			case o.Kind == ObsSeqChange && h.mirror != nil:
+			if o.Kind == ObsSeqChange {
 				h.applySeqChange(o.Seq)
-			case h.prefixes == nil:
-			case o.Kind == ObsPrefixStored:
-				h.prefixes.PrefixStored(o.Prefix)
-			case o.Kind == ObsPrefixRemoved:
-				h.prefixes.PrefixRemoved(o.Prefix)
 			}
 		}
-		if h.mirror != nil {
-			h.checkResidency()
-		}
+		h.checkResidency()
 	}
 	for _, ev := range h.s.Events() {
 		h.events[ev.Task] = append(h.events[ev.Task], ev)
@@ -516,10 +505,10 @@ func (h *harness) checkLiveness() {
 			need -= share
 			set.del(t.pool.Seq)
 		}
-		room := s.cfg.NCtx - s.cells.total - promised + s.cells.Freed(set, -1, 0)
+		room := s.cfg.NCtx - s.kv.used() - promised + s.kv.freedBy(set, -1, 0)
 		if need <= room {
 			h.t.Fatalf("liveness: task %d waits for %d cells with room for %d (%d used of %d, %d promised to prefills); queue %d, running %d",
-				t.id, need, room, s.cells.total, s.cfg.NCtx, promised, len(s.queue), len(s.running))
+				t.id, need, room, s.kv.used(), s.cfg.NCtx, promised, len(s.queue), len(s.running))
 		}
 		return
 	}

@@ -24,13 +24,11 @@ type ObsKind int
 
 // Measurements the scheduler makes.
 const (
-	ObsTTFT          ObsKind = iota // a task's first token: D since submission, on Pool
-	ObsTokenLatency                 // D between a task's consecutive tokens
-	ObsQuery                        // a finished request: PromptTokens, CachedTokens, on Pool
-	ObsPrefixStored                 // a pool's prefix became resident: Prefix
-	ObsPrefixRemoved                // a pool's prefix can no longer be reused here: Prefix
-	ObsSeqChange                    // a sequence's reusable content changed: Seq (residency.go)
-	ObsDraft                        // a verified speculative proposal: Drafted tokens, Accepted of them, on Pool
+	ObsTTFT         ObsKind = iota // a task's first token: D since submission, on Pool
+	ObsTokenLatency                // D between a task's consecutive tokens
+	ObsQuery                       // a finished request: PromptTokens, CachedTokens, on Pool
+	ObsSeqChange                   // a sequence's reusable content changed: Seq (residency.go)
+	ObsDraft                       // a verified speculative proposal: Drafted tokens, Accepted of them, on Pool
 )
 
 // DraftObserver is an Observer that also counts speculative decoding's proposals and
@@ -45,15 +43,13 @@ type Observation struct {
 	Pool                       int
 	D                          time.Duration
 	PromptTokens, CachedTokens int
-	Prefix                     PrefixChange
 	Seq                        SeqChange
 	Drafted, Accepted          int
 }
 
-// Observe hands observations to o; the prefix changes only when o also implements
-// PrefixObserver, the sequence changes only when it implements ResidencyObserver.
+// Observe hands observations to o; the sequence changes only when it implements
+// ResidencyObserver, the drafts only when it implements DraftObserver.
 func Observe(o Observer, obs []Observation) {
-	po, _ := o.(PrefixObserver)
 	ro, _ := o.(ResidencyObserver)
 	do, _ := o.(DraftObserver)
 	for _, x := range obs {
@@ -61,14 +57,6 @@ func Observe(o Observer, obs []Observation) {
 		case ObsSeqChange:
 			if ro != nil {
 				ro.SeqChanged(x.Seq)
-			}
-		case ObsPrefixStored:
-			if po != nil {
-				po.PrefixStored(x.Prefix)
-			}
-		case ObsPrefixRemoved:
-			if po != nil {
-				po.PrefixRemoved(x.Prefix)
 			}
 		case ObsTTFT:
 			o.TTFT(x.Pool, x.D)
@@ -158,7 +146,7 @@ func (s *Scheduler) startSettle(t *task) {
 
 // freeForNew is the cells a new session could get: free plus idle sessions' (evictable).
 func (s *Scheduler) freeForNew() int {
-	return s.cfg.NCtx - s.usedCells() + s.evictableCells(nil)
+	return s.cfg.NCtx - s.kv.used() + s.kv.evictable(s.now, nil)
 }
 
 // pressure is §13.3's compaction pressure: the larger of the cache's fill and the
@@ -166,7 +154,7 @@ func (s *Scheduler) freeForNew() int {
 func (s *Scheduler) pressure() float64 {
 	// Cells only the prefix cache holds are free for the asking: a warm cache is no
 	// pressure.
-	fill := float64(s.usedCells()-s.cacheOnlyCells()) / float64(s.cfg.NCtx)
+	fill := float64(s.kv.used()-s.cacheOnlyCells()) / float64(s.cfg.NCtx)
 	for _, sl := range s.slots {
 		if sl.session == "" && sl.task == nil {
 			continue // a cached anonymous sequence is nobody's context
@@ -184,7 +172,7 @@ func (s *Scheduler) graceCells() int {
 	n := 0
 	for _, p := range s.pools.All() {
 		if p.State == pool.Released && p.Sessions == 0 && len(p.Children) == 0 {
-			n += s.poolOwn(p)
+			n += p.OwnCells()
 		}
 	}
 	return n
@@ -206,7 +194,7 @@ type SessionCtx struct {
 // is bounded by positions (n_ctx) and by the cells sl could get.
 func (s *Scheduler) sessionContext(sl *slot) SessionCtx {
 	used := len(sl.tokens)
-	free := s.cfg.NCtx - s.usedCells() + s.evictableCells(sl) + s.graceCells()
+	free := s.cfg.NCtx - s.kv.used() + s.kv.evictable(s.now, sl) + s.graceCells()
 	c := SessionCtx{SessionID: sl.session, CtxUsed: used, CtxHeadroomTokens: s.headroom(used, free)}
 	if sl.base != nil {
 		id := sl.base.ID
@@ -229,7 +217,7 @@ func (s *Scheduler) poolFacts(p *pool.Pool, expected int, session string) admiss
 	own, n := 0, 0
 	for _, sl := range s.slots {
 		if sl.base == p {
-			own += s.own(sl)
+			own += s.kv.owned(sl.seq)
 			n++
 		}
 	}
@@ -439,7 +427,7 @@ func (s *Scheduler) Metrics(now time.Time) ([]PoolMetric, Usage) {
 	byPool := map[*pool.Pool]*PoolMetric{}
 	none := &PoolMetric{Unattached: true}
 	for _, p := range s.pools.All() {
-		byPool[p] = &PoolMetric{PoolID: p.ID, KVBytes: int64(s.poolOwn(p)) * s.cfg.BytesPerCell}
+		byPool[p] = &PoolMetric{PoolID: p.ID, KVBytes: int64(p.OwnCells()) * s.cfg.BytesPerCell}
 	}
 	for _, sl := range s.slots {
 		m := none
@@ -452,7 +440,7 @@ func (s *Scheduler) Metrics(now time.Time) ([]PoolMetric, Usage) {
 		if sl.task != nil || len(sl.tokens) > 0 {
 			m.Sessions++
 		}
-		m.KVBytes += int64(s.own(sl)) * s.cfg.BytesPerCell
+		m.KVBytes += int64(s.kv.owned(sl.seq)) * s.cfg.BytesPerCell
 		if t := sl.task; t != nil && t.decoding() {
 			m.GenTPS += t.ewma.RateAt(now)
 		}

@@ -137,6 +137,7 @@ type Flushed struct {
 // the sequence operations and samplers it plans run before the next batch (Plan).
 func (s *Scheduler) Step(now time.Time, m Msg) Result {
 	s.now = now
+	s.snapDue = true // a reader must see the message's effect (Ready)
 	switch m := m.(type) {
 	case Submit:
 		id, g, err := s.submit(m.Req)

@@ -12,9 +12,8 @@ import (
 
 // Errors of pool operations beyond those of package pool.
 var (
-	ErrSessionNotFound  = errors.New("session not found")
-	ErrSessionBusy      = errors.New("session is busy")
-	ErrPoolsUnsupported = errors.New("pools are not supported for this model")
+	ErrSessionNotFound = errors.New("session not found")
+	ErrSessionBusy     = errors.New("session is busy")
 	// ErrRecurrentBranch: on a model with recurrent state a pool can only be extended
 	// at a pool boundary (Config.Recurrent); the API answers 409.
 	ErrRecurrentBranch = errors.New("recurrent state cannot branch inside a pool")
@@ -56,13 +55,6 @@ type PoolSpec struct {
 	Pin         bool
 }
 
-func (s *Scheduler) poolsAllowed() error {
-	if s.cfg.PoolsUnsupported != "" {
-		return fmt.Errorf("%w: %s", ErrPoolsUnsupported, s.cfg.PoolsUnsupported)
-	}
-	return nil
-}
-
 // createPool makes a pool (message CreatePool): a name on a path of the cell tree. A
 // pool built from a session by zero-copy seq_cp, or whose whole prefix some resident
 // sequence already holds, is resident at once (task 0); otherwise the returned task
@@ -70,9 +62,6 @@ func (s *Scheduler) poolsAllowed() error {
 // event tells when the pool can be attached. Nothing is left behind when it fails.
 func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 	now := s.now
-	if err := s.poolsAllowed(); err != nil {
-		return 0, 0, err
-	}
 	var parent *pool.Pool
 	if spec.HasParent {
 		var err error
@@ -125,7 +114,7 @@ func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 			if err != nil {
 				return 0, 0, err
 			}
-			s.cpOp(src.seq, p.Seq, len(tokens))
+			s.kv.share(src.seq, p.Seq, len(tokens))
 			s.check(p.Materialized(now))
 			s.check(p.SetPin(spec.Pin, now))
 			s.prefixStored(p)
@@ -173,7 +162,7 @@ func (s *Scheduler) copyPoolPrefix(p *pool.Pool) int {
 	if P == 0 {
 		return 0
 	}
-	s.cpOp(donor, p.Seq, P)
+	s.kv.share(donor, p.Seq, P)
 	if inherited := min(p.D, P); P > inherited && s.cfg.PrefixCache {
 		s.cacheHits += int64(P - inherited)
 	}
@@ -184,7 +173,7 @@ func (s *Scheduler) copyPoolPrefix(p *pool.Pool) int {
 // as used now: one least recently used order over the cell tree means a pool's cells
 // are as fresh as their last borrower, whether or not it named the pool.
 func (s *Scheduler) poolsUsed(seq, p1 int) {
-	set := s.cells.holdersBelow(seq, p1)
+	set := s.kv.cells.holdersBelow(seq, p1)
 	for _, p := range s.pools.All() {
 		if set.has(p.Seq) {
 			p.Used(s.now)
@@ -223,7 +212,7 @@ func (s *Scheduler) poolMaterialized(t *task) {
 // being restored goes back to evicted; a new one is removed and its id returned, after
 // the children queued behind it are cancelled (they cannot be built either).
 func (s *Scheduler) abandonPool(p *pool.Pool, restoring bool, cause error) {
-	s.rmOp(p.Seq, 0)
+	s.kv.free(p.Seq, 0)
 	delete(s.poolSeqs, p.ID)
 	p.Abandon()
 	if restoring {
@@ -290,14 +279,14 @@ func (s *Scheduler) evictPool(p *pool.Pool) error {
 		s.prefixRemoved(p)
 	}
 	s.spill(p)
-	s.rmOp(p.Seq, 0)
+	s.kv.free(p.Seq, 0)
 	return nil
 }
 
 // reclaim frees a released pool's sequence and its sequence id.
 func (s *Scheduler) reclaim(p *pool.Pool) {
 	// Its prefix was reported removed when it was released.
-	s.rmOp(p.Seq, 0)
+	s.kv.free(p.Seq, 0)
 	s.adm.Forget(p.ID)
 	delete(s.inTier, p.ID)
 	s.check(s.pools.Reclaim(p))
@@ -305,9 +294,6 @@ func (s *Scheduler) reclaim(p *pool.Pool) {
 
 // attachable checks a request's pool before it is queued.
 func (s *Scheduler) attachable(req Request) (*pool.Pool, error) {
-	if err := s.poolsAllowed(); err != nil {
-		return nil, err
-	}
 	p, err := s.pools.Get(req.PoolID)
 	if err != nil {
 		return nil, err
@@ -330,9 +316,6 @@ func (s *Scheduler) attachable(req Request) (*pool.Pool, error) {
 }
 
 func (s *Scheduler) getLive(id int) (*pool.Pool, error) {
-	if err := s.poolsAllowed(); err != nil {
-		return nil, err
-	}
 	p, err := s.pools.Get(id)
 	if err != nil {
 		return nil, err
@@ -417,7 +400,7 @@ func (s *Scheduler) flushPool(id int) (int, int, error) {
 	for _, sl := range s.slots {
 		if sl.base == p && sl.task == nil {
 			n++
-			cells += s.own(sl)
+			cells += s.kv.owned(sl.seq)
 			s.resetSlot(sl)
 		}
 	}
@@ -480,7 +463,7 @@ func (s *Scheduler) poolInfo(p *pool.Pool, withTokens bool) PoolInfo {
 	bpc := s.cfg.BytesPerCell
 	info := PoolInfo{
 		PoolID: p.ID, BranchPos: p.D, PrefixLen: p.L(), OwnLen: p.L() - p.D,
-		OwnKVBytes: int64(s.poolOwn(p)) * bpc, SubtreeKVBytes: s.subtreeCells(p) * bpc,
+		OwnKVBytes: int64(p.OwnCells()) * bpc, SubtreeKVBytes: s.subtreeCells(p) * bpc,
 		Residency: residency(p), State: p.State.String(), Pinned: p.Pinned(), UserPinned: p.UserPinned,
 		OrphanedPin:  p.UserPinned && p.Sessions == 0 && len(p.Children) == 0,
 		LastAccessTS: float64(p.LastAccess.UnixMilli()) / 1000, Children: pool.ChildIDs(p),
@@ -497,7 +480,7 @@ func (s *Scheduler) poolInfo(p *pool.Pool, withTokens bool) PoolInfo {
 		if sl.base != p {
 			continue
 		}
-		ps := PoolSession{SessionID: sl.session, Seq: sl.seq, SuffixNTokens: s.own(sl), MarginalKVBytes: int64(s.own(sl)) * bpc,
+		ps := PoolSession{SessionID: sl.session, Seq: sl.seq, SuffixNTokens: s.kv.owned(sl.seq), MarginalKVBytes: int64(s.kv.owned(sl.seq)) * bpc,
 			RecurrentStateBytes: s.slotRecurrentBytes(sl), State: slotState(sl)}
 		if sl.task != nil {
 			id := uint64(sl.task.id)
@@ -535,10 +518,10 @@ func residency(p *pool.Pool) string {
 
 // subtreeCells counts own cells of p, its descendants and their attached sequences.
 func (s *Scheduler) subtreeCells(p *pool.Pool) int64 {
-	n := int64(s.poolOwn(p))
+	n := int64(p.OwnCells())
 	for _, sl := range s.slots {
 		if sl.base == p {
-			n += int64(s.own(sl))
+			n += int64(s.kv.owned(sl.seq))
 		}
 	}
 	for _, c := range p.Children {
@@ -549,9 +532,6 @@ func (s *Scheduler) subtreeCells(p *pool.Pool) int64 {
 
 // Pool copies out one pool (with its tokens).
 func (s *Scheduler) Pool(id int) (PoolInfo, error) {
-	if err := s.poolsAllowed(); err != nil {
-		return PoolInfo{}, err
-	}
 	p, err := s.pools.Get(id)
 	if err != nil {
 		return PoolInfo{}, err
@@ -562,7 +542,7 @@ func (s *Scheduler) Pool(id int) (PoolInfo, error) {
 // Pools copies out the tree.
 func (s *Scheduler) Pools() PoolsStatus {
 	st := PoolsStatus{Pools: []PoolInfo{}, TreeDepth: s.pools.MaxDepth(), SeqIDsMax: s.cfg.Parallel + s.cfg.MaxPools,
-		PoolsMax: s.cfg.MaxPools, KVCellsUsed: s.usedCells(), KVCellsMax: s.cfg.NCtx, BytesPerCell: s.cfg.BytesPerCell,
+		PoolsMax: s.cfg.MaxPools, KVCellsUsed: s.kv.used(), KVCellsMax: s.cfg.NCtx, BytesPerCell: s.cfg.BytesPerCell,
 		RecurrentBytesPerSeq: s.cfg.RecurrentBytesPerSeq}
 	for _, p := range s.pools.All() {
 		st.Pools = append(st.Pools, s.poolInfo(p, false))

@@ -53,7 +53,7 @@ func (h *harness) createPool(spec PoolSpec) int {
 // cells of the fake cache: every shared cell counted once.
 func (h *harness) checkAccounting() {
 	h.t.Helper()
-	if got, want := h.s.usedCells(), h.be.cells(); got != want {
+	if got, want := h.s.kv.used(), h.be.cells(); got != want {
 		h.t.Fatalf("ownership accounting says %d cells, the cache holds %d", got, want)
 	}
 	st := h.s.Pools()
@@ -449,18 +449,6 @@ func TestPressureEvictsIdleUnpinnedPoolsOnly(t *testing.T) {
 		t.Fatalf("pinned %s, unpinned %s: only the unpinned pool may be evicted", pi.Residency, li.Residency)
 	}
 	h.checkAccounting()
-}
-
-func TestPoolsUnsupported(t *testing.T) {
-	cfg := poolCfg()
-	cfg.PoolsUnsupported = "recurrent memory"
-	h := newHarness(t, cfg)
-	if _, _, err := h.tryCreatePool(PoolSpec{Tokens: seqTokens(1, 4)}); !errors.Is(err, ErrPoolsUnsupported) {
-		t.Fatalf("create on a recurrent model: %v", err)
-	}
-	if _, err := h.trySubmit(Request{Prompt: seqTokens(1, 4), HasPool: true, PoolID: 4}); !errors.Is(err, ErrPoolsUnsupported) {
-		t.Fatalf("attach on a recurrent model: %v", err)
-	}
 }
 
 // Released children wait only for their grace time or last session; they must not make

@@ -86,7 +86,7 @@ func TestImplicitBorrowRefreshesPool(t *testing.T) {
 	h.now = h.now.Add(2 * time.Second)
 	h.step() // the scheduler's clock: the pool is past its grace time
 	var order []string
-	for _, v := range h.s.victims(nil) {
+	for _, v := range h.s.kv.victims(h.s.now, nil) {
 		switch {
 		case v.p != nil:
 			order = append(order, fmt.Sprintf("pool%d", v.p.ID))

@@ -39,7 +39,7 @@ type seqWatch struct {
 // ReportResidency turns on ObsSeqChange observations (off by default: the bookkeeping
 // is for a KV-event publisher). Call it before the first step.
 func (s *Scheduler) ReportResidency() {
-	s.cells.watch = &seqWatch{dirty: map[int]int{}, reported: map[int]int{}}
+	s.kv.cells.watch = &seqWatch{dirty: map[int]int{}, reported: map[int]int{}}
 }
 
 // touch notes that seq changed from position pos on.
@@ -86,7 +86,7 @@ func (s *Scheduler) reportable(seq int) bool {
 // residencyObs appends one ObsSeqChange per sequence that changed since the last call,
 // in sequence order (a replayed run reports the same).
 func (s *Scheduler) residencyObs() {
-	w := s.cells.watch
+	w := s.kv.cells.watch
 	if w == nil || len(w.dirty) == 0 {
 		return
 	}
@@ -98,7 +98,7 @@ func (s *Scheduler) residencyObs() {
 	for _, q := range seqs {
 		n := 0
 		if s.reportable(q) {
-			n = s.cells.Len(q)
+			n = s.kv.cells.Len(q)
 		}
 		old := w.reported[q]
 		keep := min(w.dirty[q], old, n)
@@ -111,6 +111,6 @@ func (s *Scheduler) residencyObs() {
 		} else {
 			w.reported[q] = n
 		}
-		s.obs = append(s.obs, Observation{Kind: ObsSeqChange, Seq: SeqChange{Seq: q, Keep: keep, Tokens: s.cells.tokensIn(q, keep, n)}})
+		s.obs = append(s.obs, Observation{Kind: ObsSeqChange, Seq: SeqChange{Seq: q, Keep: keep, Tokens: s.kv.cells.tokensIn(q, keep, n)}})
 	}
 }

@@ -25,8 +25,6 @@ type Config struct {
 	// models; 0 otherwise), for status reports: unlike KV cells, which a pool's sessions
 	// share zero-copy, every sequence holding tokens has its own copy.
 	RecurrentBytesPerSeq int64
-	// PoolsUnsupported, when set, is why pool operations are refused.
-	PoolsUnsupported string
 	// Recurrent: the model keeps per-sequence recurrent state (recurrent or hybrid
 	// layers: Qwen3.5's gated delta-net, LFM2's short convolutions, Mamba). That state is
 	// one value for the whole sequence, not a cell per position, so a sequence can be
@@ -247,9 +245,13 @@ type Scheduler struct {
 	events   []Event
 	obs      []Observation
 	inflight []inflight
+	// snapAt is when Ready last handed out a snapshot; snapDue forces the next one
+	// (a message was stepped, a decode failed).
+	snapAt  time.Time
+	snapDue bool
 
-	// cells mirrors the cache: which sequences share which cells (cellTree).
-	cells *cellTree
+	// kv is the KV-cache manager (kvcache.go): the one owner of the cells.
+	kv *kvCache
 	// mod is ngram-mod's table shared by all sessions (nil unless Config.Spec has it).
 	mod *ngramMod
 	// Prefix cache counters (issue 12): prompt tokens served from cached prefixes,
@@ -302,10 +304,11 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
 		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools, cells), poolSeqs: map[int]*slot{}, inTier: map[int]bool{},
 		adm: admission.NewController(),
-		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau), cells: cells}
+		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau)}
 	for i := range cfg.Parallel {
 		s.slots = append(s.slots, &slot{seq: i})
 	}
+	s.kv = &kvCache{nCtx: cfg.NCtx, cells: cells, plan: &s.ops, slots: s.slots, pools: s.pools, grace: cfg.PoolGrace}
 	s.pools.SkipIDs(cfg.PoolIDFloor)
 	if slices.Contains(cfg.Spec.Types, SpecNgramMod) {
 		s.mod = newNgramMod(cfg.Spec.ModN)
@@ -541,7 +544,7 @@ func (s *Scheduler) prefixCached(t *task) bool {
 // copy it from, an idle cached one when there is one (it can be taken over), else the
 // lowest id. (0, -1) when nothing matches.
 func (s *Scheduler) donor(prompt []Token) (int, int) {
-	P, n := s.cells.Longest(prompt, len(prompt)-1)
+	P, n := s.kv.longest(prompt, len(prompt)-1)
 	if P == 0 {
 		return 0, -1
 	}
@@ -591,9 +594,9 @@ func (s *Scheduler) poolDonor(p *pool.Pool) (int, int) {
 	var P int
 	var n *cellNode
 	if par != nil {
-		P, n = s.cells.LongestFrom(par.Seq, p.D, p.Tokens, p.L())
+		P, n = s.kv.longestFrom(par.Seq, p.D, p.Tokens, p.L())
 	} else {
-		P, n = s.cells.Longest(p.Tokens, p.L())
+		P, n = s.kv.longest(p.Tokens, p.L())
 	}
 	if P == 0 {
 		return 0, -1
@@ -615,7 +618,7 @@ func (s *Scheduler) poolDonor(p *pool.Pool) (int, int) {
 // be copied, so t waits until that task's prefill covers the common part.
 func (s *Scheduler) awaitsDonor(t *task) bool {
 	limit := len(t.req.Prompt) - 1
-	have, _ := s.cells.Longest(t.req.Prompt, limit)
+	have, _ := s.kv.longest(t.req.Prompt, limit)
 	for _, r := range s.running {
 		if r.prefilling() && min(commonPrefix(r.req.Prompt, t.req.Prompt), limit) > have {
 			return true
@@ -735,7 +738,7 @@ func (s *Scheduler) admitPass() bool {
 			return moved
 		}
 		s.seat(t, sl, pl)
-		if s.cfg.NCtx-s.usedCells() < s.reservedPrefill() {
+		if s.kv.room(0) < s.reservedPrefill() {
 			// Seated, t is prefilling: reservedPrefill now counts its need too, and fit
 			// said eviction can free that much.
 			s.freeCells(s.reservedPrefill(), nil, 0)
@@ -756,7 +759,7 @@ func (s *Scheduler) admitPass() bool {
 // victims count: taking sl and them frees them (counting only what sl or the others
 // held alone left such cells out, and a request could wait forever on an idle server).
 func (s *Scheduler) fit(t *task, sl *slot, pl placement) (need, room int) {
-	set := s.victimSet(nil)
+	set := s.kv.victimSet(s.now, nil)
 	keepSeq, keepTo := -1, 0
 	need = len(t.req.Prompt) - pl.keep - pl.attachP - pl.cpP
 	switch {
@@ -775,7 +778,7 @@ func (s *Scheduler) fit(t *task, sl *slot, pl placement) (need, room int) {
 		keepSeq, keepTo = sl.seq, pl.keep
 		set.add(sl.seq)
 	}
-	room = s.cfg.NCtx - s.usedCells() - s.reservedPrefill() + s.cells.Freed(set, keepSeq, keepTo)
+	room = s.kv.room(s.reservedPrefill()) + s.kv.freedBy(set, keepSeq, keepTo)
 	return need, room
 }
 
@@ -824,12 +827,12 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 		t.cacheN = have
 	case pl.attachP > 0:
 		s.resetSlot(sl)
-		s.cpOp(pl.attachFrom.Seq, sl.seq, pl.attachP)
+		s.kv.share(pl.attachFrom.Seq, sl.seq, pl.attachP)
 		sl.tokens = slices.Clone(t.req.Prompt[:pl.attachP])
 		s.attach(sl, pl.attachTo, pl.attachP)
 	case pl.cpP > 0:
 		s.resetSlot(sl)
-		s.cpOp(pl.cpFrom, sl.seq, pl.cpP)
+		s.kv.share(pl.cpFrom, sl.seq, pl.cpP)
 		sl.tokens = slices.Clone(t.req.Prompt[:pl.cpP])
 		s.poolsUsed(sl.seq, pl.cpP)
 	case pl.reused, sl.session != "" && sl.session == t.req.SessionID:
@@ -940,7 +943,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	budget := s.cfg.NBatch
 	// A restore planned in this step writes its cells before the batch runs, though
 	// the cell tree counts them only once its Restored answer comes.
-	free := s.cfg.NCtx - s.usedCells() - s.tierPending()
+	free := s.kv.room(s.tierPending())
 	planned := 0
 	// decoders still to plan: each needs one token of the budget and one cell, which
 	// drafts never take from them.
@@ -1047,12 +1050,13 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 	in := s.inflight
 	s.inflight = nil
 	if err != nil {
+		s.snapDue = true
 		for _, f := range in {
 			if f.t.slot == nil {
 				continue
 			}
 			// The cells this batch may have written are not trusted: drop them.
-			s.rmOp(f.t.slot.seq, len(f.t.slot.tokens))
+			s.kv.free(f.t.slot.seq, len(f.t.slot.tokens))
 			s.finish(f.t, FinishError, false, fmt.Errorf("%w: %v", ErrDecode, err))
 		}
 		return
@@ -1072,7 +1076,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 		t := f.t
 		if f.decode {
 			if si+f.n > len(sampled) {
-				s.rmOp(t.slot.seq, len(t.slot.tokens))
+				s.kv.free(t.slot.seq, len(t.slot.tokens))
 				s.finish(t, FinishError, false, fmt.Errorf("%w: backend returned %d samples for a batch that asked for more", ErrDecode, len(sampled)))
 				continue
 			}
@@ -1081,7 +1085,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 			continue
 		} else {
 			have := len(t.slot.tokens)
-			s.cells.Append(t.slot.seq, t.req.Prompt[have:have+f.n])
+			s.kv.allocate(t.slot.seq, t.req.Prompt[have:have+f.n])
 			t.slot.tokens = append(t.slot.tokens, t.req.Prompt[have:have+f.n]...)
 			if t.kind == kindMaterialize {
 				if !t.prefilling() {
@@ -1110,7 +1114,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 func (s *Scheduler) commitDecode(f inflight, smp []Sampled, now time.Time) {
 	t, sl := f.t, f.t.slot
 	seq, pos := sl.seq, len(sl.tokens)
-	s.cells.Append(seq, []Token{t.next})
+	s.kv.allocate(seq, []Token{t.next})
 	sl.tokens = append(sl.tokens, t.next)
 	t.hasNext = false
 	k := len(f.drafts)
@@ -1134,14 +1138,14 @@ func (s *Scheduler) commitDecode(f inflight, smp []Sampled, now time.Time) {
 			break // ended (its sequence may be gone), or the step's last token
 		}
 		// smp[i] == f.drafts[i]: that draft's cell at pos+1+i is now the sequence's.
-		s.cells.Append(seq, f.drafts[i:i+1])
+		s.kv.allocate(seq, f.drafts[i:i+1])
 		sl.tokens = append(sl.tokens, f.drafts[i])
 		t.hasNext = false
 		kept++
 	}
 	if kept < pos+1+k && len(sl.tokens) == kept {
 		// Not the cell tree's: only the backend's cache holds these.
-		s.ops = append(s.ops, SeqOp{Kind: OpSeqRm, Seq: seq, P0: kept, P1: -1})
+		s.kv.discard(seq, kept)
 	}
 }
 

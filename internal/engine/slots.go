@@ -94,7 +94,7 @@ func (s *Scheduler) slotLoaded(m slotLoaded) {
 		return // the sequence holds nothing (SlotBackend.LoadSeq)
 	}
 	sl := s.slots[m.seq]
-	s.cells.Append(sl.seq, m.tokens)
+	s.kv.allocate(sl.seq, m.tokens)
 	sl.tokens = slices.Clone(m.tokens)
 	sl.lastUsed = s.now
 }

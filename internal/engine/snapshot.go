@@ -57,8 +57,8 @@ func (s *Scheduler) Slots() []SlotInfo {
 			continue
 		}
 		st := s.sessionTPS(sl, free)
-		info := SlotInfo{Seq: sl.seq, SessionID: sl.session, State: slotState(sl), NPast: len(sl.tokens), Shared: sl.shared, Own: s.own(sl),
-			OwnKVBytes: int64(s.own(sl)) * s.cfg.BytesPerCell, RecurrentStateBytes: s.slotRecurrentBytes(sl),
+		info := SlotInfo{Seq: sl.seq, SessionID: sl.session, State: slotState(sl), NPast: len(sl.tokens), Shared: sl.shared, Own: s.kv.owned(sl.seq),
+			OwnKVBytes: int64(s.kv.owned(sl.seq)) * s.cfg.BytesPerCell, RecurrentStateBytes: s.slotRecurrentBytes(sl),
 			TPSEWMA: st.TPSEWMA, CtxUsed: st.CtxUsed, CtxTotal: st.CtxTotal, Headroom: st.CtxHeadroomTokens, Pressure: st.CtxPressure}
 		if sl.base != nil {
 			id := sl.base.ID
@@ -158,7 +158,7 @@ func (s *Scheduler) Usage() Usage {
 			waiting++
 		}
 	}
-	u := Usage{CellsUsed: s.usedCells(), CellsMax: s.cfg.NCtx, Running: running, Waiting: waiting, Sessions: len(s.bySession), Pools: s.pools.Len(),
+	u := Usage{CellsUsed: s.kv.used(), CellsMax: s.cfg.NCtx, Running: running, Waiting: waiting, Sessions: len(s.bySession), Pools: s.pools.Len(),
 		CacheHitTokens: s.cacheHits, CacheEvictions: s.cacheEvictions,
 		SessionEvictions: s.sessionEvictions, PoolEvictions: s.poolEvictions, QueueTimeouts: s.queueTimeouts}
 	for _, sl := range s.slots {
@@ -167,7 +167,7 @@ func (s *Scheduler) Usage() Usage {
 		}
 	}
 	u.CacheCells = s.cacheOnlyCells()
-	u.CellsEvictable = s.evictableCells(nil)
+	u.CellsEvictable = s.kv.evictable(s.now, nil)
 	return u
 }
 
@@ -180,7 +180,7 @@ func (s *Scheduler) cacheOnlyCells() int {
 			cached.add(sl.seq)
 		}
 	}
-	return s.cells.Freed(cached, -1, 0)
+	return s.kv.freedBy(cached, -1, 0)
 }
 
 // Snapshot is an immutable copy of everything the HTTP layer reads: the engine
@@ -199,9 +199,8 @@ type Snapshot struct {
 	Violations int
 	// tokens holds each pool's prefix: pool prefixes are immutable, so the snapshot
 	// shares them instead of copying.
-	tokens      map[int][]Token
-	admission   map[int]admission.Policy
-	unsupported string
+	tokens    map[int][]Token
+	admission map[int]admission.Policy
 }
 
 // Snapshot copies out the observable state at now.
@@ -209,8 +208,7 @@ func (s *Scheduler) Snapshot(now time.Time) *Snapshot {
 	s.now = now
 	metrics, usage := s.Metrics(now)
 	sn := &Snapshot{At: now, Slots: s.Slots(), Usage: usage, Floors: s.Floors(), Pools: s.Pools(), TPS: s.TPS(now),
-		Metrics: metrics, Waiting: s.Waiting(now), Violations: s.violations, tokens: map[int][]Token{}, admission: map[int]admission.Policy{},
-		unsupported: s.cfg.PoolsUnsupported}
+		Metrics: metrics, Waiting: s.Waiting(now), Violations: s.violations, tokens: map[int][]Token{}, admission: map[int]admission.Policy{}}
 	for _, p := range s.pools.All() {
 		sn.tokens[p.ID] = p.Tokens
 		sn.admission[p.ID] = s.adm.Policy(p.ID)
@@ -220,9 +218,6 @@ func (s *Scheduler) Snapshot(now time.Time) *Snapshot {
 
 // Pool returns one pool's status with its tokens (GET /polykv/pools/{id}).
 func (sn *Snapshot) Pool(id int) (PoolInfo, error) {
-	if sn.unsupported != "" {
-		return PoolInfo{}, fmt.Errorf("%w: %s", ErrPoolsUnsupported, sn.unsupported)
-	}
 	for _, p := range sn.Pools.Pools {
 		if p.PoolID == id {
 			p.Tokens = sn.tokens[id]

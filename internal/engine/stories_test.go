@@ -454,7 +454,7 @@ func (st *story) state() {
 		if sl.base != nil {
 			line += fmt.Sprintf(" pool=%d shared=%d", sl.base.ID, sl.shared)
 		}
-		if own := s.own(sl); own != len(sl.tokens)-sl.shared {
+		if own := s.kv.owned(sl.seq); own != len(sl.tokens)-sl.shared {
 			line += fmt.Sprintf(" own=%d", own) // it shares cells beyond a pool's
 		}
 		if sl.task != nil {
@@ -465,7 +465,7 @@ func (st *story) state() {
 		st.printf("%s\n", line)
 	}
 	for _, p := range s.pools.All() {
-		st.printf("pool %d: seq%d %s prefix=%d own=%d sessions=%d children=%v pinned=%v\n", p.ID, p.Seq, p.State, p.L(), s.poolOwn(p), p.Sessions, pool.ChildIDs(p), p.Pinned())
+		st.printf("pool %d: seq%d %s prefix=%d own=%d sessions=%d children=%v pinned=%v\n", p.ID, p.Seq, p.State, p.L(), p.OwnCells(), p.Sessions, pool.ChildIDs(p), p.Pinned())
 	}
 	apply(st.h.be, Plan{Samplers: s.samplers, SeqOps: s.ops}) // what the next step would do first
 	s.samplers, s.ops = nil, nil

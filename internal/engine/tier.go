@@ -100,11 +100,11 @@ func (s *Scheduler) restored(m Restored) {
 	case p.D > 0 && s.cfg.Recurrent:
 		// The driver shared the parent's [0, D) itself, before the pool's own cells and
 		// state: a seq_cp now would replace the loaded recurrent state by the parent's.
-		s.cells.Cp(p.Parent.Seq, p.Seq, p.D)
+		s.kv.shared(p.Parent.Seq, p.Seq, p.D)
 	case p.D > 0:
-		s.cpOp(p.Parent.Seq, p.Seq, p.D)
+		s.kv.share(p.Parent.Seq, p.Seq, p.D)
 	}
-	s.cells.Append(p.Seq, p.Tokens[p.D:])
+	s.kv.allocate(p.Seq, p.Tokens[p.D:])
 	sl.tokens = slices.Clone(p.Tokens)
 	t.cacheN = p.L()
 	s.poolMaterialized(t)
@@ -129,9 +129,6 @@ func (s *Scheduler) forgetRecord(p *pool.Pool) {
 // with its KV in the tier; a pinned one is restored at once, so it is resident (and
 // announced) before clients come back.
 func (s *Scheduler) recoverPool(m RecoverPool) error {
-	if err := s.poolsAllowed(); err != nil {
-		return err
-	}
 	if !s.cfg.Tier {
 		return fmt.Errorf("%w: recovering pools needs the tier", pool.ErrBadRequest)
 	}

@@ -16,7 +16,7 @@ import argparse
 import operator
 import sys
 from pathlib import Path
-from typing import Annotated, TypedDict
+from typing import Annotated, Any, TypedDict
 
 from langchain_core.messages import HumanMessage, SystemMessage, convert_to_openai_messages
 from langgraph.graph import END, START, StateGraph
@@ -46,7 +46,7 @@ class Main(TypedDict, total=False):
     results: Annotated[list, operator.add]
 
 
-def _last(_old, new):
+def _last(_old: Any, new: Any) -> Any:
     return new
 
 
@@ -63,11 +63,11 @@ class Sub(TypedDict, total=False):
     results: Annotated[list, operator.add]
 
 
-def build(base_url: str, client: PolyKVClient, n: int):
+def build(base_url: str, client: PolyKVClient, n: int) -> Any:
     system = SystemMessage(SYSTEM)
     task = HumanMessage(TASK)
 
-    def plan(state: Main):
+    def plan(state: Main) -> dict:
         root = client.create_pool(messages=convert_to_openai_messages([system]))
         # Nesting: the task pool extends the root (D == root.L) with the task message.
         child = client.fork_pool(
@@ -75,7 +75,7 @@ def build(base_url: str, client: PolyKVClient, n: int):
         )
         return {"task_pool": child["pool_id"]}
 
-    def fan_out(state: Main):
+    def fan_out(state: Main) -> list[Send]:
         return [
             Send("gate", {"task_pool": state["task_pool"], "question": q, "index": i})
             for i, q in enumerate(QUESTIONS[:n])
@@ -85,7 +85,7 @@ def build(base_url: str, client: PolyKVClient, n: int):
     # next superstep, after the sub-agents granted in this one have run.
     gate = capacity_gate(client, spawn="sub_agent", hold="gate", pool_key="task_pool", send=True, hold_delay_s=0.2)
 
-    def sub_agent(state: Sub):
+    def sub_agent(state: Sub) -> dict:
         llm = ChatPolyKV(
             base_url=base_url,
             pool_id=state["task_pool"],

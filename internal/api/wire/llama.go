@@ -66,10 +66,13 @@ type PolyKVProps struct {
 	KVBytesPerCell int64              `json:"kv_bytes_per_cell"`
 	// KVOrdered: attention sums each query's cells in position order wherever they sit
 	// (PolyKV's kernel), so the cache is never compacted; false: compacted after frees.
-	KVOrdered        bool   `json:"kv_ordered_attention"`
-	MaxPools         int    `json:"max_pools"`
-	NSeqMax          int    `json:"n_seq_max"`
-	PoolGraceMs      int64  `json:"pool_grace_ms"`
+	KVOrdered   bool  `json:"kv_ordered_attention"`
+	MaxPools    int   `json:"max_pools"`
+	NSeqMax     int   `json:"n_seq_max"`
+	PoolGraceMs int64 `json:"pool_grace_ms"`
+	// PoolsSupported is always true and PoolsUnsupported always empty: every model the
+	// server loads has pools (one with recurrent state at pool boundaries only:
+	// runner.Policy). Both stay on the wire for clients that read them.
 	PoolsSupported   bool   `json:"pools_supported"`
 	PoolsUnsupported string `json:"pools_unsupported"`
 	// PoolTier is the tier below the cache (--pool-ram-mb, --pool-dir): absent when

@@ -10,6 +10,7 @@ from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner
 from langchain_anthropic import ChatAnthropic
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
+from pytest import MonkeyPatch
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 
@@ -20,8 +21,8 @@ def get_weather(city: str) -> str:
     return f"18 degrees and sunny in {city}"
 
 
-def test_langchain_chat_openai_responses(server):
-    llm = ChatOpenAI(
+def test_langchain_chat_openai_responses(server: str) -> None:
+    llm = ChatOpenAI(  # type: ignore[call-arg]  # max_tokens: a pydantic alias mypy does not see
         base_url=server + "/v1",
         api_key="unused",
         model="m",
@@ -45,8 +46,8 @@ def test_langchain_chat_openai_responses(server):
     )
 
 
-def test_langchain_chat_anthropic(server):
-    llm = ChatAnthropic(
+def test_langchain_chat_anthropic(server: str) -> None:
+    llm = ChatAnthropic(  # type: ignore[call-arg]  # model, max_tokens: pydantic aliases
         base_url=server, api_key="unused", model="claude-polykv", temperature=0, max_tokens=32, max_retries=0
     )
     reply = llm.invoke([("system", SYSTEM), ("human", "What is the capital of France?")])
@@ -63,7 +64,7 @@ def test_langchain_chat_anthropic(server):
     )
 
 
-def test_agents_sdk_two_tools(server):
+def test_agents_sdk_two_tools(server: str) -> None:
     set_tracing_disabled(True)
     used: list[str] = []
 
@@ -107,7 +108,7 @@ def test_agents_sdk_two_tools(server):
 
 
 @pytest.fixture(autouse=True)
-def _no_network_but_loopback(monkeypatch):
+def _no_network_but_loopback(monkeypatch: MonkeyPatch) -> None:
     """No test may reach the network other than loopback: the SDKs read these."""
     monkeypatch.setenv("OPENAI_AGENTS_DISABLE_TRACING", "1")
     monkeypatch.delenv("OPENAI_BASE_URL", raising=False)

@@ -16,11 +16,11 @@ NO_SAMPLING = {"temperature": 0}
 
 
 @pytest.fixture()
-def client(server):
+def client(server: str) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
 
 
-def test_create(client):
+def test_create(client: anthropic.Anthropic) -> None:
     msg = client.messages.create(model="m", system=SYSTEM, max_tokens=32, extra_body=NO_SAMPLING,
                                  messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert msg.type == "message" and msg.role == "assistant"
@@ -30,7 +30,7 @@ def test_create(client):
     assert msg.usage.output_tokens > 0 and msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) > 0
 
 
-def test_stream_matches_create(client):
+def test_stream_matches_create(client: anthropic.Anthropic) -> None:
     kwargs = dict(
         model="m",
         system=SYSTEM,
@@ -46,7 +46,7 @@ def test_stream_matches_create(client):
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
 
 
-def test_tool_use_round_trip(client):
+def test_tool_use_round_trip(client: anthropic.Anthropic) -> None:
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = client.messages.create(
         model="m", max_tokens=60, extra_body=NO_SAMPLING, tools=[WEATHER], tool_choice={"type": "any"}, messages=ask
@@ -85,7 +85,7 @@ def test_tool_use_round_trip(client):
     assert err.value.body["type"] == "error" and "tool_use_id" in err.value.body["error"]["message"]
 
 
-def test_count_tokens(client):
+def test_count_tokens(client: anthropic.Anthropic) -> None:
     short = client.messages.count_tokens(model="m", messages=[{"role": "user", "content": "Hi"}])
     longer = client.messages.count_tokens(
         model="m", system=SYSTEM, messages=[{"role": "user", "content": "Hi, how are you today?"}]

@@ -19,8 +19,10 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -42,7 +44,7 @@ try:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 except ImportError:  # pragma: no cover - the venv pins selenium
-    webdriver = None
+    webdriver = None  # type: ignore[assignment]
 
 
 def _browser_missing() -> str:
@@ -82,7 +84,7 @@ class Agents:
     """16 streaming completions attached to the pools, decoding until stopped (each one
     closes its stream, which cancels its task on the server)."""
 
-    def __init__(self, base: str, plan: list[tuple[str, int, list[int]]]):
+    def __init__(self, base: str, plan: list[tuple[str, int, list[int]]]) -> None:
         self.base, self.plan = base, plan
         self.stop = threading.Event()
         self.errors: list[str] = []
@@ -106,19 +108,19 @@ class Agents:
             if not self.stop.is_set():
                 self.errors.append(f"{session}: {e!r}")
 
-    def __enter__(self):
+    def __enter__(self) -> Agents:
         for t in self.threads:
             t.start()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.stop.set()
         for t in self.threads:
             t.join(timeout=15)
 
 
 @pytest.fixture(scope="module")
-def live():
+def live() -> Iterator[dict[str, Any]]:
     """A server with a 3-level tree: root, A extends root, G extends A, B branches root
     5 tokens before its end; 4 decoding agents on each. B's floor is above what any
     session reaches (all its agents are under it); A's is far below."""
@@ -183,7 +185,7 @@ def live():
 
 
 @pytest.fixture()
-def browser():
+def browser() -> Iterator[webdriver.Chrome]:
     profile = tempfile.mkdtemp(prefix="polykv-chromium-")
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
@@ -200,11 +202,11 @@ def browser():
         shutil.rmtree(profile, ignore_errors=True)
 
 
-def _wait(drv, cond, timeout=60, what=""):
+def _wait(drv: webdriver.Chrome, cond: Callable[[Any], Any], timeout: int = 60, what: str = "") -> Any:
     return WebDriverWait(drv, timeout, poll_frequency=0.2).until(lambda d: cond(d), message=what)
 
 
-def _rows(drv) -> dict[str, dict]:
+def _rows(drv: webdriver.Chrome) -> dict[str, dict]:
     """Every session row the page shows: session id -> what the row says."""
     return drv.execute_script("""
         const out = {};
@@ -218,25 +220,25 @@ def _rows(drv) -> dict[str, dict]:
         return out;""")
 
 
-def _js_errors(drv, allow=()) -> list[dict]:
+def _js_errors(drv: webdriver.Chrome, allow: tuple[str, ...] = ()) -> list[dict]:
     return [e for e in drv.get_log("browser")
             if e["level"] == "SEVERE" and not any(a in e["message"] for a in allow)]
 
 
-def _save(drv, name: str) -> Path:
+def _save(drv: webdriver.Chrome, name: str) -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     path = ARTIFACTS / name
     drv.save_screenshot(str(path))
     return path
 
 
-def _events(drv) -> int:
+def _events(drv: webdriver.Chrome) -> int:
     return int(drv.find_element(By.ID, "updated").get_attribute("data-events") or 0)
 
 
 # ---- tests ---------------------------------------------------------------------------
 
-def test_dashboard_shows_live_tree(live, browser):
+def test_dashboard_shows_live_tree(live: dict[str, Any], browser: webdriver.Chrome) -> None:
     base, pools = live["base"], live["pools"]
     assert httpx.get(base + "/", follow_redirects=False).headers["location"] == "/ui/"
     browser.get(base + "/")  # the redirect lands on the page
@@ -245,11 +247,11 @@ def test_dashboard_shows_live_tree(live, browser):
     # The tree: 4 pools, nested as created (G inside A inside root, B inside root), and
     # the evicted spare root.
     _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "li[data-pool]")) == 5, what="5 pools")
-    def sel(*ids):
+    def sel(*ids: str) -> str:
         return " ".join(f"li[data-pool='{pools[i]}']" for i in ids)
     for path in (("root", "A", "G"), ("root", "B")):
         assert browser.find_elements(By.CSS_SELECTOR, "#tree > " + sel(*path)), path
-    def edge(name):
+    def edge(name: str) -> str:
         return browser.find_element(By.CSS_SELECTOR, sel(name) + " > .pool .edge").text
     assert edge("root") == "root"
     assert edge("A") == f"extends #{pools['root']}"
@@ -262,7 +264,7 @@ def test_dashboard_shows_live_tree(live, browser):
     assert browser.find_element(By.CSS_SELECTOR, "#loose .srow[data-session='solo-idle']")
 
     # Every agent under its pool, decoding, with a speed.
-    def all_live(d):
+    def all_live(d: Any) -> Any:
         rows = {k: v for k, v in _rows(d).items() if k.startswith("agent-")}
         ok = len(rows) == N_SESSIONS and all(r["state"] == "decode" and r["tps"] != "—" for r in rows.values())
         return rows if ok else False
@@ -273,7 +275,7 @@ def test_dashboard_shows_live_tree(live, browser):
 
     # Floors: B's 200 tok/s floor (above the whole machine's decode rate) puts all its agents
     # under it, A's 0.01 none.
-    def floors_applied(d):
+    def floors_applied(d: Any) -> bool:
         rs = _rows(d)
         b = [r for k, r in rs.items() if k.startswith("agent-B-")]
         a = [r for k, r in rs.items() if k.startswith("agent-A-")]
@@ -283,7 +285,7 @@ def test_dashboard_shows_live_tree(live, browser):
     assert browser.find_element(By.CSS_SELECTOR, sel("B") + " > .pool .floor b").text == "200"
 
     # A capacity verdict on every pool.
-    def verdicts(d):
+    def verdicts(d: Any) -> Any:
         v = {name: d.find_element(By.CSS_SELECTOR, sel(name) + " > .pool .verdict").get_attribute("data-admit")
              for name in pools}
         return v if all(x in ("yes", "no") for x in v.values()) else False
@@ -292,13 +294,13 @@ def test_dashboard_shows_live_tree(live, browser):
     # Live values move: more tps events, more decoded tokens for every agent, more chart
     # points (waited for, not slept: the shared 2-core machine stalls the stream at times).
     before, ev0 = _rows(browser), _events(browser)
-    def pts(d):
+    def pts(d: Any) -> int:
         return int(d.find_element(By.ID, "tps-chart").get_attribute("data-points"))
     pts0 = pts(browser)
     _wait(browser, lambda d: _events(d) >= ev0 + 3, what="3 more tps events")
     _wait(browser, lambda d: pts(d) > pts0, what="chart grows")
 
-    def all_grew(d):
+    def all_grew(d: Any) -> bool:
         after = _rows(d)
         return all(int(after[s]["decoded"]) > int(before[s]["decoded"]) for s in before if s.startswith("agent-"))
     _wait(browser, all_grew, what="every agent's decoded count grows")
@@ -334,7 +336,7 @@ class _AuthProxy:
     but /health and the page's own files, as `--api-key` does. It streams responses
     through unbuffered, so the tps SSE stream works across it."""
 
-    def __init__(self, upstream: str, key: str):
+    def __init__(self, upstream: str, key: str) -> None:
         self.up = urlsplit(upstream)
         self.key = key
         self.seen: list[tuple[str, bool]] = []  # (path, authorized)
@@ -343,10 +345,10 @@ class _AuthProxy:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.0"
 
-            def log_message(self, *a):
+            def log_message(self, *a: Any) -> None:
                 pass
 
-            def do_GET(self):
+            def do_GET(self) -> None:
                 path = self.path.split("?")[0]
                 ok = self.headers.get("Authorization") == f"Bearer {proxy.key}"
                 public = _public(path)
@@ -384,12 +386,12 @@ class _AuthProxy:
         self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
-    def close(self):
+    def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
 
 
-def test_dashboard_with_api_key(live, browser):
+def test_dashboard_with_api_key(live: dict[str, Any], browser: webdriver.Chrome) -> None:
     proxy = _AuthProxy(live["base"], API_KEY)
     try:
         browser.get(proxy.base + "/ui/")
@@ -400,7 +402,7 @@ def test_dashboard_with_api_key(live, browser):
         assert browser.find_elements(By.CSS_SELECTOR, "li[data-pool]") == []
         _save(browser, "dashboard-key-needed.png")
         # Waiting for the key, the page stops asking (no request storm of 401s).
-        def refused():
+        def refused() -> int:
             return sum(1 for p, ok in proxy.seen if not ok and not _public(p))
         n = refused()
         time.sleep(2)

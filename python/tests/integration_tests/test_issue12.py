@@ -3,6 +3,7 @@ at all (no pool_id, no session_id): what agent frameworks send. The server reuse
 cached prefix by itself: a fan-out shares its system prompt, an agent loop reuses its own
 history turn after turn, and greedy output equals a server with reuse turned off."""
 import operator
+from collections.abc import Iterator
 from typing import Optional
 
 import httpx
@@ -40,7 +41,7 @@ def cells_used(base: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def reuse_server():
+def reuse_server() -> Iterator[str]:
     with LocalServer(*SERVER_ARGS) as base:
         info = cache_info(base)
         if info is None:
@@ -50,7 +51,7 @@ def reuse_server():
 
 
 @pytest.fixture(scope="module")
-def off_server(reuse_server):
+def off_server(reuse_server: str) -> Iterator[str]:
     with LocalServer(*SERVER_ARGS, *REUSE_OFF) as base:
         info = cache_info(base)
         assert info is not None and info["enabled"] is False, info
@@ -61,7 +62,7 @@ def client_for(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def test_plain_fanout_shares_the_system_prompt(reuse_server):
+def test_plain_fanout_shares_the_system_prompt(reuse_server: str) -> None:
     """A LangGraph Send fan-out whose agents call the plain openai client with the same
     system prompt, all at once: every agent after the first reuses the prompt, and the
     cache holds it once, not once per agent."""
@@ -100,7 +101,7 @@ def test_plain_fanout_shares_the_system_prompt(reuse_server):
     assert 0 < held <= copy_everything - (n - 1) * system_tokens, (held, copy_everything, system_tokens)
 
 
-def test_agent_loop_without_session_reuses_its_history(reuse_server):
+def test_agent_loop_without_session_reuses_its_history(reuse_server: str) -> None:
     """Each turn re-sends the whole history plus a tool result and no session_id: the
     previous turn's prompt is found in the cache every time."""
     client = client_for(reuse_server)
@@ -124,7 +125,7 @@ def test_agent_loop_without_session_reuses_its_history(reuse_server):
         ]
 
 
-def test_greedy_with_reuse_equals_reuse_off(reuse_server, off_server):
+def test_greedy_with_reuse_equals_reuse_off(reuse_server: str, off_server: str) -> None:
     """Greedy tokens and logprobs of a request whose prefix came from another request's
     cells equal those of the same request on a server that prefills everything."""
     on, off = client_for(reuse_server), client_for(off_server)

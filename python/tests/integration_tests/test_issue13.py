@@ -3,6 +3,7 @@ reservations, and compaction on the session's own pressure."""
 import operator
 import threading
 import time
+from typing import Any
 
 from langchain_core.messages import HumanMessage, SystemMessage
 from langgraph.graph import START, StateGraph
@@ -14,7 +15,7 @@ from polykv_langgraph import ChatPolyKV, CompactionNode, PolyKVClient, capacity_
 SYSTEM = "You are one of several worker agents. Answer in one short sentence."
 
 
-async def test_astream_first_chunk_arrives_well_before_the_last(server):
+async def test_astream_first_chunk_arrives_well_before_the_last(server: str) -> None:
     llm = ChatPolyKV(base_url=server, temperature=0, max_tokens=64)
     t0 = time.monotonic()
     stamps = []
@@ -29,21 +30,22 @@ async def test_astream_first_chunk_arrives_well_before_the_last(server):
 
 
 class CountingClient(PolyKVClient):
-    def __init__(self, *a, **kw):
+    def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.reserve_calls = 0
         self._lock = threading.Lock()
 
-    def reserve(self, *a, **kw):
+    def reserve(self, *a: Any, **kw: Any) -> dict:
         with self._lock:
             self.reserve_calls += 1
         return super().reserve(*a, **kw)
 
 
-def test_send_fanout_behind_reservations_never_overshoots(server):
+def test_send_fanout_behind_reservations_never_overshoots(server: str) -> None:
     """6 concurrent Send branches against a pool whose policy allows 2 sessions: at most 2
     agents run at once, the others hold in their gate and spawn as capacity returns."""
-    with CountingClient(server) as client:
+    client = CountingClient(server)
+    with client:
         pool = client.create_pool(messages=[{"role": "system", "content": SYSTEM}])
         pid = pool["pool_id"]
         client.set_admission(pid, target_tps_per_session=1e6, mode="enforced", guarantee_min_sessions=2,
@@ -85,7 +87,7 @@ def test_send_fanout_behind_reservations_never_overshoots(server):
         client.set_admission(pid, mode="advisory")
 
 
-def test_compaction_ignores_a_busy_neighbour(compact_server):
+def test_compaction_ignores_a_busy_neighbour(compact_server: str) -> None:
     with PolyKVClient(compact_server) as client:
         # A neighbour session holds most of the cache, idle between its turns.
         hog = ChatPolyKV(base_url=compact_server, session_id="hog", temperature=0, max_tokens=1)
@@ -110,7 +112,7 @@ def test_compaction_ignores_a_busy_neighbour(compact_server):
         assert CompactionNode(summariser, client, threshold=0.3)(state) == {}
 
 
-def test_a_conversation_that_fills_its_context_compacts_once_and_continues(compact_server):
+def test_a_conversation_that_fills_its_context_compacts_once_and_continues(compact_server: str) -> None:
     with PolyKVClient(compact_server) as client:
         sys_pool = client.create_pool(messages=[{"role": "system", "content": SYSTEM}])
         state = {

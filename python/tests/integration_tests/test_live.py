@@ -1,5 +1,7 @@
 """Live tests against a real polykv server on the tiny model."""
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
@@ -21,16 +23,16 @@ SYSTEM = "You are a careful assistant in a team of agents. Answer briefly."
 
 
 @pytest.fixture()
-def client(server):
+def client(server: str) -> Iterator[PolyKVClient]:
     with PolyKVClient(server) as c:
         yield c
 
 
-def system_pool(client, text=SYSTEM):
+def system_pool(client: PolyKVClient, text: str = SYSTEM) -> dict:
     return client.create_pool(messages=[{"role": "system", "content": text}])
 
 
-def test_chat_model_attaches_to_pool(server, client):
+def test_chat_model_attaches_to_pool(server: str, client: PolyKVClient) -> None:
     pool = system_pool(client)
     llm = ChatPolyKV(base_url=server, pool_id=pool["pool_id"], session_id="live-1", temperature=0, max_tokens=16)
     out = llm.invoke([SystemMessage(SYSTEM), HumanMessage("Name a colour.")])
@@ -47,15 +49,15 @@ def test_chat_model_attaches_to_pool(server, client):
     assert full.response_metadata["finish_reason"] in ("stop", "length")
 
 
-async def test_chat_model_async(server):
+async def test_chat_model_async(server: str) -> None:
     llm = ChatPolyKV(base_url=server, temperature=0, max_tokens=8)
     out = await llm.ainvoke("Say hi.")
     assert out.content
     parts = [c async for c in llm.astream("Say hello.")]
-    assert "".join(p.content for p in parts)
+    assert "".join(p.content for p in parts if isinstance(p.content, str))
 
 
-def test_bind_tools_and_structured_output(server):
+def test_bind_tools_and_structured_output(server: str) -> None:
     def get_weather(city: str) -> str:
         """Weather for a city."""
         return "sunny"
@@ -80,7 +82,7 @@ def test_bind_tools_and_structured_output(server):
         assert isinstance(res, Answer)
 
 
-def test_pool_tools(server, client):
+def test_pool_tools(server: str, client: PolyKVClient) -> None:
     tools = {t.name: t for t in make_pool_tools(client)}
     root = tools["create_pool"].invoke({"system_message": SYSTEM})
     child = tools["fork_pool"].invoke({"pool_id": root["pool_id"], "extra_text": " Sub-task: list three facts."})
@@ -104,7 +106,7 @@ class GateState(TypedDict, total=False):
     route: str
 
 
-def gate_graph(client):
+def gate_graph(client: PolyKVClient) -> Any:
     g = StateGraph(GateState)
     g.add_node("gate", capacity_gate(client, spawn="spawn", hold="hold"))
     g.add_node("spawn", lambda s: {"route": "spawn"})
@@ -115,7 +117,7 @@ def gate_graph(client):
     return g.compile()
 
 
-def test_gate_routes_under_enforced_pool(server, client):
+def test_gate_routes_under_enforced_pool(server: str, client: PolyKVClient) -> None:
     pool = system_pool(client, SYSTEM + " Gate test.")
     pid = pool["pool_id"]
     graph = gate_graph(client)
@@ -126,7 +128,7 @@ def test_gate_routes_under_enforced_pool(server, client):
     done = threading.Event()
     result = {}
 
-    def run():
+    def run() -> None:
         # The spawned agent's first request uses the gate's reservation.
         result["msg"] = first.invoke(
             [SystemMessage(SYSTEM + " Gate test."), HumanMessage("Count to fifty.")],
@@ -157,7 +159,7 @@ def test_gate_routes_under_enforced_pool(server, client):
     assert client.capacity(pid)["n_pool_sessions"] >= 1
 
 
-def test_compact_by_refork_end_to_end(server, client):
+def test_compact_by_refork_end_to_end(server: str, client: PolyKVClient) -> None:
     sys_msg = SystemMessage(SYSTEM + " Compaction test.")
     sys_pool = system_pool(client, sys_msg.content)
     # The working pool: the system block plus the conversation so far.
@@ -193,7 +195,7 @@ def test_compact_by_refork_end_to_end(server, client):
     assert out.response_metadata["pool_id"] == new_pool
 
 
-def test_context_pressure_visible(small_server):
+def test_context_pressure_visible(small_server: str) -> None:
     with PolyKVClient(small_server) as c:
         pool = c.create_pool(messages=[{"role": "system", "content": SYSTEM}])
         llm = ChatPolyKV(

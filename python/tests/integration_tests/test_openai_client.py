@@ -4,16 +4,16 @@ import pytest
 
 
 @pytest.fixture()
-def client(server):
+def client(server: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
 
 
-def test_models(client):
+def test_models(client: openai.OpenAI) -> None:
     models = client.models.list()
     assert models.data[0].id == "SmolLM2-135M-Instruct.Q4_1"
 
 
-def test_chat_completion(client):
+def test_chat_completion(client: openai.OpenAI) -> None:
     resp = client.chat.completions.create(
         model="smollm2",
         # An empty system message: SmolLM2-135M on llama.cpp b11434 answers this question
@@ -37,7 +37,7 @@ def test_chat_completion(client):
     assert 0 <= resp.usage.prompt_tokens_details.cached_tokens < resp.usage.prompt_tokens
 
 
-def test_chat_stream_matches_non_stream(client):
+def test_chat_stream_matches_non_stream(client: openai.OpenAI) -> None:
     kwargs = dict(
         model="smollm2",
         messages=[{"role": "user", "content": "Say hello in one sentence."}],
@@ -59,7 +59,7 @@ def test_chat_stream_matches_non_stream(client):
     assert usage is not None and usage.completion_tokens > 0
 
 
-def test_session_cache_reported(client):
+def test_session_cache_reported(client: openai.OpenAI) -> None:
     msgs = [{"role": "user", "content": "Name a fruit."}]
     extra = {"session_id": "py-session"}
     first = client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0, extra_body=extra)
@@ -71,13 +71,13 @@ def test_session_cache_reported(client):
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
 
 
-def test_text_completion(client):
+def test_text_completion(client: openai.OpenAI) -> None:
     resp = client.completions.create(model="m", prompt="The sky is", max_tokens=8, temperature=0)
     assert resp.choices[0].text
     assert resp.usage.completion_tokens == 8 or resp.choices[0].finish_reason == "stop"
 
 
-def test_errors_are_typed(client):
+def test_errors_are_typed(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="m", messages=[], max_tokens=4)
     assert "messages" in str(err.value)

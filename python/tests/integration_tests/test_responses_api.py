@@ -17,11 +17,11 @@ SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 
 
 @pytest.fixture()
-def client(server):
+def client(server: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
 
 
-def test_create(client):
+def test_create(client: openai.OpenAI) -> None:
     resp = client.responses.create(
         model="m", instructions=SYSTEM, input="What is the capital of France?", max_output_tokens=32, temperature=0
     )
@@ -38,7 +38,7 @@ def test_create(client):
         client.responses.retrieve(resp.id)
 
 
-def test_stream_matches_create(client):
+def test_stream_matches_create(client: openai.OpenAI) -> None:
     kwargs = dict(model="m", instructions=SYSTEM, input="Say hello.", max_output_tokens=48, temperature=0, store=False)
     whole = client.responses.create(**kwargs)
     deltas, types = [], []
@@ -55,7 +55,7 @@ def test_stream_matches_create(client):
         assert final.output_text == whole.output_text
 
 
-def test_function_call_round_trip(client):
+def test_function_call_round_trip(client: openai.OpenAI) -> None:
     first = client.responses.create(
         model="m",
         input="What is the weather in Paris?",
@@ -96,7 +96,7 @@ def test_function_call_round_trip(client):
     assert "call_id" in str(err.value)
 
 
-def test_previous_response_id_chain_reuses_kv(client):
+def test_previous_response_id_chain_reuses_kv(client: openai.OpenAI) -> None:
     first = client.responses.create(
         model="m", instructions=SYSTEM, input="Name a fruit.", max_output_tokens=12, temperature=0
     )
@@ -122,7 +122,7 @@ class City(BaseModel):
     country: str
 
 
-def test_structured_output_parse(client):
+def test_structured_output_parse(client: openai.OpenAI) -> None:
     resp = client.responses.parse(
         model="m",
         input="Give the capital of France as JSON with name and country.",

@@ -5,6 +5,7 @@ xfail with the reason (see XFAIL below)."""
 from typing import Type
 
 import pytest
+from langchain_core.messages import AIMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from polykv_langgraph import ChatPolyKV
@@ -30,8 +31,8 @@ XFAIL = {
 
 class TestChatPolyKVIntegration(ChatModelIntegrationTests):
     @pytest.fixture(autouse=True)
-    def _base(self, server):
-        type(self)._base_url = server
+    def _base(self, server: str) -> None:
+        type(self)._base_url = server  # type: ignore[attr-defined]  # set per session, read by the properties
 
     @property
     def chat_model_class(self) -> Type[ChatPolyKV]:
@@ -74,7 +75,7 @@ class TestChatPolyKVIntegration(ChatModelIntegrationTests):
     def supported_usage_metadata_details(self) -> dict:
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
-    def invoke_with_cache_read_input(self, *, stream: bool = False):
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         """A second turn of a session reads its first turn's prompt from the KV cache."""
         from langchain_core.messages import HumanMessage, SystemMessage
 
@@ -86,4 +87,5 @@ class TestChatPolyKVIntegration(ChatModelIntegrationTests):
         full = None
         for chunk in llm.stream(msgs):
             full = chunk if full is None else full + chunk
+        assert full is not None
         return full

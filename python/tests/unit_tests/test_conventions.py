@@ -1,7 +1,9 @@
 """Issue 13's LangChain conventions for ChatPolyKV, offline (httpx.MockTransport, no sockets)."""
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -14,6 +16,7 @@ from langchain_core.exceptions import (
     ModelTimeoutError,
 )
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from pytest import MonkeyPatch
 
 import polykv_langgraph
 import polykv_langgraph.chat_model as chat_model_mod
@@ -25,7 +28,7 @@ from .test_offline import FakeServer, chat_response, err
 BASE = {"id": "c", "model": "smol", "object": "chat.completion.chunk"}
 
 
-def delta(text, finish=None, **extra):
+def delta(text: str, finish: str | None = None, **extra: Any) -> dict:
     return {
         **BASE,
         **extra,
@@ -33,30 +36,30 @@ def delta(text, finish=None, **extra):
     }
 
 
-def sse_bytes(*chunks):
+def sse_bytes(*chunks: dict) -> bytes:
     return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode()
 
 
 @pytest.fixture
-def no_backoff(monkeypatch):
+def no_backoff(monkeypatch: MonkeyPatch) -> None:
     monkeypatch.setattr(chat_model_mod, "_backoff", lambda attempt: 0.0)
 
 
 # --- streaming ------------------------------------------------------------------------
 
 
-async def test_astream_yields_each_chunk_as_it_arrives():
+async def test_astream_yields_each_chunk_as_it_arrives() -> None:
     """The server holds the rest of the reply until the client has seen the first token:
     an _astream that reads the whole body before yielding never sees it (and times out)."""
     seen_first = asyncio.Event()
 
-    async def body():
+    async def body() -> AsyncIterator[bytes]:
         yield sse_bytes(delta("Hel"))
         await asyncio.wait_for(seen_first.wait(), 3)
         yield sse_bytes(delta("lo"), delta("", "stop", timings={"tps_ewma": 5.0}))
         yield b"data: [DONE]\n\n"
 
-    def handler(request):
+    def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, content=body(), headers={"Content-Type": "text/event-stream"})
 
     llm = ChatPolyKV(base_url="http://polykv.test", async_transport=httpx.MockTransport(handler), max_retries=0)
@@ -69,10 +72,10 @@ async def test_astream_yields_each_chunk_as_it_arrives():
     assert "".join(got) == "Hello" and got.index("Hel") < got.index("lo")
 
 
-async def test_astream_events_carry_live_tokens():
+async def test_astream_events_carry_live_tokens() -> None:
     seen_first = asyncio.Event()
 
-    async def body():
+    async def body() -> AsyncIterator[bytes]:
         yield sse_bytes(delta("A"))
         await asyncio.wait_for(seen_first.wait(), 3)
         yield sse_bytes(delta("B"), delta("", "stop")) + b"data: [DONE]\n\n"
@@ -91,7 +94,7 @@ async def test_astream_events_carry_live_tokens():
 # --- errors and retries ---------------------------------------------------------------
 
 
-def test_errors_map_to_langchain_core_types():
+def test_errors_map_to_langchain_core_types() -> None:
     fs = FakeServer()
     llm = ChatPolyKV(base_url="http://polykv.test", transport=httpx.MockTransport(fs), max_retries=0)
     cases = [
@@ -111,10 +114,10 @@ def test_errors_map_to_langchain_core_types():
         llm.invoke("hi")
 
 
-def test_connection_errors_and_timeouts_are_retried_with_backoff(no_backoff):
+def test_connection_errors_and_timeouts_are_retried_with_backoff(no_backoff: None) -> None:
     calls = []
 
-    def flaky(request):
+    def flaky(request: httpx.Request) -> httpx.Response:
         calls.append(request.url.path)
         if request.url.path == "/v1/chat/completions" and len([c for c in calls if c == request.url.path]) <= 2:
             raise httpx.ConnectError("refused")
@@ -124,7 +127,7 @@ def test_connection_errors_and_timeouts_are_retried_with_backoff(no_backoff):
     assert llm.invoke("hi").content == "ok"
     assert calls.count("/v1/chat/completions") == 3
 
-    def down(request):
+    def down(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused")
 
     with pytest.raises(ModelConnectionError):
@@ -132,7 +135,7 @@ def test_connection_errors_and_timeouts_are_retried_with_backoff(no_backoff):
 
     timeouts = []
 
-    def slow(request):
+    def slow(request: httpx.Request) -> httpx.Response:
         timeouts.append(1)
         raise httpx.ReadTimeout("slow")
 
@@ -141,10 +144,10 @@ def test_connection_errors_and_timeouts_are_retried_with_backoff(no_backoff):
     assert len(timeouts) >= 3  # 1 + 2 retries (+ the one /v1/models lookup)
 
 
-async def test_async_retries_and_stream_errors(no_backoff):
+async def test_async_retries_and_stream_errors(no_backoff: None) -> None:
     n = {"chat": 0}
 
-    def flaky(request):
+    def flaky(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/chat/completions":
             n["chat"] += 1
             if n["chat"] == 1:
@@ -166,7 +169,7 @@ async def test_async_retries_and_stream_errors(no_backoff):
             pass
 
 
-def test_summarization_middleware_reacts_to_context_overflow():
+def test_summarization_middleware_reacts_to_context_overflow() -> None:
     """SummarizationMiddleware retries its summary call with a shorter prompt on a
     ContextOverflowError: what PolyKV's 400 exceed_context_size_error now raises."""
     from langchain.agents.middleware import SummarizationMiddleware
@@ -184,7 +187,7 @@ def test_summarization_middleware_reacts_to_context_overflow():
 # --- one client, tokens, metadata, profile ---------------------------------------------
 
 
-def test_one_long_lived_client_per_instance():
+def test_one_long_lived_client_per_instance() -> None:
     fs = FakeServer()
     fs.on("POST", "/v1/chat/completions", chat_response("hi"))
     llm = ChatPolyKV(base_url="http://polykv.test", transport=httpx.MockTransport(fs))
@@ -196,7 +199,7 @@ def test_one_long_lived_client_per_instance():
     assert first.is_closed
 
 
-async def test_one_async_client_per_event_loop():
+async def test_one_async_client_per_event_loop() -> None:
     fs = FakeServer()
     fs.on("POST", "/v1/chat/completions", chat_response("hi"))
     llm = ChatPolyKV(base_url="http://polykv.test", async_transport=httpx.MockTransport(fs))
@@ -208,7 +211,7 @@ async def test_one_async_client_per_event_loop():
     await llm.aclose()
 
 
-def test_token_counting_goes_through_tokenize():
+def test_token_counting_goes_through_tokenize() -> None:
     fs = FakeServer()
     fs.on(
         "POST", "/tokenize", lambda r, b: httpx.Response(200, json={"tokens": list(range(len(b["content"].split())))})
@@ -220,7 +223,7 @@ def test_token_counting_goes_through_tokenize():
     assert llm.get_num_tokens_from_messages([HumanMessage("x y")]) > 0
 
 
-def test_ls_model_name_is_the_served_model_and_logprobs_in_metadata():
+def test_ls_model_name_is_the_served_model_and_logprobs_in_metadata() -> None:
     fs = FakeServer()
     fs.on("GET", "/v1/models", lambda r, b: httpx.Response(200, json={"data": [{"id": "SmolLM2-135M-Instruct.Q4_1"}]}))
     lp = {"content": [{"token": "hi", "logprob": -0.25, "bytes": [104, 105], "top_logprobs": []}]}
@@ -254,7 +257,7 @@ def test_ls_model_name_is_the_served_model_and_logprobs_in_metadata():
     assert [t["token"] for t in full.response_metadata["logprobs"]["content"]] == ["hi", "i"]
 
 
-def test_profile_and_refresh_from_props():
+def test_profile_and_refresh_from_props() -> None:
     fs = FakeServer()
     fs.on("GET", "/props", lambda r, b: httpx.Response(200, json={"n_ctx": 4096}))
     llm = ChatPolyKV(base_url="http://polykv.test", transport=httpx.MockTransport(fs))
@@ -262,14 +265,14 @@ def test_profile_and_refresh_from_props():
     assert llm.refresh_profile()["max_input_tokens"] == 4096 and llm.profile["max_input_tokens"] == 4096
 
 
-def test_py_typed_ships():
+def test_py_typed_ships() -> None:
     assert (Path(polykv_langgraph.__file__).parent / "py.typed").is_file()
 
 
 # --- LocalServer and the pool helper ---------------------------------------------------
 
 
-def test_local_server_finds_polykv(monkeypatch, tmp_path):
+def test_local_server_finds_polykv(monkeypatch: MonkeyPatch, tmp_path: Path) -> None:
     exe = tmp_path / "polykv"
     exe.write_text("#!/bin/sh\n")
     exe.chmod(0o755)
@@ -287,7 +290,7 @@ def test_local_server_finds_polykv(monkeypatch, tmp_path):
     assert "POLYKV_BIN" in str(e.value) and "PATH" in str(e.value)
 
 
-def test_create_model_pool_sends_system_and_bound_tools():
+def test_create_model_pool_sends_system_and_bound_tools() -> None:
     fs = FakeServer()
     fs.on("POST", "/polykv/pools", lambda r, b: httpx.Response(201, json={"pool_id": 3, "prefix_len": 50}))
 

@@ -1,10 +1,14 @@
 """Offline tests: the client, the chat model and the graph nodes against httpx.MockTransport."""
 import json
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.outputs import ChatGeneration, ChatResult
 from langgraph.types import Command
+from pytest import MonkeyPatch
 
 from polykv_langgraph import (
     AuthenticationError,
@@ -20,15 +24,21 @@ from polykv_langgraph import (
     make_pool_tools,
 )
 
+# Handler answers one request to the fake server (its parsed JSON body beside it).
+Handler = Callable[[httpx.Request, Any], httpx.Response]
+
 
 class FakeServer:
     """Routes requests to handlers and records them."""
 
-    def __init__(self):
-        self.requests = []
-        self.routes = {}
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, Any, dict[str, str]]] = []
+        self.routes: dict[tuple[str, str], Handler] = {}
+        # reservation_server's state
+        self.granted: list[str] = []
+        self.limit = 0
 
-    def on(self, method, path, handler):
+    def on(self, method: str, path: str, handler: Handler) -> None:
         self.routes[(method, path)] = handler
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -39,21 +49,21 @@ class FakeServer:
             return httpx.Response(404, json={"error": {"code": 404, "type": "not_found_error", "message": "no route"}})
         return handler(request, body)
 
-    def client(self):
+    def client(self) -> PolyKVClient:
         return PolyKVClient("http://polykv.test", transport=httpx.MockTransport(self))
 
-    def bodies(self, path="/v1/chat/completions"):
+    def bodies(self, path: str = "/v1/chat/completions") -> list[Any]:
         """Bodies of the requests to path (the chat model also asks /v1/models once)."""
         return [r[2] for r in self.requests if r[1] == path]
 
 
-def err(status, typ, msg, headers=None):
+def err(status: int, typ: str, msg: str, headers: dict[str, str] | None = None) -> Handler:
     return lambda req, body: httpx.Response(
         status, json={"error": {"code": status, "type": typ, "message": msg}}, headers=headers or {}
     )
 
 
-def test_errors_are_typed():
+def test_errors_are_typed() -> None:
     fs = FakeServer()
     fs.on("GET", "/polykv/pools/4/capacity", err(429, "pool_saturated_error", "full", {"Retry-After": "3"}))
     fs.on("GET", "/polykv/pools/9", err(404, "not_found_error", "pool 9 does not exist"))
@@ -73,7 +83,7 @@ def test_errors_are_typed():
         c.create_pool(prompt="x", tokens=[1])
 
 
-def test_compact_by_refork_builds_full_prefix_and_releases_subtree():
+def test_compact_by_refork_builds_full_prefix_and_releases_subtree() -> None:
     fs = FakeServer()
     fs.on(
         "GET",
@@ -104,8 +114,10 @@ def test_compact_by_refork_builds_full_prefix_and_releases_subtree():
     assert deletes == ["/polykv/pools/6", "/polykv/pools/5"]  # children first
 
 
-def chat_response(content="", tool_calls=None, finish="stop", headers=None):
-    msg = {"role": "assistant", "content": content}
+def chat_response(
+    content: str = "", tool_calls: list[dict] | None = None, finish: str = "stop", headers: dict[str, str] | None = None
+) -> Handler:
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         msg["tool_calls"] = tool_calls
     data = {
@@ -125,13 +137,13 @@ def chat_response(content="", tool_calls=None, finish="stop", headers=None):
     return lambda req, body: httpx.Response(200, json=data, headers=headers or {})
 
 
-def model_for(fs, **kw):
+def model_for(fs: FakeServer, **kw: Any) -> ChatPolyKV:
     return ChatPolyKV(
         base_url="http://polykv.test", transport=httpx.MockTransport(fs), pool_id=4, session_id="s1", **kw
     )
 
 
-def test_chat_model_request_and_metadata():
+def test_chat_model_request_and_metadata() -> None:
     fs = FakeServer()
     fs.on("POST", "/v1/chat/completions", chat_response("hello", headers={"X-Sessions-Remaining": "3"}))
     llm = model_for(fs, temperature=0, max_tokens=16, overcommit=True, stop=["END"])
@@ -147,7 +159,7 @@ def test_chat_model_request_and_metadata():
     assert md["backpressure"] == {"sessions_remaining": 3} and md["timings"]["cache_n"] == 20
 
 
-def test_chat_model_tool_calls_and_history():
+def test_chat_model_tool_calls_and_history() -> None:
     fs = FakeServer()
     calls = [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]
     fs.on("POST", "/v1/chat/completions", chat_response("", calls, "tool_calls"))
@@ -171,12 +183,12 @@ def test_chat_model_tool_calls_and_history():
     }
 
 
-def sse(*chunks):
+def sse(*chunks: dict) -> Handler:
     lines = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
     return lambda req, body: httpx.Response(200, text=lines, headers={"Content-Type": "text/event-stream"})
 
 
-def test_chat_model_stream_reassembles_text_and_tool_calls():
+def test_chat_model_stream_reassembles_text_and_tool_calls() -> None:
     base = {"id": "c", "model": "smol", "object": "chat.completion.chunk"}
     fs = FakeServer()
     fs.on(
@@ -252,7 +264,7 @@ def test_chat_model_stream_reassembles_text_and_tool_calls():
     assert full.response_metadata["finish_reason"] == "tool_calls" and full.response_metadata["session_tps"] == 9.0
 
 
-def test_chat_model_retries_429_then_raises():
+def test_chat_model_retries_429_then_raises() -> None:
     fs = FakeServer()
     fs.on("POST", "/v1/chat/completions", err(429, "pool_saturated_error", "full", {"Retry-After": "0"}))
     with pytest.raises(PoolSaturatedError):
@@ -260,7 +272,7 @@ def test_chat_model_retries_429_then_raises():
     assert len(fs.bodies()) == 3
 
 
-def capacity(ok, **kw):
+def capacity(ok: bool, **kw: Any) -> Handler:
     return lambda req, body: httpx.Response(
         200,
         json={
@@ -273,7 +285,7 @@ def capacity(ok, **kw):
     )
 
 
-def test_capacity_gate_routes():
+def test_capacity_gate_routes() -> None:
     fs = FakeServer()
     fs.on("GET", "/polykv/pools/4/capacity", capacity(True))
     gate = capacity_gate(fs.client(), spawn="spawn", hold="hold", reserve=False)
@@ -288,7 +300,7 @@ def test_capacity_gate_routes():
     assert gate({"pool_id": 4}).goto == "hold"
 
 
-def test_capacity_gate_waits_for_settle():
+def test_capacity_gate_waits_for_settle() -> None:
     fs = FakeServer()
     answers = iter([capacity(False, settling=True, settle_remaining_ms=10), capacity(True)])
     fs.on("GET", "/polykv/pools/4/capacity", lambda r, b: next(answers)(r, b))
@@ -298,12 +310,12 @@ def test_capacity_gate_waits_for_settle():
     assert cmd.goto == "go" and len(fs.requests) == 2
 
 
-def test_capacity_reducer_keeps_latest():
+def test_capacity_reducer_keeps_latest() -> None:
     assert capacity_reducer({"a": 1, "b": 2}, {"b": 3}) == {"a": 1, "b": 3}
     assert capacity_reducer({"a": 1}, None) == {"a": 1}
 
 
-def test_tools_answer_errors_as_data():
+def test_tools_answer_errors_as_data() -> None:
     fs = FakeServer()
     fs.on("DELETE", "/polykv/pools/4", err(409, "conflict_error", "pool 4 has children [5]"))
     fs.on("GET", "/polykv/pools/4/capacity", capacity(True))
@@ -314,15 +326,16 @@ def test_tools_answer_errors_as_data():
 
 
 class FakeSummarizer(ChatPolyKV):
-    def served_model(self):
+    def served_model(self) -> str:
         return "fake"
 
-    def _generate(self, messages, stop=None, run_manager=None, **kwargs):
-        from langchain_core.outputs import ChatGeneration, ChatResult
+    def _generate(
+        self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager: Any = None, **kwargs: Any
+    ) -> ChatResult:
         return ChatResult(generations=[ChatGeneration(message=AIMessage("they discussed X"))])
 
 
-def session_capacity(pressure, used, headroom=1000, server_wide=0.1):
+def session_capacity(pressure: float, used: int, headroom: int = 1000, server_wide: float = 0.1) -> Handler:
     return lambda req, body: httpx.Response(
         200,
         json={
@@ -334,7 +347,7 @@ def session_capacity(pressure, used, headroom=1000, server_wide=0.1):
     )
 
 
-def compaction_server():
+def compaction_server() -> FakeServer:
     fs = FakeServer()
     fs.on(
         "GET",
@@ -350,7 +363,7 @@ def compaction_server():
     return fs
 
 
-def test_compaction_node_reroots_and_releases():
+def test_compaction_node_reroots_and_releases() -> None:
     fs = compaction_server()
     fs.on("GET", "/polykv/pools/5/capacity", session_capacity(0.93, 900, 60))
     node = CompactionNode(FakeSummarizer(), fs.client(), threshold=0.8, keep_last=1)
@@ -370,7 +383,7 @@ def test_compaction_node_reroots_and_releases():
     assert node(state) == {}
 
 
-def test_compaction_reads_the_sessions_own_pressure_not_the_servers():
+def test_compaction_reads_the_sessions_own_pressure_not_the_servers() -> None:
     """Issue 13: a busy server (server-wide pressure 0.95) with a short conversation."""
     fs = compaction_server()
     fs.on("GET", "/polykv/pools/5/capacity", session_capacity(0.05, 60, 1100, server_wide=0.95))
@@ -386,7 +399,7 @@ def test_compaction_reads_the_sessions_own_pressure_not_the_servers():
     assert node({**state, "session_id": None}) == {}
 
 
-def test_compaction_hysteresis_never_twice_without_growth():
+def test_compaction_hysteresis_never_twice_without_growth() -> None:
     fs = compaction_server()
     fs.on("GET", "/polykv/pools/5/capacity", session_capacity(0.9, 900, 100))
     node = CompactionNode(FakeSummarizer(), fs.client(), threshold=0.3, keep_last=1)
@@ -410,7 +423,7 @@ def test_compaction_hysteresis_never_twice_without_growth():
     assert second["compaction"]["count"] == 2 and second["compaction"]["released"] == [6]
 
 
-def test_capacity_gate_interrupt_blocks_until_resumed():
+def test_capacity_gate_interrupt_blocks_until_resumed() -> None:
     from typing import TypedDict
 
     from langgraph.checkpoint.memory import InMemorySaver
@@ -444,14 +457,13 @@ def test_capacity_gate_interrupt_blocks_until_resumed():
     assert resumed["route"] == "spawn" and resumed["capacity_ok"] is True
 
 
-def reservation_server(limit):
+def reservation_server(limit: int) -> FakeServer:
     """A fake pool that grants at most `limit` reservations at once (the real server
     decides them one at a time on its engine goroutine)."""
     fs = FakeServer()
-    fs.granted = []
     fs.limit = limit
 
-    def reserve(req, body):
+    def reserve(req: httpx.Request, body: Any) -> httpx.Response:
         if len(fs.granted) < fs.limit:
             rid = f"rsv-{len(fs.granted)}"
             fs.granted.append(rid)
@@ -481,7 +493,7 @@ def reservation_server(limit):
     return fs
 
 
-def fanout_graph(gate):
+def fanout_graph(gate: Any) -> Any:
     import operator
     from typing import Annotated, TypedDict
 
@@ -501,7 +513,7 @@ def fanout_graph(gate):
     return g
 
 
-def test_capacity_gate_reserves_so_a_send_fanout_cannot_overshoot():
+def test_capacity_gate_reserves_so_a_send_fanout_cannot_overshoot() -> None:
     fs = reservation_server(limit=2)
     out = (
         fanout_graph(capacity_gate(fs.client(), spawn="agent", hold="held", send=True)).compile().invoke({"pool_id": 4})
@@ -513,7 +525,7 @@ def test_capacity_gate_reserves_so_a_send_fanout_cannot_overshoot():
     assert fs.bodies("/polykv/pools/4/reservations")[0] == {"ttl_ms": 30000}
 
 
-def test_several_interrupted_gates_resume_at_once():
+def test_several_interrupted_gates_resume_at_once() -> None:
     """Four branches held by use_interrupt resume with one Command(resume={id: ...})."""
     from langgraph.checkpoint.memory import InMemorySaver
 
@@ -531,7 +543,7 @@ def test_several_interrupted_gates_resume_at_once():
     assert sorted(r for _, r in out["spawned"]) == sorted(fs.granted)
 
 
-def test_api_key_is_sent_from_argument_or_env_and_401_is_typed(monkeypatch):
+def test_api_key_is_sent_from_argument_or_env_and_401_is_typed(monkeypatch: MonkeyPatch) -> None:
     seen: list[str | None] = []
 
     def handler(request: httpx.Request) -> httpx.Response:

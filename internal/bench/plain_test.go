@@ -1,8 +1,10 @@
-package main
+package bench
 
 import (
 	"testing"
 	"time"
+
+	"github.com/polykv/polykv/internal/app"
 )
 
 func TestPercentileNearestRank(t *testing.T) {
@@ -56,11 +58,9 @@ func TestParseModesAndCounts(t *testing.T) {
 }
 
 func TestWithCacheReuse(t *testing.T) {
-	cfg := parseCore(t)
+	// The flag's parsing is cmd/polykv's TestPrefixCacheFlag.
+	cfg := app.DefaultConfig().Resolved()
 	if cfg.PrefixCache != "on" || withCacheReuse(cfg, false).PrefixCache != "off" || withCacheReuse(cfg, true).PrefixCache != "on" {
 		t.Fatalf("default %q; the off and on configs must spell --prefix-cache off and on", cfg.PrefixCache)
-	}
-	if got := parseCore(t, "--prefix-cache", "off").PrefixCache; got != "off" {
-		t.Fatalf("--prefix-cache off parsed as %q", got)
 	}
 }
