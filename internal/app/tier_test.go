@@ -22,6 +22,19 @@ import (
 // returns the generated token ids, their logprobs and the cache_n the server reported.
 // Without a pool it is a cold reference: the whole prompt is prefilled (cache_prompt
 // false), never started from a prefix the prefix cache holds.
+// checkRestored fails unless prefix+question answered from pool id (restored from the
+// tier) reuses the whole prefix and gives the greedy tokens and logprobs of a cold
+// prefill of the same prompt.
+func checkRestored(t *testing.T, base, name string, id int, prefix, question []int32) {
+	t.Helper()
+	prompt := append(slices.Clone(prefix), question...)
+	gotIDs, gotLP, cacheN := greedyLogprobs(t, base, prompt, id, 8)
+	wantIDs, wantLP, _ := greedyLogprobs(t, base, prompt, 0, 8)
+	if cacheN != len(prefix) || !slices.Equal(gotIDs, wantIDs) || !slices.Equal(gotLP, wantLP) {
+		t.Fatalf("%s: cache_n %d (want %d); tokens %v logprobs %v, a cold prefill gives %v %v", name, cacheN, len(prefix), gotIDs, gotLP, wantIDs, wantLP)
+	}
+}
+
 func greedyLogprobs(t testing.TB, base string, prompt []int32, poolID, n int) ([]int, []float64, int) {
 	t.Helper()
 	body := map[string]any{"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 1, "ignore_eos": true, "cache_prompt": false}
@@ -119,12 +132,7 @@ func checkRestoreEqualsPrefill(t *testing.T, cfg Config, where string) {
 	root := num(createPool(t, base, map[string]any{"tokens": rootToks})["pool_id"])
 	check := func(name string, id int, prefix []int32) {
 		t.Helper()
-		prompt := append(slices.Clone(prefix), question...)
-		gotIDs, gotLP, cacheN := greedyLogprobs(t, base, prompt, id, 8)
-		wantIDs, wantLP, _ := greedyLogprobs(t, base, prompt, 0, 8)
-		if cacheN != len(prefix) || !slices.Equal(gotIDs, wantIDs) || !slices.Equal(gotLP, wantLP) {
-			t.Fatalf("%s: cache_n %d (want %d); tokens %v logprobs %v, a cold prefill gives %v %v", name, cacheN, len(prefix), gotIDs, gotLP, wantIDs, wantLP)
-		}
+		checkRestored(t, base, name, id, prefix, question)
 	}
 	// Evict the root and restore it by attaching.
 	evict(t, base, root)
@@ -393,12 +401,7 @@ func TestTierRecurrentRestoreEqualsPrefill(t *testing.T) {
 				question := archTokens(a, 3, 9)
 				check := func(name string, id int, prefix []int32) {
 					t.Helper()
-					prompt := append(slices.Clone(prefix), question...)
-					gotIDs, gotLP, cacheN := greedyLogprobs(t, base, prompt, id, 8)
-					wantIDs, wantLP, _ := greedyLogprobs(t, base, prompt, 0, 8)
-					if cacheN != len(prefix) || !slices.Equal(gotIDs, wantIDs) || !slices.Equal(gotLP, wantLP) {
-						t.Fatalf("%s: cache_n %d (want %d); tokens %v logprobs %v, a cold prefill gives %v %v", name, cacheN, len(prefix), gotIDs, gotLP, wantIDs, wantLP)
-					}
+					checkRestored(t, base, name, id, prefix, question)
 				}
 				rootToks := archTokens(a, 1, 120)
 				L := len(rootToks)
