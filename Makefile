@@ -68,13 +68,14 @@ test: build model testmodels templates venv browser test-go test-python
 # gofmt, go vet, staticcheck at a pinned version (go run fetches it through the module
 # proxy into Go's own caches, nothing in the repo), and PolyKV's C++ files compiled with
 # -Wall -Wextra -Werror (go build compiles them with -Wall -Wextra, see llama.go's #cgo
-# lines, and only warns; llama.cpp's headers are -isystem, so the warnings are ours).
+# lines, and only warns; llama.cpp's headers are -isystem, so the warnings are ours; common/
+# and vendor/ for the build-tagged common/chat measurement binding, docs/chat.md).
 STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
 lint:
 	@unformatted=$$(gofmt -l cmd internal); if [ -n "$$unformatted" ]; then echo "gofmt needed:"; echo "$$unformatted"; exit 1; fi
 	go vet ./...
 	go run $(STATICCHECK) ./...
-	for f in internal/llama/*.cpp; do $(CXX) -std=c++17 -Wall -Wextra -Werror $(CGO_CPPFLAGS) $(CGO_CXXFLAGS) -c -o /dev/null $$f || exit 1; done
+	for f in internal/llama/*.cpp; do $(CXX) -std=c++17 -Wall -Wextra -Werror $(CGO_CPPFLAGS) -isystem $(LLAMA_SRC)/common -isystem $(LLAMA_SRC)/vendor $(CGO_CXXFLAGS) -c -o /dev/null $$f || exit 1; done
 
 # -p 1: one test binary at a time. Real-model tests in several packages each run llama.cpp
 # with a thread per core, and ggml's threads spin at every graph node's barrier: two such
