@@ -47,8 +47,8 @@ func TestArchsPoolsAndTraffic(t *testing.T) {
 			if got := a.Model.Meta("general.architecture"); got != arch || (arch == "gemma4" && a.Model.NSWA() != 32) {
 				t.Fatalf("loaded as %q with a %d-position window", got, a.Model.NSWA())
 			}
-			if pol := runner.ModelPolicy(a.Model); arch == "gemma4" && (pol.SWA != 32 || !pol.Anchors || pol.Recurrent || pol.TierOff() == "") {
-				t.Fatalf("Gemma 4's policy %+v (tier: %q): want SWA anchors for its window, no recurrent rules, the tier refused", pol, pol.TierOff())
+			if pol := runner.ModelPolicy(a.Model); arch == "gemma4" && (pol.SWA != 32 || !pol.Anchors || pol.Recurrent || pol.TierOff() != "") {
+				t.Fatalf("Gemma 4's policy %+v (tier: %q): want SWA anchors for its window, no recurrent rules, the tier on", pol, pol.TierOff())
 			}
 			rootToks := archTokens(a, 1, 120)
 			L := len(rootToks)

@@ -379,14 +379,16 @@ func checkSlotSaveRestoreErase(t *testing.T, cfg Config) {
 	}
 }
 
-// TestTierRecurrentRestoreEqualsPrefill: on models with recurrent state (Qwen3.5's gated
+// TestTierArchsRestoreEqualsPrefill: on models with recurrent state (Qwen3.5's gated
 // delta-net and LFM2's short convolutions, both beside attention layers, Qwen3.5's with
 // a sliding window; random weights) an evicted pool comes back from the tier with its
 // recurrent state at its boundary: a root, an extend fork of the restored root and that
 // child restored (its state its own, not its parent's) give a fully prefilled request's
-// greedy tokens and logprobs, from RAM and from disk, f16 and q8_0 caches.
-func TestTierRecurrentRestoreEqualsPrefill(t *testing.T) {
-	for _, arch := range []string{"qwen35", "lfm2"} {
+// greedy tokens and logprobs, from RAM and from disk, f16 and q8_0 caches. Gemma 4's
+// test model (interleaved 32-position window, layers sharing KV) runs the same story
+// through the window-chunked save Gemma 3 uses: its 120-token root spans four windows.
+func TestTierArchsRestoreEqualsPrefill(t *testing.T) {
+	for _, arch := range []string{"qwen35", "lfm2", "gemma4"} {
 		for _, c := range []struct{ ct, where string }{{"f16", "ram"}, {"q8_0", "disk"}} {
 			t.Run(arch+"/"+c.ct+"/"+c.where, func(t *testing.T) {
 				cfg := withDefaults(Config{ModelPath: testmodel.Arch(t, arch), NCtx: 1024, Parallel: 2, MaxPools: 4, Threads: 2,
@@ -396,7 +398,7 @@ func TestTierRecurrentRestoreEqualsPrefill(t *testing.T) {
 				}
 				a, base := openServer(t, cfg)
 				if props := tierProps(t, base); props == nil || !props.Enabled {
-					t.Fatalf("tier props %+v, want enabled on a recurrent model", props)
+					t.Fatalf("tier props %+v, want enabled on %s", props, arch)
 				}
 				question := archTokens(a, 3, 9)
 				check := func(name string, id int, prefix []int32) {
@@ -421,9 +423,17 @@ func TestTierRecurrentRestoreEqualsPrefill(t *testing.T) {
 				evict(t, base, child)
 				check("child restored", child, childToks)
 				check("root after its child's restore", root, rootToks)
+				// On Gemma 4 (no recurrent state) the evicted child is whole in the cells a
+				// session of its check left resident, so it is shared from there (a seq_cp is
+				// cheaper than any load); a recurrent child's state lives in no other
+				// sequence, so it comes from the tier.
+				restores := int64(2)
+				if arch == "gemma4" {
+					restores = 1
+				}
 				props := tierProps(t, base)
-				if props.Restores[c.where] != 2 || len(props.Misses) != 0 || props.Spills != 2 {
-					t.Fatalf("tier counters %+v, want 2 spills and 2 restores from %s, no miss", props, c.where)
+				if props.Restores[c.where] != restores || len(props.Misses) != 0 || props.Spills != 2 {
+					t.Fatalf("tier counters %+v, want 2 spills and %d restores from %s, no miss", props, restores, c.where)
 				}
 			})
 		}
