@@ -4,6 +4,8 @@
 # prompt, greedy output with speculation off and with draft-mtp at each --spec-draft-n-max
 # in DRAFT_MAX, one fresh server per setting; prints draft_n / draft_n_accepted per reply
 # and whether the tokens equal the non-speculative ones. Exit status 1 if any differ.
+# PARALLEL=1: the prompts go in at once to a server with one slot each (-np 4), so the
+# MTP context drafts and catches up for four sequences in the same batches.
 #
 #   scripts/mtp-llama-server.sh [LLAMA_SERVER] [MODEL]
 #
@@ -35,18 +37,24 @@ trap 'stop; rm -rf "$out"' EXIT
 run() {
 	local name=$1 i
 	shift
-	"$llama_server" -m "$model" -c 2048 -np 1 -t 2 --port "$port" "$@" >"$out/$name.log" 2>&1 &
+	local np=1
+	[ "${PARALLEL:-0}" = 1 ] && np=${#prompts[@]}
+	"$llama_server" -m "$model" -c $((2048 * np)) -np "$np" -t 2 --port "$port" "$@" >"$out/$name.log" 2>&1 &
 	pid=$!
 	for _ in $(seq 300); do
 		curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
 		kill -0 "$pid" 2>/dev/null || { tail -5 "$out/$name.log" >&2; exit 1; }
 		sleep 0.1
 	done
+	local reqs=()
 	for i in "${!prompts[@]}"; do
 		curl -sf "http://127.0.0.1:$port/completion" -H 'Content-Type: application/json' \
 			-d "{\"prompt\":[${prompts[$i]}],\"n_predict\":$n_predict,\"temperature\":0,\"return_tokens\":true,\"cache_prompt\":false}" \
-			>"$out/$name.$i.json"
+			>"$out/$name.$i.json" &
+		reqs+=($!)
+		[ "${PARALLEL:-0}" = 1 ] || wait "$!"
 	done
+	wait "${reqs[@]}"
 	stop
 }
 
