@@ -5,8 +5,8 @@
 // test-llama-archs writes its qwen35 model without them (nextn_predict_layers = 0), so its
 // approach is followed here as in gemma4-testmodel.cpp: llama.cpp's model saver writes the
 // metadata, llama_model_init_from_user (with load_mtp, or the NextN tensors are skipped)
-// fills every tensor from a seeded normal distribution, llama_model_save_to_file writes the
-// GGUF. The file is then loaded back, its trunk decoded, and llama.cpp's MTP context
+// fills every tensor from a seeded normal distribution (the MTP head made to draft
+// plausibly: see fill), and the saver writes the GGUF. The file is then loaded back, its trunk decoded, and llama.cpp's MTP context
 // (LLAMA_CONTEXT_TYPE_MTP) created on it and run for one draft step fed by the trunk's
 // NextN embeddings, so that a model llama.cpp cannot draft with is never left behind.
 //
