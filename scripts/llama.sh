@@ -120,12 +120,14 @@ tool() { # $1 target: builds it once, prints its path
 
 # Tiny random-weight models (2 layers, 128-token vocabulary, fixed seed) for architectures
 # with no small real model here, written by llama.cpp's own test-llama-archs to
-# $cache/testmodels/<arch>.gguf. Gemma 4 is written by scripts/gemma4-testmodel.cpp
-# instead (5 layers, iSWA): this build's test-llama-archs skips it ("ISWA KV cache
-# initialization needs more fixture params"); that program gives Gemma 4's parameters in
-# full and is compiled here against the same static libraries PolyKV links.
+# $cache/testmodels/<arch>.gguf. Two are written by programs of ours instead, compiled here
+# against the same static libraries PolyKV links (nothing of llama.cpp is committed):
+# scripts/gemma4-testmodel.cpp writes gemma4.gguf (10 layers, iSWA; this build's
+# test-llama-archs skips Gemma 4: "ISWA KV cache initialization needs more fixture
+# params") and scripts/qwen35mtp-testmodel.cpp writes qwen35mtp.gguf (qwen35.gguf's trunk
+# plus one MTP/NextN block, for draft-mtp: test-llama-archs writes no NextN layers).
 testmodels() {
-	local gen out=$cache/testmodels arch tmp
+	local gen out=$cache/testmodels arch tmp name
 	gen=$(tool test-llama-archs)
 	mkdir -p "$out"
 	for arch in qwen35 lfm2 granitehybrid llama; do
@@ -136,19 +138,21 @@ testmodels() {
 		rm -rf "$tmp" "$tmp.log"
 		echo "llama.sh: wrote $out/$arch.gguf" >&2
 	done
-	[ -f "$out/gemma4.gguf" ] && return
-	do_build
-	gen=$dir/gemma4-testmodel
-	if [ ! -x "$gen" ] || [ "$root/scripts/gemma4-testmodel.cpp" -nt "$gen" ]; then
-		${CXX:-c++} -std=c++17 -O1 -Wall -Wextra -I"$src/include" -I"$src/ggml/include" -I"$src/src" \
-			"$root/scripts/gemma4-testmodel.cpp" "$dir/src/libllama.a" "$dir/ggml/src/libggml.a" \
-			"$dir/ggml/src/libggml-cpu.a" "$dir/ggml/src/libggml-base.a" -lpthread -ldl -lm -o "$gen"
-	fi
-	tmp=$(mktemp "$out/gen.XXXXXX")
-	"$gen" "$tmp" 42 || { rm -f "$tmp"; exit 1; }
-	chmod 644 "$tmp"
-	mv "$tmp" "$out/gemma4.gguf"
-	echo "llama.sh: wrote $out/gemma4.gguf" >&2
+	for name in gemma4 qwen35mtp; do
+		[ -f "$out/$name.gguf" ] && continue
+		do_build
+		gen=$dir/$name-testmodel
+		if [ ! -x "$gen" ] || [ "$root/scripts/$name-testmodel.cpp" -nt "$gen" ]; then
+			${CXX:-c++} -std=c++17 -O1 -Wall -Wextra -I"$src/include" -I"$src/ggml/include" -I"$src/src" \
+				"$root/scripts/$name-testmodel.cpp" "$dir/src/libllama.a" "$dir/ggml/src/libggml.a" \
+				"$dir/ggml/src/libggml-cpu.a" "$dir/ggml/src/libggml-base.a" -lpthread -ldl -lm -o "$gen"
+		fi
+		tmp=$(mktemp "$out/gen.XXXXXX")
+		"$gen" "$tmp" 42 || { rm -f "$tmp"; exit 1; }
+		chmod 644 "$tmp"
+		mv "$tmp" "$out/$name.gguf"
+		echo "llama.sh: wrote $out/$name.gguf" >&2
+	done
 }
 
 case "${1:-}" in

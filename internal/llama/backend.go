@@ -160,6 +160,9 @@ type ModelParams struct {
 	SplitMode string
 	// MainGPU is the index into the chosen devices used when SplitMode is "none".
 	MainGPU int
+	// LoadMTP loads the model's MTP (NextN) layers too (llama_model_params.load_mtp), which
+	// an MTP draft context (ContextParams.MTPTarget) runs; without it llama.cpp skips them.
+	LoadMTP bool
 }
 
 // LoadModelWith loads a GGUF model with its layers placed as p says. The devices named in
@@ -182,6 +185,7 @@ func LoadModelWith(path string, p ModelParams) (*Model, error) {
 		return nil, fmt.Errorf("load model: unknown split mode %q (layer, row or none)", p.SplitMode)
 	}
 	params.main_gpu = C.int32_t(p.MainGPU)
+	params.load_mtp = C.bool(p.LoadMTP)
 	// No extra buffer types for weights: ggml-cpu's only one is runtime repacking (Q4_0,
 	// Q4_K, Q8_0, IQ4_NL into interleaved tiles), whose kernels give a token different
 	// logits in batches of different sizes (Gemma 3: up to 1.28 between 13- and 256-token

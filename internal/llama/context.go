@@ -36,6 +36,16 @@ type ContextParams struct {
 	TypeK     CacheType // K cache element type ("" = f16)
 	TypeV     CacheType // V cache element type ("" = f16); quantized V needs FlashAttn 1
 	SWAFull   bool      // full-size sliding-window cache (see NewContext)
+	// RSSeq is llama.cpp's n_rs_seq: recurrent-state snapshots kept per sequence so that
+	// SeqRm can drop up to RSSeq trailing positions of a recurrent or hybrid model's
+	// sequence (rejected drafts); 0 = none. Clamped to 0 by llama.cpp for architectures
+	// without rollback.
+	RSSeq int
+	// MTPTarget, if set, makes this an MTP draft context (LLAMA_CONTEXT_TYPE_MTP) over
+	// MTPTarget's model (loaded with LoadMTP): its graph runs the NextN layer(s) only,
+	// with a KV cache of their own, and its batches carry the target's NextN embedding
+	// per token (BatchAddEmbd). See mtp.go.
+	MTPTarget *Context
 }
 
 // Context is a llama.cpp context: the KV cache and the compute graph. One goroutine only.
@@ -46,6 +56,10 @@ type Context struct {
 	batch C.struct_llama_batch
 	nb    int // batch capacity
 	n     int // tokens currently in the batch
+
+	// embdRow (MTP contexts only, see mtp.go): values per row of batch.embd, the
+	// embedding each entry carries beside its token; 0 for other contexts.
+	embdRow int
 
 	compactBuf  unsafe.Pointer // C buffer reused by Compact (grows, never shrinks)
 	compactSize C.size_t
@@ -100,12 +114,26 @@ func NewContext(model *Model, p ContextParams) (*Context, error) {
 		cp.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_AUTO
 	}
 	cp.no_perf = true
+	cp.n_rs_seq = C.uint32_t(max(p.RSSeq, 0))
+	if p.MTPTarget != nil {
+		if p.MTPTarget.model != model {
+			return nil, errors.New("new context: an MTP context runs on its target's model")
+		}
+		if !model.MTPLoaded() {
+			return nil, fmt.Errorf("new context: an MTP context needs the model's MTP layers (%d in the file; load it with LoadMTP)", model.NLayerNextN())
+		}
+		cp.ctx_type = C.LLAMA_CONTEXT_TYPE_MTP
+		cp.ctx_other = p.MTPTarget.c
+	}
 	c := C.llama_init_from_model(model.m, cp)
 	if c == nil {
 		return nil, errors.New("new context: llama.cpp could not create the context (out of memory?)")
 	}
 	ctx := &Context{c: c, mem: C.llama_get_memory(c), model: model, nb: p.NBatch}
 	ctx.batch = C.llama_batch_init(C.int32_t(p.NBatch), 0, 1)
+	if p.MTPTarget != nil {
+		ctx.initMTPBatch()
+	}
 	ctx.valueTypesOK = orderedType(p.TypeK) && p.TypeK.normal() == p.TypeV.normal()
 	if ctx.valueTypesOK && flashAttnInstalled {
 		C.polykv_cells_register(c)

@@ -1,0 +1,86 @@
+package llama
+
+// MTP (multi-token prediction, "NextN") drafting through llama.cpp b11434. A model with
+// NextN layers (llama_model_n_layer_nextn > 0; qwen35, glm4-moe, deepseek2, ...) is
+// loaded once with ModelParams.LoadMTP; the target context is a normal Context that also
+// outputs each token's NextN embedding h (the hidden state its LM head reads:
+// SetEmbeddingsNextN, EmbeddingsNextN); the draft context is a second Context on the same
+// model (ContextParams.MTPTarget) whose graph runs only the NextN layer(s), with a KV cache
+// of their own, fed per entry a token and the target's h of the position before it
+// (BatchAddEmbd). How a driver keeps the two in step is in docs/speculative.md (MTP); this
+// file only binds the calls.
+
+/*
+#include <stdlib.h>
+#include "llama.h"
+#include "mtp.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"unsafe"
+)
+
+// NLayerNextN is the number of MTP (NextN) layers the model file has, loaded or not;
+// NLayer does not count them.
+func (m *Model) NLayerNextN() int { return int(C.llama_model_n_layer_nextn(m.m)) }
+
+// MTPLoaded reports whether the model's MTP layers are loaded (LoadMTP on a model that
+// has them), which an MTP context needs.
+func (m *Model) MTPLoaded() bool { return bool(C.polykv_model_mtp_loaded(m.m)) }
+
+// NEmbdOut is the width of the model's output embeddings, NextN rows included.
+func (m *Model) NEmbdOut() int { return int(C.llama_model_n_embd_out(m.m)) }
+
+// IsMTP reports whether c is an MTP draft context (ContextParams.MTPTarget).
+func (c *Context) IsMTP() bool { return c.embdRow > 0 }
+
+// initMTPBatch gives an MTP context's batch an embedding row per entry beside its token:
+// llama.cpp's batch conversion takes both (the MTP graph reads the token's embedding and
+// h). llama_batch_free frees the row buffer with the rest (both are malloc'd).
+func (c *Context) initMTPBatch() {
+	c.embdRow = int(C.llama_model_n_embd_inp(c.model.m))
+	c.batch.embd = (*C.float)(C.malloc(C.size_t(c.nb*c.embdRow) * C.size_t(unsafe.Sizeof(C.float(0)))))
+}
+
+// SetEmbeddingsNextN turns the NextN rows of c's decodes on or off. A draft-mtp target
+// wants them unmasked (one row for every batch entry, whatever its logits flag: the
+// draft context needs h at every position, prefill included); the MTP context masked
+// (rows only for entries with logits: the draft steps chain on them).
+func (c *Context) SetEmbeddingsNextN(on, masked bool) {
+	C.polykv_set_embeddings_nextn(c.c, C.bool(on), C.bool(masked))
+}
+
+// EmbeddingsNextN returns a copy of the NextN row of batch entry i from the last Decode
+// (unmasked: i is any entry's batch index; masked: an entry that asked for logits), or
+// nil if there is none.
+func (c *Context) EmbeddingsNextN(i int) []float32 {
+	p := C.polykv_get_embeddings_nextn_ith(c.c, C.int32_t(i))
+	if p == nil {
+		return nil
+	}
+	n := c.model.NEmbdOut()
+	out := make([]float32, n)
+	copy(out, unsafe.Slice((*float32)(unsafe.Pointer(p)), n))
+	return out
+}
+
+// BatchAddEmbd appends an entry to an MTP context's batch: token tok at pos for seq with
+// h, the target's NextN row of the position before pos (the draft steps: the MTP
+// context's own row of the entry before). It returns the entry's batch index.
+func (c *Context) BatchAddEmbd(tok Token, pos int, seq int, logits bool, h []float32) (int, error) {
+	if c.embdRow == 0 {
+		return -1, fmt.Errorf("batch add: not an MTP context")
+	}
+	if len(h) != c.embdRow {
+		return -1, fmt.Errorf("batch add: embedding of %d values, the MTP context takes %d", len(h), c.embdRow)
+	}
+	i, err := c.BatchAdd(tok, pos, seq, logits)
+	if err != nil {
+		return -1, err
+	}
+	row := unsafe.Slice((*float32)(unsafe.Pointer(c.batch.embd)), c.nb*c.embdRow)[i*c.embdRow : (i+1)*c.embdRow]
+	copy(row, h)
+	return i, nil
+}
