@@ -2,8 +2,7 @@ package runner
 
 import (
 	"log/slog"
-	"maps"
-	"slices"
+	"sync/atomic"
 
 	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/llama"
@@ -41,8 +40,8 @@ type Drafter struct {
 	cells int                   // cells held in all
 	log   *slog.Logger
 
-	// Decodes and Drafted count draft-model decode calls and proposed tokens (tests).
-	Decodes, Drafted int
+	// heldCells, heldSeqs publish cells and len(held) to other goroutines (Held).
+	heldCells, heldSeqs atomic.Int64
 }
 
 // NewDrafter drafts for target with ctx, a context of draft (CheckDraftVocab passed),
@@ -55,8 +54,17 @@ func NewDrafter(target, draft *llama.Model, ctx *llama.Context, pMin float64, lo
 		held: map[int][]llama.Token{}, log: log}
 }
 
-// Held is the number of draft-context cells held and the sequences holding them.
-func (d *Drafter) Held() (cells, seqs int) { return d.cells, len(d.held) }
+// Held is the number of draft-context cells held and the sequences holding them, as
+// of the drafter's last call (safe from any goroutine: tests, diagnostics).
+func (d *Drafter) Held() (cells, seqs int) {
+	return int(d.heldCells.Load()), int(d.heldSeqs.Load())
+}
+
+// publish makes what is held visible to Held.
+func (d *Drafter) publish() {
+	d.heldCells.Store(int64(d.cells))
+	d.heldSeqs.Store(int64(len(d.held)))
+}
 
 // drop frees everything held for seq.
 func (d *Drafter) drop(seq int) {
@@ -89,6 +97,7 @@ type draftJob struct {
 // Draft implements engine.DraftBackend's drafting. A decode failure drops the wanted
 // sequences' draft state (the cache may hold part of a batch) and proposes nothing.
 func (d *Drafter) Draft(wants []engine.DraftWant) []engine.DraftProposal {
+	defer d.publish()
 	wanted := map[int]bool{}
 	var jobs []*draftJob
 	need := 0
@@ -140,7 +149,6 @@ func (d *Drafter) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 		if d.ctx.BatchLen() == 0 {
 			return nil
 		}
-		d.Decodes++
 		if err := d.ctx.Decode(); err != nil {
 			return err
 		}
@@ -203,7 +211,6 @@ func (d *Drafter) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 	out := make([]engine.DraftProposal, 0, len(jobs))
 	for _, j := range jobs {
 		if len(j.out) > 0 {
-			d.Drafted += len(j.out)
 			out = append(out, engine.DraftProposal{Task: j.w.Task, At: len(j.w.Tokens), Tokens: j.out})
 		}
 	}
@@ -234,11 +241,7 @@ func (d *Drafter) pick(j *draftJob) {
 }
 
 // DraftSeqRm implements engine.DraftBackend: the target emptied seq.
-func (d *Drafter) DraftSeqRm(seq int) { d.drop(seq) }
-
-// Close drops every draft sequence.
-func (d *Drafter) Close() {
-	for _, seq := range slices.Collect(maps.Keys(d.held)) {
-		d.drop(seq)
-	}
+func (d *Drafter) DraftSeqRm(seq int) {
+	d.drop(seq)
+	d.publish()
 }
