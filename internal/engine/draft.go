@@ -122,19 +122,30 @@ func (s *Scheduler) pureDraft(t *task, k, minN int) bool {
 	return false
 }
 
-// OfferDrafts hands the drafter's proposals to the scheduler for the next plan; earlier
-// ones not used are dropped. A proposal for a task that has moved on since (another
-// length) is ignored.
-func (s *Scheduler) OfferDrafts(props []DraftProposal) {
+// OfferDrafts hands the drafter's proposals for wants to the scheduler for the next
+// plan; earlier ones not used are dropped. A proposal for a task that has moved on since
+// (another length) is ignored. A want the drafter had nothing for (its model was not
+// sure enough of the first token) backs off as a wholly rejected proposal does (1, 2,
+// 4 … steps without asking): a draft model's decode costs a step's time whether or not
+// it proposes, and the cost-aware limit only sees verified drafts.
+func (s *Scheduler) OfferDrafts(wants []DraftWant, props []DraftProposal) {
 	for _, t := range s.running {
 		t.modelDraft = nil
 	}
+	got := map[TaskID]bool{}
 	for _, p := range props {
 		t := s.byID(p.Task)
 		if t == nil || !t.hasNext || t.slot == nil || p.At != len(t.slot.tokens)+1 || len(p.Tokens) == 0 {
 			continue
 		}
 		t.modelDraft = slices.Clone(p.Tokens)
+		got[p.Task] = true
+	}
+	for _, w := range wants {
+		if t := s.byID(w.Task); t != nil && !got[w.Task] {
+			t.specMisses++
+			t.specWait = min(1<<min(t.specMisses-1, 10), specMaxWait)
+		}
 	}
 }
 
@@ -163,8 +174,9 @@ func draftRound(sched *Scheduler, be Backend) {
 		return
 	}
 	var props []DraftProposal
-	if w := sched.DraftWants(); len(w) > 0 {
+	w := sched.DraftWants()
+	if len(w) > 0 {
 		props = db.Draft(w)
 	}
-	sched.OfferDrafts(props) // also drops proposals an earlier plan did not use
+	sched.OfferDrafts(w, props) // also drops proposals an earlier plan did not use
 }

@@ -112,7 +112,7 @@ func TestDraftModelFreed(t *testing.T) {
 	}
 	// A proposal for another position than the task's is dropped.
 	tb := h.s.byID(b)
-	h.s.OfferDrafts([]DraftProposal{{Task: b, At: len(tb.slot.tokens), Tokens: []Token{1, 2}}})
+	h.s.OfferDrafts(nil, []DraftProposal{{Task: b, At: len(tb.slot.tokens), Tokens: []Token{1, 2}}})
 	if tb.modelDraft != nil {
 		t.Error("a stale proposal was kept")
 	}
