@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write a layer-truncated copy of a GGUF model: a cheap draft model of the same
-vocabulary for --model-draft (issue 23's benchmark). Keeps the first N blocks (or the
-blocks listed with --keep), the embeddings, the output norm and head, and every
+vocabulary for --model-draft (issue 23's benchmark). Keeps the blocks listed with
+--keep (renumbered from 0), the embeddings, the output norm and head, and every
 metadata key, with <arch>.block_count set to the blocks kept. Tensors are copied as
 they are (quantized data untouched). Uses gguf-py from the pinned llama.cpp source:
 
