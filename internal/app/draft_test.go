@@ -22,6 +22,33 @@ func TestDraftModel(t *testing.T) {
 	t.Run("same output", func(t *testing.T) {
 		testDraftSameOutput(t, Config{NCtx: 2048, Parallel: 3, MaxPools: 1, SpecType: "draft-simple", ModelDraft: model, DraftMax: 8})
 	})
+	t.Run("pool prefix shared", func(t *testing.T) {
+		// Two sessions on one pool: the pool's prefix is decoded once in the draft
+		// context (seq_cp to each session), not once per session.
+		a, base := startServer(t, Config{NCtx: 2048, Parallel: 2, MaxPools: 1, SpecType: "draft-simple", ModelDraft: model, DraftMax: 8})
+		doc := editPrompt(5) + editPrompt(6) + editPrompt(7)
+		prompt := tokenize(t, a, doc)
+		shared := len(prompt) - 8
+		pool := num(createPool(t, base, map[string]any{"tokens": prompt[:shared], "pin": true})["pool_id"])
+		before := a.draft.drafter.Decoded()
+		var wg sync.WaitGroup
+		for range 2 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				r := specCompletion(t, base, map[string]any{"prompt": prompt, "pool_id": pool, "max_tokens": 16, "logprobs": 1, "ignore_eos": true, "temperature": 0})
+				if r.draftN == 0 {
+					t.Error("a pooled session did not draft")
+				}
+			}()
+		}
+		wg.Wait()
+		if n := a.draft.drafter.Decoded() - before; n >= int64(2*shared) {
+			t.Errorf("the draft model decoded %d tokens for two sessions on a %d-token pool: the prefix was not shared", n, shared)
+		} else {
+			t.Logf("the draft model decoded %d tokens for two sessions on a %d-token pool", n, shared)
+		}
+	})
 	t.Run("vocabulary mismatch refused", func(t *testing.T) {
 		other := testmodel.Arch(t, "llama") // random weights, another tokenizer
 		a, err := Open(withDefaults(Config{ModelPath: model, ModelDraft: other, NCtx: 512, Parallel: 1}), nil)

@@ -31,6 +31,10 @@ type DraftWant struct {
 	Tokens []Token
 	// K is the most tokens worth proposing.
 	K int
+	// Shared > 0: Tokens[:Shared] are borrowed from the pool on target sequence From,
+	// whose draft the drafter may prefill once and share (seq_cp) instead of
+	// prefilling them for every session.
+	From, Shared int
 }
 
 // DraftProposal is the drafter's answer for one DraftWant: Tokens (possibly none)
@@ -95,7 +99,11 @@ func (s *Scheduler) DraftWants() []DraftWant {
 		}
 		toks := make([]Token, 0, len(t.slot.tokens)+1)
 		toks = append(append(toks, t.slot.tokens...), t.next)
-		out = append(out, DraftWant{Task: t.id, Seq: t.slot.seq, Tokens: toks, K: k})
+		w := DraftWant{Task: t.id, Seq: t.slot.seq, Tokens: toks, K: k}
+		if b := t.slot.base; b != nil && t.slot.shared > 0 {
+			w.From, w.Shared = b.Seq, t.slot.shared
+		}
+		out = append(out, w)
 	}
 	return out
 }
