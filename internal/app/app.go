@@ -107,6 +107,13 @@ type Config struct {
 	DraftMax, DraftMin int
 	SpecNgramMin       int
 	SpecStepCost       float64
+	// ModelDraft (--model-draft) is a draft model of the target's vocabulary for
+	// --spec-type draft-simple (given alone, it turns draft-simple on); CtxSizeDraft
+	// (--ctx-size-draft) its context's cells (0: --ctx-size); DraftPMin (--draft-p-min)
+	// the probability below which a session's draft stops (draft.go).
+	ModelDraft   string
+	CtxSizeDraft int
+	DraftPMin    float64
 
 	noSWAAnchors bool // tests only: show what goes wrong without runner SWA anchors
 }
@@ -143,6 +150,7 @@ func DefaultConfig() Config {
 		SpecType:     engine.SpecNone,
 		DraftMax:     engine.DefaultDraftMax,
 		SpecNgramMin: engine.DefaultNgramMin,
+		DraftPMin:    DefaultDraftPMin,
 	}
 }
 
@@ -216,6 +224,9 @@ func (c Config) Validate() error {
 	if _, err := engine.ParseSpecTypes(c.SpecType); err != nil {
 		return fmt.Errorf("--spec-type: %v", err)
 	}
+	if err := c.checkDraft(); err != nil {
+		return err
+	}
 	if c.DraftMax < 1 || c.DraftMax > engine.MaxDraft || c.DraftMin < 0 || c.DraftMin > c.DraftMax {
 		return fmt.Errorf("--draft-max must be in 1..%d and --draft-min in 0..--draft-max, got %d and %d", engine.MaxDraft, c.DraftMax, c.DraftMin)
 	}
@@ -255,6 +266,7 @@ type App struct {
 	TierOff string
 
 	backend *runner.Backend
+	draft   *draftModel // --model-draft (nil: none)
 }
 
 // Compactions is the number of whole-KV-cache compactions so far and the time they took
@@ -270,7 +282,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	ecfg := engine.Config{NCtx: cfg.NCtx, Parallel: cfg.Parallel, MaxPools: cfg.MaxPools, NBatch: cfg.NBatch,
 		MaxQueue: cfg.MaxQueue, QueueTimeout: cfg.QueueTimeout, AttachMin: cfg.AttachMin, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau,
 		PrefixCache: cfg.PrefixCache == "on"}
-	specTypes, _ := engine.ParseSpecTypes(cfg.SpecType) // checked by Validate
+	specTypes := cfg.specTypes() // checked by Validate
 	ecfg.Spec = engine.Spec{Types: specTypes, DraftMax: cfg.DraftMax, DraftMin: cfg.DraftMin, NgramMin: cfg.SpecNgramMin, StepCost: cfg.SpecStepCost}
 	if err := ecfg.Validate(); err != nil {
 		return nil, err
@@ -400,6 +412,21 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		obs = observers{metrics, pub} // the engine hands it every sequence's changes too
 	}
 	backend := runner.NewBackend(model, ctx, log)
+	var draft *draftModel
+	if ecfg.Spec.On() && cfg.ModelDraft != "" {
+		if draft, err = openDraft(cfg, model, cp, log); err != nil {
+			if store != nil {
+				store.Close()
+			}
+			if pub != nil {
+				_ = pub.Close()
+			}
+			ctx.Free()
+			model.Free()
+			return nil, err
+		}
+		backend.EnableDraft(draft.drafter)
+	}
 	backend.AlwaysCompact(cfg.KVCompaction == "always")
 	if !ctx.OrderedAttention() && log != nil {
 		log.Info("attention is not ordered by position here: the KV cache is compacted after frees", "cache_type_k", cfg.CacheTypeK, "fa_kernel", cfg.FAKernel, "flash_attn", cfg.FlashAttn)
@@ -432,7 +459,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		srv.SetTier(store)
 	}
 	srv.RequireAPIKeys(cfg.APIKeys)
-	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv, KVEvents: pub, Offload: off, Tier: store, TierOff: tierOff, backend: backend}, nil
+	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv, KVEvents: pub, Offload: off, Tier: store, TierOff: tierOff, backend: backend, draft: draft}, nil
 }
 
 // observers is the metrics and the KV-event publisher as one engine Observer: the
@@ -451,6 +478,7 @@ func (a *App) Close() {
 	if a.Tier != nil { // after the engine: queued disk writes finish
 		a.Tier.Close()
 	}
+	a.draft.free()
 	a.Ctx.Free()
 	a.Model.Free()
 }

@@ -336,6 +336,7 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 				drained = true
 			}
 		}
+		draftRound(sched, be) // a draft model's proposals, before the plan (draft.go)
 		now := time.Now()
 		rd := sched.Ready(now, true)
 		p := rd.Plan
@@ -427,6 +428,9 @@ func apply(be Backend, p Plan) []Msg {
 		switch op.Kind {
 		case OpSeqRm:
 			be.SeqRm(op.Seq, op.P0, op.P1)
+			if db, ok := be.(DraftBackend); ok && op.P0 == 0 {
+				db.DraftSeqRm(op.Seq) // the sequence is emptied: free the drafter's cells for it
+			}
 		case OpSeqCp:
 			be.SeqCp(op.Src, op.Seq, op.P0, op.P1)
 		case OpSpill, OpRestore, OpRecord, OpForget:

@@ -46,6 +46,8 @@ type fakeBackend struct {
 	// sample, when set, replaces model with a sampler of task's own (a stochastic
 	// model: each call is one draw of the task's RNG).
 	sample func(task TaskID, seq []Token) Token
+	// draft is the fake draft model (DraftBackend; draft_test.go).
+	draft fakeDraft
 }
 
 // TierReady implements AsyncTierBackend; tests call resumeRestore themselves.
@@ -321,6 +323,7 @@ func (h *harness) submit(req Request) TaskID {
 // step runs one Plan/Decode/Commit round and returns the batch.
 func (h *harness) step() []BatchEntry {
 	h.now = h.now.Add(10 * time.Millisecond)
+	draftRound(h.s, h.be) // as the engine loop does before each plan
 	p := h.s.Plan(h.now)
 	for _, m := range apply(h.be, p) {
 		h.s.Step(h.now, m)

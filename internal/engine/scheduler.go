@@ -202,6 +202,8 @@ type task struct {
 	// (specCostCap); specIdle counts steps since t last drafted (its probes).
 	specHits, specTrials float64
 	specIdle             int
+	// modelDraft is the draft model's proposal for the next plan (OfferDrafts).
+	modelDraft []Token
 }
 
 func (t *task) prefilling() bool { return t.slot != nil && len(t.slot.tokens) < len(t.req.Prompt) }

@@ -44,7 +44,7 @@ const (
 )
 
 // SpecTypes are the drafters the engine implements, in the order flag help lists them.
-var SpecTypes = []string{SpecNgramSimple, SpecNgramMod}
+var SpecTypes = []string{SpecNgramSimple, SpecNgramMod, SpecDraftSimple}
 
 // Spec configures speculative decoding (Config.Spec).
 type Spec struct {
@@ -187,6 +187,8 @@ func (s *Scheduler) specDraft(t *task, k int) []Token {
 		case SpecNgramMod:
 			s.modFeed(t)
 			d = s.mod.draft(ctx, t.next, k)
+		case SpecDraftSimple:
+			d = t.takeModelDraft(k) // the draft model's, from draftRound (draft.go)
 		}
 		if len(d) >= max(minN, 1) {
 			return d

@@ -99,6 +99,13 @@ type specRun struct {
 // one session that comes back for a second turn, and a request that arrives while the
 // others decode, so its prefill shares batches with their drafts.
 func specWorkload(t *testing.T, spec Spec) specRun {
+	r, _ := specWorkloadH(t, spec)
+	return r
+}
+
+// specWorkloadH is specWorkload that also returns its harness (for what the backend
+// holds afterwards).
+func specWorkloadH(t *testing.T, spec Spec) (specRun, *harness) {
 	cfg := poolCfg()
 	cfg.PrefixCache = true
 	cfg.Spec = spec
@@ -145,7 +152,7 @@ func specWorkload(t *testing.T, spec Spec) specRun {
 		}
 		r.mixed = r.mixed || drafts && prefill
 	}
-	return r
+	return r, h
 }
 
 // TestSpeculativeLossless: the fake model's output is the same with and without

@@ -52,6 +52,8 @@ type Backend struct {
 	// which the tier saves and loads state where a sequence's own state cannot be taken
 	// as it is (EnableScratch; -1: none).
 	scratch int
+	// drafter drafts with a second model (EnableDraft; nil: none).
+	drafter *Drafter
 }
 
 // EnableScratch gives the backend sequence id seq, which the engine never uses, to save
@@ -512,3 +514,23 @@ func (b *Backend) ProbeFits(seq, n int, tok llama.Token) (bool, error) {
 	}
 	return true, nil
 }
+
+// EnableDraft makes the backend draft with d (a draft model: --model-draft).
+func (b *Backend) EnableDraft(d *Drafter) { b.drafter = d }
+
+// Draft implements engine.DraftBackend (no proposals without a drafter).
+func (b *Backend) Draft(wants []engine.DraftWant) []engine.DraftProposal {
+	if b.drafter == nil {
+		return nil
+	}
+	return b.drafter.Draft(wants)
+}
+
+// DraftSeqRm implements engine.DraftBackend.
+func (b *Backend) DraftSeqRm(seq int) {
+	if b.drafter != nil {
+		b.drafter.DraftSeqRm(seq)
+	}
+}
+
+var _ engine.DraftBackend = (*Backend)(nil)

@@ -1,0 +1,190 @@
+package engine
+
+import "slices"
+
+// Drafting with a model (--model-draft, --spec-type draft-simple; issue 23). A draft
+// model is I/O: it decodes in its own llama.cpp context, which only the engine
+// goroutine may touch, while the scheduler plans without I/O. So drafting is a round
+// the engine runs before each plan (draftRound): the scheduler names the sessions that
+// would draft this step and how many tokens each may use (DraftWants, pure), the
+// backend's drafter decodes them, batched over all those sessions, and the scheduler
+// takes the proposals back as typed input (OfferDrafts), which Plan then verifies like
+// an n-gram proposal. The plan stays a deterministic function of the scheduler's state
+// and its inputs, and the fake backend can draft in tests.
+//
+// The drafter is pluggable: anything that turns a session's context into a proposal
+// (a draft model, MTP heads over the target's hidden states) is a DraftBackend behind
+// its own --spec-type; the scheduler only sees DraftWant and DraftProposal.
+
+// SpecDraftSimple drafts with a second, smaller model of the same vocabulary
+// (--model-draft), greedily (llama-server's draft-simple).
+const SpecDraftSimple = "draft-simple"
+
+// DraftWant asks the drafter for a proposal continuing one session.
+type DraftWant struct {
+	Task TaskID
+	// Seq is the session's sequence in the target; the drafter keys its own state by it.
+	Seq int
+	// Tokens are the session's whole context (the tokens it borrows from its pool too)
+	// followed by its next token, not decoded yet: the proposal continues them. The
+	// drafter must not keep the slice.
+	Tokens []Token
+	// K is the most tokens worth proposing.
+	K int
+	// Shared > 0: Tokens[:Shared] are borrowed from the pool on target sequence From,
+	// whose draft the drafter may prefill once and share (seq_cp) instead of
+	// prefilling them for every session.
+	From, Shared int
+}
+
+// DraftProposal is the drafter's answer for one DraftWant: Tokens (possibly none)
+// continue the want's Tokens, whose length was At.
+type DraftProposal struct {
+	Task   TaskID
+	At     int
+	Tokens []Token
+}
+
+// DraftBackend is a Backend with a drafter (a draft model or MTP heads). The engine
+// calls Draft once per step, before the plan, for the sessions DraftWants names, and
+// DraftSeqRm when a target sequence is emptied, so that the drafter frees its own
+// cells for it (it syncs the rest by token prefix on its next Draft).
+type DraftBackend interface {
+	Backend
+	// Draft returns a proposal per want it could draft for (a failure is no proposal:
+	// drafting is never needed for correctness).
+	Draft(wants []DraftWant) []DraftProposal
+	// DraftSeqRm drops what the drafter holds for the target's sequence seq.
+	DraftSeqRm(seq int)
+}
+
+// modelDrafts reports whether a drafter outside the scheduler is configured.
+func (sp Spec) modelDrafts() bool { return slices.Contains(sp.Types, SpecDraftSimple) }
+
+// DraftWants names the sessions that would draft with the model in the next plan and
+// how many tokens each may propose: a decoding task with speculation on, not backing
+// off, whose earlier drafters (in --spec-type order) propose nothing, and whose drafts
+// the cost-aware limit lets through as things stand (Plan decides again with the
+// step's real room; a proposal longer than it allows is cut).
+func (s *Scheduler) DraftWants() []DraftWant {
+	sp := s.cfg.Spec
+	if !sp.modelDrafts() {
+		return nil
+	}
+	decoders := 0
+	for _, t := range s.running {
+		if t.hasNext {
+			decoders++
+		}
+	}
+	var out []DraftWant
+	for _, t := range s.running {
+		if !t.hasNext || !s.specOn(t) || t.specWait > 0 || t.slot == nil {
+			continue
+		}
+		k := min(s.specBudget(t), t.draftCap)
+		if c := s.specCostCap(t, k, float64(decoders), float64(decoders)); c > 0 {
+			k = c
+		} else if t.specIdle >= specProbeEvery {
+			k = min(k, specProbeLen)
+		} else {
+			k = 0
+		}
+		minN := sp.DraftMin
+		if t.req.Spec.NMin != nil {
+			minN = *t.req.Spec.NMin
+		}
+		if k < max(minN, 1) || s.pureDraft(t, k, minN) {
+			continue
+		}
+		toks := make([]Token, 0, len(t.slot.tokens)+1)
+		toks = append(append(toks, t.slot.tokens...), t.next)
+		w := DraftWant{Task: t.id, Seq: t.slot.seq, Tokens: toks, K: k}
+		if b := t.slot.base; b != nil && t.slot.shared > 0 {
+			w.From, w.Shared = b.Seq, t.slot.shared
+		}
+		out = append(out, w)
+	}
+	return out
+}
+
+// pureDraft reports whether a drafter listed before draft-simple proposes for t (then
+// the model is not asked).
+func (s *Scheduler) pureDraft(t *task, k, minN int) bool {
+	sp := s.cfg.Spec
+	for _, typ := range sp.Types {
+		var d []Token
+		switch typ {
+		case SpecDraftSimple:
+			return false
+		case SpecNgramSimple:
+			d = ngramLookup(t.slot.tokens, t.next, sp.NgramMin, sp.NgramMax, k)
+		case SpecNgramMod:
+			s.modFeed(t)
+			d = s.mod.draft(t.slot.tokens, t.next, k)
+		}
+		if len(d) >= max(minN, 1) {
+			return true
+		}
+	}
+	return false
+}
+
+// OfferDrafts hands the drafter's proposals for wants to the scheduler for the next
+// plan; earlier ones not used are dropped. A proposal for a task that has moved on since
+// (another length) is ignored. A want the drafter had nothing for (its model was not
+// sure enough of the first token) backs off as a wholly rejected proposal does (1, 2,
+// 4 … steps without asking): a draft model's decode costs a step's time whether or not
+// it proposes, and the cost-aware limit only sees verified drafts.
+func (s *Scheduler) OfferDrafts(wants []DraftWant, props []DraftProposal) {
+	for _, t := range s.running {
+		t.modelDraft = nil
+	}
+	got := map[TaskID]bool{}
+	for _, p := range props {
+		t := s.byID(p.Task)
+		if t == nil || !t.hasNext || t.slot == nil || p.At != len(t.slot.tokens)+1 || len(p.Tokens) == 0 {
+			continue
+		}
+		t.modelDraft = slices.Clone(p.Tokens)
+		got[p.Task] = true
+	}
+	for _, w := range wants {
+		if t := s.byID(w.Task); t != nil && !got[w.Task] {
+			t.specMisses++
+			t.specWait = min(1<<min(t.specMisses-1, 10), specMaxWait)
+		}
+	}
+}
+
+// byID is the running task id, or nil.
+func (s *Scheduler) byID(id TaskID) *task {
+	for _, t := range s.running {
+		if t.id == id {
+			return t
+		}
+	}
+	return nil
+}
+
+// takeModelDraft is t's model proposal cut to k tokens (nil when none), used once.
+func (t *task) takeModelDraft(k int) []Token {
+	d := t.modelDraft
+	t.modelDraft = nil
+	return d[:min(len(d), k)]
+}
+
+// draftRound runs the drafter, when be has one and a session wants drafts, before the
+// next plan.
+func draftRound(sched *Scheduler, be Backend) {
+	db, ok := be.(DraftBackend)
+	if !ok {
+		return
+	}
+	var props []DraftProposal
+	w := sched.DraftWants()
+	if len(w) > 0 {
+		props = db.Draft(w)
+	}
+	sched.OfferDrafts(w, props) // also drops proposals an earlier plan did not use
+}

@@ -1,0 +1,127 @@
+package engine
+
+import (
+	"fmt"
+	"slices"
+	"testing"
+)
+
+// fakeDraft is the fake backend's draft model (DraftBackend): it proposes what the
+// fake model itself would generate, except that it gets a token wrong wherever a hash
+// of the context says so (about one in four), so proposals are partly accepted. held
+// is what it keeps per target sequence, as a real drafter keeps cells.
+type fakeDraft struct {
+	held  map[int][]Token
+	wants int
+}
+
+// Draft implements DraftBackend.
+func (f *fakeBackend) Draft(wants []DraftWant) []DraftProposal {
+	model := f.model
+	if model == nil {
+		model = fakeNext
+	}
+	if f.draft.held == nil {
+		f.draft.held = map[int][]Token{}
+	}
+	var out []DraftProposal
+	for _, w := range wants {
+		f.draft.wants++
+		// The want is the session's real context: its sequence holds it (plus, before
+		// this plan's removals run, the last step's rejected drafts).
+		if ctx := w.Tokens[:len(w.Tokens)-1]; !slices.Equal(f.tokens(w.Seq)[:min(len(ctx), len(f.kv[w.Seq]))], ctx) {
+			f.t.Errorf("draft want for seq %d: context %v, the sequence holds %v", w.Seq, ctx, f.tokens(w.Seq))
+		}
+		toks := slices.Clone(w.Tokens)
+		for range w.K {
+			nx := model(toks)
+			if h := fakeNext(toks); h%4 == 0 {
+				nx = 10 + (nx-9)%50 // a wrong guess
+			}
+			toks = append(toks, nx)
+		}
+		d := toks[len(w.Tokens):]
+		f.draft.held[w.Seq] = toks[:len(toks)-1]
+		out = append(out, DraftProposal{Task: w.Task, At: len(w.Tokens), Tokens: d})
+	}
+	return out
+}
+
+// DraftSeqRm implements DraftBackend.
+func (f *fakeBackend) DraftSeqRm(seq int) { delete(f.draft.held, seq) }
+
+// checkDraftHeld fails when the drafter holds state for a sequence the target emptied.
+func (h *harness) checkDraftHeld() {
+	h.t.Helper()
+	for seq := range h.be.draft.held {
+		if len(h.be.kv[seq]) == 0 {
+			h.t.Errorf("the drafter holds %d tokens for seq %d, which the target emptied", len(h.be.draft.held[seq]), seq)
+		}
+	}
+}
+
+// TestDraftModelLossless: with a draft model (alone, and after ngram-simple) the
+// workload's output is the same as without speculation, pooled, cached, in sessions and
+// beside prefills; the model was asked, some drafts land and some do not, and the
+// drafter holds nothing for sequences the target emptied.
+func TestDraftModelLossless(t *testing.T) {
+	base := specWorkload(t, Spec{})
+	for _, types := range [][]string{{SpecDraftSimple}, {SpecNgramSimple, SpecDraftSimple}} {
+		for _, cost := range []float64{-1, 0} {
+			t.Run(fmt.Sprintf("%v/stepcost%g", types, cost), func(t *testing.T) {
+				r, h := specWorkloadH(t, Spec{Types: types, DraftMax: 6, StepCost: cost})
+				for i := range base.texts {
+					if r.texts[i] != base.texts[i] || r.finish[i] != base.finish[i] || r.predicted[i] != base.predicted[i] {
+						t.Errorf("task %d: with the draft model %q (%s, %d tokens), without %q (%s, %d tokens)",
+							i, r.texts[i], r.finish[i], r.predicted[i], base.texts[i], base.finish[i], base.predicted[i])
+					}
+				}
+				if h.be.draft.wants == 0 || r.draftN == 0 || r.accept == 0 || r.accept == r.draftN {
+					t.Errorf("%d wants, drafted %d, accepted %d: want some of each, not all accepted", h.be.draft.wants, r.draftN, r.accept)
+				}
+				if r.drawn != base.drawn {
+					t.Errorf("the backend drew %d samples, %d without speculation", r.drawn, base.drawn)
+				}
+				h.checkDraftHeld()
+				t.Logf("%d wants, drafted %d, accepted %d", h.be.draft.wants, r.draftN, r.accept)
+			})
+		}
+	}
+}
+
+// TestDraftModelFreed: a cancelled request's and finished requests' draft state is
+// dropped with their sequences (prefix cache off: nothing is kept), and a stale
+// proposal (for a task that moved on) is not verified.
+func TestDraftModelFreed(t *testing.T) {
+	cfg := poolCfg()
+	cfg.Spec = Spec{Types: []string{SpecDraftSimple}, DraftMax: 4, StepCost: -1}
+	h := newHarness(t, cfg)
+	a := h.submit(Request{Prompt: seqTokens(100, 20), MaxTokens: 40})
+	b := h.submit(Request{Prompt: seqTokens(200, 20), MaxTokens: 40})
+	for range 4 {
+		h.step()
+	}
+	if len(h.be.draft.held) != 2 {
+		t.Fatalf("drafter holds %d sequences while two decode", len(h.be.draft.held))
+	}
+	h.cancel(a)
+	h.step()
+	h.checkDraftHeld()
+	if len(h.be.draft.held) != 1 {
+		t.Errorf("after the cancel the drafter holds %d sequences, want 1", len(h.be.draft.held))
+	}
+	// A proposal for another position than the task's is dropped.
+	tb := h.s.byID(b)
+	h.s.OfferDrafts(nil, []DraftProposal{{Task: b, At: len(tb.slot.tokens), Tokens: []Token{1, 2}}})
+	if tb.modelDraft != nil {
+		t.Error("a stale proposal was kept")
+	}
+	h.run()
+	if _, ok := h.done(b); !ok {
+		t.Fatal("b did not end")
+	}
+	h.checkDraftHeld()
+	if len(h.be.draft.held) != 0 {
+		t.Errorf("after every request ended the drafter holds %d sequences", len(h.be.draft.held))
+	}
+}
