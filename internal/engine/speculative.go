@@ -188,6 +188,13 @@ func (s *Scheduler) specDraft(t *task, k int) []Token {
 			s.modFeed(t)
 			d = s.mod.draft(ctx, t.next, k)
 		}
+		if len(d) > 0 && t.req.Sampling.Grammar != "" && s.draftCheck != nil {
+			// Cut at the first token the grammar forbids: the sampler could never
+			// draw it, so it and every draft after it would be rejected anyway.
+			n := s.draftCheck.DraftFits(t.id, d)
+			t.draftFiltered += len(d) - n
+			d = d[:n]
+		}
 		if len(d) >= max(minN, 1) {
 			return d
 		}
@@ -196,12 +203,13 @@ func (s *Scheduler) specDraft(t *task, k int) []Token {
 }
 
 // specOn reports whether t drafts: a generating task of a server with speculation on
-// that did not turn it off, without a grammar. A grammar-constrained request does not
-// speculate: verification would be exact (the grammar sampler accepts tokens one by
-// one and stops at the first mismatch like any other), but a draft the grammar forbids
-// is a wasted verification, and grammar-filtered drafting is not built.
+// that did not turn it off. Grammar-constrained requests (tools, JSON schema, lazy
+// tool grammars) speculate too: verification samples the drafts in order through the
+// task's sampler, grammar included, so a draft the grammar forbids is rejected like
+// any other mismatch and the output is the one plain decoding gives; and with a
+// DraftChecker backend such drafts are cut before they cost a row (specDraft).
 func (s *Scheduler) specOn(t *task) bool {
-	if !s.cfg.Spec.On() || t.kind != kindGenerate || t.req.Spec.Off || t.req.Sampling.Grammar != "" {
+	if !s.cfg.Spec.On() || t.kind != kindGenerate || t.req.Spec.Off {
 		return false
 	}
 	return t.req.Spec.NMax == nil || *t.req.Spec.NMax > 0
