@@ -203,7 +203,8 @@ func stopProcess(cmd *exec.Cmd) {
 // llama-server: a second instance with speculation). The modes alternate in ABBA order
 // (off, on, on, off, ...), so neither always runs first, and the row gives the median
 // of the rounds' tok/s in each mode and the median of the per-round on/off ratios with
-// their range: on a shared machine a single run swings by ±20%, and a round's two runs,
+// their range (drafted and accepted: all the rounds' together; tokens: one round's):
+// on a shared machine a single run swings by ±20%, and a round's two runs,
 // back to back, see the most similar load.
 func (sb specBench) compare(server, offBase, onBase, w string, n, reps int) error {
 	// An untimed round fills the prefix caches with every agent's prompt, so neither
@@ -215,7 +216,7 @@ func (sb specBench) compare(server, offBase, onBase, w string, n, reps int) erro
 	}
 	var tps [2][]float64
 	var ratios []float64
-	var last specResult
+	var drafted, accepts int
 	same, tokens := true, 0
 	for rep := range reps {
 		var res [2]specResult
@@ -241,11 +242,13 @@ func (sb specBench) compare(server, offBase, onBase, w string, n, reps int) erro
 		for i := range res[0].texts {
 			same = same && res[0].texts[i] == res[1].texts[i]
 		}
-		tokens, last = res[1].predicted, res[1]
+		tokens = res[1].predicted
+		drafted += res[1].drafted
+		accepts += res[1].accepts
 	}
 	acc := 0.0
-	if last.drafted > 0 {
-		acc = 100 * float64(last.accepts) / float64(last.drafted)
+	if drafted > 0 {
+		acc = 100 * float64(accepts) / float64(drafted)
 	}
 	slices.Sort(ratios)
 	lo, hi := 0.0, 0.0
@@ -253,7 +256,7 @@ func (sb specBench) compare(server, offBase, onBase, w string, n, reps int) erro
 		lo, hi = ratios[0], ratios[len(ratios)-1]
 	}
 	fmt.Printf("%-12s %-8s %3d  %9.1f  %8.1f  %6.2f  %4.2f-%4.2f  %7d  %8d  %6.1f%%  %6d  %v\n", server, w, n, median(tps[0]), median(tps[1]), median(ratios),
-		lo, hi, last.drafted, last.accepts, acc, tokens, same)
+		lo, hi, drafted, accepts, acc, tokens, same)
 	return nil
 }
 

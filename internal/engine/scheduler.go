@@ -993,15 +993,16 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 			// Drafts use what the other decoders leave of the budget and only spare
 			// cells: they are gone again after the step, not worth an eviction.
 			k := min(s.specBudget(t), budget-decoders, spare-decoders)
+			probe := false
 			if c := s.specCostCap(t, k, specGain, specRows); c > 0 {
 				k = c
 			} else if t.specIdle >= specProbeEvery {
-				k = min(k, specProbeLen) // a probe: does t copy again?
+				k, probe = min(k, specProbeLen), true // a probe: does t copy again?
 			} else {
 				k = 0
 			}
 			t.specIdle++
-			if d := s.specDraft(t, k); len(d) > 0 {
+			if d := s.specDraft(t, k, probe); len(d) > 0 {
 				t.specIdle = 0
 				specGain += t.specExpected(len(d))
 				specRows += float64(len(d))
