@@ -102,7 +102,7 @@ func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
 	fs.StringVar(&cfg.PoolDir, "pool-dir", cfg.PoolDir, "directory for evicted pools' KV below RAM and for pinned pools that survive restarts (\"\": none)")
 	fs.IntVar(&cfg.PoolDiskMB, "pool-disk-mb", cfg.PoolDiskMB, "disk budget (MiB) under --pool-dir")
 	fs.StringVar(&cfg.SlotSavePath, "slot-save-path", cfg.SlotSavePath, "directory for POST /slots/{id}?action=save|restore files (\"\": those actions are off)")
-	fs.StringVar(&cfg.SpecType, "spec-type", cfg.SpecType, "speculative decoding: none, or a comma-separated list of drafters tried in order for every decoding session each step: "+strings.Join(engine.SpecTypes, ", ")+" (lossless: greedy and seeded output are the same as without; grammar-constrained requests do not speculate)")
+	fs.StringVar(&cfg.SpecType, "spec-type", cfg.SpecType, "speculative decoding: none, or a comma-separated list of drafters tried in order for every decoding session each step: "+strings.Join(engine.SpecTypes, ", ")+" (lossless: greedy and seeded output are the same as without; grammar-constrained requests speculate too, their drafts cut at the first token the grammar forbids)")
 	fs.IntVar(&cfg.DraftMax, "draft-max", cfg.DraftMax, "most draft tokens a session proposes per step (speculative decoding)")
 	fs.IntVar(&cfg.DraftMin, "draft-min", cfg.DraftMin, "fewest draft tokens worth verifying; a shorter proposal is dropped")
 	fs.Float64Var(&cfg.SpecStepCost, "spec-step-cost", cfg.SpecStepCost, "a decode step's fixed cost in batch rows: a draft row is verified only where the tokens it is expected to add pay for it (0: the default, measured on a 2-core CPU; larger where a step is bound by reading weights, e.g. a GPU; negative: no limit)")

@@ -142,5 +142,6 @@ func wireTimings(st engine.Stats) wire.Timings {
 		t.PredictedPerSecond = 1000 * float64(st.PredictedN) / gms
 	}
 	t.DraftN, t.DraftNAccepted = drafts(st.DraftN, st.DraftAccepted)
+	t.DraftNFiltered = st.DraftFiltered
 	return t
 }

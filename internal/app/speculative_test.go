@@ -9,6 +9,7 @@ package app
 // the task's earlier drafts hold, so the sampler's state follows plain decoding.
 
 import (
+	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"slices"
@@ -132,5 +133,106 @@ func testSpeculativeSameOutput(t *testing.T, cfg Config) {
 	}
 	if drafted == 0 || accepted == 0 {
 		t.Errorf("the copy task drafted %d tokens, %d accepted: want some of both", drafted, accepted)
+	}
+}
+
+// TestSpeculativeGrammarSameOutput: grammar-constrained requests speculate and give the
+// same reply with speculation on and off — forced tool calls (tool_choice required), the
+// lazy tool grammar (tool_choice auto: free text until the call's trigger) and a JSON
+// schema, greedy and seeded — every pair running at once under the others' traffic.
+// The prompts ask the model to copy a call or a record, as agents quote their context,
+// so drafts land; drafts the grammar forbids are cut before verification (engine
+// DraftChecker), counted in timings.draft_n_filtered. SmolLM2 only (the grammars and
+// the template's tool format are the model's; Gemma 3's sliding window is covered by
+// TestSpeculativeSameOutput).
+func TestSpeculativeGrammarSameOutput(t *testing.T) {
+	_, base := startServer(t, Config{NCtx: 8192, Parallel: 8, SpecType: "ngram-simple", DraftMax: 12})
+	user := func(q string) []any { return []any{map[string]any{"role": "user", "content": q}} }
+	call := `<tool_call>{"name": "get_weather", "arguments": {"city": "Berlin", "unit": "celsius"}}</tool_call>`
+	copyCall := user("Reply with exactly this text and nothing else:\n" + call + "\n" + call)
+	record := `{"name": "Ada Lovelace", "role": "engineer", "team": "compilers", "skills": ["rust", "go", "llvm"], "city": "London"}`
+	schema := map[string]any{"type": "object", "properties": map[string]any{
+		"name": map[string]any{"type": "string"}, "role": map[string]any{"type": "string"}, "team": map[string]any{"type": "string"},
+		"skills": map[string]any{"type": "array", "items": map[string]any{"type": "string"}}, "city": map[string]any{"type": "string"}},
+		"required": []string{"name", "role", "team", "skills", "city"}}
+	copyRecord := user("Here is a JSON record:\n" + record + "\nReply with the same JSON record, unchanged.")
+	tools := []any{weatherTool, timeTool}
+	variants := []struct {
+		name string
+		body map[string]any
+	}{
+		{"required tool greedy", map[string]any{"messages": copyCall, "tools": tools, "tool_choice": "required", "temperature": 0}},
+		{"required tool seeded", map[string]any{"messages": copyCall, "tools": tools, "tool_choice": "required", "temperature": 0.8, "seed": 3}},
+		{"lazy tool greedy", map[string]any{"messages": copyCall, "tools": tools, "temperature": 0}},
+		{"lazy tool seeded", map[string]any{"messages": copyCall, "tools": tools, "temperature": 0.7, "seed": 5}},
+		{"json schema greedy", map[string]any{"messages": copyRecord, "temperature": 0,
+			"response_format": map[string]any{"type": "json_schema", "json_schema": map[string]any{"name": "person", "schema": schema}}}},
+		{"json schema seeded", map[string]any{"messages": copyRecord, "temperature": 0.8, "seed": 9,
+			"response_format": map[string]any{"type": "json_schema", "json_schema": map[string]any{"name": "person", "schema": schema}}}},
+	}
+	type reply struct {
+		finish, content, calls, logprobs string
+		drafted, accepted, filtered      int
+	}
+	replies := make([][2]reply, len(variants))
+	var wg sync.WaitGroup
+	for i, v := range variants {
+		for j, spec := range []bool{false, true} {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				b := map[string]any{"max_tokens": 90, "logprobs": true, "speculative": spec}
+				for k, x := range v.body {
+					b[k] = x
+				}
+				code, out := post(t, base+"/v1/chat/completions", b)
+				if code != 200 {
+					t.Errorf("%s (speculative %v): %d %v", v.name, spec, code, out)
+					return
+				}
+				ch := out["choices"].([]any)[0].(map[string]any)
+				msg := ch["message"].(map[string]any)
+				var r reply
+				r.finish, _ = ch["finish_reason"].(string)
+				r.content, _ = msg["content"].(string)
+				if tc, ok := msg["tool_calls"].([]any); ok {
+					for _, c := range tc {
+						fn, _ := json.Marshal(c.(map[string]any)["function"]) // ids are random
+						r.calls += string(fn)
+					}
+				}
+				lp, _ := json.Marshal(ch["logprobs"])
+				r.logprobs = string(lp)
+				tm := out["timings"].(map[string]any)
+				if x, ok := tm["draft_n"]; ok {
+					r.drafted, r.accepted = num(x), num(tm["draft_n_accepted"])
+				}
+				if x, ok := tm["draft_n_filtered"]; ok {
+					r.filtered = num(x)
+				}
+				replies[i][j] = r
+			}()
+		}
+	}
+	wg.Wait()
+	drafted, accepted, filtered := 0, 0, 0
+	for i, v := range variants {
+		off, on := replies[i][0], replies[i][1]
+		t.Logf("%s: finish %s, calls %s, content %q; drafted %d, accepted %d, cut by the grammar %d",
+			v.name, on.finish, on.calls, on.content, on.drafted, on.accepted, on.filtered)
+		if off.drafted != 0 || off.filtered != 0 {
+			t.Errorf("%s: speculative false drafted %d (%d cut)", v.name, off.drafted, off.filtered)
+		}
+		if on.finish != off.finish || on.content != off.content || on.calls != off.calls || on.logprobs != off.logprobs {
+			t.Errorf("%s: with speculation %s %q %s, without %s %q %s (logprobs equal: %v)", v.name,
+				on.finish, on.content, on.calls, off.finish, off.content, off.calls, on.logprobs == off.logprobs)
+		}
+		drafted += on.drafted
+		accepted += on.accepted
+		filtered += on.filtered
+	}
+	t.Logf("all: drafted %d, accepted %d, cut by the grammar %d", drafted, accepted, filtered)
+	if accepted == 0 {
+		t.Errorf("grammar requests drafted %d tokens, none accepted: want some", drafted)
 	}
 }

@@ -60,7 +60,7 @@ type Options struct {
 func (o *Options) Register(fs *flag.FlagSet) {
 	o.sizes = fs.String("sessions", "1,4,8,16", "concurrent sessions B to measure")
 	o.nGen = fs.Int("n", 128, "tokens each session decodes")
-	o.reps = fs.Int("reps", 2, "repetitions per measurement (best is reported)")
+	o.reps = fs.Int("reps", 2, "repetitions per measurement (best is reported; spec: alternating rounds, medians reported)")
 	o.cpuProfile = fs.String("cpuprofile", "", "write a Go CPU profile of the server runs to this file")
 	o.workload = fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on), plain-fanout and agent-loop (plain OpenAI client: automatic prefix reuse vs off vs explicit pool), plain (both plain-client workloads), tier (evicted pool restored from RAM / disk vs prefill; restart with pinned pools), tenants (short requests and one session's decode beside idle pools of other tenants, compaction auto vs always), spec (speculative decoding off vs on: edit and chat agents; not part of all) or all")
 	fs.StringVar(&o.pf.models, "prefill-models", "", "prefill: comma-separated GGUF files (default: -m); missing files are skipped")
@@ -162,6 +162,17 @@ func Run(cfg app.Config, o *Options) error {
 		}
 		return o.tn.run(cfg)
 	case "spec":
+		if *o.cpuProfile != "" {
+			f, err := os.Create(*o.cpuProfile)
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			if err := pprof.StartCPUProfile(f); err != nil {
+				return err
+			}
+			defer pprof.StopCPUProfile()
+		}
 		return o.sb.run(cfg, *o.reps)
 	}
 	if *o.workload != "decode" && *o.workload != "all" {

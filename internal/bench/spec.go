@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -105,12 +106,12 @@ func (sb specBench) run(cfg app.Config, reps int) error {
 			return fmt.Errorf("bench: unknown spec workload %q (edit, chat)", w)
 		}
 	}
-	fmt.Printf("speculative decoding: %s, --spec-type %s, --draft-max %d, --draft-min %d, --spec-ngram-min %d, --spec-step-cost %s, %d threads; decode tok/s = generated tokens / longest decode phase; best of %d, off and on alternating\n\n",
+	fmt.Printf("speculative decoding: %s, --spec-type %s, --draft-max %d, --draft-min %d, --spec-ngram-min %d, --spec-step-cost %s, %d threads; decode tok/s = generated tokens / longest decode phase; %d rounds, off and on alternating (ABBA): medians, and the range of the per-round on/off ratios\n\n",
 		cfg.ModelPath, cfg.SpecType, cfg.DraftMax, cfg.DraftMin, cfg.SpecNgramMin, stepCost(cfg.SpecStepCost), cfg.Threads, reps)
 	if cfg.ModelDraft != "" {
 		fmt.Printf("draft model %s, --draft-p-min %g\n\n", cfg.ModelDraft, cfg.DraftPMin)
 	}
-	fmt.Println("server       workload   N  off tok/s  on tok/s  on/off  drafted  accepted  accept%  tokens  same output")
+	fmt.Println("server       workload   N  off tok/s  on tok/s  on/off  range      drafted  accepted  accept%  tokens  same output")
 	for _, n := range ns {
 		c := cfg
 		c.Parallel = n
@@ -200,9 +201,14 @@ func stopProcess(cmd *exec.Cmd) {
 	}
 }
 
-// compare runs workload w with N agents reps times in each mode, alternating, and prints
-// one row: off on offBase (with speculative false), on on onBase (PolyKV: the same
-// server; llama-server: a second instance with speculation).
+// compare runs workload w with N agents reps times in each mode and prints one row: off
+// on offBase (with speculative false), on on onBase (PolyKV: the same server;
+// llama-server: a second instance with speculation). The modes alternate in ABBA order
+// (off, on, on, off, ...), so neither always runs first, and the row gives the median
+// of the rounds' tok/s in each mode and the median of the per-round on/off ratios with
+// their range (drafted and accepted: all the rounds' together; tokens: one round's):
+// on a shared machine a single run swings by ±20%, and a round's two runs,
+// back to back, see the most similar load.
 func (sb specBench) compare(server, offBase, onBase, w string, n, reps int) error {
 	// An untimed round fills the prefix caches with every agent's prompt, so neither
 	// mode pays a prefill the other does not.
@@ -211,38 +217,62 @@ func (sb specBench) compare(server, offBase, onBase, w string, n, reps int) erro
 			return err
 		}
 	}
-	var best [2]specResult
-	var bestTPS [2]float64
+	var tps [2][]float64
+	var ratios []float64
+	var drafted, accepts int
 	same, tokens := true, 0
-	for range reps {
+	for rep := range reps {
 		var res [2]specResult
-		for m, on := range []bool{false, true} {
+		order := []int{0, 1}
+		if rep%2 == 1 {
+			order = []int{1, 0}
+		}
+		for _, m := range order {
 			base := offBase
-			if on {
+			if m == 1 {
 				base = onBase
 			}
-			r, err := sb.once(base, w, n, on, 0)
+			r, err := sb.once(base, w, n, m == 1, 0)
 			if err != nil {
 				return err
 			}
 			res[m] = r
-			if tps := r.decodeTPS(); tps > bestTPS[m] {
-				best[m], bestTPS[m] = r, tps
-			}
+			tps[m] = append(tps[m], r.decodeTPS())
+		}
+		if res[0].decodeTPS() > 0 {
+			ratios = append(ratios, res[1].decodeTPS()/res[0].decodeTPS())
 		}
 		for i := range res[0].texts {
 			same = same && res[0].texts[i] == res[1].texts[i]
 		}
 		tokens = res[1].predicted
+		drafted += res[1].drafted
+		accepts += res[1].accepts
 	}
-	on := best[1]
 	acc := 0.0
-	if on.drafted > 0 {
-		acc = 100 * float64(on.accepts) / float64(on.drafted)
+	if drafted > 0 {
+		acc = 100 * float64(accepts) / float64(drafted)
 	}
-	fmt.Printf("%-12s %-8s %3d  %9.1f  %8.1f  %6.2f  %7d  %8d  %6.1f%%  %6d  %v\n", server, w, n, bestTPS[0], bestTPS[1], bestTPS[1]/bestTPS[0],
-		on.drafted, on.accepts, acc, tokens, same)
+	slices.Sort(ratios)
+	lo, hi := 0.0, 0.0
+	if len(ratios) > 0 {
+		lo, hi = ratios[0], ratios[len(ratios)-1]
+	}
+	fmt.Printf("%-12s %-8s %3d  %9.1f  %8.1f  %6.2f  %4.2f-%4.2f  %7d  %8d  %6.1f%%  %6d  %v\n", server, w, n, median(tps[0]), median(tps[1]), median(ratios),
+		lo, hi, drafted, accepts, acc, tokens, same)
 	return nil
+}
+
+// median of xs (0 for none); xs is not changed.
+func median(xs []float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	s := slices.Sorted(slices.Values(xs))
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
 // once runs workload w: N agents at once, greedy, with speculation on or off; maxTokens

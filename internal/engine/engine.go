@@ -149,6 +149,9 @@ func (s *Stream) Cancel() { s.eng.send(envelope{msg: Cancel{Task: s.id}}) }
 // receives the scheduler's measurements after each step.
 func New(sched *Scheduler, be Backend, obs Observer) *Engine {
 	e := &Engine{inbox: make(chan envelope, 1024), quit: make(chan struct{}), stopped: make(chan struct{}), obs: obs}
+	if dc, ok := be.(DraftChecker); ok {
+		sched.draftCheck = dc
+	}
 	e.snap.Store(sched.Snapshot(time.Now()))
 	go e.run(sched, be)
 	return e

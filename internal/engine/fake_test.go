@@ -48,6 +48,46 @@ type fakeBackend struct {
 	sample func(task TaskID, seq []Token) Token
 	// draft is the fake draft model (DraftBackend; draft_test.go).
 	draft fakeDraft
+	// grammar, when set, is a fake grammar for tasks whose request has one: token tok
+	// may follow prev only if grammar(prev, tok) (prev is -1 before the first draw).
+	// A draw it forbids becomes the next token up that it allows, as a grammar's mask
+	// would leave the model's next choice; DraftFits walks it (DraftChecker).
+	grammar      func(prev, tok Token) bool
+	grammarTasks map[TaskID]bool
+	lastDrawn    map[TaskID]Token
+}
+
+// DraftFits implements DraftChecker with the fake grammar.
+func (f *fakeBackend) DraftFits(task TaskID, drafts []Token) int {
+	if f.grammar == nil || !f.grammarTasks[task] {
+		return len(drafts)
+	}
+	prev, ok := f.lastDrawn[task]
+	if !ok {
+		f.t.Errorf("fake: drafts checked for task %d before it drew a token", task)
+	}
+	for i, d := range drafts {
+		if !f.grammar(prev, d) {
+			return i
+		}
+		prev = d
+	}
+	return len(drafts)
+}
+
+// constrain is the fake grammar's mask over task's draw tok.
+func (f *fakeBackend) constrain(task TaskID, tok Token) Token {
+	if f.grammar != nil && f.grammarTasks[task] {
+		prev, ok := f.lastDrawn[task]
+		if !ok {
+			prev = -1
+		}
+		for !f.grammar(prev, tok) {
+			tok++
+		}
+	}
+	f.lastDrawn[task] = tok
+	return tok
 }
 
 // TierReady implements AsyncTierBackend; tests call resumeRestore themselves.
@@ -111,7 +151,8 @@ type fakeCell struct {
 }
 
 func newFakeBackend(t *testing.T, nCtx int) *fakeBackend {
-	return &fakeBackend{t: t, nCtx: nCtx, kv: map[int][]fakeCell{}, samplers: map[TaskID]bool{}, tier: map[int][]Token{}, tail: map[int][]fakeCell{}}
+	return &fakeBackend{t: t, nCtx: nCtx, kv: map[int][]fakeCell{}, samplers: map[TaskID]bool{}, tier: map[int][]Token{}, tail: map[int][]fakeCell{},
+		grammarTasks: map[TaskID]bool{}, lastDrawn: map[TaskID]Token{}}
 }
 
 // cells counts distinct physical cells in use.
@@ -171,6 +212,7 @@ func (f *fakeBackend) Decode(batch []BatchEntry) ([]Sampled, error) {
 			} else {
 				tok = model(f.tokens(e.Seq))
 			}
+			tok = f.constrain(e.Task, tok)
 			f.drawn++
 			last[e.Task] = tok
 			out = append(out, Sampled{Token: tok})
@@ -244,6 +286,7 @@ func (f *fakeBackend) NewSampler(task TaskID, p SamplingParams, logprobs bool, h
 		f.t.Errorf("fake: sampler for task %d created twice", task)
 	}
 	f.samplers[task] = true
+	f.grammarTasks[task] = p.Grammar != ""
 }
 
 func (f *fakeBackend) FreeSampler(task TaskID) {
@@ -251,6 +294,8 @@ func (f *fakeBackend) FreeSampler(task TaskID) {
 		f.t.Errorf("fake: freeing unknown sampler %d", task)
 	}
 	delete(f.samplers, task)
+	delete(f.grammarTasks, task)
+	delete(f.lastDrawn, task)
 }
 
 // fakeVocab: token 0 is EOG, token n renders as "<n>".

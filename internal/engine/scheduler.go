@@ -194,6 +194,8 @@ type task struct {
 	draftCap              int
 	modFed, modLow        int
 	draftN, draftAccepted int
+	// draftFiltered: draft tokens the grammar cut before planning (Stats.DraftFiltered).
+	draftFiltered int
 	// specWait is how many more steps t decodes without drafting after proposals that
 	// were wholly rejected (specMisses of them in a row): a backoff, since every
 	// rejection costs a verification and the removal of its cells.
@@ -256,6 +258,9 @@ type Scheduler struct {
 	kv *kvCache
 	// mod is ngram-mod's table shared by all sessions (nil unless Config.Spec has it).
 	mod *ngramMod
+	// draftCheck cuts grammar requests' drafts (nil: they are verified uncut; see
+	// DraftChecker). Set by New when the backend has it.
+	draftCheck DraftChecker
 	// Prefix cache counters (issue 12): prompt tokens served from cached prefixes,
 	// and evictions of cached anonymous sequences' cells.
 	cacheHits      int64
@@ -990,15 +995,16 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 			// Drafts use what the other decoders leave of the budget and only spare
 			// cells: they are gone again after the step, not worth an eviction.
 			k := min(s.specBudget(t), budget-decoders, spare-decoders)
+			probe := false
 			if c := s.specCostCap(t, k, specGain, specRows); c > 0 {
 				k = c
 			} else if t.specIdle >= specProbeEvery {
-				k = min(k, specProbeLen) // a probe: does t copy again?
+				k, probe = min(k, specProbeLen), true // a probe: does t copy again?
 			} else {
 				k = 0
 			}
 			t.specIdle++
-			if d := s.specDraft(t, k); len(d) > 0 {
+			if d := s.specDraft(t, k, probe); len(d) > 0 {
 				t.specIdle = 0
 				specGain += t.specExpected(len(d))
 				specRows += float64(len(d))
@@ -1196,7 +1202,7 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 		return
 	}
 	stats := Stats{PromptN: len(t.req.Prompt) - t.cacheN, CacheN: t.cacheN, PredictedN: t.generated, Seq: sl.seq,
-		DraftN: t.draftN, DraftAccepted: t.draftAccepted}
+		DraftN: t.draftN, DraftAccepted: t.draftAccepted, DraftFiltered: t.draftFiltered}
 	if sl.base != nil {
 		stats.Pool = sl.base.ID
 		stats.Shared = sl.shared

@@ -198,14 +198,12 @@ func TestSpeculativeLossless(t *testing.T) {
 	}
 }
 
-// TestSpeculationOffPerRequest: speculative false, or n_max 0, proposes nothing; a
-// grammar-constrained request does not speculate either (specOn).
+// TestSpeculationOffPerRequest: speculative false, or n_max 0, proposes nothing.
 func TestSpeculationOffPerRequest(t *testing.T) {
 	zero := 0
 	for name, req := range map[string]Request{
-		"off":     {Spec: SpecRequest{Off: true}},
-		"nmax0":   {Spec: SpecRequest{NMax: &zero}},
-		"grammar": {Sampling: SamplingParams{Grammar: `root ::= [a-z]+`}},
+		"off":   {Spec: SpecRequest{Off: true}},
+		"nmax0": {Spec: SpecRequest{NMax: &zero}},
 	} {
 		cfg := poolCfg()
 		cfg.Spec = Spec{Types: []string{SpecNgramSimple}}
@@ -477,5 +475,97 @@ func TestSpeculativeCostLimit(t *testing.T) {
 	}
 	if rate <= offRate {
 		t.Errorf("tokens per modelled cost %.3f with the limit, %.3f without: want higher", rate, offRate)
+	}
+}
+
+// fakeGrammar is the fake backend's grammar in TestSpeculativeGrammar: no two tokens in
+// a row whose sum is a multiple of 3.
+func fakeGrammar(prev, tok Token) bool { return prev < 0 || (prev+tok)%3 != 0 }
+
+// TestSpeculativeGrammar: grammar-constrained requests speculate, losslessly, and the
+// plan cuts their drafts at the first token the grammar forbids (DraftChecker). Three
+// requests with a (fake) grammar and one without decode together on a repeating model
+// whose draws the grammar masks. With speculation, with or without the check, every
+// text is the one plain decoding gives and the backend draws as many samples; with the
+// check no planned draft of a grammar request breaks the grammar, the cut tokens are
+// counted (Stats.DraftFiltered), the draft rows fall and acceptance rises; the request
+// without a grammar is not filtered.
+func TestSpeculativeGrammar(t *testing.T) {
+	type result struct {
+		texts                              []string
+		drafted, accepted, filtered, drawn int
+		plainFiltered                      int
+	}
+	run := func(spec, check bool) result {
+		cfg := poolCfg()
+		if spec {
+			cfg.Spec = Spec{Types: []string{SpecNgramSimple}, DraftMax: 8, StepCost: -1}
+		}
+		h := newHarness(t, cfg)
+		h.be.model = fakeRepeater(9)
+		h.be.grammar = fakeGrammar
+		if check {
+			h.s.draftCheck = h.be
+		}
+		var ids []TaskID
+		for i := range 4 {
+			req := Request{Prompt: seqTokens(100*i+1, 20), MaxTokens: 80}
+			if i < 3 {
+				req.Sampling.Grammar = "root ::= fake"
+			}
+			ids = append(ids, h.submit(req))
+		}
+		h.run()
+		h.checkAccounting()
+		var r result
+		for i, id := range ids {
+			ev, ok := h.done(id)
+			if !ok || ev.Err != nil {
+				t.Fatalf("task %d: ended %v, %v", id, ok, ev.Err)
+			}
+			r.texts = append(r.texts, h.text(id))
+			r.drafted += ev.Stats.DraftN
+			r.accepted += ev.Stats.DraftAccepted
+			if i < 3 {
+				r.filtered += ev.Stats.DraftFiltered
+			} else {
+				r.plainFiltered += ev.Stats.DraftFiltered
+			}
+		}
+		r.drawn = h.be.drawn
+		if check {
+			// Every draft of a grammar task may follow the entry before it.
+			for _, b := range h.be.batches {
+				prev := map[TaskID]Token{}
+				for _, e := range b {
+					if p, ok := prev[e.Task]; ok && e.Draft && e.Task != ids[3] && !fakeGrammar(p, e.Token) {
+						t.Errorf("task %d: draft %d planned after %d, which the grammar forbids", e.Task, e.Token, p)
+					}
+					prev[e.Task] = e.Token
+				}
+			}
+		}
+		return r
+	}
+	base := run(false, false)
+	unchecked := run(true, false)
+	checked := run(true, true)
+	for name, r := range map[string]result{"unchecked": unchecked, "checked": checked} {
+		if !slices.Equal(r.texts, base.texts) {
+			t.Errorf("%s speculation changed the output:\n%q\n%q", name, r.texts, base.texts)
+		}
+		if r.drawn != base.drawn {
+			t.Errorf("%s: the backend drew %d samples, %d without speculation", name, r.drawn, base.drawn)
+		}
+		if r.accepted == 0 {
+			t.Errorf("%s: no draft accepted", name)
+		}
+	}
+	t.Logf("unchecked: drafted %d, accepted %d; checked: drafted %d, accepted %d, cut %d", unchecked.drafted, unchecked.accepted, checked.drafted, checked.accepted, checked.filtered)
+	if checked.filtered == 0 || unchecked.filtered != 0 || checked.plainFiltered != 0 {
+		t.Errorf("cut tokens: %d checked (grammar requests), %d unchecked, %d of the plain request: want some, none, none", checked.filtered, unchecked.filtered, checked.plainFiltered)
+	}
+	if checked.drafted >= unchecked.drafted || checked.accepted*unchecked.drafted <= unchecked.accepted*checked.drafted {
+		t.Errorf("checked drafts %d (%d accepted), unchecked %d (%d): want fewer at higher acceptance", checked.drafted, checked.accepted, unchecked.drafted, unchecked.accepted)
 	}
 }

@@ -95,6 +95,9 @@ type Stats struct {
 	DraftN, DraftAccepted int
 	TPS                   float64    // experienced decode tps (EWMA) at the end
 	Ctx                   SessionCtx // the sequence's own context pressure at the end
+	// DraftFiltered are draft tokens the task's grammar forbade (DraftChecker), cut
+	// from its proposals before they took a batch row; not part of DraftN.
+	DraftFiltered int
 }
 
 // TokenLogprob is one sampled token with its log-probability and, when the task asked
@@ -173,6 +176,20 @@ type Backend interface {
 	NewSampler(task TaskID, p SamplingParams, logprobs bool, history []Token)
 	// FreeSampler drops task's sampler.
 	FreeSampler(task TaskID)
+}
+
+// DraftChecker is a Backend that can check speculative drafts against a task's
+// grammar before they are planned (speculative.go): the scheduler cuts a grammar
+// request's proposal at the first token its sampler could never draw, so a draft the
+// grammar forbids costs no batch row. Without it a grammar request's drafts are still
+// verified exactly (the forbidden one is simply rejected).
+type DraftChecker interface {
+	// DraftFits reports how many of drafts, in order, task's sampler allows right
+	// after the tokens it has drawn so far (its grammar's state after the task's
+	// next, not yet decoded, token): the index of the first it forbids, or
+	// len(drafts). It must not change the sampler, and its answer must depend only
+	// on the tokens drawn (so planning stays deterministic).
+	DraftFits(task TaskID, drafts []Token) int
 }
 
 // Vocab is the read-only view of the tokenizer that text assembly needs.

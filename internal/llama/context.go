@@ -587,6 +587,21 @@ func (s *Sampler) StartGrammar(m *Model, g string, skip int, toks []Token) error
 	return nil
 }
 
+// GrammarFits reports how many of toks, in order, the sampler's grammar allows after
+// what it has accepted so far: the index of the first token it would mask, or
+// len(toks) (an allowed end-of-generation token ends the count). It walks a clone, so
+// the sampler is unchanged. Without a grammar (none, dropped, failed) every token fits.
+// Speculative decoding uses it to cut a draft at the first token a grammar-constrained
+// sampler could never draw, before the draft costs a batch row.
+func (s *Sampler) GrammarFits(m *Model, toks []Token) int {
+	if s.g == nil || s.failed != nil || len(toks) == 0 {
+		return len(toks)
+	}
+	var errBuf [256]C.char
+	n := int(C.polykv_grammar_fits(s.g, m.vocab, (*C.llama_token)(unsafe.Pointer(&toks[0])), C.int(len(toks)), &errBuf[0], C.size_t(len(errBuf))))
+	return max(n, 0)
+}
+
 // HasGrammar reports whether a grammar still constrains the sampler.
 func (s *Sampler) HasGrammar() bool { return s.g != nil }
 

@@ -114,3 +114,52 @@ func TestEscapeRegex(t *testing.T) {
 		t.Fatalf("escapeRegex = %s", got)
 	}
 }
+
+// GrammarFits (speculative drafts) counts the tokens of a continuation the grammar
+// allows, stops at the first it forbids, counts an end-of-generation token only where
+// the grammar may end, and leaves the sampler's grammar as it was: the same tokens
+// then fit again and are accepted.
+func TestGrammarFits(t *testing.T) {
+	m := testModel(t)
+	s, err := NewSampler(m, SamplerParams{Grammar: callGrammar})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Free()
+	if err := acceptText(t, m, s, `<tool_call>{"name"`); err != nil {
+		t.Fatal(err)
+	}
+	good, err := m.Tokenize(`: "get_weather"}</tool_call>`, false, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bad, _ := m.Tokenize(`: "get_time"}`, false, false)
+	cut := 0
+	for cut < len(bad) && cut < len(good) && bad[cut] == good[cut] {
+		cut++
+	}
+	if n := s.GrammarFits(m, bad); n != cut {
+		t.Errorf("a call of another tool: %d tokens fit, want %d (the common prefix)", n, cut)
+	}
+	withEOG := append(append([]Token(nil), good...), m.EOS(), good[0])
+	if n := s.GrammarFits(m, withEOG); n != len(good)+1 {
+		t.Errorf("the call then end of generation: %d of %d tokens fit, want %d (up to the end)", n, len(withEOG), len(good)+1)
+	}
+	if n := s.GrammarFits(m, append([]Token{m.EOS()}, good...)); n != 0 {
+		t.Errorf("end of generation mid-call: %d tokens fit, want 0", n)
+	}
+	if n := s.GrammarFits(m, good); n != len(good) {
+		t.Errorf("the rest of the call: %d of %d tokens fit", n, len(good))
+	}
+	for _, tok := range good {
+		if err := s.Accept(tok); err != nil {
+			t.Fatalf("after GrammarFits the grammar refused the call: %v", err)
+		}
+	}
+	// Without a grammar (a lazy one not started yet, or none) everything fits.
+	free, _ := NewSampler(m, SamplerParams{})
+	defer free.Free()
+	if n := free.GrammarFits(m, bad); n != len(bad) {
+		t.Errorf("no grammar: %d of %d fit", n, len(bad))
+	}
+}

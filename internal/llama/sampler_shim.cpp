@@ -103,3 +103,36 @@ extern "C" int polykv_sampler_accept(struct llama_sampler * smpl, llama_token to
 	}
 	return POLYKV_SAMPLE_OK;
 }
+
+extern "C" int polykv_grammar_fits(const struct llama_sampler * grammar, const struct llama_vocab * vocab,
+	const llama_token * tokens, int n, char * err, size_t err_len) {
+	struct llama_sampler * g = nullptr;
+	int fit = 0;
+	try {
+		g = llama_sampler_clone(grammar);
+		for (; fit < n; fit++) {
+			// One candidate: the grammar masks it (logit -inf) or leaves it. Only an
+			// allowed token is accepted, so the clone never meets the forbidden
+			// end-of-generation token on which llama.cpp aborts.
+			llama_token_data cand = {tokens[fit], 0.0f, 0.0f};
+			llama_token_data_array cur_p = {&cand, 1, -1, false};
+			llama_sampler_apply(g, &cur_p);
+			if (std::isinf(cand.logit)) {
+				break;
+			}
+			llama_sampler_accept(g, tokens[fit]);
+			if (llama_vocab_is_eog(vocab, tokens[fit])) {
+				fit++;
+				break;
+			}
+		}
+	} catch (const std::exception & e) {
+		set_err(err, err_len, e.what()); // fit: the tokens before the one that threw
+	} catch (...) {
+		set_err(err, err_len, "unknown C++ exception");
+	}
+	if (g != nullptr) {
+		llama_sampler_free(g);
+	}
+	return fit;
+}

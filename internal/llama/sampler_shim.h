@@ -44,6 +44,15 @@ int polykv_sampler_sample(struct llama_sampler * grammar, struct llama_sampler *
 // letting it unwind.
 int polykv_sampler_accept(struct llama_sampler * smpl, llama_token tok, char * err, size_t err_len);
 
+// polykv_grammar_fits reports how many of tokens[0..n), in order, grammar allows after
+// what it has accepted so far, walking a clone (the grammar itself is not touched): the
+// index of the first token it would mask, or n. An end-of-generation token it allows
+// ends the walk (nothing follows it). A lazy grammar still waiting for its trigger
+// allows everything (it masks nothing). When llama.cpp throws, the tokens before the one
+// it threw on count, and err says why.
+int polykv_grammar_fits(const struct llama_sampler * grammar, const struct llama_vocab * vocab,
+	const llama_token * tokens, int n, char * err, size_t err_len);
+
 #ifdef __cplusplus
 }
 #endif

@@ -446,6 +446,19 @@ func (b *Backend) dropGrammar(task engine.TaskID, smp *sampler, i int, drawn lla
 	return smp.s.Sample(b.ctx, i)
 }
 
+// DraftFits implements engine.DraftChecker: how many of drafts task's grammar allows
+// after the tokens its sampler has drawn (llama.Sampler.GrammarFits). A lazy grammar
+// still waiting for its trigger constrains nothing yet: every draft fits, and a
+// trigger inside the drafts is met by the verification itself (watchFreeText starts
+// the grammar between two draft samples, as between two steps).
+func (b *Backend) DraftFits(task engine.TaskID, drafts []engine.Token) int {
+	smp, ok := b.samplers[task]
+	if !ok {
+		return len(drafts)
+	}
+	return smp.s.GrammarFits(b.model, drafts)
+}
+
 // samplerParams is the part of the engine's parameters that builds the llama.cpp chain
 // (NProbs only asks for a report and is handled here, in Decode).
 func samplerParams(p engine.SamplingParams) llama.SamplerParams {

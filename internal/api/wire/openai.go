@@ -215,6 +215,9 @@ type Timings struct {
 	// verified for the request and those accepted; only when it drafted any.
 	DraftN         *int `json:"draft_n,omitempty"`
 	DraftNAccepted *int `json:"draft_n_accepted,omitempty"`
+	// DraftNFiltered (PolyKV's): draft tokens a grammar-constrained request's grammar
+	// forbade, cut from its proposals before they were verified; only when nonzero.
+	DraftNFiltered int `json:"draft_n_filtered,omitempty"`
 }
 
 // SessionCtx is one session's own context pressure: what its sequence holds against
