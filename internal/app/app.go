@@ -339,8 +339,6 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		}
 	}
 	fa := FlashAttn(cfg.FlashAttn)
-	llama.SetFlashAttnKernel(cfg.FAKernel != "ggml")
-	llama.SetMatMulKernel(cfg.MMKernel != "ggml")
 	nSeq := cfg.Parallel + cfg.MaxPools
 	if err := pol.Check(nSeq, cfg.NBatch, cfg.NUBatch); err != nil {
 		model.Free()
@@ -348,7 +346,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	}
 	cp := llama.ContextParams{FlashAttn: fa,
 		NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: pol.ContextSeqs(nSeq),
-		NThreads: cfg.Threads, KVUnified: true, TypeK: tk, TypeV: tv,
+		NThreads: cfg.Threads, KVUnified: true, TypeK: tk, TypeV: tv, AttnKernel: llama.KernelNamed(cfg.FAKernel),
 	}
 	pol.Params(&cp)
 	ctx, err := llama.NewContext(model, cp)

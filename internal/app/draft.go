@@ -63,7 +63,9 @@ func (d *draftModel) free() {
 // differs from the target's, or one with recurrent state (a draft sequence is cut back
 // to the accepted tokens every step), is refused with the reason.
 func openDraft(cfg Config, target *llama.Model, tp llama.ContextParams, log *slog.Logger) (*draftModel, error) {
-	m, err := llama.LoadModel(cfg.ModelDraft)
+	// The draft model and its context use the kernels the served ones use (--mm-kernel,
+	// --fa-kernel): the choice is per model and per context, not process-wide.
+	m, err := llama.LoadModelWith(cfg.ModelDraft, llama.ModelParams{MatMulKernel: llama.KernelNamed(cfg.MMKernel)})
 	if err != nil {
 		return nil, fmt.Errorf("--model-draft: %w", err)
 	}
@@ -78,7 +80,7 @@ func openDraft(cfg Config, target *llama.Model, tp llama.ContextParams, log *slo
 		return refuse(fmt.Errorf("it keeps recurrent state, which cannot be cut back past a rejected draft"))
 	}
 	dp := llama.ContextParams{NCtx: cfg.NCtx, NBatch: tp.NBatch, NUBatch: tp.NUBatch, NSeqMax: tp.NSeqMax,
-		NThreads: tp.NThreads, KVUnified: true, FlashAttn: tp.FlashAttn}
+		NThreads: tp.NThreads, KVUnified: true, FlashAttn: tp.FlashAttn, AttnKernel: tp.AttnKernel}
 	if cfg.CtxSizeDraft > 0 {
 		dp.NCtx = cfg.CtxSizeDraft
 	}

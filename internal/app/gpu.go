@@ -215,7 +215,9 @@ func LoadModel(cfg Config) (*llama.Model, Offload, error) {
 	if err != nil {
 		return nil, off, fmt.Errorf("%w (library directories: %s)", err, strings.Join(dirs, ", "))
 	}
-	model, err := llama.LoadModelWith(cfg.ModelPath, off.params)
+	params := off.params
+	params.MatMulKernel = llama.KernelNamed(cfg.MMKernel) // this model's, not the process's
+	model, err := llama.LoadModelWith(cfg.ModelPath, params)
 	if err != nil {
 		return nil, off, err
 	}

@@ -232,7 +232,8 @@ func rawLoop(cfg app.Config, b, nGen int) (float64, error) {
 	}
 	defer model.Free()
 	fa := app.FlashAttn(cfg.FlashAttn)
-	ctx, err := llama.NewContext(model, llama.ContextParams{FlashAttn: fa, NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: b, NThreads: cfg.Threads, KVUnified: true})
+	ctx, err := llama.NewContext(model, llama.ContextParams{FlashAttn: fa, NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: b, NThreads: cfg.Threads, KVUnified: true,
+		AttnKernel: llama.KernelNamed(cfg.FAKernel)})
 	if err != nil {
 		return 0, err
 	}

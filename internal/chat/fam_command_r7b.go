@@ -23,6 +23,7 @@ var commandR7BMarkers = &markers{
 	head:            regexp.MustCompile(`(?:<\|START_ACTION\|>\s*\[|\}\s*,)\s*\{\s*"tool_call_id"\s*:\s*"[^"\\]*"\s*,\s*"tool_name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"parameters"\s*:\s*`),
 	list:            true,
 	responseMarkers: []string{"<|START_RESPONSE|>", "<|END_RESPONSE|>"},
+	thinkTags:       [][2]string{{"<|START_THINKING|>", "<|END_THINKING|>"}},
 }
 
 func (commandR7B) parse(ps *parser, text string) Parsed { return ps.commandR(text) }

@@ -21,6 +21,8 @@ var deepseekMarkers = &markers{
 	triggers: []string{"<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"},
 	// V3.1's form; R1's "function<｜tool▁sep｜>" names no tool and waits for the end.
 	head: regexp.MustCompile(`<｜tool▁call▁begin｜>([A-Za-z0-9_.-]+)<｜tool▁sep｜>`),
+	// R1 and V3.1 thinking.
+	thinkTags: [][2]string{thinkTag},
 }
 
 func (deepseek) parse(ps *parser, text string) Parsed {

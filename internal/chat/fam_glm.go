@@ -11,7 +11,7 @@ func (glm) markers() *markers                    { return glmMarkers }
 
 // GLM's opener is Hermes' "<tool_call>", a trigger of every family; values are text,
 // so calls come whole.
-var glmMarkers = &markers{}
+var glmMarkers = &markers{thinkTags: [][2]string{thinkTag}}
 
 func (glm) parse(ps *parser, text string) Parsed {
 	return ps.blocks(text, "<tool_call>", "</tool_call>", ps.glm)

@@ -18,11 +18,17 @@ func (hermes) markers() *markers                { return hermesMarkers }
 // streams it too: forced calls are Hermes-tagged where a family has no grammar.
 var hermesHead = regexp.MustCompile(`<tool_call>\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*`)
 
+// thinkTag is the reasoning block most thinking models write (Qwen3, DeepSeek R1, GLM,
+// MiniMax, Kimi Thinking, SmolLM3), whatever their call syntax.
+var thinkTag = [2]string{"<think>", "</think>"}
+
 var hermesMarkers = &markers{
 	head: hermesHead,
 	// A bare JSON call (hermes.parse's bareJSON) streams as Llama 3's does.
 	moreHeads:     []*regexp.Regexp{llama3Head},
 	opensWithJSON: true,
+	// Qwen3, SmolLM3 and the other thinking models with Hermes-tagged calls.
+	thinkTags: [][2]string{thinkTag},
 }
 
 func (hermes) parse(ps *parser, text string) Parsed {

@@ -19,7 +19,9 @@ func (kimiK2) markers() *markers { return kimiK2Markers }
 
 var kimiK2Markers = &markers{
 	triggers: []string{"<|tool_calls_section_begin|>"},
-	head:     regexp.MustCompile(`<\|tool_call_begin\|>\s*(?:functions\.)?([A-Za-z0-9_.-]+?)(?::\d+)?\s*<\|tool_call_argument_begin\|>`),
+	// Kimi K2 Thinking.
+	thinkTags: [][2]string{thinkTag},
+	head:      regexp.MustCompile(`<\|tool_call_begin\|>\s*(?:functions\.)?([A-Za-z0-9_.-]+?)(?::\d+)?\s*<\|tool_call_argument_begin\|>`),
 	// The call's id is what the model wrote between the markers (functions.NAME:IDX),
 	// as Kimi's template expects it back.
 	headID: func(m string) string {

@@ -8,7 +8,7 @@ func (minimax) format() Format                       { return FormatMiniMax }
 func (minimax) detect(has func(...string) bool) bool { return has("<minimax:tool_call>") }
 func (minimax) markers() *markers                    { return minimaxMarkers }
 
-var minimaxMarkers = &markers{triggers: []string{"<minimax:tool_call>"}}
+var minimaxMarkers = &markers{triggers: []string{"<minimax:tool_call>"}, thinkTags: [][2]string{thinkTag}}
 
 func (minimax) parse(ps *parser, text string) Parsed {
 	return ps.section(text, "<minimax:tool_call>", "</minimax:tool_call>", "<invoke ", "</invoke>", ps.xmlInvoke(""))

@@ -16,6 +16,9 @@ func (qwenXML) detect(has func(...string) bool) bool {
 func (qwenXML) markers() *markers { return qwenXMLMarkers }
 
 var qwenXMLMarkers = &markers{
+	// Qwen 3.5 thinks in <think>; Seed-OSS (calls in this shape inside <seed:tool_call>,
+	// so its templates are detected as this family) in <seed:think>.
+	thinkTags: [][2]string{thinkTag, {"<seed:think>", "</seed:think>"}},
 	// A call whose body is JSON (a forced Hermes-tagged call) streams by Hermes' head.
 	streamArgs: func(c *CallStream, held string) bool {
 		if strings.HasPrefix(strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(held), "<tool_call>")), "{") {

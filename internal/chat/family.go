@@ -65,6 +65,11 @@ type markers struct {
 	shortIDs bool
 	// argsKey is the arguments' key in CallSchema ("arguments" when empty).
 	argsKey string
+	// thinkTags are the reasoning blocks (open, close) the family's models write as
+	// text. A reply is read for every family's tags whatever its format (thinkTags in
+	// reasoning.go): the tool-call format a template was detected as does not say which
+	// reasoning tags its model writes (Qwen3 thinks in <think> with Hermes calls).
+	thinkTags [][2]string
 }
 
 // families is the registry, in detection order: a family whose markers contain

@@ -1,6 +1,9 @@
 package chat
 
-import "strings"
+import (
+	"slices"
+	"strings"
+)
 
 // ReasoningFormat says where a thinking model's reasoning goes (llama-server's
 // reasoning_format): "none" leaves it in content, "deepseek" and "auto" move it to
@@ -14,9 +17,20 @@ const (
 	ReasoningAuto     ReasoningFormat = "auto"
 )
 
-// thinkTags are the reasoning delimiters of the families that write them as text
-// (Qwen3, DeepSeek R1, GLM, MiniMax, Kimi Thinking, SmolLM3, … Seed-OSS and Command R7B).
-var thinkTags = [][2]string{{"<think>", "</think>"}, {"<seed:think>", "</seed:think>"}, {"<|START_THINKING|>", "<|END_THINKING|>"}}
+// thinkTags are the reasoning delimiters every family's models write as text (each
+// family's markers().thinkTags), once each in registry order: <think> first, the tag a
+// prompt that opens a think block is closed by (NewReplyStream).
+var thinkTags = func() [][2]string {
+	var out [][2]string
+	for _, f := range families {
+		for _, tag := range f.markers().thinkTags {
+			if !slices.Contains(out, tag) {
+				out = append(out, tag)
+			}
+		}
+	}
+	return out
+}()
 
 // PromptOpensThinking reports whether the rendered prompt ends inside a think block
 // (DeepSeek R1 and Qwen3 thinking templates end their generation prompt with

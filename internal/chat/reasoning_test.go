@@ -143,3 +143,31 @@ func TestCommandR7BStreams(t *testing.T) {
 		t.Fatalf("response content %q", content)
 	}
 }
+
+// TestThinkTagsFromFamilies: the reasoning tags a reply is read for are the families'
+// own (markers().thinkTags), each once, with <think> first: a prompt that opens a think
+// block is closed by thinkTags[0] (NewReplyStream).
+func TestThinkTagsFromFamilies(t *testing.T) {
+	if len(thinkTags) == 0 || thinkTags[0] != [2]string{"<think>", "</think>"} {
+		t.Fatalf("thinkTags %q: want <think> first", thinkTags)
+	}
+	seen := map[[2]string]int{}
+	for _, tag := range thinkTags {
+		seen[tag]++
+	}
+	for _, f := range families {
+		for _, tag := range f.markers().thinkTags {
+			if seen[tag] != 1 {
+				t.Errorf("%s's %q is in thinkTags %d times, want once", f.format(), tag, seen[tag])
+			}
+			// Read in any format: a reply in this family's own opens with it.
+			p := ParseReply(ReplyOptions{Format: f.format(), Reasoning: true}, tag[0]+"why"+tag[1]+"ok")
+			if p.Reasoning != "why" {
+				t.Errorf("%s: %q block read as reasoning %q, content %q", f.format(), tag[0], p.Reasoning, p.Content)
+			}
+		}
+	}
+	if len(seen) != len(thinkTags) {
+		t.Errorf("thinkTags %q has duplicates", thinkTags)
+	}
+}

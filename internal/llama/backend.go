@@ -5,6 +5,7 @@ package llama
 #include <dlfcn.h>
 #include "llama.h"
 #include "ggml-backend.h"
+#include "kquant.h"
 
 // polykv_dl_check opens path the way ggml will (RTLD_NOW | RTLD_LOCAL), so a missing
 // dependency (libcudart, libvulkan, ...) comes back as dlerror's text instead of the silent
@@ -163,12 +164,20 @@ type ModelParams struct {
 	// LoadMTP loads the model's MTP (NextN) layers too (llama_model_params.load_mtp), which
 	// an MTP draft context (ContextParams.MTPTarget) runs; without it llama.cpp skips them.
 	LoadMTP bool
+	// MatMulKernel is the CPU kernel for products with this model's Q4_1, Q4_K and Q6_K
+	// weights (KernelDefault: the process default, SetMatMulKernel). Per model, not per
+	// context: the choice is about the weights, which every context of the model shares,
+	// and ggml tells kquant.cpp whose product it is by the weights alone (kquant.cpp).
+	MatMulKernel Kernel
 }
 
 // LoadModelWith loads a GGUF model with its layers placed as p says. The devices named in
 // p must be registered GPU devices (see LoadBackends and Devices).
 func LoadModelWith(path string, p ModelParams) (*Model, error) {
 	Init()
+	if !p.MatMulKernel.valid() {
+		return nil, fmt.Errorf("load model: unknown matrix kernel %d", p.MatMulKernel)
+	}
 	if _, err := os.Stat(path); err != nil {
 		return nil, fmt.Errorf("load model: %w", err)
 	}
@@ -232,6 +241,10 @@ func LoadModelWith(path string, p ModelParams) (*Model, error) {
 	m := C.llama_model_load_from_file(cpath, params)
 	if m == nil {
 		return nil, fmt.Errorf("load model %s: llama.cpp could not load the file (with %d GPU layers)", path, p.GPULayers)
+	}
+	if p.MatMulKernel != KernelDefault && C.polykv_kq_model_choose(m, C.int(p.MatMulKernel)) == 0 {
+		C.llama_model_free(m)
+		return nil, fmt.Errorf("load model %s: too many models with a matrix kernel of their own are loaded", path)
 	}
 	return &Model{m: m, vocab: C.llama_model_get_vocab(m), path: path}, nil
 }

@@ -13,6 +13,7 @@
 // llama.cpp that changes them fails to compile here, in the binding, as it should.
 
 #include "cellorder.h"
+#include "fattn.h"
 
 #include <immintrin.h>
 
@@ -38,9 +39,26 @@ struct layer_ref {
     bool                   first;
 };
 
+// kspan is one K storage of a context's cache, [begin, end): a flash-attention node's K
+// view lies inside one (a view of a later stream starts past begin).
+struct kspan {
+    const char * begin;
+    const char * end;
+};
+
 struct registration {
-    const llama_context *  ctx;
-    std::vector<layer_ref> layers;
+    const llama_context *  ctx = nullptr;
+    std::vector<layer_ref> layers; // empty unless ordered
+    // ordered: the kernel may sum this context's cells in position order (layers lists
+    // every attention layer); otherwise it still runs, in cell order, and the context
+    // compacts.
+    bool ordered = false;
+    // kernel: the context's flash-attention kernel (ContextParams.AttnKernel: 0 the
+    // process default, polykv_fattn_default; 1 PolyKV's; 2 ggml's). A context's own
+    // because ggml-cpu asks its extras about a node, not a context: the node's K view
+    // (in spans) is what tells whose node it is.
+    int                kernel = 0;
+    std::vector<kspan> spans;
     // stock: one of ctx's attention nodes ran another kernel (ggml's: ALiBi, soft-capping,
     // a head size PolyKV's kernel does not take), which sums in cell order.
     std::shared_ptr<std::atomic<bool>> stock = std::make_shared<std::atomic<bool>>(false);
@@ -72,9 +90,23 @@ void caches(llama_memory_i * mem, std::vector<llama_kv_cache *> & out, bool & un
     }
 }
 
+// chosen resolves a registration's kernel choice (the process default where it has none).
+bool chosen(const registration & r) {
+    return r.kernel == 1 || (r.kernel == 0 && polykv_fattn_default() != 0);
+}
+
+// host_k is layer il's K storage where this kernel could read it (nullptr on a GPU).
+ggml_tensor * host_k(llama_kv_cache * kv, uint32_t il) {
+    ggml_tensor * k = kv->get_k_storage((int32_t) il);
+    if (k == nullptr || k->data == nullptr || k->buffer == nullptr || !ggml_backend_buffer_is_host(k->buffer)) {
+        return nullptr;
+    }
+    return k;
+}
+
 }  // namespace
 
-extern "C" int polykv_cells_register(struct llama_context * ctx) {
+extern "C" int polykv_cells_register(struct llama_context * ctx, int order, int kernel) {
     if (!ctx->get_cparams().flash_attn) {
         return 0; // the plain attention path (matrix products over all cells) is not ours
     }
@@ -82,20 +114,32 @@ extern "C" int polykv_cells_register(struct llama_context * ctx) {
     std::vector<llama_kv_cache *> kvs;
     bool unknown = false;
     caches(mem, kvs, unknown);
-    registration r{ctx, {}};
+    registration r;
+    r.ctx = ctx;
+    r.kernel = kernel;
     const llama_hparams & hp = ctx->get_model().hparams;
     r.fa_ok = !hp.use_alibi && !hp.attn_soft_cap;
     uint32_t first_il = UINT32_MAX;
-    bool ok = !unknown;
+    bool ok = !unknown && order != 0;
     for (llama_kv_cache * kv : kvs) {
-        if (kv == nullptr || kv->get_n_stream() != 1) {
+        if (kv == nullptr) {
+            ok = false;
+            continue;
+        }
+        // Every host K storage tells the kernel choice, whether or not it can be ordered.
+        for (uint32_t il : kv->get_layer_ids()) {
+            if (ggml_tensor * k = host_k(kv, il)) {
+                r.spans.push_back({(const char *) k->data, (const char *) k->data + ggml_nbytes(k)});
+            }
+        }
+        if (kv->get_n_stream() != 1) {
             ok = false; // one stream per sequence: the kernel could not tell which stream a view is
             continue;
         }
         const llama_kv_cells * cells = &kv->get_cells(0);
         for (uint32_t il : kv->get_layer_ids()) {
-            ggml_tensor * k = kv->get_k_storage((int32_t) il);
-            if (k == nullptr || k->data == nullptr || k->buffer == nullptr || !ggml_backend_buffer_is_host(k->buffer)) {
+            ggml_tensor * k = host_k(kv, il);
+            if (k == nullptr) {
                 ok = false; // offloaded to a GPU: computed there, not by this kernel
                 continue;
             }
@@ -113,25 +157,39 @@ extern "C" int polykv_cells_register(struct llama_context * ctx) {
             continue;
         }
         for (uint32_t il : kv->get_layer_ids()) {
-            ggml_tensor * k = kv->get_k_storage((int32_t) il);
-            if (k == nullptr || k->data == nullptr || k->buffer == nullptr || !ggml_backend_buffer_is_host(k->buffer)) {
+            if (host_k(kv, il) == nullptr) {
                 continue;
             }
             r.layers[i++].first = il == first_il;
         }
     }
+    r.ordered = ok && !r.layers.empty();
+    if (!r.ordered) {
+        r.layers.clear(); // some attention layer cannot be ordered: the caller compacts instead
+    }
     std::unique_lock<std::shared_mutex> lock(mu);
     reg.erase(std::remove_if(reg.begin(), reg.end(), [&](const registration & x) { return x.ctx == ctx; }), reg.end());
-    if (!ok || r.layers.empty()) {
-        return 0; // some attention layer cannot be ordered: the caller compacts instead
-    }
+    const int ordered = r.ordered ? 1 : 0;
     reg.push_back(std::move(r));
-    return 1;
+    return ordered;
 }
 
 extern "C" void polykv_cells_unregister(struct llama_context * ctx) {
     std::unique_lock<std::shared_mutex> lock(mu);
     reg.erase(std::remove_if(reg.begin(), reg.end(), [&](const registration & x) { return x.ctx == ctx; }), reg.end());
+}
+
+bool polykv_fattn_chosen(const void * kdata) {
+    const char * k = (const char *) kdata;
+    std::shared_lock<std::shared_mutex> lock(mu);
+    for (const registration & r : reg) {
+        for (const kspan & x : r.spans) {
+            if (k >= x.begin && k < x.end) {
+                return chosen(r);
+            }
+        }
+    }
+    return polykv_fattn_default() != 0; // a cache no context registered (none of NewContext's)
 }
 
 const void * polykv_cells_find(const void * kdata, bool * first) {
@@ -164,7 +222,7 @@ extern "C" int polykv_cells_ordered(struct llama_context * ctx) {
     std::shared_lock<std::shared_mutex> lock(mu);
     for (const registration & r : reg) {
         if (r.ctx == ctx) {
-            return r.stock->load() ? 0 : 1;
+            return r.ordered && chosen(r) && !r.stock->load() ? 1 : 0;
         }
     }
     return 0;
@@ -202,7 +260,7 @@ learn:
 bool polykv_cells_cast_skippable(const void * data) {
     std::shared_lock<std::shared_mutex> lock(mu);
     for (const registration & r : reg) {
-        if (!r.fa_ok || r.stock->load()) {
+        if (!r.ordered || !r.fa_ok || r.stock->load() || !chosen(r)) {
             continue;
         }
         for (const layer_ref & l : r.layers) {

@@ -37,6 +37,12 @@ void polykv_cells_mark_stock(const void * kdata);
 void polykv_cells_learn_v(const void * kdata, const void * vdata);
 bool polykv_cells_cast_skippable(const void * data);
 
+// polykv_fattn_chosen reports whether the context whose cache holds kdata (a
+// flash-attention node's K view) chose PolyKV's kernel (polykv_cells_register's kernel;
+// the process default, polykv_fattn_default, for a context without a choice or a cache
+// no context registered).
+bool polykv_fattn_chosen(const void * kdata);
+
 // polykv_visible_runs fills out with the cells in [0, nkv) that the f16 mask row lets
 // through (-inf hides a cell), as runs ordered by (position, cell). cells nullptr:
 // ordered by cell index (no positions known).
@@ -47,14 +53,16 @@ extern "C" {
 
 struct llama_context;
 
-// polykv_cells_register records ctx's attention caches (unified, one stream) so its
-// flash-attention nodes can be ordered by position; 1 if every attention cache of ctx
-// was recorded, 0 if ctx has one this cannot read (the caller then keeps cells ordered
-// by compaction).
-int polykv_cells_register(struct llama_context * ctx);
+// polykv_cells_register records ctx's flash-attention kernel (kernel: 0 the process
+// default, 1 PolyKV's, 2 ggml's) and, where order is 1, its attention caches (unified,
+// one stream) so its flash-attention nodes can be ordered by position; 1 if every
+// attention cache of ctx was recorded for ordering, 0 if order is 0 or ctx has one this
+// cannot read (the caller then keeps cells ordered by compaction).
+int polykv_cells_register(struct llama_context * ctx, int order, int kernel);
 
-// polykv_cells_ordered is 1 while ctx is registered and every flash-attention node of it
-// has run PolyKV's kernel (cells summed in position order), else 0.
+// polykv_cells_ordered is 1 while ctx is registered for ordering, uses PolyKV's kernel
+// and every flash-attention node of it has run that kernel (cells summed in position
+// order), else 0.
 int polykv_cells_ordered(struct llama_context * ctx);
 
 // polykv_cells_unregister forgets ctx (before llama_free).

@@ -46,6 +46,10 @@ type ContextParams struct {
 	// with a KV cache of their own, and its batches carry the target's NextN embedding
 	// per token (BatchAddEmbd). See mtp.go.
 	MTPTarget *Context
+	// AttnKernel is this context's CPU flash-attention kernel (KernelDefault: the process
+	// default, SetFlashAttnKernel). Per context, not per model: the kernel reads the
+	// context's own cache, and fattn.cpp tells a node's context by its K view.
+	AttnKernel Kernel
 }
 
 // Context is a llama.cpp context: the KV cache and the compute graph. One goroutine only.
@@ -76,6 +80,9 @@ func NewContext(model *Model, p ContextParams) (*Context, error) {
 	}
 	if p.NSeqMax > 256 {
 		return nil, fmt.Errorf("new context: n_seq_max %d exceeds llama.cpp's limit of 256", p.NSeqMax)
+	}
+	if !p.AttnKernel.valid() {
+		return nil, fmt.Errorf("new context: unknown attention kernel %d", p.AttnKernel)
 	}
 	if p.NUBatch <= 0 || p.NUBatch > p.NBatch {
 		p.NUBatch = p.NBatch
@@ -135,8 +142,10 @@ func NewContext(model *Model, p ContextParams) (*Context, error) {
 		ctx.initMTPBatch()
 	}
 	ctx.valueTypesOK = orderedType(p.TypeK) && p.TypeK.normal() == p.TypeV.normal()
-	if ctx.valueTypesOK && flashAttnInstalled {
-		C.polykv_cells_register(c)
+	if flashAttnInstalled {
+		// Every context records its kernel; only those over caches the kernel orders by
+		// position record their cells too.
+		C.polykv_cells_register(c, C.int(boolToInt(ctx.valueTypesOK)), C.int(p.AttnKernel))
 	}
 	return ctx, nil
 }
@@ -265,11 +274,12 @@ func (t CacheType) normal() CacheType {
 // cells in position order wherever llama.cpp placed them: PolyKV's flash-attention
 // kernel, on the CPU, over an f16, f32, q8_0 or q4_0 cache (K and V of one type) it has
 // registered (fattn.cpp, cellorder.cpp). Then holes left by freed cells change no output
-// and the cache never needs Compact. False for other or mixed cache types, llama.cpp's own kernel (--fa-kernel ggml),
+// and the cache never needs Compact. False for other or mixed cache types, llama.cpp's own kernel (AttnKernel
+// KernelGGML, or the process default set so: --fa-kernel ggml),
 // flash attention off, GPU offload, or a model one of whose attention nodes PolyKV's
 // kernel does not take (it turns false once such a node has run).
 func (c *Context) OrderedAttention() bool {
-	return c.valueTypesOK && flashAttnInstalled && !stockFlashAttn.Load() && C.polykv_cells_ordered(c.c) == 1
+	return c.valueTypesOK && flashAttnInstalled && C.polykv_cells_ordered(c.c) == 1
 }
 
 // Compact moves every used KV cell to the bottom of the cache, cells 0..used-1, keeping

@@ -51,7 +51,7 @@ constexpr int kRows = 8;    // query rows sharing one K/V tile
 constexpr int kTile = 8;    // cells per tile (one AVX2 register of scores)
 constexpr int kMaxD = 256;  // largest head size handled
 
-std::atomic<bool> enabled{false};
+std::atomic<bool> enabled{false};           // the process default (polykv_fattn_enable)
 std::atomic<unsigned long long> computed{0}; // flash-attention nodes this kernel ran
 std::atomic<unsigned long long> ordered{0};  // of those, nodes of a registered cache (position order)
 std::atomic<unsigned long long> skipped{0};  // f32-to-f16 casts of cache views left uncomputed
@@ -670,14 +670,13 @@ class extra : public ggml::cpu::extra_buffer_type {
             return kq;
         }
         static skip_cast skip;
-        if (!enabled.load(std::memory_order_relaxed)) {
-            return nullptr;
-        }
+        // The kernel is each context's choice (polykv_fattn_chosen): ggml-cpu asks about
+        // a node, and the node's K view tells whose cache, so whose choice, it is.
         if (op->op == GGML_OP_CPY && op->type == GGML_TYPE_F16 && op->src[0]->type == GGML_TYPE_F32 &&
             polykv_cells_cast_skippable(op->src[0]->data)) {
             return &skip;
         }
-        if (op->op != GGML_OP_FLASH_ATTN_EXT) {
+        if (op->op != GGML_OP_FLASH_ATTN_EXT || !polykv_fattn_chosen(cache_view(op->src[1])->data)) {
             return nullptr;
         }
         if (!supported(op)) {
@@ -716,6 +715,8 @@ extern "C" int polykv_fattn_install(void) {
 
 extern "C" void polykv_fattn_enable(int on) { enabled.store(on != 0); }
 
+extern "C" int polykv_fattn_default(void) { return enabled.load() ? 1 : 0; }
+
 extern "C" unsigned long long polykv_fattn_computed(void) { return computed.load(); }
 
 extern "C" unsigned long long polykv_fattn_ordered(void) { return ordered.load(); }
@@ -727,6 +728,8 @@ extern "C" unsigned long long polykv_fattn_casts_skipped(void) { return skipped.
 extern "C" int polykv_fattn_install(void) { return 0; }
 
 extern "C" void polykv_fattn_enable(int on) { (void) on; }
+
+extern "C" int polykv_fattn_default(void) { return 0; }
 
 extern "C" unsigned long long polykv_fattn_computed(void) { return 0; }
 

@@ -7,14 +7,44 @@ import "C"
 
 import "sync/atomic"
 
-// stockFlashAttn is the process-wide kernel choice (false: PolyKV's, the default).
+// Kernel chooses a CPU kernel: PolyKV's own or the linked llama.cpp's (ggml's). A
+// context chooses its flash-attention kernel (ContextParams.AttnKernel) and a model its
+// matrix kernel (ModelParams.MatMulKernel), so a target and a draft model in one process
+// may differ.
+type Kernel int
+
+const (
+	// KernelDefault follows the process default as it is when a graph is computed
+	// (SetFlashAttnKernel, SetMatMulKernel: PolyKV's unless changed).
+	KernelDefault Kernel = iota
+	// KernelPolyKV is PolyKV's kernel (fattn.cpp, kquant.cpp).
+	KernelPolyKV
+	// KernelGGML is the linked llama.cpp's own.
+	KernelGGML
+)
+
+// KernelNamed is the kernel a --fa-kernel or --mm-kernel value names: "ggml" is
+// llama.cpp's, anything else PolyKV's (the flags are checked before).
+func KernelNamed(name string) Kernel {
+	if name == "ggml" {
+		return KernelGGML
+	}
+	return KernelPolyKV
+}
+
+func (k Kernel) valid() bool { return k >= KernelDefault && k <= KernelGGML }
+
+// stockFlashAttn is the process default (false: PolyKV's).
 var stockFlashAttn atomic.Bool
 
-// SetFlashAttnKernel chooses the CPU flash-attention kernel for f16 K/V caches: PolyKV's
-// (polykv true, the default; fattn.cpp says how it keeps logits independent of the batch)
-// or the linked llama.cpp's own. The choice is process-wide (ggml-cpu has one
-// registry of kernels) and applies to graphs computed from then on. Quantized caches,
-// ALiBi and logit soft-capping always use ggml's kernel.
+// SetFlashAttnKernel sets the process default CPU flash-attention kernel, what contexts
+// created with AttnKernel KernelDefault use: PolyKV's (polykv true, the default;
+// fattn.cpp says how it keeps logits independent of the batch) or the linked llama.cpp's
+// own, for graphs computed from then on. A default and not only a per-context choice so
+// that one loaded model can be compared under both kernels (the prefill benchmark, the
+// kernel tests) without threading the choice through every helper; the server passes
+// its choice per context. Quantized caches other than q8_0 and q4_0, ALiBi and logit
+// soft-capping always use ggml's kernel.
 func SetFlashAttnKernel(polykv bool) {
 	stockFlashAttn.Store(!polykv)
 	C.polykv_fattn_enable(C.int(boolToInt(polykv)))

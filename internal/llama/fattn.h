@@ -9,8 +9,12 @@ extern "C" {
 // cannot run it (no AVX2/FMA). Call it after the first model is loaded.
 int polykv_fattn_install(void);
 
-// polykv_fattn_enable turns the kernel on or off for graphs planned from now on.
+// polykv_fattn_enable sets the process default (on: PolyKV's kernel) for contexts that
+// registered no choice of their own (polykv_cells_register), for graphs planned from now on.
 void polykv_fattn_enable(int on);
+
+// polykv_fattn_default is that default: 1 PolyKV's kernel, 0 ggml's.
+int polykv_fattn_default(void);
 
 // polykv_fattn_computed counts the flash-attention nodes the kernel has computed.
 unsigned long long polykv_fattn_computed(void);

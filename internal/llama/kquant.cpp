@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <mutex>
 #include <random>
 #include <vector>
 
@@ -61,8 +62,35 @@ int64_t group_blocks(int64_t nsb, size_t packed) {
     return g > 0 ? g : 1;
 }
 
-std::atomic<bool> enabled{false};
+std::atomic<bool> enabled{false}; // the process default (polykv_kq_enable)
 std::atomic<unsigned long long> computed{0};
+
+// The models' own choices, by weight buffer (polykv_kq_choose_buffer). Why per model and
+// not per context: the kernel's choice is about the weights, which every context of a
+// model shares, and ggml-cpu asks its extras about a node alone (get_tensor_traits(op)),
+// where the weights' buffer tells the model; what would tell a context (the node's
+// compute buffer) is reallocated by llama.cpp's scheduler whenever a graph outgrows it.
+// A lock-free table: every thread asks once per MUL_MAT node of a graph.
+constexpr int kChoices = 64;
+struct buffer_choice {
+    std::atomic<const void *> buf{nullptr};
+    std::atomic<bool>         polykv{false};
+};
+buffer_choice choices[kChoices];
+std::mutex    choices_mu; // writers only
+
+// chosen reports whether w's model chose this kernel (the process default where its
+// model made no choice).
+bool chosen(const ggml_tensor * w) {
+    if (const void * b = w->buffer) {
+        for (const buffer_choice & c : choices) {
+            if (c.buf.load(std::memory_order_acquire) == b) {
+                return c.polykv.load(std::memory_order_relaxed);
+            }
+        }
+    }
+    return enabled.load(std::memory_order_relaxed);
+}
 
 // The activation side: ggml's block_q8_K (ggml-common.h), restated because that header
 // cannot be included twice in one translation unit with the C++ declarations.
@@ -257,7 +285,34 @@ class traits : public ggml::cpu::tensor_traits {
 
 ggml::cpu::tensor_traits * polykv_kq_traits(const ggml_tensor * op) {
     static traits t;
-    return enabled.load(std::memory_order_relaxed) && supported(op) ? &t : nullptr;
+    return supported(op) && chosen(op->src[0]) ? &t : nullptr;
+}
+
+bool polykv_kq_choose_buffer(const void * buf, int kernel) {
+    std::lock_guard<std::mutex> lock(choices_mu);
+    for (buffer_choice & c : choices) {
+        if (c.buf.load() == buf) {
+            c.polykv.store(kernel == 1);
+            return true;
+        }
+    }
+    for (buffer_choice & c : choices) {
+        if (c.buf.load() == nullptr) {
+            c.polykv.store(kernel == 1);
+            c.buf.store(buf, std::memory_order_release);
+            return true;
+        }
+    }
+    return false;
+}
+
+void polykv_kq_forget_buffer(const void * buf) {
+    std::lock_guard<std::mutex> lock(choices_mu);
+    for (buffer_choice & c : choices) {
+        if (c.buf.load() == buf) {
+            c.buf.store(nullptr, std::memory_order_release);
+        }
+    }
 }
 
 extern "C" void polykv_kq_enable(int on) { enabled.store(on != 0); }
@@ -364,6 +419,10 @@ extern "C" int polykv_kq_selftest(int type, int M, int K, int N, unsigned seed, 
 #else
 
 ggml::cpu::tensor_traits * polykv_kq_traits(const ggml_tensor *) { return nullptr; }
+
+bool polykv_kq_choose_buffer(const void *, int) { return true; }
+
+void polykv_kq_forget_buffer(const void *) {}
 
 extern "C" void polykv_kq_enable(int on) { (void) on; }
 

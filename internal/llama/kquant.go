@@ -10,15 +10,15 @@ import (
 	"sync/atomic"
 )
 
-// stockMatMul is the process-wide matrix kernel choice (false: PolyKV's).
+// stockMatMul is the process default matrix kernel (false: PolyKV's).
 var stockMatMul atomic.Bool
 
-// SetMatMulKernel chooses the CPU kernel for matrix products with Q4_1, Q4_K and Q6_K weights:
-// PolyKV's (polykv true, the default; kquant.cpp says how it keeps a token's logits
-// independent of the batch while unpacking each weight block once per product) or the
-// stock ggml kernels of the linked llama.cpp. Process-wide,
-// like SetFlashAttnKernel, for graphs computed from then on; other weight types always
-// use ggml's kernels.
+// SetMatMulKernel sets the process default CPU kernel for matrix products with Q4_1, Q4_K
+// and Q6_K weights, what models loaded with MatMulKernel KernelDefault use: PolyKV's
+// (polykv true, the default; kquant.cpp says how it keeps a token's logits independent
+// of the batch while unpacking each weight block once per product) or the stock ggml
+// kernels of the linked llama.cpp, for graphs computed from then on (a default for the
+// reason SetFlashAttnKernel gives); other weight types always use ggml's kernels.
 func SetMatMulKernel(polykv bool) {
 	stockMatMul.Store(!polykv)
 	C.polykv_kq_enable(C.int(boolToInt(polykv)))

@@ -22,6 +22,7 @@ package llama
 #include <string.h>
 #include "llama.h"
 #include "memsize.h"
+#include "kquant.h"
 
 static void polykv_quiet_log(enum ggml_log_level level, const char * text, void * user_data) {
 	(void)text; (void)user_data;
@@ -103,6 +104,7 @@ func LoadModel(path string) (*Model, error) { return LoadModelWith(path, ModelPa
 // Free releases the model. No context created from it may be used afterwards.
 func (m *Model) Free() {
 	if m.m != nil {
+		C.polykv_kq_model_forget(m.m)
 		C.llama_model_free(m.m)
 		m.m = nil
 	}
