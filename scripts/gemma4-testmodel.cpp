@@ -18,10 +18,7 @@
 //
 // Usage: gemma4-testmodel OUT.gguf [SEED]
 
-#include "ggml-backend.h"
-#include "ggml.h"
-#include "gguf.h"
-#include "llama.h"
+#include "testmodel.h"
 
 // llama.cpp's internal headers, as test-llama-archs includes them: the model saver, the
 // architecture's key names and the model's tensors are not in the public API.
@@ -42,10 +39,7 @@ namespace {
 const uint32_t per_layer_embd   = 32; // Gemma 4's per-layer embeddings (E2B/E4B), a quarter of n_embd here
 const uint32_t shared_kv_layers = 5;  // layers 5..9 reuse layers 3 and 4's KV (E2B/E4B)
 
-struct fill_params {
-    unsigned long seed;
-    float         stdev;
-};
+using testmodel::fill_params;
 
 // fill draws each tensor's values from N(0, stdev) seeded by the tensor's name, as
 // test-llama-archs does, except the full layers' RoPE frequency factors: they divide the
@@ -55,23 +49,11 @@ void fill(ggml_tensor * t, void * ud) {
     std::mt19937 gen(p.seed ^ std::hash<std::string>{}(t->name));
     std::normal_distribution<float> dis(0.0f, p.stdev);
     const bool ones = strstr(t->name, "rope_freqs") != nullptr;
-    const int64_t n = ggml_nelements(t);
-    if (t->type == GGML_TYPE_F32) {
-        std::vector<float> v(n);
-        for (auto & x : v) {
-            x = ones ? 1.0f : dis(gen);
-        }
-        ggml_backend_tensor_set(t, v.data(), 0, ggml_nbytes(t));
-    } else if (t->type == GGML_TYPE_F16) {
-        std::vector<ggml_fp16_t> v(n);
-        for (auto & x : v) {
-            x = ggml_fp32_to_fp16(ones ? 1.0f : dis(gen));
-        }
-        ggml_backend_tensor_set(t, v.data(), 0, ggml_nbytes(t));
-    } else {
-        fprintf(stderr, "gemma4-testmodel: tensor %s has unexpected type %s\n", t->name, ggml_type_name(t->type));
-        abort();
+    std::vector<float> v(ggml_nelements(t));
+    for (auto & x : v) {
+        x = ones ? 1.0f : dis(gen);
     }
+    testmodel::set_values("gemma4-testmodel", t, v);
 }
 
 gguf_context * metadata() {
@@ -118,13 +100,11 @@ gguf_context * metadata() {
     return g;
 }
 
-bool quiet(float, void *) { return true; }
-
 // check loads path as a file and decodes 80 tokens (past the 32-position window) in one
 // sequence: the model must load as gemma4 and give finite logits.
 bool check(const char * path) {
     llama_model_params mp = llama_model_default_params();
-    mp.progress_callback = quiet;
+    mp.progress_callback = testmodel::quiet;
     llama_model * m = llama_model_load_from_file(path, mp);
     if (m == nullptr) {
         fprintf(stderr, "gemma4-testmodel: %s does not load\n", path);
@@ -168,46 +148,21 @@ bool check(const char * path) {
 } // namespace
 
 int main(int argc, char ** argv) {
-    if (argc < 2 || argc > 3) {
-        fprintf(stderr, "usage: %s OUT.gguf [SEED]\n", argv[0]);
-        return 2;
-    }
-    const std::string out = argv[1];
-    fill_params fp = {argc == 3 ? strtoul(argv[2], nullptr, 10) : 42ul, 0.1f};
-    llama_backend_init();
-    llama_log_set([](ggml_log_level level, const char * text, void *) {
-        if (level == GGML_LOG_LEVEL_ERROR) { // its warnings (e.g. the full-size SWA cache) are expected here
-            fputs(text, stderr);
-        }
-    }, nullptr);
-
-    gguf_context * g = metadata();
-    llama_model_params mp = llama_model_default_params();
-    mp.progress_callback = quiet;
-    llama_model * m = llama_model_init_from_user(g, fill, &fp, mp);
-    if (m == nullptr) {
-        fprintf(stderr, "gemma4-testmodel: llama.cpp refused the model's metadata\n");
-        return 1;
-    }
-    // The saver writes what the model holds, but in b11434 not all of Gemma 4's per-layer
-    // embeddings: not their width nor the shared-KV layer count (the loader needs the
-    // first) and not the two model-wide projection tensors. They are added beside it.
-    {
-        llama_model_saver ms(m);
-        ms.add_kv_from_model();
-        ms.add_kv(LLM_KV_EMBEDDING_LENGTH_PER_LAYER, per_layer_embd);
-        ms.add_kv(LLM_KV_ATTENTION_SHARED_KV_LAYERS, shared_kv_layers);
-        ms.add_tensors_from_model();
-        ms.add_tensor(m->per_layer_model_proj);
-        ms.add_tensor(m->per_layer_proj_norm);
-        ms.save(out);
-    }
-    llama_model_free(m);
-    gguf_free(g);
-    if (!check(out.c_str())) {
-        remove(out.c_str());
-        return 1;
-    }
-    llama_backend_free();
-    return 0;
+    testmodel::program p = {"gemma4-testmodel", metadata, fill, nullptr,
+        [](llama_model * m, const std::string & out) {
+            // The saver writes what the model holds, but in b11434 not all of Gemma 4's
+            // per-layer embeddings: not their width nor the shared-KV layer count (the
+            // loader needs the first) and not the two model-wide projection tensors. They
+            // are added beside it.
+            llama_model_saver ms(m);
+            ms.add_kv_from_model();
+            ms.add_kv(LLM_KV_EMBEDDING_LENGTH_PER_LAYER, per_layer_embd);
+            ms.add_kv(LLM_KV_ATTENTION_SHARED_KV_LAYERS, shared_kv_layers);
+            ms.add_tensors_from_model();
+            ms.add_tensor(m->per_layer_model_proj);
+            ms.add_tensor(m->per_layer_proj_norm);
+            ms.save(out);
+        },
+        check};
+    return testmodel::run(p, argc, argv);
 }

@@ -22,10 +22,7 @@
 //
 // Usage: qwen35mtp-testmodel OUT.gguf [SEED]
 
-#include "ggml-backend.h"
-#include "ggml.h"
-#include "gguf.h"
-#include "llama.h"
+#include "testmodel.h"
 
 // llama.cpp's internal headers, as test-llama-archs includes them: the model saver, the
 // architecture's key names and the staging API for NextN embeddings are not public.
@@ -52,10 +49,7 @@ const uint32_t n_trunk = 2, n_nextn = 1;
 // made larger than that for the head's prediction to follow h more often than not.
 const float eh_identity = 6.0f;
 
-struct fill_params {
-    unsigned long seed;
-    float         stdev;
-};
+using testmodel::fill_params;
 
 // fill draws each tensor's values from N(0, stdev) seeded by the tensor's name, as
 // test-llama-archs does (ssm_a negated: the recurrent state must decay), except:
@@ -93,18 +87,7 @@ void fill(ggml_tensor * t, void * ud) {
             v[j * n_in + n_in / 2 + j] += eh_identity;
         }
     }
-    if (t->type == GGML_TYPE_F32) {
-        ggml_backend_tensor_set(t, v.data(), 0, ggml_nbytes(t));
-    } else if (t->type == GGML_TYPE_F16) {
-        std::vector<ggml_fp16_t> h(n);
-        for (int64_t i = 0; i < n; i++) {
-            h[i] = ggml_fp32_to_fp16(v[i]);
-        }
-        ggml_backend_tensor_set(t, h.data(), 0, ggml_nbytes(t));
-    } else {
-        fprintf(stderr, "qwen35mtp-testmodel: tensor %s has unexpected type %s\n", t->name, ggml_type_name(t->type));
-        abort();
-    }
+    testmodel::set_values("qwen35mtp-testmodel", t, v);
 }
 
 gguf_context * metadata() {
@@ -147,8 +130,6 @@ gguf_context * metadata() {
     return g;
 }
 
-bool quiet(float, void *) { return true; }
-
 bool finite(const float * v, int n) {
     if (v == nullptr) {
         return false;
@@ -169,7 +150,7 @@ llama_token check_token(int i) { return 4 + (i * 37) % 120; }
 // sequence; it returns the model and context (nullptr on failure) and the last logits.
 bool trunk(const char * path, bool load_mtp, llama_model ** mo, llama_context ** co, std::vector<float> & logits) {
     llama_model_params mp = llama_model_default_params();
-    mp.progress_callback = quiet;
+    mp.progress_callback = testmodel::quiet;
     mp.load_mtp = load_mtp;
     llama_model * m = llama_model_load_from_file(path, mp);
     *mo = m;
@@ -307,59 +288,36 @@ bool check(const char * path) {
 } // namespace
 
 int main(int argc, char ** argv) {
-    if (argc < 2 || argc > 3) {
-        fprintf(stderr, "usage: %s OUT.gguf [SEED]\n", argv[0]);
-        return 2;
-    }
-    const std::string out = argv[1];
-    fill_params fp = {argc == 3 ? strtoul(argv[2], nullptr, 10) : 42ul, 0.1f};
-    llama_backend_init();
-    llama_log_set([](ggml_log_level level, const char * text, void *) {
-        if (level == GGML_LOG_LEVEL_ERROR) {
-            fputs(text, stderr);
-        }
-    }, nullptr);
-
-    gguf_context * g = metadata();
-    llama_model_params mp = llama_model_default_params();
-    mp.progress_callback = quiet;
-    mp.load_mtp = true; // without it the loader skips the NextN block's tensors
-    llama_model * m = llama_model_init_from_user(g, fill, &fp, mp);
-    if (m == nullptr) {
-        fprintf(stderr, "qwen35mtp-testmodel: llama.cpp refused the model's metadata\n");
-        return 1;
-    }
-    {
-        llama_model_saver ms(m);
-        ms.add_kv_from_model();
-        // The saver writes per-layer arrays for the trunk's layers only (n_layer()), but the
-        // qwen35 loader reads recurrent_layers for all of them, NextN blocks included: it is
-        // written again here with one entry per block (the MTP block is not recurrent).
-        const auto & hp = m->hparams;
-        std::vector<uint32_t> recr(hp.is_recr_impl.begin(), hp.is_recr_impl.begin() + hp.n_layer_all);
-        gguf_set_arr_data(ms.gguf_ctx, ms.llm_kv(LLM_KV_ATTENTION_RECURRENT_LAYERS).c_str(),
-                          GGUF_TYPE_UINT32, recr.data(), recr.size());
-        // Nor are the MTP block's per-matrix scales written: without load_mtp the qwen35
-        // loader skips the block's matrices and then never asks for their scales, so a
-        // file that has them fails to load ("wrong number of tensors") for every user
-        // that does not draft with MTP. Real Qwen3.5 conversions have none.
-        auto & mtp = m->layers[n_trunk];
-        ggml_tensor ** tp = reinterpret_cast<ggml_tensor **>(&mtp);
-        for (size_t i = 0; i < sizeof(mtp) / sizeof(ggml_tensor *); i++) {
-            const char * dot = tp[i] != nullptr ? strrchr(tp[i]->name, '.') : nullptr;
-            if (dot != nullptr && (strcmp(dot, ".scale") == 0 || strcmp(dot, ".input_scale") == 0)) {
-                tp[i] = nullptr;
+    testmodel::program p = {"qwen35mtp-testmodel", metadata, fill,
+        [](llama_model_params & mp) {
+            mp.load_mtp = true; // without it the loader skips the NextN block's tensors
+        },
+        [](llama_model * m, const std::string & out) {
+            llama_model_saver ms(m);
+            ms.add_kv_from_model();
+            // The saver writes per-layer arrays for the trunk's layers only (n_layer()), but
+            // the qwen35 loader reads recurrent_layers for all of them, NextN blocks included:
+            // it is written again here with one entry per block (the MTP block is not
+            // recurrent).
+            const auto & hp = m->hparams;
+            std::vector<uint32_t> recr(hp.is_recr_impl.begin(), hp.is_recr_impl.begin() + hp.n_layer_all);
+            gguf_set_arr_data(ms.gguf_ctx, ms.llm_kv(LLM_KV_ATTENTION_RECURRENT_LAYERS).c_str(),
+                              GGUF_TYPE_UINT32, recr.data(), recr.size());
+            // Nor are the MTP block's per-matrix scales written: without load_mtp the qwen35
+            // loader skips the block's matrices and then never asks for their scales, so a
+            // file that has them fails to load ("wrong number of tensors") for every user
+            // that does not draft with MTP. Real Qwen3.5 conversions have none.
+            auto & mtp = m->layers[n_trunk];
+            ggml_tensor ** tp = reinterpret_cast<ggml_tensor **>(&mtp);
+            for (size_t i = 0; i < sizeof(mtp) / sizeof(ggml_tensor *); i++) {
+                const char * dot = tp[i] != nullptr ? strrchr(tp[i]->name, '.') : nullptr;
+                if (dot != nullptr && (strcmp(dot, ".scale") == 0 || strcmp(dot, ".input_scale") == 0)) {
+                    tp[i] = nullptr;
+                }
             }
-        }
-        ms.add_tensors_from_model();
-        ms.save(out);
-    }
-    llama_model_free(m);
-    gguf_free(g);
-    if (!check(out.c_str())) {
-        remove(out.c_str());
-        return 1;
-    }
-    llama_backend_free();
-    return 0;
+            ms.add_tensors_from_model();
+            ms.save(out);
+        },
+        check};
+    return testmodel::run(p, argc, argv);
 }

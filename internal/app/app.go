@@ -392,8 +392,9 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	if store != nil {
 		ecfg.Tier, ecfg.TierRecord, ecfg.PoolIDFloor = true, store.Durable(), store.IDFloor()
 	}
-	sched, err := engine.NewScheduler(ecfg, runner.Vocab{M: model})
-	if err != nil {
+	// fail releases what Open holds so far (the tier store, the KV-event publisher, the
+	// context and the model) and returns err.
+	fail := func(err error) (*App, error) {
 		if store != nil {
 			store.Close()
 		}
@@ -404,6 +405,10 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		model.Free()
 		return nil, err
 	}
+	sched, err := engine.NewScheduler(ecfg, runner.Vocab{M: model})
+	if err != nil {
+		return fail(err)
+	}
 	var obs engine.Observer = metrics
 	if pub != nil {
 		sched.ReportResidency()
@@ -413,15 +418,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	var draft *draftModel
 	if ecfg.Spec.On() && cfg.ModelDraft != "" {
 		if draft, err = openDraft(cfg, model, cp, log); err != nil {
-			if store != nil {
-				store.Close()
-			}
-			if pub != nil {
-				_ = pub.Close()
-			}
-			ctx.Free()
-			model.Free()
-			return nil, err
+			return fail(err)
 		}
 		backend.EnableDraft(draft.drafter)
 	}

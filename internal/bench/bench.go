@@ -149,30 +149,18 @@ func Run(cfg app.Config, o *Options) error {
 			return fmt.Errorf("bench: --tenants-clients, -requests, -own-tokens must be at least 1 and --tenants-gen at least 2")
 		}
 		o.tn.reps = max(1, *o.reps)
-		if *o.cpuProfile != "" {
-			f, err := os.Create(*o.cpuProfile)
-			if err != nil {
-				return err
-			}
-			defer f.Close()
-			if err := pprof.StartCPUProfile(f); err != nil {
-				return err
-			}
-			defer pprof.StopCPUProfile()
+		stop, err := startCPUProfile(*o.cpuProfile)
+		if err != nil {
+			return err
 		}
+		defer stop()
 		return o.tn.run(cfg)
 	case "spec":
-		if *o.cpuProfile != "" {
-			f, err := os.Create(*o.cpuProfile)
-			if err != nil {
-				return err
-			}
-			defer f.Close()
-			if err := pprof.StartCPUProfile(f); err != nil {
-				return err
-			}
-			defer pprof.StopCPUProfile()
+		stop, err := startCPUProfile(*o.cpuProfile)
+		if err != nil {
+			return err
 		}
+		defer stop()
 		return o.sb.run(cfg, *o.reps)
 	}
 	if *o.workload != "decode" && *o.workload != "all" {
@@ -312,17 +300,11 @@ func serverRun(cfg app.Config, b, nGen int, profile string) (float64, error) {
 	go srv.Serve(ln)
 	defer srv.Close()
 	url := "http://" + ln.Addr().String() + "/v1/completions"
-	if profile != "" {
-		f, err := os.Create(profile)
-		if err != nil {
-			return 0, err
-		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			return 0, err
-		}
-		defer pprof.StopCPUProfile()
+	stop, err := startCPUProfile(profile)
+	if err != nil {
+		return 0, err
 	}
+	defer stop()
 	var wg sync.WaitGroup
 	errs := make([]error, b)
 	got := make([]int, b)
@@ -361,4 +343,24 @@ func serverRun(cfg app.Config, b, nGen int, profile string) (float64, error) {
 		total += got[s]
 	}
 	return float64(total) / elapsed.Seconds(), nil
+}
+
+// startCPUProfile starts a Go CPU profile written to path (--cpuprofile) and returns
+// the function that stops and closes it; with path empty it does nothing.
+func startCPUProfile(path string) (stop func(), err error) {
+	if path == "" {
+		return func() {}, nil
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		f.Close()
+	}, nil
 }
