@@ -222,7 +222,7 @@ func NewBackend(model *llama.Model, ctx *llama.Context, log *slog.Logger) *Backe
 		log = slog.Default()
 	}
 	b := &Backend{ctx: ctx, model: model, samplers: map[engine.TaskID]*sampler{}, log: log, scratch: -1}
-	if ctx.RSSeq() > 0 {
+	if ctx != nil && ctx.RSSeq() > 0 { // (tests build samplers-only backends without a context)
 		b.rolled = map[int]bool{}
 	}
 	return b
