@@ -186,3 +186,16 @@ func checkSpecSame(t *testing.T, name string, on, off specRun) {
 		t.Errorf("%s: same tokens, but logprobs differ by %.2g with speculation (a state not rolled back?)", name, d)
 	}
 }
+
+// TestArchsSpeculativeNoRollback: Granite hybrid (Mamba 2 layers) has no llama.cpp
+// rollback (n_rs_seq is clamped to 0), so a server asked to speculate starts with
+// speculation off and drafts nothing.
+func TestArchsSpeculativeNoRollback(t *testing.T) {
+	a, base := startServer(t, Config{ModelPath: testmodel.Arch(t, "granitehybrid"), NCtx: 1024, Parallel: 2, Threads: 2,
+		SpecType: "ngram-simple", DraftMax: 6, SpecStepCost: -1})
+	r := specCompletion(t, base, map[string]any{"prompt": archTokens(a, 1, 40), "max_tokens": 24, "logprobs": 1,
+		"ignore_eos": true, "temperature": 0, "speculative": true})
+	if len(r.ids) != 24 || r.draftN != 0 {
+		t.Errorf("%d tokens, %d drafted: want 24 tokens and speculation off", len(r.ids), r.draftN)
+	}
+}
