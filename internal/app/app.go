@@ -330,9 +330,6 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	if pol.Configure(&ecfg) && log != nil {
 		log.Info("prefix cache off: recurrent memory cannot be shared at an arbitrary token prefix")
 	}
-	if specAsked && !ecfg.Spec.On() && log != nil {
-		log.Info("speculative decoding off: recurrent state cannot be cut back past a rejected draft")
-	}
 	if cfg.NCtx > model.NCtxTrain() && model.NCtxTrain() > 0 {
 		if log != nil {
 			log.Warn("context larger than the model was trained for", "n_ctx", cfg.NCtx, "n_ctx_train", model.NCtxTrain())
@@ -349,10 +346,33 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		NThreads: cfg.Threads, KVUnified: true, TypeK: tk, TypeV: tv, AttnKernel: llama.KernelNamed(cfg.FAKernel),
 	}
 	pol.Params(&cp)
+	if specAsked {
+		// A recurrent state is cut back past a rejected draft through llama.cpp's
+		// per-sequence snapshots (n_rs_seq): one more copy of the state per draft
+		// position, for every sequence (RecurrentBytesPerSeq counts them).
+		cp.RSSeq = pol.SpecRollback(ecfg.Spec.DraftMax, cfg.NUBatch)
+	}
 	ctx, err := llama.NewContext(model, cp)
 	if err != nil {
 		model.Free()
 		return nil, err
+	}
+	if specAsked && pol.Recurrent {
+		// Read back: llama.cpp clamps n_rs_seq to 0 on architectures without rollback.
+		if r := ctx.RSSeq(); r > 0 {
+			ecfg.Rollback = r
+			ecfg.Spec.DraftMax = min(ecfg.Spec.DraftMax, r)
+			ecfg.Spec.DraftMin = min(ecfg.Spec.DraftMin, r)
+			if log != nil {
+				log.Info("speculative decoding on a recurrent model: rejected drafts are rolled back through state snapshots",
+					"draft_max", ecfg.Spec.DraftMax, "n_rs_seq", r, "recurrent_bytes_per_seq", ctx.RecurrentBytesPerSeq())
+			}
+		} else {
+			ecfg.Spec = engine.Spec{}
+			if log != nil {
+				log.Info("speculative decoding off: this model's recurrent state cannot be cut back past a rejected draft here (llama.cpp has no rollback for this architecture)")
+			}
+		}
 	}
 	// A hybrid's or recurrent model's per-sequence state, from the context's memory: pool
 	// and session reports count it beside their KV bytes.

@@ -63,8 +63,13 @@ type Config struct {
 	AttachMin int
 	// Spec turns on speculative decoding (issue 23, speculative.go): every decoding
 	// session proposes drafts that the step verifies beside everything else.
-	// Not on a recurrent model (its state cannot be cut back past a rejected draft).
+	// On a recurrent model only with Rollback ≥ Spec.DraftMax.
 	Spec Spec
+	// Rollback is, on a recurrent model (Recurrent), how many trailing positions the
+	// backend can cut off a sequence right after a decode (llama.cpp's n_rs_seq
+	// snapshots), which is what removing a rejected draft needs: speculation on such a
+	// model needs Spec.DraftMax ≤ Rollback. Unused without Recurrent.
+	Rollback int
 }
 
 // MaxSeqs is the largest n_seq_max llama.cpp accepts.
@@ -89,8 +94,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("attach minimum must not be negative, got %d", c.AttachMin)
 	case c.QueueTimeout < 0:
 		return fmt.Errorf("queue timeout must not be negative, got %s", c.QueueTimeout)
-	case c.Spec.On() && c.Recurrent:
-		return fmt.Errorf("speculative decoding needs sequences that can be cut back after a rejected draft; this model's recurrent state cannot")
+	case c.Spec.On() && c.Recurrent && c.Spec.withDefaults().DraftMax > c.Rollback:
+		return fmt.Errorf("speculative decoding needs sequences that can be cut back after a rejected draft; this model's recurrent state can drop %d positions, --draft-max is %d", c.Rollback, c.Spec.withDefaults().DraftMax)
 	}
 	if c.Spec.On() {
 		return c.Spec.withDefaults().validate()

@@ -80,7 +80,15 @@ func TestParseSpecTypes(t *testing.T) {
 		t.Error("draft min above draft max validated")
 	}
 	if err := (Config{NCtx: 64, Parallel: 1, NBatch: 8, Recurrent: true, Spec: Spec{Types: []string{SpecNgramMod}}}).Validate(); err == nil {
-		t.Error("speculation on a recurrent model validated")
+		t.Error("speculation on a recurrent model without rollback validated")
+	}
+	// With rollback (llama.cpp's n_rs_seq) as deep as the longest draft it is allowed.
+	rc := Config{NCtx: 64, Parallel: 1, NBatch: 8, Recurrent: true, Rollback: 4, Spec: Spec{Types: []string{SpecNgramMod}, DraftMax: 4}}
+	if err := rc.Validate(); err != nil {
+		t.Errorf("speculation on a recurrent model with rollback 4, drafts of 4: %v", err)
+	}
+	if rc.Spec.DraftMax = 5; rc.Validate() == nil {
+		t.Error("drafts longer than the recurrent rollback validated")
 	}
 }
 

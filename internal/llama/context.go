@@ -332,6 +332,12 @@ func (c *Context) Compact() error {
 // between a pool and the sessions attached to it.
 func (c *Context) RecurrentBytesPerSeq() int64 { return int64(C.polykv_recurrent_bytes_per_seq(c.c)) }
 
+// RSSeq is the rollback depth llama.cpp built the context with (llama_n_rs_seq): how
+// many trailing positions of a recurrent or hybrid sequence one SeqRm may drop after a
+// decode. It is 0 where ContextParams.RSSeq was 0 or the architecture has no rollback
+// (llama.cpp clamps it silently, so callers read it back rather than trust the request).
+func (c *Context) RSSeq() int { return int(C.llama_n_rs_seq(c.c)) }
+
 // MemoryBytes is the size of the context's whole sequence memory (KV caches and
 // recurrent state) as llama.cpp reports it. Tests check the per-cell and per-sequence
 // accounting against it.

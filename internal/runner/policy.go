@@ -44,10 +44,21 @@ func (p Policy) Configure(c *engine.Config) (prefixCacheOff bool) {
 	}
 	c.Recurrent = true
 	prefixCacheOff, c.PrefixCache = c.PrefixCache, false
-	// Speculative decoding off too: recurrent state cannot be cut back past a rejected
-	// draft (llama.cpp keeps one state per sequence, not one per position).
-	c.Spec = engine.Spec{}
 	return prefixCacheOff
+}
+
+// SpecRollback is the rollback depth (llama.ContextParams.RSSeq) to build the context
+// with so that speculation with drafts of up to draftMax tokens can cut rejected ones
+// off a recurrent state; 0 where none is needed or speculation cannot run here. It is
+// at most nUBatch-1: llama.cpp keeps a sequence's last RSSeq+1 tokens in one
+// micro-batch. With SWA anchors a shadow sequence shares its sequence's recurrent cell
+// while llama.cpp's rollback index is per sequence: Backend.SeqRm cuts the sequence
+// before its shadow and gives it its own cell at once (settleRollback).
+func (p Policy) SpecRollback(draftMax, nUBatch int) int {
+	if !p.Recurrent || draftMax < 1 {
+		return 0
+	}
+	return max(0, min(draftMax, nUBatch-1))
 }
 
 // ContextSeqs is how many sequence ids the llama context needs for nSeq engine

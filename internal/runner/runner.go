@@ -54,6 +54,13 @@ type Backend struct {
 	scratch int
 	// drafter drafts with a second model (EnableDraft; nil: none).
 	drafter *Drafter
+	// rolled holds the sequences whose recurrent state was rolled back (a rejected
+	// draft cut off through llama.cpp's n_rs_seq snapshots) and not decoded since.
+	// llama.cpp keeps such a state in a snapshot plane chosen by a per-sequence index
+	// that the next decode consumes; a seq_cp from the sequence before then would give
+	// the copy the cell's unrolled plane (see SeqCp). nil unless the context has
+	// rollback.
+	rolled map[int]bool
 }
 
 // EnableScratch gives the backend sequence id seq, which the engine never uses, to save
@@ -214,7 +221,11 @@ func NewBackend(model *llama.Model, ctx *llama.Context, log *slog.Logger) *Backe
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Backend{ctx: ctx, model: model, samplers: map[engine.TaskID]*sampler{}, log: log, scratch: -1}
+	b := &Backend{ctx: ctx, model: model, samplers: map[engine.TaskID]*sampler{}, log: log, scratch: -1}
+	if ctx != nil && ctx.RSSeq() > 0 { // (tests build samplers-only backends without a context)
+		b.rolled = map[int]bool{}
+	}
+	return b
 }
 
 // Decode implements engine.Backend.
@@ -238,6 +249,11 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 	}
 	if err := b.ctx.Decode(); err != nil {
 		return nil, err
+	}
+	if len(b.rolled) > 0 {
+		for _, e := range batch {
+			delete(b.rolled, e.Seq) // the decode consumed its rollback index
+		}
 	}
 	if b.anchor > 0 {
 		b.anchorNewCells(batch)
@@ -336,10 +352,57 @@ func (b *Backend) SeqRm(seq, p0, p1 int) bool {
 	if hi := b.ctx.SeqPosMax(seq); hi >= 0 && hi >= p0 && (p1 < 0 || b.ctx.SeqPosMin(seq) < p1) {
 		b.holes = true
 	}
+	if b.rolled == nil {
+		if b.anchor > 0 {
+			b.ctx.SeqRm(seq+b.anchor, p0, p1)
+		}
+		return b.ctx.SeqRm(seq, p0, p1)
+	}
+	// A recurrent rollback: the sequence itself first. Its shadow (SWA anchors) shares
+	// its recurrent cell (anchorNewCells' seq_cp); cut first, the shadow would take the
+	// single rollback and leave the sequence's own index unset. After the sequence's
+	// cut the shared cell already ends at p0-1, so the shadow's only drops its
+	// attention cells.
+	hi := b.ctx.SeqPosMax(seq)
+	ok := b.ctx.SeqRm(seq, p0, p1)
 	if b.anchor > 0 {
 		b.ctx.SeqRm(seq+b.anchor, p0, p1)
 	}
-	return b.ctx.SeqRm(seq, p0, p1)
+	switch {
+	case p0 <= 0:
+		delete(b.rolled, seq) // emptied: llama.cpp resets its rollback index
+	case !ok:
+		// A trailing cut the snapshots do not cover (more than n_rs_seq positions, or
+		// a second cut since the last decode): the engine plans only cuts of the last
+		// step's rejected drafts, so this is a bug, and the sequence is unchanged.
+		b.log.Error("recurrent rollback refused", "seq", seq, "p0", p0, "pos_max", hi)
+	case hi >= p0 && b.anchor > 0:
+		// The cell is still shared with the shadow, whose index is 0: llama.cpp's
+		// compaction (settle) would abort on it ("different rollback indices"), so
+		// the sequence gets its own cell with the rolled-back state now.
+		b.settleRollback(seq)
+	case hi >= p0:
+		b.rolled[seq] = true
+	}
+	return ok
+}
+
+// settleRollback writes seq's rolled-back recurrent state into the state's current
+// plane: llama.cpp's seq_cp shares the cell, not the per-sequence snapshot index, so a
+// copy taken before seq's next decode (a zero-copy pool snapshot of a session that just
+// rejected a draft) would get the state as it was before the cut. Reading the state
+// out (which honours the index) and back (which resets it) is llama.cpp's own way to
+// move it; it copies one sequence's recurrent state, only in that rare case.
+func (b *Backend) settleRollback(seq int) {
+	delete(b.rolled, seq)
+	data, err := b.ctx.SeqPartialStateGet(seq)
+	if err == nil {
+		err = b.ctx.SeqPartialStateSet(seq, data)
+	}
+	if err != nil {
+		b.log.Error("settling a recurrent rollback failed; the sequence is dropped", "seq", seq, "err", err)
+		b.SeqRm(seq, -1, -1)
+	}
 }
 
 // anchorNewCells adds each sequence's shadow to the cells the batch just wrote (the
@@ -365,6 +428,9 @@ func (b *Backend) anchorNewCells(batch []engine.BatchEntry) {
 
 // SeqCp implements engine.Backend.
 func (b *Backend) SeqCp(src, dst, p0, p1 int) {
+	if b.rolled[src] {
+		b.settleRollback(src)
+	}
 	b.ctx.SeqCp(src, dst, p0, p1)
 	if b.anchor > 0 {
 		b.ctx.SeqCp(src, dst+b.anchor, p0, p1)
