@@ -29,20 +29,15 @@ func (lfm2) grammar(r *callRules) ([]Trigger, bool, error) {
 // lfm2: <|tool_call_start|>[name(k="v", n=1), other()]<|tool_call_end|>.
 func (ps *parser) lfm2(text string) Parsed {
 	const open, close = "<|tool_call_start|>", "<|tool_call_end|>"
-	i := strings.Index(text, open)
-	if i < 0 {
+	before, body, after, ok := cutSection(text, open, close)
+	if !ok {
 		return Parsed{Content: strings.TrimSpace(text)}
-	}
-	body := text[i+len(open):]
-	after := ""
-	if j := strings.Index(body, close); j >= 0 {
-		body, after = body[:j], body[j+len(close):]
 	}
 	calls, ok := parsePythonCalls(strings.TrimSpace(body))
 	if !ok || len(calls) == 0 {
 		return Parsed{Content: strings.TrimSpace(text)}
 	}
-	p := Parsed{Content: strings.TrimSpace(text[:i] + after)}
+	p := Parsed{Content: strings.TrimSpace(before + after)}
 	for _, c := range calls {
 		p.Calls = append(p.Calls, ps.call(c.name, c.args, ""))
 	}

@@ -135,20 +135,29 @@ func (ps *parser) blocks(text, open, close string, body func(string) (ToolCall, 
 // section parses a calls section (open ... close) holding call blocks; text outside
 // the section is content.
 func (ps *parser) section(text, open, close, callOpen, callClose string, body func(string) (ToolCall, bool)) Parsed {
-	i := strings.Index(text, open)
-	if i < 0 {
+	before, inner, after, ok := cutSection(text, open, close)
+	if !ok {
 		return Parsed{Content: strings.TrimSpace(text)}
-	}
-	inner := text[i+len(open):]
-	after := ""
-	if j := strings.Index(inner, close); j >= 0 {
-		inner, after = inner[:j], inner[j+len(close):]
 	}
 	p := ps.blocks(inner, callOpen, callClose, body)
 	if len(p.Calls) == 0 || strings.TrimSpace(p.Content) != "" {
 		return Parsed{Content: strings.TrimSpace(text)}
 	}
-	return Parsed{Content: strings.TrimSpace(text[:i] + after), Calls: p.Calls}
+	return Parsed{Content: strings.TrimSpace(before + after), Calls: p.Calls}
+}
+
+// cutSection splits text at its first open into what precedes it, what follows it up
+// to close (to the end when close never comes: a reply cut short) and what follows
+// close; ok is false when text has no open.
+func cutSection(text, open, close string) (before, inner, after string, ok bool) {
+	before, inner, ok = strings.Cut(text, open)
+	if !ok {
+		return text, "", "", false
+	}
+	if in, af, found := strings.Cut(inner, close); found {
+		inner, after = in, af
+	}
+	return before, inner, after, true
 }
 
 func (ps *parser) id(fromModel string) string {
