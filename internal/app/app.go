@@ -110,7 +110,8 @@ type Config struct {
 	// ModelDraft (--model-draft) is a draft model of the target's vocabulary for
 	// --spec-type draft-simple (given alone, it turns draft-simple on); CtxSizeDraft
 	// (--ctx-size-draft) its context's cells (0: --ctx-size); DraftPMin (--draft-p-min)
-	// the probability below which a session's draft stops (draft.go).
+	// the probability below which a session's draft stops, for draft-simple and
+	// draft-mtp (-1: each one's default; draft.go).
 	ModelDraft   string
 	CtxSizeDraft int
 	DraftPMin    float64
@@ -150,7 +151,7 @@ func DefaultConfig() Config {
 		SpecType:     engine.SpecNone,
 		DraftMax:     engine.DefaultDraftMax,
 		SpecNgramMin: engine.DefaultNgramMin,
-		DraftPMin:    DefaultDraftPMin,
+		DraftPMin:    -1, // the drafter's default: DefaultDraftPMin, DefaultMTPPMin
 	}
 }
 
@@ -303,6 +304,10 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := checkMTP(cfg, model); err != nil {
+		model.Free()
+		return nil, err
+	}
 	if log != nil {
 		if off.GPULayers == 0 {
 			log.Info("running on the CPU", "reason", off.CPUReason)
@@ -441,6 +446,12 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 			return fail(err)
 		}
 		backend.EnableDraft(draft.drafter)
+	}
+	if ecfg.Spec.On() && cfg.wantsMTP() {
+		if draft, err = openMTP(cfg, model, ctx, cp, ecfg.Spec.DraftMax, log); err != nil {
+			return fail(err)
+		}
+		backend.EnableMTP(draft.mtp)
 	}
 	backend.AlwaysCompact(cfg.KVCompaction == "always")
 	if !ctx.OrderedAttention() && log != nil {

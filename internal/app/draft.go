@@ -10,9 +10,30 @@ import (
 	"github.com/polykv/polykv/internal/runner"
 )
 
-// DefaultDraftPMin is --draft-p-min's default, llama-server's (common_params_speculative
-// p_min): a session's draft stops at the first token the draft model gives less.
+// DefaultDraftPMin is --draft-p-min's default for a draft model (draft-simple): a
+// session's draft stops at the first token the draft model gives less. It is
+// llama.cpp's former default; the pinned b11434's is 0 (draft up to n_max every step).
+// PolyKV keeps 0.75 for draft models because each drafted token costs a decode of the
+// draft model whether or not it is used; the measurements in docs/speculative.md were
+// taken with it.
 const DefaultDraftPMin = 0.75
+
+// DefaultMTPPMin is --draft-p-min's default for the MTP head (draft-mtp): 0, b11434's
+// default, as llama-server drafts with MTP (the head costs one block per token, and
+// its probabilities run low while its first token is often right).
+const DefaultMTPPMin = 0.0
+
+// DraftPMinFor is --draft-p-min as given, or the drafter's default when it was not (-1).
+func (c Config) DraftPMinFor(typ string) float64 {
+	switch {
+	case c.DraftPMin >= 0:
+		return c.DraftPMin
+	case typ == engine.SpecDraftMTP:
+		return DefaultMTPPMin
+	default:
+		return DefaultDraftPMin
+	}
+}
 
 // specTypes is the drafters the server runs: --spec-type's, or draft-simple alone when
 // only --model-draft is given (as llama-server drafts with -md and no --spec-type).
@@ -29,23 +50,31 @@ func (c Config) checkDraft() error {
 	types := c.specTypes()
 	has := slices.Contains(types, engine.SpecDraftSimple)
 	switch {
+	case has && slices.Contains(types, engine.SpecDraftMTP):
+		return fmt.Errorf("--spec-type: %s and %s cannot both run (one drafter per server); pick one", engine.SpecDraftSimple, engine.SpecDraftMTP)
 	case has && c.ModelDraft == "":
 		return fmt.Errorf("--spec-type %s needs a draft model: --model-draft PATH", engine.SpecDraftSimple)
 	case !has && c.ModelDraft != "":
 		return fmt.Errorf("--model-draft is only used by --spec-type %s (got %q)", engine.SpecDraftSimple, c.SpecType)
 	case c.CtxSizeDraft < 0:
 		return fmt.Errorf("--ctx-size-draft must be 0 (the target's --ctx-size) or positive, got %d", c.CtxSizeDraft)
-	case !(c.DraftPMin >= 0 && c.DraftPMin <= 1):
-		return fmt.Errorf("--draft-p-min must be in 0..1, got %v", c.DraftPMin)
+	case !(c.DraftPMin >= 0 && c.DraftPMin <= 1) && c.DraftPMin != -1:
+		return fmt.Errorf("--draft-p-min must be in 0..1 (or -1: the drafter's default), got %v", c.DraftPMin)
 	}
 	return nil
 }
 
-// draftModel is the draft model, its context and the drafter over them.
+// wantsMTP reports whether --spec-type asks for the model's MTP head (draft-mtp): the
+// model is then loaded with its MTP layers.
+func (c Config) wantsMTP() bool { return slices.Contains(c.specTypes(), engine.SpecDraftMTP) }
+
+// draftModel is the draft model, its context and the drafter over them; or, for
+// draft-mtp, the MTP context on the served model and its drafter (model nil).
 type draftModel struct {
 	model   *llama.Model
 	ctx     *llama.Context
 	drafter *runner.Drafter
+	mtp     *runner.MTP
 }
 
 func (d *draftModel) free() {
@@ -53,7 +82,51 @@ func (d *draftModel) free() {
 		return
 	}
 	d.ctx.Free()
-	d.model.Free()
+	if d.model != nil {
+		d.model.Free()
+	}
+}
+
+// openMTP gives the served model's MTP head its own context over the served context
+// tgt (tp its parameters: as many cells and sequence ids, the same batch), with NextN
+// rows turned on in both (the target's for every batch entry), and the drafter that
+// mirrors the target into it (runner.MTP).
+func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.ContextParams, draftMax int, log *slog.Logger) (*draftModel, error) {
+	// As many cells as the target, which it mirrors, and room for every sequence's
+	// drafts beside them (one block's KV: small).
+	mp := llama.ContextParams{NCtx: tp.NCtx + tp.NSeqMax*max(draftMax, 1), NBatch: tp.NBatch, NUBatch: tp.NUBatch, NSeqMax: tp.NSeqMax, NThreads: tp.NThreads,
+		KVUnified: true, FlashAttn: tp.FlashAttn, AttnKernel: tp.AttnKernel, MTPTarget: tgt}
+	ctx, err := llama.NewContext(model, mp)
+	if err != nil {
+		return nil, fmt.Errorf("--spec-type %s: %w", engine.SpecDraftMTP, err)
+	}
+	tgt.SetEmbeddingsNextN(true, false)
+	ctx.SetEmbeddingsNextN(true, true)
+	pMin := cfg.DraftPMinFor(engine.SpecDraftMTP)
+	m, err := runner.NewMTP(model, tgt, ctx, draftMax, pMin, log)
+	if err != nil {
+		tgt.SetEmbeddingsNextN(false, false)
+		ctx.Free()
+		return nil, err
+	}
+	if log != nil {
+		log.Info("MTP drafting", "n_layer_nextn", model.NLayerNextN(), "draft_max", draftMax, "p_min", pMin)
+	}
+	return &draftModel{ctx: ctx, mtp: m}, nil
+}
+
+// checkMTP refuses draft-mtp on a model without MTP layers, with the reason.
+func checkMTP(cfg Config, model *llama.Model) error {
+	if !cfg.wantsMTP() {
+		return nil
+	}
+	if model.NLayerNextN() == 0 {
+		return fmt.Errorf("--spec-type %s: %s has no MTP (NextN) layers (GGUF nextn_predict_layers is 0); use ngram-simple, ngram-mod or a draft model", engine.SpecDraftMTP, cfg.ModelPath)
+	}
+	if !model.MTPLoaded() {
+		return fmt.Errorf("--spec-type %s: %s declares %d MTP layers but its file has no MTP weights", engine.SpecDraftMTP, cfg.ModelPath, model.NLayerNextN())
+	}
+	return nil
 }
 
 // openDraft loads --model-draft on the CPU and gives it its own context, shaped as the
@@ -89,7 +162,7 @@ func openDraft(cfg Config, target *llama.Model, tp llama.ContextParams, log *slo
 		return refuse(err)
 	}
 	if log != nil {
-		log.Info("draft model", "path", cfg.ModelDraft, "desc", m.Desc(), "n_ctx", dp.NCtx, "p_min", cfg.DraftPMin)
+		log.Info("draft model", "path", cfg.ModelDraft, "desc", m.Desc(), "n_ctx", dp.NCtx, "p_min", cfg.DraftPMinFor(engine.SpecDraftSimple))
 	}
-	return &draftModel{model: m, ctx: ctx, drafter: runner.NewDrafter(target, m, ctx, cfg.DraftPMin, log)}, nil
+	return &draftModel{model: m, ctx: ctx, drafter: runner.NewDrafter(target, m, ctx, cfg.DraftPMinFor(engine.SpecDraftSimple), log)}, nil
 }

@@ -217,6 +217,7 @@ func LoadModel(cfg Config) (*llama.Model, Offload, error) {
 	}
 	params := off.params
 	params.MatMulKernel = llama.KernelNamed(cfg.MMKernel) // this model's, not the process's
+	params.LoadMTP = cfg.wantsMTP()                       // the MTP head drafts (draft-mtp)
 	model, err := llama.LoadModelWith(cfg.ModelPath, params)
 	if err != nil {
 		return nil, off, err

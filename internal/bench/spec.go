@@ -109,7 +109,7 @@ func (sb specBench) run(cfg app.Config, reps int) error {
 	fmt.Printf("speculative decoding: %s, --spec-type %s, --draft-max %d, --draft-min %d, --spec-ngram-min %d, --spec-step-cost %s, %d threads; decode tok/s = generated tokens / longest decode phase; %d rounds, off and on alternating (ABBA): medians, and the range of the per-round on/off ratios\n\n",
 		cfg.ModelPath, cfg.SpecType, cfg.DraftMax, cfg.DraftMin, cfg.SpecNgramMin, stepCost(cfg.SpecStepCost), cfg.Threads, reps)
 	if cfg.ModelDraft != "" {
-		fmt.Printf("draft model %s, --draft-p-min %g\n\n", cfg.ModelDraft, cfg.DraftPMin)
+		fmt.Printf("draft model %s, --draft-p-min %g\n\n", cfg.ModelDraft, cfg.DraftPMinFor(engine.SpecDraftSimple))
 	}
 	fmt.Println("server       workload   N  off tok/s  on tok/s  on/off  range      drafted  accepted  accept%  tokens  same output")
 	for _, n := range ns {

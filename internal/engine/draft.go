@@ -20,6 +20,10 @@ import "slices"
 // (--model-draft), greedily (llama-server's draft-simple).
 const SpecDraftSimple = "draft-simple"
 
+// SpecDraftMTP drafts with the served model's own MTP (NextN) head over the target's
+// hidden states (llama-server's draft-mtp); the model must have MTP layers.
+const SpecDraftMTP = "draft-mtp"
+
 // DraftWant asks the drafter for a proposal continuing one session.
 type DraftWant struct {
 	Task TaskID
@@ -58,8 +62,11 @@ type DraftBackend interface {
 	DraftSeqRm(seq int)
 }
 
-// modelDrafts reports whether a drafter outside the scheduler is configured.
-func (sp Spec) modelDrafts() bool { return slices.Contains(sp.Types, SpecDraftSimple) }
+// modelDrafts reports whether a drafter outside the scheduler (a draft model or MTP
+// heads) is configured.
+func (sp Spec) modelDrafts() bool {
+	return slices.Contains(sp.Types, SpecDraftSimple) || slices.Contains(sp.Types, SpecDraftMTP)
+}
 
 // DraftWants names the sessions that would draft with the model in the next plan and
 // how many tokens each may propose: a decoding task with speculation on, not backing
@@ -108,14 +115,14 @@ func (s *Scheduler) DraftWants() []DraftWant {
 	return out
 }
 
-// pureDraft reports whether a drafter listed before draft-simple proposes for t (then
-// the model is not asked).
+// pureDraft reports whether a drafter listed before draft-simple or draft-mtp proposes
+// for t (then the model is not asked).
 func (s *Scheduler) pureDraft(t *task, k, minN int) bool {
 	sp := s.cfg.Spec
 	for _, typ := range sp.Types {
 		var d []Token
 		switch typ {
-		case SpecDraftSimple:
+		case SpecDraftSimple, SpecDraftMTP:
 			return false
 		case SpecNgramSimple:
 			d = ngramLookup(t.slot.tokens, t.next, sp.NgramMin, sp.NgramMax, k)

@@ -60,13 +60,14 @@ func (h *harness) checkDraftHeld() {
 	}
 }
 
-// TestDraftModelLossless: with a draft model (alone, and after ngram-simple) the
+// TestDraftModelLossless: with a draft model (alone, and after ngram-simple; and as the
+// MTP head: the engine sees the same DraftBackend, only the type differs) the
 // workload's output is the same as without speculation, pooled, cached, in sessions and
 // beside prefills; the model was asked, some drafts land and some do not, and the
 // drafter holds nothing for sequences the target emptied.
 func TestDraftModelLossless(t *testing.T) {
 	base := specWorkload(t, Spec{})
-	for _, types := range [][]string{{SpecDraftSimple}, {SpecNgramSimple, SpecDraftSimple}} {
+	for _, types := range [][]string{{SpecDraftSimple}, {SpecNgramSimple, SpecDraftSimple}, {SpecDraftMTP}} {
 		for _, cost := range []float64{-1, 0} {
 			t.Run(fmt.Sprintf("%v/stepcost%g", types, cost), func(t *testing.T) {
 				r, h := specWorkloadH(t, Spec{Types: types, DraftMax: 6, StepCost: cost})

@@ -44,7 +44,7 @@ const (
 )
 
 // SpecTypes are the drafters the engine implements, in the order flag help lists them.
-var SpecTypes = []string{SpecNgramSimple, SpecNgramMod, SpecDraftSimple}
+var SpecTypes = []string{SpecNgramSimple, SpecNgramMod, SpecDraftSimple, SpecDraftMTP}
 
 // Spec configures speculative decoding (Config.Spec).
 type Spec struct {
@@ -195,8 +195,8 @@ func (s *Scheduler) specDraft(t *task, k int, probe bool) []Token {
 		case SpecNgramMod:
 			s.modFeed(t)
 			d = s.mod.draft(ctx, t.next, k)
-		case SpecDraftSimple:
-			d = t.takeModelDraft(k) // the draft model's, from draftRound (draft.go)
+		case SpecDraftSimple, SpecDraftMTP:
+			d = t.takeModelDraft(k) // the draft model's or MTP head's, from draftRound (draft.go)
 		}
 		if len(d) > 0 && t.req.Sampling.Grammar != "" && s.draftCheck != nil {
 			// Cut at the first token the grammar forbids: the sampler could never

@@ -52,8 +52,14 @@ type Backend struct {
 	// which the tier saves and loads state where a sequence's own state cannot be taken
 	// as it is (EnableScratch; -1: none).
 	scratch int
-	// drafter drafts with a second model (EnableDraft; nil: none).
-	drafter *Drafter
+	// drafter drafts with a second model (EnableDraft) or the model's MTP head
+	// (EnableMTP); nil: none.
+	drafter interface {
+		Draft([]engine.DraftWant) []engine.DraftProposal
+		DraftSeqRm(seq int)
+	}
+	// mtp mirrors every decode, SeqRm and SeqCp into the MTP context (EnableMTP; nil: none).
+	mtp *MTP
 	// rolled holds the sequences whose recurrent state was rolled back (a rejected
 	// draft cut off through llama.cpp's n_rs_seq snapshots) and not decoded since.
 	// llama.cpp keeps such a state in a snapshot plane chosen by a per-sequence index
@@ -250,6 +256,9 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 	if err := b.ctx.Decode(); err != nil {
 		return nil, err
 	}
+	if b.mtp != nil {
+		b.mtp.mirror(batch) // its cells follow the target's; it reads this decode's NextN rows
+	}
 	if len(b.rolled) > 0 {
 		for _, e := range batch {
 			delete(b.rolled, e.Seq) // the decode consumed its rollback index
@@ -349,6 +358,9 @@ func logprobs(logits []float32, tok llama.Token, n int) (float32, []engine.Token
 // SeqRm implements engine.Backend. Removing cells that seq holds leaves a hole (see
 // settle).
 func (b *Backend) SeqRm(seq, p0, p1 int) bool {
+	if b.mtp != nil {
+		defer b.mtp.seqRm(seq, p0, p1) // after the rollback bookkeeping below (its check reads it)
+	}
 	if hi := b.ctx.SeqPosMax(seq); hi >= 0 && hi >= p0 && (p1 < 0 || b.ctx.SeqPosMin(seq) < p1) {
 		b.holes = true
 	}
@@ -434,6 +446,9 @@ func (b *Backend) SeqCp(src, dst, p0, p1 int) {
 	b.ctx.SeqCp(src, dst, p0, p1)
 	if b.anchor > 0 {
 		b.ctx.SeqCp(src, dst+b.anchor, p0, p1)
+	}
+	if b.mtp != nil {
+		b.mtp.seqCp(src, dst, p0, p1)
 	}
 }
 
@@ -596,6 +611,13 @@ func (b *Backend) ProbeFits(seq, n int, tok llama.Token) (bool, error) {
 
 // EnableDraft makes the backend draft with d (a draft model: --model-draft).
 func (b *Backend) EnableDraft(d *Drafter) { b.drafter = d }
+
+// EnableMTP makes the backend draft with the model's MTP head through m, which from now
+// on mirrors every decode and cell operation of the target (--spec-type draft-mtp).
+func (b *Backend) EnableMTP(m *MTP) {
+	b.drafter, b.mtp = m, m
+	m.rolled = func(seq int) bool { return b.rolled[seq] }
+}
 
 // Draft implements engine.DraftBackend (no proposals without a drafter).
 func (b *Backend) Draft(wants []engine.DraftWant) []engine.DraftProposal {

@@ -1,0 +1,317 @@
+package runner
+
+import (
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync/atomic"
+
+	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/llama"
+)
+
+// MTP drafts with the served model's own MTP (NextN) head (--spec-type draft-mtp;
+// issue 23). The head is one more decoder block that reads a token's embedding beside
+// the target's hidden state h of the position before it and predicts the token after;
+// it keeps a KV cache of its own in a second llama.cpp context on the same model
+// (llama.ContextParams.MTPTarget).
+//
+// The MTP context mirrors the target's cells: after every target decode it decodes the
+// same entries (token, position, sequence), each with the target's h of the position
+// before it in the same sequence; every SeqRm and SeqCp the backend applies to the
+// target is applied to it too, so a session attached to a pool (a seq_cp) finds the
+// pool's MTP cells in its own sequence, exactly as in the target. This is llama.cpp's
+// own draft-mtp driver (common_speculative_impl_draft_mtp fed by every batch the
+// server decodes) carried over to PolyKV's operations; unlike the draft model
+// (Drafter), it cannot resync by token prefix later, because h exists only while the
+// target decodes that position.
+//
+// h of a position is read from the target's decode that wrote it (unmasked NextN rows:
+// one per batch entry). The h needed across decodes (the first entry of a sequence in
+// a batch needs the row of its last position before) comes from the last few rows kept
+// per sequence: a sequence's last decode cut back by a rejected draft still has the
+// row of its last accepted position. Where none is kept (a prefix copied from the
+// middle of another sequence; a sequence whose cells came back from the pool tier,
+// which restores the target's cells only) the entry is decoded with h = 0 and counted
+// as a gap: the MTP cache is then slightly wrong at that position, which costs
+// acceptance, never correctness (the target verifies every draft). A sequence whose MTP
+// cells do not start at 0 or end one before the session's next token (a tier-restored
+// pool's sessions) is not drafted for.
+//
+// Draft runs the head autoregressively, batched over all drafting sessions: the first
+// entry is the session's next token with the target's h of the position before it,
+// each later one the last drafted token with the head's own row; a session stops at
+// the wanted length or at a token the head gives less than --draft-p-min. The draft
+// positions are removed again afterwards: when the target verifies them, the mirror
+// decodes them with the target's rows.
+type MTP struct {
+	tgt, ctx *llama.Context
+	nVoc     int
+	pMin     float32
+	keep     int // rows kept per sequence: the longest cut back of a decode + 1
+	zero     []float32
+	rows     map[int][]posRow // per target sequence, ascending positions, the last ≤ keep
+	log      *slog.Logger
+
+	// gaps counts entries decoded with h = 0 because the row was not known;
+	// decoded counts the mirror's entries; drafted the head's draft tokens (tests,
+	// diagnostics: safe from any goroutine).
+	gaps, decoded, drafted atomic.Int64
+	// checkSeqs > 0: after every mirrored operation, sequences below it are compared
+	// with the target's and a difference counted in mismatches, the first kept in
+	// mismatch (CheckMirror; tests).
+	checkSeqs  atomic.Int32
+	mismatches atomic.Int64
+	mismatch   atomic.Value // string
+	// rolled reports a target sequence rolled back and not decoded since: llama.cpp
+	// reports its old last position until the next decode consumes the rollback, so
+	// the check skips it (nil: none).
+	rolled func(seq int) bool
+}
+
+// posRow is the target's NextN row h of one position.
+type posRow struct {
+	pos int
+	h   []float32
+}
+
+// NewMTP drafts for the target context tgt of model (loaded with its MTP layers; tgt's
+// NextN rows turned on, unmasked) with ctx, an MTP context over it with as many
+// sequence ids and at least its batch size.
+// draftMax bounds how far a decode is cut back (a rejected draft), so how many rows
+// per sequence are kept.
+func NewMTP(model *llama.Model, tgt, ctx *llama.Context, draftMax int, pMin float64, log *slog.Logger) (*MTP, error) {
+	if !ctx.IsMTP() {
+		return nil, fmt.Errorf("mtp: not an MTP context")
+	}
+	if ctx.NSeqMax() < tgt.NSeqMax() || ctx.BatchCap() < tgt.BatchCap() {
+		return nil, fmt.Errorf("mtp: the MTP context has %d sequences and batches of %d, the target %d and %d",
+			ctx.NSeqMax(), ctx.BatchCap(), tgt.NSeqMax(), tgt.BatchCap())
+	}
+	if log == nil {
+		log = slog.Default()
+	}
+	return &MTP{tgt: tgt, ctx: ctx, nVoc: model.NVocab(), pMin: float32(pMin), keep: max(draftMax, 1) + 1,
+		zero: make([]float32, model.NEmbdOut()), rows: map[int][]posRow{}, log: log}, nil
+}
+
+// Gaps is the number of mirrored entries decoded without their h (see MTP); Decoded the
+// entries the mirror decoded; Drafted the tokens the head drafted. Safe from any goroutine.
+func (m *MTP) Gaps() int64    { return m.gaps.Load() }
+func (m *MTP) Decoded() int64 { return m.decoded.Load() }
+func (m *MTP) Drafted() int64 { return m.drafted.Load() }
+
+// CheckMirror makes the mirror compare, after every decode, SeqRm and SeqCp it mirrors,
+// the positions each sequence below n holds in the MTP context with the target's
+// (tests: Mismatches reports what it found). Safe from any goroutine.
+func (m *MTP) CheckMirror(n int) { m.checkSeqs.Store(int32(n)) }
+
+// Mismatches is the number of checks (CheckMirror) that found the MTP context's cells
+// differing from the target's, and the first difference. Safe from any goroutine.
+func (m *MTP) Mismatches() (int64, string) {
+	s, _ := m.mismatch.Load().(string)
+	return m.mismatches.Load(), s
+}
+
+// check compares the sequences' positions with the target's (see CheckMirror).
+func (m *MTP) check(op string) {
+	for seq := range int(m.checkSeqs.Load()) {
+		if m.rolled != nil && m.rolled(seq) {
+			continue
+		}
+		tlo, thi := m.tgt.SeqPosMin(seq), m.tgt.SeqPosMax(seq)
+		mlo, mhi := m.ctx.SeqPosMin(seq), m.ctx.SeqPosMax(seq)
+		// (A hybrid target's lowest position is its recurrent state's, its last: only
+		// the highest compares; the MTP context's own cache starts at 0.)
+		if thi != mhi || (mhi >= 0 && mlo != 0) {
+			if m.mismatches.Add(1) == 1 {
+				m.mismatch.Store(fmt.Sprintf("after %s: sequence %d: target holds %d..%d, the MTP context %d..%d", op, seq, tlo, thi, mlo, mhi))
+			}
+			return
+		}
+	}
+}
+
+// row is h of seq's position pos from the rows kept (nil: not kept).
+func (m *MTP) row(seq, pos int) []float32 {
+	for _, r := range slices.Backward(m.rows[seq]) {
+		if r.pos == pos {
+			return r.h
+		}
+		if r.pos < pos {
+			break
+		}
+	}
+	return nil
+}
+
+// mirror mirrors a target decode of batch (its NextN rows still readable). A failure
+// drops the batch's sequences from the MTP context, whose cache may hold part of it;
+// they are then not drafted for (their positions no longer start at 0).
+func (m *MTP) mirror(batch []engine.BatchEntry) {
+	m.ctx.BatchClear()
+	fresh := map[int][]posRow{} // this batch's rows, per sequence
+	for i, e := range batch {
+		var h []float32
+		if f := fresh[e.Seq]; len(f) > 0 && f[len(f)-1].pos == e.Pos-1 {
+			h = f[len(f)-1].h
+		} else if e.Pos > 0 {
+			h = m.row(e.Seq, e.Pos-1)
+		}
+		if h == nil {
+			if e.Pos > 0 {
+				m.gaps.Add(1)
+			}
+			h = m.zero
+		}
+		if _, err := m.ctx.BatchAddEmbd(e.Token, e.Pos, e.Seq, false, h); err != nil {
+			m.fail(batch, err)
+			return
+		}
+		fresh[e.Seq] = append(fresh[e.Seq], posRow{e.Pos, m.tgt.EmbeddingsNextN(i)})
+	}
+	m.decoded.Add(int64(len(batch)))
+	if err := m.ctx.Decode(); err != nil {
+		m.fail(batch, err)
+		return
+	}
+	for seq, f := range fresh {
+		old := slices.DeleteFunc(m.rows[seq], func(r posRow) bool { return r.pos >= f[0].pos })
+		rs := append(old, f...)
+		m.rows[seq] = slices.Clone(rs[max(len(rs)-m.keep, 0):]) // (a clone: the rest is garbage)
+	}
+	m.check("decode")
+}
+
+func (m *MTP) fail(batch []engine.BatchEntry, err error) {
+	m.log.Warn("MTP context decode failed: its sequences are not drafted for until emptied", "err", err)
+	for _, e := range batch {
+		m.ctx.SeqRm(e.Seq, 0, -1)
+		delete(m.rows, e.Seq)
+	}
+}
+
+// seqRm mirrors a SeqRm on the target.
+func (m *MTP) seqRm(seq, p0, p1 int) {
+	m.ctx.SeqRm(seq, p0, p1)
+	if p0 <= 0 && p1 < 0 {
+		delete(m.rows, seq)
+	} else {
+		m.rows[seq] = slices.DeleteFunc(m.rows[seq], func(r posRow) bool { return r.pos >= p0 && (p1 < 0 || r.pos < p1) })
+	}
+	m.check("seq_rm")
+}
+
+// seqCp mirrors a SeqCp on the target: dst gets src's cells and rows in [p0, p1).
+func (m *MTP) seqCp(src, dst, p0, p1 int) {
+	m.ctx.SeqCp(src, dst, p0, p1)
+	in := func(r posRow) bool { return r.pos >= p0 && (p1 < 0 || r.pos < p1) }
+	rs := slices.DeleteFunc(slices.Clone(m.rows[dst]), in)
+	for _, r := range m.rows[src] {
+		if in(r) {
+			rs = append(rs, r) // rows are never written in place: sharing is safe
+		}
+	}
+	slices.SortFunc(rs, func(a, b posRow) int { return a.pos - b.pos })
+	m.rows[dst] = rs[max(len(rs)-m.keep, 0):]
+	m.check("seq_cp")
+}
+
+// mtpJob is one want in flight.
+type mtpJob struct {
+	w    engine.DraftWant
+	out  []llama.Token
+	idx  int // batch index of the entry whose row gives the next token
+	done bool
+}
+
+// Draft implements engine.DraftBackend's drafting (see MTP).
+func (m *MTP) Draft(wants []engine.DraftWant) []engine.DraftProposal {
+	var jobs []*mtpJob
+	m.ctx.BatchClear()
+	seen := map[int]bool{}
+	for _, w := range wants {
+		n := len(w.Tokens)
+		if w.K < 1 || n < 2 || seen[w.Seq] {
+			continue
+		}
+		// The MTP cells must be the target's: positions 0..n-2 (the next token, at n-1,
+		// is not decoded yet), and the row of n-2 known.
+		h := m.row(w.Seq, n-2)
+		if h == nil || m.ctx.SeqPosMin(w.Seq) != 0 || m.ctx.SeqPosMax(w.Seq) != n-2 {
+			continue
+		}
+		seen[w.Seq] = true
+		i, err := m.ctx.BatchAddEmbd(w.Tokens[n-1], n-1, w.Seq, true, h)
+		if err != nil {
+			break
+		}
+		jobs = append(jobs, &mtpJob{w: w, idx: i})
+	}
+	if len(jobs) == 0 {
+		return nil
+	}
+	// Whatever happens, the draft positions go: the mirror writes them again, with the
+	// target's rows, when the target decodes them.
+	defer func() {
+		for _, j := range jobs {
+			m.ctx.SeqRm(j.w.Seq, len(j.w.Tokens)-1, -1)
+		}
+	}()
+	for m.ctx.BatchLen() > 0 {
+		if err := m.ctx.Decode(); err != nil {
+			m.log.Warn("MTP draft decode failed: no drafts this step", "err", err)
+			return nil
+		}
+		// Read every pick before the batch is rebuilt: the rows live in the context's
+		// output buffer until the next decode.
+		type next struct {
+			j   *mtpJob
+			tok llama.Token
+			h   []float32
+		}
+		var nexts []next
+		for _, j := range jobs {
+			if j.done {
+				continue
+			}
+			tok, p, ok := m.ctx.Greedy(j.idx, m.nVoc)
+			if !ok || p < m.pMin {
+				j.done = true
+				continue
+			}
+			j.out = append(j.out, tok)
+			m.drafted.Add(1)
+			if len(j.out) >= j.w.K {
+				j.done = true
+				continue
+			}
+			nexts = append(nexts, next{j, tok, m.ctx.EmbeddingsNextN(j.idx)})
+		}
+		m.ctx.BatchClear()
+		for _, x := range nexts {
+			if x.h == nil { // (the head gives a row for every entry with logits)
+				x.j.done = true
+				continue
+			}
+			pos := len(x.j.w.Tokens) - 1 + len(x.j.out)
+			i, err := m.ctx.BatchAddEmbd(x.tok, pos, x.j.w.Seq, true, x.h)
+			if err != nil {
+				x.j.done = true
+				continue
+			}
+			x.j.idx = i
+		}
+	}
+	out := make([]engine.DraftProposal, 0, len(jobs))
+	for _, j := range jobs {
+		if len(j.out) > 0 {
+			out = append(out, engine.DraftProposal{Task: j.w.Task, At: len(j.w.Tokens), Tokens: j.out})
+		}
+	}
+	return out
+}
+
+// DraftSeqRm implements engine.DraftBackend: nothing to do, the target's SeqRm of the
+// sequence was mirrored already.
+func (m *MTP) DraftSeqRm(int) {}
