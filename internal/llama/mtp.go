@@ -55,6 +55,11 @@ func (c *Context) SetEmbeddingsNextN(on, masked bool) {
 // EmbeddingsNextN returns a copy of the NextN row of batch entry i from the last Decode
 // (unmasked: i is any entry's batch index; masked: an entry that asked for logits), or
 // nil if there is none.
+// Masked rows are right only where every entry of the batch asked for logits (or none
+// did): b11434 copies the head's first n_outputs rows, not those of the entries that
+// asked (src/llama-context.cpp, the nextn extraction in decode), so an MTP batch that
+// mixes catch-up entries with a draft entry reads another position's row
+// (TestMTPDraftsMatchReference in internal/runner found it). runner.MTP never mixes.
 func (c *Context) EmbeddingsNextN(i int) []float32 {
 	p := C.polykv_get_embeddings_nextn_ith(c.c, C.int32_t(i))
 	if p == nil {

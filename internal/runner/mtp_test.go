@@ -1,0 +1,194 @@
+package runner
+
+import (
+	"slices"
+	"testing"
+
+	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/llama"
+	"github.com/polykv/polykv/internal/testmodel"
+)
+
+// TestMTPDraftsMatchReference: the MTP drafter's proposals, with its context kept by
+// mirroring the backend's operations (a pool prefilled once and copied into two
+// sessions, each decoding its own suffix, a verify batch cut back by a rejected draft,
+// the rollback of the hybrid target), equal what a fresh MTP context gives when it is
+// fed the whole context at once with the target's hidden state of every position (the
+// draft-mtp recipe in docs/speculative.md). Losslessness does not depend on this (the
+// target verifies every draft); acceptance does: an h paired with the wrong position
+// would still pass the server tests.
+func TestMTPDraftsMatchReference(t *testing.T) {
+	llama.Init()
+	m, err := llama.LoadModelWith(testmodel.Arch(t, "qwen35mtp"), llama.ModelParams{LoadMTP: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(m.Free)
+	const k = 3
+	tgt, err := llama.NewContext(m, llama.ContextParams{NCtx: 512, NBatch: 64, NUBatch: 64, NSeqMax: 4,
+		NThreads: 2, KVUnified: true, RSSeq: k})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(tgt.Free)
+	tgt.SetEmbeddingsNextN(true, false)
+	mctx, err := llama.NewContext(m, llama.ContextParams{NCtx: 512, NBatch: 64, NUBatch: 64, NSeqMax: 4,
+		NThreads: 2, KVUnified: true, MTPTarget: tgt})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(mctx.Free)
+	mctx.SetEmbeddingsNextN(true, true)
+	mtp, err := NewMTP(m, tgt, mctx, k, 0, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mtp.CheckMirror(4)
+	b := NewBackend(m, tgt, nil)
+	b.EnableMTP(mtp)
+
+	decode := func(seq, from int, toks []engine.Token) {
+		t.Helper()
+		batch := make([]engine.BatchEntry, len(toks))
+		for i, tok := range toks {
+			batch[i] = engine.BatchEntry{Token: tok, Pos: from + i, Seq: seq}
+		}
+		if _, err := b.Decode(batch); err != nil {
+			t.Fatal(err)
+		}
+	}
+	toks := func(seed, n int) []engine.Token {
+		out := make([]engine.Token, n)
+		for i := range out {
+			out[i] = engine.Token(4 + (seed+i*37+i*i)%120)
+		}
+		return out
+	}
+	draft := func(wants ...engine.DraftWant) map[engine.TaskID][]engine.Token {
+		t.Helper()
+		got := map[engine.TaskID][]engine.Token{}
+		for _, p := range mtp.Draft(wants) {
+			got[p.Task] = p.Tokens
+		}
+		return got
+	}
+	check := func(name string, got []engine.Token, ctxToks []engine.Token) {
+		t.Helper()
+		want := mtpReference(t, m, ctxToks, k)
+		if !slices.Equal(got, want) {
+			t.Errorf("%s: MTP drafted %v, a fresh MTP context over the same context %v", name, got, want)
+		}
+	}
+
+	pool := toks(1, 40)
+	decode(2, 0, pool)
+	s0 := append(slices.Clone(pool), toks(2, 10)...)
+	s1 := append(slices.Clone(pool), toks(3, 7)...)
+	b.SeqCp(2, 0, 0, len(pool))
+	b.SeqCp(2, 1, 0, len(pool))
+	decode(0, len(pool), s0[len(pool):])
+	decode(1, len(pool), s1[len(pool):])
+	next0, next1 := engine.Token(44), engine.Token(17)
+	w0 := append(slices.Clone(s0), next0)
+	w1 := append(slices.Clone(s1), next1)
+	got := draft(engine.DraftWant{Task: 1, Seq: 0, Tokens: w0, K: k}, engine.DraftWant{Task: 2, Seq: 1, Tokens: w1, K: k})
+	check("session 0 on the pool", got[1], w0)
+	check("session 1 on the pool", got[2], w1)
+	if len(got[1]) != k {
+		t.Fatalf("session 0: %d drafts, want %d (p-min 0)", len(got[1]), k)
+	}
+
+	// Verify session 0's drafts; the second is rejected: the target keeps the next
+	// token and the first draft, and goes on with another token.
+	decode(0, len(s0), append([]engine.Token{next0}, got[1]...))
+	if !b.SeqRm(0, len(s0)+2, -1) {
+		t.Fatal("rollback of the rejected drafts refused")
+	}
+	w0 = append(append(slices.Clone(s0), next0, got[1][0]), 9)
+	got = draft(engine.DraftWant{Task: 1, Seq: 0, Tokens: w0, K: k})
+	check("session 0 after a rejected draft", got[1], w0)
+	// And after all were accepted.
+	decode(0, len(w0)-1, append([]engine.Token{w0[len(w0)-1]}, got[1]...))
+	w0 = append(append(slices.Clone(w0), got[1]...), 30)
+	got = draft(engine.DraftWant{Task: 1, Seq: 0, Tokens: w0, K: k})
+	check("session 0 after accepted drafts", got[1], w0)
+
+	if n, first := mtp.Mismatches(); n > 0 {
+		t.Errorf("the MTP context's cells left the target's %d times; first %s", n, first)
+	}
+	if g := mtp.Gaps(); g > 0 {
+		t.Errorf("%d entries mirrored without their hidden state", g)
+	}
+}
+
+// mtpReference drafts k tokens after toks (context and next token) the plain way: a
+// fresh target decodes the context in one batch, a fresh MTP context is fed each token
+// with the target's row of the position before, then drafts greedily on its own rows.
+// The catch-up and the first draft entry are two decodes, as in llama.cpp's driver (and
+// runner.MTP): in one batch, the first draft's row for the next step comes out wrong in
+// b11434 (with masked NextN rows, its decode copies the head's first n_outputs rows, not
+// the rows of the entries that asked for output; src/llama-context.cpp, the nextn
+// extraction in decode), which made the drafts after the first differ here.
+func mtpReference(t *testing.T, m *llama.Model, toks []engine.Token, k int) []engine.Token {
+	t.Helper()
+	p := llama.ContextParams{NCtx: 512, NBatch: 128, NUBatch: 128, NSeqMax: 1, NThreads: 2, KVUnified: true}
+	tgt, err := llama.NewContext(m, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tgt.Free()
+	tgt.SetEmbeddingsNextN(true, false)
+	p.MTPTarget = tgt
+	d, err := llama.NewContext(m, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Free()
+	d.SetEmbeddingsNextN(true, true)
+	n := len(toks) - 1
+	tgt.BatchClear()
+	for i, tok := range toks[:n] {
+		if _, err := tgt.BatchAdd(tok, i, 0, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tgt.Decode(); err != nil {
+		t.Fatal(err)
+	}
+	d.BatchClear()
+	h := make([]float32, m.NEmbdOut())
+	for i, tok := range toks {
+		if i == n {
+			if err := d.Decode(); err != nil {
+				t.Fatal(err)
+			}
+			d.BatchClear()
+		}
+		if _, err := d.BatchAddEmbd(tok, i, 0, i == n, h); err != nil {
+			t.Fatal(err)
+		}
+		if i < n {
+			h = tgt.EmbeddingsNextN(i)
+		}
+	}
+	var out []engine.Token
+	for {
+		if err := d.Decode(); err != nil {
+			t.Fatal(err)
+		}
+		i := d.BatchLen() - 1
+		tok, _, ok := d.Greedy(i, m.NVocab())
+		if !ok {
+			t.Fatal("no logits for the draft row")
+		}
+		out = append(out, tok)
+		if len(out) == k {
+			return out
+		}
+		row := d.EmbeddingsNextN(i)
+		d.BatchClear()
+		if _, err := d.BatchAddEmbd(tok, n+len(out), 0, true, row); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
