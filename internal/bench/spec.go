@@ -142,51 +142,81 @@ func (sb specBench) run(cfg app.Config, reps int) error {
 
 // llama runs the workloads on llama-server: one instance without speculation and one
 // with --spec-type ngram-mod, as many slots as agents, the same context and threads.
+// Each instance's log goes to a file; where a workload fails, the error names the
+// files and quotes their last lines (an instance that drops a connection says why
+// there, not in the HTTP error).
 func (sb specBench) llama(c app.Config, workloads []string, n, reps int) error {
 	args := []string{"-m", c.ModelPath, "-c", strconv.Itoa(c.NCtx), "-np", strconv.Itoa(n), "-t", strconv.Itoa(c.Threads), "-b", strconv.Itoa(c.NBatch)}
-	off, offBase, err := startLlamaServer(sb.llamaServer, args)
+	off, err := startLlamaServer(sb.llamaServer, args, "off")
 	if err != nil {
 		return err
 	}
-	defer stopProcess(off)
-	on, onBase, err := startLlamaServer(sb.llamaServer, append(args, "--spec-type", "ngram-mod"))
+	defer off.stop()
+	on, err := startLlamaServer(sb.llamaServer, append(args, "--spec-type", "ngram-mod"), "ngram-mod")
 	if err != nil {
 		return err
 	}
-	defer stopProcess(on)
+	defer on.stop()
 	for _, w := range workloads {
-		if err := sb.compare("llama-server", offBase, onBase, w, n, reps); err != nil {
-			return err
+		if err := sb.compare("llama-server", off.base, on.base, w, n, reps); err != nil {
+			return fmt.Errorf("%w\n%s\n%s", err, off.tail(), on.tail())
 		}
 	}
 	return nil
 }
 
-// startLlamaServer starts bin with args on a free loopback port and waits until its
-// /health answers.
-func startLlamaServer(bin string, args []string) (*exec.Cmd, string, error) {
+// llamaServer is a running llama-server and the file its output goes to.
+type llamaServer struct {
+	cmd  *exec.Cmd
+	base string
+	log  *os.File
+}
+
+// tail names the server's log file and quotes its last lines.
+func (l *llamaServer) tail() string {
+	data, err := os.ReadFile(l.log.Name())
+	if err != nil {
+		return fmt.Sprintf("(log %s: %v)", l.log.Name(), err)
+	}
+	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
+	return fmt.Sprintf("last lines of %s:\n%s", l.log.Name(), strings.Join(lines[max(len(lines)-8, 0):], "\n"))
+}
+
+func (l *llamaServer) stop() {
+	stopProcess(l.cmd)
+	l.log.Close()
+}
+
+// startLlamaServer starts bin with args on a free loopback port, its output in a
+// temporary file named after name, and waits until its /health answers.
+func startLlamaServer(bin string, args []string, name string) (*llamaServer, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		return nil, "", err
+		return nil, err
 	}
 	port := ln.Addr().(*net.TCPAddr).Port
 	ln.Close()
-	cmd := exec.Command(bin, append(args, "--host", "127.0.0.1", "--port", strconv.Itoa(port))...)
-	cmd.Stdout, cmd.Stderr = nil, nil
-	if err := cmd.Start(); err != nil {
-		return nil, "", err
+	log, err := os.CreateTemp("", "polykv-bench-llama-server-"+name+"-*.log")
+	if err != nil {
+		return nil, err
 	}
-	base := fmt.Sprintf("http://127.0.0.1:%d", port)
+	cmd := exec.Command(bin, append(args, "--host", "127.0.0.1", "--port", strconv.Itoa(port))...)
+	cmd.Stdout, cmd.Stderr = log, log
+	if err := cmd.Start(); err != nil {
+		log.Close()
+		return nil, err
+	}
+	l := &llamaServer{cmd: cmd, base: fmt.Sprintf("http://127.0.0.1:%d", port), log: log}
 	for deadline := time.Now().Add(2 * time.Minute); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
-		if resp, err := http.Get(base + "/health"); err == nil {
+		if resp, err := http.Get(l.base + "/health"); err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == 200 {
-				return cmd, base, nil
+				return l, nil
 			}
 		}
 	}
-	stopProcess(cmd)
-	return nil, "", fmt.Errorf("bench: %s did not become healthy", bin)
+	l.stop()
+	return nil, fmt.Errorf("bench: %s did not become healthy; %s", bin, l.tail())
 }
 
 func stopProcess(cmd *exec.Cmd) {
