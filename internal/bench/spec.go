@@ -146,7 +146,12 @@ func (sb specBench) run(cfg app.Config, reps int) error {
 // files and quotes their last lines (an instance that drops a connection says why
 // there, not in the HTTP error).
 func (sb specBench) llama(c app.Config, workloads []string, n, reps int) error {
-	args := []string{"-m", c.ModelPath, "-c", strconv.Itoa(c.NCtx), "-np", strconv.Itoa(n), "-t", strconv.Itoa(c.Threads), "-b", strconv.Itoa(c.NBatch)}
+	// Room in a batch for every slot's sampled token and a full ngram-mod draft (its
+	// n_max is 64): with less, b11434's llama-server aborts ("batch must be large
+	// enough to hold the sampled and draft tokens", server-context.cpp) once all slots
+	// draft at once — what ended its chat row at N = 8 on an EOF in earlier runs.
+	nb := max(c.NBatch, n*(llamaNgramModMax+1))
+	args := []string{"-m", c.ModelPath, "-c", strconv.Itoa(c.NCtx), "-np", strconv.Itoa(n), "-t", strconv.Itoa(c.Threads), "-b", strconv.Itoa(nb)}
 	off, err := startLlamaServer(sb.llamaServer, args, "off")
 	if err != nil {
 		return err
@@ -159,11 +164,17 @@ func (sb specBench) llama(c app.Config, workloads []string, n, reps int) error {
 	defer on.stop()
 	for _, w := range workloads {
 		if err := sb.compare("llama-server", off.base, on.base, w, n, reps); err != nil {
+			// Stopped first: an instance flushes its log as it exits.
+			off.stop()
+			on.stop()
 			return fmt.Errorf("%w\n%s\n%s", err, off.tail(), on.tail())
 		}
 	}
 	return nil
 }
+
+// llamaNgramModMax is b11434's ngram-mod n_max default (common/arg.cpp).
+const llamaNgramModMax = 64
 
 // llamaServer is a running llama-server and the file its output goes to.
 type llamaServer struct {
@@ -182,8 +193,11 @@ func (l *llamaServer) tail() string {
 	return fmt.Sprintf("last lines of %s:\n%s", l.log.Name(), strings.Join(lines[max(len(lines)-8, 0):], "\n"))
 }
 
+// stop ends the server (once; later calls do nothing).
 func (l *llamaServer) stop() {
-	stopProcess(l.cmd)
+	if l.cmd.ProcessState == nil {
+		stopProcess(l.cmd)
+	}
 	l.log.Close()
 }
 
