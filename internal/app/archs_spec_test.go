@@ -8,10 +8,13 @@ package app
 // proposals are accepted; a prompt repeated with a break gets some rejected.
 
 import (
+	"fmt"
+	"maps"
 	"math"
 	"slices"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/polykv/polykv/internal/testmodel"
 )
@@ -197,5 +200,130 @@ func TestArchsSpeculativeNoRollback(t *testing.T) {
 		"ignore_eos": true, "temperature": 0, "speculative": true})
 	if len(r.ids) != 24 || r.draftN != 0 {
 		t.Errorf("%d tokens, %d drafted: want 24 tokens and speculation off", len(r.ids), r.draftN)
+	}
+}
+
+// archDraftPMin stands for --draft-p-min 0: the draft model's greedy pick among 128
+// tokens has a probability of at least 1/128, so a floor below that never stops a
+// draft (0 itself is Config's "unset", which withDefaults fills with 0.75).
+const archDraftPMin = 1e-6
+
+// TestArchsDraftModel: a draft model (--spec-type draft-simple) on a hybrid target.
+// The target's rejected drafts are cut off its recurrent state by the same rollback as
+// the n-gram drafters' (n_rs_seq); the drafter is the llama random-weight test model
+// (attention only, the same 128-token test vocabulary: llama.CheckDraftVocab accepts it
+// for qwen35 and lfm2), whose proposals the target's different random weights reject
+// almost always — every proposal is a rollback. --draft-p-min 0 and SpecStepCost −1
+// make every want propose and every proposal verified; a wholly rejected proposal still
+// backs the session off (1, 2, 4 … steps), which leaves several proposals per request.
+// Greedy and seeded, cold and pooled, beside other (speculating) traffic: the same
+// tokens as "speculative": false, logprobs within specLpTol, and no draft cells held
+// once the requests have ended and the pool is gone.
+func TestArchsDraftModel(t *testing.T) {
+	draft := testmodel.Arch(t, "llama")
+	for _, arch := range []string{"qwen35", "lfm2"} {
+		t.Run(arch, func(t *testing.T) {
+			a, base := startServer(t, Config{ModelPath: testmodel.Arch(t, arch), NCtx: 2048, Parallel: 4, MaxPools: 2,
+				Threads: 2, SpecType: "draft-simple", ModelDraft: draft, DraftPMin: archDraftPMin, DraftMax: 6, SpecStepCost: -1})
+			rootToks := archTokens(a, 1, 60)
+			root := num(createPool(t, base, map[string]any{"tokens": rootToks})["pool_id"])
+
+			stop := make(chan struct{})
+			var wg sync.WaitGroup
+			for w := range 2 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for i := 0; ; i++ {
+						select {
+						case <-stop:
+							return
+						default:
+						}
+						// The traffic does not speculate: with speculating traffic beside it,
+						// lfm2 still shows single-token logprob deviations of 1e-5–2e-4 in
+						// about one run in four (tokens equal; docs/speculative.md, "Draft model
+						// on a hybrid target"), which this test does not yet hold the code to.
+						p := archTokens(a, uint64(300+10*w+i), 15+10*w)
+						body := map[string]any{"prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": true,
+							"speculative": false}
+						if w == 1 {
+							body["prompt"], body["pool_id"] = append(slices.Clone(rootToks), p...), root
+						}
+						post(t, base+"/v1/completions", body)
+					}
+				}()
+			}
+			stopTraffic := sync.OnceFunc(func() {
+				close(stop)
+				wg.Wait()
+			})
+			defer stopTraffic()
+
+			drafted, accepted := 0, 0
+			for _, c := range []struct {
+				name  string
+				pool  int
+				extra map[string]any
+			}{
+				{"greedy cold", 0, nil},
+				{"greedy pooled", root, nil},
+				{"seeded cold", 0, map[string]any{"temperature": 0.5, "seed": 7}},
+				{"seeded pooled", root, map[string]any{"temperature": 0.5, "seed": 7}},
+			} {
+				prompt := append(slices.Clone(rootToks), archTokens(a, uint64(20+len(c.name)), 9)...)
+				var runs [2]specRun
+				for j, spec := range []bool{false, true} {
+					body := map[string]any{"prompt": prompt, "max_tokens": 40, "logprobs": 1, "ignore_eos": true,
+						"temperature": 0, "speculative": spec}
+					maps.Copy(body, c.extra)
+					if c.pool > 0 {
+						body["pool_id"] = c.pool
+					} else {
+						body["cache_prompt"] = false
+					}
+					runs[j] = specCompletion(t, base, body)
+				}
+				off, on := runs[0], runs[1]
+				if off.draftN != 0 {
+					t.Errorf("%s: speculative false drafted %d tokens", c.name, off.draftN)
+				}
+				checkSpecSame(t, c.name, on, off)
+				t.Logf("%s: drafted %d accepted %d, largest logprob difference %.2g", c.name, on.draftN, on.accepted, lpDiff(on, off))
+				drafted += on.draftN
+				accepted += on.accepted
+			}
+			t.Logf("%s with the llama draft model: drafted %d, accepted %d", arch, drafted, accepted)
+			if drafted == 0 || accepted >= drafted {
+				t.Errorf("drafted %d tokens, %d accepted: want drafts proposed and some rejected (rolled back)", drafted, accepted)
+			}
+
+			// Once the requests have ended (the prefix cache is off on recurrent models, so
+			// every session's sequence is emptied) the draft context holds only the pool's
+			// own draft sequence, its prefix; evicting the pool frees that too.
+			stopTraffic()
+			waitDraftHeld(t, a, len(rootToks), 1, "with no request running")
+			if code, out := post(t, fmt.Sprintf("%s/polykv/pools/%d/evict", base, root), map[string]any{}); code != 200 {
+				t.Fatalf("evict: %d %v", code, out)
+			}
+			waitDraftHeld(t, a, 0, 0, "with the pool evicted")
+		})
+	}
+}
+
+// waitDraftHeld waits (up to 5 s: sequences are emptied in the engine's next step) for
+// the draft context to hold cells cells of seqs sequences.
+func waitDraftHeld(t *testing.T, a *App, cells, seqs int, when string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		c, s := a.draft.drafter.Held()
+		if c == cells && s == seqs {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s the draft context holds %d cells of %d sequences, want %d of %d", when, c, s, cells, seqs)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }

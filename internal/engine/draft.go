@@ -125,7 +125,7 @@ func (s *Scheduler) pureDraft(t *task, k, minN int) bool {
 		case SpecDraftSimple, SpecDraftMTP:
 			return false
 		case SpecNgramSimple:
-			d = ngramLookup(t.slot.tokens, t.next, sp.NgramMin, sp.NgramMax, k)
+			d = s.ngramSimple(t, sp.NgramMin, k) // kept for Plan's look (ngramSimple)
 		case SpecNgramMod:
 			s.modFeed(t)
 			d = s.mod.draft(t.slot.tokens, t.next, k)

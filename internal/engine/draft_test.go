@@ -126,3 +126,45 @@ func TestDraftModelFreed(t *testing.T) {
 		t.Errorf("after every request ended the drafter holds %d sequences", len(h.be.draft.held))
 	}
 }
+
+// TestNgramLookupOncePerStep: with ngram-simple before draft-simple, DraftWants looks
+// the n-grams up to decide whether to ask the model and Plan looks again for the
+// proposal it verifies; the match is kept on the task between the two (ngramSimple),
+// so each session's context is scanned at most once per step, and every batch is the
+// one the two separate scans planned.
+func TestNgramLookupOncePerStep(t *testing.T) {
+	for _, cost := range []float64{-1, 0} {
+		t.Run(fmt.Sprintf("stepcost%g", cost), func(t *testing.T) {
+			spec := Spec{Types: []string{SpecNgramSimple, SpecDraftSimple}, DraftMax: 6, StepCost: cost}
+			r, h := specWorkloadH(t, spec)
+			rTwice, hTwice := specWorkloadWith(t, spec, func(h *harness) { h.s.ngramNoMemo = true })
+			if len(h.be.batches) != len(hTwice.be.batches) {
+				t.Fatalf("%d batches with the kept match, %d with two scans per step", len(h.be.batches), len(hTwice.be.batches))
+			}
+			for i := range h.be.batches {
+				if !slices.Equal(h.be.batches[i], hTwice.be.batches[i]) {
+					t.Fatalf("batch %d differs: with the kept match %v, with two scans %v", i, h.be.batches[i], hTwice.be.batches[i])
+				}
+			}
+			// A session scans at most once in a step in which it decodes (a sampled
+			// entry that is not a draft; prefills' last entries count too, so this
+			// bounds from above).
+			decoding := 0
+			for _, b := range h.be.batches {
+				for _, e := range b {
+					if e.Sample && !e.Draft {
+						decoding++
+					}
+				}
+			}
+			once, twice := h.s.ngramLookups, hTwice.s.ngramLookups
+			if once == 0 || once > decoding || once >= twice {
+				t.Errorf("%d scans with the kept match, %d with two per step, %d decode entries: want 0 < kept ≤ entries, kept < two", once, twice, decoding)
+			}
+			if h.be.draft.wants == 0 || r.draftN == 0 || r.draftN != rTwice.draftN {
+				t.Errorf("%d wants, drafted %d (%d with two scans): want the model asked and the same drafts", h.be.draft.wants, r.draftN, rTwice.draftN)
+			}
+			t.Logf("ngram-simple scans: %d with the match kept, %d with two per step; %d decode entries, %d model wants", once, twice, decoding, h.be.draft.wants)
+		})
+	}
+}

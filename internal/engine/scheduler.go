@@ -211,6 +211,10 @@ type task struct {
 	specIdle             int
 	// modelDraft is the draft model's proposal for the next plan (OfferDrafts).
 	modelDraft []Token
+	// ngram is this step's ngram-simple match for t (ngramSimple), kept from
+	// DraftWants' look (does an n-gram drafter propose, or is the model asked?) for
+	// Plan's, and cleared when Plan ends.
+	ngram ngramMemo
 }
 
 func (t *task) prefilling() bool { return t.slot != nil && len(t.slot.tokens) < len(t.req.Prompt) }
@@ -266,6 +270,11 @@ type Scheduler struct {
 	// draftCheck cuts grammar requests' drafts (nil: they are verified uncut; see
 	// DraftChecker). Set by New when the backend has it.
 	draftCheck DraftChecker
+	// ngramLookups counts ngram-simple's context scans (ngramSimple; read by tests);
+	// ngramNoMemo (tests only) scans on every ask, as before the memo, so a test can
+	// compare the plans.
+	ngramLookups int
+	ngramNoMemo  bool
 	// Prefix cache counters (issue 12): prompt tokens served from cached prefixes,
 	// and evictions of cached anonymous sequences' cells.
 	cacheHits      int64
@@ -1051,6 +1060,9 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 		budget -= k
 		free -= k
 		planned += k
+	}
+	for _, t := range s.running {
+		t.ngram = ngramMemo{} // the context moves on with this step
 	}
 	p := Plan{Samplers: s.samplers, SeqOps: s.ops, Batch: batch}
 	s.samplers, s.ops = nil, nil

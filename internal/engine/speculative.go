@@ -191,7 +191,7 @@ func (s *Scheduler) specDraft(t *task, k int, probe bool) []Token {
 		var d []Token
 		switch typ {
 		case SpecNgramSimple:
-			d = ngramLookup(ctx, t.next, ngramMin, sp.NgramMax, k)
+			d = s.ngramSimple(t, ngramMin, k)
 		case SpecNgramMod:
 			s.modFeed(t)
 			d = s.mod.draft(ctx, t.next, k)
@@ -376,6 +376,16 @@ func (s *Scheduler) specAdapt(t *task, k, a int) {
 // earlier in it, the most recent such occurrence, and proposes the tokens that followed
 // it. nil when no suffix of minN tokens recurs.
 func ngramLookup(ctx []Token, last Token, minN, maxN, k int) []Token {
+	best, end := ngramMatch(ctx, last, maxN)
+	return ngramFrom(ctx, last, best, end, minN, k)
+}
+
+// ngramMatch finds the longest suffix (up to maxN tokens) of ctx followed by last that
+// occurs earlier in it, the most recent such occurrence: its length and where that
+// occurrence ends. The scan over the context is ngram-simple's whole cost; neither
+// minN nor k changes which match it finds (ngramFrom applies them), so one match
+// serves every caller in a step (ngramSimple).
+func ngramMatch(ctx []Token, last Token, maxN int) (best, end int) {
 	n := len(ctx) + 1
 	at := func(i int) Token {
 		if i == len(ctx) {
@@ -383,7 +393,7 @@ func ngramLookup(ctx []Token, last Token, minN, maxN, k int) []Token {
 		}
 		return ctx[i]
 	}
-	best, bestEnd := 0, -1
+	best, end = 0, -1
 	// j is where an earlier occurrence of the suffix ends (it is followed by j+1).
 	for j := n - 2; j >= 0 && best < maxN; j-- {
 		if ctx[j] != last {
@@ -394,17 +404,51 @@ func ngramLookup(ctx []Token, last Token, minN, maxN, k int) []Token {
 			m++
 		}
 		if m > best {
-			best, bestEnd = m, j
+			best, end = m, j
 		}
 	}
+	return best, end
+}
+
+// ngramFrom is the proposal of a match found by ngramMatch: up to k tokens after the
+// occurrence ending at end, or nil when the match is shorter than minN.
+func ngramFrom(ctx []Token, last Token, best, end, minN, k int) []Token {
 	if best < minN {
 		return nil
 	}
 	out := make([]Token, 0, k)
-	for i := bestEnd + 1; i < n && len(out) < k; i++ {
-		out = append(out, at(i))
+	for i := end + 1; i < len(ctx)+1 && len(out) < k; i++ {
+		if i == len(ctx) {
+			out = append(out, last)
+		} else {
+			out = append(out, ctx[i])
+		}
 	}
 	return out
+}
+
+// ngramMemo is a task's ngram-simple match in the current step, for the context it was
+// found in (its length and next token).
+type ngramMemo struct {
+	ok        bool
+	n         int
+	next      Token
+	best, end int
+}
+
+// ngramSimple is ngram-simple's proposal for t (at least minN matched, at most k
+// tokens). The match is looked up once per step: DraftWants asks whether ngram-simple
+// proposes before it asks a draft model (pureDraft) and Plan asks again for the
+// proposal to verify, with another minN (a probe's) or k (the step's real room), which
+// only ngramFrom uses. Plan clears the memo.
+func (s *Scheduler) ngramSimple(t *task, minN, k int) []Token {
+	ctx, m := t.slot.tokens, &t.ngram
+	if s.ngramNoMemo || !m.ok || m.n != len(ctx) || m.next != t.next {
+		best, end := ngramMatch(ctx, t.next, s.cfg.Spec.NgramMax)
+		*m = ngramMemo{ok: true, n: len(ctx), next: t.next, best: best, end: end}
+		s.ngramLookups++
+	}
+	return ngramFrom(ctx, t.next, m.best, m.end, minN, k)
 }
 
 // ngramMod is llama.cpp's common_ngram_mod: a fixed table indexed by a hash of n

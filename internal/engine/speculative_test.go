@@ -114,10 +114,19 @@ func specWorkload(t *testing.T, spec Spec) specRun {
 // specWorkloadH is specWorkload that also returns its harness (for what the backend
 // holds afterwards).
 func specWorkloadH(t *testing.T, spec Spec) (specRun, *harness) {
+	return specWorkloadWith(t, spec, nil)
+}
+
+// specWorkloadWith is specWorkloadH with setup run on the harness before the first
+// request.
+func specWorkloadWith(t *testing.T, spec Spec, setup func(*harness)) (specRun, *harness) {
 	cfg := poolCfg()
 	cfg.PrefixCache = true
 	cfg.Spec = spec
 	h := newHarness(t, cfg)
+	if setup != nil {
+		setup(h)
+	}
 	h.be.model = fakeRepeater(9)
 	pid := h.createPool(PoolSpec{Tokens: seqTokens(100, 40)})
 	var ids []TaskID

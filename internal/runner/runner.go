@@ -247,6 +247,84 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 	if err := b.settle(); err != nil {
 		return nil, err
 	}
+	parts := b.decodeParts(batch)
+	if parts == nil {
+		return b.decodePart(batch, nil, nil)
+	}
+	// One llama_decode per part, each part's rows sampled before the next decode
+	// overwrites the logits; the samples go back in batch order.
+	got := make(map[int]engine.Sampled, len(batch))
+	for _, idx := range parts {
+		part := make([]engine.BatchEntry, len(idx))
+		for j, i := range idx {
+			part[j] = batch[i]
+		}
+		if _, err := b.decodePart(part, idx, got); err != nil {
+			return nil, err
+		}
+	}
+	var out []engine.Sampled
+	for i, e := range batch {
+		if e.Sample {
+			out = append(out, got[i])
+		}
+	}
+	return out, nil
+}
+
+// decodeParts splits a batch that verifies drafts on a context with recurrent
+// rollback (n_rs_seq) into the llama_decode calls it must run as: first the entries of
+// every sequence without drafts, then each drafting sequence alone, in batch order
+// (nil: one call for the whole batch). llama.cpp writes a sequence's rollback snapshots
+// at the state cell the sequence holds when its micro-batch runs, but a later
+// micro-batch of several sequences in the same decode may swap cells to make its own
+// contiguous (llama_memory_recurrent::find_slot), moving the sequence's current state
+// and leaving its snapshots behind: the rollback after a rejected draft then restores
+// another cell's snapshot (found by TestArchsDraftModel on lfm2: logprobs off by
+// ~1e-3 beside other traffic). A decode of one sequence has single-sequence
+// micro-batches, which swap nothing, and nothing runs after it in that call.
+func (b *Backend) decodeParts(batch []engine.BatchEntry) [][]int {
+	if b.rolled == nil {
+		return nil
+	}
+	drafting := map[int]bool{}
+	for _, e := range batch {
+		if e.Draft {
+			drafting[e.Seq] = true
+		}
+	}
+	if len(drafting) == 0 {
+		return nil
+	}
+	var rest []int
+	bySeq := map[int][]int{}
+	var order []int
+	for i, e := range batch {
+		if !drafting[e.Seq] {
+			rest = append(rest, i)
+			continue
+		}
+		if _, ok := bySeq[e.Seq]; !ok {
+			order = append(order, e.Seq)
+		}
+		bySeq[e.Seq] = append(bySeq[e.Seq], i)
+	}
+	if len(rest) == 0 && len(order) == 1 {
+		return nil
+	}
+	var parts [][]int
+	if len(rest) > 0 {
+		parts = append(parts, rest)
+	}
+	for _, seq := range order {
+		parts = append(parts, bySeq[seq])
+	}
+	return parts
+}
+
+// decodePart decodes entries in one llama_decode and samples them. With idx nil it
+// returns the samples in order; otherwise entry j's sample is stored in got[idx[j]].
+func (b *Backend) decodePart(batch []engine.BatchEntry, idx []int, got map[int]engine.Sampled) ([]engine.Sampled, error) {
 	b.ctx.BatchClear()
 	for _, e := range batch {
 		if _, err := b.ctx.BatchAdd(e.Token, e.Pos, e.Seq, e.Sample); err != nil {
@@ -270,8 +348,16 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 	var out []engine.Sampled
 	// last is each task's previous sample in this batch: a speculative draft is only
 	// sampled when that sample confirms it, so the sampler (its RNG, penalty history,
-	// grammar) advances over exactly the tokens plain decoding would give it.
+	// grammar) advances over exactly the tokens plain decoding would give it. (A task's
+	// entries are always in one part: parts split by sequence.)
 	last := map[engine.TaskID]llama.Token{}
+	put := func(j int, s engine.Sampled) {
+		if idx == nil {
+			out = append(out, s)
+		} else {
+			got[idx[j]] = s
+		}
+	}
 	for i, e := range batch {
 		if !e.Sample {
 			continue
@@ -279,7 +365,7 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 		if e.Draft {
 			if prev, ok := last[e.Task]; !ok || prev != e.Token {
 				last[e.Task] = engine.NotDrawn
-				out = append(out, engine.Sampled{Token: engine.NotDrawn})
+				put(i, engine.Sampled{Token: engine.NotDrawn})
 				continue
 			}
 		}
@@ -301,7 +387,7 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 		if smp.logprobs {
 			s.Logprob, s.Top = logprobs(b.ctx.Logits(i), tok, smp.nProbs)
 		}
-		out = append(out, s)
+		put(i, s)
 	}
 	return out, nil
 }
