@@ -19,6 +19,7 @@ import "C"
 
 import (
 	"fmt"
+	"slices"
 	"unsafe"
 )
 
@@ -61,14 +62,23 @@ func (c *Context) SetEmbeddingsNextN(on, masked bool) {
 // mixes catch-up entries with a draft entry reads another position's row
 // (TestMTPDraftsMatchReference in internal/runner found it). runner.MTP never mixes.
 func (c *Context) EmbeddingsNextN(i int) []float32 {
+	v := c.EmbeddingsNextNView(i)
+	if v == nil {
+		return nil
+	}
+	return slices.Clone(v)
+}
+
+// EmbeddingsNextNView is EmbeddingsNextN without the copy: the slice is c's output
+// buffer, valid only until c's next Decode or Free, and must not be written. A target's
+// decode has a row per batch entry; a caller that needs few of them past the decode
+// (runner.MTP keeps a sequence's last few) copies only those.
+func (c *Context) EmbeddingsNextNView(i int) []float32 {
 	p := C.polykv_get_embeddings_nextn_ith(c.c, C.int32_t(i))
 	if p == nil {
 		return nil
 	}
-	n := c.model.NEmbdOut()
-	out := make([]float32, n)
-	copy(out, unsafe.Slice((*float32)(unsafe.Pointer(p)), n))
-	return out
+	return unsafe.Slice((*float32)(unsafe.Pointer(p)), c.model.NEmbdOut())
 }
 
 // BatchAddEmbd appends an entry to an MTP context's batch: token tok at pos for seq with

@@ -168,7 +168,9 @@ func (m *MTP) mirror(batch []engine.BatchEntry) {
 			m.fail(batch, err)
 			return
 		}
-		fresh[e.Seq] = append(fresh[e.Seq], posRow{e.Pos, m.tgt.EmbeddingsNextN(i)})
+		// A view of the target's buffer: BatchAddEmbd copies h into the MTP batch, and
+		// only the rows kept past this decode are copied below.
+		fresh[e.Seq] = append(fresh[e.Seq], posRow{e.Pos, m.tgt.EmbeddingsNextNView(i)})
 	}
 	m.decoded.Add(int64(len(batch)))
 	if err := m.ctx.Decode(); err != nil {
@@ -177,8 +179,14 @@ func (m *MTP) mirror(batch []engine.BatchEntry) {
 	}
 	for seq, f := range fresh {
 		old := slices.DeleteFunc(m.rows[seq], func(r posRow) bool { return r.pos >= f[0].pos })
-		rs := append(old, f...)
-		m.rows[seq] = slices.Clone(rs[max(len(rs)-m.keep, 0):]) // (a clone: the rest is garbage)
+		f = f[max(len(f)-m.keep, 0):]
+		old = old[max(len(old)+len(f)-m.keep, 0):]
+		rs := make([]posRow, 0, len(old)+len(f))
+		rs = append(rs, old...)
+		for _, r := range f {
+			rs = append(rs, posRow{r.pos, slices.Clone(r.h)}) // out of the target's buffer
+		}
+		m.rows[seq] = rs
 	}
 	m.check("decode")
 }
