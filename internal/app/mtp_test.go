@@ -146,13 +146,20 @@ func TestMTPRefused(t *testing.T) {
 // without speculation fully prefilled, both for requests that start from part of an
 // earlier request's cells (the prefix cache: a copy from the middle of a sequence, whose
 // hidden-state row at the cut the mirror must still have) and for sessions of pools
-// evicted to the tier (RAM and disk) and restored, whose MTP cells and rows come back
-// with the target's: such sessions are drafted for. The MTP context holds the target's
-// positions after every operation and no entry is mirrored without its row.
+// evicted to the tier (RAM and disk) and restored, a root and a child (whose parent's
+// cells are shared back after the load), whose MTP cells and rows come back with the
+// target's: such sessions are drafted for. The MTP context holds the target's positions
+// after every operation and no entry is mirrored without its row. The hybrid qwen35mtp
+// (prefix cache off) runs the tier part: its restore shares the parent's cells before
+// the state is loaded.
 func TestMTPPrefixCacheAndTier(t *testing.T) {
-	for _, where := range []string{"ram", "disk"} {
-		t.Run(where, func(t *testing.T) {
-			cfg := withDefaults(Config{ModelPath: testmodel.Arch(t, "glm4moemtp"), NCtx: 2048, Parallel: 4, MaxPools: 2,
+	for _, c := range []struct {
+		model, where string
+		prefixCache  bool
+	}{{"glm4moemtp", "ram", true}, {"glm4moemtp", "disk", true}, {"qwen35mtp", "ram", false}} {
+		t.Run(c.model+"/"+c.where, func(t *testing.T) {
+			where := c.where
+			cfg := withDefaults(Config{ModelPath: testmodel.Arch(t, c.model), NCtx: 2048, Parallel: 4, MaxPools: 2,
 				Threads: 2, SpecType: "draft-mtp", DraftMax: 3, SpecStepCost: -1, PoolGrace: time.Nanosecond})
 			if where == "disk" {
 				cfg.PoolRAMMB, cfg.PoolDir = 0, t.TempDir()
@@ -193,10 +200,12 @@ func TestMTPPrefixCacheAndTier(t *testing.T) {
 			}
 			// The prefix cache: the second request shares the first's first 40 tokens (a
 			// copy from the middle of its sequence), the third extends the first whole.
-			first := append(archTokens(a, 1, 60), archTokens(a, 2, 8)...)
-			run("cold", first, 0, 0)
-			run("prefix of an earlier request", append(slices.Clone(first[:40]), archTokens(a, 3, 9)...), 0, 40)
-			run("extends an earlier request", append(slices.Clone(first), archTokens(a, 4, 6)...), 0, len(first))
+			if c.prefixCache {
+				first := append(archTokens(a, 1, 60), archTokens(a, 2, 8)...)
+				run("cold", first, 0, 0)
+				run("prefix of an earlier request", append(slices.Clone(first[:40]), archTokens(a, 3, 9)...), 0, 40)
+				run("extends an earlier request", append(slices.Clone(first), archTokens(a, 4, 6)...), 0, len(first))
+			}
 			// The tier: a pool evicted before any session used it is restored from the tier
 			// (no other sequence holds its cells), and its sessions draft.
 			poolToks := archTokens(a, 5, 70)
@@ -210,8 +219,21 @@ func TestMTPPrefixCacheAndTier(t *testing.T) {
 				t.Errorf("no drafts for a session of a pool restored from the tier")
 			}
 			run("second session of the restored pool", append(slices.Clone(poolToks), archTokens(a, 7, 9)...), pool, len(poolToks))
-			if props := tierProps(t, base); props.Restores[where] != 1 || len(props.Misses) != 0 {
-				t.Errorf("tier counters %+v, want 1 restore from %s, no miss", props, where)
+			// A child of the restored pool, evicted before use: restored above its parent's
+			// shared cells.
+			childToks := append(slices.Clone(poolToks), archTokens(a, 8, 12)...)
+			code, out := forkPool(t, base, pool, len(poolToks), map[string]any{"tokens": childToks})
+			if code != 201 {
+				t.Fatalf("fork: %d %v", code, out)
+			}
+			child := num(out["pool_id"])
+			evict(t, base, child)
+			r = run("session of a restored child", append(slices.Clone(childToks), archTokens(a, 10, 9)...), child, len(childToks))
+			if r.draftN == 0 {
+				t.Errorf("no drafts for a session of a child pool restored from the tier")
+			}
+			if props := tierProps(t, base); props.Restores[where] != 2 || len(props.Misses) != 0 {
+				t.Errorf("tier counters %+v, want 2 restores from %s, no miss", props, where)
 			}
 			t.Logf("MTP head: %d drafted, %d accepted; mirror decoded %d entries, %d gaps", drafted, accepted, mtp.Decoded(), mtp.Gaps())
 			if drafted == 0 || accepted == 0 || accepted == drafted {

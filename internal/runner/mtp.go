@@ -37,7 +37,7 @@ import (
 // (the prefix cache) has the row at its cut. That costs n_embd floats per cell in RAM
 // beside the target's KV (1 KiB on the test models; 16 KiB on GLM-4.5-Air, under a tenth
 // of its 46 layers' KV per cell), bounded by the cells in use. A pool's rows go to the
-// pool tier with its MTP cells (SaveSeq, LoadSeq). Where no row is known (an entry the
+// pool tier with its MTP cells (saveSeq, loadSeq). Where no row is known (an entry the
 // tier restored without MTP cells, a failed MTP decode) the entry is decoded with h = 0
 // and counted as a gap: the MTP cache is then slightly wrong at that position, which
 // costs acceptance, never correctness (the target verifies every draft). A sequence
@@ -67,8 +67,10 @@ type MTP struct {
 	gaps, decoded, drafted atomic.Int64
 	// checkSeqs > 0: after every mirrored operation, sequences below it are compared
 	// with the target's and a difference counted in mismatches, the first kept in
-	// mismatch (CheckMirror; tests).
+	// mismatch (CheckMirror; tests). paused: a tier restore is under way, whose
+	// target-side operations leave the two apart until it ends (engine goroutine only).
 	checkSeqs  atomic.Int32
+	paused     bool
 	mismatches atomic.Int64
 	mismatch   atomic.Value // string
 	// rolled reports a target sequence rolled back and not decoded since: llama.cpp
@@ -121,6 +123,9 @@ func (m *MTP) Mismatches() (int64, string) {
 
 // check compares the sequences' positions with the target's (see CheckMirror).
 func (m *MTP) check(op string) {
+	if m.paused {
+		return
+	}
 	for seq := range int(m.checkSeqs.Load()) {
 		if m.rolled != nil && m.rolled(seq) {
 			continue
@@ -367,20 +372,25 @@ func (m *MTP) saveSeq(seq, src, lo, hi int) ([]byte, error) {
 	return out, nil
 }
 
-// loadSeq loads what saveSeq wrote into seq, which must hold no MTP cells (the engine
-// then shares the parent's [0, lo) into it, mirrored like any SeqCp), and checks that
-// seq then holds exactly [lo, hi). On failure seq holds nothing in the MTP context (its
-// sessions are then not drafted for).
-func (m *MTP) loadSeq(seq, lo, hi int, data []byte) (err error) {
+// loadSeq loads what saveSeq wrote into seq and checks that seq then holds exactly
+// [lo, hi), or [0, hi) where it held src's [0, lo) already. An attention-only target's
+// pool sequence is empty here (the engine shares the parent's [0, lo) after the
+// restore, mirrored like any SeqCp); a hybrid target's restore (Backend.loadRecurrent)
+// shared them before, and llama.cpp's state load empties the sequence first, so they
+// are shared again from src after it. On failure seq holds nothing in the MTP context
+// (its sessions are then not drafted for).
+func (m *MTP) loadSeq(seq, src, lo, hi int, data []byte) (err error) {
 	defer func() {
 		if err != nil {
 			m.ctx.SeqRm(seq, -1, -1)
 			delete(m.rows, seq)
 		}
 	}()
-	if p := m.ctx.SeqPosMax(seq); p >= 0 {
-		return fmt.Errorf("sequence %d holds MTP cells up to %d before the load", seq, p)
+	prefix := m.ctx.SeqPosMax(seq) >= 0
+	if p0, p1 := m.ctx.SeqPosMin(seq), m.ctx.SeqPosMax(seq); prefix && (p0 != 0 || p1 != lo-1 || src < 0) {
+		return fmt.Errorf("sequence %d holds MTP cells [%d, %d] before the load, want none or [0, %d) of sequence %d", seq, p0, p1, lo, src)
 	}
+	below := slices.Clone(m.rows[seq])
 	u64 := func() (uint64, bool) {
 		if len(data) < 8 {
 			return 0, false
@@ -419,6 +429,12 @@ func (m *MTP) loadSeq(seq, lo, hi int, data []byte) (err error) {
 	if p0, p1 := m.ctx.SeqPosMin(seq), m.ctx.SeqPosMax(seq); p0 != lo || p1 != hi-1 {
 		return fmt.Errorf("the MTP context loaded positions [%d, %d], want [%d, %d)", p0, p1, lo, hi)
 	}
-	m.rows[seq] = rs
+	if prefix {
+		m.ctx.SeqCp(src, seq, 0, lo)
+		if p0 := m.ctx.SeqPosMin(seq); p0 != 0 {
+			return fmt.Errorf("sequence %d starts at %d after sharing [0, %d) back", seq, p0, lo)
+		}
+	}
+	m.rows[seq] = append(below, rs...)
 	return nil
 }

@@ -151,6 +151,12 @@ func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 	if err == nil {
 		data, mtp, err = splitMTP(data)
 	}
+	if b.mtp != nil {
+		// A hybrid target's load shares cells into the sequence (mirrored) before the
+		// MTP part is loaded: the mirror's check waits for the whole restore.
+		b.mtp.paused = true
+		defer func() { b.mtp.paused = false }()
+	}
 	if err == nil {
 		if b.recurrent() {
 			err = b.loadRecurrent(op.Seq, op.Src, op.D, len(op.Tokens), data)
@@ -167,7 +173,7 @@ func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 		// are only not drafted for.
 		if mtp == nil {
 			b.log.Info("pool restored from the tier without MTP cells: its sessions are not MTP-drafted for", "pool", op.Pool)
-		} else if e := b.mtp.loadSeq(op.Seq, op.D, len(op.Tokens), mtp); e != nil {
+		} else if e := b.mtp.loadSeq(op.Seq, op.Src, op.D, len(op.Tokens), mtp); e != nil {
 			b.log.Warn("pool's MTP cells not restored: its sessions are not MTP-drafted for", "pool", op.Pool, "err", e)
 		}
 	}
