@@ -59,7 +59,7 @@ browser:
 # Tiny random-weight models of architectures with no small real model here (Qwen3.5,
 # LFM2, Granite hybrid, llama), written by llama.cpp's own test-llama-archs from the pinned
 # source into $(POLYKV_CACHE)/testmodels (first time: builds llama.cpp's common library),
-# and Gemma 4 and Qwen3.5 with an MTP head by scripts/*-testmodel.cpp.
+# and Gemma 4, Qwen3.5 and GLM-4.5 with an MTP head by scripts/*-testmodel.cpp.
 testmodels:
 	./scripts/llama.sh testmodels
 

@@ -120,12 +120,14 @@ tool() { # $1 target: builds it once, prints its path
 
 # Tiny random-weight models (2 layers, 128-token vocabulary, fixed seed) for architectures
 # with no small real model here, written by llama.cpp's own test-llama-archs to
-# $cache/testmodels/<arch>.gguf. Two are written by programs of ours instead, compiled here
+# $cache/testmodels/<arch>.gguf. Three are written by programs of ours instead, compiled here
 # against the same static libraries PolyKV links (nothing of llama.cpp is committed):
 # scripts/gemma4-testmodel.cpp writes gemma4.gguf (10 layers, iSWA; this build's
 # test-llama-archs skips Gemma 4: "ISWA KV cache initialization needs more fixture
 # params") and scripts/qwen35mtp-testmodel.cpp writes qwen35mtp.gguf (qwen35.gguf's trunk
-# plus one MTP/NextN block, for draft-mtp: test-llama-archs writes no NextN layers).
+# plus one MTP/NextN block, for draft-mtp: test-llama-archs writes no NextN layers), and
+# scripts/glm4moemtp-testmodel.cpp glm4moemtp.gguf (the same for an attention-only target,
+# GLM-4.5's glm4moe; both share scripts/mtptestmodel.h).
 testmodels() {
 	local gen out=$cache/testmodels arch tmp name
 	gen=$(tool test-llama-archs)
@@ -138,11 +140,11 @@ testmodels() {
 		rm -rf "$tmp" "$tmp.log"
 		echo "llama.sh: wrote $out/$arch.gguf" >&2
 	done
-	for name in gemma4 qwen35mtp; do
+	for name in gemma4 qwen35mtp glm4moemtp; do
 		[ -f "$out/$name.gguf" ] && continue
 		do_build
 		gen=$dir/$name-testmodel
-		if [ ! -x "$gen" ] || [ "$root/scripts/$name-testmodel.cpp" -nt "$gen" ] || [ "$root/scripts/testmodel.h" -nt "$gen" ]; then
+		if [ ! -x "$gen" ] || [ "$root/scripts/$name-testmodel.cpp" -nt "$gen" ] || [ "$root/scripts/testmodel.h" -nt "$gen" ] || [ "$root/scripts/mtptestmodel.h" -nt "$gen" ]; then
 			${CXX:-c++} -std=c++17 -O1 -Wall -Wextra -I"$src/include" -I"$src/ggml/include" -I"$src/src" \
 				"$root/scripts/$name-testmodel.cpp" "$dir/src/libllama.a" "$dir/ggml/src/libggml.a" \
 				"$dir/ggml/src/libggml-cpu.a" "$dir/ggml/src/libggml-base.a" -lpthread -ldl -lm -o "$gen"

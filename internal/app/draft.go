@@ -103,7 +103,7 @@ func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.Contex
 	tgt.SetEmbeddingsNextN(true, false)
 	ctx.SetEmbeddingsNextN(true, true)
 	pMin := cfg.DraftPMinFor(engine.SpecDraftMTP)
-	m, err := runner.NewMTP(model, tgt, ctx, draftMax, pMin, log)
+	m, err := runner.NewMTP(model, tgt, ctx, pMin, log)
 	if err != nil {
 		tgt.SetEmbeddingsNextN(false, false)
 		ctx.Free()

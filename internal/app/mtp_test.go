@@ -3,14 +3,19 @@ package app
 // MTP drafting in the server (--spec-type draft-mtp; issue 23) on the qwen35 test model
 // with one NextN block (scripts/qwen35mtp-testmodel.cpp): a hybrid target, so rejected
 // drafts are rolled back through llama.cpp's recurrent snapshots, and an MTP context
-// that mirrors every target decode and cell operation (runner.MTP).
+// that mirrors every target decode and cell operation (runner.MTP). On the attention-only
+// glm4moe one (scripts/glm4moemtp-testmodel.cpp) the prefix cache and the pool tier run
+// beside it.
 
 import (
+	"net/http/httptest"
 	"slices"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
+	"github.com/polykv/polykv/internal/api/wire"
 	"github.com/polykv/polykv/internal/testmodel"
 )
 
@@ -133,5 +138,194 @@ func TestMTPRefused(t *testing.T) {
 		if !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%s: %v, want %q", cfg.SpecType, err, c.want)
 		}
+	}
+}
+
+// TestMTPPrefixCacheAndTier: on an attention-only MTP model (glm4moemtp), where the
+// prefix cache and the pool tier are on, MTP drafts keep the output of the same request
+// without speculation fully prefilled, both for requests that start from part of an
+// earlier request's cells (the prefix cache: a copy from the middle of a sequence, whose
+// hidden-state row at the cut the mirror must still have) and for sessions of pools
+// evicted to the tier (RAM and disk) and restored, a root and a child (whose parent's
+// cells are shared back after the load), whose MTP cells and rows come back with the
+// target's: such sessions are drafted for. The MTP context holds the target's positions
+// after every operation and no entry is mirrored without its row. The hybrid qwen35mtp
+// (prefix cache off) runs the tier part: its restore shares the parent's cells before
+// the state is loaded.
+func TestMTPPrefixCacheAndTier(t *testing.T) {
+	for _, c := range []struct {
+		model, where string
+		prefixCache  bool
+	}{{"glm4moemtp", "ram", true}, {"glm4moemtp", "disk", true}, {"qwen35mtp", "ram", false}} {
+		t.Run(c.model+"/"+c.where, func(t *testing.T) {
+			where := c.where
+			cfg := withDefaults(Config{ModelPath: testmodel.Arch(t, c.model), NCtx: 2048, Parallel: 4, MaxPools: 2,
+				Threads: 2, SpecType: "draft-mtp", DraftMax: 3, SpecStepCost: -1, PoolGrace: time.Nanosecond})
+			if where == "disk" {
+				cfg.PoolRAMMB, cfg.PoolDir = 0, t.TempDir()
+			}
+			a, base := openServer(t, cfg)
+			if a.draft == nil || a.draft.mtp == nil {
+				t.Fatal("draft-mtp asked for, no MTP drafter")
+			}
+			if props := tierProps(t, base); props == nil || !props.Enabled {
+				t.Fatalf("tier props %+v, want the tier on", props)
+			}
+			mtp := a.draft.mtp
+			mtp.CheckMirror(cfg.Parallel + cfg.MaxPools)
+			drafted, accepted := 0, 0
+			// run completes prompt with speculation (from whatever the prefix cache or pool
+			// holds) and without it, cold, and checks both give the same output.
+			run := func(name string, prompt []int32, pool, wantCacheN int) specRun {
+				t.Helper()
+				body := map[string]any{"prompt": prompt, "max_tokens": 32, "logprobs": 1, "ignore_eos": true, "temperature": 0}
+				if pool > 0 {
+					body["pool_id"] = pool
+				}
+				code, out := post(t, base+"/v1/completions", body)
+				if code != 200 {
+					t.Fatalf("%s: %d %v", name, code, out)
+				}
+				on := specFromJSON(out)
+				if n := num(out["timings"].(map[string]any)["cache_n"]); n != wantCacheN {
+					t.Errorf("%s: cache_n %d, want %d", name, n, wantCacheN)
+				}
+				off := specCompletion(t, base, map[string]any{"prompt": prompt, "max_tokens": 32, "logprobs": 1, "ignore_eos": true,
+					"temperature": 0, "speculative": false, "cache_prompt": false})
+				checkSpecSame(t, name, on, off)
+				drafted += on.draftN
+				accepted += on.accepted
+				t.Logf("%s: drafted %d accepted %d (gaps so far %d)", name, on.draftN, on.accepted, mtp.Gaps())
+				return on
+			}
+			// The prefix cache: the second request shares the first's first 40 tokens (a
+			// copy from the middle of its sequence), the third extends the first whole.
+			if c.prefixCache {
+				first := append(archTokens(a, 1, 60), archTokens(a, 2, 8)...)
+				run("cold", first, 0, 0)
+				run("prefix of an earlier request", append(slices.Clone(first[:40]), archTokens(a, 3, 9)...), 0, 40)
+				run("extends an earlier request", append(slices.Clone(first), archTokens(a, 4, 6)...), 0, len(first))
+			}
+			// The tier: a pool evicted before any session used it is restored from the tier
+			// (no other sequence holds its cells), and its sessions draft.
+			poolToks := archTokens(a, 5, 70)
+			pool := num(createPool(t, base, map[string]any{"tokens": poolToks})["pool_id"])
+			evict(t, base, pool)
+			if info := poolEntry(t, base, pool); info.Residency != where {
+				t.Fatalf("evicted pool: residency %q, want %s", info.Residency, where)
+			}
+			r := run("session of a restored pool", append(slices.Clone(poolToks), archTokens(a, 6, 9)...), pool, len(poolToks))
+			if r.draftN == 0 {
+				t.Errorf("no drafts for a session of a pool restored from the tier")
+			}
+			run("second session of the restored pool", append(slices.Clone(poolToks), archTokens(a, 7, 9)...), pool, len(poolToks))
+			// A child of the restored pool, evicted before use: restored above its parent's
+			// shared cells.
+			childToks := append(slices.Clone(poolToks), archTokens(a, 8, 12)...)
+			code, out := forkPool(t, base, pool, len(poolToks), map[string]any{"tokens": childToks})
+			if code != 201 {
+				t.Fatalf("fork: %d %v", code, out)
+			}
+			child := num(out["pool_id"])
+			evict(t, base, child)
+			r = run("session of a restored child", append(slices.Clone(childToks), archTokens(a, 10, 9)...), child, len(childToks))
+			if r.draftN == 0 {
+				t.Errorf("no drafts for a session of a child pool restored from the tier")
+			}
+			if props := tierProps(t, base); props.Restores[where] != 2 || len(props.Misses) != 0 {
+				t.Errorf("tier counters %+v, want 2 restores from %s, no miss", props, where)
+			}
+			t.Logf("MTP head: %d drafted, %d accepted; mirror decoded %d entries, %d gaps", drafted, accepted, mtp.Decoded(), mtp.Gaps())
+			if drafted == 0 || accepted == 0 || accepted == drafted {
+				t.Errorf("drafted %d tokens, %d accepted: want both accepted and rejected drafts", drafted, accepted)
+			}
+			if n, first := mtp.Mismatches(); n > 0 {
+				t.Errorf("the MTP context's cells left the target's %d times; first %s", n, first)
+			}
+			if g := mtp.Gaps(); g > 0 {
+				t.Errorf("%d entries mirrored without the target's hidden state of the position before", g)
+			}
+		})
+	}
+}
+
+// TestMTPTierEntriesAcrossServers: pool tier entries written without MTP (a server not
+// drafting) still restore on a draft-mtp server, whose sessions of that pool are then
+// not drafted for (the MTP context has no cells for them) while others are, and
+// entries written with the MTP part restore on a server without MTP; every attached
+// request gives the output of the same prompt fully prefilled. The pools are pinned, so
+// recorded on disk and recovered by the next server on the same --pool-dir.
+func TestMTPTierEntriesAcrossServers(t *testing.T) {
+	dir := t.TempDir()
+	plain := Config{ModelPath: testmodel.Arch(t, "glm4moemtp"), NCtx: 1024, Parallel: 2, MaxPools: 4, Threads: 2, PoolDir: dir}
+	mtpCfg := plain
+	mtpCfg.SpecType, mtpCfg.DraftMax, mtpCfg.SpecStepCost = "draft-mtp", 3, -1
+	// open serves cfg until the next open (or the test's end) and waits for the pools an
+	// earlier server recorded to be back.
+	closePrev := func() {}
+	t.Cleanup(func() { closePrev() })
+	open := func(cfg Config, want int) (*App, string) {
+		t.Helper()
+		closePrev()
+		a, err := Open(withDefaults(cfg), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ts := httptest.NewServer(a.API.Handler())
+		closePrev = func() { ts.Close(); a.Close() }
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			var st wire.PoolsStatus
+			get(t, ts.URL+"/polykv/pools", &st)
+			n := 0
+			for _, p := range st.Pools {
+				if p.Residency == "resident" {
+					n++
+				}
+			}
+			if n == want {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("recovered pools: %+v, want %d resident", st.Pools, want)
+			}
+		}
+		return a, ts.URL
+	}
+	// attach completes poolToks+question on pool id and checks the output against the
+	// same prompt prefilled cold; it returns the tokens drafted for it.
+	attach := func(a *App, base, name string, id int, poolToks []int32) int {
+		t.Helper()
+		prompt := append(slices.Clone(poolToks), archTokens(a, 9, 7)...)
+		on := specCompletion(t, base, map[string]any{"prompt": prompt, "pool_id": id, "max_tokens": 24, "logprobs": 1, "ignore_eos": true, "temperature": 0})
+		off := specCompletion(t, base, map[string]any{"prompt": prompt, "max_tokens": 24, "logprobs": 1, "ignore_eos": true,
+			"temperature": 0, "speculative": false, "cache_prompt": false})
+		checkSpecSame(t, name, on, off)
+		return on.draftN
+	}
+
+	a, base := open(plain, 0)
+	oldToks := archTokens(a, 11, 50)
+	oldPool := num(createPool(t, base, map[string]any{"tokens": oldToks, "pin": true})["pool_id"])
+
+	a, base = open(mtpCfg, 1)
+	if n := attach(a, base, "entry without MTP, draft-mtp server", oldPool, oldToks); n != 0 {
+		t.Errorf("a pool restored without MTP cells: %d tokens drafted for its session, want none", n)
+	}
+	if n := specCompletion(t, base, map[string]any{"prompt": archTokens(a, 12, 30), "max_tokens": 24, "logprobs": 1, "ignore_eos": true,
+		"temperature": 0, "cache_prompt": false}).draftN; n == 0 {
+		t.Errorf("no drafts for a request without a pool beside it")
+	}
+	newToks := archTokens(a, 13, 50)
+	newPool := num(createPool(t, base, map[string]any{"tokens": newToks, "pin": true})["pool_id"])
+
+	a, base = open(mtpCfg, 2)
+	if n := attach(a, base, "entry with MTP, draft-mtp server", newPool, newToks); n == 0 {
+		t.Errorf("a pool recovered with its MTP cells: no drafts for its session")
+	}
+	a, base = open(plain, 2)
+	attach(a, base, "entry with MTP, server without", newPool, newToks)
+	attach(a, base, "entry without MTP, server without", oldPool, oldToks)
+	if props := tierProps(t, base); len(props.Misses) != 0 {
+		t.Errorf("tier misses %v, want none", props.Misses)
 	}
 }

@@ -40,6 +40,11 @@ func specCompletion(t testing.TB, base string, body map[string]any) specRun {
 	if code != 200 {
 		t.Fatalf("completion: %d %v", code, out)
 	}
+	return specFromJSON(out)
+}
+
+// specFromJSON is a completion reply's token ids, logprobs and draft counts.
+func specFromJSON(out map[string]any) specRun {
 	var r specRun
 	lp := out["choices"].([]any)[0].(map[string]any)["logprobs"].(map[string]any)
 	for _, v := range lp["token_ids"].([]any) {

@@ -58,17 +58,29 @@ func decodeAll(t *testing.T, c *Context, toks []Token, pos0 int) {
 	}
 }
 
-// TestMTPContext loads the MTP test model (scripts/qwen35mtp-testmodel.cpp: a hybrid
-// qwen35 trunk of 2 layers and one NextN block) and checks what a draft-mtp driver needs
+// TestMTPContext loads the MTP test models (scripts/qwen35mtp-testmodel.cpp: a hybrid
+// qwen35 trunk of 2 layers and one NextN block; scripts/glm4moemtp-testmodel.cpp: the
+// same on an attention-only glm4moe trunk) and checks what a draft-mtp driver needs
 // from the binding: the NextN layer is counted (and not in NLayer) whether loaded or not;
 // an MTP context is refused without LoadMTP; with it the trunk's logits are bit for bit
-// those of the plain load; the target gives a finite NextN row for every batch entry
-// (unmasked); an MTP context on the same model decodes the prompt paired with those rows
-// (its KV then holds every position) and a draft step with finite logits and NextN row;
-// and SeqRm of the draft position on the MTP context lets the same step be redone with
-// identical logits (how a driver drops rejected drafts).
+// those of the plain load, and with unmasked NextN rows on within tol (0 on qwen35:
+// glm4moe's graph then runs its last FFN over every row, which rounds differently); the
+// target gives a finite NextN row for every batch entry (unmasked); an MTP context on
+// the same model decodes the prompt paired with those rows (its KV then holds every
+// position) and a draft step with finite logits and NextN row; and SeqRm of the draft
+// position on the MTP context lets the same step be redone with identical logits (how a
+// driver drops rejected drafts).
 func TestMTPContext(t *testing.T) {
-	path := testmodel.Arch(t, "qwen35mtp")
+	for _, c := range []struct {
+		model string
+		tol   float64
+	}{{"qwen35mtp", 0}, {"glm4moemtp", 1e-5}} {
+		t.Run(c.model, func(t *testing.T) { testMTPContext(t, c.model, c.tol) })
+	}
+}
+
+func testMTPContext(t *testing.T, model string, tol float64) {
+	path := testmodel.Arch(t, model)
 	plain, err := LoadModel(path)
 	if err != nil {
 		t.Fatal(err)
@@ -108,11 +120,21 @@ func TestMTPContext(t *testing.T) {
 	if _, err := NewContext(plain, ContextParams{NCtx: 256, NBatch: 64, NSeqMax: 1, NThreads: 2, KVUnified: true, MTPTarget: tgt}); err == nil {
 		t.Fatal("an MTP context on another model than its target's was accepted")
 	}
-	tgt.SetEmbeddingsNextN(true, false)
 	decodeAll(t, tgt, prompt, 0)
 	if got := tgt.Logits(len(prompt) - 1); !slices.Equal(got, want) {
 		t.Fatal("the trunk's logits differ when the MTP layers are loaded")
 	}
+	tgt.SeqRm(0, -1, -1)
+	tgt.SetEmbeddingsNextN(true, false)
+	decodeAll(t, tgt, prompt, 0)
+	d0 := 0.0
+	for i, x := range tgt.Logits(len(prompt) - 1) {
+		d0 = max(d0, math.Abs(float64(x-want[i])))
+	}
+	if d0 > tol {
+		t.Fatalf("the trunk's logits move by %g with the NextN rows on, want at most %g", d0, tol)
+	}
+	t.Logf("trunk logits with NextN rows on: largest difference %g", d0)
 	n := m.NEmbdOut()
 	h := make([][]float32, len(prompt))
 	for i := range prompt {

@@ -1,8 +1,10 @@
 package runner
 
 import (
+	"encoding/binary"
 	"fmt"
 	"log/slog"
+	"math"
 	"slices"
 	"sync/atomic"
 
@@ -28,15 +30,19 @@ import (
 //
 // h of a position is read from the target's decode that wrote it (unmasked NextN rows:
 // one per batch entry). The h needed across decodes (the first entry of a sequence in
-// a batch needs the row of its last position before) comes from the last few rows kept
-// per sequence: a sequence's last decode cut back by a rejected draft still has the
-// row of its last accepted position. Where none is kept (a prefix copied from the
-// middle of another sequence; a sequence whose cells came back from the pool tier,
-// which restores the target's cells only) the entry is decoded with h = 0 and counted
-// as a gap: the MTP cache is then slightly wrong at that position, which costs
-// acceptance, never correctness (the target verifies every draft). A sequence whose MTP
-// cells do not start at 0 or end one before the session's next token (a tier-restored
-// pool's sessions) is not drafted for.
+// a batch needs the row of its last position before) comes from the rows kept per
+// sequence, one per position it holds, shared (by reference) between sequences as the
+// cells are: a sequence's last decode cut back by a rejected draft still has the row of
+// its last accepted position, and a prefix copied from the middle of another sequence
+// (the prefix cache) has the row at its cut. That costs n_embd floats per cell in RAM
+// beside the target's KV (1 KiB on the test models; 16 KiB on GLM-4.5-Air, under a tenth
+// of its 46 layers' KV per cell), bounded by the cells in use. A pool's rows go to the
+// pool tier with its MTP cells (saveSeq, loadSeq). Where no row is known (an entry the
+// tier restored without MTP cells, a failed MTP decode) the entry is decoded with h = 0
+// and counted as a gap: the MTP cache is then slightly wrong at that position, which
+// costs acceptance, never correctness (the target verifies every draft). A sequence
+// whose MTP cells do not start at 0 or end one before the session's next token (a pool
+// restored from a tier entry without MTP cells) is not drafted for.
 //
 // Draft runs the head autoregressively, batched over all drafting sessions: the first
 // entry is the session's next token with the target's h of the position before it,
@@ -48,10 +54,12 @@ type MTP struct {
 	tgt, ctx *llama.Context
 	nVoc     int
 	pMin     float32
-	keep     int // rows kept per sequence: the longest cut back of a decode + 1
 	zero     []float32
-	rows     map[int][]posRow // per target sequence, ascending positions, the last ≤ keep
-	log      *slog.Logger
+	// rows: per target sequence, the rows of the positions it holds, ascending. Each
+	// sequence's slice has a backing array of its own (rows are shared, slices never),
+	// so it is truncated and appended to in place.
+	rows map[int][]posRow
+	log  *slog.Logger
 
 	// gaps counts entries decoded with h = 0 because the row was not known;
 	// decoded counts the mirror's entries; drafted the head's draft tokens (tests,
@@ -59,8 +67,10 @@ type MTP struct {
 	gaps, decoded, drafted atomic.Int64
 	// checkSeqs > 0: after every mirrored operation, sequences below it are compared
 	// with the target's and a difference counted in mismatches, the first kept in
-	// mismatch (CheckMirror; tests).
+	// mismatch (CheckMirror; tests). paused: a tier restore is under way, whose
+	// target-side operations leave the two apart until it ends (engine goroutine only).
 	checkSeqs  atomic.Int32
+	paused     bool
 	mismatches atomic.Int64
 	mismatch   atomic.Value // string
 	// rolled reports a target sequence rolled back and not decoded since: llama.cpp
@@ -78,9 +88,7 @@ type posRow struct {
 // NewMTP drafts for the target context tgt of model (loaded with its MTP layers; tgt's
 // NextN rows turned on, unmasked) with ctx, an MTP context over it with as many
 // sequence ids and at least its batch size.
-// draftMax bounds how far a decode is cut back (a rejected draft), so how many rows
-// per sequence are kept.
-func NewMTP(model *llama.Model, tgt, ctx *llama.Context, draftMax int, pMin float64, log *slog.Logger) (*MTP, error) {
+func NewMTP(model *llama.Model, tgt, ctx *llama.Context, pMin float64, log *slog.Logger) (*MTP, error) {
 	if !ctx.IsMTP() {
 		return nil, fmt.Errorf("mtp: not an MTP context")
 	}
@@ -91,7 +99,7 @@ func NewMTP(model *llama.Model, tgt, ctx *llama.Context, draftMax int, pMin floa
 	if log == nil {
 		log = slog.Default()
 	}
-	return &MTP{tgt: tgt, ctx: ctx, nVoc: model.NVocab(), pMin: float32(pMin), keep: max(draftMax, 1) + 1,
+	return &MTP{tgt: tgt, ctx: ctx, nVoc: model.NVocab(), pMin: float32(pMin),
 		zero: make([]float32, model.NEmbdOut()), rows: map[int][]posRow{}, log: log}, nil
 }
 
@@ -115,6 +123,9 @@ func (m *MTP) Mismatches() (int64, string) {
 
 // check compares the sequences' positions with the target's (see CheckMirror).
 func (m *MTP) check(op string) {
+	if m.paused {
+		return
+	}
 	for seq := range int(m.checkSeqs.Load()) {
 		if m.rolled != nil && m.rolled(seq) {
 			continue
@@ -134,16 +145,14 @@ func (m *MTP) check(op string) {
 
 // row is h of seq's position pos from the rows kept (nil: not kept).
 func (m *MTP) row(seq, pos int) []float32 {
-	for _, r := range slices.Backward(m.rows[seq]) {
-		if r.pos == pos {
-			return r.h
-		}
-		if r.pos < pos {
-			break
-		}
+	rs := m.rows[seq]
+	if i, ok := slices.BinarySearchFunc(rs, pos, cmpPos); ok {
+		return rs[i].h
 	}
 	return nil
 }
+
+func cmpPos(r posRow, pos int) int { return r.pos - pos }
 
 // mirror mirrors a target decode of batch (its NextN rows still readable). A failure
 // drops the batch's sequences from the MTP context, whose cache may hold part of it;
@@ -168,8 +177,8 @@ func (m *MTP) mirror(batch []engine.BatchEntry) {
 			m.fail(batch, err)
 			return
 		}
-		// A view of the target's buffer: BatchAddEmbd copies h into the MTP batch, and
-		// only the rows kept past this decode are copied below.
+		// A view of the target's buffer (BatchAddEmbd copies h into the MTP batch); the
+		// rows are copied once, below.
 		fresh[e.Seq] = append(fresh[e.Seq], posRow{e.Pos, m.tgt.EmbeddingsNextNView(i)})
 	}
 	m.decoded.Add(int64(len(batch)))
@@ -178,13 +187,13 @@ func (m *MTP) mirror(batch []engine.BatchEntry) {
 		return
 	}
 	for seq, f := range fresh {
-		old := slices.DeleteFunc(m.rows[seq], func(r posRow) bool { return r.pos >= f[0].pos })
-		f = f[max(len(f)-m.keep, 0):]
-		old = old[max(len(old)+len(f)-m.keep, 0):]
-		rs := make([]posRow, 0, len(old)+len(f))
-		rs = append(rs, old...)
+		// A decode writes a sequence's positions from f[0].pos up (llama.cpp replaces
+		// any it held there). f's rows are views of the target's output buffer: copied.
+		rs := m.rows[seq]
+		i, _ := slices.BinarySearchFunc(rs, f[0].pos, cmpPos)
+		rs = rs[:i]
 		for _, r := range f {
-			rs = append(rs, posRow{r.pos, slices.Clone(r.h)}) // out of the target's buffer
+			rs = append(rs, posRow{r.pos, slices.Clone(r.h)})
 		}
 		m.rows[seq] = rs
 	}
@@ -221,7 +230,7 @@ func (m *MTP) seqCp(src, dst, p0, p1 int) {
 		}
 	}
 	slices.SortFunc(rs, func(a, b posRow) int { return a.pos - b.pos })
-	m.rows[dst] = rs[max(len(rs)-m.keep, 0):]
+	m.rows[dst] = rs
 	m.check("seq_cp")
 }
 
@@ -323,3 +332,115 @@ func (m *MTP) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 // DraftSeqRm implements engine.DraftBackend: nothing to do, the target's SeqRm of the
 // sequence was mirrored already.
 func (m *MTP) DraftSeqRm(int) {}
+
+// A pool's MTP part in its tier entry (saveSeq, loadSeq): the MTP context's sequence
+// state of the pool's own cells [D, L) and the target's rows of those positions, so a
+// restored pool's sessions draft as before its eviction, with no gap. Little-endian:
+//
+//	u64 state length | state | u64 row count | u64 row width | per row: u64 position, width × f32
+//
+// Hand-written beside llama.cpp's state format: the rows are PolyKV's (the target's
+// NextN outputs), which no llama.cpp state holds.
+
+// saveSeq copies out seq's MTP cells [lo, hi) and their rows. As for the target
+// (Backend.ownState), the cells below lo are the parent's (src's): they are taken out of
+// seq for the copy and shared back from src after it.
+func (m *MTP) saveSeq(seq, src, lo, hi int) ([]byte, error) {
+	if p0, p1 := m.ctx.SeqPosMin(seq), m.ctx.SeqPosMax(seq); p0 != 0 || p1 != hi-1 {
+		return nil, fmt.Errorf("the MTP context holds positions [%d, %d] of sequence %d, want [0, %d)", p0, p1, seq, hi)
+	}
+	if lo > 0 {
+		m.ctx.SeqRm(seq, 0, lo)
+		defer m.ctx.SeqCp(src, seq, 0, lo)
+	}
+	st, err := m.ctx.SeqStateGet(seq)
+	if err != nil {
+		return nil, err
+	}
+	var rs []posRow
+	for _, r := range m.rows[seq] {
+		if r.pos >= lo && r.pos < hi {
+			rs = append(rs, r)
+		}
+	}
+	w := len(m.zero)
+	out := make([]byte, 0, 8+len(st)+16+len(rs)*(8+4*w))
+	out = binary.LittleEndian.AppendUint64(out, uint64(len(st)))
+	out = append(out, st...)
+	out = binary.LittleEndian.AppendUint64(out, uint64(len(rs)))
+	out = binary.LittleEndian.AppendUint64(out, uint64(w))
+	for _, r := range rs {
+		out = binary.LittleEndian.AppendUint64(out, uint64(r.pos))
+		for _, x := range r.h {
+			out = binary.LittleEndian.AppendUint32(out, math.Float32bits(x))
+		}
+	}
+	return out, nil
+}
+
+// loadSeq loads what saveSeq wrote into seq and checks that seq then holds exactly
+// [lo, hi), or [0, hi) where it held src's [0, lo) already. An attention-only target's
+// pool sequence is empty here (the engine shares the parent's [0, lo) after the
+// restore, mirrored like any SeqCp); a hybrid target's restore (Backend.loadRecurrent)
+// shared them before, and llama.cpp's state load empties the sequence first, so they
+// are shared again from src after it. On failure seq holds nothing in the MTP context
+// (its sessions are then not drafted for).
+func (m *MTP) loadSeq(seq, src, lo, hi int, data []byte) (err error) {
+	defer func() {
+		if err != nil {
+			m.ctx.SeqRm(seq, -1, -1)
+			delete(m.rows, seq)
+		}
+	}()
+	prefix := m.ctx.SeqPosMax(seq) >= 0
+	if p0, p1 := m.ctx.SeqPosMin(seq), m.ctx.SeqPosMax(seq); prefix && (p0 != 0 || p1 != lo-1 || src < 0) {
+		return fmt.Errorf("sequence %d holds MTP cells [%d, %d] before the load, want none or [0, %d) of sequence %d", seq, p0, p1, lo, src)
+	}
+	below := slices.Clone(m.rows[seq])
+	u64 := func() (uint64, bool) {
+		if len(data) < 8 {
+			return 0, false
+		}
+		v := binary.LittleEndian.Uint64(data)
+		data = data[8:]
+		return v, true
+	}
+	n, ok := u64()
+	if !ok || n > uint64(len(data)) {
+		return fmt.Errorf("MTP part: a state of %d bytes in %d", n, len(data))
+	}
+	st := data[:n]
+	data = data[n:]
+	nr, ok1 := u64()
+	w, ok2 := u64()
+	if !ok1 || !ok2 || w != uint64(len(m.zero)) || nr > uint64(hi-lo) || uint64(len(data)) != nr*(8+4*w) {
+		return fmt.Errorf("MTP part: %d rows of width %d in %d bytes, want rows of width %d within [%d, %d)", nr, w, len(data), len(m.zero), lo, hi)
+	}
+	rs := make([]posRow, nr)
+	for i := range rs {
+		p, _ := u64()
+		if int(p) < lo || int(p) >= hi || (i > 0 && int(p) <= rs[i-1].pos) {
+			return fmt.Errorf("MTP part: row position %d out of order or outside [%d, %d)", p, lo, hi)
+		}
+		h := make([]float32, w)
+		for j := range h {
+			h[j] = math.Float32frombits(binary.LittleEndian.Uint32(data[4*j:]))
+		}
+		data = data[4*w:]
+		rs[i] = posRow{int(p), h}
+	}
+	if err := m.ctx.SeqStateSet(seq, st); err != nil {
+		return err
+	}
+	if p0, p1 := m.ctx.SeqPosMin(seq), m.ctx.SeqPosMax(seq); p0 != lo || p1 != hi-1 {
+		return fmt.Errorf("the MTP context loaded positions [%d, %d], want [%d, %d)", p0, p1, lo, hi)
+	}
+	if prefix {
+		m.ctx.SeqCp(src, seq, 0, lo)
+		if p0 := m.ctx.SeqPosMin(seq); p0 != 0 {
+			return fmt.Errorf("sequence %d starts at %d after sharing [0, %d) back", seq, p0, lo)
+		}
+	}
+	m.rows[seq] = append(below, rs...)
+	return nil
+}

@@ -39,7 +39,7 @@ func TestMTPDraftsMatchReference(t *testing.T) {
 	}
 	t.Cleanup(mctx.Free)
 	mctx.SetEmbeddingsNextN(true, true)
-	mtp, err := NewMTP(m, tgt, mctx, k, 0, nil)
+	mtp, err := NewMTP(m, tgt, mctx, 0, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,6 +1,7 @@
 package runner
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -65,7 +66,7 @@ func (b *Backend) Tier(op engine.SeqOp) error {
 			b.store.Miss(op.Pool, fmt.Errorf("spill: %w", err))
 			return err
 		}
-		b.store.Put(op.Pool, m, data)
+		b.store.Put(op.Pool, m, b.withMTP(op, data))
 	case engine.OpRestore:
 		return b.restore(op, m)
 	case engine.OpRecord:
@@ -82,7 +83,7 @@ func (b *Backend) Tier(op engine.SeqOp) error {
 			b.store.Miss(op.Pool, fmt.Errorf("record: %w", err))
 			return err
 		}
-		b.store.Record(rec, m, data)
+		b.store.Record(rec, m, b.withMTP(op, data))
 	case engine.OpForget:
 		b.store.Forget(op.Pool)
 	}
@@ -146,6 +147,16 @@ func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 	default:
 		data, loc, err = b.store.Get(m)
 	}
+	var mtp []byte
+	if err == nil {
+		data, mtp, err = splitMTP(data)
+	}
+	if b.mtp != nil {
+		// A hybrid target's load shares cells into the sequence (mirrored) before the
+		// MTP part is loaded: the mirror's check waits for the whole restore.
+		b.mtp.paused = true
+		defer func() { b.mtp.paused = false }()
+	}
 	if err == nil {
 		if b.recurrent() {
 			err = b.loadRecurrent(op.Seq, op.Src, op.D, len(op.Tokens), data)
@@ -156,12 +167,68 @@ func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 			err = &tier.MissError{Reason: tier.MissRejected, Err: err}
 		}
 	}
+	if err == nil && b.mtp != nil {
+		// The target's cells are back whatever happens here: without the MTP part (an
+		// entry written without MTP, or one the MTP context refuses) the pool's sessions
+		// are only not drafted for.
+		if mtp == nil {
+			b.log.Info("pool restored from the tier without MTP cells: its sessions are not MTP-drafted for", "pool", op.Pool)
+		} else if e := b.mtp.loadSeq(op.Seq, op.Src, op.D, len(op.Tokens), mtp); e != nil {
+			b.log.Warn("pool's MTP cells not restored: its sessions are not MTP-drafted for", "pool", op.Pool, "err", e)
+		}
+	}
 	if err != nil {
 		b.store.Miss(op.Pool, err)
 		return err
 	}
 	b.store.Restored(loc, time.Since(start))
 	return nil
+}
+
+// A pool's tier entry on a server drafting with the model's MTP head (draft-mtp) holds
+// the MTP context's part too (MTP.saveSeq), behind the target's:
+//
+//	"PKVMTP1\x00" | u64 target part length | target part | MTP part
+//
+// An entry without the prefix is the target's part alone (written without MTP, or by a
+// version before this format): it restores as before, only without MTP drafts for the
+// pool's sessions, and a server without MTP restores an entry with it by dropping the
+// MTP part. The prefix cannot open a target part: llama.cpp's sequence state and the
+// chunked state (saveChunks) open with a count, "PKVM" read as one is over a billion.
+// The entry's own header (tier.Meta, the model key) is unchanged, so both kinds live
+// under the same key.
+const mtpMagic = "PKVMTP1\x00"
+
+// withMTP adds the MTP context's part of op's pool to the target's part data (as is
+// without MTP, or when the MTP context does not hold the pool: its sessions were not
+// drafted for either).
+func (b *Backend) withMTP(op engine.SeqOp, data []byte) []byte {
+	if b.mtp == nil {
+		return data
+	}
+	mtp, err := b.mtp.saveSeq(op.Seq, op.Src, op.D, len(op.Tokens))
+	if err != nil {
+		b.log.Warn("pool's MTP cells not saved with it: after a restore its sessions are not MTP-drafted for", "pool", op.Pool, "err", err)
+		return data
+	}
+	out := make([]byte, 0, len(mtpMagic)+8+len(data)+len(mtp))
+	out = append(out, mtpMagic...)
+	out = binary.LittleEndian.AppendUint64(out, uint64(len(data)))
+	out = append(out, data...)
+	return append(out, mtp...)
+}
+
+// splitMTP is withMTP's inverse: the target's part and the MTP part (nil: none).
+func splitMTP(data []byte) (target, mtp []byte, err error) {
+	if !bytes.HasPrefix(data, []byte(mtpMagic)) {
+		return data, nil, nil
+	}
+	data = data[len(mtpMagic):]
+	if len(data) < 8 || binary.LittleEndian.Uint64(data) > uint64(len(data)-8) {
+		return nil, nil, &tier.MissError{Reason: tier.MissCorrupt, Err: errors.New("MTP entry: target part longer than the entry")}
+	}
+	n := binary.LittleEndian.Uint64(data)
+	return data[8 : 8+n], data[8+n:], nil
 }
 
 // load writes data (from SeqStateGet) into seq and checks that seq then holds exactly

@@ -1,0 +1,92 @@
+// glm4moemtp-testmodel writes a tiny random-weight GLM-4.5 (arch "glm4moe") model with one
+// MTP (NextN) block for PolyKV's speculative-decoding tests on an attention-only target:
+// `scripts/llama.sh testmodels` compiles it against the pinned llama.cpp's static libraries
+// and runs it once. The other MTP test model (qwen35mtp) is hybrid, on which PolyKV turns
+// the pool tier and the prefix cache off; on this one both run beside the MTP drafter.
+// b11434's test-llama-archs writes its glm4moe model without NextN layers, so, as in
+// qwen35mtp-testmodel.cpp, llama.cpp's model saver writes the metadata,
+// llama_model_init_from_user (with load_mtp) fills every tensor from a seeded normal
+// distribution (the MTP head made to draft plausibly: mtp_fill in mtptestmodel.h), and the
+// saver writes the GGUF, which is loaded back and checked (mtp_check) before it is kept.
+//
+// The trunk is test-llama-archs' glm4moe fixture (its MoE variant; GLM4_MOE has no dense
+// one): 128-token vocabulary, n_embd 256, 2 heads of 128 (q/k norms, q/k/v biases), one
+// leading dense block (n_ff 384) then one MoE block (2 experts of 384, both used, sigmoid
+// gating with a probability bias, one shared expert). The fixture's rope sections are
+// left out: with them llama.cpp ropes the trunk as M-RoPE (GLM-4.xV) while the MTP graph
+// ropes plainly; GLM-4.5 itself has none. A third block is the MTP head, laid out as in
+// GLM-4.5's checkpoints (blk.N.nextn.*): a full decoder block of the MoE kind (attention,
+// post-attention norm, routed and shared experts) plus eh_proj (2·n_embd → n_embd over
+// [enorm(embed(x)), hnorm(h)]), enorm, hnorm, and the optional embed_tokens /
+// shared_head_norm / shared_head_head (written, so the draft graph reads every tensor it
+// can). The training context is 4096 (the fixture's is 256) so tests can run longer
+// sequences.
+//
+// Usage: glm4moemtp-testmodel OUT.gguf [SEED]
+
+#include "mtptestmodel.h"
+
+#include <string>
+#include <vector>
+
+namespace {
+
+const uint32_t n_vocab = 128, n_embd = 256, n_head = 2, n_head_kv = 2, head_dim = 128, n_ff = 384;
+const uint32_t n_trunk = 2, n_nextn = 1;
+
+const testmodel::mtp_model spec = {"glm4moemtp-testmodel", "glm4moe", int32_t(n_trunk), int32_t(n_nextn), int32_t(n_embd)};
+
+gguf_context * metadata() {
+    gguf_context * g = gguf_init_empty();
+    llama_model_saver ms(LLM_ARCH_GLM4_MOE, g);
+
+    ms.add_kv(LLM_KV_GENERAL_ARCHITECTURE, llm_arch_name(LLM_ARCH_GLM4_MOE));
+    ms.add_kv(LLM_KV_VOCAB_SIZE, n_vocab);
+    ms.add_kv(LLM_KV_CONTEXT_LENGTH, uint32_t(4096));
+    ms.add_kv(LLM_KV_EMBEDDING_LENGTH, n_embd);
+    // block_count counts the NextN blocks too: they are stored after the trunk's.
+    ms.add_kv(LLM_KV_BLOCK_COUNT, n_trunk + n_nextn);
+    ms.add_kv(LLM_KV_NEXTN_PREDICT_LAYERS, n_nextn);
+    ms.add_kv(LLM_KV_LEADING_DENSE_BLOCK_COUNT, uint32_t(1));
+    ms.add_kv(LLM_KV_FEED_FORWARD_LENGTH, n_ff);
+    ms.add_kv(LLM_KV_EXPERT_FEED_FORWARD_LENGTH, n_ff);
+    ms.add_kv(LLM_KV_EXPERT_COUNT, uint32_t(2));
+    ms.add_kv(LLM_KV_EXPERT_USED_COUNT, uint32_t(2));
+    ms.add_kv(LLM_KV_EXPERT_SHARED_COUNT, uint32_t(1));
+    ms.add_kv(LLM_KV_EXPERT_GATING_FUNC, uint32_t(2)); // sigmoid, as GLM-4.5
+    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT, n_head);
+    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT_KV, n_head_kv);
+    ms.add_kv(LLM_KV_ATTENTION_KEY_LENGTH, head_dim);
+    ms.add_kv(LLM_KV_ATTENTION_VALUE_LENGTH, head_dim);
+    ms.add_kv(LLM_KV_ATTENTION_LAYERNORM_RMS_EPS, 1e-5f);
+    ms.add_kv(LLM_KV_ROPE_DIMENSION_COUNT, head_dim);
+    ms.add_kv(LLM_KV_ROPE_FREQ_BASE, 10000.0f);
+
+    // llama.cpp's test tokenizer: ids are tok_<i>, no special tokens.
+    std::vector<std::string> toks(n_vocab);
+    for (uint32_t i = 0; i < n_vocab; i++) {
+        toks[i] = "tok_" + std::to_string(i);
+    }
+    ms.add_kv(LLM_KV_TOKENIZER_MODEL, "test");
+    ms.add_kv(LLM_KV_TOKENIZER_LIST, toks);
+    ms.add_kv(LLM_KV_TOKENIZER_SCORES, std::vector<float>(n_vocab, 0.0f));
+    return g;
+}
+
+} // namespace
+
+int main(int argc, char ** argv) {
+    testmodel::program p = {"glm4moemtp-testmodel", metadata, testmodel::mtp_fill,
+        [](llama_model_params & mp) {
+            mp.load_mtp = true; // without it the loader skips the NextN block's tensors
+        },
+        [](llama_model * m, const std::string & out) {
+            llama_model_saver ms(m);
+            ms.add_kv_from_model();
+            testmodel::mtp_drop_nextn_scales(m, int32_t(n_trunk));
+            ms.add_tensors_from_model();
+            ms.save(out);
+        },
+        [](const char * path) { return testmodel::mtp_check(spec, path); }};
+    return testmodel::run(p, argc, argv);
+}
