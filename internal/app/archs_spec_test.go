@@ -27,35 +27,7 @@ func TestArchsSpeculativeSameOutput(t *testing.T) {
 			rootToks := archTokens(a, 1, 60)
 			root := num(createPool(t, base, map[string]any{"tokens": rootToks})["pool_id"])
 
-			stop := make(chan struct{})
-			var wg sync.WaitGroup
-			for w := range 2 {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					for i := 0; ; i++ {
-						select {
-						case <-stop:
-							return
-						default:
-						}
-						p := archTokens(a, uint64(200+10*w+i), 15+10*w)
-						pool := 0
-						if w == 1 {
-							p, pool = append(slices.Clone(rootToks), p...), root
-						}
-						body := map[string]any{"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": true}
-						if pool > 0 {
-							body["pool_id"] = pool
-						}
-						post(t, base+"/v1/completions", body)
-					}
-				}()
-			}
-			defer func() {
-				close(stop)
-				wg.Wait()
-			}()
+			defer archTraffic(t, a, base, rootToks, root, 200, 24, nil)()
 
 			drafted, accepted := 0, 0
 			run := func(name string, prompt []int32, pool int, spec bool, extra map[string]any) specRun {
@@ -228,36 +200,11 @@ func TestArchsDraftModel(t *testing.T) {
 			rootToks := archTokens(a, 1, 60)
 			root := num(createPool(t, base, map[string]any{"tokens": rootToks})["pool_id"])
 
-			stop := make(chan struct{})
-			var wg sync.WaitGroup
-			for w := range 2 {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					for i := 0; ; i++ {
-						select {
-						case <-stop:
-							return
-						default:
-						}
-						// The traffic does not speculate: with speculating traffic beside it,
-						// lfm2 still shows single-token logprob deviations of 1e-5–2e-4 in
-						// about one run in four (tokens equal; docs/speculative.md, "Draft model
-						// on a hybrid target"), which this test does not yet hold the code to.
-						p := archTokens(a, uint64(300+10*w+i), 15+10*w)
-						body := map[string]any{"prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": true,
-							"speculative": false}
-						if w == 1 {
-							body["prompt"], body["pool_id"] = append(slices.Clone(rootToks), p...), root
-						}
-						post(t, base+"/v1/completions", body)
-					}
-				}()
-			}
-			stopTraffic := sync.OnceFunc(func() {
-				close(stop)
-				wg.Wait()
-			})
+			// The traffic does not speculate: with speculating traffic beside it, lfm2
+			// still shows single-token logprob deviations of 1e-5–2e-4 in about one run
+			// in four (tokens equal; docs/speculative.md, "Draft model on a hybrid
+			// target"), which this test does not yet hold the code to.
+			stopTraffic := archTraffic(t, a, base, rootToks, root, 300, 16, map[string]any{"speculative": false})
 			defer stopTraffic()
 
 			drafted, accepted := 0, 0
@@ -326,4 +273,37 @@ func waitDraftHeld(t *testing.T, a *App, cells, seqs int, when string) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// archTraffic runs two clients of other traffic beside a test until the function it
+// returns is called (once or more): client 0 sends cold prompts of 15 tokens, client 1
+// prompts of 25 tokens after rootToks on pool root; each asks for maxTokens greedy
+// tokens, with extra's fields added; seed picks the prompts.
+func archTraffic(t *testing.T, a *App, base string, rootToks []int32, root int, seed uint64, maxTokens int, extra map[string]any) func() {
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for w := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				p := archTokens(a, seed+uint64(10*w+i), 15+10*w)
+				body := map[string]any{"prompt": p, "max_tokens": maxTokens, "temperature": 0, "ignore_eos": true}
+				maps.Copy(body, extra)
+				if w == 1 {
+					body["prompt"], body["pool_id"] = append(slices.Clone(rootToks), p...), root
+				}
+				post(t, base+"/v1/completions", body)
+			}
+		}()
+	}
+	return sync.OnceFunc(func() {
+		close(stop)
+		wg.Wait()
+	})
 }

@@ -11,7 +11,6 @@ import (
 	"net/http/httptest"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -38,35 +37,7 @@ func TestMTPServed(t *testing.T) {
 	rootToks := archTokens(a, 1, 60)
 	root := num(createPool(t, base, map[string]any{"tokens": rootToks})["pool_id"])
 
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	for w := range 2 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := 0; ; i++ {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				p := archTokens(a, uint64(200+10*w+i), 15+10*w)
-				body := map[string]any{"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": true}
-				if w == 1 {
-					body["prompt"], body["pool_id"] = append(slices.Clone(rootToks), p...), root
-				}
-				post(t, base+"/v1/completions", body)
-			}
-		}()
-	}
-	stopped := false
-	stopTraffic := func() {
-		if !stopped {
-			stopped = true
-			close(stop)
-			wg.Wait()
-		}
-	}
+	stopTraffic := archTraffic(t, a, base, rootToks, root, 200, 24, nil)
 	defer stopTraffic()
 
 	drafted, accepted := 0, 0
