@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/polykv/polykv/internal/api/wire"
+	"github.com/polykv/polykv/internal/runner"
 	"github.com/polykv/polykv/internal/testmodel"
 )
 
@@ -76,16 +77,7 @@ func TestMTPServed(t *testing.T) {
 		t.Logf("%s: drafted %d accepted %d, largest logprob difference %.2g", c.name, on.draftN, on.accepted, lpDiff(on, off))
 	}
 	stopTraffic()
-	t.Logf("MTP head: %d drafted, %d accepted; mirror decoded %d entries, %d gaps", drafted, accepted, mtp.Decoded(), mtp.Gaps())
-	if drafted == 0 || accepted == 0 || accepted == drafted {
-		t.Errorf("drafted %d tokens, %d accepted: want both accepted and rejected drafts", drafted, accepted)
-	}
-	if n, first := mtp.Mismatches(); n > 0 {
-		t.Errorf("the MTP context's cells left the target's %d times; first %s", n, first)
-	}
-	if g := mtp.Gaps(); g > 0 {
-		t.Errorf("%d entries mirrored without the target's hidden state of the position before", g)
-	}
+	checkMTPRun(t, mtp, drafted, accepted)
 }
 
 // TestMTPRefused: draft-mtp on a model without MTP layers, or beside a draft model, is
@@ -206,16 +198,7 @@ func TestMTPPrefixCacheAndTier(t *testing.T) {
 			if props := tierProps(t, base); props.Restores[where] != 2 || len(props.Misses) != 0 {
 				t.Errorf("tier counters %+v, want 2 restores from %s, no miss", props, where)
 			}
-			t.Logf("MTP head: %d drafted, %d accepted; mirror decoded %d entries, %d gaps", drafted, accepted, mtp.Decoded(), mtp.Gaps())
-			if drafted == 0 || accepted == 0 || accepted == drafted {
-				t.Errorf("drafted %d tokens, %d accepted: want both accepted and rejected drafts", drafted, accepted)
-			}
-			if n, first := mtp.Mismatches(); n > 0 {
-				t.Errorf("the MTP context's cells left the target's %d times; first %s", n, first)
-			}
-			if g := mtp.Gaps(); g > 0 {
-				t.Errorf("%d entries mirrored without the target's hidden state of the position before", g)
-			}
+			checkMTPRun(t, mtp, drafted, accepted)
 		})
 	}
 }
@@ -298,5 +281,22 @@ func TestMTPTierEntriesAcrossServers(t *testing.T) {
 	attach(a, base, "entry without MTP, server without", oldPool, oldToks)
 	if props := tierProps(t, base); len(props.Misses) != 0 {
 		t.Errorf("tier misses %v, want none", props.Misses)
+	}
+}
+
+// checkMTPRun checks what every MTP server test asks of a run: drafts both accepted and
+// rejected, the MTP context's cells the target's after every mirrored operation, and no
+// entry mirrored without the target's hidden state of the position before.
+func checkMTPRun(t *testing.T, mtp *runner.MTP, drafted, accepted int) {
+	t.Helper()
+	t.Logf("MTP head: %d drafted, %d accepted; mirror decoded %d entries, %d gaps", drafted, accepted, mtp.Decoded(), mtp.Gaps())
+	if drafted == 0 || accepted == 0 || accepted == drafted {
+		t.Errorf("drafted %d tokens, %d accepted: want both accepted and rejected drafts", drafted, accepted)
+	}
+	if n, first := mtp.Mismatches(); n > 0 {
+		t.Errorf("the MTP context's cells left the target's %d times; first %s", n, first)
+	}
+	if g := mtp.Gaps(); g > 0 {
+		t.Errorf("%d entries mirrored without the target's hidden state of the position before", g)
 	}
 }
