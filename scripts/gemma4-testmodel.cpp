@@ -89,14 +89,7 @@ gguf_context * metadata() {
     ms.add_kv(LLM_KV_EMBEDDING_LENGTH_PER_LAYER, per_layer_embd);
     ms.add_kv(LLM_KV_FINAL_LOGIT_SOFTCAPPING, 30.0f);
 
-    // llama.cpp's test tokenizer: ids are tok_<i>, no special tokens.
-    std::vector<std::string> toks(n_vocab);
-    for (uint32_t i = 0; i < n_vocab; i++) {
-        toks[i] = "tok_" + std::to_string(i);
-    }
-    ms.add_kv(LLM_KV_TOKENIZER_MODEL, "test");
-    ms.add_kv(LLM_KV_TOKENIZER_LIST, toks);
-    ms.add_kv(LLM_KV_TOKENIZER_SCORES, std::vector<float>(n_vocab, 0.0f));
+    testmodel::add_test_tokenizer(ms, n_vocab);
     return g;
 }
 

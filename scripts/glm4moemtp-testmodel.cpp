@@ -62,14 +62,7 @@ gguf_context * metadata() {
     ms.add_kv(LLM_KV_ROPE_DIMENSION_COUNT, head_dim);
     ms.add_kv(LLM_KV_ROPE_FREQ_BASE, 10000.0f);
 
-    // llama.cpp's test tokenizer: ids are tok_<i>, no special tokens.
-    std::vector<std::string> toks(n_vocab);
-    for (uint32_t i = 0; i < n_vocab; i++) {
-        toks[i] = "tok_" + std::to_string(i);
-    }
-    ms.add_kv(LLM_KV_TOKENIZER_MODEL, "test");
-    ms.add_kv(LLM_KV_TOKENIZER_LIST, toks);
-    ms.add_kv(LLM_KV_TOKENIZER_SCORES, std::vector<float>(n_vocab, 0.0f));
+    testmodel::add_test_tokenizer(ms, n_vocab);
     return g;
 }
 
@@ -77,9 +70,7 @@ gguf_context * metadata() {
 
 int main(int argc, char ** argv) {
     testmodel::program p = {"glm4moemtp-testmodel", metadata, testmodel::mtp_fill,
-        [](llama_model_params & mp) {
-            mp.load_mtp = true; // without it the loader skips the NextN block's tensors
-        },
+        testmodel::mtp_model_params,
         [](llama_model * m, const std::string & out) {
             llama_model_saver ms(m);
             ms.add_kv_from_model();

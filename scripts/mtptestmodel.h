@@ -24,6 +24,9 @@
 
 namespace testmodel {
 
+// mtp_model_params loads the NextN block's tensors: without load_mtp the loader skips them.
+inline void mtp_model_params(llama_model_params & mp) { mp.load_mtp = true; }
+
 // mtp_model is what the shared save and check need to know of a generator's model.
 struct mtp_model {
     const char * prog;    // for messages

@@ -9,6 +9,8 @@
 #include "ggml.h"
 #include "gguf.h"
 #include "llama.h"
+#include "llama-arch.h"
+#include "llama-model-saver.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +18,18 @@
 #include <vector>
 
 namespace testmodel {
+
+// add_test_tokenizer writes llama.cpp's test tokenizer, as test-llama-archs does: ids are
+// tok_<i>, no special tokens.
+inline void add_test_tokenizer(llama_model_saver & ms, uint32_t n_vocab) {
+    std::vector<std::string> toks(n_vocab);
+    for (uint32_t i = 0; i < n_vocab; i++) {
+        toks[i] = "tok_" + std::to_string(i);
+    }
+    ms.add_kv(LLM_KV_TOKENIZER_MODEL, "test");
+    ms.add_kv(LLM_KV_TOKENIZER_LIST, toks);
+    ms.add_kv(LLM_KV_TOKENIZER_SCORES, std::vector<float>(n_vocab, 0.0f));
+}
 
 // fill_params is fill's user data: the seed (mixed with each tensor's name) and the
 // standard deviation of the random values.
