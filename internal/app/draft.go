@@ -110,7 +110,9 @@ func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.Contex
 		return nil, err
 	}
 	if log != nil {
-		log.Info("MTP drafting", "n_layer_nextn", model.NLayerNextN(), "draft_max", draftMax, "p_min", pMin)
+		// Not in the pools' and sessions' KV bytes (BytesPerCell): said here.
+		log.Info("MTP drafting", "n_layer_nextn", model.NLayerNextN(), "draft_max", draftMax, "p_min", pMin,
+			"mtp_kv_bytes", ctx.MemoryBytes(), "mtp_row_bytes_per_cell", 4*model.NEmbdOut())
 	}
 	return &draftModel{ctx: ctx, mtp: m}, nil
 }
