@@ -25,7 +25,7 @@ import (
 // probability of it, and on a rejection the token drawn is the model's draw conditioned
 // on not being the draft, so the output distribution is the model's.
 //
-// Drafting is pure: tokens in, a proposal out (ngramLookup, ngramMod), all state in
+// Drafting is pure: tokens in, a proposal out (ngramMatch and ngramFrom, ngramMod), all state in
 // the scheduler. The cells of rejected drafts are removed (an OpSeqRm planned with the
 // next step) and never enter the cell tree.
 
@@ -369,15 +369,6 @@ func (s *Scheduler) specAdapt(t *task, k, a int) {
 			t.modLow = 0
 		}
 	}
-}
-
-// ngramLookup proposes up to k tokens continuing ctx followed by last: it finds the
-// longest suffix of that sequence (at least minN tokens, at most maxN) that also occurs
-// earlier in it, the most recent such occurrence, and proposes the tokens that followed
-// it. nil when no suffix of minN tokens recurs.
-func ngramLookup(ctx []Token, last Token, minN, maxN, k int) []Token {
-	best, end := ngramMatch(ctx, last, maxN)
-	return ngramFrom(ctx, last, best, end, minN, k)
 }
 
 // ngramMatch finds the longest suffix (up to maxN tokens) of ctx followed by last that

@@ -586,3 +586,13 @@ func TestSpeculativeGrammar(t *testing.T) {
 		t.Errorf("checked drafts %d (%d accepted), unchecked %d (%d): want fewer at higher acceptance", checked.drafted, checked.accepted, unchecked.drafted, unchecked.accepted)
 	}
 }
+
+// ngramLookup proposes up to k tokens continuing ctx followed by last: it finds the
+// longest suffix of that sequence (at least minN tokens, at most maxN) that also occurs
+// earlier in it, the most recent such occurrence, and proposes the tokens that followed
+// it. nil when no suffix of minN tokens recurs.
+// (A test helper: the scheduler asks ngramSimple, which keeps the match for the step.)
+func ngramLookup(ctx []Token, last Token, minN, maxN, k int) []Token {
+	best, end := ngramMatch(ctx, last, maxN)
+	return ngramFrom(ctx, last, best, end, minN, k)
+}

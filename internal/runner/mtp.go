@@ -211,10 +211,16 @@ func (m *MTP) fail(batch []engine.BatchEntry, err error) {
 // seqRm mirrors a SeqRm on the target.
 func (m *MTP) seqRm(seq, p0, p1 int) {
 	m.ctx.SeqRm(seq, p0, p1)
-	if p0 <= 0 && p1 < 0 {
+	switch rs := m.rows[seq]; {
+	case p0 <= 0 && p1 < 0:
 		delete(m.rows, seq)
-	} else {
-		m.rows[seq] = slices.DeleteFunc(m.rows[seq], func(r posRow) bool { return r.pos >= p0 && (p1 < 0 || r.pos < p1) })
+	case p1 < 0:
+		// A trailing cut (rejected drafts, every step): no scan of the held rows.
+		i, _ := slices.BinarySearchFunc(rs, p0, cmpPos)
+		clear(rs[i:]) // (the cut rows' h are garbage now)
+		m.rows[seq] = rs[:i]
+	default:
+		m.rows[seq] = slices.DeleteFunc(rs, func(r posRow) bool { return r.pos >= p0 && r.pos < p1 })
 	}
 	m.check("seq_rm")
 }

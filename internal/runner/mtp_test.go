@@ -47,16 +47,7 @@ func TestMTPDraftsMatchReference(t *testing.T) {
 	b := NewBackend(m, tgt, nil)
 	b.EnableMTP(mtp)
 
-	decode := func(seq, from int, toks []engine.Token) {
-		t.Helper()
-		batch := make([]engine.BatchEntry, len(toks))
-		for i, tok := range toks {
-			batch[i] = engine.BatchEntry{Token: tok, Pos: from + i, Seq: seq}
-		}
-		if _, err := b.Decode(batch); err != nil {
-			t.Fatal(err)
-		}
-	}
+	decode := func(seq, from int, toks []engine.Token) { decodeAt(t, b, seq, from, toks...) }
 	toks := func(seed, n int) []engine.Token {
 		out := make([]engine.Token, n)
 		for i := range out {

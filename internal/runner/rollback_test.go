@@ -31,16 +31,7 @@ func TestSeqCpAfterRecurrentRollback(t *testing.T) {
 		t.Fatalf("qwen35 context kept n_rs_seq %d, want ≥ 3", ctx.RSSeq())
 	}
 	b := NewBackend(m, ctx, nil)
-	decode := func(seq, from int, toks ...engine.Token) {
-		t.Helper()
-		batch := make([]engine.BatchEntry, len(toks))
-		for i, tok := range toks {
-			batch[i] = engine.BatchEntry{Token: tok, Pos: from + i, Seq: seq}
-		}
-		if _, err := b.Decode(batch); err != nil {
-			t.Fatal(err)
-		}
-	}
+	decode := func(seq, from int, toks ...engine.Token) { decodeAt(t, b, seq, from, toks...) }
 	// state is seq's recurrent state as llama.cpp saves it, less the header (a tag and
 	// the sequence id, which differ between a sequence and its copy).
 	state := func(seq int) []byte {
@@ -70,5 +61,17 @@ func TestSeqCpAfterRecurrentRollback(t *testing.T) {
 	}
 	if p := ctx.SeqPosMax(1); p != 10 {
 		t.Fatalf("copy ends at position %d, want 10", p)
+	}
+}
+
+// decodeAt decodes toks at positions from, from+1, … of seq through b, sampling none.
+func decodeAt(t testing.TB, b *Backend, seq, from int, toks ...engine.Token) {
+	t.Helper()
+	batch := make([]engine.BatchEntry, len(toks))
+	for i, tok := range toks {
+		batch[i] = engine.BatchEntry{Token: tok, Pos: from + i, Seq: seq}
+	}
+	if _, err := b.Decode(batch); err != nil {
+		t.Fatal(err)
 	}
 }
