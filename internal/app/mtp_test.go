@@ -8,9 +8,16 @@ package app
 // beside it.
 
 import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
 	"net/http/httptest"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -20,12 +27,13 @@ import (
 )
 
 // TestMTPServed: greedy and seeded output with MTP drafts equal the output without,
-// cold and pooled, beside other traffic (one client pooled); the head drafts, some
-// drafts are accepted and some rejected; the MTP context's cells stay the target's
-// after every operation, no entry is decoded without its hidden state, and nothing of
-// a finished request is left in it.
+// cold and pooled, beside other traffic (one client pooled, one churning pools and
+// cancelling its requests mid-answer); the head drafts, some drafts are accepted and
+// some rejected; the MTP context's cells stay the target's after every operation, no
+// entry is decoded without its hidden state, and nothing of a finished, cancelled or
+// deleted one is left in it.
 func TestMTPServed(t *testing.T) {
-	cfg := Config{ModelPath: testmodel.Arch(t, "qwen35mtp"), NCtx: 2048, Parallel: 4, MaxPools: 2,
+	cfg := Config{ModelPath: testmodel.Arch(t, "qwen35mtp"), NCtx: 2048, Parallel: 4, MaxPools: 3,
 		Threads: 2, SpecType: "draft-mtp", DraftMax: 3, SpecStepCost: -1}
 	a, base := startServer(t, cfg)
 	if a.draft == nil || a.draft.mtp == nil {
@@ -40,6 +48,8 @@ func TestMTPServed(t *testing.T) {
 
 	stopTraffic := archTraffic(t, a, base, rootToks, root, 200, 24, nil)
 	defer stopTraffic()
+	stopChurn := mtpChurn(a, base)
+	defer stopChurn()
 
 	drafted, accepted := 0, 0
 	for _, c := range []struct {
@@ -77,6 +87,11 @@ func TestMTPServed(t *testing.T) {
 		t.Logf("%s: drafted %d accepted %d, largest logprob difference %.2g", c.name, on.draftN, on.accepted, lpDiff(on, off))
 	}
 	stopTraffic()
+	if n := stopChurn(); n == 0 {
+		t.Error("the churning client never got a pool to cancel a request on")
+	} else {
+		t.Logf("churn: %d pools created, a request on each cancelled, deleted", n)
+	}
 	checkMTPRun(t, mtp, drafted, accepted)
 }
 
@@ -298,5 +313,67 @@ func checkMTPRun(t *testing.T, mtp *runner.MTP, drafted, accepted int) {
 	}
 	if g := mtp.Gaps(); g > 0 {
 		t.Errorf("%d entries mirrored without the target's hidden state of the position before", g)
+	}
+}
+
+// mtpChurn runs a client until the function it returns is called (once; it returns the
+// rounds done): each round creates a pool, streams a request on it that it cancels
+// mid-answer, and deletes the pool. Errors (a pool refused while all ids are taken, a
+// delete refused while the cancelled request still holds the pool) only skip a round.
+func mtpChurn(a *App, base string) func() int {
+	stop, done := make(chan struct{}), make(chan int)
+	go func() {
+		n := 0
+		defer func() { done <- n }()
+		do := func(req *http.Request) (int, []byte) {
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				return 0, nil
+			}
+			defer resp.Body.Close()
+			raw, _ := io.ReadAll(resp.Body)
+			return resp.StatusCode, raw
+		}
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			poolToks := archTokens(a, uint64(500+i), 30)
+			body, _ := json.Marshal(map[string]any{"tokens": poolToks})
+			req, _ := http.NewRequest(http.MethodPost, base+"/polykv/pools", bytes.NewReader(body))
+			code, raw := do(req)
+			var out struct {
+				PoolID int `json:"pool_id"`
+			}
+			if code != http.StatusCreated || json.Unmarshal(raw, &out) != nil {
+				time.Sleep(10 * time.Millisecond)
+				continue
+			}
+			body, _ = json.Marshal(map[string]any{"prompt": append(poolToks, archTokens(a, uint64(600+i), 5)...),
+				"pool_id": out.PoolID, "max_tokens": 200, "ignore_eos": true, "temperature": 0, "stream": true})
+			ctx, cancel := context.WithTimeout(context.Background(), 40*time.Millisecond)
+			req, _ = http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/completions", bytes.NewReader(body))
+			do(req)
+			cancel()
+			for range 20 {
+				req, _ = http.NewRequest(http.MethodDelete, fmt.Sprintf("%s/polykv/pools/%d", base, out.PoolID), nil)
+				if code, _ := do(req); code == 200 || code == 204 || code == 404 {
+					break
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			n++
+		}
+	}()
+	var n int
+	var once sync.Once
+	return func() int {
+		once.Do(func() {
+			close(stop)
+			n = <-done
+		})
+		return n
 	}
 }
