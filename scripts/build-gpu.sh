@@ -31,7 +31,7 @@ case "$KIND" in
     # and the wheels carry no stub of it; the legacy pool needs only the runtime.
     cmake -S "$LLAMA_SRC" -B "$BUILD" "${common[@]}" \
       -DCMAKE_CUDA_COMPILER="$TK/bin/nvcc" -DCUDAToolkit_ROOT="$TK" \
-      "-DCMAKE_CUDA_ARCHITECTURES=$ARCHS" -DGGML_CUDA_NO_VMM=ON
+      "-DCMAKE_CUDA_ARCHITECTURES=$ARCHS" -DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON
     cmake --build "$BUILD" --target ggml-cuda -j "$JOBS"
     mkdir -p "$LIB"
     cp -a "$BUILD"/bin/libggml-base.so* "$LIB/"
@@ -42,7 +42,7 @@ case "$KIND" in
     ;;
   vulkan)
     command -v glslc >/dev/null || { echo "build-gpu: glslc not found (apt-get install glslc libvulkan-dev)" >&2; exit 1; }
-    cmake -S "$LLAMA_SRC" -B "$BUILD" "${common[@]}"
+    cmake -S "$LLAMA_SRC" -B "$BUILD" "${common[@]}" -DGGML_VULKAN=ON
     cmake --build "$BUILD" --target ggml-vulkan -j "$JOBS"
     mkdir -p "$LIB"
     cp -a "$BUILD"/bin/libggml-base.so* "$LIB/"
