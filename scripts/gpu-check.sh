@@ -33,7 +33,8 @@
 # all) on SmolLM2 and, when its bundles came, Gemma 3 — create, extend/branch forks,
 # attach, pooled == unpooled greedy, eviction to the tier and restore, the prefix cache,
 # speculation, determinism under traffic, the batch-shape test that logs max |Δ logprob|;
-# fan-out over HTTP against llama-server (scripts/http-fanout.sh, N = 1, 4, 16, 64); the
+# fan-out over HTTP against llama-server (scripts/http-fanout.sh, N = 1, 4, 16, 64) and
+# one 2k and one 16k-token prompt through both servers (prefill, one token out); the
 # decode benchmark at B = 1..64; fan-out pooled vs unpooled at N up to 64; prefill of 2k
 # and 16k tokens (the N = 1 fan-out's TTFT, unpooled); determinism under traffic on Gemma 3.
 set -uo pipefail
@@ -123,7 +124,7 @@ pack)
   ln -s "$MODELS/$GEMMA" ".gpu/p/$GEMMA"
   # One archive, in this order: the binaries and lib/ (a partial archive already holds
   # them), SmolLM2, Gemma 3 (its parts may be left out).
-  files=(bin/polykv bin/app.test $(cd .gpu/p && find lib src -type f -o -type l 2>/dev/null | sort) "$SMOL" "$GEMMA")
+  files=(bin/polykv bin/app.test $(cd .gpu/p && find lib $(ls -d src 2>/dev/null) -type f -o -type l | sort) "$SMOL" "$GEMMA")
   (cd .gpu/p && for f in "${files[@]}"; do echo "$(stat -L -c %s "$f") $f"; done) > .gpu/manifest
   tar -C .gpu/p -chf - "${files[@]}" | gzip -1 | split -b "$BUNDLE" -d -a 1 - .gpu/part.
   rm -rf .gpu/p
@@ -156,6 +157,9 @@ stage | run)
   mkdir -p "$STAGE"
   cp "$ROOT/.gpu/$i/part.$i" "$ROOT/.gpu/$i/parts" "$ROOT/.gpu/$i/manifest" "$STAGE/"
   unpack
+  # A binary rebuilt after packing (a fix found by the smoke check) travels beside the
+  # part, as .gpu/fix/bin/... or .gpu/fix/lib/..., and replaces the packed one.
+  [ -d "$ROOT/.gpu/fix" ] && cp -rv "$ROOT/.gpu/fix/." "$STAGE/"
   ls -la "$STAGE" | grep -v total
   if [ "$MODE" = stage ]; then
     if [ "$i" = 1 ]; then # what the machine has, before anything needs it
@@ -188,6 +192,7 @@ stage | run)
     echo "== $name: rc $? in $((SECONDS - t0))s (limit ${secs}s)" | tee -a "$SUMMARY"
     grep -E '^(--- |FAIL|ok )|logprob|offload:|device:|diverge|polykv .*x llama|^(llama-server|polykv) +N=|^ *[0-9]+ +[0-9.]+|agents|sessions|TTFT|tok/s' "$LOGS/$name.txt" | head -80 >> "$SUMMARY"
     tail -n 6 "$LOGS/$name.txt" >> "$SUMMARY"
+    finish # every step's log is back even if the call is cut short
   }
   finish() { tar -C "$STAGE" -czf "$OUT/logs.tgz" logs; }
   trap finish EXIT
@@ -218,6 +223,8 @@ stage | run)
     -test.count=1 -test.v -test.timeout 195s -test.run "$TESTS"
   cd "$ROOT"
   step http-fanout 150 env POLYKV="$STAGE/bin/polykv" THREADS="$T" scripts/http-fanout.sh "$STAGE/$SMOL" "$STAGE/lib/llama-server" "1 4 16 64"
+  step http-prefill 60 bash -c "for r in 2000 16000; do ROOT=\$r SUFFIX=0 GEN=1 POLYKV='$STAGE/bin/polykv' THREADS=$T \
+    scripts/http-fanout.sh '$STAGE/$SMOL' '$STAGE/lib/llama-server' 1; done"
   step bench-decode 90 "$STAGE/bin/polykv" bench -m "$STAGE/$SMOL" -ngl all -t "$T" -c 16384 --workload decode --sessions 1,2,4,8,16,32,64 -n 128 --reps 1
   step bench-fanout 100 "$STAGE/bin/polykv" bench -m "$STAGE/$SMOL" -ngl all -t "$T" --workload fanout --fanout-agents 1,4,16,64
   step bench-prefill-2k 30 "$STAGE/bin/polykv" bench -m "$STAGE/$SMOL" -ngl all -t "$T" --workload fanout --fanout-agents 1 --fanout-root 2000 --fanout-gen 8
