@@ -38,6 +38,39 @@ func TestNgramLookup(t *testing.T) {
 	}
 }
 
+// TestNgramPeriodicPhase: a reply that loops with a period (SmolLM2 on the edit
+// benchmark repeats 82 tokens) holds a 20-token run twice per period with different
+// continuations. Matching at most 16 tokens takes the most recent of the two, at the
+// wrong phase; the default length reaches back past the run's start and takes the
+// previous period's same place, so the proposal is what the loop writes next.
+func TestNgramPeriodicPhase(t *testing.T) {
+	run := make([]Token, 20) // `", "timeout_ms": 250, "` and the like: the same in both halves
+	for i := range run {
+		run[i] = Token(100 + i)
+	}
+	var period []Token
+	period = append(period, 1, 2, 3) // first half's head
+	period = append(period, run...)
+	period = append(period, 10, 11, 12) // first half's continuation
+	period = append(period, 4, 5, 6)    // second half's head
+	period = append(period, run...)
+	period = append(period, 20, 21, 22) // second half's continuation
+	var ctx []Token
+	for range 3 {
+		ctx = append(ctx, period...)
+	}
+	// Now in the first half of the fourth period, the run written up to its last token.
+	ctx = append(ctx, 1, 2, 3)
+	ctx = append(ctx, run[:len(run)-1]...)
+	last := run[len(run)-1]
+	if got := ngramLookup(ctx, last, DefaultNgramMin, DefaultNgramMax, 3); !slices.Equal(got, []Token{10, 11, 12}) {
+		t.Errorf("default match length %d: proposal %v, want the first half's continuation [10 11 12]", DefaultNgramMax, got)
+	}
+	if got := ngramLookup(ctx, last, DefaultNgramMin, 16, 3); !slices.Equal(got, []Token{20, 21, 22}) {
+		t.Errorf("match length 16: proposal %v; the case no longer shows the wrong phase (want [20 21 22])", got)
+	}
+}
+
 func TestNgramMod(t *testing.T) {
 	m := newNgramMod(3)
 	text := []Token{1, 2, 3, 4, 5, 6, 7}
