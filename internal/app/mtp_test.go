@@ -218,6 +218,64 @@ func TestMTPPrefixCacheAndTier(t *testing.T) {
 	}
 }
 
+// TestMTPSlotSaveRestore: llama-server's slot save and restore on a draft-mtp server
+// (glm4moemtp: attention only, so a later request reuses the restored slot through the
+// prefix cache). The slot file carries the MTP context's cells and rows with the
+// target's, so after erase and restore into another slot the MTP context holds what
+// the target holds (no mismatch: without the MTP part it held nothing there), and a
+// request continuing the restored prompt is drafted for, with no gap, and answers what
+// a cold prefill without speculation does.
+func TestMTPSlotSaveRestore(t *testing.T) {
+	dir := t.TempDir()
+	cfg := withDefaults(Config{ModelPath: testmodel.Arch(t, "glm4moemtp"), NCtx: 2048, Parallel: 2, MaxPools: 1,
+		Threads: 2, SpecType: "draft-mtp", DraftMax: 3, SpecStepCost: -1, SlotSavePath: dir})
+	a, base := openServer(t, cfg)
+	mtp := a.draft.mtp
+	mtp.CheckMirror(cfg.Parallel + cfg.MaxPools)
+	toks := archTokens(a, 11, 70)
+	if code, out := post(t, base+"/v1/completions", map[string]any{"prompt": toks, "max_tokens": 4, "session_id": "s",
+		"temperature": 0, "ignore_eos": true}); code != 200 {
+		t.Fatalf("session turn: %d %v", code, out)
+	}
+	var slots []wire.Slot
+	get(t, base+"/slots", &slots)
+	src := slices.IndexFunc(slots, func(s wire.Slot) bool { return s.SessionID == "s" })
+	if src < 0 {
+		t.Fatalf("no slot holds the session: %+v", slots)
+	}
+	held := slots[src].NPast
+	slotURL := func(id int, action string) string { return fmt.Sprintf("%s/slots/%d?action=%s", base, id, action) }
+	if code, out := post(t, slotURL(src, "save"), map[string]any{"filename": "s.bin"}); code != 200 || num(out["n_saved"]) != held {
+		t.Fatalf("save: %d %v (slot holds %d)", code, out, held)
+	}
+	if code, out := post(t, slotURL(src, "erase"), map[string]any{}); code != 200 {
+		t.Fatalf("erase: %d %v", code, out)
+	}
+	dst := 1 - src
+	if code, out := post(t, slotURL(dst, "restore"), map[string]any{"filename": "s.bin"}); code != 200 || num(out["n_restored"]) != held {
+		t.Fatalf("restore: %d %v", code, out)
+	}
+	drafted, accepted := 0, 0
+	for i := range 4 {
+		prompt := append(slices.Clone(toks), archTokens(a, uint64(12+i), 9)...)
+		code, out := post(t, base+"/v1/completions", map[string]any{"prompt": prompt, "max_tokens": 32, "logprobs": 1,
+			"ignore_eos": true, "temperature": 0})
+		if code != 200 {
+			t.Fatalf("from the restored slot: %d %v", code, out)
+		}
+		on := specFromJSON(out)
+		if n := num(out["timings"].(map[string]any)["cache_n"]); n < len(toks) {
+			t.Errorf("cache_n %d: the request did not start from the %d restored tokens", n, len(toks))
+		}
+		off := specCompletion(t, base, map[string]any{"prompt": prompt, "max_tokens": 32, "logprobs": 1, "ignore_eos": true,
+			"temperature": 0, "speculative": false, "cache_prompt": false})
+		checkSpecSame(t, "from the restored slot", on, off)
+		drafted += on.draftN
+		accepted += on.accepted
+	}
+	checkMTPRun(t, mtp, drafted, accepted)
+}
+
 // TestMTPTierEntriesAcrossServers: pool tier entries written without MTP (a server not
 // drafting) still restore on a draft-mtp server, whose sessions of that pool are then
 // not drafted for (the MTP context has no cells for them) while others are, and

@@ -203,19 +203,29 @@ const mtpMagic = "PKVMTP1\x00"
 // without MTP, or when the MTP context does not hold the pool: its sessions were not
 // drafted for either).
 func (b *Backend) withMTP(op engine.SeqOp, data []byte) []byte {
-	if b.mtp == nil {
-		return data
-	}
-	mtp, err := b.mtp.saveSeq(op.Seq, op.Src, op.D, len(op.Tokens))
+	out, err := b.mtpEnvelope(op.Seq, op.Src, op.D, len(op.Tokens), data)
 	if err != nil {
 		b.log.Warn("pool's MTP cells not saved with it: after a restore its sessions are not MTP-drafted for", "pool", op.Pool, "err", err)
-		return data
+	}
+	return out
+}
+
+// mtpEnvelope is data (the target's part of seq's cells [lo, hi)) with the MTP
+// context's part of the same cells behind it (MTP.saveSeq), in the format above: data
+// as is without MTP, and with the error when the MTP context cannot give its part.
+func (b *Backend) mtpEnvelope(seq, src, lo, hi int, data []byte) ([]byte, error) {
+	if b.mtp == nil {
+		return data, nil
+	}
+	mtp, err := b.mtp.saveSeq(seq, src, lo, hi)
+	if err != nil {
+		return data, err
 	}
 	out := make([]byte, 0, len(mtpMagic)+8+len(data)+len(mtp))
 	out = append(out, mtpMagic...)
 	out = binary.LittleEndian.AppendUint64(out, uint64(len(data)))
 	out = append(out, data...)
-	return append(out, mtp...)
+	return append(out, mtp...), nil
 }
 
 // splitMTP is withMTP's inverse: the target's part and the MTP part (nil: none).
@@ -256,23 +266,59 @@ func (b *Backend) load(seq, lo, hi int, data []byte) error {
 
 var _ engine.SlotBackend = (*Backend)(nil)
 
-// SaveSeq implements engine.SlotBackend (llama-server's slot save).
+// SaveSeq implements engine.SlotBackend (llama-server's slot save). On a draft-mtp
+// server the file holds the MTP context's cells and rows of the slot too (the tier
+// entries' envelope, mtpEnvelope), so a restored slot is drafted for as before.
 func (b *Backend) SaveSeq(seq int) ([]byte, error) {
+	var data []byte
+	var err error
 	if b.anchor > 0 && !b.recurrent() {
 		if lo := b.ctx.SeqPosMin(seq); lo != 0 {
 			return nil, fmt.Errorf("sequence %d starts at position %d, not 0", seq, lo)
 		}
-		return b.saveChunks(seq, 0, b.ctx.SeqPosMax(seq)+1)
+		data, err = b.saveChunks(seq, 0, b.ctx.SeqPosMax(seq)+1)
+	} else {
+		data, err = b.ctx.SeqStateGet(seq)
 	}
-	return b.ctx.SeqStateGet(seq)
+	if err != nil {
+		return nil, err
+	}
+	out, err := b.mtpEnvelope(seq, -1, 0, b.ctx.SeqPosMax(seq)+1, data)
+	if err != nil {
+		b.log.Warn("slot's MTP cells not saved with it: after a restore it is not MTP-drafted for", "seq", seq, "err", err)
+	}
+	return out, nil
 }
 
-// LoadSeq implements engine.SlotBackend (llama-server's slot restore).
+// LoadSeq implements engine.SlotBackend (llama-server's slot restore). A file with the
+// MTP part restores the MTP context's cells and rows of the slot too; one without it
+// (saved by a server not drafting with MTP) restores the target's alone, and the slot
+// is then not MTP-drafted for; a server without MTP drops the part.
 func (b *Backend) LoadSeq(seq, n int, data []byte) error {
-	if b.recurrent() {
-		return b.loadRecurrent(seq, -1, 0, n, data)
+	data, mtp, err := splitMTP(data)
+	if err != nil {
+		return err
 	}
-	return b.load(seq, 0, n, data)
+	if b.mtp != nil {
+		// The target's cells come back before the MTP context's: the mirror's check
+		// waits for the whole restore (as for the tier's).
+		b.mtp.paused = true
+		defer func() { b.mtp.paused = false }()
+	}
+	if b.recurrent() {
+		err = b.loadRecurrent(seq, -1, 0, n, data)
+	} else {
+		err = b.load(seq, 0, n, data)
+	}
+	if err != nil || b.mtp == nil {
+		return err
+	}
+	if mtp == nil {
+		b.log.Info("slot restored without MTP cells: it is not MTP-drafted for", "seq", seq)
+	} else if e := b.mtp.loadSeq(seq, -1, 0, n, mtp); e != nil {
+		b.log.Warn("slot's MTP cells not restored: it is not MTP-drafted for", "seq", seq, "err", e)
+	}
+	return nil
 }
 
 // recurrent: the model keeps recurrent state (recurrent or hybrid layers).
