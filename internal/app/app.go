@@ -430,15 +430,6 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		model.Free()
 		return nil, err
 	}
-	sched, err := engine.NewScheduler(ecfg, runner.Vocab{M: model})
-	if err != nil {
-		return fail(err)
-	}
-	var obs engine.Observer = metrics
-	if pub != nil {
-		sched.ReportResidency()
-		obs = observers{metrics, pub} // the engine hands it every sequence's changes too
-	}
 	backend := runner.NewBackend(model, ctx, log)
 	var draft *draftModel
 	if ecfg.Spec.On() && cfg.ModelDraft != "" {
@@ -452,6 +443,19 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 			return fail(err)
 		}
 		backend.EnableMTP(draft.mtp)
+		// Every cell the target holds has its MTP cell and row beside it: the pools'
+		// and sessions' KV bytes count them (the scheduler reads BytesPerCell).
+		ecfg.BytesPerCell += draft.mtpBytesPerCell
+	}
+	sched, err := engine.NewScheduler(ecfg, runner.Vocab{M: model})
+	if err != nil {
+		draft.free()
+		return fail(err)
+	}
+	var obs engine.Observer = metrics
+	if pub != nil {
+		sched.ReportResidency()
+		obs = observers{metrics, pub} // the engine hands it every sequence's changes too
 	}
 	backend.AlwaysCompact(cfg.KVCompaction == "always")
 	if !ctx.OrderedAttention() && log != nil {

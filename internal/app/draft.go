@@ -75,6 +75,10 @@ type draftModel struct {
 	ctx     *llama.Context
 	drafter *runner.Drafter
 	mtp     *runner.MTP
+	// mtpBytesPerCell is what one target cell costs beside its own KV when the MTP
+	// head mirrors it: the MTP context's KV of one cell and the hidden-state row kept
+	// for it (n_embd float32s, RAM). Added to the pools' and sessions' KV bytes.
+	mtpBytesPerCell int64
 }
 
 func (d *draftModel) free() {
@@ -109,12 +113,12 @@ func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.Contex
 		ctx.Free()
 		return nil, err
 	}
+	perCell := (ctx.MemoryBytes()+int64(mp.NCtx)-1)/int64(mp.NCtx) + 4*int64(model.NEmbdOut())
 	if log != nil {
-		// Not in the pools' and sessions' KV bytes (BytesPerCell): said here.
 		log.Info("MTP drafting", "n_layer_nextn", model.NLayerNextN(), "draft_max", draftMax, "p_min", pMin,
-			"mtp_kv_bytes", ctx.MemoryBytes(), "mtp_row_bytes_per_cell", 4*model.NEmbdOut())
+			"mtp_kv_bytes", ctx.MemoryBytes(), "mtp_row_bytes_per_cell", 4*model.NEmbdOut(), "mtp_bytes_per_cell", perCell)
 	}
-	return &draftModel{ctx: ctx, mtp: m}, nil
+	return &draftModel{ctx: ctx, mtp: m, mtpBytesPerCell: perCell}, nil
 }
 
 // checkMTP refuses draft-mtp on a model without MTP layers, with the reason.

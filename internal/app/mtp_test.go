@@ -224,7 +224,8 @@ func TestMTPPrefixCacheAndTier(t *testing.T) {
 // target's, so after erase and restore into another slot the MTP context holds what
 // the target holds (no mismatch: without the MTP part it held nothing there), and a
 // request continuing the restored prompt is drafted for, with no gap, and answers what
-// a cold prefill without speculation does.
+// a cold prefill without speculation does. Then a pool's KV bytes: they count the MTP
+// part of each cell too.
 func TestMTPSlotSaveRestore(t *testing.T) {
 	dir := t.TempDir()
 	cfg := withDefaults(Config{ModelPath: testmodel.Arch(t, "glm4moemtp"), NCtx: 2048, Parallel: 2, MaxPools: 1,
@@ -274,6 +275,18 @@ func TestMTPSlotSaveRestore(t *testing.T) {
 		accepted += on.accepted
 	}
 	checkMTPRun(t, mtp, drafted, accepted)
+
+	// A pool's KV bytes count the MTP context's cell and the row kept beside each of its
+	// cells: 40 cells cost 40 × (the target's bytes per cell + the MTP part).
+	mtpPerCell := a.draft.mtpBytesPerCell
+	if mtpPerCell <= 4*int64(a.Model.NEmbdOut()) {
+		t.Fatalf("MTP bytes per cell %d: want the row (%d) and the MTP context's KV", mtpPerCell, 4*a.Model.NEmbdOut())
+	}
+	pool := num(createPool(t, base, map[string]any{"tokens": archTokens(a, 20, 40)})["pool_id"])
+	want := 40 * (a.Model.KVBytesPerCellTyped("f16", "f16") + mtpPerCell)
+	if got := poolEntry(t, base, pool).OwnKVBytes; got != want {
+		t.Errorf("pool of 40 cells: own_kv_bytes %d, want %d (target %d + MTP %d per cell)", got, want, a.Model.KVBytesPerCellTyped("f16", "f16"), mtpPerCell)
+	}
 }
 
 // TestMTPTierEntriesAcrossServers: pool tier entries written without MTP (a server not
