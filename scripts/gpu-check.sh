@@ -33,6 +33,7 @@
 # all) on SmolLM2 and, when its bundles came, Gemma 3 — create, extend/branch forks,
 # attach, pooled == unpooled greedy, eviction to the tier and restore, the prefix cache,
 # speculation, determinism under traffic, the batch-shape test that logs max |Δ logprob|;
+# the hybrid (qwen35, lfm2) and MTP (qwen35mtp) random-weight models' tests;
 # fan-out over HTTP against llama-server (scripts/http-fanout.sh, N = 1, 4, 16, 64) and
 # one 2k and one 16k-token prompt through both servers (prefill, one token out); the
 # decode benchmark at B = 1..64; fan-out pooled vs unpooled at N up to 64; prefill of 2k
@@ -120,11 +121,19 @@ pack)
     mkdir -p .gpu/p/src
     cp -r "$(./scripts/llama.sh src)/ggml/." .gpu/p/src/
   fi
+  # Random-weight test models (make testmodels): hybrid (qwen35, lfm2) and MTP
+  # (qwen35mtp) layers on CUDA, the llama one as their draft model; 24 MB.
+  mkdir -p .gpu/p/testmodels
+  for m in qwen35 lfm2 qwen35mtp llama; do
+    f="${POLYKV_CACHE:-$HOME/.cache/polykv}/testmodels/$m.gguf"
+    [ -f "$f" ] || { echo "gpu-check: $f missing: make testmodels" >&2; exit 1; }
+    ln -s "$f" ".gpu/p/testmodels/$m.gguf"
+  done
   ln -s "$MODELS/$SMOL" ".gpu/p/$SMOL"
   ln -s "$MODELS/$GEMMA" ".gpu/p/$GEMMA"
   # One archive, in this order: the binaries and lib/ (a partial archive already holds
   # them), SmolLM2, Gemma 3 (its parts may be left out).
-  files=(bin/polykv bin/app.test $(cd .gpu/p && find lib $(ls -d src 2>/dev/null) -type f -o -type l | sort) "$SMOL" "$GEMMA")
+  files=(bin/polykv bin/app.test $(cd .gpu/p && find lib $(ls -d src 2>/dev/null) testmodels -type f -o -type l | sort) "$SMOL" "$GEMMA")
   (cd .gpu/p && for f in "${files[@]}"; do echo "$(stat -L -c %s "$f") $f"; done) > .gpu/manifest
   tar -C .gpu/p -chf - "${files[@]}" | gzip -1 | split -b "$BUNDLE" -d -a 1 - .gpu/part.
   rm -rf .gpu/p
@@ -221,6 +230,10 @@ stage | run)
   cd "$ROOT/internal/app"
   step pool-tests 200 env POLYKV_REQUIRE_GPU=1 POLYKV_DET_ROUNDS=3 "${gemma[@]}" "$STAGE/bin/app.test" \
     -test.count=1 -test.v -test.timeout 195s -test.run "$TESTS"
+  # Hybrid and MTP layers on CUDA (random-weight models: speculation's rollback of
+  # recurrent state, the MTP mirror), each against the same request without speculation.
+  step arch-tests 90 env POLYKV_REQUIRE_GPU=1 POLYKV_TESTMODELS="$STAGE/testmodels" "$STAGE/bin/app.test" \
+    -test.count=1 -test.v -test.timeout 85s -test.run 'TestArchsPoolsAndTraffic|TestArchsSpeculativeSameOutput|TestArchsDraftModel|TestMTPServed'
   cd "$ROOT"
   step http-fanout 150 env POLYKV="$STAGE/bin/polykv" THREADS="$T" scripts/http-fanout.sh "$STAGE/$SMOL" "$STAGE/lib/llama-server" "1 4 16 64"
   step http-prefill 60 bash -c "for r in 2000 16000; do ROOT=\$r SUFFIX=0 GEN=1 POLYKV='$STAGE/bin/polykv' THREADS=$T \
