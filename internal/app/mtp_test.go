@@ -238,22 +238,15 @@ func TestMTPSlotSaveRestore(t *testing.T) {
 		"temperature": 0, "ignore_eos": true}); code != 200 {
 		t.Fatalf("session turn: %d %v", code, out)
 	}
-	var slots []wire.Slot
-	get(t, base+"/slots", &slots)
-	src := slices.IndexFunc(slots, func(s wire.Slot) bool { return s.SessionID == "s" })
-	if src < 0 {
-		t.Fatalf("no slot holds the session: %+v", slots)
-	}
-	held := slots[src].NPast
-	slotURL := func(id int, action string) string { return fmt.Sprintf("%s/slots/%d?action=%s", base, id, action) }
-	if code, out := post(t, slotURL(src, "save"), map[string]any{"filename": "s.bin"}); code != 200 || num(out["n_saved"]) != held {
+	src, held := sessionSlot(t, base, "s")
+	if code, out := post(t, slotAction(base, src, "save"), map[string]any{"filename": "s.bin"}); code != 200 || num(out["n_saved"]) != held {
 		t.Fatalf("save: %d %v (slot holds %d)", code, out, held)
 	}
-	if code, out := post(t, slotURL(src, "erase"), map[string]any{}); code != 200 {
+	if code, out := post(t, slotAction(base, src, "erase"), map[string]any{}); code != 200 {
 		t.Fatalf("erase: %d %v", code, out)
 	}
 	dst := 1 - src
-	if code, out := post(t, slotURL(dst, "restore"), map[string]any{"filename": "s.bin"}); code != 200 || num(out["n_restored"]) != held {
+	if code, out := post(t, slotAction(base, dst, "restore"), map[string]any{"filename": "s.bin"}); code != 200 || num(out["n_restored"]) != held {
 		t.Fatalf("restore: %d %v", code, out)
 	}
 	drafted, accepted := 0, 0

@@ -322,14 +322,8 @@ func checkSlotSaveRestoreErase(t *testing.T, cfg Config) {
 	if code != 200 {
 		t.Fatalf("session turn: %d %v", code, out)
 	}
-	var slots []wire.Slot
-	get(t, base+"/slots", &slots)
-	src := slices.IndexFunc(slots, func(s wire.Slot) bool { return s.SessionID == "s" })
-	if src < 0 {
-		t.Fatalf("no slot holds the session: %+v", slots)
-	}
-	held := slots[src].NPast
-	slotURL := func(id int, action string) string { return fmt.Sprintf("%s/slots/%d?action=%s", base, id, action) }
+	src, held := sessionSlot(t, base, "s")
+	slotURL := func(id int, action string) string { return slotAction(base, id, action) }
 	code, out = post(t, slotURL(src, "save"), map[string]any{"filename": "s.bin"})
 	if code != 200 || num(out["n_saved"]) != held {
 		t.Fatalf("save: %d %v (slot holds %d)", code, out, held)
@@ -377,6 +371,23 @@ func checkSlotSaveRestoreErase(t *testing.T, cfg Config) {
 	if code, out := post(t, fmt.Sprintf("%s/slots/0?action=save", base2), map[string]any{"filename": "x"}); code != 501 {
 		t.Fatalf("no slot path: %d %v", code, out)
 	}
+}
+
+// sessionSlot is the slot holding the session id and how many tokens it holds.
+func sessionSlot(t *testing.T, base, id string) (slot, held int) {
+	t.Helper()
+	var slots []wire.Slot
+	get(t, base+"/slots", &slots)
+	slot = slices.IndexFunc(slots, func(s wire.Slot) bool { return s.SessionID == id })
+	if slot < 0 {
+		t.Fatalf("no slot holds session %q: %+v", id, slots)
+	}
+	return slot, slots[slot].NPast
+}
+
+// slotAction is the URL of llama-server's slot action on slot id.
+func slotAction(base string, id int, action string) string {
+	return fmt.Sprintf("%s/slots/%d?action=%s", base, id, action)
 }
 
 // TestTierArchsRestoreEqualsPrefill: on models with recurrent state (Qwen3.5's gated
