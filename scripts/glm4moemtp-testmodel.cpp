@@ -40,13 +40,7 @@ gguf_context * metadata() {
     gguf_context * g = gguf_init_empty();
     llama_model_saver ms(LLM_ARCH_GLM4_MOE, g);
 
-    ms.add_kv(LLM_KV_GENERAL_ARCHITECTURE, llm_arch_name(LLM_ARCH_GLM4_MOE));
-    ms.add_kv(LLM_KV_VOCAB_SIZE, n_vocab);
-    ms.add_kv(LLM_KV_CONTEXT_LENGTH, uint32_t(4096));
-    ms.add_kv(LLM_KV_EMBEDDING_LENGTH, n_embd);
-    // block_count counts the NextN blocks too: they are stored after the trunk's.
-    ms.add_kv(LLM_KV_BLOCK_COUNT, n_trunk + n_nextn);
-    ms.add_kv(LLM_KV_NEXTN_PREDICT_LAYERS, n_nextn);
+    testmodel::mtp_add_base_kv(ms, LLM_ARCH_GLM4_MOE, n_vocab, n_embd, n_trunk, n_nextn);
     ms.add_kv(LLM_KV_LEADING_DENSE_BLOCK_COUNT, uint32_t(1));
     ms.add_kv(LLM_KV_FEED_FORWARD_LENGTH, n_ff);
     ms.add_kv(LLM_KV_EXPERT_FEED_FORWARD_LENGTH, n_ff);

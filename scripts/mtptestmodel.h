@@ -36,6 +36,20 @@ struct mtp_model {
     int32_t      n_embd;  // width of a NextN row (h)
 };
 
+// mtp_add_base_kv writes the keys every MTP generator's metadata opens with, in this order
+// (the order is part of the file's bytes): architecture, vocabulary, context length,
+// width and the block counts. block_count counts the NextN blocks too: they are stored
+// after the trunk's.
+inline void mtp_add_base_kv(llama_model_saver & ms, llm_arch arch, uint32_t n_vocab, uint32_t n_embd,
+                            uint32_t n_trunk, uint32_t n_nextn) {
+    ms.add_kv(LLM_KV_GENERAL_ARCHITECTURE, llm_arch_name(arch));
+    ms.add_kv(LLM_KV_VOCAB_SIZE, n_vocab);
+    ms.add_kv(LLM_KV_CONTEXT_LENGTH, uint32_t(4096));
+    ms.add_kv(LLM_KV_EMBEDDING_LENGTH, n_embd);
+    ms.add_kv(LLM_KV_BLOCK_COUNT, n_trunk + n_nextn);
+    ms.add_kv(LLM_KV_NEXTN_PREDICT_LAYERS, n_nextn);
+}
+
 // The weight of h in the MTP head's eh_proj (see mtp_fill): its random part adds, per output,
 // N(0, stdev·sqrt(2·n_embd)) ≈ N(0, 2.3) over unit-scale inputs at n_embd 256, so the
 // identity is made larger than that for the head's prediction to follow h more often than not.

@@ -39,13 +39,7 @@ gguf_context * metadata() {
     gguf_context * g = gguf_init_empty();
     llama_model_saver ms(LLM_ARCH_QWEN35, g);
 
-    ms.add_kv(LLM_KV_GENERAL_ARCHITECTURE, llm_arch_name(LLM_ARCH_QWEN35));
-    ms.add_kv(LLM_KV_VOCAB_SIZE, n_vocab);
-    ms.add_kv(LLM_KV_CONTEXT_LENGTH, uint32_t(4096));
-    ms.add_kv(LLM_KV_EMBEDDING_LENGTH, n_embd);
-    // block_count counts the NextN blocks too: they are stored after the trunk's.
-    ms.add_kv(LLM_KV_BLOCK_COUNT, n_trunk + n_nextn);
-    ms.add_kv(LLM_KV_NEXTN_PREDICT_LAYERS, n_nextn);
+    testmodel::mtp_add_base_kv(ms, LLM_ARCH_QWEN35, n_vocab, n_embd, n_trunk, n_nextn);
     ms.add_kv(LLM_KV_FEED_FORWARD_LENGTH, n_ff);
     ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT, n_head);
     ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT_KV, n_head_kv);
