@@ -490,7 +490,20 @@ func (b *Backend) SeqRm(seq, p0, p1 int) bool {
 // copy taken before seq's next decode (a zero-copy pool snapshot of a session that just
 // rejected a draft) would get the state as it was before the cut. Reading the state
 // out (which honours the index) and back (which resets it) is llama.cpp's own way to
-// move it; it copies one sequence's recurrent state, only in that rare case.
+// move it. Without SWA anchors that happens only in that rare case; with them (a
+// hybrid with sliding-window layers) after every rollback (see SeqRm).
+//
+// On such a hybrid llama.cpp's "partial" state is not only the recurrent one:
+// llama_memory_hybrid_iswa passes the flag to its attention cache, where it means "the
+// SWA layers only", so the read-back also moves seq's SWA cells to fresh cells, which
+// its shadow does not hold. Unanchored cells are what the anchors exist to prevent
+// (llama.cpp hands a cell held by one sequence to another once it falls out of that
+// sequence's window), and it showed: speculating requests beside speculating traffic on
+// the lfm2 test model had single-token logprob deviations of 4e-5–2e-4 in 6 and 9 runs
+// of 16 (TestArchsDraftModel), none in 24 once the shadow was re-anchored here. So the
+// shadow is dropped and copied afresh from seq: it holds exactly seq's cells again
+// (and shares its recurrent cell, as after any decode). The read-back costs a copy of
+// seq's SWA cells as well as its recurrent state on such models.
 func (b *Backend) settleRollback(seq int) {
 	delete(b.rolled, seq)
 	data, err := b.ctx.SeqPartialStateGet(seq)
@@ -500,6 +513,12 @@ func (b *Backend) settleRollback(seq int) {
 	if err != nil {
 		b.log.Error("settling a recurrent rollback failed; the sequence is dropped", "seq", seq, "err", err)
 		b.SeqRm(seq, -1, -1)
+		return
+	}
+	if b.anchor > 0 {
+		b.ctx.SeqRm(seq+b.anchor, -1, -1)
+		b.ctx.SeqCp(seq, seq+b.anchor, -1, -1)
+		b.holes = true // the shadow's old cells are free now
 	}
 }
 
