@@ -72,20 +72,32 @@ func specDoc(i int) string {
 	return b.String()
 }
 
-// specMessages is agent i's request in workload w.
-func specMessages(w string, i int) []map[string]any {
+// specPrompts is how many distinct requests specMessages has per workload.
+const specPrompts = 256
+
+// specMessages is request k (< specPrompts) in workload w: k = round·N + agent, so no two requests a
+// server sees in one row are the same. A drafter that remembers across requests
+// (ngram-mod's table, shared by all sessions, in PolyKV and in llama-server) would
+// otherwise replay the previous round's greedy answer to the very same prompt: that
+// measured a cache of answers (llama-server's chat at N = 1: 92% of drafts accepted,
+// 2.1×, on a short story), not speculation on a new request.
+func specMessages(w string, k int) []map[string]any {
 	if w == "edit" {
 		return []map[string]any{
 			{"role": "system", "content": "You are a precise JSON editor."},
-			{"role": "user", "content": "Here is a JSON document:\n```json\n" + specDoc(i) +
+			{"role": "user", "content": "Here is a JSON document:\n```json\n" + specDoc(k) +
 				"\n```\nReturn the same JSON document with \"status\" changed to \"archived\". Output only the JSON, nothing else."},
 		}
 	}
 	topics := []string{"a lighthouse keeper", "a lost robot", "a baker in Paris", "a dragon who hates gold", "two rival chess players",
 		"a city under the sea", "a time-travelling cat", "the last tree on Mars"}
+	places := []string{"in a small mountain village", "on a night train", "during a thunderstorm", "at the edge of the desert",
+		"in a crowded market", "on a frozen lake", "inside an old library", "aboard a fishing boat"}
+	moods := []string{"", " Make it funny.", " Make it sad.", " Make it hopeful."}
 	return []map[string]any{
 		{"role": "system", "content": "You are a helpful assistant."},
-		{"role": "user", "content": "Write a short story about " + topics[i%len(topics)] + "."},
+		{"role": "user", "content": "Write a short story about " + topics[k%len(topics)] + " " +
+			places[k/len(topics)%len(places)] + "." + moods[k/(len(topics)*len(places))%len(moods)]},
 	}
 }
 
@@ -106,7 +118,10 @@ func (sb specBench) run(cfg app.Config, reps int) error {
 			return fmt.Errorf("bench: unknown spec workload %q (edit, chat)", w)
 		}
 	}
-	fmt.Printf("speculative decoding: %s, --spec-type %s, --draft-max %d, --draft-min %d, --spec-ngram-min %d, --spec-step-cost %s, %d threads; decode tok/s = generated tokens / longest decode phase; %d rounds, off and on alternating (ABBA): medians, and the range of the per-round on/off ratios\n\n",
+	if maxN := slices.Max(ns); reps*maxN > specPrompts {
+		return fmt.Errorf("bench: --reps %d × %d agents asks for %d distinct prompts, the spec workloads have %d", reps, maxN, reps*maxN, specPrompts)
+	}
+	fmt.Printf("speculative decoding: %s, --spec-type %s, --draft-max %d, --draft-min %d, --spec-ngram-min %d, --spec-step-cost %s, %d threads; decode tok/s = generated tokens / longest decode phase; %d rounds, each with new prompts (prefilled untimed), off and on alternating (ABBA): medians, and the range of the per-round on/off ratios\n\n",
 		cfg.ModelPath, cfg.SpecType, cfg.DraftMax, cfg.DraftMin, cfg.SpecNgramMin, stepCost(cfg.SpecStepCost), cfg.Threads, reps)
 	if cfg.ModelDraft != "" {
 		fmt.Printf("draft model %s, --draft-p-min %g\n\n", cfg.ModelDraft, cfg.DraftPMinFor(engine.SpecDraftSimple))
@@ -248,24 +263,25 @@ func stopProcess(cmd *exec.Cmd) {
 // compare runs workload w with N agents reps times in each mode and prints one row: off
 // on offBase (with speculative false), on on onBase (PolyKV: the same server;
 // llama-server: a second instance with speculation). The modes alternate in ABBA order
-// (off, on, on, off, ...), so neither always runs first, and the row gives the median
+// (off, on, on, off, ...), so neither always runs first; each round's prompts are new
+// (specMessages) and both modes get the same ones. The row gives the median
 // of the rounds' tok/s in each mode and the median of the per-round on/off ratios with
 // their range (drafted and accepted: all the rounds' together; tokens: one round's):
 // on a shared machine a single run swings by ±20%, and a round's two runs,
 // back to back, see the most similar load.
 func (sb specBench) compare(server, offBase, onBase, w string, n, reps int) error {
-	// An untimed round fills the prefix caches with every agent's prompt, so neither
-	// mode pays a prefill the other does not.
-	for _, base := range []string{offBase, onBase} {
-		if _, err := sb.once(base, w, n, true, 1); err != nil {
-			return err
-		}
-	}
 	var tps [2][]float64
 	var ratios []float64
 	var drafted, accepts int
 	same, tokens := true, 0
 	for rep := range reps {
+		// Each round asks new questions (specMessages); an untimed one-token run of them
+		// first fills the prefix caches, so neither mode pays a prefill the other does not.
+		for _, base := range slices.Compact([]string{offBase, onBase}) {
+			if _, err := sb.once(base, w, n, rep, true, 1); err != nil {
+				return err
+			}
+		}
 		var res [2]specResult
 		order := []int{0, 1}
 		if rep%2 == 1 {
@@ -276,7 +292,7 @@ func (sb specBench) compare(server, offBase, onBase, w string, n, reps int) erro
 			if m == 1 {
 				base = onBase
 			}
-			r, err := sb.once(base, w, n, m == 1, 0)
+			r, err := sb.once(base, w, n, rep, m == 1, 0)
 			if err != nil {
 				return err
 			}
@@ -319,9 +335,9 @@ func median(xs []float64) float64 {
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
-// once runs workload w: N agents at once, greedy, with speculation on or off; maxTokens
-// 0 is the workload's own length.
-func (sb specBench) once(base, w string, n int, on bool, maxTokens int) (specResult, error) {
+// once runs round rep of workload w: N agents at once, greedy, with speculation on or
+// off; maxTokens 0 is the workload's own length.
+func (sb specBench) once(base, w string, n, rep int, on bool, maxTokens int) (specResult, error) {
 	if maxTokens == 0 {
 		maxTokens = sb.chatGen
 		if w == "edit" {
@@ -348,7 +364,7 @@ func (sb specBench) once(base, w string, n int, on bool, maxTokens int) (specRes
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			body := map[string]any{"messages": specMessages(w, i), "max_tokens": maxTokens, "temperature": 0, "speculative": on}
+			body := map[string]any{"messages": specMessages(w, rep*n+i), "max_tokens": maxTokens, "temperature": 0, "speculative": on}
 			errs[i] = postInto(base+"/v1/chat/completions", body, &out[i])
 		}()
 	}
