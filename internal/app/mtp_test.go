@@ -5,7 +5,8 @@ package app
 // drafts are rolled back through llama.cpp's recurrent snapshots, and an MTP context
 // that mirrors every target decode and cell operation (runner.MTP). On the attention-only
 // glm4moe one (scripts/glm4moemtp-testmodel.cpp) the prefix cache and the pool tier run
-// beside it.
+// beside it; the deepseek2 one (scripts/deepseek2mtp-testmodel.cpp) has multi-head latent
+// attention, DeepSeek V3's.
 
 import (
 	"bytes"
@@ -31,9 +32,15 @@ import (
 // cancelling its requests mid-answer); the head drafts, some drafts are accepted and
 // some rejected; the MTP context's cells stay the target's after every operation, no
 // entry is decoded without its hidden state, and nothing of a finished, cancelled or
-// deleted one is left in it.
+// deleted one is left in it. On the hybrid qwen35 target and on the MLA deepseek2 one.
 func TestMTPServed(t *testing.T) {
-	cfg := Config{ModelPath: testmodel.Arch(t, "qwen35mtp"), NCtx: 2048, Parallel: 4, MaxPools: 3,
+	for _, model := range []string{"qwen35mtp", "deepseek2mtp"} {
+		t.Run(model, func(t *testing.T) { testMTPServed(t, model) })
+	}
+}
+
+func testMTPServed(t *testing.T, model string) {
+	cfg := Config{ModelPath: testmodel.Arch(t, model), NCtx: 2048, Parallel: 4, MaxPools: 3,
 		Threads: 2, SpecType: "draft-mtp", DraftMax: 3, SpecStepCost: -1}
 	a, base := startServer(t, cfg)
 	if a.draft == nil || a.draft.mtp == nil {
@@ -129,12 +136,12 @@ func TestMTPRefused(t *testing.T) {
 // target's: such sessions are drafted for. The MTP context holds the target's positions
 // after every operation and no entry is mirrored without its row. The hybrid qwen35mtp
 // (prefix cache off) runs the tier part: its restore shares the parent's cells before
-// the state is loaded.
+// the state is loaded. deepseek2mtp runs it all on multi-head latent attention.
 func TestMTPPrefixCacheAndTier(t *testing.T) {
 	for _, c := range []struct {
 		model, where string
 		prefixCache  bool
-	}{{"glm4moemtp", "ram", true}, {"glm4moemtp", "disk", true}, {"qwen35mtp", "ram", false}} {
+	}{{"glm4moemtp", "ram", true}, {"glm4moemtp", "disk", true}, {"qwen35mtp", "ram", false}, {"deepseek2mtp", "disk", true}} {
 		t.Run(c.model+"/"+c.where, func(t *testing.T) {
 			where := c.where
 			cfg := withDefaults(Config{ModelPath: testmodel.Arch(t, c.model), NCtx: 2048, Parallel: 4, MaxPools: 2,

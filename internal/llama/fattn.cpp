@@ -49,7 +49,7 @@ namespace {
 
 constexpr int kRows = 8;    // query rows sharing one K/V tile
 constexpr int kTile = 8;    // cells per tile (one AVX2 register of scores)
-constexpr int kMaxD = 256;  // largest head size handled
+constexpr int kMaxD = 576;  // largest head size handled (576: MLA, whose K row is the 512-wide latent and a 64-wide rope part)
 
 std::atomic<bool> enabled{false};           // the process default (polykv_fattn_enable)
 std::atomic<unsigned long long> computed{0}; // flash-attention nodes this kernel ran

@@ -58,7 +58,7 @@ func fattnRunOpts(t *testing.T, m *Model, prompt, then []Token, o fattnOpts) [][
 	}
 	for i := 0; i < o.neighbour; i += 64 {
 		n := min(64, o.neighbour-i)
-		decode(1, slices.Repeat([]Token{Token(200 + i%50)}, n), i, false)
+		decode(1, slices.Repeat([]Token{Token(200+i%50) % Token(m.NVocab())}, n), i, false)
 	}
 	var out [][]float32
 	var idx int
@@ -144,6 +144,66 @@ func TestFlashAttnKernel(t *testing.T) {
 			t.Errorf("PolyKV's kernel is %.5f nats from plain attention, ggml's flash kernel %.5f", ours, theirs)
 		}
 	})
+}
+
+// TestFlashAttnKernelMLA: multi-head latent attention (DeepSeek V2/V3 and their
+// derivatives) runs PolyKV's kernel too, on the deepseek2 test model
+// (scripts/deepseek2mtp-testmodel.cpp, its trunk): K is one 576-wide row per cell (the
+// 512-wide compressed latent and a 64-wide rope part) and V a 512-wide view of the same
+// row. With ggml's kernel its logits moved with the batch (a speculative verify batch
+// against one token at a time: logprobs apart by up to 3.8e-6 in TestMTPServed); with
+// ours they are the same bit for bit whatever the chunking and wherever the cells sit,
+// and as close to plain attention as ggml's kernel is.
+func TestFlashAttnKernelMLA(t *testing.T) {
+	m, err := LoadModel(testmodel.Arch(t, "deepseek2mtp"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Free()
+	defer SetFlashAttnKernel(true)
+	prompt := make([]Token, 299)
+	for i := range prompt {
+		prompt[i] = Token(4 + (i*37+i/7)%120)
+	}
+	then := []Token{9, 17, 33, 65, 101}
+
+	SetFlashAttnKernel(true)
+	before := FlashAttnKernelRuns()
+	whole := fattnRun(t, m, prompt, 256, 0, then)
+	switch {
+	case !flashAttnInstalled:
+		t.Skip("PolyKV's flash-attention kernel is not available here (needs AVX2 and FMA)")
+	case FlashAttnKernelRuns() == before:
+		t.Fatal("PolyKV's kernel did not take the MLA attention nodes")
+	}
+	// 299 = 23 chunks of 13: no chunk of one token. The test model's weights are f16 and
+	// f32, which ggml's own matrix product computes by another path for a single column
+	// (PolyKV's matrix kernel covers the K-quant and Q4_1 weights of served models): a
+	// one-token last chunk moves the prompt's last logits by ~6e-8 whatever the attention.
+	got := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 13, neighbour: 300, fa: 1, evict: true,
+		check: func(c *Context) {
+			if !c.OrderedAttention() {
+				t.Error("MLA attention over an f16 cache with PolyKV's kernel is not ordered by position")
+			}
+		}})
+	for i := range whole {
+		if d := maxDiff(got[i], whole[i]); d != 0 {
+			t.Errorf("13 tokens at a time, in a hole below the first chunk: logits of step %d differ from the one-batch prefill by up to %g", i, d)
+		}
+	}
+
+	SetFlashAttnKernel(false)
+	stock := fattnRun(t, m, prompt, 256, 0, then)
+	plain := fattnRunFA(t, m, prompt, 256, 0, then, 0)
+	ours, theirs := 0.0, 0.0
+	for i := range whole {
+		ours = max(ours, kl(plain[i], whole[i]))
+		theirs = max(theirs, kl(plain[i], stock[i]))
+	}
+	t.Logf("largest KL divergence from plain attention over %d steps: PolyKV's kernel %.3g, ggml's %.3g nats", len(whole), ours, theirs)
+	if ours > 2*theirs+1e-6 || math.IsNaN(ours) {
+		t.Errorf("PolyKV's kernel is %.3g nats from plain attention, ggml's flash kernel %.3g", ours, theirs)
+	}
 }
 
 // TestFlashAttnKernelPlacement checks the cache types the kernel's position order covers
