@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strings"
 
 	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/llama"
@@ -121,12 +122,32 @@ func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.Contex
 	return &draftModel{ctx: ctx, mtp: m, mtpBytesPerCell: perCell}, nil
 }
 
+// draftArchRefused refuses the draft-head architectures of llama.cpp that are not
+// standalone models: each reads the target's hidden states or KV cache, which only
+// llama.cpp's own drivers for them provide (b11434 will not even build a
+// gemma4-assistant context without the target's: "Gemma4Assistant requires ctx_other",
+// which reached the user as a bare "failed to create context"). As draft-simple models
+// they cannot draft, so the user is told what the file is instead.
+func draftArchRefused(arch string) error {
+	switch arch {
+	case "gemma4-assistant":
+		return fmt.Errorf("it is a Gemma 4 assistant (MTP drafter), which reads the target's KV cache; PolyKV does not run Gemma 4 assistants (llama-server: --spec-type draft-mtp with it as the draft model)")
+	case "eagle3", "dflash":
+		return fmt.Errorf("it is an %s draft head, which reads the target's hidden states; PolyKV runs draft-simple models (a small model of the same vocabulary) and draft-mtp (the served model's own MTP layers), not %s", strings.ToUpper(arch), arch)
+	}
+	return nil
+}
+
 // checkMTP refuses draft-mtp on a model without MTP layers, with the reason.
 func checkMTP(cfg Config, model *llama.Model) error {
 	if !cfg.wantsMTP() {
 		return nil
 	}
 	if model.NLayerNextN() == 0 {
+		if model.Meta("general.architecture") == "gemma4" {
+			// Gemma 4's MTP head ships as a separate gemma4-assistant model (see draftArchRefused).
+			return fmt.Errorf("--spec-type %s: %s has no MTP (NextN) layers: Gemma 4's MTP drafter is a separate assistant model, which PolyKV does not run; use ngram-simple, ngram-mod or a draft model", engine.SpecDraftMTP, cfg.ModelPath)
+		}
 		return fmt.Errorf("--spec-type %s: %s has no MTP (NextN) layers (GGUF nextn_predict_layers is 0); use ngram-simple, ngram-mod or a draft model", engine.SpecDraftMTP, cfg.ModelPath)
 	}
 	if !model.MTPLoaded() {
@@ -151,6 +172,9 @@ func openDraft(cfg Config, target *llama.Model, tp llama.ContextParams, log *slo
 	refuse := func(err error) (*draftModel, error) {
 		m.Free()
 		return nil, fmt.Errorf("--model-draft %s cannot draft for %s: %w", cfg.ModelDraft, cfg.ModelPath, err)
+	}
+	if err := draftArchRefused(m.Meta("general.architecture")); err != nil {
+		return refuse(err)
 	}
 	if err := llama.CheckDraftVocab(target, m); err != nil {
 		return refuse(err)

@@ -102,14 +102,15 @@ func testMTPServed(t *testing.T, model string) {
 	checkMTPRun(t, mtp, drafted, accepted)
 }
 
-// TestMTPRefused: draft-mtp on a model without MTP layers, or beside a draft model, is
-// refused at start with the reason.
+// TestMTPRefused: draft-mtp on a model without MTP layers (Gemma 4: named as such), or
+// beside a draft model, is refused at start with the reason.
 func TestMTPRefused(t *testing.T) {
 	for _, c := range []struct {
 		cfg  Config
 		want string
 	}{
 		{Config{ModelPath: testmodel.Arch(t, "qwen35"), SpecType: "draft-mtp"}, "no MTP (NextN) layers"},
+		{Config{ModelPath: testmodel.Arch(t, "gemma4"), SpecType: "draft-mtp"}, "Gemma 4's MTP drafter is a separate assistant model"},
 		{Config{ModelPath: testmodel.Arch(t, "qwen35mtp"), SpecType: "draft-mtp,draft-simple", ModelDraft: testmodel.Arch(t, "llama")}, "cannot both run"},
 	} {
 		cfg := withDefaults(c.cfg)
@@ -446,5 +447,22 @@ func mtpChurn(a *App, base string) func() int {
 			n = <-done
 		})
 		return n
+	}
+}
+
+// TestDraftArchRefused: llama.cpp's draft heads that read the target's state (Gemma 4
+// assistants, EAGLE3, DFlash) are refused as --model-draft with what they are; plain
+// architectures pass. (No such model file is reachable here, so the check is tested on
+// the architecture names the GGUF carries.)
+func TestDraftArchRefused(t *testing.T) {
+	for arch, want := range map[string]string{"gemma4-assistant": "Gemma 4 assistant", "eagle3": "EAGLE3 draft head", "dflash": "DFLASH draft head"} {
+		if err := draftArchRefused(arch); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: %v, want an error naming %q", arch, err, want)
+		}
+	}
+	for _, arch := range []string{"llama", "qwen3", "gemma3", "gemma4"} {
+		if err := draftArchRefused(arch); err != nil {
+			t.Errorf("%s refused: %v", arch, err)
+		}
 	}
 }
