@@ -115,6 +115,13 @@ func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.Contex
 		return nil, err
 	}
 	perCell := (ctx.MemoryBytes()+int64(mp.NCtx)-1)/int64(mp.NCtx) + 4*int64(model.NEmbdOut())
+	if n := model.NLayerNextN(); n > 1 && log != nil {
+		// llama.cpp chains such heads, one per draft step (step35); runner.MTP runs the
+		// first one for every step, which is lossless (drafts are verified) but untested
+		// on such a model and likely accepted less often past the first draft.
+		log.Warn("the model has several MTP heads; PolyKV drafts with the first one only (llama.cpp chains them, one per draft step)",
+			"n_layer_nextn", n)
+	}
 	if log != nil {
 		log.Info("MTP drafting", "n_layer_nextn", model.NLayerNextN(), "draft_max", draftMax, "p_min", pMin,
 			"mtp_kv_bytes", ctx.MemoryBytes(), "mtp_row_bytes_per_cell", 4*model.NEmbdOut(), "mtp_bytes_per_cell", perCell)
