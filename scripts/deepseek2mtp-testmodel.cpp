@@ -64,15 +64,5 @@ gguf_context * metadata() {
 } // namespace
 
 int main(int argc, char ** argv) {
-    testmodel::program p = {"deepseek2mtp-testmodel", metadata, testmodel::mtp_fill,
-        testmodel::mtp_model_params,
-        [](llama_model * m, const std::string & out) {
-            llama_model_saver ms(m);
-            ms.add_kv_from_model();
-            testmodel::mtp_drop_nextn_scales(m, int32_t(n_trunk));
-            ms.add_tensors_from_model();
-            ms.save(out);
-        },
-        [](const char * path) { return testmodel::mtp_check(spec, path); }};
-    return testmodel::run(p, argc, argv);
+    return testmodel::mtp_run(spec, metadata, nullptr, argc, argv);
 }

@@ -285,4 +285,31 @@ inline bool mtp_check(const mtp_model & s, const char * path) {
     return ok;
 }
 
+// mtp_run is an MTP generator's main: the model of spec with metadata's keys, filled by
+// mtp_fill with load_mtp on, saved with its keys from the model (fix, if not null, edits
+// them first) and without the NextN blocks' scales (mtp_drop_nextn_scales), then checked
+// (mtp_check). testmodel::program takes plain functions, so the generator's spec and fix
+// reach them through these two variables.
+inline const mtp_model * mtp_spec = nullptr;
+inline void (*mtp_fix)(llama_model_saver &, llama_model *) = nullptr;
+
+inline int mtp_run(const mtp_model & spec, gguf_context * (*metadata)(), void (*fix)(llama_model_saver &, llama_model *),
+                   int argc, char ** argv) {
+    mtp_spec = &spec;
+    mtp_fix = fix;
+    program p = {spec.prog, metadata, mtp_fill, mtp_model_params,
+        [](llama_model * m, const std::string & out) {
+            llama_model_saver ms(m);
+            ms.add_kv_from_model();
+            if (mtp_fix != nullptr) {
+                mtp_fix(ms, m);
+            }
+            mtp_drop_nextn_scales(m, mtp_spec->n_trunk);
+            ms.add_tensors_from_model();
+            ms.save(out);
+        },
+        [](const char * path) { return mtp_check(*mtp_spec, path); }};
+    return run(p, argc, argv);
+}
+
 } // namespace testmodel

@@ -62,27 +62,18 @@ gguf_context * metadata() {
     return g;
 }
 
+// fix writes recurrent_layers again: the saver writes per-layer arrays for the trunk's
+// layers only (n_layer()), but the qwen35 loader reads it for all of them, NextN blocks
+// included, so it gets one entry per block (the MTP block is not recurrent).
+void fix(llama_model_saver & ms, llama_model * m) {
+    const auto & hp = m->hparams;
+    std::vector<uint32_t> recr(hp.is_recr_impl.begin(), hp.is_recr_impl.begin() + hp.n_layer_all);
+    gguf_set_arr_data(ms.gguf_ctx, ms.llm_kv(LLM_KV_ATTENTION_RECURRENT_LAYERS).c_str(),
+                      GGUF_TYPE_UINT32, recr.data(), recr.size());
+}
+
 } // namespace
 
 int main(int argc, char ** argv) {
-    testmodel::program p = {"qwen35mtp-testmodel", metadata, testmodel::mtp_fill,
-        testmodel::mtp_model_params,
-        [](llama_model * m, const std::string & out) {
-            llama_model_saver ms(m);
-            ms.add_kv_from_model();
-            // The saver writes per-layer arrays for the trunk's layers only (n_layer()), but
-            // the qwen35 loader reads recurrent_layers for all of them, NextN blocks included:
-            // it is written again here with one entry per block (the MTP block is not
-            // recurrent).
-            const auto & hp = m->hparams;
-            std::vector<uint32_t> recr(hp.is_recr_impl.begin(), hp.is_recr_impl.begin() + hp.n_layer_all);
-            gguf_set_arr_data(ms.gguf_ctx, ms.llm_kv(LLM_KV_ATTENTION_RECURRENT_LAYERS).c_str(),
-                              GGUF_TYPE_UINT32, recr.data(), recr.size());
-            // Nor are the MTP block's per-matrix scales written (mtp_drop_nextn_scales).
-            testmodel::mtp_drop_nextn_scales(m, int32_t(n_trunk));
-            ms.add_tensors_from_model();
-            ms.save(out);
-        },
-        [](const char * path) { return testmodel::mtp_check(spec, path); }};
-    return testmodel::run(p, argc, argv);
+    return testmodel::mtp_run(spec, metadata, fix, argc, argv);
 }
