@@ -36,13 +36,7 @@ gguf_context * metadata() {
     llama_model_saver ms(LLM_ARCH_DEEPSEEK2, g);
 
     testmodel::mtp_add_base_kv(ms, LLM_ARCH_DEEPSEEK2, n_vocab, n_embd, n_trunk, n_nextn);
-    ms.add_kv(LLM_KV_LEADING_DENSE_BLOCK_COUNT, uint32_t(1));
-    ms.add_kv(LLM_KV_FEED_FORWARD_LENGTH, n_ff);
-    ms.add_kv(LLM_KV_EXPERT_FEED_FORWARD_LENGTH, n_ff);
-    ms.add_kv(LLM_KV_EXPERT_COUNT, uint32_t(2));
-    ms.add_kv(LLM_KV_EXPERT_USED_COUNT, uint32_t(2));
-    ms.add_kv(LLM_KV_EXPERT_SHARED_COUNT, uint32_t(1));
-    ms.add_kv(LLM_KV_EXPERT_GATING_FUNC, uint32_t(2)); // sigmoid, as DeepSeek V3
+    testmodel::mtp_add_moe_kv(ms, n_ff);
     ms.add_kv(LLM_KV_EXPERT_WEIGHTS_SCALE, 1.0f);
     ms.add_kv(LLM_KV_EXPERT_WEIGHTS_NORM, true);
     ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT, n_head);

@@ -50,6 +50,19 @@ inline void mtp_add_base_kv(llama_model_saver & ms, llm_arch arch, uint32_t n_vo
     ms.add_kv(LLM_KV_NEXTN_PREDICT_LAYERS, n_nextn);
 }
 
+// mtp_add_moe_kv writes the MoE keys the MoE generators (glm4moe, deepseek2) share, in this
+// order (part of the file's bytes): one leading dense block of n_ff, then MoE blocks of 2
+// experts of n_ff, both used, one shared expert, sigmoid gating (GLM-4.5's and DeepSeek V3's).
+inline void mtp_add_moe_kv(llama_model_saver & ms, uint32_t n_ff) {
+    ms.add_kv(LLM_KV_LEADING_DENSE_BLOCK_COUNT, uint32_t(1));
+    ms.add_kv(LLM_KV_FEED_FORWARD_LENGTH, n_ff);
+    ms.add_kv(LLM_KV_EXPERT_FEED_FORWARD_LENGTH, n_ff);
+    ms.add_kv(LLM_KV_EXPERT_COUNT, uint32_t(2));
+    ms.add_kv(LLM_KV_EXPERT_USED_COUNT, uint32_t(2));
+    ms.add_kv(LLM_KV_EXPERT_SHARED_COUNT, uint32_t(1));
+    ms.add_kv(LLM_KV_EXPERT_GATING_FUNC, uint32_t(2)); // sigmoid
+}
+
 // The weight of h in the MTP head's eh_proj (see mtp_fill): its random part adds, per output,
 // N(0, stdev·sqrt(2·n_embd)) ≈ N(0, 2.3) over unit-scale inputs at n_embd 256, so the
 // identity is made larger than that for the head's prediction to follow h more often than not.
