@@ -140,7 +140,7 @@ func draftArchRefused(arch string) error {
 	case "gemma4-assistant":
 		return fmt.Errorf("it is a Gemma 4 assistant (MTP drafter), which reads the target's KV cache; PolyKV does not run Gemma 4 assistants (llama-server: --spec-type draft-mtp with it as the draft model)")
 	case "eagle3", "dflash":
-		return fmt.Errorf("it is an %s draft head, which reads the target's hidden states; PolyKV runs draft-simple models (a small model of the same vocabulary) and draft-mtp (the served model's own MTP layers), not %s", strings.ToUpper(arch), arch)
+		return fmt.Errorf("its architecture is %s, a draft head that reads the target's hidden states; PolyKV runs draft-simple models (a small model of the same vocabulary) and draft-mtp (the served model's own MTP layers), not %s heads", arch, strings.ToUpper(arch))
 	}
 	return nil
 }

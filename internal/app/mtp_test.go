@@ -455,7 +455,7 @@ func mtpChurn(a *App, base string) func() int {
 // architectures pass. (No such model file is reachable here, so the check is tested on
 // the architecture names the GGUF carries.)
 func TestDraftArchRefused(t *testing.T) {
-	for arch, want := range map[string]string{"gemma4-assistant": "Gemma 4 assistant", "eagle3": "EAGLE3 draft head", "dflash": "DFLASH draft head"} {
+	for arch, want := range map[string]string{"gemma4-assistant": "Gemma 4 assistant", "eagle3": "architecture is eagle3, a draft head", "dflash": "architecture is dflash, a draft head"} {
 		if err := draftArchRefused(arch); err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("%s: %v, want an error naming %q", arch, err, want)
 		}

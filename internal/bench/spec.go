@@ -75,8 +75,8 @@ func specDoc(i int) string {
 // specPrompts is how many distinct requests specMessages has per workload.
 const specPrompts = 256
 
-// specMessages is request k (< specPrompts) in workload w: k = round·N + agent, so no two requests a
-// server sees in one row are the same. A drafter that remembers across requests
+// specMessages is request k (< specPrompts) in workload w: k = round·N + agent, so no
+// two requests a server sees in one row are the same. A drafter that remembers across requests
 // (ngram-mod's table, shared by all sessions, in PolyKV and in llama-server) would
 // otherwise replay the previous round's greedy answer to the very same prompt: that
 // measured a cache of answers (llama-server's chat at N = 1: 92% of drafts accepted,
