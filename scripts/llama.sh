@@ -140,7 +140,7 @@ testmodels() {
 		rm -rf "$tmp" "$tmp.log"
 		echo "llama.sh: wrote $out/$arch.gguf" >&2
 	done
-	for name in gemma4 qwen35mtp glm4moemtp deepseek2mtp; do
+	for name in gemma4 qwen35mtp glm4moemtp deepseek2mtp cohere2moemtp; do
 		[ -f "$out/$name.gguf" ] && continue
 		do_build
 		gen=$dir/$name-testmodel

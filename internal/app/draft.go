@@ -98,9 +98,11 @@ func (d *draftModel) free() {
 // mirrors the target into it (runner.MTP).
 func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.ContextParams, draftMax int, log *slog.Logger) (*draftModel, error) {
 	// As many cells as the target, which it mirrors, and room for every sequence's
-	// drafts beside them (one block's KV: small).
+	// drafts beside them (one block's KV: small). A sliding-window model's SWA cache is
+	// full-size here too, as the target's (runner.Policy.Params): the MTP context keeps
+	// the target's SWA shadows (runner.MTP), which hold every position.
 	mp := llama.ContextParams{NCtx: tp.NCtx + tp.NSeqMax*max(draftMax, 1), NBatch: tp.NBatch, NUBatch: tp.NUBatch, NSeqMax: tp.NSeqMax, NThreads: tp.NThreads,
-		KVUnified: true, FlashAttn: tp.FlashAttn, AttnKernel: tp.AttnKernel, MTPTarget: tgt}
+		KVUnified: true, FlashAttn: tp.FlashAttn, AttnKernel: tp.AttnKernel, SWAFull: tp.SWAFull, MTPTarget: tgt}
 	ctx, err := llama.NewContext(model, mp)
 	if err != nil {
 		return nil, fmt.Errorf("--spec-type %s: %w", engine.SpecDraftMTP, err)

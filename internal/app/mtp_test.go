@@ -32,9 +32,11 @@ import (
 // cancelling its requests mid-answer); the head drafts, some drafts are accepted and
 // some rejected; the MTP context's cells stay the target's after every operation, no
 // entry is decoded without its hidden state, and nothing of a finished, cancelled or
-// deleted one is left in it. On the hybrid qwen35 target and on the MLA deepseek2 one.
+// deleted one is left in it. On the hybrid qwen35 target, the MLA deepseek2 one and the
+// sliding-window cohere2moe one (whose MTP context's cells need the target's SWA shadows:
+// without them it lost positions out of the window and drafted about half as much).
 func TestMTPServed(t *testing.T) {
-	for _, model := range []string{"qwen35mtp", "deepseek2mtp"} {
+	for _, model := range []string{"qwen35mtp", "deepseek2mtp", "cohere2moemtp"} {
 		t.Run(model, func(t *testing.T) { testMTPServed(t, model) })
 	}
 }

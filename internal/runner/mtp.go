@@ -77,6 +77,12 @@ type MTP struct {
 	// reports its old last position until the next decode consumes the rollback, so
 	// the check skips it (nil: none).
 	rolled func(seq int) bool
+	// anchor is the target's SWA shadow offset (Backend.EnableSWAAnchors; 0: none). On a
+	// model with sliding-window layers the MTP context's SWA cache hands a cell held by
+	// one sequence to another once it falls out of that sequence's window, as the
+	// target's does, so each sequence's cells get the same shadow here (mirror, seqRm,
+	// seqCp, loadSeq): the MTP context keeps every position the target keeps.
+	anchor int
 }
 
 // posRow is the target's NextN row h of one position.
@@ -187,6 +193,9 @@ func (m *MTP) mirror(batch []engine.BatchEntry) {
 		return
 	}
 	for seq, f := range fresh {
+		if m.anchor > 0 {
+			m.ctx.SeqCp(seq, seq+m.anchor, f[0].pos, f[len(f)-1].pos+1)
+		}
 		// A decode writes a sequence's positions from f[0].pos up (llama.cpp replaces
 		// any it held there). f's rows are views of the target's output buffer: copied.
 		rs := m.rows[seq]
@@ -204,6 +213,9 @@ func (m *MTP) fail(batch []engine.BatchEntry, err error) {
 	m.log.Warn("MTP context decode failed: its sequences are not drafted for until emptied", "err", err)
 	for _, e := range batch {
 		m.ctx.SeqRm(e.Seq, 0, -1)
+		if m.anchor > 0 {
+			m.ctx.SeqRm(e.Seq+m.anchor, 0, -1)
+		}
 		delete(m.rows, e.Seq)
 	}
 }
@@ -211,6 +223,9 @@ func (m *MTP) fail(batch []engine.BatchEntry, err error) {
 // seqRm mirrors a SeqRm on the target.
 func (m *MTP) seqRm(seq, p0, p1 int) {
 	m.ctx.SeqRm(seq, p0, p1)
+	if m.anchor > 0 {
+		m.ctx.SeqRm(seq+m.anchor, p0, p1)
+	}
 	switch rs := m.rows[seq]; {
 	case p0 <= 0 && p1 < 0:
 		delete(m.rows, seq)
@@ -228,6 +243,9 @@ func (m *MTP) seqRm(seq, p0, p1 int) {
 // seqCp mirrors a SeqCp on the target: dst gets src's cells and rows in [p0, p1).
 func (m *MTP) seqCp(src, dst, p0, p1 int) {
 	m.ctx.SeqCp(src, dst, p0, p1)
+	if m.anchor > 0 {
+		m.ctx.SeqCp(src, dst+m.anchor, p0, p1)
+	}
 	in := func(r posRow) bool { return r.pos >= p0 && (p1 < 0 || r.pos < p1) }
 	rs := slices.DeleteFunc(slices.Clone(m.rows[dst]), in)
 	for _, r := range m.rows[src] {
@@ -396,6 +414,11 @@ func (m *MTP) loadSeq(seq, src, lo, hi int, data []byte) (err error) {
 		if err != nil {
 			m.ctx.SeqRm(seq, -1, -1)
 			delete(m.rows, seq)
+		}
+		if m.anchor > 0 {
+			// The shadow holds exactly seq's cells again (none on failure).
+			m.ctx.SeqRm(seq+m.anchor, -1, -1)
+			m.ctx.SeqCp(seq, seq+m.anchor, -1, -1)
 		}
 	}()
 	prefix := m.ctx.SeqPosMax(seq) >= 0

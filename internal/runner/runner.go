@@ -113,7 +113,12 @@ func (b *Backend) settle() error {
 // shadow sequence q+offset that holds exactly q's cells: SeqRm and SeqCp are mirrored
 // on it and Decode adds it to q's new cells. The engine's ids are 0..offset-1; the
 // context needs 2×offset sequence ids. Nothing is computed for the shadows.
-func (b *Backend) EnableSWAAnchors(offset int) { b.anchor = offset }
+func (b *Backend) EnableSWAAnchors(offset int) {
+	b.anchor = offset
+	if b.mtp != nil {
+		b.mtp.anchor = offset
+	}
+}
 
 type sampler struct {
 	s        *llama.Sampler
@@ -722,6 +727,7 @@ func (b *Backend) EnableDraft(d *Drafter) { b.drafter = d }
 func (b *Backend) EnableMTP(m *MTP) {
 	b.drafter, b.mtp = m, m
 	m.rolled = func(seq int) bool { return b.rolled[seq] }
+	m.anchor = b.anchor
 }
 
 // Draft implements engine.DraftBackend (no proposals without a drafter).
