@@ -139,12 +139,13 @@ func TestMTPRefused(t *testing.T) {
 // target's: such sessions are drafted for. The MTP context holds the target's positions
 // after every operation and no entry is mirrored without its row. The hybrid qwen35mtp
 // (prefix cache off) runs the tier part: its restore shares the parent's cells before
-// the state is loaded. deepseek2mtp runs it all on multi-head latent attention.
+// the state is loaded. deepseek2mtp runs it all on multi-head latent attention,
+// cohere2moemtp on sliding-window attention (the MTP part saved window by window).
 func TestMTPPrefixCacheAndTier(t *testing.T) {
 	for _, c := range []struct {
 		model, where string
 		prefixCache  bool
-	}{{"glm4moemtp", "ram", true}, {"glm4moemtp", "disk", true}, {"qwen35mtp", "ram", false}, {"deepseek2mtp", "disk", true}} {
+	}{{"glm4moemtp", "ram", true}, {"glm4moemtp", "disk", true}, {"qwen35mtp", "ram", false}, {"deepseek2mtp", "disk", true}, {"cohere2moemtp", "disk", true}} {
 		t.Run(c.model+"/"+c.where, func(t *testing.T) {
 			where := c.where
 			cfg := withDefaults(Config{ModelPath: testmodel.Arch(t, c.model), NCtx: 2048, Parallel: 4, MaxPools: 2,

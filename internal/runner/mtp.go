@@ -83,6 +83,12 @@ type MTP struct {
 	// target's does, so each sequence's cells get the same shadow here (mirror, seqRm,
 	// seqCp, loadSeq): the MTP context keeps every position the target keeps.
 	anchor int
+	// chunks, with anchors, is the target backend's window-aligned chunking of a
+	// position range (Backend.swaChunks) and scratch its empty scratch sequence: a
+	// pool's MTP part is saved and loaded chunk by chunk there, as the target's part is
+	// (saveChunks), because the SWA cache's state holds only the window's cells.
+	chunks  func(lo, hi int) [][2]int
+	scratch int
 }
 
 // posRow is the target's NextN row h of one position.
@@ -373,11 +379,17 @@ func (m *MTP) saveSeq(seq, src, lo, hi int) ([]byte, error) {
 	if p0, p1 := m.ctx.SeqPosMin(seq), m.ctx.SeqPosMax(seq); p0 != 0 || p1 != hi-1 {
 		return nil, fmt.Errorf("the MTP context holds positions [%d, %d] of sequence %d, want [0, %d)", p0, p1, seq, hi)
 	}
-	if lo > 0 {
-		m.ctx.SeqRm(seq, 0, lo)
-		defer m.ctx.SeqCp(src, seq, 0, lo)
+	var st []byte
+	var err error
+	if m.anchor > 0 && m.chunks != nil {
+		st, err = m.saveChunks(seq, lo, hi)
+	} else {
+		if lo > 0 {
+			m.ctx.SeqRm(seq, 0, lo)
+			defer m.ctx.SeqCp(src, seq, 0, lo)
+		}
+		st, err = m.ctx.SeqStateGet(seq)
 	}
-	st, err := m.ctx.SeqStateGet(seq)
 	if err != nil {
 		return nil, err
 	}
@@ -458,6 +470,17 @@ func (m *MTP) loadSeq(seq, src, lo, hi int, data []byte) (err error) {
 		data = data[4*w:]
 		rs[i] = posRow{int(p), h}
 	}
+	if m.anchor > 0 && m.chunks != nil {
+		// Chunk by chunk through the scratch sequence, which leaves seq's [0, lo) as it is.
+		if err := m.loadChunks(seq, lo, hi, st); err != nil {
+			return err
+		}
+		if p0, p1 := m.ctx.SeqPosMin(seq), m.ctx.SeqPosMax(seq); (p0 != lo && !(prefix && p0 == 0)) || p1 != hi-1 {
+			return fmt.Errorf("the MTP context loaded positions [%d, %d], want [%d, %d)", p0, p1, lo, hi)
+		}
+		m.rows[seq] = append(below, rs...)
+		return nil
+	}
 	if err := m.ctx.SeqStateSet(seq, st); err != nil {
 		return err
 	}
@@ -471,5 +494,59 @@ func (m *MTP) loadSeq(seq, src, lo, hi int, data []byte) (err error) {
 		}
 	}
 	m.rows[seq] = append(below, rs...)
+	return nil
+}
+
+// saveChunks is the MTP context's cells [lo, hi) of seq chunk by chunk through the
+// scratch sequence, in Backend.saveChunks' format.
+func (m *MTP) saveChunks(seq, lo, hi int) ([]byte, error) {
+	x := m.scratch
+	defer m.ctx.SeqRm(x, -1, -1)
+	var out []byte
+	for _, c := range m.chunks(lo, hi) {
+		m.ctx.SeqRm(x, -1, -1)
+		m.ctx.SeqCp(seq, x, c[0], c[1])
+		data, err := m.ctx.SeqStateGet(x)
+		if err != nil {
+			return nil, err
+		}
+		out = binary.LittleEndian.AppendUint64(out, uint64(c[0]))
+		out = binary.LittleEndian.AppendUint64(out, uint64(c[1]))
+		out = binary.LittleEndian.AppendUint64(out, uint64(len(data)))
+		out = append(out, data...)
+	}
+	return out, nil
+}
+
+// loadChunks loads what saveChunks wrote into seq's [lo, hi): each chunk into the
+// scratch sequence, then shared with seq and its shadow (so a loaded cell always has
+// two members, as the target's: Backend.loadChunks).
+func (m *MTP) loadChunks(seq, lo, hi int, data []byte) error {
+	x := m.scratch
+	defer m.ctx.SeqRm(x, -1, -1)
+	next := lo
+	for len(data) > 0 {
+		if len(data) < 24 {
+			return fmt.Errorf("MTP part: %d bytes left, want a 24-byte chunk header", len(data))
+		}
+		c0, c1, n := binary.LittleEndian.Uint64(data), binary.LittleEndian.Uint64(data[8:]), binary.LittleEndian.Uint64(data[16:])
+		data = data[24:]
+		if c0 != uint64(next) || c1 <= c0 || c1 > uint64(hi) || n > uint64(len(data)) {
+			return fmt.Errorf("MTP part: chunk [%d, %d) of %d bytes, want one from %d up to %d within %d bytes", c0, c1, n, next, hi, len(data))
+		}
+		if err := m.ctx.SeqStateSet(x, data[:n]); err != nil {
+			return err
+		}
+		data = data[n:]
+		if p0, p1 := m.ctx.SeqPosMin(x), m.ctx.SeqPosMax(x); p0 != int(c0) || p1 != int(c1)-1 {
+			return fmt.Errorf("MTP part: chunk loaded positions [%d, %d], want [%d, %d)", p0, p1, c0, c1)
+		}
+		m.ctx.SeqCp(x, seq, int(c0), int(c1))
+		m.ctx.SeqCp(x, seq+m.anchor, int(c0), int(c1))
+		next = int(c1)
+	}
+	if next != hi {
+		return fmt.Errorf("MTP part ends at position %d, want %d", next, hi)
+	}
 	return nil
 }

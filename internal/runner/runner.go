@@ -72,7 +72,12 @@ type Backend struct {
 // EnableScratch gives the backend sequence id seq, which the engine never uses, to save
 // and load a sliding-window or recurrent model's pools through (see saveChunks and
 // saveRecurrent). The context must have seq+1 sequence ids at least.
-func (b *Backend) EnableScratch(seq int) { b.scratch = seq }
+func (b *Backend) EnableScratch(seq int) {
+	b.scratch = seq
+	if b.mtp != nil {
+		b.mtp.scratch = seq
+	}
+}
 
 // Compactions is the number of whole-cache compactions so far and the time they took
 // (safe from any goroutine).
@@ -727,7 +732,8 @@ func (b *Backend) EnableDraft(d *Drafter) { b.drafter = d }
 func (b *Backend) EnableMTP(m *MTP) {
 	b.drafter, b.mtp = m, m
 	m.rolled = func(seq int) bool { return b.rolled[seq] }
-	m.anchor = b.anchor
+	m.anchor, m.chunks = b.anchor, b.swaChunks
+	m.scratch = b.scratch
 }
 
 // Draft implements engine.DraftBackend (no proposals without a drafter).
