@@ -42,10 +42,7 @@ gguf_context * metadata() {
 
     testmodel::mtp_add_base_kv(ms, LLM_ARCH_GLM4_MOE, n_vocab, n_embd, n_trunk, n_nextn);
     testmodel::mtp_add_moe_kv(ms, n_ff);
-    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT, n_head);
-    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT_KV, n_head_kv);
-    ms.add_kv(LLM_KV_ATTENTION_KEY_LENGTH, head_dim);
-    ms.add_kv(LLM_KV_ATTENTION_VALUE_LENGTH, head_dim);
+    testmodel::mtp_add_attn_kv(ms, n_head, n_head_kv, head_dim);
     ms.add_kv(LLM_KV_ATTENTION_LAYERNORM_RMS_EPS, 1e-5f);
     ms.add_kv(LLM_KV_ROPE_DIMENSION_COUNT, head_dim);
     ms.add_kv(LLM_KV_ROPE_FREQ_BASE, 10000.0f);

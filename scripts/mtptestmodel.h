@@ -63,6 +63,15 @@ inline void mtp_add_moe_kv(llama_model_saver & ms, uint32_t n_ff) {
     ms.add_kv(LLM_KV_EXPERT_GATING_FUNC, uint32_t(2)); // sigmoid
 }
 
+// mtp_add_attn_kv writes the attention head keys of the generators with plain
+// multi-head attention (glm4moe, cohere2moe), in this order (part of the file's bytes).
+inline void mtp_add_attn_kv(llama_model_saver & ms, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim) {
+    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT, n_head);
+    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT_KV, n_head_kv);
+    ms.add_kv(LLM_KV_ATTENTION_KEY_LENGTH, head_dim);
+    ms.add_kv(LLM_KV_ATTENTION_VALUE_LENGTH, head_dim);
+}
+
 // The weight of h in the MTP head's eh_proj (see mtp_fill): its random part adds, per output,
 // N(0, stdev·sqrt(2·n_embd)) ≈ N(0, 2.3) over unit-scale inputs at n_embd 256, so the
 // identity is made larger than that for the head's prediction to follow h more often than not.

@@ -498,55 +498,17 @@ func (m *MTP) loadSeq(seq, src, lo, hi int, data []byte) (err error) {
 }
 
 // saveChunks is the MTP context's cells [lo, hi) of seq chunk by chunk through the
-// scratch sequence, in Backend.saveChunks' format.
+// scratch sequence, in the target's format (see Backend.saveChunks).
 func (m *MTP) saveChunks(seq, lo, hi int) ([]byte, error) {
-	x := m.scratch
-	defer m.ctx.SeqRm(x, -1, -1)
-	var out []byte
-	for _, c := range m.chunks(lo, hi) {
-		m.ctx.SeqRm(x, -1, -1)
-		m.ctx.SeqCp(seq, x, c[0], c[1])
-		data, err := m.ctx.SeqStateGet(x)
-		if err != nil {
-			return nil, err
-		}
-		out = binary.LittleEndian.AppendUint64(out, uint64(c[0]))
-		out = binary.LittleEndian.AppendUint64(out, uint64(c[1]))
-		out = binary.LittleEndian.AppendUint64(out, uint64(len(data)))
-		out = append(out, data...)
-	}
-	return out, nil
+	return saveChunks(m.ctx, m.scratch, seq, m.chunks(lo, hi))
 }
 
-// loadChunks loads what saveChunks wrote into seq's [lo, hi): each chunk into the
-// scratch sequence, then shared with seq and its shadow (so a loaded cell always has
-// two members, as the target's: Backend.loadChunks).
+// loadChunks loads what saveChunks wrote into seq's [lo, hi), each chunk shared with seq
+// and its shadow (so a loaded cell always has two members, as the target's).
 func (m *MTP) loadChunks(seq, lo, hi int, data []byte) error {
 	x := m.scratch
-	defer m.ctx.SeqRm(x, -1, -1)
-	next := lo
-	for len(data) > 0 {
-		if len(data) < 24 {
-			return fmt.Errorf("MTP part: %d bytes left, want a 24-byte chunk header", len(data))
-		}
-		c0, c1, n := binary.LittleEndian.Uint64(data), binary.LittleEndian.Uint64(data[8:]), binary.LittleEndian.Uint64(data[16:])
-		data = data[24:]
-		if c0 != uint64(next) || c1 <= c0 || c1 > uint64(hi) || n > uint64(len(data)) {
-			return fmt.Errorf("MTP part: chunk [%d, %d) of %d bytes, want one from %d up to %d within %d bytes", c0, c1, n, next, hi, len(data))
-		}
-		if err := m.ctx.SeqStateSet(x, data[:n]); err != nil {
-			return err
-		}
-		data = data[n:]
-		if p0, p1 := m.ctx.SeqPosMin(x), m.ctx.SeqPosMax(x); p0 != int(c0) || p1 != int(c1)-1 {
-			return fmt.Errorf("MTP part: chunk loaded positions [%d, %d], want [%d, %d)", p0, p1, c0, c1)
-		}
-		m.ctx.SeqCp(x, seq, int(c0), int(c1))
-		m.ctx.SeqCp(x, seq+m.anchor, int(c0), int(c1))
-		next = int(c1)
-	}
-	if next != hi {
-		return fmt.Errorf("MTP part ends at position %d, want %d", next, hi)
-	}
-	return nil
+	return loadChunks(m.ctx, x, lo, hi, data, func(c0, c1 int) {
+		m.ctx.SeqCp(x, seq, c0, c1)
+		m.ctx.SeqCp(x, seq+m.anchor, c0, c1)
+	})
 }

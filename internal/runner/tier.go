@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/llama"
 	"github.com/polykv/polykv/internal/tier"
 )
 
@@ -427,13 +428,41 @@ func (b *Backend) swaChunks(lo, hi int) [][2]int {
 
 // saveChunks copies out the cells [lo, hi) of seq, chunk by chunk (see above).
 func (b *Backend) saveChunks(seq, lo, hi int) ([]byte, error) {
+	return saveChunks(b.ctx, b.scratch, seq, b.swaChunks(lo, hi))
+}
+
+// loadChunks loads what saveChunks wrote into seq (and its shadow), which must be
+// empty, and checks that each chunk and the whole hold exactly their positions. On
+// failure seq holds nothing.
+func (b *Backend) loadChunks(seq, lo, hi int, data []byte) (err error) {
+	defer func() {
+		if err != nil {
+			b.SeqRm(seq, -1, -1)
+			b.holes = true
+		}
+	}()
 	x := b.scratch
-	defer b.ctx.SeqRm(x, -1, -1)
+	if err := loadChunks(b.ctx, x, lo, hi, data, func(c0, c1 int) {
+		b.SeqCp(x, seq, c0, c1) // mirrored on seq's shadow
+	}); err != nil {
+		return err
+	}
+	if p0, p1 := b.ctx.SeqPosMin(seq), b.ctx.SeqPosMax(seq); p0 != lo || p1 != hi-1 {
+		return fmt.Errorf("loaded positions [%d, %d], want [%d, %d)", p0, p1, lo, hi)
+	}
+	return nil
+}
+
+// saveChunks copies out seq's cells of each chunk of ctx through the empty scratch
+// sequence x, in the format above. The target's part and the MTP context's
+// (MTP.saveChunks) are saved alike.
+func saveChunks(ctx *llama.Context, x, seq int, chunks [][2]int) ([]byte, error) {
+	defer ctx.SeqRm(x, -1, -1)
 	var out []byte
-	for _, c := range b.swaChunks(lo, hi) {
-		b.ctx.SeqRm(x, -1, -1)
-		b.ctx.SeqCp(seq, x, c[0], c[1])
-		data, err := b.ctx.SeqStateGet(x)
+	for _, c := range chunks {
+		ctx.SeqRm(x, -1, -1)
+		ctx.SeqCp(seq, x, c[0], c[1])
+		data, err := ctx.SeqStateGet(x)
 		if err != nil {
 			return nil, err
 		}
@@ -445,18 +474,13 @@ func (b *Backend) saveChunks(seq, lo, hi int) ([]byte, error) {
 	return out, nil
 }
 
-// loadChunks loads what saveChunks wrote into seq (and its shadow), which must be
-// empty, and checks that each chunk and the whole hold exactly their positions. On
-// failure seq holds nothing.
-func (b *Backend) loadChunks(seq, lo, hi int, data []byte) (err error) {
-	x := b.scratch
-	defer func() {
-		b.ctx.SeqRm(x, -1, -1)
-		if err != nil {
-			b.SeqRm(seq, -1, -1)
-			b.holes = true
-		}
-	}()
+// loadChunks loads the chunks saveChunks wrote for positions [lo, hi) into ctx, one at
+// a time into the scratch sequence x (a sequence's load first drops what it held),
+// checks that each holds exactly its positions and that they cover [lo, hi), and hands
+// each to share, which gives its cells to their sequence (and its shadow) before the
+// next load drops them from x.
+func loadChunks(ctx *llama.Context, x, lo, hi int, data []byte, share func(c0, c1 int)) error {
+	defer ctx.SeqRm(x, -1, -1)
 	next := lo
 	for len(data) > 0 {
 		if len(data) < 24 {
@@ -467,21 +491,18 @@ func (b *Backend) loadChunks(seq, lo, hi int, data []byte) (err error) {
 		if c0 != uint64(next) || c1 <= c0 || c1 > uint64(hi) || n > uint64(len(data)) {
 			return fmt.Errorf("chunked state: chunk [%d, %d) of %d bytes, want one from %d up to %d within %d bytes", c0, c1, n, next, hi, len(data))
 		}
-		if err := b.ctx.SeqStateSet(x, data[:n]); err != nil {
+		if err := ctx.SeqStateSet(x, data[:n]); err != nil {
 			return err
 		}
 		data = data[n:]
-		if p0, p1 := b.ctx.SeqPosMin(x), b.ctx.SeqPosMax(x); p0 != int(c0) || p1 != int(c1)-1 {
+		if p0, p1 := ctx.SeqPosMin(x), ctx.SeqPosMax(x); p0 != int(c0) || p1 != int(c1)-1 {
 			return fmt.Errorf("chunk loaded positions [%d, %d], want [%d, %d)", p0, p1, c0, c1)
 		}
-		b.SeqCp(x, seq, int(c0), int(c1)) // mirrored on seq's shadow
+		share(int(c0), int(c1))
 		next = int(c1)
 	}
 	if next != hi {
 		return fmt.Errorf("chunked state ends at position %d, want %d", next, hi)
-	}
-	if p0, p1 := b.ctx.SeqPosMin(seq), b.ctx.SeqPosMax(seq); p0 != lo || p1 != hi-1 {
-		return fmt.Errorf("loaded positions [%d, %d], want [%d, %d)", p0, p1, lo, hi)
 	}
 	return nil
 }
