@@ -72,6 +72,10 @@ func testMTPServed(t *testing.T, model string) {
 		{"short", 0, archTokens(a, 6, 5), nil},
 		{"seeded unpooled", 0, append(slices.Clone(rootToks), archTokens(a, 5, 9)...), map[string]any{"temperature": 0.7, "seed": 7}},
 		{"seeded pooled", root, append(slices.Clone(rootToks), archTokens(a, 5, 9)...), map[string]any{"temperature": 0.7, "seed": 7}},
+		// Longer than a window-sized SWA cache holds for all sequences (on cohere2moemtp,
+		// 32 × 15 + 512 cells): the MTP context's SWA cache must be full-size, as the
+		// target's, for its shadows to keep every position.
+		{"long", 0, archTokens(a, 9, 1200), nil},
 	} {
 		run := func(spec bool) specRun {
 			body := map[string]any{"prompt": c.prompt, "max_tokens": 40, "logprobs": 1, "ignore_eos": true,
