@@ -73,22 +73,22 @@ type MTP struct {
 	paused     bool
 	mismatches atomic.Int64
 	mismatch   atomic.Value // string
-	// rolled reports a target sequence rolled back and not decoded since: llama.cpp
-	// reports its old last position until the next decode consumes the rollback, so
-	// the check skips it (nil: none).
-	rolled func(seq int) bool
-	// anchor is the target's SWA shadow offset (Backend.EnableSWAAnchors; 0: none). On a
-	// model with sliding-window layers the MTP context's SWA cache hands a cell held by
-	// one sequence to another once it falls out of that sequence's window, as the
-	// target's does, so each sequence's cells get the same shadow here (mirror, seqRm,
-	// seqCp, loadSeq): the MTP context keeps every position the target keeps.
-	anchor int
-	// chunks, with anchors, is the target backend's window-aligned chunking of a
-	// position range (Backend.swaChunks) and scratch its empty scratch sequence: a
-	// pool's MTP part is saved and loaded chunk by chunk there, as the target's part is
-	// (saveChunks), because the SWA cache's state holds only the window's cells.
-	chunks  func(lo, hi int) [][2]int
-	scratch int
+	// backend is the target's backend (Backend.EnableMTP; nil in tests of the MTP alone),
+	// whose SWA shadows (anchor), window chunks and scratch sequence the MTP context uses
+	// too: on a model with sliding-window layers its SWA cache hands a cell held by one
+	// sequence to another once it falls out of that sequence's window, as the target's
+	// does, so each sequence's cells get the same shadow here (mirror, seqRm, seqCp,
+	// loadSeq), and a pool's MTP part is saved and loaded chunk by chunk, as the
+	// target's part is (saveChunks), because an SWA cache's state holds only the window.
+	backend *Backend
+}
+
+// anchor is the target's SWA shadow offset (0: none).
+func (m *MTP) anchor() int {
+	if m.backend == nil {
+		return 0
+	}
+	return m.backend.anchor
 }
 
 // posRow is the target's NextN row h of one position.
@@ -139,7 +139,9 @@ func (m *MTP) check(op string) {
 		return
 	}
 	for seq := range int(m.checkSeqs.Load()) {
-		if m.rolled != nil && m.rolled(seq) {
+		// llama.cpp reports a rolled-back sequence's old last position until its next
+		// decode consumes the rollback: skipped.
+		if m.backend != nil && m.backend.rolled[seq] {
 			continue
 		}
 		tlo, thi := m.tgt.SeqPosMin(seq), m.tgt.SeqPosMax(seq)
@@ -199,8 +201,8 @@ func (m *MTP) mirror(batch []engine.BatchEntry) {
 		return
 	}
 	for seq, f := range fresh {
-		if m.anchor > 0 {
-			m.ctx.SeqCp(seq, seq+m.anchor, f[0].pos, f[len(f)-1].pos+1)
+		if a := m.anchor(); a > 0 {
+			m.ctx.SeqCp(seq, seq+a, f[0].pos, f[len(f)-1].pos+1)
 		}
 		// A decode writes a sequence's positions from f[0].pos up (llama.cpp replaces
 		// any it held there). f's rows are views of the target's output buffer: copied.
@@ -219,8 +221,8 @@ func (m *MTP) fail(batch []engine.BatchEntry, err error) {
 	m.log.Warn("MTP context decode failed: its sequences are not drafted for until emptied", "err", err)
 	for _, e := range batch {
 		m.ctx.SeqRm(e.Seq, 0, -1)
-		if m.anchor > 0 {
-			m.ctx.SeqRm(e.Seq+m.anchor, 0, -1)
+		if a := m.anchor(); a > 0 {
+			m.ctx.SeqRm(e.Seq+a, 0, -1)
 		}
 		delete(m.rows, e.Seq)
 	}
@@ -229,8 +231,8 @@ func (m *MTP) fail(batch []engine.BatchEntry, err error) {
 // seqRm mirrors a SeqRm on the target.
 func (m *MTP) seqRm(seq, p0, p1 int) {
 	m.ctx.SeqRm(seq, p0, p1)
-	if m.anchor > 0 {
-		m.ctx.SeqRm(seq+m.anchor, p0, p1)
+	if a := m.anchor(); a > 0 {
+		m.ctx.SeqRm(seq+a, p0, p1)
 	}
 	switch rs := m.rows[seq]; {
 	case p0 <= 0 && p1 < 0:
@@ -249,8 +251,8 @@ func (m *MTP) seqRm(seq, p0, p1 int) {
 // seqCp mirrors a SeqCp on the target: dst gets src's cells and rows in [p0, p1).
 func (m *MTP) seqCp(src, dst, p0, p1 int) {
 	m.ctx.SeqCp(src, dst, p0, p1)
-	if m.anchor > 0 {
-		m.ctx.SeqCp(src, dst+m.anchor, p0, p1)
+	if a := m.anchor(); a > 0 {
+		m.ctx.SeqCp(src, dst+a, p0, p1)
 	}
 	in := func(r posRow) bool { return r.pos >= p0 && (p1 < 0 || r.pos < p1) }
 	rs := slices.DeleteFunc(slices.Clone(m.rows[dst]), in)
@@ -381,7 +383,7 @@ func (m *MTP) saveSeq(seq, src, lo, hi int) ([]byte, error) {
 	}
 	var st []byte
 	var err error
-	if m.anchor > 0 && m.chunks != nil {
+	if m.anchor() > 0 {
 		st, err = m.saveChunks(seq, lo, hi)
 	} else {
 		if lo > 0 {
@@ -427,10 +429,10 @@ func (m *MTP) loadSeq(seq, src, lo, hi int, data []byte) (err error) {
 			m.ctx.SeqRm(seq, -1, -1)
 			delete(m.rows, seq)
 		}
-		if m.anchor > 0 {
+		if a := m.anchor(); a > 0 {
 			// The shadow holds exactly seq's cells again (none on failure).
-			m.ctx.SeqRm(seq+m.anchor, -1, -1)
-			m.ctx.SeqCp(seq, seq+m.anchor, -1, -1)
+			m.ctx.SeqRm(seq+a, -1, -1)
+			m.ctx.SeqCp(seq, seq+a, -1, -1)
 		}
 	}()
 	prefix := m.ctx.SeqPosMax(seq) >= 0
@@ -470,7 +472,7 @@ func (m *MTP) loadSeq(seq, src, lo, hi int, data []byte) (err error) {
 		data = data[4*w:]
 		rs[i] = posRow{int(p), h}
 	}
-	if m.anchor > 0 && m.chunks != nil {
+	if m.anchor() > 0 {
 		// Chunk by chunk through the scratch sequence, which leaves seq's [0, lo) as it is.
 		if err := m.loadChunks(seq, lo, hi, st); err != nil {
 			return err
@@ -500,15 +502,15 @@ func (m *MTP) loadSeq(seq, src, lo, hi int, data []byte) (err error) {
 // saveChunks is the MTP context's cells [lo, hi) of seq chunk by chunk through the
 // scratch sequence, in the target's format (see Backend.saveChunks).
 func (m *MTP) saveChunks(seq, lo, hi int) ([]byte, error) {
-	return saveChunks(m.ctx, m.scratch, seq, m.chunks(lo, hi))
+	return saveChunks(m.ctx, m.backend.scratch, seq, m.backend.swaChunks(lo, hi))
 }
 
 // loadChunks loads what saveChunks wrote into seq's [lo, hi), each chunk shared with seq
 // and its shadow (so a loaded cell always has two members, as the target's).
 func (m *MTP) loadChunks(seq, lo, hi int, data []byte) error {
-	x := m.scratch
+	x, a := m.backend.scratch, m.anchor()
 	return loadChunks(m.ctx, x, lo, hi, data, func(c0, c1 int) {
 		m.ctx.SeqCp(x, seq, c0, c1)
-		m.ctx.SeqCp(x, seq+m.anchor, c0, c1)
+		m.ctx.SeqCp(x, seq+a, c0, c1)
 	})
 }

@@ -72,12 +72,7 @@ type Backend struct {
 // EnableScratch gives the backend sequence id seq, which the engine never uses, to save
 // and load a sliding-window or recurrent model's pools through (see saveChunks and
 // saveRecurrent). The context must have seq+1 sequence ids at least.
-func (b *Backend) EnableScratch(seq int) {
-	b.scratch = seq
-	if b.mtp != nil {
-		b.mtp.scratch = seq
-	}
-}
+func (b *Backend) EnableScratch(seq int) { b.scratch = seq }
 
 // Compactions is the number of whole-cache compactions so far and the time they took
 // (safe from any goroutine).
@@ -118,12 +113,7 @@ func (b *Backend) settle() error {
 // shadow sequence q+offset that holds exactly q's cells: SeqRm and SeqCp are mirrored
 // on it and Decode adds it to q's new cells. The engine's ids are 0..offset-1; the
 // context needs 2×offset sequence ids. Nothing is computed for the shadows.
-func (b *Backend) EnableSWAAnchors(offset int) {
-	b.anchor = offset
-	if b.mtp != nil {
-		b.mtp.anchor = offset
-	}
-}
+func (b *Backend) EnableSWAAnchors(offset int) { b.anchor = offset }
 
 type sampler struct {
 	s        *llama.Sampler
@@ -731,9 +721,7 @@ func (b *Backend) EnableDraft(d *Drafter) { b.drafter = d }
 // on mirrors every decode and cell operation of the target (--spec-type draft-mtp).
 func (b *Backend) EnableMTP(m *MTP) {
 	b.drafter, b.mtp = m, m
-	m.rolled = func(seq int) bool { return b.rolled[seq] }
-	m.anchor, m.chunks = b.anchor, b.swaChunks
-	m.scratch = b.scratch
+	m.backend = b
 }
 
 // Draft implements engine.DraftBackend (no proposals without a drafter).
