@@ -120,14 +120,16 @@ tool() { # $1 target: builds it once, prints its path
 
 # Tiny random-weight models (2 layers, 128-token vocabulary, fixed seed) for architectures
 # with no small real model here, written by llama.cpp's own test-llama-archs to
-# $cache/testmodels/<arch>.gguf. Three are written by programs of ours instead, compiled here
+# $cache/testmodels/<arch>.gguf. Others are written by programs of ours instead, compiled here
 # against the same static libraries PolyKV links (nothing of llama.cpp is committed):
 # scripts/gemma4-testmodel.cpp writes gemma4.gguf (10 layers, iSWA; this build's
 # test-llama-archs skips Gemma 4: "ISWA KV cache initialization needs more fixture
 # params") and scripts/qwen35mtp-testmodel.cpp writes qwen35mtp.gguf (qwen35.gguf's trunk
 # plus one MTP/NextN block, for draft-mtp: test-llama-archs writes no NextN layers), and
 # scripts/glm4moemtp-testmodel.cpp glm4moemtp.gguf (the same for an attention-only target,
-# GLM-4.5's glm4moe; both share scripts/mtptestmodel.h).
+# GLM-4.5's glm4moe; both share scripts/mtptestmodel.h), and
+# scripts/gemma4assistant-testmodel.cpp writes Gemma 4's MTP assistant and its target
+# (gemma4assistant.gguf, and gemma4q.gguf: gemma4.gguf in Q4_1).
 testmodels() {
 	local gen out=$cache/testmodels arch tmp name
 	gen=$(tool test-llama-archs)
@@ -140,8 +142,9 @@ testmodels() {
 		rm -rf "$tmp" "$tmp.log"
 		echo "llama.sh: wrote $out/$arch.gguf" >&2
 	done
-	for name in gemma4 qwen35mtp glm4moemtp deepseek2mtp cohere2moemtp; do
-		[ -f "$out/$name.gguf" ] && continue
+	for name in gemma4 gemma4assistant qwen35mtp glm4moemtp deepseek2mtp cohere2moemtp; do
+		# (gemma4assistant's program writes its target, gemma4q.gguf, too.)
+		[ -f "$out/$name.gguf" ] && { [ "$name" != gemma4assistant ] || [ -f "$out/gemma4q.gguf" ]; } && continue
 		do_build
 		gen=$dir/$name-testmodel
 		if [ ! -x "$gen" ] || [ "$root/scripts/$name-testmodel.cpp" -nt "$gen" ] || [ "$root/scripts/testmodel.h" -nt "$gen" ] || [ "$root/scripts/mtptestmodel.h" -nt "$gen" ]; then

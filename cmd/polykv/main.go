@@ -106,7 +106,7 @@ func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
 	fs.IntVar(&cfg.DraftMax, "draft-max", cfg.DraftMax, "most draft tokens a session proposes per step (speculative decoding)")
 	fs.IntVar(&cfg.DraftMin, "draft-min", cfg.DraftMin, "fewest draft tokens worth verifying; a shorter proposal is dropped")
 	fs.Float64Var(&cfg.SpecStepCost, "spec-step-cost", cfg.SpecStepCost, "a decode step's fixed cost in batch rows: a draft row is verified only where the tokens it is expected to add pay for it (0: the default, measured on a 2-core CPU; larger where a step is bound by reading weights, e.g. a GPU; negative: no limit)")
-	fs.StringVar(&cfg.ModelDraft, "model-draft", cfg.ModelDraft, "draft model (GGUF, the target's vocabulary) for --spec-type draft-simple; alone it turns draft-simple on (draft-mtp needs none: the served model's MTP layers draft)")
+	fs.StringVar(&cfg.ModelDraft, "model-draft", cfg.ModelDraft, "draft model (GGUF, the target's vocabulary) for --spec-type draft-simple; alone it turns draft-simple on. With draft-mtp: the MTP assistant of a model whose MTP drafter is a file of its own (Gemma 4's gemma-4-*-assistant); a model with MTP layers needs none")
 	fs.IntVar(&cfg.CtxSizeDraft, "ctx-size-draft", cfg.CtxSizeDraft, "KV cells of the draft model's context (0: --ctx-size)")
 	fs.Float64Var(&cfg.DraftPMin, "draft-p-min", cfg.DraftPMin, "draft-simple, draft-mtp: stop a session's draft at a token the draft model or MTP head gives less probability than this (-1: 0.75 for a draft model, 0 for MTP)")
 	fs.IntVar(&cfg.SpecNgramMin, "spec-ngram-min", cfg.SpecNgramMin, "ngram-simple: the shortest end of the context it looks up (longer: fewer, surer drafts)")

@@ -432,7 +432,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	}
 	backend := runner.NewBackend(model, ctx, log)
 	var draft *draftModel
-	if ecfg.Spec.On() && cfg.ModelDraft != "" {
+	if ecfg.Spec.On() && cfg.ModelDraft != "" && !cfg.wantsMTP() {
 		if draft, err = openDraft(cfg, model, cp, log); err != nil {
 			return fail(err)
 		}
@@ -444,7 +444,8 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		}
 		backend.EnableMTP(draft.mtp)
 		// Every cell the target holds has its MTP cell and row beside it: the pools'
-		// and sessions' KV bytes count them (the scheduler reads BytesPerCell).
+		// and sessions' KV bytes count them (the scheduler reads BytesPerCell; 0 for an
+		// MTP assistant, which reads the target's cells).
 		ecfg.BytesPerCell += draft.mtpBytesPerCell
 	}
 	sched, err := engine.NewScheduler(ecfg, runner.Vocab{M: model})

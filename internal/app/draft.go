@@ -55,8 +55,8 @@ func (c Config) checkDraft() error {
 		return fmt.Errorf("--spec-type: %s and %s cannot both run (one drafter per server); pick one", engine.SpecDraftSimple, engine.SpecDraftMTP)
 	case has && c.ModelDraft == "":
 		return fmt.Errorf("--spec-type %s needs a draft model: --model-draft PATH", engine.SpecDraftSimple)
-	case !has && c.ModelDraft != "":
-		return fmt.Errorf("--model-draft is only used by --spec-type %s (got %q)", engine.SpecDraftSimple, c.SpecType)
+	case !has && c.ModelDraft != "" && !slices.Contains(types, engine.SpecDraftMTP):
+		return fmt.Errorf("--model-draft is only used by --spec-type %s, or by %s for a model whose MTP drafter is a file of its own (a Gemma 4 assistant) (got %q)", engine.SpecDraftSimple, engine.SpecDraftMTP, c.SpecType)
 	case c.CtxSizeDraft < 0:
 		return fmt.Errorf("--ctx-size-draft must be 0 (the target's --ctx-size) or positive, got %d", c.CtxSizeDraft)
 	case !(c.DraftPMin >= 0 && c.DraftPMin <= 1) && c.DraftPMin != -1:
@@ -95,8 +95,12 @@ func (d *draftModel) free() {
 // openMTP gives the served model's MTP head its own context over the served context
 // tgt (tp its parameters: as many cells and sequence ids, the same batch), with NextN
 // rows turned on in both (the target's for every batch entry), and the drafter that
-// mirrors the target into it (runner.MTP).
+// mirrors the target into it (runner.MTP). With --model-draft the head is that file, an
+// MTP assistant (openAssistant).
 func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.ContextParams, draftMax int, log *slog.Logger) (*draftModel, error) {
+	if cfg.ModelDraft != "" {
+		return openAssistant(cfg, model, tgt, tp, draftMax, log)
+	}
 	// As many cells as the target, which it mirrors, and room for every sequence's
 	// drafts beside them (one block's KV: small). A sliding-window model's SWA cache is
 	// full-size here too, as the target's (runner.Policy.Params): the MTP context keeps
@@ -131,6 +135,45 @@ func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.Contex
 	return &draftModel{ctx: ctx, mtp: m, mtpBytesPerCell: perCell}, nil
 }
 
+// openAssistant loads --model-draft, an MTP assistant for the served model (Gemma 4's:
+// llama.Model.IsAssistant), and gives it a context over the served context tgt, whose
+// cells it reads (llama.cpp shares them: it keeps none, so it costs no memory per cell),
+// with the drafter (runner.MTP, which then mirrors nothing). As llama-server runs one:
+// --spec-type draft-mtp --model-draft ASSISTANT.
+func openAssistant(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.ContextParams, draftMax int, log *slog.Logger) (*draftModel, error) {
+	a, err := llama.LoadModelWith(cfg.ModelDraft, llama.ModelParams{MatMulKernel: llama.KernelNamed(cfg.MMKernel)})
+	if err != nil {
+		return nil, fmt.Errorf("--model-draft: %w", err)
+	}
+	refuse := func(err error) (*draftModel, error) {
+		a.Free()
+		return nil, fmt.Errorf("--spec-type %s --model-draft %s cannot draft for %s: %w", engine.SpecDraftMTP, cfg.ModelDraft, cfg.ModelPath, err)
+	}
+	if !a.IsAssistant() {
+		return refuse(fmt.Errorf("its architecture is %s, not an MTP assistant (gemma4-assistant); a small model of the same vocabulary drafts with --spec-type %s, and a model with MTP layers of its own needs no --model-draft",
+			a.Meta("general.architecture"), engine.SpecDraftSimple))
+	}
+	ap := llama.ContextParams{NCtx: tp.NCtx, NBatch: tp.NBatch, NUBatch: tp.NUBatch, NSeqMax: tp.NSeqMax, NThreads: tp.NThreads,
+		KVUnified: true, FlashAttn: tp.FlashAttn, AttnKernel: tp.AttnKernel, SWAFull: tp.SWAFull, MTPTarget: tgt}
+	ctx, err := llama.NewContext(a, ap)
+	if err != nil {
+		return refuse(err)
+	}
+	tgt.SetEmbeddingsNextN(true, false)
+	ctx.SetEmbeddingsNextN(true, true)
+	pMin := cfg.DraftPMinFor(engine.SpecDraftMTP)
+	m, err := runner.NewMTP(model, tgt, ctx, pMin, log)
+	if err != nil {
+		tgt.SetEmbeddingsNextN(false, false)
+		ctx.Free()
+		return refuse(err)
+	}
+	if log != nil {
+		log.Info("MTP drafting with an assistant", "path", cfg.ModelDraft, "desc", a.Desc(), "blocks", a.NLayerNextN(), "draft_max", draftMax, "p_min", pMin)
+	}
+	return &draftModel{model: a, ctx: ctx, mtp: m}, nil
+}
+
 // draftArchRefused refuses the draft-head architectures of llama.cpp that are not
 // standalone models: each reads the target's hidden states or KV cache, which only
 // llama.cpp's own drivers for them provide (b11434 will not even build a
@@ -140,7 +183,7 @@ func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.Contex
 func draftArchRefused(arch string) error {
 	switch arch {
 	case "gemma4-assistant":
-		return fmt.Errorf("it is a Gemma 4 assistant (MTP drafter), which reads the target's KV cache; PolyKV does not run Gemma 4 assistants (llama-server: --spec-type draft-mtp with it as the draft model)")
+		return fmt.Errorf("it is a Gemma 4 assistant (an MTP drafter that reads the target's KV cache), not a standalone model: run it with --spec-type %s --model-draft, as llama-server does", engine.SpecDraftMTP)
 	case "eagle3", "dflash":
 		return fmt.Errorf("its architecture is %s, a draft head that reads the target's hidden states; PolyKV runs draft-simple models (a small model of the same vocabulary) and draft-mtp (the served model's own MTP layers), not %s heads", arch, strings.ToUpper(arch))
 	}
@@ -152,10 +195,17 @@ func checkMTP(cfg Config, model *llama.Model) error {
 	if !cfg.wantsMTP() {
 		return nil
 	}
+	if cfg.ModelDraft != "" {
+		// The drafter is that file, an MTP assistant (openAssistant checks it).
+		if model.NLayerNextN() > 0 {
+			return fmt.Errorf("--spec-type %s: %s has MTP layers of its own, which draft; --model-draft is for a model whose MTP drafter is a separate assistant (Gemma 4)", engine.SpecDraftMTP, cfg.ModelPath)
+		}
+		return nil
+	}
 	if model.NLayerNextN() == 0 {
 		if model.Meta("general.architecture") == "gemma4" {
-			// Gemma 4's MTP head ships as a separate gemma4-assistant model (see draftArchRefused).
-			return fmt.Errorf("--spec-type %s: %s has no MTP (NextN) layers: Gemma 4's MTP drafter is a separate assistant model, which PolyKV does not run; use ngram-simple, ngram-mod or a draft model", engine.SpecDraftMTP, cfg.ModelPath)
+			// Gemma 4's MTP head ships as a separate gemma4-assistant model.
+			return fmt.Errorf("--spec-type %s: %s has no MTP (NextN) layers: Gemma 4's MTP drafter is a separate assistant model (gemma-4-*-assistant); give it with --model-draft", engine.SpecDraftMTP, cfg.ModelPath)
 		}
 		return fmt.Errorf("--spec-type %s: %s has no MTP (NextN) layers (GGUF nextn_predict_layers is 0); use ngram-simple, ngram-mod or a draft model", engine.SpecDraftMTP, cfg.ModelPath)
 	}

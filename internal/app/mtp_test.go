@@ -35,15 +35,28 @@ import (
 // deleted one is left in it. On the hybrid qwen35 target, the MLA deepseek2 one and the
 // sliding-window cohere2moe one (whose MTP context's cells need the target's SWA shadows:
 // without them it lost positions out of the window and drafted about half as much).
+//
+// gemma4q (the Gemma 4 test model in Q4_1) drafts with its assistant
+// (scripts/gemma4assistant-testmodel.cpp, a model file of its own that reads the target's
+// cells: --model-draft), which has no cells to mirror.
 func TestMTPServed(t *testing.T) {
-	for _, model := range []string{"qwen35mtp", "deepseek2mtp", "cohere2moemtp"} {
+	for _, model := range []string{"qwen35mtp", "deepseek2mtp", "cohere2moemtp", "gemma4q"} {
 		t.Run(model, func(t *testing.T) { testMTPServed(t, model) })
 	}
 }
 
+// mtpConfig is a draft-mtp server's configuration on test model model: its own MTP
+// layers, or for gemma4q its assistant (--model-draft).
+func mtpConfig(t *testing.T, model string, cfg Config) Config {
+	cfg.ModelPath, cfg.SpecType, cfg.DraftMax, cfg.SpecStepCost = testmodel.Arch(t, model), "draft-mtp", 3, -1
+	if model == "gemma4q" {
+		cfg.ModelDraft = testmodel.Arch(t, "gemma4assistant")
+	}
+	return cfg
+}
+
 func testMTPServed(t *testing.T, model string) {
-	cfg := Config{ModelPath: testmodel.Arch(t, model), NCtx: 2048, Parallel: 4, MaxPools: 3,
-		Threads: 2, SpecType: "draft-mtp", DraftMax: 3, SpecStepCost: -1}
+	cfg := mtpConfig(t, model, Config{NCtx: 2048, Parallel: 4, MaxPools: 3, Threads: 2})
 	a, base := startServer(t, cfg)
 	if a.draft == nil || a.draft.mtp == nil {
 		t.Fatal("draft-mtp asked for, no MTP drafter")
@@ -108,15 +121,23 @@ func testMTPServed(t *testing.T, model string) {
 	checkMTPRun(t, mtp, drafted, accepted)
 }
 
-// TestMTPRefused: draft-mtp on a model without MTP layers (Gemma 4: named as such), or
-// beside a draft model, is refused at start with the reason.
+// TestMTPRefused: draft-mtp on a model without MTP layers (Gemma 4: told to give its
+// assistant), beside a draft model, or with a --model-draft that is not an assistant for
+// the served model, is refused at start with the reason; an assistant is refused as a
+// draft-simple model.
 func TestMTPRefused(t *testing.T) {
 	for _, c := range []struct {
 		cfg  Config
 		want string
 	}{
 		{Config{ModelPath: testmodel.Arch(t, "qwen35"), SpecType: "draft-mtp"}, "no MTP (NextN) layers"},
-		{Config{ModelPath: testmodel.Arch(t, "gemma4"), SpecType: "draft-mtp"}, "Gemma 4's MTP drafter is a separate assistant model"},
+		{Config{ModelPath: testmodel.Arch(t, "gemma4"), SpecType: "draft-mtp"}, "Gemma 4's MTP drafter is a separate assistant model (gemma-4-*-assistant); give it with --model-draft"},
+		// An assistant for another architecture, a plain model as the assistant, an
+		// assistant beside a model's own MTP layers, an assistant as a draft-simple model.
+		{Config{ModelPath: testmodel.Arch(t, "qwen35"), SpecType: "draft-mtp", ModelDraft: testmodel.Arch(t, "gemma4assistant")}, "a gemma4-assistant assistant drafts for gemma4 models, not qwen35"},
+		{Config{ModelPath: testmodel.Arch(t, "gemma4"), SpecType: "draft-mtp", ModelDraft: testmodel.Arch(t, "llama")}, "its architecture is llama, not an MTP assistant"},
+		{Config{ModelPath: testmodel.Arch(t, "qwen35mtp"), SpecType: "draft-mtp", ModelDraft: testmodel.Arch(t, "gemma4assistant")}, "has MTP layers of its own"},
+		{Config{ModelPath: testmodel.Arch(t, "gemma4"), SpecType: "draft-simple", ModelDraft: testmodel.Arch(t, "gemma4assistant")}, "run it with --spec-type draft-mtp --model-draft"},
 		{Config{ModelPath: testmodel.Arch(t, "qwen35mtp"), SpecType: "draft-mtp,draft-simple", ModelDraft: testmodel.Arch(t, "llama")}, "cannot both run"},
 	} {
 		cfg := withDefaults(c.cfg)
@@ -144,16 +165,16 @@ func TestMTPRefused(t *testing.T) {
 // after every operation and no entry is mirrored without its row. The hybrid qwen35mtp
 // (prefix cache off) runs the tier part: its restore shares the parent's cells before
 // the state is loaded. deepseek2mtp runs it all on multi-head latent attention,
-// cohere2moemtp on sliding-window attention (the MTP part saved window by window).
+// cohere2moemtp on sliding-window attention (the MTP part saved window by window), gemma4q
+// with its assistant (no MTP part: the assistant reads the target's restored cells).
 func TestMTPPrefixCacheAndTier(t *testing.T) {
 	for _, c := range []struct {
 		model, where string
 		prefixCache  bool
-	}{{"glm4moemtp", "ram", true}, {"glm4moemtp", "disk", true}, {"qwen35mtp", "ram", false}, {"deepseek2mtp", "disk", true}, {"cohere2moemtp", "disk", true}} {
+	}{{"glm4moemtp", "ram", true}, {"glm4moemtp", "disk", true}, {"qwen35mtp", "ram", false}, {"deepseek2mtp", "disk", true}, {"cohere2moemtp", "disk", true}, {"gemma4q", "disk", true}} {
 		t.Run(c.model+"/"+c.where, func(t *testing.T) {
 			where := c.where
-			cfg := withDefaults(Config{ModelPath: testmodel.Arch(t, c.model), NCtx: 2048, Parallel: 4, MaxPools: 2,
-				Threads: 2, SpecType: "draft-mtp", DraftMax: 3, SpecStepCost: -1, PoolGrace: time.Nanosecond})
+			cfg := withDefaults(mtpConfig(t, c.model, Config{NCtx: 2048, Parallel: 4, MaxPools: 2, Threads: 2, PoolGrace: time.Nanosecond}))
 			if where == "disk" {
 				cfg.PoolRAMMB, cfg.PoolDir = 0, t.TempDir()
 			}

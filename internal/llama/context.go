@@ -44,7 +44,9 @@ type ContextParams struct {
 	// MTPTarget, if set, makes this an MTP draft context (LLAMA_CONTEXT_TYPE_MTP) over
 	// MTPTarget's model (loaded with LoadMTP): its graph runs the NextN layer(s) only,
 	// with a KV cache of their own, and its batches carry the target's NextN embedding
-	// per token (BatchAddEmbd). See mtp.go.
+	// per token (BatchAddEmbd). See mtp.go. The model may instead be a separate MTP
+	// assistant for MTPTarget's (Model.IsAssistant: Gemma 4's), whose context keeps no
+	// cache of its own: its layers read MTPTarget's (SharesTargetKV).
 	MTPTarget *Context
 	// AttnKernel is this context's CPU flash-attention kernel (KernelDefault: the process
 	// default, SetFlashAttnKernel). Per context, not per model: the kernel reads the
@@ -123,10 +125,14 @@ func NewContext(model *Model, p ContextParams) (*Context, error) {
 	cp.no_perf = true
 	cp.n_rs_seq = C.uint32_t(max(p.RSSeq, 0))
 	if p.MTPTarget != nil {
-		if p.MTPTarget.model != model {
-			return nil, errors.New("new context: an MTP context runs on its target's model")
-		}
-		if !model.MTPLoaded() {
+		switch {
+		case model.IsAssistant():
+			if err := checkAssistant(p.MTPTarget.model, model); err != nil {
+				return nil, fmt.Errorf("new context: %w", err)
+			}
+		case p.MTPTarget.model != model:
+			return nil, errors.New("new context: an MTP context runs on its target's model (or is an MTP assistant's)")
+		case !model.MTPLoaded():
 			return nil, fmt.Errorf("new context: an MTP context needs the model's MTP layers (%d in the file; load it with LoadMTP)", model.NLayerNextN())
 		}
 		cp.ctx_type = C.LLAMA_CONTEXT_TYPE_MTP

@@ -7,8 +7,10 @@ package llama
 // SetEmbeddingsNextN, EmbeddingsNextN); the draft context is a second Context on the same
 // model (ContextParams.MTPTarget) whose graph runs only the NextN layer(s), with a KV cache
 // of their own, fed per entry a token and the target's h of the position before it
-// (BatchAddEmbd). How a driver keeps the two in step is in docs/speculative.md (MTP); this
-// file only binds the calls.
+// (BatchAddEmbd). An MTP assistant (Gemma 4's: a model file of its own, IsAssistant) gets
+// such a context too, over its target's context, whose cells its layers read instead of
+// keeping any (SharesTargetKV). How a driver keeps them in step is in docs/speculative.md
+// (MTP); this file only binds the calls.
 
 /*
 #include <stdlib.h>
@@ -36,6 +38,42 @@ func (m *Model) NEmbdOut() int { return int(C.llama_model_n_embd_out(m.m)) }
 
 // IsMTP reports whether c is an MTP draft context (ContextParams.MTPTarget).
 func (c *Context) IsMTP() bool { return c.embdRow > 0 }
+
+// assistantArchs are the architectures of MTP drafters shipped as a model file of their
+// own that read their target's KV cache instead of keeping one (b11434: Gemma 4's).
+var assistantArchs = map[string]string{"gemma4-assistant": "gemma4"}
+
+// IsAssistant reports whether m is an MTP assistant: a drafter for another model (its
+// target) whose context keeps no KV cache but attends over the target's (llama.cpp shares
+// the target's last sliding and last full layer's cells with it), fed the target's hidden
+// state like an MTP head. Gemma 4 ships its MTP drafter so.
+func (m *Model) IsAssistant() bool {
+	_, ok := assistantArchs[m.Meta("general.architecture")]
+	return ok
+}
+
+// checkAssistant refuses assistant a for target t unless a is written for t's architecture
+// with t's vocabulary and hidden width: llama.cpp's assistant graph takes the target's
+// token embeddings, hidden state and KV layers as they come and would abort (GGML_ASSERT)
+// or read garbage on another model.
+func checkAssistant(t, a *Model) error {
+	want := assistantArchs[a.Meta("general.architecture")]
+	if got := t.Meta("general.architecture"); got != want {
+		return fmt.Errorf("a %s assistant drafts for %s models, not %s", a.Meta("general.architecture"), want, got)
+	}
+	if err := CheckDraftVocab(t, a); err != nil {
+		return err
+	}
+	if w, h := int(C.llama_model_n_embd_inp(a.m)), t.NEmbdOut(); w != h {
+		return fmt.Errorf("the assistant reads hidden states of %d values, the target's are %d", w, h)
+	}
+	return nil
+}
+
+// SharesTargetKV reports whether c is an MTP assistant's context (IsAssistant): it has no
+// cells of its own, its sequences' cells are its target's, and every cell operation on it
+// (SeqRm, SeqCp, state save and load) does nothing in llama.cpp.
+func (c *Context) SharesTargetKV() bool { return c.IsMTP() && c.model.IsAssistant() }
 
 // initMTPBatch gives an MTP context's batch an embedding row per entry beside its token:
 // llama.cpp's batch conversion takes both (the MTP graph reads the token's embedding and

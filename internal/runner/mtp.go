@@ -2,6 +2,7 @@ package runner
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"log/slog"
 	"math"
@@ -50,6 +51,17 @@ import (
 // the wanted length or at a token the head gives less than --draft-p-min. The draft
 // positions are removed again afterwards: when the target verifies them, the mirror
 // decodes them with the target's rows.
+//
+// An MTP assistant (Gemma 4's: a model file of its own, llama.Model.IsAssistant) keeps
+// no cache: its context's layers attend over the target's cells, shared by llama.cpp
+// (llama.Context.SharesTargetKV), so there is nothing to mirror and every cell operation
+// on it is a no-op. MTP then only keeps, per sequence, the target's rows of the entries
+// it sampled in its last decode (one of them is the row of the position before the
+// session's next token, whichever of its drafts were accepted), drafts every step at the
+// next token's position (the assistant writes no cells, so each draft token is read at
+// that same position, as llama.cpp's driver does), and has no part in tier entries or slot
+// files. A sequence whose row of its last position is not kept (its last decode ended
+// elsewhere) is not drafted for.
 type MTP struct {
 	tgt, ctx *llama.Context
 	nVoc     int
@@ -60,6 +72,9 @@ type MTP struct {
 	// so it is truncated and appended to in place.
 	rows map[int][]posRow
 	log  *slog.Logger
+	// shared: ctx is an MTP assistant's over the target's cells (see MTP); fullSaid: the
+	// log has said once that a full target cache stops its drafts.
+	shared, fullSaid bool
 
 	// gaps counts entries decoded with h = 0 because the row was not known;
 	// decoded counts the mirror's entries; drafted the head's draft tokens (tests,
@@ -111,7 +126,7 @@ func NewMTP(model *llama.Model, tgt, ctx *llama.Context, pMin float64, log *slog
 	if log == nil {
 		log = slog.Default()
 	}
-	return &MTP{tgt: tgt, ctx: ctx, nVoc: model.NVocab(), pMin: float32(pMin),
+	return &MTP{tgt: tgt, ctx: ctx, nVoc: model.NVocab(), pMin: float32(pMin), shared: ctx.SharesTargetKV(),
 		zero: make([]float32, model.NEmbdOut()), rows: map[int][]posRow{}, log: log}, nil
 }
 
@@ -135,7 +150,7 @@ func (m *MTP) Mismatches() (int64, string) {
 
 // check compares the sequences' positions with the target's (see CheckMirror).
 func (m *MTP) check(op string) {
-	if m.paused {
+	if m.paused || m.shared {
 		return
 	}
 	for seq := range int(m.checkSeqs.Load()) {
@@ -172,6 +187,10 @@ func cmpPos(r posRow, pos int) int { return r.pos - pos }
 // drops the batch's sequences from the MTP context, whose cache may hold part of it;
 // they are then not drafted for (their positions no longer start at 0).
 func (m *MTP) mirror(batch []engine.BatchEntry) {
+	if m.shared {
+		m.keepLast(batch)
+		return
+	}
 	m.ctx.BatchClear()
 	fresh := map[int][]posRow{} // this batch's rows, per sequence
 	for i, e := range batch {
@@ -215,6 +234,26 @@ func (m *MTP) mirror(batch []engine.BatchEntry) {
 		m.rows[seq] = rs
 	}
 	m.check("decode")
+}
+
+// keepLast keeps, for each sequence of batch, the target's rows of its sampled entries
+// and of its last one, in place of what it kept before: an assistant's draft starts from
+// the row of the sequence's last position, which is its last entry or, after a rollback,
+// one of its verified drafts (see MTP). The rest of a prefill chunk's rows are not kept:
+// they would cost n_embd floats per prompt token and are never read.
+func (m *MTP) keepLast(batch []engine.BatchEntry) {
+	last := map[int]int{}
+	for i, e := range batch {
+		last[e.Seq] = i
+	}
+	for seq := range last {
+		m.rows[seq] = m.rows[seq][:0]
+	}
+	for i, e := range batch {
+		if e.Sample || last[e.Seq] == i {
+			m.rows[e.Seq] = append(m.rows[e.Seq], posRow{e.Pos, m.tgt.EmbeddingsNextN(i)})
+		}
+	}
 }
 
 func (m *MTP) fail(batch []engine.BatchEntry, err error) {
@@ -287,7 +326,7 @@ func (m *MTP) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 		// The MTP cells must be the target's: positions 0..n-2 (the next token, at n-1,
 		// is not decoded yet), and the row of n-2 known.
 		h := m.row(w.Seq, n-2)
-		if h == nil || m.ctx.SeqPosMin(w.Seq) != 0 || m.ctx.SeqPosMax(w.Seq) != n-2 {
+		if h == nil || m.ctx.SeqPosMax(w.Seq) != n-2 || (!m.shared && m.ctx.SeqPosMin(w.Seq) != 0) {
 			continue
 		}
 		seen[w.Seq] = true
@@ -309,6 +348,17 @@ func (m *MTP) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 	}()
 	for m.ctx.BatchLen() > 0 {
 		if err := m.ctx.Decode(); err != nil {
+			if m.shared && errors.Is(err, llama.ErrNoKVSlot) {
+				// llama.cpp places an assistant's entries in the target's cache, though it
+				// writes nothing there: with that cache full (other sessions' cells, the
+				// drafts verified next) there are no drafts until cells are freed. Expected
+				// under memory pressure: said once, not every step.
+				if !m.fullSaid {
+					m.fullSaid = true
+					m.log.Info("MTP assistant: no drafts while the target's KV cache has no free cell (llama.cpp places its entries there); said once")
+				}
+				return nil
+			}
 			m.log.Warn("MTP draft decode failed: no drafts this step", "err", err)
 			return nil
 		}
@@ -343,7 +393,10 @@ func (m *MTP) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 				x.j.done = true
 				continue
 			}
-			pos := len(x.j.w.Tokens) - 1 + len(x.j.out)
+			pos := len(x.j.w.Tokens) - 1 // an assistant reads every draft token there (see MTP)
+			if !m.shared {
+				pos += len(x.j.out)
+			}
 			i, err := m.ctx.BatchAddEmbd(x.tok, pos, x.j.w.Seq, true, x.h)
 			if err != nil {
 				x.j.done = true

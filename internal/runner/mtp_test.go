@@ -183,3 +183,174 @@ func mtpReference(t *testing.T, m *llama.Model, toks []engine.Token, k int) []en
 		}
 	}
 }
+
+// TestAssistantDraftsMatchReference: drafts of an MTP assistant (Gemma 4's, a model file
+// of its own reading the target's cells: scripts/gemma4assistant-testmodel.cpp, whose
+// drafts depend on the hidden state it is given) over a backend's sequences (a pool
+// copied into two sessions, each decoding its own suffix; a verify batch cut back by a
+// rejected draft) equal what a fresh assistant gives over a fresh target that decoded the
+// same context in one batch. The rows MTP keeps (the last entry's, the sampled ones') must
+// be those of the right positions: losslessness does not depend on it, acceptance does.
+func TestAssistantDraftsMatchReference(t *testing.T) {
+	llama.Init()
+	m, err := llama.LoadModel(testmodel.Arch(t, "gemma4q"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(m.Free)
+	am, err := llama.LoadModel(testmodel.Arch(t, "gemma4assistant"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(am.Free)
+	const k = 3
+	// Every position stays within the 32-token window, which the sequences below never leave.
+	p := llama.ContextParams{NCtx: 256, NBatch: 64, NUBatch: 64, NSeqMax: 4, NThreads: 2, KVUnified: true, SWAFull: true}
+	tgt, err := llama.NewContext(m, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(tgt.Free)
+	tgt.SetEmbeddingsNextN(true, false)
+	p.MTPTarget = tgt
+	actx, err := llama.NewContext(am, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(actx.Free)
+	if !actx.SharesTargetKV() {
+		t.Fatal("the assistant's context does not read the target's cells")
+	}
+	actx.SetEmbeddingsNextN(true, true)
+	mtp, err := NewMTP(m, tgt, actx, 0, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := NewBackend(m, tgt, nil)
+	b.EnableMTP(mtp)
+
+	toks := func(seed, n int) []engine.Token {
+		out := make([]engine.Token, n)
+		for i := range out {
+			out[i] = engine.Token(4 + (seed+i*37+i*i)%120)
+		}
+		return out
+	}
+	draft := func(wants ...engine.DraftWant) map[engine.TaskID][]engine.Token {
+		t.Helper()
+		got := map[engine.TaskID][]engine.Token{}
+		for _, p := range mtp.Draft(wants) {
+			got[p.Task] = p.Tokens
+		}
+		return got
+	}
+	// check compares seq's drafts, and the row MTP keeps for its last position, with the
+	// reference's: the drafts of this test model depend on the row only a little (its
+	// successor map dominates), so the row itself is compared, bit for bit (the target's
+	// kernels give a position's row whatever the batch).
+	check := func(name string, seq int, got []engine.Token, ctxToks []engine.Token) {
+		t.Helper()
+		want, row := assistantReference(t, m, am, ctxToks, k)
+		if !slices.Equal(got, want) {
+			t.Errorf("%s: the assistant drafted %v, a fresh one over the same context %v", name, got, want)
+		}
+		if kept := mtp.row(seq, len(ctxToks)-2); !slices.Equal(kept, row) {
+			t.Errorf("%s: the row kept for position %d is not the target's of that position", name, len(ctxToks)-2)
+		}
+		t.Logf("%s: drafted %v", name, got)
+	}
+
+	pool := toks(1, 16)
+	decodeAt(t, b, 2, 0, pool...)
+	s0 := append(slices.Clone(pool), toks(2, 6)...)
+	s1 := append(slices.Clone(pool), toks(3, 4)...)
+	b.SeqCp(2, 0, 0, len(pool))
+	b.SeqCp(2, 1, 0, len(pool))
+	decodeAt(t, b, 0, len(pool), s0[len(pool):]...)
+	decodeAt(t, b, 1, len(pool), s1[len(pool):]...)
+	next0, next1 := engine.Token(44), engine.Token(17)
+	w0 := append(slices.Clone(s0), next0)
+	w1 := append(slices.Clone(s1), next1)
+	got := draft(engine.DraftWant{Task: 1, Seq: 0, Tokens: w0, K: k}, engine.DraftWant{Task: 2, Seq: 1, Tokens: w1, K: k})
+	check("session 0 on the pool", 0, got[1], w0)
+	check("session 1 on the pool", 1, got[2], w1)
+	if len(got[1]) != k {
+		t.Fatalf("session 0: %d drafts, want %d (p-min 0)", len(got[1]), k)
+	}
+
+	// Verify session 0's drafts as the engine does (every entry sampled); the second is
+	// rejected: the target keeps the next token and the first draft, then another token.
+	b.NewSampler(1, engine.SamplingParams{}, false, nil)
+	defer b.FreeSampler(1)
+	verify := []engine.BatchEntry{{Token: next0, Pos: len(s0), Seq: 0, Sample: true, Task: 1}}
+	for i, d := range got[1] {
+		verify = append(verify, engine.BatchEntry{Token: d, Pos: len(s0) + 1 + i, Seq: 0, Sample: true, Task: 1, Draft: true})
+	}
+	if _, err := b.Decode(verify); err != nil {
+		t.Fatal(err)
+	}
+	if !b.SeqRm(0, len(s0)+2, -1) {
+		t.Fatal("rollback of the rejected drafts refused")
+	}
+	w0 = append(append(slices.Clone(s0), next0, got[1][0]), 9)
+	got = draft(engine.DraftWant{Task: 1, Seq: 0, Tokens: w0, K: k})
+	check("session 0 after a rejected draft", 0, got[1], w0)
+	// A sequence whose last position's row is not kept (a copy of another's prefix, no
+	// decode of its own yet) is not drafted for.
+	b.SeqCp(2, 3, 0, 10)
+	if got := draft(engine.DraftWant{Task: 3, Seq: 3, Tokens: append(slices.Clone(pool[:10]), 5), K: k}); len(got) != 0 {
+		t.Errorf("drafted %v for a sequence with no row of its last position", got)
+	}
+}
+
+// assistantReference drafts k tokens after toks (context and next token) the plain way: a
+// fresh target decodes the context in one batch, a fresh assistant reads the next token
+// with the target's row of the last position, then each drafted token with its own row,
+// all at the next token's position (llama.cpp's driver with a shared cache). It returns
+// the drafts and the target's row of the last position.
+func assistantReference(t *testing.T, m, am *llama.Model, toks []engine.Token, k int) ([]engine.Token, []float32) {
+	t.Helper()
+	p := llama.ContextParams{NCtx: 256, NBatch: 64, NUBatch: 64, NSeqMax: 1, NThreads: 2, KVUnified: true, SWAFull: true}
+	tgt, err := llama.NewContext(m, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tgt.Free()
+	tgt.SetEmbeddingsNextN(true, false)
+	p.MTPTarget = tgt
+	d, err := llama.NewContext(am, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Free()
+	d.SetEmbeddingsNextN(true, true)
+	n := len(toks) - 1
+	tgt.BatchClear()
+	for i, tok := range toks[:n] {
+		if _, err := tgt.BatchAdd(tok, i, 0, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tgt.Decode(); err != nil {
+		t.Fatal(err)
+	}
+	row := tgt.EmbeddingsNextN(n - 1)
+	tok, h := toks[n], row
+	var out []engine.Token
+	for len(out) < k {
+		d.BatchClear()
+		if _, err := d.BatchAddEmbd(tok, n, 0, true, h); err != nil {
+			t.Fatal(err)
+		}
+		if err := d.Decode(); err != nil {
+			t.Fatal(err)
+		}
+		var ok bool
+		if tok, _, ok = d.Greedy(0, m.NVocab()); !ok {
+			t.Fatal("no logits for the draft row")
+		}
+		out = append(out, tok)
+		h = d.EmbeddingsNextN(0)
+	}
+	return out, row
+}

@@ -168,7 +168,7 @@ func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 			err = &tier.MissError{Reason: tier.MissRejected, Err: err}
 		}
 	}
-	if err == nil && b.mtp != nil {
+	if err == nil && b.mtp != nil && !b.mtp.shared {
 		// The target's cells are back whatever happens here: without the MTP part (an
 		// entry written without MTP, or one the MTP context refuses) the pool's sessions
 		// are only not drafted for.
@@ -215,7 +215,7 @@ func (b *Backend) withMTP(op engine.SeqOp, data []byte) []byte {
 // context's part of the same cells behind it (MTP.saveSeq), in the format above: data
 // as is without MTP, and with the error when the MTP context cannot give its part.
 func (b *Backend) mtpEnvelope(seq, src, lo, hi int, data []byte) ([]byte, error) {
-	if b.mtp == nil {
+	if b.mtp == nil || b.mtp.shared { // an MTP assistant's cells are the target's
 		return data, nil
 	}
 	mtp, err := b.mtp.saveSeq(seq, src, lo, hi)
@@ -311,7 +311,7 @@ func (b *Backend) LoadSeq(seq, n int, data []byte) error {
 	} else {
 		err = b.load(seq, 0, n, data)
 	}
-	if err != nil || b.mtp == nil {
+	if err != nil || b.mtp == nil || b.mtp.shared {
 		return err
 	}
 	if mtp == nil {
