@@ -351,6 +351,13 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		NThreads: cfg.Threads, KVUnified: true, TypeK: tk, TypeV: tv, AttnKernel: llama.KernelNamed(cfg.FAKernel),
 	}
 	pol.Params(&cp)
+	if cfg.wantsMTP() && cfg.ModelDraft != "" {
+		// An MTP assistant's draft decode places one entry per drafting session in the
+		// target's cache (it writes nothing there, but llama.cpp wants free cells for
+		// them): the context has that many cells beyond the scheduler's, which it never
+		// fills, so a full cache does not stop the drafts.
+		cp.NCtx += cfg.Parallel
+	}
 	if specAsked {
 		// A recurrent state is cut back past a rejected draft through llama.cpp's
 		// per-sequence snapshots (n_rs_seq): one more copy of the state per draft

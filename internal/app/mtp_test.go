@@ -119,6 +119,11 @@ func testMTPServed(t *testing.T, model string) {
 		t.Logf("churn: %d pools created, a request on each cancelled, deleted", n)
 	}
 	checkMTPRun(t, mtp, drafted, accepted)
+	if n := mtp.NoRoom(); n > 0 {
+		// The context has a cell per session beyond the scheduler's for the assistant's
+		// entries (Open): without them the long prompt filled the cache and stopped its drafts.
+		t.Errorf("%d draft decodes found the target's cache full", n)
+	}
 }
 
 // TestMTPRefused: draft-mtp on a model without MTP layers (Gemma 4: told to give its

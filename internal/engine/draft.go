@@ -97,11 +97,7 @@ func (s *Scheduler) DraftWants() []DraftWant {
 		} else {
 			k = 0
 		}
-		minN := sp.DraftMin
-		if t.req.Spec.NMin != nil {
-			minN = *t.req.Spec.NMin
-		}
-		if k < max(minN, 1) || s.pureDraft(t, k, minN) {
+		if minN := s.draftMin(t); k < minN || s.pureDraft(t, k, minN) {
 			continue
 		}
 		toks := make([]Token, 0, len(t.slot.tokens)+1)

@@ -1006,9 +1006,10 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 		if s.specOn(t) && t.specWait > 0 {
 			t.specWait--
 		} else if s.specOn(t) {
-			// Drafts use what the other decoders leave of the budget and only spare
-			// cells: they are gone again after the step, not worth an eviction.
-			k := min(s.specBudget(t), budget-decoders, spare-decoders)
+			// Drafts use what the other decoders leave of the budget and spare cells,
+			// which the prefix cache's idle sequences give up when there are too few
+			// (draftRoom).
+			k := min(s.specBudget(t), budget-decoders)
 			probe := false
 			if c := s.specCostCap(t, k, specGain, specRows); c > 0 {
 				k = c
@@ -1018,7 +1019,19 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 				k = 0
 			}
 			t.specIdle++
-			if d := s.specDraft(t, k, probe); len(d) > 0 {
+			d := s.specDraft(t, k, probe)
+			if room := spare - decoders; len(d) > room {
+				got := s.draftRoom(len(d) - room)
+				free += got
+				spare += got
+				if n := spare - decoders; n < len(d) {
+					d = d[:max(n, 0)]
+					if len(d) < s.draftMin(t) {
+						d = nil
+					}
+				}
+			}
+			if len(d) > 0 {
 				t.specIdle = 0
 				specGain += t.specExpected(len(d))
 				specRows += float64(len(d))

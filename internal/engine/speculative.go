@@ -188,12 +188,9 @@ func (s *Scheduler) specDraft(t *task, k int, probe bool) []Token {
 	if probe {
 		ngramMin = min(max(ngramMin, specProbeMatch), sp.NgramMax)
 	}
-	minN := sp.DraftMin
-	if t.req.Spec.NMin != nil {
-		minN = *t.req.Spec.NMin
-	}
+	minN := s.draftMin(t)
 	k = min(k, t.draftCap)
-	if k < max(minN, 1) {
+	if k < minN {
 		return nil
 	}
 	ctx := t.slot.tokens
@@ -215,11 +212,46 @@ func (s *Scheduler) specDraft(t *task, k int, probe bool) []Token {
 			t.draftFiltered += len(d) - n
 			d = d[:n]
 		}
-		if len(d) >= max(minN, 1) {
+		if len(d) >= minN {
 			return d
 		}
 	}
 	return nil
+}
+
+// draftMin is the fewest drafts t verifies (--draft-min, or the request's; at least 1):
+// a shorter proposal is dropped.
+func (s *Scheduler) draftMin(t *task) int {
+	if t.req.Spec.NMin != nil {
+		return max(*t.req.Spec.NMin, 1)
+	}
+	return max(s.cfg.Spec.DraftMin, 1)
+}
+
+// draftRoom evicts up to n cells for drafts when too few are free: only from the tails of
+// idle anonymous sequences (the prefix cache), least recently used first, never a pool
+// or an idle session, which are worth more than a step's drafts. It returns the cells
+// freed. Without it a server whose prefix cache had filled the KV cache (its steady state
+// under varied traffic: cached sequences stay until their cells are wanted) never
+// drafted again. It costs little: a draft's cells come back after its step (rejected
+// ones are removed; accepted ones are tokens the session would have decoded, which
+// evict as decode tokens do), so the drafts of a session take a window of cells once,
+// not new ones every step.
+func (s *Scheduler) draftRoom(n int) int {
+	before := s.kv.room(0)
+	for _, v := range s.kv.victims(s.now, nil) {
+		left := n - (s.kv.room(0) - before)
+		if left <= 0 {
+			break
+		}
+		if v.sl == nil || v.sl.session != "" {
+			continue
+		}
+		if x := s.kv.cells.Exclusive(v.sl.seq, 0); x > 0 {
+			s.evictVictim(v, min(x, left))
+		}
+	}
+	return s.kv.room(0) - before
 }
 
 // specOn reports whether t drafts: a generating task of a server with speculation on

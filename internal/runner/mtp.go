@@ -72,14 +72,16 @@ type MTP struct {
 	// so it is truncated and appended to in place.
 	rows map[int][]posRow
 	log  *slog.Logger
-	// shared: ctx is an MTP assistant's over the target's cells (see MTP); fullSaid: the
-	// log has said once that a full target cache stops its drafts.
-	shared, fullSaid bool
+	// shared: ctx is an MTP assistant's over the target's cells (see MTP).
+	shared bool
 
 	// gaps counts entries decoded with h = 0 because the row was not known;
 	// decoded counts the mirror's entries; drafted the head's draft tokens (tests,
 	// diagnostics: safe from any goroutine).
 	gaps, decoded, drafted atomic.Int64
+	// noRoom counts an assistant's draft decodes that found no free cell in the target's
+	// cache (NoRoom).
+	noRoom atomic.Int64
 	// checkSeqs > 0: after every mirrored operation, sequences below it are compared
 	// with the target's and a difference counted in mismatches, the first kept in
 	// mismatch (CheckMirror; tests). paused: a tier restore is under way, whose
@@ -135,6 +137,10 @@ func NewMTP(model *llama.Model, tgt, ctx *llama.Context, pMin float64, log *slog
 func (m *MTP) Gaps() int64    { return m.gaps.Load() }
 func (m *MTP) Decoded() int64 { return m.decoded.Load() }
 func (m *MTP) Drafted() int64 { return m.drafted.Load() }
+
+// NoRoom is the number of an MTP assistant's draft decodes refused for want of a free
+// cell in the target's cache (no drafts that step). Safe from any goroutine.
+func (m *MTP) NoRoom() int64 { return m.noRoom.Load() }
 
 // CheckMirror makes the mirror compare, after every decode, SeqRm and SeqCp it mirrors,
 // the positions each sequence below n holds in the MTP context with the target's
@@ -353,8 +359,7 @@ func (m *MTP) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 				// writes nothing there: with that cache full (other sessions' cells, the
 				// drafts verified next) there are no drafts until cells are freed. Expected
 				// under memory pressure: said once, not every step.
-				if !m.fullSaid {
-					m.fullSaid = true
+				if m.noRoom.Add(1) == 1 {
 					m.log.Info("MTP assistant: no drafts while the target's KV cache has no free cell (llama.cpp places its entries there); said once")
 				}
 				return nil
