@@ -446,7 +446,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		backend.EnableDraft(draft.drafter)
 	}
 	if ecfg.Spec.On() && cfg.wantsMTP() {
-		if draft, err = openMTP(cfg, model, ctx, cp, ecfg.Spec.DraftMax, log); err != nil {
+		if draft, err = openMTP(cfg, model, ctx, cp, off.params, ecfg.Spec.DraftMax, log); err != nil {
 			return fail(err)
 		}
 		backend.EnableMTP(draft.mtp)

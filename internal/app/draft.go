@@ -96,10 +96,10 @@ func (d *draftModel) free() {
 // tgt (tp its parameters: as many cells and sequence ids, the same batch), with NextN
 // rows turned on in both (the target's for every batch entry), and the drafter that
 // mirrors the target into it (runner.MTP). With --model-draft the head is that file, an
-// MTP assistant (openAssistant).
-func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.ContextParams, draftMax int, log *slog.Logger) (*draftModel, error) {
+// MTP assistant (openAssistant), loaded with place, the served model's placement.
+func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.ContextParams, place llama.ModelParams, draftMax int, log *slog.Logger) (*draftModel, error) {
 	if cfg.ModelDraft != "" {
-		return openAssistant(cfg, model, tgt, tp, draftMax, log)
+		return openAssistant(cfg, model, tgt, tp, place, draftMax, log)
 	}
 	// As many cells as the target, which it mirrors, and room for every sequence's
 	// drafts beside them (one block's KV: small). A sliding-window model's SWA cache is
@@ -139,9 +139,13 @@ func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.Contex
 // llama.Model.IsAssistant), and gives it a context over the served context tgt, whose
 // cells it reads (llama.cpp shares them: it keeps none, so it costs no memory per cell),
 // with the drafter (runner.MTP, which then mirrors nothing). As llama-server runs one:
-// --spec-type draft-mtp --model-draft ASSISTANT.
-func openAssistant(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.ContextParams, draftMax int, log *slog.Logger) (*draftModel, error) {
-	a, err := llama.LoadModelWith(cfg.ModelDraft, llama.ModelParams{MatMulKernel: llama.KernelNamed(cfg.MMKernel)})
+// --spec-type draft-mtp --model-draft ASSISTANT, and loaded as llama-server loads it, with
+// the served model's placement mp (its layers read the target's KV where it lives; a
+// draft-simple model, which has its own, stays on the CPU). On a GPU: untested.
+func openAssistant(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.ContextParams, mp llama.ModelParams, draftMax int, log *slog.Logger) (*draftModel, error) {
+	mp.LoadMTP = false
+	mp.MatMulKernel = llama.KernelNamed(cfg.MMKernel)
+	a, err := llama.LoadModelWith(cfg.ModelDraft, mp)
 	if err != nil {
 		return nil, fmt.Errorf("--model-draft: %w", err)
 	}
