@@ -56,8 +56,8 @@ import (
 // no cache: its context's layers attend over the target's cells, shared by llama.cpp
 // (llama.Context.SharesTargetKV), so there is nothing to mirror and every cell operation
 // on it is a no-op. MTP then only keeps, per sequence, the target's rows of the entries
-// it sampled in its last decode (one of them is the row of the position before the
-// session's next token, whichever of its drafts were accepted), drafts every step at the
+// its last decode sampled and of its last entry (one of them is the row of the position
+// before the session's next token, whichever of its drafts were accepted), drafts at the
 // next token's position (the assistant writes no cells, so each draft token is read at
 // that same position, as llama.cpp's driver does), and has no part in tier entries or slot
 // files. A sequence whose row of its last position is not kept (its last decode ended
@@ -356,9 +356,10 @@ func (m *MTP) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 		if err := m.ctx.Decode(); err != nil {
 			if m.shared && errors.Is(err, llama.ErrNoKVSlot) {
 				// llama.cpp places an assistant's entries in the target's cache, though it
-				// writes nothing there: with that cache full (other sessions' cells, the
-				// drafts verified next) there are no drafts until cells are freed. Expected
-				// under memory pressure: said once, not every step.
+				// writes nothing there: with that cache full there are no drafts until
+				// cells are freed. The server's target context has a cell per session
+				// beyond the scheduler's for them (app.Open), so this is not expected;
+				// said once, not every step, should it happen.
 				if m.noRoom.Add(1) == 1 {
 					m.log.Info("MTP assistant: no drafts while the target's KV cache has no free cell (llama.cpp places its entries there); said once")
 				}
