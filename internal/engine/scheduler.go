@@ -1007,8 +1007,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 			t.specWait--
 		} else if s.specOn(t) {
 			// Drafts use what the other decoders leave of the budget and spare cells,
-			// which the prefix cache's idle sequences give up when there are too few
-			// (draftRoom).
+			// which idle sequences' tails give up when there are too few (draftRoom).
 			k := min(s.specBudget(t), budget-decoders)
 			probe := false
 			if c := s.specCostCap(t, k, specGain, specRows); c > 0 {

@@ -228,15 +228,16 @@ func (s *Scheduler) draftMin(t *task) int {
 	return max(s.cfg.Spec.DraftMin, 1)
 }
 
-// draftRoom evicts up to n cells for drafts when too few are free: only from the tails of
-// idle anonymous sequences (the prefix cache), least recently used first, never a pool
-// or an idle session, which are worth more than a step's drafts. It returns the cells
-// freed. Without it a server whose prefix cache had filled the KV cache (its steady state
-// under varied traffic: cached sequences stay until their cells are wanted) never
-// drafted again. It costs little: a draft's cells come back after its step (rejected
-// ones are removed; accepted ones are tokens the session would have decoded, which
-// evict as decode tokens do), so the drafts of a session take a window of cells once,
-// not new ones every step.
+// draftRoom evicts up to n cells for drafts when too few are free: from the tails of
+// idle sequences (cached anonymous ones, idle sessions), least recently used first, as a
+// decode token does when the cache is full, but never a pool, which goes whole. It
+// returns the cells freed. Without it a server whose cache had filled (its steady state
+// under varied traffic: cached sequences and idle sessions keep their cells until they
+// are wanted) never drafted again. It costs little: a draft's cells come back after its
+// step (rejected ones are removed; accepted ones are tokens the session would have
+// decoded, which evict as decode tokens do), so the drafts of a session take a window
+// of cells once, not new ones every step; a session that loses tail tokens to it
+// prefills them again on its next turn.
 func (s *Scheduler) draftRoom(n int) int {
 	before := s.kv.room(0)
 	for _, v := range s.kv.victims(s.now, nil) {
@@ -244,7 +245,7 @@ func (s *Scheduler) draftRoom(n int) int {
 		if left <= 0 {
 			break
 		}
-		if v.sl == nil || v.sl.session != "" {
+		if v.sl == nil {
 			continue
 		}
 		if x := s.kv.cells.Exclusive(v.sl.seq, 0); x > 0 {
