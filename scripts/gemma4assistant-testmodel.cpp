@@ -244,18 +244,6 @@ bool write(const std::string & out, const std::string & target, unsigned long se
     return ok;
 }
 
-bool finite(const float * v, int n) {
-    if (v == nullptr) {
-        return false;
-    }
-    for (int i = 0; i < n; i++) {
-        if (!std::isfinite(v[i])) {
-            return false;
-        }
-    }
-    return true;
-}
-
 // dir_of is path's directory, with its slash.
 std::string dir_of(const std::string & path) {
     return path.substr(0, path.find_last_of('/') + 1);
@@ -325,7 +313,7 @@ bool check(const char * path) {
         ok = llama_decode(tc, b) == 0;
         llama_batch_free(b);
         const float * r = ok ? llama_get_embeddings_nextn_ith(tc, n - 1) : nullptr;
-        ok = finite(r, n_embd_target);
+        ok = testmodel::finite(r, n_embd_target);
         if (ok) {
             h.assign(r, r + n_embd_target);
         } else {
@@ -351,9 +339,9 @@ bool check(const char * path) {
                  llama_batch_ext_set_embd_token(e, idx, {h.data(), 1, size_t(n_embd_target)}) &&
                  llama_batch_ext_set_output_logits(e, idx, true) &&
                  llama_process(ac, LLAMA_PROCESS_TYPE_DECODE, e) == 0 &&
-                 finite(llama_get_logits_ith(ac, 0), int(n_vocab));
+                 testmodel::finite(llama_get_logits_ith(ac, 0), int(n_vocab));
             const float * r = ok ? llama_get_embeddings_nextn_ith(ac, 0) : nullptr;
-            ok = ok && finite(r, n_embd_target);
+            ok = ok && testmodel::finite(r, n_embd_target);
             if (ok) {
                 h.assign(r, r + n_embd_target);
             }

@@ -133,17 +133,6 @@ inline void mtp_drop_nextn_scales(llama_model * m, int32_t n_trunk) {
     }
 }
 
-inline bool mtp_finite(const float * v, int n) {
-    if (v == nullptr) {
-        return false;
-    }
-    for (int j = 0; j < n; j++) {
-        if (!std::isfinite(v[j])) {
-            return false;
-        }
-    }
-    return true;
-}
 
 const int mtp_n_check = 40; // tokens decoded by mtp_check
 
@@ -200,7 +189,7 @@ inline bool mtp_trunk(const mtp_model & s, const char * path, bool load_mtp, boo
     }
     b.n_tokens = mtp_n_check;
     const int n_vocab_m = llama_vocab_n_tokens(llama_model_get_vocab(m));
-    bool ok = llama_decode(c, b) == 0 && mtp_finite(llama_get_logits_ith(c, mtp_n_check - 1), n_vocab_m);
+    bool ok = llama_decode(c, b) == 0 && finite(llama_get_logits_ith(c, mtp_n_check - 1), n_vocab_m);
     llama_batch_free(b);
     if (!ok) {
         fprintf(stderr, "%s: the trunk of %s does not decode (load_mtp %d)\n", s.prog, path, load_mtp);
@@ -254,7 +243,7 @@ inline bool mtp_check(const mtp_model & s, const char * path) {
     std::vector<float> h; // the trunk's NextN rows, mtp_n_check × n_embd
     for (int i = 0; ok && i < mtp_n_check; i++) {
         const float * r = llama_get_embeddings_nextn_ith(c, i);
-        ok = mtp_finite(r, n_embd);
+        ok = finite(r, n_embd);
         if (ok) {
             h.insert(h.end(), r, r + n_embd);
         } else {
@@ -294,8 +283,8 @@ inline bool mtp_check(const mtp_model & s, const char * path) {
         llama_batch_ext_clear(e);
         ok = ok && add(mtp_check_token(mtp_n_check - 1), mtp_n_check, h.data() + size_t(mtp_n_check - 1) * n_embd, true);
         ok = ok && llama_process(d, LLAMA_PROCESS_TYPE_DECODE, e) == 0;
-        ok = ok && mtp_finite(llama_get_logits_ith(d, 0), int(l2.size())) &&
-             mtp_finite(llama_get_embeddings_nextn_ith(d, 0), n_embd);
+        ok = ok && finite(llama_get_logits_ith(d, 0), int(l2.size())) &&
+             finite(llama_get_embeddings_nextn_ith(d, 0), n_embd);
         llama_batch_ext_free(e);
         if (!ok) {
             fprintf(stderr, "%s: the MTP context on %s does not decode\n", s.prog, path);

@@ -12,6 +12,7 @@
 #include "llama-arch.h"
 #include "llama-model-saver.h"
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -56,6 +57,19 @@ inline void set_values(const char * prog, ggml_tensor * t, const std::vector<flo
 }
 
 inline bool quiet(float, void *) { return true; }
+
+// finite reports whether v holds n finite values (false for nullptr: llama.cpp gives none).
+inline bool finite(const float * v, int n) {
+    if (v == nullptr) {
+        return false;
+    }
+    for (int i = 0; i < n; i++) {
+        if (!std::isfinite(v[i])) {
+            return false;
+        }
+    }
+    return true;
+}
 
 // program is one generator: its name (for messages), its metadata, its fill, extra model
 // parameters, how it saves the built model and how it checks the written file.

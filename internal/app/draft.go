@@ -111,13 +111,9 @@ func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.Contex
 	if err != nil {
 		return nil, fmt.Errorf("--spec-type %s: %w", engine.SpecDraftMTP, err)
 	}
-	tgt.SetEmbeddingsNextN(true, false)
-	ctx.SetEmbeddingsNextN(true, true)
 	pMin := cfg.DraftPMinFor(engine.SpecDraftMTP)
-	m, err := runner.NewMTP(model, tgt, ctx, pMin, log)
+	m, err := newMTP(model, tgt, ctx, pMin, log)
 	if err != nil {
-		tgt.SetEmbeddingsNextN(false, false)
-		ctx.Free()
 		return nil, err
 	}
 	perCell := (ctx.MemoryBytes()+int64(mp.NCtx)-1)/int64(mp.NCtx) + 4*int64(model.NEmbdOut())
@@ -133,6 +129,21 @@ func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.Contex
 			"mtp_kv_bytes", ctx.MemoryBytes(), "mtp_row_bytes_per_cell", 4*model.NEmbdOut(), "mtp_bytes_per_cell", perCell)
 	}
 	return &draftModel{ctx: ctx, mtp: m, mtpBytesPerCell: perCell}, nil
+}
+
+// newMTP turns the NextN rows on (the target's for every batch entry, the MTP context's
+// for those with logits) and gives the drafter over the two; on failure both are as
+// before and ctx is freed.
+func newMTP(model *llama.Model, tgt, ctx *llama.Context, pMin float64, log *slog.Logger) (*runner.MTP, error) {
+	tgt.SetEmbeddingsNextN(true, false)
+	ctx.SetEmbeddingsNextN(true, true)
+	m, err := runner.NewMTP(model, tgt, ctx, pMin, log)
+	if err != nil {
+		tgt.SetEmbeddingsNextN(false, false)
+		ctx.Free()
+		return nil, err
+	}
+	return m, nil
 }
 
 // openAssistant loads --model-draft, an MTP assistant for the served model (Gemma 4's:
@@ -163,13 +174,9 @@ func openAssistant(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.
 	if err != nil {
 		return refuse(err)
 	}
-	tgt.SetEmbeddingsNextN(true, false)
-	ctx.SetEmbeddingsNextN(true, true)
 	pMin := cfg.DraftPMinFor(engine.SpecDraftMTP)
-	m, err := runner.NewMTP(model, tgt, ctx, pMin, log)
+	m, err := newMTP(model, tgt, ctx, pMin, log)
 	if err != nil {
-		tgt.SetEmbeddingsNextN(false, false)
-		ctx.Free()
 		return refuse(err)
 	}
 	if log != nil {

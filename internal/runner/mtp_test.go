@@ -48,21 +48,8 @@ func TestMTPDraftsMatchReference(t *testing.T) {
 	b.EnableMTP(mtp)
 
 	decode := func(seq, from int, toks []engine.Token) { decodeAt(t, b, seq, from, toks...) }
-	toks := func(seed, n int) []engine.Token {
-		out := make([]engine.Token, n)
-		for i := range out {
-			out[i] = engine.Token(4 + (seed+i*37+i*i)%120)
-		}
-		return out
-	}
-	draft := func(wants ...engine.DraftWant) map[engine.TaskID][]engine.Token {
-		t.Helper()
-		got := map[engine.TaskID][]engine.Token{}
-		for _, p := range mtp.Draft(wants) {
-			got[p.Task] = p.Tokens
-		}
-		return got
-	}
+	toks := mtpTestTokens
+	draft := func(wants ...engine.DraftWant) map[engine.TaskID][]engine.Token { return draftsByTask(mtp, wants) }
 	check := func(name string, got []engine.Token, ctxToks []engine.Token) {
 		t.Helper()
 		want := mtpReference(t, m, ctxToks, k)
@@ -122,30 +109,8 @@ func TestMTPDraftsMatchReference(t *testing.T) {
 // extraction in decode), which made the drafts after the first differ here.
 func mtpReference(t *testing.T, m *llama.Model, toks []engine.Token, k int) []engine.Token {
 	t.Helper()
-	p := llama.ContextParams{NCtx: 512, NBatch: 128, NUBatch: 128, NSeqMax: 1, NThreads: 2, KVUnified: true}
-	tgt, err := llama.NewContext(m, p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tgt.Free()
-	tgt.SetEmbeddingsNextN(true, false)
-	p.MTPTarget = tgt
-	d, err := llama.NewContext(m, p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Free()
-	d.SetEmbeddingsNextN(true, true)
 	n := len(toks) - 1
-	tgt.BatchClear()
-	for i, tok := range toks[:n] {
-		if _, err := tgt.BatchAdd(tok, i, 0, false); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := tgt.Decode(); err != nil {
-		t.Fatal(err)
-	}
+	tgt, d := refContexts(t, m, m, llama.ContextParams{NCtx: 512, NBatch: 128, NUBatch: 128, NSeqMax: 1, NThreads: 2, KVUnified: true}, toks[:n])
 	d.BatchClear()
 	h := make([]float32, m.NEmbdOut())
 	for i, tok := range toks {
@@ -229,21 +194,8 @@ func TestAssistantDraftsMatchReference(t *testing.T) {
 	b := NewBackend(m, tgt, nil)
 	b.EnableMTP(mtp)
 
-	toks := func(seed, n int) []engine.Token {
-		out := make([]engine.Token, n)
-		for i := range out {
-			out[i] = engine.Token(4 + (seed+i*37+i*i)%120)
-		}
-		return out
-	}
-	draft := func(wants ...engine.DraftWant) map[engine.TaskID][]engine.Token {
-		t.Helper()
-		got := map[engine.TaskID][]engine.Token{}
-		for _, p := range mtp.Draft(wants) {
-			got[p.Task] = p.Tokens
-		}
-		return got
-	}
+	toks := mtpTestTokens
+	draft := func(wants ...engine.DraftWant) map[engine.TaskID][]engine.Token { return draftsByTask(mtp, wants) }
 	// check compares seq's drafts, and the row MTP keeps for its last position, with the
 	// reference's: the drafts of this test model depend on the row only a little (its
 	// successor map dominates), so the row itself is compared, bit for bit (the target's
@@ -310,30 +262,8 @@ func TestAssistantDraftsMatchReference(t *testing.T) {
 // the drafts and the target's row of the last position.
 func assistantReference(t *testing.T, m, am *llama.Model, toks []engine.Token, k int) ([]engine.Token, []float32) {
 	t.Helper()
-	p := llama.ContextParams{NCtx: 256, NBatch: 64, NUBatch: 64, NSeqMax: 1, NThreads: 2, KVUnified: true, SWAFull: true}
-	tgt, err := llama.NewContext(m, p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tgt.Free()
-	tgt.SetEmbeddingsNextN(true, false)
-	p.MTPTarget = tgt
-	d, err := llama.NewContext(am, p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Free()
-	d.SetEmbeddingsNextN(true, true)
 	n := len(toks) - 1
-	tgt.BatchClear()
-	for i, tok := range toks[:n] {
-		if _, err := tgt.BatchAdd(tok, i, 0, false); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := tgt.Decode(); err != nil {
-		t.Fatal(err)
-	}
+	tgt, d := refContexts(t, m, am, llama.ContextParams{NCtx: 256, NBatch: 64, NUBatch: 64, NSeqMax: 1, NThreads: 2, KVUnified: true, SWAFull: true}, toks[:n])
 	row := tgt.EmbeddingsNextN(n - 1)
 	tok, h := toks[n], row
 	var out []engine.Token
@@ -353,4 +283,51 @@ func assistantReference(t *testing.T, m, am *llama.Model, toks []engine.Token, k
 		h = d.EmbeddingsNextN(0)
 	}
 	return out, row
+}
+
+// refContexts is a fresh target context on m (parameters p, NextN rows of every entry on)
+// that has decoded ctxToks in one batch, and a fresh MTP context over it on dm (m itself
+// or an assistant; masked NextN rows), both freed when the test ends.
+func refContexts(t *testing.T, m, dm *llama.Model, p llama.ContextParams, ctxToks []engine.Token) (tgt, d *llama.Context) {
+	t.Helper()
+	tgt, err := llama.NewContext(m, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(tgt.Free)
+	tgt.SetEmbeddingsNextN(true, false)
+	p.MTPTarget = tgt
+	if d, err = llama.NewContext(dm, p); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(d.Free)
+	d.SetEmbeddingsNextN(true, true)
+	tgt.BatchClear()
+	for i, tok := range ctxToks {
+		if _, err := tgt.BatchAdd(tok, i, 0, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tgt.Decode(); err != nil {
+		t.Fatal(err)
+	}
+	return tgt, d
+}
+
+// mtpTestTokens is n tokens of the test vocabulary, a different run for each seed.
+func mtpTestTokens(seed, n int) []engine.Token {
+	out := make([]engine.Token, n)
+	for i := range out {
+		out[i] = engine.Token(4 + (seed+i*37+i*i)%120)
+	}
+	return out
+}
+
+// draftsByTask is m's proposals for wants, by task.
+func draftsByTask(m *MTP, wants []engine.DraftWant) map[engine.TaskID][]engine.Token {
+	got := map[engine.TaskID][]engine.Token{}
+	for _, p := range m.Draft(wants) {
+		got[p.Task] = p.Tokens
+	}
+	return got
 }
