@@ -170,23 +170,10 @@ func TestAssistantDraftsMatchReference(t *testing.T) {
 	t.Cleanup(am.Free)
 	const k = 3
 	// Every position stays within the 32-token window, which the sequences below never leave.
-	p := llama.ContextParams{NCtx: 256, NBatch: 64, NUBatch: 64, NSeqMax: 4, NThreads: 2, KVUnified: true, SWAFull: true}
-	tgt, err := llama.NewContext(m, p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(tgt.Free)
-	tgt.SetEmbeddingsNextN(true, false)
-	p.MTPTarget = tgt
-	actx, err := llama.NewContext(am, p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(actx.Free)
+	tgt, actx := refContexts(t, m, am, llama.ContextParams{NCtx: 256, NBatch: 64, NUBatch: 64, NSeqMax: 4, NThreads: 2, KVUnified: true, SWAFull: true}, nil)
 	if !actx.SharesTargetKV() {
 		t.Fatal("the assistant's context does not read the target's cells")
 	}
-	actx.SetEmbeddingsNextN(true, true)
 	mtp, err := NewMTP(m, tgt, actx, 0, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -286,8 +273,8 @@ func assistantReference(t *testing.T, m, am *llama.Model, toks []engine.Token, k
 }
 
 // refContexts is a fresh target context on m (parameters p, NextN rows of every entry on)
-// that has decoded ctxToks in one batch, and a fresh MTP context over it on dm (m itself
-// or an assistant; masked NextN rows), both freed when the test ends.
+// that has decoded ctxToks in one batch (if any), and a fresh MTP context over it on dm
+// (m itself or an assistant; masked NextN rows), both freed when the test ends.
 func refContexts(t *testing.T, m, dm *llama.Model, p llama.ContextParams, ctxToks []engine.Token) (tgt, d *llama.Context) {
 	t.Helper()
 	tgt, err := llama.NewContext(m, p)
@@ -302,6 +289,9 @@ func refContexts(t *testing.T, m, dm *llama.Model, p llama.ContextParams, ctxTok
 	}
 	t.Cleanup(d.Free)
 	d.SetEmbeddingsNextN(true, true)
+	if len(ctxToks) == 0 {
+		return tgt, d
+	}
 	tgt.BatchClear()
 	for i, tok := range ctxToks {
 		if _, err := tgt.BatchAdd(tok, i, 0, false); err != nil {
