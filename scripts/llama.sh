@@ -129,7 +129,8 @@ tool() { # $1 target: builds it once, prints its path
 # scripts/glm4moemtp-testmodel.cpp glm4moemtp.gguf (the same for an attention-only target,
 # GLM-4.5's glm4moe; both share scripts/mtptestmodel.h), and
 # scripts/gemma4assistant-testmodel.cpp writes Gemma 4's MTP assistant and its target
-# (gemma4assistant.gguf, and gemma4q.gguf: gemma4.gguf in Q4_1).
+# (gemma4assistant.gguf, and gemma4q.gguf: gemma4.gguf in Q4_1); the other *mtp ones are
+# MTP models of further layouts (MLA, sliding window, two chained MTP blocks).
 testmodels() {
 	local gen out=$cache/testmodels arch tmp name
 	gen=$(tool test-llama-archs)
@@ -142,7 +143,7 @@ testmodels() {
 		rm -rf "$tmp" "$tmp.log"
 		echo "llama.sh: wrote $out/$arch.gguf" >&2
 	done
-	for name in gemma4 gemma4assistant qwen35mtp glm4moemtp deepseek2mtp cohere2moemtp; do
+	for name in gemma4 gemma4assistant qwen35mtp glm4moemtp deepseek2mtp cohere2moemtp mimo2mtp; do
 		# (gemma4assistant's program writes its target, gemma4q.gguf, too.)
 		[ -f "$out/$name.gguf" ] && { [ "$name" != gemma4assistant ] || [ -f "$out/gemma4q.gguf" ]; } && continue
 		do_build

@@ -76,6 +76,8 @@ type draftModel struct {
 	ctx     *llama.Context
 	drafter *runner.Drafter
 	mtp     *runner.MTP
+	// heads are the MTP contexts of a model's further NextN blocks (MTP.ChainHeads).
+	heads []*llama.Context
 	// mtpBytesPerCell is what one target cell costs beside its own KV when the MTP
 	// head mirrors it: the MTP context's KV of one cell and the hidden-state row kept
 	// for it (n_embd float32s, RAM). Added to the pools' and sessions' KV bytes.
@@ -85,6 +87,9 @@ type draftModel struct {
 func (d *draftModel) free() {
 	if d == nil {
 		return
+	}
+	for _, c := range d.heads {
+		c.Free()
 	}
 	d.ctx.Free()
 	if d.model != nil {
@@ -116,19 +121,33 @@ func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.Contex
 	if err != nil {
 		return nil, err
 	}
-	perCell := (ctx.MemoryBytes()+int64(mp.NCtx)-1)/int64(mp.NCtx) + 4*int64(model.NEmbdOut())
-	if n := model.NLayerNextN(); n > 1 && log != nil {
-		// llama.cpp chains such heads, one per draft step (step35); runner.MTP runs the
-		// first one for every step, which is lossless (drafts are verified) but untested
-		// on such a model and likely accepted less often past the first draft.
-		log.Warn("the model has several MTP heads; PolyKV drafts with the first one only (llama.cpp chains them, one per draft step)",
-			"n_layer_nextn", n)
+	d := &draftModel{ctx: ctx, mtp: m}
+	// A model with several NextN blocks (MiMo-V2, Step-3.5) chains them, one per draft
+	// step: each further block gets a context of its own (runner.MTP.ChainHeads says why).
+	kv := ctx.MemoryBytes()
+	for i := 1; i < model.NLayerNextN(); i++ {
+		c, err := llama.NewContext(model, mp)
+		if err == nil {
+			err = c.SetNextNLayer(i)
+			c.SetEmbeddingsNextN(true, true)
+			d.heads = append(d.heads, c)
+		}
+		if err == nil {
+			err = m.ChainHeads(c)
+		}
+		if err != nil {
+			tgt.SetEmbeddingsNextN(false, false)
+			d.free()
+			return nil, fmt.Errorf("--spec-type %s: MTP block %d: %w", engine.SpecDraftMTP, i, err)
+		}
+		kv += c.MemoryBytes()
 	}
+	d.mtpBytesPerCell = (kv+int64(mp.NCtx)-1)/int64(mp.NCtx) + 4*int64(model.NEmbdOut())
 	if log != nil {
 		log.Info("MTP drafting", "n_layer_nextn", model.NLayerNextN(), "draft_max", draftMax, "p_min", pMin,
-			"mtp_kv_bytes", ctx.MemoryBytes(), "mtp_row_bytes_per_cell", 4*model.NEmbdOut(), "mtp_bytes_per_cell", perCell)
+			"mtp_kv_bytes", kv, "mtp_row_bytes_per_cell", 4*model.NEmbdOut(), "mtp_bytes_per_cell", d.mtpBytesPerCell)
 	}
-	return &draftModel{ctx: ctx, mtp: m, mtpBytesPerCell: perCell}, nil
+	return d, nil
 }
 
 // newMTP turns the NextN rows on (the target's for every batch entry, the MTP context's

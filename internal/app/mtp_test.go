@@ -40,7 +40,7 @@ import (
 // (scripts/gemma4assistant-testmodel.cpp, a model file of its own that reads the target's
 // cells: --model-draft), which has no cells to mirror.
 func TestMTPServed(t *testing.T) {
-	for _, model := range []string{"qwen35mtp", "deepseek2mtp", "cohere2moemtp", "gemma4q"} {
+	for _, model := range []string{"qwen35mtp", "deepseek2mtp", "cohere2moemtp", "gemma4q", "mimo2mtp"} {
 		t.Run(model, func(t *testing.T) { testMTPServed(t, model) })
 	}
 }
@@ -176,7 +176,7 @@ func TestMTPPrefixCacheAndTier(t *testing.T) {
 	for _, c := range []struct {
 		model, where string
 		prefixCache  bool
-	}{{"glm4moemtp", "ram", true}, {"glm4moemtp", "disk", true}, {"qwen35mtp", "ram", false}, {"deepseek2mtp", "disk", true}, {"cohere2moemtp", "disk", true}, {"gemma4q", "disk", true}} {
+	}{{"glm4moemtp", "ram", true}, {"glm4moemtp", "disk", true}, {"qwen35mtp", "ram", false}, {"deepseek2mtp", "disk", true}, {"cohere2moemtp", "disk", true}, {"gemma4q", "disk", true}, {"mimo2mtp", "disk", true}} {
 		t.Run(c.model+"/"+c.where, func(t *testing.T) {
 			where := c.where
 			cfg := withDefaults(mtpConfig(t, c.model, Config{NCtx: 2048, Parallel: 4, MaxPools: 2, Threads: 2, PoolGrace: time.Nanosecond}))

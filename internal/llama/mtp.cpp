@@ -9,6 +9,10 @@ extern "C" void polykv_set_embeddings_nextn(struct llama_context * ctx, bool val
     llama_set_embeddings_nextn(ctx, value, masked);
 }
 
+extern "C" void polykv_set_nextn_layer_offset(struct llama_context * ctx, int32_t offset) {
+    llama_set_nextn_layer_offset(ctx, offset);
+}
+
 extern "C" float * polykv_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i) {
     return llama_get_embeddings_nextn_ith(ctx, i);
 }

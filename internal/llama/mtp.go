@@ -83,6 +83,17 @@ func (c *Context) initMTPBatch() {
 	c.batch.embd = (*C.float)(C.malloc(C.size_t(c.nb*c.embdRow) * C.size_t(unsafe.Sizeof(C.float(0)))))
 }
 
+// SetNextNLayer makes MTP context c run the model's NextN block i (0, the default: the
+// first) from its next decode on. A model with several blocks (MiMo-V2, Step-3.5) chains
+// them, one per draft step; i must be below Model.NLayerNextN (llama.cpp aborts otherwise).
+func (c *Context) SetNextNLayer(i int) error {
+	if !c.IsMTP() || i < 0 || i >= c.model.NLayerNextN() {
+		return fmt.Errorf("NextN block %d: the context is not an MTP context of a model with that many blocks (%d)", i, c.model.NLayerNextN())
+	}
+	C.polykv_set_nextn_layer_offset(c.c, C.int32_t(i))
+	return nil
+}
+
 // SetEmbeddingsNextN turns the NextN rows of c's decodes on or off. A draft-mtp target
 // wants them unmasked (one row for every batch entry, whatever its logits flag: the
 // draft context needs h at every position, prefill included); the MTP context masked

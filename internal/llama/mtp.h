@@ -18,6 +18,10 @@ struct llama_model;
 // logits, else one row for every entry.
 void polykv_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
 
+// polykv_set_nextn_layer_offset makes an MTP context's graph run NextN block offset (0:
+// the first) of a model with several, which llama.cpp chains one per draft step.
+void polykv_set_nextn_layer_offset(struct llama_context * ctx, int32_t offset);
+
 // polykv_get_embeddings_nextn_ith is the NextN row of batch entry i from the last decode
 // (unmasked: i is the entry's index in the batch; masked: as llama_get_logits_ith), or
 // NULL (llama.cpp logs why).

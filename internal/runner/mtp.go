@@ -45,7 +45,8 @@ import (
 // whose MTP cells do not start at 0 or end one before the session's next token (a pool
 // restored from a tier entry without MTP cells) is not drafted for.
 //
-// Draft runs the head autoregressively, batched over all drafting sessions: the first
+// Draft runs the head autoregressively (a model with several MTP blocks chains them
+// instead, one draft per block: ChainHeads), batched over all drafting sessions: the first
 // entry is the session's next token with the target's h of the position before it,
 // each later one the last drafted token with the head's own row; a session stops at
 // the wanted length or at a token the head gives less than --draft-p-min. The draft
@@ -64,9 +65,12 @@ import (
 // elsewhere) is not drafted for.
 type MTP struct {
 	tgt, ctx *llama.Context
-	nVoc     int
-	pMin     float32
-	zero     []float32
+	// heads are the MTP contexts, one per NextN block a model with several chains its
+	// drafts through (ChainHeads); heads[0] is ctx. Each mirrors the target.
+	heads []*llama.Context
+	nVoc  int
+	pMin  float32
+	zero  []float32
 	// rows: per target sequence, the rows of the positions it holds, ascending. Each
 	// sequence's slice has a backing array of its own (rows are shared, slices never),
 	// so it is truncated and appended to in place.
@@ -128,8 +132,27 @@ func NewMTP(model *llama.Model, tgt, ctx *llama.Context, pMin float64, log *slog
 	if log == nil {
 		log = slog.Default()
 	}
-	return &MTP{tgt: tgt, ctx: ctx, nVoc: model.NVocab(), pMin: float32(pMin), shared: ctx.SharesTargetKV(),
+	return &MTP{tgt: tgt, ctx: ctx, heads: []*llama.Context{ctx}, nVoc: model.NVocab(), pMin: float32(pMin), shared: ctx.SharesTargetKV(),
 		zero: make([]float32, model.NEmbdOut()), rows: map[int][]posRow{}, log: log}, nil
+}
+
+// ChainHeads adds MTP contexts for a model with several NextN blocks, each set to run
+// block 1, 2, … in turn (llama.Context.SetNextNLayer), shaped as the first. Its drafts
+// are then chained as llama.cpp's driver chains them: draft i comes from block i, at
+// most one draft per block. llama.cpp keeps the blocks in one context and, for every
+// batch, removes the positions the previous block wrote and decodes them again under the
+// next, which leaves each block's KV where the cache happens to place the same cells
+// again; PolyKV's cache, with holes left by other sequences, does not place them so, so
+// each block has a context of its own here, mirrored like the first (memory: each
+// context allocates every block's KV, of which it fills one).
+func (m *MTP) ChainHeads(ctxs ...*llama.Context) error {
+	for _, c := range ctxs {
+		if !c.IsMTP() || c.SharesTargetKV() || c.NSeqMax() < m.ctx.NSeqMax() || c.BatchCap() < m.ctx.BatchCap() {
+			return fmt.Errorf("mtp: a chained head needs an MTP context of its own shaped as the first")
+		}
+	}
+	m.heads = append(m.heads, ctxs...)
+	return nil
 }
 
 // Gaps is the number of mirrored entries decoded without their h (see MTP); Decoded the
@@ -166,14 +189,16 @@ func (m *MTP) check(op string) {
 			continue
 		}
 		tlo, thi := m.tgt.SeqPosMin(seq), m.tgt.SeqPosMax(seq)
-		mlo, mhi := m.ctx.SeqPosMin(seq), m.ctx.SeqPosMax(seq)
-		// (A hybrid target's lowest position is its recurrent state's, its last: only
-		// the highest compares; the MTP context's own cache starts at 0.)
-		if thi != mhi || (mhi >= 0 && mlo != 0) {
-			if m.mismatches.Add(1) == 1 {
-				m.mismatch.Store(fmt.Sprintf("after %s: sequence %d: target holds %d..%d, the MTP context %d..%d", op, seq, tlo, thi, mlo, mhi))
+		for h, c := range m.heads {
+			mlo, mhi := c.SeqPosMin(seq), c.SeqPosMax(seq)
+			// (A hybrid target's lowest position is its recurrent state's, its last: only
+			// the highest compares; the MTP context's own cache starts at 0.)
+			if thi != mhi || (mhi >= 0 && mlo != 0) {
+				if m.mismatches.Add(1) == 1 {
+					m.mismatch.Store(fmt.Sprintf("after %s: sequence %d: target holds %d..%d, the MTP context (head %d) %d..%d", op, seq, tlo, thi, h, mlo, mhi))
+				}
+				return
 			}
-			return
 		}
 	}
 }
@@ -197,8 +222,8 @@ func (m *MTP) mirror(batch []engine.BatchEntry) {
 		m.keepLast(batch)
 		return
 	}
-	m.ctx.BatchClear()
 	fresh := map[int][]posRow{} // this batch's rows, per sequence
+	hs := make([][]float32, len(batch))
 	for i, e := range batch {
 		var h []float32
 		if f := fresh[e.Seq]; len(f) > 0 && f[len(f)-1].pos == e.Pos-1 {
@@ -212,22 +237,30 @@ func (m *MTP) mirror(batch []engine.BatchEntry) {
 			}
 			h = m.zero
 		}
-		if _, err := m.ctx.BatchAddEmbd(e.Token, e.Pos, e.Seq, false, h); err != nil {
-			m.fail(batch, err)
-			return
-		}
+		hs[i] = h
 		// A view of the target's buffer (BatchAddEmbd copies h into the MTP batch); the
 		// rows are copied once, below.
 		fresh[e.Seq] = append(fresh[e.Seq], posRow{e.Pos, m.tgt.EmbeddingsNextNView(i)})
 	}
 	m.decoded.Add(int64(len(batch)))
-	if err := m.ctx.Decode(); err != nil {
-		m.fail(batch, err)
-		return
+	for _, c := range m.heads {
+		c.BatchClear()
+		for i, e := range batch {
+			if _, err := c.BatchAddEmbd(e.Token, e.Pos, e.Seq, false, hs[i]); err != nil {
+				m.fail(batch, err)
+				return
+			}
+		}
+		if err := c.Decode(); err != nil {
+			m.fail(batch, err)
+			return
+		}
 	}
 	for seq, f := range fresh {
 		if a := m.anchor(); a > 0 {
-			m.ctx.SeqCp(seq, seq+a, f[0].pos, f[len(f)-1].pos+1)
+			for _, c := range m.heads {
+				c.SeqCp(seq, seq+a, f[0].pos, f[len(f)-1].pos+1)
+			}
 		}
 		// A decode writes a sequence's positions from f[0].pos up (llama.cpp replaces
 		// any it held there). f's rows are views of the target's output buffer: copied.
@@ -265,9 +298,11 @@ func (m *MTP) keepLast(batch []engine.BatchEntry) {
 func (m *MTP) fail(batch []engine.BatchEntry, err error) {
 	m.log.Warn("MTP context decode failed: its sequences are not drafted for until emptied", "err", err)
 	for _, e := range batch {
-		m.ctx.SeqRm(e.Seq, 0, -1)
-		if a := m.anchor(); a > 0 {
-			m.ctx.SeqRm(e.Seq+a, 0, -1)
+		for _, c := range m.heads {
+			c.SeqRm(e.Seq, 0, -1)
+			if a := m.anchor(); a > 0 {
+				c.SeqRm(e.Seq+a, 0, -1)
+			}
 		}
 		delete(m.rows, e.Seq)
 	}
@@ -275,9 +310,11 @@ func (m *MTP) fail(batch []engine.BatchEntry, err error) {
 
 // seqRm mirrors a SeqRm on the target.
 func (m *MTP) seqRm(seq, p0, p1 int) {
-	m.ctx.SeqRm(seq, p0, p1)
-	if a := m.anchor(); a > 0 {
-		m.ctx.SeqRm(seq+a, p0, p1)
+	for _, c := range m.heads {
+		c.SeqRm(seq, p0, p1)
+		if a := m.anchor(); a > 0 {
+			c.SeqRm(seq+a, p0, p1)
+		}
 	}
 	switch rs := m.rows[seq]; {
 	case p0 <= 0 && p1 < 0:
@@ -295,9 +332,11 @@ func (m *MTP) seqRm(seq, p0, p1 int) {
 
 // seqCp mirrors a SeqCp on the target: dst gets src's cells and rows in [p0, p1).
 func (m *MTP) seqCp(src, dst, p0, p1 int) {
-	m.ctx.SeqCp(src, dst, p0, p1)
-	if a := m.anchor(); a > 0 {
-		m.ctx.SeqCp(src, dst+a, p0, p1)
+	for _, c := range m.heads {
+		c.SeqCp(src, dst, p0, p1)
+		if a := m.anchor(); a > 0 {
+			c.SeqCp(src, dst+a, p0, p1)
+		}
 	}
 	in := func(r posRow) bool { return r.pos >= p0 && (p1 < 0 || r.pos < p1) }
 	rs := slices.DeleteFunc(slices.Clone(m.rows[dst]), in)
@@ -321,22 +360,15 @@ type mtpJob struct {
 
 // Draft implements engine.DraftBackend's drafting (see MTP).
 func (m *MTP) Draft(wants []engine.DraftWant) []engine.DraftProposal {
+	if len(m.heads) > 1 {
+		return m.draftChained(wants)
+	}
 	var jobs []*mtpJob
 	m.ctx.BatchClear()
-	seen := map[int]bool{}
-	for _, w := range wants {
+	ws, hs := m.startable(wants)
+	for k, w := range ws {
 		n := len(w.Tokens)
-		if w.K < 1 || n < 2 || seen[w.Seq] {
-			continue
-		}
-		// The MTP cells must be the target's: positions 0..n-2 (the next token, at n-1,
-		// is not decoded yet), and the row of n-2 known.
-		h := m.row(w.Seq, n-2)
-		if h == nil || m.ctx.SeqPosMax(w.Seq) != n-2 || (!m.shared && m.ctx.SeqPosMin(w.Seq) != 0) {
-			continue
-		}
-		seen[w.Seq] = true
-		i, err := m.ctx.BatchAddEmbd(w.Tokens[n-1], n-1, w.Seq, true, h)
+		i, err := m.ctx.BatchAddEmbd(w.Tokens[n-1], n-1, w.Seq, true, hs[k])
 		if err != nil {
 			break
 		}
@@ -420,6 +452,116 @@ func (m *MTP) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 	return out
 }
 
+// startable is the wants the MTP contexts can draft for (one per sequence), each with the
+// target's row of the position before its next token: the MTP cells must be the target's,
+// positions 0..n-2 (the next token, at n-1, is not decoded yet; an assistant's cells are
+// the target's own), and that row known.
+func (m *MTP) startable(wants []engine.DraftWant) ([]engine.DraftWant, [][]float32) {
+	var ws []engine.DraftWant
+	var hs [][]float32
+	seen := map[int]bool{}
+	for _, w := range wants {
+		n := len(w.Tokens)
+		if w.K < 1 || n < 2 || seen[w.Seq] {
+			continue
+		}
+		h := m.row(w.Seq, n-2)
+		if h == nil || m.ctx.SeqPosMax(w.Seq) != n-2 || (!m.shared && m.ctx.SeqPosMin(w.Seq) != 0) {
+			continue
+		}
+		seen[w.Seq] = true
+		ws, hs = append(ws, w), append(hs, h)
+	}
+	return ws, hs
+}
+
+// chainJob is one want in flight through chained heads: the tokens drafted so far and the
+// rows they were read with (rows[0] the target's of the position before the next token,
+// rows[t] the row head t-1 gave with draft t).
+type chainJob struct {
+	w    engine.DraftWant
+	out  []llama.Token
+	rows [][]float32
+	idx  int
+	done bool
+}
+
+// draftChained drafts through the heads in turn (ChainHeads), as llama.cpp's driver
+// chains them: draft i is head i's pick after it reads the next token and drafts 1..i,
+// each at its position with its row, in the head's own context, whose cells hold the
+// target's up to the position before the next token (mirrored); at most one draft per
+// head. Every entry asks for logits: with b11434's masked NextN rows only that keeps an
+// entry's row at its batch index (see llama.Context.EmbeddingsNextN).
+func (m *MTP) draftChained(wants []engine.DraftWant) []engine.DraftProposal {
+	var jobs []*chainJob
+	ws, hs := m.startable(wants)
+	for k, w := range ws {
+		jobs = append(jobs, &chainJob{w: w, rows: [][]float32{hs[k]}})
+	}
+	if len(jobs) == 0 {
+		return nil
+	}
+	defer func() {
+		for _, j := range jobs {
+			for _, c := range m.heads {
+				c.SeqRm(j.w.Seq, len(j.w.Tokens)-1, -1)
+			}
+		}
+	}()
+	for _, c := range m.heads {
+		c.BatchClear()
+		live := false
+		for _, j := range jobs {
+			if j.done {
+				continue
+			}
+			n := len(j.w.Tokens)
+			for t := 0; t <= len(j.out); t++ {
+				tok := j.w.Tokens[n-1]
+				if t > 0 {
+					tok = j.out[t-1]
+				}
+				i, err := c.BatchAddEmbd(tok, n-1+t, j.w.Seq, true, j.rows[t])
+				if err != nil {
+					j.done = true
+					break
+				}
+				j.idx = i
+			}
+			live = live || !j.done
+		}
+		if !live {
+			break
+		}
+		if err := c.Decode(); err != nil {
+			m.log.Warn("MTP draft decode failed: no more drafts this step", "err", err)
+			break
+		}
+		for _, j := range jobs {
+			if j.done {
+				continue
+			}
+			tok, p, ok := c.Greedy(j.idx, m.nVoc)
+			row := c.EmbeddingsNextN(j.idx)
+			if !ok || p < m.pMin || row == nil {
+				j.done = true
+				continue
+			}
+			j.out = append(j.out, tok)
+			j.rows = append(j.rows, row)
+			m.drafted.Add(1)
+			j.done = len(j.out) >= j.w.K
+		}
+	}
+	out := make([]engine.DraftProposal, 0, len(jobs))
+	for _, j := range jobs {
+		if len(j.out) > 0 {
+			out = append(out, engine.DraftProposal{Task: j.w.Task, At: len(j.w.Tokens), Tokens: j.out})
+		}
+	}
+	return out
+}
+
 // DraftSeqRm implements engine.DraftBackend: nothing to do, the target's SeqRm of the
 // sequence was mirrored already.
 func (m *MTP) DraftSeqRm(int) {}
@@ -429,6 +571,7 @@ func (m *MTP) DraftSeqRm(int) {}
 // restored pool's sessions draft as before its eviction, with no gap. Little-endian:
 //
 //	u64 state length | state | u64 row count | u64 row width | per row: u64 position, width × f32
+//	| per further head (ChainHeads): u64 state length | state
 //
 // Hand-written beside llama.cpp's state format: the rows are PolyKV's (the target's
 // NextN outputs), which no llama.cpp state holds.
@@ -437,22 +580,16 @@ func (m *MTP) DraftSeqRm(int) {}
 // (Backend.ownState), the cells below lo are the parent's (src's): they are taken out of
 // seq for the copy and shared back from src after it.
 func (m *MTP) saveSeq(seq, src, lo, hi int) ([]byte, error) {
-	if p0, p1 := m.ctx.SeqPosMin(seq), m.ctx.SeqPosMax(seq); p0 != 0 || p1 != hi-1 {
-		return nil, fmt.Errorf("the MTP context holds positions [%d, %d] of sequence %d, want [0, %d)", p0, p1, seq, hi)
-	}
-	var st []byte
-	var err error
-	if m.anchor() > 0 {
-		st, err = m.saveChunks(seq, lo, hi)
-	} else {
-		if lo > 0 {
-			m.ctx.SeqRm(seq, 0, lo)
-			defer m.ctx.SeqCp(src, seq, 0, lo)
+	states := make([][]byte, len(m.heads))
+	for h, c := range m.heads {
+		if p0, p1 := c.SeqPosMin(seq), c.SeqPosMax(seq); p0 != 0 || p1 != hi-1 {
+			return nil, fmt.Errorf("the MTP context (head %d) holds positions [%d, %d] of sequence %d, want [0, %d)", h, p0, p1, seq, hi)
 		}
-		st, err = m.ctx.SeqStateGet(seq)
-	}
-	if err != nil {
-		return nil, err
+		st, err := m.headState(c, seq, src, lo, hi)
+		if err != nil {
+			return nil, err
+		}
+		states[h] = st
 	}
 	var rs []posRow
 	for _, r := range m.rows[seq] {
@@ -461,9 +598,9 @@ func (m *MTP) saveSeq(seq, src, lo, hi int) ([]byte, error) {
 		}
 	}
 	w := len(m.zero)
-	out := make([]byte, 0, 8+len(st)+16+len(rs)*(8+4*w))
-	out = binary.LittleEndian.AppendUint64(out, uint64(len(st)))
-	out = append(out, st...)
+	out := make([]byte, 0, 8+len(states[0])+16+len(rs)*(8+4*w))
+	out = binary.LittleEndian.AppendUint64(out, uint64(len(states[0])))
+	out = append(out, states[0]...)
 	out = binary.LittleEndian.AppendUint64(out, uint64(len(rs)))
 	out = binary.LittleEndian.AppendUint64(out, uint64(w))
 	for _, r := range rs {
@@ -472,7 +609,25 @@ func (m *MTP) saveSeq(seq, src, lo, hi int) ([]byte, error) {
 			out = binary.LittleEndian.AppendUint32(out, math.Float32bits(x))
 		}
 	}
+	for _, st := range states[1:] {
+		out = binary.LittleEndian.AppendUint64(out, uint64(len(st)))
+		out = append(out, st...)
+	}
 	return out, nil
+}
+
+// headState is head context c's state of seq's cells [lo, hi) (see saveSeq): chunk by
+// chunk through the backend's scratch sequence where the target keeps SWA shadows, in the
+// target's chunked format (Backend.saveChunks).
+func (m *MTP) headState(c *llama.Context, seq, src, lo, hi int) ([]byte, error) {
+	if m.anchor() > 0 {
+		return saveChunks(c, m.backend.scratch, seq, m.backend.swaChunks(lo, hi))
+	}
+	if lo > 0 {
+		c.SeqRm(seq, 0, lo)
+		defer c.SeqCp(src, seq, 0, lo)
+	}
+	return c.SeqStateGet(seq)
 }
 
 // loadSeq loads what saveSeq wrote into seq and checks that seq then holds exactly
@@ -480,23 +635,29 @@ func (m *MTP) saveSeq(seq, src, lo, hi int) ([]byte, error) {
 // pool sequence is empty here (the engine shares the parent's [0, lo) after the
 // restore, mirrored like any SeqCp); a hybrid target's restore (Backend.loadRecurrent)
 // shared them before, and llama.cpp's state load empties the sequence first, so they
-// are shared again from src after it. On failure seq holds nothing in the MTP context
+// are shared again from src after it. On failure seq holds nothing in the MTP contexts
 // (its sessions are then not drafted for).
 func (m *MTP) loadSeq(seq, src, lo, hi int, data []byte) (err error) {
 	defer func() {
-		if err != nil {
-			m.ctx.SeqRm(seq, -1, -1)
-			delete(m.rows, seq)
+		for _, c := range m.heads {
+			if err != nil {
+				c.SeqRm(seq, -1, -1)
+			}
+			if a := m.anchor(); a > 0 {
+				// The shadow holds exactly seq's cells again (none on failure).
+				c.SeqRm(seq+a, -1, -1)
+				c.SeqCp(seq, seq+a, -1, -1)
+			}
 		}
-		if a := m.anchor(); a > 0 {
-			// The shadow holds exactly seq's cells again (none on failure).
-			m.ctx.SeqRm(seq+a, -1, -1)
-			m.ctx.SeqCp(seq, seq+a, -1, -1)
+		if err != nil {
+			delete(m.rows, seq)
 		}
 	}()
 	prefix := m.ctx.SeqPosMax(seq) >= 0
-	if p0, p1 := m.ctx.SeqPosMin(seq), m.ctx.SeqPosMax(seq); prefix && (p0 != 0 || p1 != lo-1 || src < 0) {
-		return fmt.Errorf("sequence %d holds MTP cells [%d, %d] before the load, want none or [0, %d) of sequence %d", seq, p0, p1, lo, src)
+	for h, c := range m.heads {
+		if p0, p1 := c.SeqPosMin(seq), c.SeqPosMax(seq); (p1 >= 0) != prefix || (prefix && (p0 != 0 || p1 != lo-1 || src < 0)) {
+			return fmt.Errorf("sequence %d holds MTP cells [%d, %d] (head %d) before the load, want none or [0, %d) of sequence %d", seq, p0, p1, h, lo, src)
+		}
 	}
 	below := slices.Clone(m.rows[seq])
 	u64 := func() (uint64, bool) {
@@ -507,15 +668,22 @@ func (m *MTP) loadSeq(seq, src, lo, hi int, data []byte) (err error) {
 		data = data[8:]
 		return v, true
 	}
-	n, ok := u64()
-	if !ok || n > uint64(len(data)) {
-		return fmt.Errorf("MTP part: a state of %d bytes in %d", n, len(data))
+	state := func() ([]byte, error) {
+		n, ok := u64()
+		if !ok || n > uint64(len(data)) {
+			return nil, fmt.Errorf("MTP part: a state of %d bytes in %d", n, len(data))
+		}
+		st := data[:n]
+		data = data[n:]
+		return st, nil
 	}
-	st := data[:n]
-	data = data[n:]
+	states := make([][]byte, len(m.heads))
+	if states[0], err = state(); err != nil {
+		return err
+	}
 	nr, ok1 := u64()
 	w, ok2 := u64()
-	if !ok1 || !ok2 || w != uint64(len(m.zero)) || nr > uint64(hi-lo) || uint64(len(data)) != nr*(8+4*w) {
+	if !ok1 || !ok2 || w != uint64(len(m.zero)) || nr > uint64(hi-lo) || uint64(len(data)) < nr*(8+4*w) {
 		return fmt.Errorf("MTP part: %d rows of width %d in %d bytes, want rows of width %d within [%d, %d)", nr, w, len(data), len(m.zero), lo, hi)
 	}
 	rs := make([]posRow, nr)
@@ -531,45 +699,53 @@ func (m *MTP) loadSeq(seq, src, lo, hi int, data []byte) (err error) {
 		data = data[4*w:]
 		rs[i] = posRow{int(p), h}
 	}
-	if m.anchor() > 0 {
-		// Chunk by chunk through the scratch sequence, which leaves seq's [0, lo) as it is.
-		if err := m.loadChunks(seq, lo, hi, st); err != nil {
-			return err
+	for h := 1; h < len(m.heads); h++ {
+		if states[h], err = state(); err != nil {
+			return fmt.Errorf("%w (head %d of %d)", err, h, len(m.heads))
 		}
-		if p0, p1 := m.ctx.SeqPosMin(seq), m.ctx.SeqPosMax(seq); (p0 != lo && !(prefix && p0 == 0)) || p1 != hi-1 {
-			return fmt.Errorf("the MTP context loaded positions [%d, %d], want [%d, %d)", p0, p1, lo, hi)
-		}
-		m.rows[seq] = append(below, rs...)
-		return nil
 	}
-	if err := m.ctx.SeqStateSet(seq, st); err != nil {
-		return err
+	if len(data) > 0 {
+		return fmt.Errorf("MTP part: %d bytes past the states of %d heads", len(data), len(m.heads))
 	}
-	if p0, p1 := m.ctx.SeqPosMin(seq), m.ctx.SeqPosMax(seq); p0 != lo || p1 != hi-1 {
-		return fmt.Errorf("the MTP context loaded positions [%d, %d], want [%d, %d)", p0, p1, lo, hi)
-	}
-	if prefix {
-		m.ctx.SeqCp(src, seq, 0, lo)
-		if p0 := m.ctx.SeqPosMin(seq); p0 != 0 {
-			return fmt.Errorf("sequence %d starts at %d after sharing [0, %d) back", seq, p0, lo)
+	for h, c := range m.heads {
+		if err := m.loadHead(c, seq, src, lo, hi, states[h], prefix); err != nil {
+			return fmt.Errorf("head %d: %w", h, err)
 		}
 	}
 	m.rows[seq] = append(below, rs...)
 	return nil
 }
 
-// saveChunks is the MTP context's cells [lo, hi) of seq chunk by chunk through the
-// scratch sequence, in the target's format (see Backend.saveChunks).
-func (m *MTP) saveChunks(seq, lo, hi int) ([]byte, error) {
-	return saveChunks(m.ctx, m.backend.scratch, seq, m.backend.swaChunks(lo, hi))
-}
-
-// loadChunks loads what saveChunks wrote into seq's [lo, hi), each chunk shared with seq
-// and its shadow (so a loaded cell always has two members, as the target's).
-func (m *MTP) loadChunks(seq, lo, hi int, data []byte) error {
-	x, a := m.backend.scratch, m.anchor()
-	return loadChunks(m.ctx, x, lo, hi, data, func(c0, c1 int) {
-		m.ctx.SeqCp(x, seq, c0, c1)
-		m.ctx.SeqCp(x, seq+a, c0, c1)
-	})
+// loadHead loads head context c's state st (headState) into seq's [lo, hi), whose [0, lo)
+// it holds already if prefix (shared from src).
+func (m *MTP) loadHead(c *llama.Context, seq, src, lo, hi int, st []byte, prefix bool) error {
+	if a := m.anchor(); a > 0 {
+		// Chunk by chunk through the scratch sequence, which leaves seq's [0, lo) as it
+		// is; each chunk is shared with seq and its shadow (so a loaded cell always has
+		// two members, as the target's).
+		x := m.backend.scratch
+		if err := loadChunks(c, x, lo, hi, st, func(c0, c1 int) {
+			c.SeqCp(x, seq, c0, c1)
+			c.SeqCp(x, seq+a, c0, c1)
+		}); err != nil {
+			return err
+		}
+		if p0, p1 := c.SeqPosMin(seq), c.SeqPosMax(seq); (p0 != lo && !(prefix && p0 == 0)) || p1 != hi-1 {
+			return fmt.Errorf("the MTP context loaded positions [%d, %d], want [%d, %d)", p0, p1, lo, hi)
+		}
+		return nil
+	}
+	if err := c.SeqStateSet(seq, st); err != nil {
+		return err
+	}
+	if p0, p1 := c.SeqPosMin(seq), c.SeqPosMax(seq); p0 != lo || p1 != hi-1 {
+		return fmt.Errorf("the MTP context loaded positions [%d, %d], want [%d, %d)", p0, p1, lo, hi)
+	}
+	if prefix {
+		c.SeqCp(src, seq, 0, lo)
+		if p0 := c.SeqPosMin(seq); p0 != 0 {
+			return fmt.Errorf("sequence %d starts at %d after sharing [0, %d) back", seq, p0, lo)
+		}
+	}
+	return nil
 }

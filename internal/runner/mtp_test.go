@@ -181,7 +181,6 @@ func TestAssistantDraftsMatchReference(t *testing.T) {
 	b := NewBackend(m, tgt, nil)
 	b.EnableMTP(mtp)
 
-	toks := mtpTestTokens
 	draft := func(wants ...engine.DraftWant) map[engine.TaskID][]engine.Token { return draftsByTask(mtp, wants) }
 	// check compares seq's drafts, and the row MTP keeps for its last position, with the
 	// reference's: the drafts of this test model depend on the row only a little (its
@@ -199,14 +198,7 @@ func TestAssistantDraftsMatchReference(t *testing.T) {
 		t.Logf("%s: drafted %v", name, got)
 	}
 
-	pool := toks(1, 16)
-	decodeAt(t, b, 2, 0, pool...)
-	s0 := append(slices.Clone(pool), toks(2, 6)...)
-	s1 := append(slices.Clone(pool), toks(3, 4)...)
-	b.SeqCp(2, 0, 0, len(pool))
-	b.SeqCp(2, 1, 0, len(pool))
-	decodeAt(t, b, 0, len(pool), s0[len(pool):]...)
-	decodeAt(t, b, 1, len(pool), s1[len(pool):]...)
+	pool, s0, s1 := poolSessions(t, b, 16)
 	next0, next1 := engine.Token(44), engine.Token(17)
 	w0 := append(slices.Clone(s0), next0)
 	w1 := append(slices.Clone(s1), next1)
@@ -320,4 +312,159 @@ func draftsByTask(m *MTP, wants []engine.DraftWant) map[engine.TaskID][]engine.T
 		got[p.Task] = p.Tokens
 	}
 	return got
+}
+
+// TestMTPChainedDraftsMatchReference: a model with two MTP blocks (mimo2mtp, MiMo-V2's
+// layout) drafts through both in turn, each block in a context of its own mirroring the
+// target (MTP.ChainHeads). After a pool copy into two sessions, their own suffixes and a
+// verify batch cut back by a rejected draft, the drafts equal what fresh contexts give
+// when each block is fed the whole context at once and the chain is run from there: so
+// the second block's cells and the rows each step reads are the right ones.
+func TestMTPChainedDraftsMatchReference(t *testing.T) {
+	llama.Init()
+	m, err := llama.LoadModelWith(testmodel.Arch(t, "mimo2mtp"), llama.ModelParams{LoadMTP: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(m.Free)
+	if m.NLayerNextN() != 2 {
+		t.Fatalf("%d NextN blocks, want 2", m.NLayerNextN())
+	}
+	const k = 2 // one draft per block
+	// Every position stays within the 32-token window: no sequence here has SWA shadows.
+	p := llama.ContextParams{NCtx: 256, NBatch: 64, NUBatch: 64, NSeqMax: 4, NThreads: 2, KVUnified: true, SWAFull: true}
+	tgt, h0 := refContexts(t, m, m, p, nil)
+	h1 := chainHead(t, m, tgt, p, 1)
+	mtp, err := NewMTP(m, tgt, h0, 0, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := mtp.ChainHeads(h1); err != nil {
+		t.Fatal(err)
+	}
+	mtp.CheckMirror(4)
+	b := NewBackend(m, tgt, nil)
+	b.EnableMTP(mtp)
+	check := func(name string, got []engine.Token, ctxToks []engine.Token) {
+		t.Helper()
+		if want := mtpChainReference(t, m, p, ctxToks, k); !slices.Equal(got, want) {
+			t.Errorf("%s: chained drafts %v, fresh contexts over the same context %v", name, got, want)
+		}
+		t.Logf("%s: drafted %v", name, got)
+	}
+
+	_, s0, s1 := poolSessions(t, b, 12)
+	w0 := append(slices.Clone(s0), 44)
+	w1 := append(slices.Clone(s1), 17)
+	got := draftsByTask(mtp, []engine.DraftWant{{Task: 1, Seq: 0, Tokens: w0, K: k}, {Task: 2, Seq: 1, Tokens: w1, K: 5}})
+	check("session 0 on the pool", got[1], w0)
+	check("session 1 on the pool (asked for 5)", got[2], w1)
+	if len(got[1]) != k || len(got[2]) != k {
+		t.Fatalf("drafted %d and %d tokens, want %d each: one per block (p-min 0)", len(got[1]), len(got[2]), k)
+	}
+	// Verify session 0's drafts; the second is rejected.
+	decodeAt(t, b, 0, len(s0), append([]engine.Token{44}, got[1]...)...)
+	if !b.SeqRm(0, len(s0)+2, -1) {
+		t.Fatal("rollback of the rejected draft refused")
+	}
+	w0 = append(append(slices.Clone(s0), 44, got[1][0]), 9)
+	got = draftsByTask(mtp, []engine.DraftWant{{Task: 1, Seq: 0, Tokens: w0, K: k}})
+	check("session 0 after a rejected draft", got[1], w0)
+	if n, first := mtp.Mismatches(); n > 0 {
+		t.Errorf("the MTP contexts' cells left the target's %d times; first %s", n, first)
+	}
+	if g := mtp.Gaps(); g > 0 {
+		t.Errorf("%d entries mirrored without their hidden state", g)
+	}
+}
+
+// chainHead is an MTP context over tgt on m running NextN block i, freed when the test ends.
+func chainHead(t *testing.T, m *llama.Model, tgt *llama.Context, p llama.ContextParams, i int) *llama.Context {
+	t.Helper()
+	p.MTPTarget = tgt
+	c, err := llama.NewContext(m, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Free)
+	if err := c.SetNextNLayer(i); err != nil {
+		t.Fatal(err)
+	}
+	c.SetEmbeddingsNextN(true, true)
+	return c
+}
+
+// mtpChainReference drafts k tokens after toks (context and next token) through every
+// NextN block of m in turn, from scratch: a fresh target decodes the context in one
+// batch; a fresh context per block is fed each context token with the target's row of
+// the position before; then block i reads the next token and drafts 1..i at their
+// positions with their rows (the target's, then each earlier block's) and gives draft i+1.
+func mtpChainReference(t *testing.T, m *llama.Model, p llama.ContextParams, toks []engine.Token, k int) []engine.Token {
+	t.Helper()
+	n := len(toks) - 1
+	p.NSeqMax = 1
+	tgt, h0 := refContexts(t, m, m, p, toks[:n])
+	heads := []*llama.Context{h0}
+	for i := 1; i < m.NLayerNextN(); i++ {
+		heads = append(heads, chainHead(t, m, tgt, p, i))
+	}
+	zero := make([]float32, m.NEmbdOut())
+	for _, c := range heads {
+		c.BatchClear()
+		for i, tok := range toks[:n] {
+			h := zero
+			if i > 0 {
+				h = tgt.EmbeddingsNextN(i - 1)
+			}
+			if _, err := c.BatchAddEmbd(tok, i, 0, false, h); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := c.Decode(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rows := [][]float32{tgt.EmbeddingsNextN(n - 1)}
+	var out []engine.Token
+	for _, c := range heads[:min(k, len(heads))] {
+		c.BatchClear()
+		last := 0
+		for j := 0; j <= len(out); j++ {
+			tok := toks[n]
+			if j > 0 {
+				tok = out[j-1]
+			}
+			i, err := c.BatchAddEmbd(tok, n+j, 0, true, rows[j])
+			if err != nil {
+				t.Fatal(err)
+			}
+			last = i
+		}
+		if err := c.Decode(); err != nil {
+			t.Fatal(err)
+		}
+		tok, _, ok := c.Greedy(last, m.NVocab())
+		if !ok {
+			t.Fatal("no logits for the draft row")
+		}
+		out = append(out, tok)
+		rows = append(rows, c.EmbeddingsNextN(last))
+	}
+	return out
+}
+
+// poolSessions prefills a pool of n tokens in sequence 2, copies it into sequences 0 and
+// 1, and decodes their own suffixes (6 and 4 tokens) there: the pool's tokens and the
+// two sessions' contexts.
+func poolSessions(t *testing.T, b *Backend, n int) (pool, s0, s1 []engine.Token) {
+	t.Helper()
+	pool = mtpTestTokens(1, n)
+	decodeAt(t, b, 2, 0, pool...)
+	s0 = append(slices.Clone(pool), mtpTestTokens(2, 6)...)
+	s1 = append(slices.Clone(pool), mtpTestTokens(3, 4)...)
+	b.SeqCp(2, 0, 0, n)
+	b.SeqCp(2, 1, 0, n)
+	decodeAt(t, b, 0, n, s0[n:]...)
+	decodeAt(t, b, 1, n, s1[n:]...)
+	return pool, s0, s1
 }
