@@ -18,6 +18,7 @@
 //
 // Usage: gemma4-testmodel OUT.gguf [SEED]
 
+#include "gemma4testmodel.h"
 #include "testmodel.h"
 
 // llama.cpp's internal headers, as test-llama-archs includes them: the model saver, the
@@ -60,8 +61,7 @@ gguf_context * metadata() {
     gguf_context * g = gguf_init_empty();
     llama_model_saver ms(LLM_ARCH_GEMMA4, g);
 
-    const uint32_t n_vocab = 128, n_ctx = 4096, n_embd = 128, n_head = 2, n_head_kv = 1, n_ff = 192, n_layer = 10;
-    const uint32_t head_full = 64, head_swa = 32;
+    const uint32_t n_vocab = 128, n_ctx = 4096, n_embd = 128, n_head = 2, n_ff = 192, n_layer = 10;
 
     ms.add_kv(LLM_KV_GENERAL_ARCHITECTURE, llm_arch_name(LLM_ARCH_GEMMA4));
     ms.add_kv(LLM_KV_VOCAB_SIZE, n_vocab);
@@ -69,18 +69,7 @@ gguf_context * metadata() {
     ms.add_kv(LLM_KV_EMBEDDING_LENGTH, n_embd);
     ms.add_kv(LLM_KV_BLOCK_COUNT, n_layer);
     ms.add_kv(LLM_KV_FEED_FORWARD_LENGTH, n_ff);
-    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT, n_head);
-    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT_KV, n_head_kv);
-    ms.add_kv(LLM_KV_ATTENTION_KEY_LENGTH, head_full);
-    ms.add_kv(LLM_KV_ATTENTION_VALUE_LENGTH, head_full);
-    ms.add_kv(LLM_KV_ATTENTION_KEY_LENGTH_SWA, head_swa);
-    ms.add_kv(LLM_KV_ATTENTION_VALUE_LENGTH_SWA, head_swa);
-    ms.add_kv(LLM_KV_ROPE_DIMENSION_COUNT, head_full);
-    ms.add_kv(LLM_KV_ROPE_DIMENSION_COUNT_SWA, head_swa);
-    ms.add_kv(LLM_KV_ROPE_FREQ_BASE, 1000000.0f);
-    ms.add_kv(LLM_KV_ROPE_FREQ_BASE_SWA, 10000.0f);
-    ms.add_kv(LLM_KV_ATTENTION_LAYERNORM_RMS_EPS, 1e-6f);
-    ms.add_kv(LLM_KV_ATTENTION_SLIDING_WINDOW, uint32_t(32));
+    gemma4test::add_attention_kv(ms, n_head);
     // Per layer, 1 = sliding window: the pattern Gemma 4 repeats (four sliding, one full).
     ms.add_kv(LLM_KV_ATTENTION_SLIDING_WINDOW_PATTERN, std::vector<uint32_t>{1, 1, 1, 1, 0, 1, 1, 1, 1, 0});
     // The last shared_kv_layers layers keep no KV of their own: they read the last sliding

@@ -16,6 +16,7 @@
 //
 // Usage: gemma4assistant-testmodel OUT.gguf [SEED]   (writes gemma4q.gguf beside OUT too)
 
+#include "gemma4testmodel.h"
 #include "testmodel.h"
 
 #include "llama-arch.h"
@@ -35,13 +36,12 @@
 namespace {
 
 const uint32_t n_vocab = 128, n_embd = 64, n_embd_target = 128, n_layer = 2, n_head = 2, n_ff = 96;
-const uint32_t head_full = 64, head_swa = 32; // the target's (gemma4-testmodel)
 // h_weight: the standard deviation of the pre-projection's weights on the hidden state.
 const float h_weight = 0.05f;
 
 // add_keys writes the assistant's keys.
 void add_keys(llama_model_saver & ms) {
-    const uint32_t n_ctx = 4096, n_head_kv = 1;
+    const uint32_t n_ctx = 4096;
 
     ms.add_kv(LLM_KV_GENERAL_ARCHITECTURE, llm_arch_name(LLM_ARCH_GEMMA4_ASSISTANT));
     ms.add_kv(LLM_KV_VOCAB_SIZE, n_vocab);
@@ -52,18 +52,7 @@ void add_keys(llama_model_saver & ms) {
     // Every block of an assistant is a draft block (convert_hf_to_gguf writes the count twice).
     ms.add_kv(LLM_KV_NEXTN_PREDICT_LAYERS, n_layer);
     ms.add_kv(LLM_KV_FEED_FORWARD_LENGTH, n_ff);
-    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT, n_head);
-    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT_KV, n_head_kv);
-    ms.add_kv(LLM_KV_ATTENTION_KEY_LENGTH, head_full);
-    ms.add_kv(LLM_KV_ATTENTION_VALUE_LENGTH, head_full);
-    ms.add_kv(LLM_KV_ATTENTION_KEY_LENGTH_SWA, head_swa);
-    ms.add_kv(LLM_KV_ATTENTION_VALUE_LENGTH_SWA, head_swa);
-    ms.add_kv(LLM_KV_ROPE_DIMENSION_COUNT, head_full);
-    ms.add_kv(LLM_KV_ROPE_DIMENSION_COUNT_SWA, head_swa);
-    ms.add_kv(LLM_KV_ROPE_FREQ_BASE, 1000000.0f);
-    ms.add_kv(LLM_KV_ROPE_FREQ_BASE_SWA, 10000.0f);
-    ms.add_kv(LLM_KV_ATTENTION_LAYERNORM_RMS_EPS, 1e-6f);
-    ms.add_kv(LLM_KV_ATTENTION_SLIDING_WINDOW, uint32_t(32));
+    gemma4test::add_attention_kv(ms, n_head); // the target's: its KV is read here
     // Block 0 slides (reads the target's last sliding layer), block 1 is full.
     ms.add_kv(LLM_KV_ATTENTION_SLIDING_WINDOW_PATTERN, std::vector<uint32_t>{1, 0});
     testmodel::add_test_tokenizer(ms, n_vocab);
@@ -217,7 +206,7 @@ bool write(const std::string & out, const std::string & target, unsigned long se
     add("nextn.post_projection.weight", {n_embd, n_embd_target});
     for (uint32_t i = 0; i < n_layer; i++) {
         const std::string b = "blk." + std::to_string(i) + ".";
-        const int64_t head = i == 0 ? head_swa : head_full;
+        const int64_t head = i == 0 ? gemma4test::head_swa : gemma4test::head_full;
         add(b + "attn_norm.weight", {n_embd});
         add(b + "attn_q.weight", {n_embd, head * n_head});
         add(b + "attn_output.weight", {head * n_head, n_embd});

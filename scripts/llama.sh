@@ -148,7 +148,7 @@ testmodels() {
 		[ -f "$out/$name.gguf" ] && { [ "$name" != gemma4assistant ] || [ -f "$out/gemma4q.gguf" ]; } && continue
 		do_build
 		gen=$dir/$name-testmodel
-		if [ ! -x "$gen" ] || [ "$root/scripts/$name-testmodel.cpp" -nt "$gen" ] || [ "$root/scripts/testmodel.h" -nt "$gen" ] || [ "$root/scripts/mtptestmodel.h" -nt "$gen" ]; then
+		if [ ! -x "$gen" ] || [ "$root/scripts/$name-testmodel.cpp" -nt "$gen" ] || [ "$root/scripts/testmodel.h" -nt "$gen" ] || [ "$root/scripts/mtptestmodel.h" -nt "$gen" ] || [ "$root/scripts/gemma4testmodel.h" -nt "$gen" ]; then
 			${CXX:-c++} -std=c++17 -O1 -Wall -Wextra -I"$src/include" -I"$src/ggml/include" -I"$src/src" \
 				"$root/scripts/$name-testmodel.cpp" "$dir/src/libllama.a" "$dir/ggml/src/libggml.a" \
 				"$dir/ggml/src/libggml-cpu.a" "$dir/ggml/src/libggml-base.a" -lpthread -ldl -lm -o "$gen"
