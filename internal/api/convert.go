@@ -91,7 +91,7 @@ func wirePool(p engine.PoolInfo) wire.PoolInfo {
 func wirePools(st engine.PoolsStatus) wire.PoolsStatus {
 	return wire.PoolsStatus{Pools: mapSlice(st.Pools, wirePool), TreeDepth: st.TreeDepth, SeqIDsUsed: st.SeqIDsUsed,
 		SeqIDsMax: st.SeqIDsMax, PoolsMax: st.PoolsMax, KVCellsUsed: st.KVCellsUsed, KVCellsMax: st.KVCellsMax,
-		KVBytesPerCell: st.BytesPerCell, RecurrentStateBytesPerSeq: st.RecurrentBytesPerSeq}
+		KVBytesPerCell: st.BytesPerCell, RecurrentStateBytesPerSeq: st.RecurrentBytesPerSeq, LostPools: []wire.LostPool{}}
 }
 
 func wireCapacity(c engine.CapacityReport) wire.Capacity {

@@ -1,6 +1,8 @@
 package api
 
 import (
+	"strconv"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/polykv/polykv/internal/api/wire"
@@ -39,6 +41,11 @@ func (s *Server) wirePools(st engine.PoolsStatus) wire.PoolsStatus {
 	for i, p := range st.Pools {
 		out.Pools[i] = s.wirePool(p)
 	}
+	if s.tier != nil {
+		for _, l := range s.tier.Lost() {
+			out.LostPools = append(out.LostPools, wire.LostPool{PoolID: l.ID, Reason: l.Reason, Error: l.Err})
+		}
+	}
 	return out
 }
 
@@ -67,13 +74,14 @@ var (
 	descTierSeconds  = prometheus.NewDesc("polykv_pool_tier_restore_seconds_total", "Time spent restoring pools from the tier (read, verify, load), by tier.", []string{"tier"}, nil)
 	descTierMisses   = prometheus.NewDesc("polykv_pool_tier_misses_total", "Restores that found no usable entry and prefilled instead, by reason (absent, truncated, corrupt, foreign, io, rejected).", []string{"reason"}, nil)
 	descTierErrors   = prometheus.NewDesc("polykv_pool_tier_disk_errors_total", "Pool tier disk writes that failed (disk full, read-only, ...); the server kept serving.", nil, nil)
+	descTierLost     = prometheus.NewDesc("polykv_pool_tier_lost_pools", "Recorded pools not back after this start (1 each), by pool id and reason (absent, truncated, corrupt, foreign, io: their record; refused: the server's).", []string{"pool", "reason"}, nil)
 )
 
 // tierCollector exports a tier store's counters at scrape time.
 type tierCollector struct{ t *tier.Store }
 
 func (c tierCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descTierBytes, descTierEntries, descTierSpills, descTierRestores, descTierSeconds, descTierMisses, descTierErrors} {
+	for _, d := range []*prometheus.Desc{descTierBytes, descTierEntries, descTierSpills, descTierRestores, descTierSeconds, descTierMisses, descTierErrors, descTierLost} {
 		ch <- d
 	}
 }
@@ -93,6 +101,13 @@ func (c tierCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descTierMisses, prometheus.CounterValue, float64(st.Misses[r]), r)
 	}
 	ch <- prometheus.MustNewConstMetric(descTierErrors, prometheus.CounterValue, float64(st.DiskErrors))
+	seen := map[tier.Lost]bool{} // one series per label set: a repeat would fail the scrape
+	for _, l := range c.t.Lost() {
+		if l.Err = ""; !seen[l] {
+			seen[l] = true
+			ch <- prometheus.MustNewConstMetric(descTierLost, prometheus.GaugeValue, 1, strconv.Itoa(l.ID), l.Reason)
+		}
+	}
 }
 
 // SetTier exports the pool tier's sizes and counters (polykv_pool_tier_*).

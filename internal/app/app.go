@@ -4,6 +4,7 @@ package app
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"os"
@@ -12,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/polykv/polykv/internal/admission"
 	"github.com/polykv/polykv/internal/api"
 	"github.com/polykv/polykv/internal/chat"
 	"github.com/polykv/polykv/internal/engine"
@@ -557,18 +559,50 @@ func openTier(cfg Config, model *llama.Model, ecfg engine.Config, pol runner.Pol
 }
 
 // recoverPools puts back the pools an earlier run recorded under --pool-dir, parents
-// first; each is pinned and restored from disk at once (a miss prefills it).
+// first, under their ids, with their pin and admission policy; a pinned one is
+// restored at once: from disk when its KV entry verified, else by a prefill (from its
+// parent's cells for a child). A pool whose parent is not back (the parent's record
+// was lost, or it was never pinned) comes back as a root: its id, tokens and
+// prefix_hash are kept, its KV is prefilled in full. A pool the engine refuses is
+// reported lost (tier.Store.Lost), as the store reports damaged records.
 func recoverPools(eng *engine.Engine, store *tier.Store, log *slog.Logger) {
 	if store == nil {
 		return
 	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	back := map[int]bool{}
 	for _, r := range store.Recovered() {
-		res, err := eng.Send(context.Background(), engine.RecoverPool{ID: r.ID, Parent: r.Parent, D: r.D, Tokens: r.Tokens, Pin: true})
+		m := engine.RecoverPool{ID: r.ID, Parent: r.Parent, D: r.D, Tokens: r.Tokens, Pin: r.Pin, InTier: r.InTier}
+		if m.Parent != 0 && !back[m.Parent] {
+			log.Warn("recorded pool's parent is not back; the pool comes back as a root and is prefilled", "pool", r.ID, "parent", r.Parent, "branch_pos", r.D)
+			m.Parent, m.D, m.InTier = 0, 0, false
+		}
+		res, err := eng.Send(context.Background(), m)
 		if err == nil {
 			err = res.Err
 		}
-		if err != nil && log != nil {
-			log.Warn("recorded pool not recovered", "pool", r.ID, "err", err)
+		if err != nil {
+			store.MarkLost(r.ID, tier.LostRefused, err)
+			continue
+		}
+		back[r.ID] = true
+		if r.Admission != nil {
+			var pol admission.Policy
+			err := json.Unmarshal(r.Admission, &pol)
+			if err == nil {
+				res, err = eng.Send(context.Background(), engine.SetAdmission{Pool: r.ID, Patch: admission.Replace(pol)})
+				if err == nil {
+					err = res.Err
+				}
+			}
+			if err != nil {
+				log.Warn("recorded pool's admission policy not restored; it has the default", "pool", r.ID, "err", err)
+			}
+		}
+		if info, err := eng.Snapshot().Pool(r.ID); err == nil && r.PrefixHash != "" && info.PrefixHash != r.PrefixHash {
+			log.Warn("recovered pool's prefix_hash differs from the one recorded", "pool", r.ID, "recorded", r.PrefixHash, "now", info.PrefixHash)
 		}
 	}
 }

@@ -492,10 +492,10 @@ func TestTierServerKill9(t *testing.T) {
 		_ = cmd.Wait()
 	}
 	recorded := func() int {
-		var m struct{ Pools []any }
+		var m struct{ Recorded []int }
 		b, _ := os.ReadFile(filepath.Join(dir, "pools.json"))
 		_ = json.Unmarshal(b, &m)
-		return len(m.Pools)
+		return len(m.Recorded)
 	}
 
 	// 1. Pinned pools recorded, then four spills to disk, killed while they are written.

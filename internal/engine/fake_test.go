@@ -37,8 +37,9 @@ type fakeBackend struct {
 	reads     []SeqOp
 	read      map[int]bool
 	discarded int
-	// tierSpills, tierRestores count the operations.
+	// tierSpills, tierRestores count the operations; records lists the OpRecords.
 	tierSpills, tierRestores int
+	records                  []SeqOp
 	// model is the fake model (nil: fakeNext); drawn counts the samples it drew, so a
 	// test can check that a verification draws no more than plain decoding would.
 	model func(seq []Token) Token
@@ -141,6 +142,8 @@ func (f *fakeBackend) Tier(op SeqOp) error {
 			f.tail[op.Seq] = cells
 		}
 		f.tierRestores++
+	case OpRecord:
+		f.records = append(f.records, op)
 	}
 	return nil
 }

@@ -74,13 +74,15 @@ func Observe(o Observer, obs []Observation) {
 
 // setAdmission patches a pool's policy (message SetAdmission) and returns it.
 func (s *Scheduler) setAdmission(id int, patch admission.Patch) (admission.Policy, error) {
-	if _, err := s.getLive(id); err != nil {
+	pl, err := s.getLive(id)
+	if err != nil {
 		return admission.Policy{}, err
 	}
 	p, err := s.adm.SetPolicy(id, patch)
 	if err != nil {
 		return admission.Policy{}, fmt.Errorf("%w: %v", pool.ErrBadRequest, err)
 	}
+	s.recordPinned(pl) // a recorded pool's record carries its policy
 	return p, nil
 }
 

@@ -84,11 +84,13 @@ type Restored struct {
 }
 
 // RecoverPool puts back a pool recorded by an earlier run (package tier) under its old
-// id, its KV in the tier: parents first. Pin restores it at once. Result: Pool.
+// id, evicted: parents first. InTier: its KV is in the tier (else, a damaged or missing
+// entry, it is built again by a prefill). Pin restores it at once. Result: Pool.
 type RecoverPool struct {
 	ID, Parent, D int
 	Tokens        []Token
 	Pin           bool
+	InTier        bool
 }
 
 // Tick lets time pass: idle sessions expire, released pools are reclaimed, settle

@@ -127,6 +127,9 @@ type SeqOp struct {
 	// sequence), branch position and tokens (shared with the pool: read-only).
 	Pool, Parent, D int
 	Tokens          []Token
+	// Admission (OpRecord only): the pool's admission policy when one was set (nil: the
+	// default), recorded with it.
+	Admission *admission.Policy
 }
 
 // SamplerOp creates or frees a task's sampler.

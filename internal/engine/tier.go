@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/polykv/polykv/internal/admission"
 	"github.com/polykv/polykv/internal/pool"
 )
 
@@ -110,10 +111,15 @@ func (s *Scheduler) restored(m Restored) {
 	s.poolMaterialized(t)
 }
 
-// recordPinned plans recording a resident user-pinned pool for restarts.
+// recordPinned plans recording a resident user-pinned pool for restarts, with its
+// admission policy when one was set (the driver rewrites a record only when it
+// changed, and copies the cells out only when the tier lacks them).
 func (s *Scheduler) recordPinned(p *pool.Pool) {
 	if s.cfg.TierRecord && p.UserPinned && p.State == pool.Resident {
 		s.tierOp(OpRecord, p)
+		if pol := s.adm.Policy(p.ID); pol != admission.DefaultPolicy() {
+			s.ops[len(s.ops)-1].Admission = &pol
+		}
 		s.inTier[p.ID] = true
 	}
 }
@@ -125,9 +131,11 @@ func (s *Scheduler) forgetRecord(p *pool.Pool) {
 	}
 }
 
-// recoverPool puts back a pool an earlier run recorded (message RecoverPool), evicted
-// with its KV in the tier; a pinned one is restored at once, so it is resident (and
-// announced) before clients come back.
+// recoverPool puts back a pool an earlier run recorded (message RecoverPool), evicted,
+// its KV in the tier or (m.InTier false: the entry was damaged or missing) to be
+// prefilled; a pinned one is restored at once, so it is resident (and announced) before
+// clients come back. Either way the restore is the ordinary materialization: a child
+// waits for its parent's cells, whether they come from the tier or a prefill.
 func (s *Scheduler) recoverPool(m RecoverPool) error {
 	if !s.cfg.Tier {
 		return fmt.Errorf("%w: recovering pools needs the tier", pool.ErrBadRequest)
@@ -146,7 +154,9 @@ func (s *Scheduler) recoverPool(m RecoverPool) error {
 	if err != nil {
 		return err
 	}
-	s.inTier[p.ID] = true
+	if m.InTier {
+		s.inTier[p.ID] = true
+	}
 	if m.Pin {
 		s.check(p.SetPin(true, s.now))
 		s.restore(p)

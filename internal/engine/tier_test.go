@@ -3,6 +3,8 @@ package engine
 import (
 	"slices"
 	"testing"
+
+	"github.com/polykv/polykv/internal/admission"
 )
 
 func tierCfg() Config {
@@ -260,11 +262,11 @@ func TestRecoverPools(t *testing.T) {
 	root := seqTokens(1, 30)
 	h.be.tier[5] = slices.Clone(root)
 	h.be.tier[6] = seqTokens(400, 5)
-	if r := h.send(RecoverPool{ID: 5, Tokens: root, Pin: true}); r.Err != nil {
+	if r := h.send(RecoverPool{ID: 5, Tokens: root, Pin: true, InTier: true}); r.Err != nil {
 		t.Fatal(r.Err)
 	}
 	child := append(slices.Clone(root), seqTokens(400, 5)...)
-	if r := h.send(RecoverPool{ID: 6, Parent: 5, D: 30, Tokens: child}); r.Err != nil {
+	if r := h.send(RecoverPool{ID: 6, Parent: 5, D: 30, Tokens: child, InTier: true}); r.Err != nil {
 		t.Fatal(r.Err)
 	}
 	if r := h.send(RecoverPool{ID: 7, Parent: 99, Tokens: root}); r.Err == nil {
@@ -285,6 +287,67 @@ func TestRecoverPools(t *testing.T) {
 	}
 	if id := h.createPool(PoolSpec{Tokens: seqTokens(900, 4)}); id != 1<<20+1 {
 		t.Fatalf("new pool id %d, want above the floor", id)
+	}
+	h.checkAccounting()
+}
+
+// TestRecoverPoolsWithoutKV (issue 45): recorded pools whose KV entries did not verify
+// come back all the same and are built again: a pinned root by a prefill, a child whose
+// own entry verified by a restore onto the prefilled parent, a child whose entry did
+// not by a prefill of its own cells only, from the parent's. Each is recorded again
+// (the driver writes the missing entries), with its admission policy when one was set,
+// and an attach to each gives the cold text.
+func TestRecoverPoolsWithoutKV(t *testing.T) {
+	cfg := tierCfg()
+	cfg.TierRecord, cfg.PoolIDFloor = true, 1<<20
+	h := newHarness(t, cfg)
+	root := seqTokens(1, 30)
+	c6 := append(slices.Clone(root), seqTokens(400, 5)...)
+	c7 := append(slices.Clone(root[:20]), seqTokens(600, 8)...)
+	h.be.tier[6] = seqTokens(400, 5)
+	for _, m := range []RecoverPool{{ID: 5, Tokens: root, Pin: true}, {ID: 6, Parent: 5, D: 30, Tokens: c6, Pin: true, InTier: true},
+		{ID: 7, Parent: 5, D: 20, Tokens: c7, Pin: true}} {
+		if r := h.send(m); r.Err != nil {
+			t.Fatal(r.Err)
+		}
+	}
+	pol := admission.DefaultPolicy()
+	pol.TargetTPS = 4
+	if r := h.send(SetAdmission{Pool: 7, Patch: admission.Replace(pol)}); r.Err != nil {
+		t.Fatal(r.Err)
+	}
+	from := len(h.be.batches)
+	h.run()
+	prefilled := map[int]int{5: 30, 6: 0, 7: 8}
+	for id, n := range prefilled {
+		p, _ := h.s.pools.Get(id)
+		if info, _ := h.s.Pool(id); info.Residency != "resident" || !info.UserPinned {
+			t.Fatalf("recovered pool %d: %+v", id, info)
+		}
+		if got := h.prefilledFor(p.Seq, from); got != n {
+			t.Fatalf("pool %d: %d cells prefilled, want %d", id, got, n)
+		}
+	}
+	if h.s.tierRestores != 1 || h.s.tierMisses != 0 {
+		t.Fatalf("restores %d misses %d, want the one child's", h.s.tierRestores, h.s.tierMisses)
+	}
+	recorded := map[int]*admission.Policy{}
+	for _, op := range h.be.records {
+		recorded[op.Pool] = op.Admission
+	}
+	if len(recorded) != 3 || recorded[5] != nil || recorded[7] == nil || recorded[7].TargetTPS != 4 {
+		t.Fatalf("recorded again: %v", recorded)
+	}
+	for _, x := range []struct {
+		id   int
+		toks []Token
+	}{{5, root}, {6, c6}, {7, c7}} {
+		prompt := append(slices.Clone(x.toks), 3)
+		tid := h.submit(Request{Prompt: prompt, HasPool: true, PoolID: x.id, MaxTokens: 3})
+		h.run()
+		if got, want := h.text(tid), expectedText(t, prompt, 3); got != want {
+			t.Fatalf("attach to recovered pool %d: %q, want %q", x.id, got, want)
+		}
 	}
 	h.checkAccounting()
 }

@@ -21,6 +21,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"time"
 )
 
@@ -328,6 +329,19 @@ const (
 	prime3 uint64 = 1609587929392839161
 	prime5 uint64 = 2870177450012600261
 )
+
+// PrefixHash is the prefix_hash the API shows for a pool holding tokens: its
+// Fingerprint in hex, from the tokens alone (a restart's record carries it).
+func PrefixHash(tokens []Token) string {
+	h := prime5
+	for _, t := range tokens {
+		h = mix(h, uint64(uint32(t)))
+	}
+	if len(tokens) == 0 {
+		h = 0
+	}
+	return strconv.FormatUint(h, 16)
+}
 
 // RollingHash returns h where h[i] fingerprints tokens[0..i].
 func RollingHash(tokens []Token) []uint64 {

@@ -2,6 +2,7 @@ package pool
 
 import (
 	"errors"
+	"strconv"
 	"testing"
 	"time"
 )
@@ -135,6 +136,10 @@ func TestRecoverKeepsIDs(t *testing.T) {
 	}
 	if _, err := tr.Recover(7, nil, 0, toks(1, 3), now); !errors.Is(err, ErrConflict) {
 		t.Fatalf("taken id: %v", err)
+	}
+	// A record's prefix_hash, from the tokens alone, is the one the pool shows.
+	if got, want := PrefixHash(root.Tokens), strconv.FormatUint(root.Fingerprint(), 16); got != want {
+		t.Fatalf("PrefixHash %s, the pool's fingerprint %s", got, want)
 	}
 	p, _ := tr.NewRoot(toks(3, 3), now)
 	if p.ID != 1001 {

@@ -3,12 +3,14 @@ package runner
 import (
 	"bytes"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
 
 	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/llama"
+	"github.com/polykv/polykv/internal/pool"
 	"github.com/polykv/polykv/internal/tier"
 )
 
@@ -71,20 +73,24 @@ func (b *Backend) Tier(op engine.SeqOp) error {
 	case engine.OpRestore:
 		return b.restore(op, m)
 	case engine.OpRecord:
-		if b.store.Recorded(op.Pool) {
-			return nil
+		// The record (tokens, pin, prefix_hash, policy) is written whenever it changed;
+		// the cells are copied out only when the tier lacks them (a pool recovered
+		// without its KV and prefilled since has them written again).
+		rec := tier.Record{ID: op.Pool, Parent: op.Parent, D: op.D, Tokens: op.Tokens, Pin: true, PrefixHash: pool.PrefixHash(op.Tokens)}
+		if op.Admission != nil {
+			rec.Admission, _ = json.Marshal(op.Admission)
 		}
-		rec := tier.Record{ID: op.Pool, Parent: op.Parent, D: op.D}
 		if b.store.Has(m) {
-			b.store.Record(rec, m, nil)
+			b.store.Record(rec, nil)
 			return nil
 		}
 		data, err := b.ownState(op, true)
 		if err != nil {
 			b.store.Miss(op.Pool, fmt.Errorf("record: %w", err))
+			b.store.Record(rec, nil) // the record alone: a restart prefills the pool
 			return err
 		}
-		b.store.Record(rec, m, b.withMTP(op, data))
+		b.store.Record(rec, b.withMTP(op, data))
 	case engine.OpForget:
 		b.store.Forget(op.Pool)
 	}

@@ -2,20 +2,19 @@ package tier
 
 import (
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"os"
 	"path/filepath"
-	"slices"
 	"strings"
 	"syscall"
 )
 
-// The disk tier: one file per entry, <key>.kv, and pools.json, the manifest of recorded
-// (pinned) pools and the pool id floor. Every write is a temporary file that is fsynced,
-// renamed over its name and followed by an fsync of the directory, so after a crash at
-// any instant (kill -9, power) a name holds a whole old or a whole new file; temporary
-// files left behind are removed at the next Open.
+// The disk tier: one file per entry, <key>.kv; one per recorded (pinned) pool,
+// pool-<id>.rec (records.go); and pools.json, the manifest of recorded pool ids and the
+// pool id floor. Every write is a temporary file that is fsynced, renamed over its name
+// and followed by an fsync of the directory, so after a crash at any instant (kill -9,
+// power) a name holds a whole old or a whole new file; temporary files left behind are
+// removed at the next Open.
 
 const manifestName = "pools.json"
 
@@ -25,33 +24,10 @@ const manifestName = "pools.json"
 // crashes after creating more than this many unrecorded pools is the exception).
 const idBlock = 1 << 20
 
-// Record is a pool recorded for restarts: its id, its parent's (0 for a root), its
-// branch position and the key of its entry.
-type Record struct {
-	ID     int    `json:"id"`
-	Parent int    `json:"parent,omitempty"`
-	D      int    `json:"d"`
-	Key    string `json:"key"`
-}
-
-// Recovered is a recorded pool whose entry verified at Open: everything needed to put
-// it back in the tree.
-type Recovered struct {
-	Record
-	Tokens []int32
-}
-
-type manifest struct {
-	Version int      `json:"version"`
-	Model   string   `json:"model"`
-	IDFloor int      `json:"id_floor"`
-	Pools   []Record `json:"pools"`
-}
-
 type job struct {
 	key     Key
 	e       *ramEntry
-	record  *Record // record the pool once its entry is on disk
+	record  *Record // write this pool's record and list it in the manifest
 	forget  int     // drop this pool's record (0: none)
 	flushed chan struct{}
 }
@@ -82,11 +58,16 @@ func (s *Store) openDir() error {
 		s.log.Warn("pool tier directory unreadable; pools will not survive restarts", "dir", dir, "err", err)
 		return nil
 	}
+	records := map[int]bool{} // pool ids with a record file
 	for _, de := range ents {
 		name := de.Name()
 		switch {
 		case strings.HasPrefix(name, ".tmp-"):
 			_ = os.Remove(filepath.Join(dir, name)) // a write a crash interrupted
+		case strings.HasSuffix(name, recordExt):
+			if id, ok := parseRecordName(name); ok {
+				records[id] = true
+			}
 		case strings.HasSuffix(name, ".kv"):
 			k, ok := parseKey(strings.TrimSuffix(name, ".kv"))
 			if !ok {
@@ -111,7 +92,7 @@ func (s *Store) openDir() error {
 		f.Close()
 		_ = os.Remove(f.Name())
 	}
-	s.readManifest()
+	s.readRecords(records)
 	floor := s.man.IDFloor
 	s.man.IDFloor += idBlock
 	s.man.Model = s.cfg.Model
@@ -124,68 +105,6 @@ func (s *Store) openDir() error {
 	return nil
 }
 
-// readManifest loads pools.json and verifies each recorded pool's entry, parents
-// before children; what does not verify is skipped with one log line (and its
-// descendants with it: a child's cells need its parent's).
-func (s *Store) readManifest() {
-	b, err := os.ReadFile(filepath.Join(s.cfg.Dir, manifestName))
-	if errors.Is(err, os.ErrNotExist) {
-		return
-	}
-	var m manifest
-	if err == nil {
-		err = json.Unmarshal(b, &m)
-	}
-	if err != nil {
-		s.log.Warn("pool manifest unreadable; no pools recovered", "err", err)
-		return
-	}
-	s.man.IDFloor = m.IDFloor
-	for _, r := range m.Pools {
-		s.man.IDFloor = max(s.man.IDFloor, r.ID)
-	}
-	if m.Model != s.cfg.Model {
-		s.log.Warn("pool manifest was written for another model, build or cache type; no pools recovered", "model_key", m.Model)
-		return
-	}
-	slices.SortFunc(m.Pools, func(a, b Record) int { return a.ID - b.ID })
-	ok := map[int]bool{}
-	for _, r := range m.Pools {
-		k, good := parseKey(r.Key)
-		if !good {
-			s.log.Warn("recorded pool has a malformed key; skipped", "pool", r.ID)
-			continue
-		}
-		if r.Parent != 0 && !ok[r.Parent] {
-			s.log.Warn("recorded pool's parent was not recovered; skipped", "pool", r.ID, "parent", r.Parent)
-			continue
-		}
-		if s.disk[k] == nil {
-			s.stats.Misses[MissAbsent]++
-			s.log.Warn("recorded pool's entry is missing; skipped", "pool", r.ID)
-			continue
-		}
-		meta, _, err := s.readEntryMeta(k)
-		if err == nil && meta.D != r.D {
-			err = miss(MissForeign, "entry branch position %d, recorded %d", meta.D, r.D)
-		}
-		if err == nil && MakeKey(s.cfg.Model, meta.D, meta.Tokens) != k {
-			err = miss(MissForeign, "entry does not hash to its name")
-		}
-		if err != nil {
-			s.stats.Misses[Reason(err)]++
-			s.log.Warn("recorded pool's entry does not verify; skipped (it will be prefilled if created again)", "pool", r.ID, "reason", Reason(err), "err", err)
-			s.dropDisk(k)
-			continue
-		}
-		ok[r.ID] = true
-		s.kept[k] = true
-		s.byPool[r.ID] = k
-		s.man.Pools = append(s.man.Pools, r)
-		s.recovered = append(s.recovered, Recovered{Record: r, Tokens: meta.Tokens})
-	}
-}
-
 // Durable reports whether pools can be recorded for restarts (a writable directory).
 func (s *Store) Durable() bool {
 	s.mu.Lock()
@@ -196,56 +115,6 @@ func (s *Store) Durable() bool {
 // IDFloor is the highest pool id an earlier run may have used: this run's ids start
 // above it (0 without a disk tier).
 func (s *Store) IDFloor() int { return s.floor }
-
-// Recovered lists the recorded pools whose entries verified at Open, parents first.
-func (s *Store) Recovered() []Recovered { return slices.Clone(s.recovered) }
-
-// Record makes pool survive restarts: its entry is written to disk (payload, unless the
-// store already holds it) and the pool recorded in the manifest once the entry is
-// there. It reports false when there is no usable disk tier.
-func (s *Store) Record(r Record, m Meta, payload []byte) bool {
-	k := MakeKey(s.cfg.Model, m.D, m.Tokens)
-	r.Key = k.String()
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.cfg.Dir == "" || s.diskOff != "" {
-		return false
-	}
-	s.byPool[r.ID] = k
-	s.kept[k] = true
-	e := s.ram[k]
-	if e == nil {
-		e = s.pending[k]
-	}
-	if e == nil && payload != nil {
-		e = &ramEntry{meta: m, payload: payload}
-	}
-	if s.disk[k] != nil || e == nil {
-		return s.enqueueLocked(job{record: &r})
-	}
-	return s.queueWrite(k, e, &r)
-}
-
-// Forget drops pool's record (it was unpinned or released): after a restart it is not
-// recovered. Its entry stays as an ordinary LRU entry.
-func (s *Store) Forget(pool int) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if k, ok := s.byPool[pool]; ok {
-		delete(s.kept, k)
-	}
-	if s.cfg.Dir != "" && s.diskOff == "" {
-		s.enqueueLocked(job{forget: pool})
-	}
-}
-
-// Recorded reports whether pool is in the manifest (or queued to be).
-func (s *Store) Recorded(pool int) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	k, ok := s.byPool[pool]
-	return ok && s.kept[k]
-}
 
 func (s *Store) enqueue(j job) bool {
 	s.mu.Lock()
@@ -269,7 +138,7 @@ func (s *Store) enqueueLocked(j job) bool {
 
 // queueWrite hands an entry to the disk writer; it stays readable (pending) until it
 // is on disk. False: no usable disk tier, or it does not fit the budget.
-func (s *Store) queueWrite(k Key, e *ramEntry, r *Record) bool {
+func (s *Store) queueWrite(k Key, e *ramEntry) bool {
 	if s.cfg.Dir == "" || s.diskOff != "" {
 		if s.cfg.Dir != "" {
 			s.stats.DiskErrors++
@@ -282,7 +151,7 @@ func (s *Store) queueWrite(k Key, e *ramEntry, r *Record) bool {
 		return false
 	}
 	s.pending[k] = e
-	if !s.enqueueLocked(job{key: k, e: e, record: r}) {
+	if !s.enqueueLocked(job{key: k, e: e}) {
 		delete(s.pending, k)
 		return false
 	}
@@ -297,24 +166,16 @@ func (s *Store) writer(jobs <-chan job) {
 		case j.flushed != nil:
 			close(j.flushed)
 		case j.e != nil:
-			s.writeEntry(j.key, j.e, j.record)
+			s.writeEntry(j.key, j.e)
 		case j.record != nil:
-			s.mu.Lock()
-			s.recordLocked(*j.record)
-			s.mu.Unlock()
+			s.writeRecord(*j.record)
 		case j.forget != 0:
-			s.mu.Lock()
-			n := len(s.man.Pools)
-			s.man.Pools = slices.DeleteFunc(s.man.Pools, func(r Record) bool { return r.ID == j.forget })
-			if len(s.man.Pools) != n {
-				s.saveManifestLocked()
-			}
-			s.mu.Unlock()
+			s.dropRecord(j.forget)
 		}
 	}
 }
 
-func (s *Store) writeEntry(k Key, e *ramEntry, r *Record) {
+func (s *Store) writeEntry(k Key, e *ramEntry) {
 	b := encode(s.cfg.Model, e.meta, e.payload)
 	size := int64(len(b))
 	s.mu.Lock()
@@ -341,19 +202,6 @@ func (s *Store) writeEntry(k Key, e *ramEntry, r *Record) {
 	}
 	s.disk[k] = &diskEntry{size: size, used: s.tick()}
 	s.diskBytes += size
-	if r != nil {
-		s.recordLocked(*r)
-	}
-}
-
-func (s *Store) recordLocked(r Record) {
-	s.man.Pools = slices.DeleteFunc(s.man.Pools, func(o Record) bool { return o.ID == r.ID })
-	s.man.Pools = append(s.man.Pools, r)
-	slices.SortFunc(s.man.Pools, func(a, b Record) int { return a.ID - b.ID })
-	if r.ID >= s.man.IDFloor {
-		s.man.IDFloor = r.ID + idBlock
-	}
-	s.saveManifestLocked()
 }
 
 func (s *Store) saveManifestLocked() {
@@ -364,7 +212,7 @@ func (s *Store) saveManifestLocked() {
 }
 
 func (s *Store) writeManifest() error {
-	b, err := json.MarshalIndent(s.man, "", " ")
+	b, err := encodeManifest(s.man)
 	if err != nil {
 		return err
 	}

@@ -119,7 +119,9 @@ type Store struct {
 	diskOff   string       // why the disk tier takes no writes ("" = it does)
 	logged    map[string]bool
 	man       manifest
+	recs      map[int]Record // recorded pools (read at Open or recorded since), by id
 	recovered []Recovered
+	lost      []Lost
 	floor     int
 	stats     Stats
 
@@ -243,7 +245,7 @@ func (s *Store) Put(pool int, m Meta, payload []byte) Location {
 		s.ramBytes += size
 		return RAM
 	}
-	if s.queueWrite(k, &ramEntry{meta: m, payload: payload}, nil) {
+	if s.queueWrite(k, &ramEntry{meta: m, payload: payload}) {
 		return Disk
 	}
 	s.stats.Dropped++
@@ -264,7 +266,7 @@ func (s *Store) demoteLRU() {
 	}
 	delete(s.ram, victim)
 	s.ramBytes -= int64(len(v.payload))
-	if !s.queueWrite(victim, v, nil) {
+	if !s.queueWrite(victim, v) {
 		s.stats.Dropped++
 	}
 }

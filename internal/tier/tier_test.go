@@ -2,6 +2,7 @@ package tier
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -173,61 +174,285 @@ func TestDiskBudgetLRU(t *testing.T) {
 	}
 }
 
+// rec is the record of a pool holding m (parent 0: a root).
+func rec(id, parent int, m Meta) Record {
+	return Record{ID: id, Parent: parent, D: m.D, Tokens: m.Tokens, Pin: true, PrefixHash: fmt.Sprintf("h%d", id)}
+}
+
 func TestRecordSurvivesRestart(t *testing.T) {
 	dir := t.TempDir()
 	s := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
 	floor := s.IDFloor()
 	root, child := meta(0, 20, 1), meta(12, 30, 1)
 	child.Tokens = append(slices.Clone(root.Tokens[:12]), child.Tokens[12:]...)
-	if !s.Record(Record{ID: floor + 1}, root, payload(300, 1)) || !s.Record(Record{ID: floor + 2, Parent: floor + 1, D: 12}, child, payload(200, 2)) {
+	r1, r2 := rec(floor+1, 0, root), rec(floor+2, floor+1, child)
+	r2.Admission = []byte(`{"TargetTPS":5}`)
+	if !s.Record(r1, payload(300, 1)) || !s.Record(r2, payload(200, 2)) {
 		t.Fatal("record refused")
 	}
 	s.Close()
 
 	s2 := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
-	rec := s2.Recovered()
-	if len(rec) != 2 || rec[0].ID != floor+1 || rec[1].Parent != floor+1 || rec[1].D != 12 || !slices.Equal(rec[1].Tokens, child.Tokens) {
-		t.Fatalf("recovered %+v", rec)
+	got := s2.Recovered()
+	if len(got) != 2 || !got[0].equal(r1) || !got[1].equal(r2) || !got[0].InTier || !got[1].InTier || len(s2.Lost()) != 0 {
+		t.Fatalf("recovered %+v lost %+v", got, s2.Lost())
 	}
 	if s2.IDFloor() < floor+2 {
 		t.Fatalf("id floor %d after ids up to %d were used", s2.IDFloor(), floor+2)
 	}
-	got, loc, err := s2.Get(child)
-	if err != nil || loc != Disk || !bytes.Equal(got, payload(200, 2)) {
+	b, loc, err := s2.Get(child)
+	if err != nil || loc != Disk || !bytes.Equal(b, payload(200, 2)) {
 		t.Fatalf("recovered child's entry: %v %q", err, loc)
 	}
-	// Unrecorded: gone after the next restart; its parent stays.
+	// Unrecorded: gone after the next restart (its record file too); its parent stays.
 	s2.Forget(floor + 2)
 	s2.Close()
+	if _, err := os.Stat(filepath.Join(dir, recordName(floor+2))); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("a forgotten pool's record is still there: %v", err)
+	}
 	s3 := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
-	if rec := s3.Recovered(); len(rec) != 1 || rec[0].ID != floor+1 {
-		t.Fatalf("after forget: %+v", rec)
+	if got := s3.Recovered(); len(got) != 1 || got[0].ID != floor+1 {
+		t.Fatalf("after forget: %+v", got)
 	}
 	s3.Close()
-	// Another model: nothing is recovered, and the ids still move up.
+	// Another model: nothing is recovered, the pool is reported lost, and the ids still
+	// move up.
 	s4 := open(t, Config{Model: "model-b", Dir: dir, DiskBytes: 1 << 20})
 	if len(s4.Recovered()) != 0 || s4.IDFloor() <= s3.IDFloor() {
 		t.Fatalf("foreign manifest: recovered %d, floor %d after %d", len(s4.Recovered()), s4.IDFloor(), s3.IDFloor())
 	}
+	if lost := s4.Lost(); len(lost) != 1 || lost[0].ID != floor+1 || lost[0].Reason != MissForeign {
+		t.Fatalf("foreign manifest: lost %+v", lost)
+	}
 }
 
-func TestRecoveryDropsCorruptParentAndChildren(t *testing.T) {
+// damage breaks a file as a bad disk would: a flipped byte, cut to a third, or removed.
+func damage(t *testing.T, path, how string) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	switch how {
+	case "flip":
+		b[len(b)/2] ^= 0x10
+	case "truncate":
+		b = b[:len(b)/3]
+	case "delete":
+		if err := os.Remove(path); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestDamagedEntriesKeepTheirPools (issue 45): a recorded pool's KV entry flipped, cut
+// short or removed costs its KV, never the pool: its record still verifies, so it is
+// recovered (not in the tier: the server prefills it), each damage is a counted miss,
+// nothing is lost, and recording it again writes the entry back.
+func TestDamagedEntriesKeepTheirPools(t *testing.T) {
 	dir := t.TempDir()
 	s := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
-	root, child := meta(0, 20, 1), meta(20, 30, 1)
-	s.Record(Record{ID: 1}, root, payload(300, 1))
-	s.Record(Record{ID: 2, Parent: 1, D: 20}, child, payload(200, 2))
-	s.Close()
-	path := filepath.Join(dir, MakeKey("model-a", 0, root.Tokens).String()+".kv")
-	b, _ := os.ReadFile(path)
-	b[len(b)-10] ^= 0xff
-	_ = os.WriteFile(path, b, 0o644)
-	s2 := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
-	if rec := s2.Recovered(); len(rec) != 0 {
-		t.Fatalf("recovered %+v from a corrupt root", rec)
+	root, child, other := meta(0, 20, 1), meta(20, 30, 1), meta(0, 25, 100)
+	recs := []Record{rec(1, 0, root), rec(2, 1, child), rec(3, 0, other)}
+	for i, r := range recs {
+		s.Record(r, payload(100*(i+1), byte(i)))
 	}
-	if st := s2.Stats(); st.Misses[MissCorrupt] != 1 {
-		t.Fatalf("misses %v", st.Misses)
+	s.Close()
+	for i, how := range []string{"flip", "truncate", "delete"} {
+		damage(t, filepath.Join(dir, MakeKey("model-a", recs[i].D, recs[i].Tokens).String()+".kv"), how)
+	}
+	s2 := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+	got := s2.Recovered()
+	if len(got) != 3 || len(s2.Lost()) != 0 {
+		t.Fatalf("recovered %+v, lost %+v: want all three pools", got, s2.Lost())
+	}
+	for i, r := range got {
+		if !r.equal(recs[i]) || r.InTier {
+			t.Fatalf("pool %d: %+v, want %+v not in the tier", recs[i].ID, r, recs[i])
+		}
+	}
+	if st := s2.Stats(); st.Misses[MissCorrupt] != 1 || st.Misses[MissTruncated] != 1 || st.Misses[MissAbsent] != 1 || st.DiskEntries != 0 {
+		t.Fatalf("misses %v, %d entries left", st.Misses, st.DiskEntries)
+	}
+	// The server prefills them and records them again: the entries are back.
+	for i, r := range got {
+		if !s2.Recorded(r.ID) || !s2.Record(r.Record, payload(100*(i+1), byte(i))) {
+			t.Fatalf("pool %d: not recorded", r.ID)
+		}
+	}
+	s2.Close()
+	s3 := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+	for _, r := range s3.Recovered() {
+		if !r.InTier {
+			t.Fatalf("pool %d's entry was not written again", r.ID)
+		}
+	}
+}
+
+// TestDamagedRecordIsLost (issue 45): a record flipped, cut short or removed is reported
+// lost by id with its reason, never skipped in silence; the damaged file is moved aside
+// (reported once); the child of a lost pool is still recovered (its record holds all
+// its tokens); a record pools.json does not list (a Record or Forget cut short) is
+// removed.
+func TestDamagedRecordIsLost(t *testing.T) {
+	dir := t.TempDir()
+	s := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+	a, b, c := meta(0, 20, 1), meta(0, 20, 50), meta(0, 20, 90)
+	child := meta(20, 30, 1)
+	for _, r := range []Record{rec(1, 0, a), rec(2, 0, b), rec(3, 0, c), rec(4, 1, child)} {
+		s.Record(r, payload(100, 1))
+	}
+	s.Close()
+	orphan := rec(99, 0, meta(0, 5, 7))
+	if err := os.WriteFile(filepath.Join(dir, recordName(99)), encodeRecord("model-a", orphan), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for i, how := range []string{"flip", "truncate", "delete"} {
+		damage(t, filepath.Join(dir, recordName(i+1)), how)
+	}
+	s2 := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+	want := []Lost{{ID: 1, Reason: MissCorrupt}, {ID: 2, Reason: MissTruncated}, {ID: 3, Reason: MissAbsent}}
+	lost := s2.Lost()
+	if len(lost) != len(want) {
+		t.Fatalf("lost %+v, want %+v", lost, want)
+	}
+	for i, l := range lost {
+		if l.ID != want[i].ID || l.Reason != want[i].Reason || l.Err == "" {
+			t.Fatalf("lost %+v, want %+v", lost, want)
+		}
+	}
+	if got := s2.Recovered(); len(got) != 1 || got[0].ID != 4 || got[0].Parent != 1 || !got[0].InTier {
+		t.Fatalf("recovered %+v, want the child 4", got)
+	}
+	for _, name := range []string{recordName(1) + damagedExt, recordName(2) + damagedExt} {
+		if _, err := os.Stat(filepath.Join(dir, name)); err != nil {
+			t.Fatalf("damaged record not moved aside: %v", err)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, recordName(99))); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("unlisted record left: %v", err)
+	}
+	s2.Close()
+	s3 := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+	if got := s3.Recovered(); len(s3.Lost()) != 0 || len(got) != 1 || got[0].ID != 4 {
+		t.Fatalf("second restart: recovered %+v lost %+v", got, s3.Lost())
+	}
+}
+
+// TestDamagedManifestKeepsRecords: pools.json flipped or removed costs the listing, not
+// the pools: every record found is recovered and new ids stay above theirs.
+func TestDamagedManifestKeepsRecords(t *testing.T) {
+	for _, how := range []string{"flip", "delete"} {
+		t.Run(how, func(t *testing.T) {
+			dir := t.TempDir()
+			s := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+			id := s.IDFloor() + 7
+			s.Record(rec(id, 0, meta(0, 20, 1)), payload(100, 1))
+			s.Close()
+			path := filepath.Join(dir, manifestName)
+			if how == "flip" {
+				// A digit of the recorded id: without the checksum it would name another pool.
+				b, _ := os.ReadFile(path)
+				i := bytes.Index(b, []byte(`"recorded"`))
+				i += bytes.Index(b[i:], []byte(fmt.Sprint(id))) + len(fmt.Sprint(id)) - 1
+				b[i] ^= 0x01
+				_ = os.WriteFile(path, b, 0o644)
+			} else {
+				damage(t, path, how)
+			}
+			s2 := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+			if got := s2.Recovered(); len(got) != 1 || got[0].ID != id || !got[0].InTier || len(s2.Lost()) != 0 {
+				t.Fatalf("recovered %+v lost %+v", got, s2.Lost())
+			}
+			if s2.IDFloor() < id {
+				t.Fatalf("id floor %d below a recorded id %d", s2.IDFloor(), id)
+			}
+		})
+	}
+}
+
+// TestManifestV0IsTakenOver: a pools.json written before records were kept apart
+// (version 0: each pool with its entry's key, the tokens only in the entry) is read as
+// that version read it, and its pools' records are written: the next start reads them
+// as version 2. A pool whose entry does not verify is reported lost (its tokens are
+// gone with it); its child is still recovered.
+func TestManifestV0IsTakenOver(t *testing.T) {
+	dir := t.TempDir()
+	root, child, other := meta(0, 20, 1), meta(20, 30, 1), meta(0, 10, 70)
+	m := manifest{Model: "model-a", IDFloor: 3 << 20}
+	for i, x := range []struct {
+		id, parent int
+		m          Meta
+	}{{1, 0, root}, {2, 1, child}, {3, 0, other}} {
+		k := MakeKey("model-a", x.m.D, x.m.Tokens)
+		b := encode("model-a", x.m, payload(100, byte(i)))
+		if x.id == 3 {
+			b[len(b)/2] ^= 0x10
+		}
+		if err := os.WriteFile(filepath.Join(dir, k.String()+".kv"), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		m.Pools = append(m.Pools, recordV0{ID: x.id, Parent: x.parent, D: x.m.D, Key: k.String()})
+	}
+	b, _ := json.Marshal(m) // version 0, as that version wrote it
+	if err := os.WriteFile(filepath.Join(dir, manifestName), b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	check := func(s *Store) {
+		t.Helper()
+		got := s.Recovered()
+		if len(got) != 2 || got[0].ID != 1 || !slices.Equal(got[0].Tokens, root.Tokens) || got[1].ID != 2 || got[1].Parent != 1 ||
+			got[1].D != 20 || !slices.Equal(got[1].Tokens, child.Tokens) || !got[0].InTier || !got[1].InTier || s.IDFloor() < 3<<20 {
+			t.Fatalf("recovered %+v, floor %d", got, s.IDFloor())
+		}
+	}
+	s := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+	check(s)
+	if lost := s.Lost(); len(lost) != 1 || lost[0].ID != 3 || lost[0].Reason != MissCorrupt {
+		t.Fatalf("lost %+v", lost)
+	}
+	s.Close()
+	b, _ = os.ReadFile(filepath.Join(dir, manifestName))
+	if mm, err := decodeManifest(b); err != nil || mm.Version != manifestVersion || !slices.Equal(mm.Recorded, []int{1, 2}) {
+		t.Fatalf("pools.json after the take-over: %+v %v", mm, err)
+	}
+	s2 := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+	check(s2)
+	if len(s2.Lost()) != 0 {
+		t.Fatalf("lost again: %+v", s2.Lost())
+	}
+}
+
+// TestRecordUpdates: recording a pool again with another admission policy rewrites its
+// record; recording it as a root (its parent's record lost) lets LRU drop its old entry.
+func TestRecordUpdates(t *testing.T) {
+	dir := t.TempDir()
+	s := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+	child := meta(20, 30, 1)
+	r := rec(2, 1, child)
+	s.Record(r, payload(100, 1))
+	r.Admission = []byte(`{"TargetTPS":9}`)
+	s.Record(r, nil)
+	rooted := Record{ID: 2, Tokens: child.Tokens, Pin: true}
+	s.Record(rooted, payload(300, 2))
+	s.mu.Lock()
+	oldKept, newKept := s.kept[MakeKey("model-a", 20, child.Tokens)], s.kept[MakeKey("model-a", 0, child.Tokens)]
+	s.mu.Unlock()
+	if oldKept || !newKept {
+		t.Fatalf("entries kept: old %v, new %v", oldKept, newKept)
+	}
+	s.Close()
+	b, _ := os.ReadFile(filepath.Join(dir, manifestName))
+	if m, err := decodeManifest(b); err != nil || !slices.Equal(m.Recorded, []int{2}) {
+		t.Fatalf("pools.json: %+v %v", m, err)
+	}
+	s2 := open(t, Config{Dir: dir, DiskBytes: 1 << 20})
+	if got := s2.Recovered(); len(got) != 1 || !got[0].equal(rooted) || !got[0].InTier {
+		t.Fatalf("recovered %+v", got)
 	}
 }
 
@@ -354,7 +579,7 @@ func TestReadOnlyDir(t *testing.T) {
 	if loc := s.Put(2, meta(0, 4, 9), payload(500, 2)); loc != None {
 		t.Fatalf("entry over RAM on a read-only disk: %q", loc)
 	}
-	if s.Record(Record{ID: 3}, meta(0, 4, 1), payload(50, 1)) {
+	if s.Record(rec(3, 0, meta(0, 4, 1)), payload(50, 1)) {
 		t.Fatal("recorded a pool on a read-only directory")
 	}
 	if st := s.Stats(); st.DiskErrors == 0 || st.Dropped != 1 {
@@ -372,8 +597,8 @@ func TestKill9DuringReload(t *testing.T) {
 	dir := t.TempDir()
 	s := open(t, Config{Dir: dir, DiskBytes: 1 << 30})
 	root := meta(0, 64, 1)
-	s.Record(Record{ID: 1}, root, payload(1<<20, 1))
-	s.Record(Record{ID: 2, Parent: 1, D: 64}, meta(64, 80, 1), payload(1<<19, 2))
+	s.Record(rec(1, 0, root), payload(1<<20, 1))
+	s.Record(rec(2, 1, meta(64, 80, 1)), payload(1<<19, 2))
 	s.Close()
 	floor := 0
 	for round := range 4 {
@@ -387,8 +612,8 @@ func TestKill9DuringReload(t *testing.T) {
 		_ = cmd.Wait()
 		s := open(t, Config{Dir: dir, DiskBytes: 1 << 30})
 		rec := s.Recovered()
-		if len(rec) != 2 || rec[1].Parent != 1 || len(rec[1].Tokens) != 80 || s.IDFloor() < floor {
-			t.Fatalf("round %d: recovered %d pools, floor %d after %d", round, len(rec), s.IDFloor(), floor)
+		if len(rec) != 2 || rec[1].Parent != 1 || len(rec[1].Tokens) != 80 || !rec[0].InTier || !rec[1].InTier || len(s.Lost()) != 0 || s.IDFloor() < floor {
+			t.Fatalf("round %d: recovered %+v, lost %+v, floor %d after %d", round, rec, s.Lost(), s.IDFloor(), floor)
 		}
 		if got, _, err := s.Get(root); err != nil || !bytes.Equal(got, payload(1<<20, 1)) {
 			t.Fatalf("round %d: root entry: %v", round, err)

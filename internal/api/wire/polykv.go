@@ -59,6 +59,17 @@ type PoolsStatus struct {
 	// RecurrentStateBytesPerSeq is one sequence's recurrent state (hybrid and recurrent
 	// models; 0 otherwise): every pool and session holding tokens has its own copy.
 	RecurrentStateBytesPerSeq int64 `json:"recurrent_state_bytes_per_seq"`
+	// LostPools lists the pools recorded under --pool-dir that are not back after this
+	// start (their record did not verify, or the server refused them): their ids answer
+	// 404. Empty otherwise.
+	LostPools []LostPool `json:"lost_pools"`
+}
+
+// LostPool is a recorded pool that did not come back after a restart.
+type LostPool struct {
+	PoolID int    `json:"pool_id"`
+	Reason string `json:"reason"` // absent | truncated | corrupt | foreign | io | refused
+	Error  string `json:"error"`
 }
 
 // PoolInfo is one pool's status (docs/design.md §4.2); GET /polykv/pools/{id} adds tokens.
