@@ -14,7 +14,8 @@ import "slices"
 //
 // The drafter is pluggable: anything that turns a session's context into a proposal
 // (a draft model, MTP heads over the target's hidden states) is a DraftBackend behind
-// its own --spec-type; the scheduler only sees DraftWant and DraftProposal.
+// its own --spec-type, registered here as a backendDrafter (drafter.go); the scheduler
+// only sees DraftWant and DraftProposal.
 
 // SpecDraftSimple drafts with a second, smaller model of the same vocabulary
 // (--model-draft), greedily (llama-server's draft-simple).

@@ -58,6 +58,19 @@ type target interface {
 	swaChunks(lo, hi int) [][2]int
 }
 
+// noFollower is the Backend's follower when its drafter (if any) follows nothing: every
+// operation is a no-op and it has no part in tier entries or slot files.
+type noFollower struct{}
+
+func (noFollower) follow(target)                               {}
+func (noFollower) mirror([]engine.BatchEntry)                  {}
+func (noFollower) seqRm(int, int, int)                         {}
+func (noFollower) seqCp(int, int, int, int)                    {}
+func (noFollower) hasPart() bool                               { return false }
+func (noFollower) savePart(int, int, int, int) ([]byte, error) { return nil, nil }
+func (noFollower) loadPart(int, int, int, int, []byte) error   { return nil }
+func (noFollower) restoring(bool)                              {}
+
 func (b *Backend) swaAnchor() int          { return b.anchor }
 func (b *Backend) rolledBack(seq int) bool { return b.rolled[seq] }
 func (b *Backend) scratchSeq() int         { return b.scratch }
@@ -94,4 +107,5 @@ var (
 	_ ModelDrafter = (*Drafter)(nil)
 	_ ModelDrafter = (*MTP)(nil)
 	_ Follower     = (*MTP)(nil)
+	_ Follower     = noFollower{}
 )

@@ -53,7 +53,8 @@ type Backend struct {
 	// as it is (EnableScratch; -1: none).
 	scratch int
 	// drafter drafts with a model of its own (EnableDrafter; nil: none); follower is
-	// the same drafter where its contexts mirror the target's cells (follower.go).
+	// the same drafter where its contexts mirror the target's cells (follower.go), and
+	// otherwise noFollower, which keeps nothing.
 	drafter  ModelDrafter
 	follower Follower
 	// rolled holds the sequences whose recurrent state was rolled back (a rejected
@@ -223,7 +224,7 @@ func NewBackend(model *llama.Model, ctx *llama.Context, log *slog.Logger) *Backe
 	if log == nil {
 		log = slog.Default()
 	}
-	b := &Backend{ctx: ctx, model: model, samplers: map[engine.TaskID]*sampler{}, log: log, scratch: -1}
+	b := &Backend{ctx: ctx, model: model, samplers: map[engine.TaskID]*sampler{}, log: log, scratch: -1, follower: noFollower{}}
 	if ctx != nil && ctx.RSSeq() > 0 { // (tests build samplers-only backends without a context)
 		b.rolled = map[int]bool{}
 	}
@@ -330,9 +331,7 @@ func (b *Backend) decodePart(batch []engine.BatchEntry, idx []int, got map[int]e
 	if err := b.ctx.Decode(); err != nil {
 		return nil, err
 	}
-	if b.follower != nil {
-		b.follower.mirror(batch) // its cells follow the target's; it may read this decode's outputs
-	}
+	b.follower.mirror(batch) // its cells follow the target's; it may read this decode's outputs
 	if len(b.rolled) > 0 {
 		for _, e := range batch {
 			delete(b.rolled, e.Seq) // the decode consumed its rollback index
@@ -440,9 +439,7 @@ func logprobs(logits []float32, tok llama.Token, n int) (float32, []engine.Token
 // SeqRm implements engine.Backend. Removing cells that seq holds leaves a hole (see
 // settle).
 func (b *Backend) SeqRm(seq, p0, p1 int) bool {
-	if b.follower != nil {
-		defer b.follower.seqRm(seq, p0, p1) // after the rollback bookkeeping below (its check reads it)
-	}
+	defer b.follower.seqRm(seq, p0, p1) // after the rollback bookkeeping below (its check reads it)
 	if hi := b.ctx.SeqPosMax(seq); hi >= 0 && hi >= p0 && (p1 < 0 || b.ctx.SeqPosMin(seq) < p1) {
 		b.holes = true
 	}
@@ -548,9 +545,7 @@ func (b *Backend) SeqCp(src, dst, p0, p1 int) {
 	if b.anchor > 0 {
 		b.ctx.SeqCp(src, dst+b.anchor, p0, p1)
 	}
-	if b.follower != nil {
-		b.follower.seqCp(src, dst, p0, p1)
-	}
+	b.follower.seqCp(src, dst, p0, p1)
 }
 
 // NewSampler implements engine.Backend.

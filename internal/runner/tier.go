@@ -152,12 +152,10 @@ func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 	if err == nil {
 		data, part, err = splitPart(data)
 	}
-	if b.follower != nil {
-		// A hybrid target's load shares cells into the sequence (mirrored) before the
-		// follower's part is loaded: the mirror's check waits for the whole restore.
-		b.follower.restoring(true)
-		defer b.follower.restoring(false)
-	}
+	// A hybrid target's load shares cells into the sequence (mirrored) before the
+	// follower's part is loaded: the mirror's check waits for the whole restore.
+	b.follower.restoring(true)
+	defer b.follower.restoring(false)
 	if err == nil {
 		if b.recurrent() {
 			err = b.loadRecurrent(op.Seq, op.Src, op.D, len(op.Tokens), data)
@@ -168,7 +166,7 @@ func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 			err = &tier.MissError{Reason: tier.MissRejected, Err: err}
 		}
 	}
-	if err == nil && b.follower != nil && b.follower.hasPart() {
+	if err == nil && b.follower.hasPart() {
 		// The target's cells are back whatever happens here: without the MTP part (an
 		// entry written without MTP, or one the MTP context refuses) the pool's sessions
 		// are only not drafted for.
@@ -217,7 +215,7 @@ func (b *Backend) withMTP(op engine.SeqOp, data []byte) []byte {
 // part of the same cells behind it (Follower.savePart), in the format above: data as is
 // without a follower that keeps cells, and with the error when it cannot give its part.
 func (b *Backend) envelope(seq, src, lo, hi int, data []byte) ([]byte, error) {
-	if b.follower == nil || !b.follower.hasPart() { // an MTP assistant's cells are the target's
+	if !b.follower.hasPart() { // none, or an MTP assistant's: its cells are the target's
 		return data, nil
 	}
 	part, err := b.follower.savePart(seq, src, lo, hi)
@@ -302,18 +300,16 @@ func (b *Backend) LoadSeq(seq, n int, data []byte) error {
 	if err != nil {
 		return err
 	}
-	if b.follower != nil {
-		// The target's cells come back before the follower's: the mirror's check
-		// waits for the whole restore (as for the tier's).
-		b.follower.restoring(true)
-		defer b.follower.restoring(false)
-	}
+	// The target's cells come back before the follower's: the mirror's check waits for
+	// the whole restore (as for the tier's).
+	b.follower.restoring(true)
+	defer b.follower.restoring(false)
 	if b.recurrent() {
 		err = b.loadRecurrent(seq, -1, 0, n, data)
 	} else {
 		err = b.load(seq, 0, n, data)
 	}
-	if err != nil || b.follower == nil || !b.follower.hasPart() {
+	if err != nil || !b.follower.hasPart() {
 		return err
 	}
 	if part == nil {
