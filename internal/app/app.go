@@ -171,72 +171,77 @@ func (c Config) Resolved() Config {
 
 // Validate checks the settings that the engine does not check itself.
 func (c Config) Validate() error {
+	_, err := c.validate()
+	return err
+}
+
+// validate is Validate, which reads --spec-type and the draft flags (specPlan): what
+// they say is returned, so that Open reads them once.
+func (c Config) validate() (specPlan, error) {
 	switch {
 	case c.ModelPath == "":
-		return fmt.Errorf("no model: pass -m MODEL.gguf")
+		return specPlan{}, fmt.Errorf("no model: pass -m MODEL.gguf")
 	case c.NUBatch < 0 || c.Threads < 0:
-		return fmt.Errorf("--ubatch and --threads must not be negative")
+		return specPlan{}, fmt.Errorf("--ubatch and --threads must not be negative")
 	case c.SessionTTL < 0 || c.PoolGrace < 0:
-		return fmt.Errorf("--session-ttl and --pool-grace-ms must not be negative")
+		return specPlan{}, fmt.Errorf("--session-ttl and --pool-grace-ms must not be negative")
 	case c.QueueTimeout < 0:
-		return fmt.Errorf("--queue-timeout must not be negative, got %s", c.QueueTimeout)
+		return specPlan{}, fmt.Errorf("--queue-timeout must not be negative, got %s", c.QueueTimeout)
 	case c.AttachMin < 0:
-		return fmt.Errorf("--attach-min-tokens must not be negative, got %d", c.AttachMin)
+		return specPlan{}, fmt.Errorf("--attach-min-tokens must not be negative, got %d", c.AttachMin)
 	case c.ResponsesMax < 0 || c.ResponsesMaxBytes < 0:
-		return fmt.Errorf("--responses-max and --responses-max-bytes must not be negative")
+		return specPlan{}, fmt.Errorf("--responses-max and --responses-max-bytes must not be negative")
 	case c.TPSTau <= 0:
-		return fmt.Errorf("--tps-tau must be positive, got %s", c.TPSTau)
+		return specPlan{}, fmt.Errorf("--tps-tau must be positive, got %s", c.TPSTau)
 	case c.KVBlockSize < 1:
-		return fmt.Errorf("--kv-block-size must be positive, got %d", c.KVBlockSize)
+		return specPlan{}, fmt.Errorf("--kv-block-size must be positive, got %d", c.KVBlockSize)
 	case c.PoolRAMMB < 0 || c.PoolDiskMB < 0:
-		return fmt.Errorf("--pool-ram-mb and --pool-disk-mb must not be negative")
+		return specPlan{}, fmt.Errorf("--pool-ram-mb and --pool-disk-mb must not be negative")
 	}
 	if _, _, err := ParseGPULayers(c.GPULayers); err != nil {
-		return err
+		return specPlan{}, err
 	}
 	switch c.SplitMode {
 	case "layer", "row", "none":
 	default:
-		return fmt.Errorf("--split-mode must be layer, row or none, got %q", c.SplitMode)
+		return specPlan{}, fmt.Errorf("--split-mode must be layer, row or none, got %q", c.SplitMode)
 	}
 	switch c.FlashAttn {
 	case "off", "on", "auto":
 	default:
-		return fmt.Errorf("--flash-attn must be off, on or auto, got %q", c.FlashAttn)
+		return specPlan{}, fmt.Errorf("--flash-attn must be off, on or auto, got %q", c.FlashAttn)
 	}
 	switch c.KVCompaction {
 	case "auto", "always":
 	default:
-		return fmt.Errorf("--kv-compaction must be auto or always, got %q", c.KVCompaction)
+		return specPlan{}, fmt.Errorf("--kv-compaction must be auto or always, got %q", c.KVCompaction)
 	}
 	switch c.FAKernel {
 	case "", "polykv", "ggml":
 	default:
-		return fmt.Errorf("--fa-kernel must be polykv or ggml, got %q", c.FAKernel)
+		return specPlan{}, fmt.Errorf("--fa-kernel must be polykv or ggml, got %q", c.FAKernel)
 	}
 	switch c.MMKernel {
 	case "", "polykv", "ggml":
 	default:
-		return fmt.Errorf("--mm-kernel must be polykv or ggml, got %q", c.MMKernel)
+		return specPlan{}, fmt.Errorf("--mm-kernel must be polykv or ggml, got %q", c.MMKernel)
 	}
 	switch c.PrefixCache {
 	case "off", "on":
 	default:
-		return fmt.Errorf("--prefix-cache must be on or off, got %q", c.PrefixCache)
+		return specPlan{}, fmt.Errorf("--prefix-cache must be on or off, got %q", c.PrefixCache)
 	}
-	if _, err := engine.ParseSpecTypes(c.SpecType); err != nil {
-		return fmt.Errorf("--spec-type: %v", err)
-	}
-	if err := c.checkDraft(); err != nil {
-		return err
+	plan, err := c.specPlan()
+	if err != nil {
+		return specPlan{}, err
 	}
 	if c.DraftMax < 1 || c.DraftMax > engine.MaxDraft || c.DraftMin < 0 || c.DraftMin > c.DraftMax {
-		return fmt.Errorf("--draft-max must be in 1..%d and --draft-min in 0..--draft-max, got %d and %d", engine.MaxDraft, c.DraftMax, c.DraftMin)
+		return specPlan{}, fmt.Errorf("--draft-max must be in 1..%d and --draft-min in 0..--draft-max, got %d and %d", engine.MaxDraft, c.DraftMax, c.DraftMin)
 	}
 	if c.SpecNgramMin < 1 || c.SpecNgramMin > engine.DefaultNgramMax {
-		return fmt.Errorf("--spec-ngram-min must be in 1..%d, got %d", engine.DefaultNgramMax, c.SpecNgramMin)
+		return specPlan{}, fmt.Errorf("--spec-ngram-min must be in 1..%d, got %d", engine.DefaultNgramMax, c.SpecNgramMin)
 	}
-	return nil
+	return plan, nil
 }
 
 // FlashAttn maps a --flash-attn value to llama.cpp's setting. On is the default: with
@@ -269,72 +274,165 @@ type App struct {
 	TierOff string
 
 	backend *runner.Backend
-	draft   *draftModel // --model-draft (nil: none)
+	draft   *draftModel // the drafter with a model of its own (nil: none)
+	// cleanups releases what Open acquired, last first (Close).
+	cleanups cleanups
 }
 
 // Compactions is the number of whole-KV-cache compactions so far and the time they took
 // (see runner.Backend.Compactions).
 func (a *App) Compactions() (int64, time.Duration) { return a.backend.Compactions() }
 
-// Open loads the model and starts the engine.
-func Open(cfg Config, log *slog.Logger) (*App, error) {
-	cfg = cfg.Resolved()
-	if err := cfg.Validate(); err != nil {
-		return nil, err
+// cleanups is a stack of releases: Open pushes one for everything it acquires (the
+// model, contexts, the drafter's, the KV-event publisher, the tier store, the engine)
+// and runs the stack, last first, when a later step fails; Close runs it too.
+type cleanups []func()
+
+func (c *cleanups) push(f func()) { *c = append(*c, f) }
+
+// run releases everything, last acquired first, and empties the stack.
+func (c *cleanups) run() {
+	for i := len(*c) - 1; i >= 0; i-- {
+		(*c)[i]()
 	}
-	ecfg := engine.Config{NCtx: cfg.NCtx, Parallel: cfg.Parallel, MaxPools: cfg.MaxPools, NBatch: cfg.NBatch,
+	*c = nil
+}
+
+// opening is what Open has built so far: each of its steps reads what the steps before
+// it made, adds its own, and pushes what it acquires on cleanups.
+type opening struct {
+	cfg      Config
+	log      *slog.Logger
+	spec     specPlan
+	ecfg     engine.Config
+	tk, tv   llama.CacheType
+	model    *llama.Model
+	off      Offload
+	tmplSrc  string
+	renderer *chat.Renderer
+	pol      runner.Policy
+	nSeq     int
+	cp       llama.ContextParams
+	ctx      *llama.Context
+	metrics  *api.Metrics
+	id       string
+	pub      *kvevents.Publisher
+	store    *tier.Store
+	tierOff  string
+	key      string
+	backend  *runner.Backend
+	draft    *draftModel
+	eng      *engine.Engine
+	srv      *api.Server
+	cleanups cleanups
+}
+
+// Open loads the model and starts the engine: the steps below, in order; a step that
+// fails releases what the earlier ones acquired.
+func Open(cfg Config, log *slog.Logger) (*App, error) {
+	o := &opening{cfg: cfg.Resolved(), log: log}
+	for _, step := range []func() error{
+		o.settings,  // flags, the engine's configuration, cache types
+		o.loadModel, // the model, placed on the devices; the drafter's model checks
+		o.template,  // the chat template
+		o.context,   // the architecture's policy, the llama.cpp context, recurrent rollback
+		o.kvEvents,  // metrics, the model's name, the KV-event publisher
+		o.tier,      // the store below the cache
+		o.drafter,   // the backend and the drafter with a model of its own
+		o.engine,    // the scheduler and the engine; recorded pools recovered
+		o.api,       // the HTTP API
+	} {
+		if err := step(); err != nil {
+			o.cleanups.run()
+			return nil, err
+		}
+	}
+	return &App{Config: o.cfg, Model: o.model, Ctx: o.ctx, Engine: o.eng, API: o.srv, KVEvents: o.pub, Offload: o.off,
+		Tier: o.store, TierOff: o.tierOff, backend: o.backend, draft: o.draft, cleanups: o.cleanups}, nil
+}
+
+// settings validates the flags (reading --spec-type once) and makes the engine's
+// configuration.
+func (o *opening) settings() error {
+	cfg := o.cfg
+	var err error
+	if o.spec, err = cfg.validate(); err != nil {
+		return err
+	}
+	o.ecfg = engine.Config{NCtx: cfg.NCtx, Parallel: cfg.Parallel, MaxPools: cfg.MaxPools, NBatch: cfg.NBatch,
 		MaxQueue: cfg.MaxQueue, QueueTimeout: cfg.QueueTimeout, AttachMin: cfg.AttachMin, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau,
 		PrefixCache: cfg.PrefixCache == "on"}
-	specTypes := cfg.specTypes() // checked by Validate
-	ecfg.Spec = engine.Spec{Types: specTypes, DraftMax: cfg.DraftMax, DraftMin: cfg.DraftMin, NgramMin: cfg.SpecNgramMin, StepCost: cfg.SpecStepCost}
-	if err := ecfg.Validate(); err != nil {
-		return nil, err
+	o.ecfg.Spec = engine.Spec{Types: o.spec.types, DraftMax: cfg.DraftMax, DraftMin: cfg.DraftMin, NgramMin: cfg.SpecNgramMin, StepCost: cfg.SpecStepCost}
+	if err := o.ecfg.Validate(); err != nil {
+		return err
 	}
-	tk, tv := llama.CacheType(cfg.CacheTypeK), llama.CacheType(cfg.CacheTypeV)
+	o.tk, o.tv = llama.CacheType(cfg.CacheTypeK), llama.CacheType(cfg.CacheTypeV)
 	for _, c := range []struct {
 		flag string
 		t    llama.CacheType
-	}{{"--cache-type-k", tk}, {"--cache-type-v", tv}} {
+	}{{"--cache-type-k", o.tk}, {"--cache-type-v", o.tv}} {
 		if !c.t.Valid() {
-			return nil, fmt.Errorf("%s %q: want one of %s", c.flag, string(c.t), llama.CacheTypeNames)
+			return fmt.Errorf("%s %q: want one of %s", c.flag, string(c.t), llama.CacheTypeNames)
 		}
 	}
-	if tv.Quantized() && cfg.FlashAttn == "off" {
-		return nil, fmt.Errorf("--cache-type-v %s needs --flash-attn on (llama.cpp cannot use a quantized V cache without it)", tv)
+	if o.tv.Quantized() && cfg.FlashAttn == "off" {
+		return fmt.Errorf("--cache-type-v %s needs --flash-attn on (llama.cpp cannot use a quantized V cache without it)", o.tv)
 	}
-	model, off, err := LoadModel(cfg)
+	return nil
+}
+
+// loadModel loads the model where -ngl and --device place it and checks that the drafter
+// can draft for it.
+func (o *opening) loadModel() error {
+	model, off, err := loadModel(o.cfg, o.spec.mtpLayers())
 	if err != nil {
-		return nil, err
+		return err
 	}
-	if err := checkMTP(cfg, model); err != nil {
-		model.Free()
-		return nil, err
+	o.model, o.off = model, off
+	o.cleanups.push(model.Free)
+	if md := o.spec.model; md != nil && md.checkModel != nil {
+		if err := md.checkModel(o.cfg, model); err != nil {
+			return err
+		}
 	}
-	if log != nil {
+	if o.log != nil {
 		if off.GPULayers == 0 {
-			log.Info("running on the CPU", "reason", off.CPUReason)
+			o.log.Info("running on the CPU", "reason", off.CPUReason)
 		} else {
-			log.Info("GPU offload", "backend", off.Backend, "gpu_layers", off.GPULayers, "layers", off.Layers, "devices", strings.Join(off.GPUDevices, ","))
+			o.log.Info("GPU offload", "backend", off.Backend, "gpu_layers", off.GPULayers, "layers", off.Layers, "devices", strings.Join(off.GPUDevices, ","))
 		}
 	}
-	tmplSrc, tmplFrom, err := chat.ResolveTemplate(model.ChatTemplate(), cfg.ChatTemplate, cfg.ChatTemplateFile)
+	return nil
+}
+
+// template resolves the chat template (the model's or the flags' override).
+func (o *opening) template() error {
+	cfg := o.cfg
+	tmplSrc, tmplFrom, err := chat.ResolveTemplate(o.model.ChatTemplate(), cfg.ChatTemplate, cfg.ChatTemplateFile)
 	if err != nil {
-		model.Free()
-		return nil, err
+		return err
 	}
-	renderer := runner.NewChatRenderer(model, tmplSrc)
-	if err := renderer.Err(); err != nil && log != nil {
-		log.Warn("no usable chat template: chat requests will answer 400; pass --chat-template NAME or --chat-template-file PATH",
+	o.tmplSrc = tmplSrc
+	o.renderer = runner.NewChatRenderer(o.model, tmplSrc)
+	if err := o.renderer.Err(); err != nil && o.log != nil {
+		o.log.Warn("no usable chat template: chat requests will answer 400; pass --chat-template NAME or --chat-template-file PATH",
 			"template", tmplFrom, "reason", err, "builtin_names", strings.Join(chat.BuiltinTemplateNames(), ","))
 	}
+	return nil
+}
+
+// context applies what the architecture allows (runner.Policy) and opens the llama.cpp
+// context.
+func (o *opening) context() error {
+	cfg, model, log := o.cfg, o.model, o.log
 	// Bytes per cell from the real element types: pool and session KV accounting
 	// (own_kv_bytes, marginal_kv_bytes, ...) scale with them.
-	ecfg.BytesPerCell = model.KVBytesPerCellTyped(tk, tv)
+	o.ecfg.BytesPerCell = model.KVBytesPerCellTyped(o.tk, o.tv)
 	// What the architecture allows (recurrent state, sliding windows): runner.Policy.
 	pol := runner.ModelPolicy(model)
 	pol.Anchors = pol.Anchors && !cfg.noSWAAnchors
-	specAsked := ecfg.Spec.On()
-	if pol.Configure(&ecfg) && log != nil {
+	specAsked := o.ecfg.Spec.On()
+	if pol.Configure(&o.ecfg) && log != nil {
 		log.Info("prefix cache off: recurrent memory cannot be shared at an arbitrary token prefix")
 	}
 	if cfg.NCtx > model.NCtxTrain() && model.NCtxTrain() > 0 {
@@ -345,15 +443,14 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	fa := FlashAttn(cfg.FlashAttn)
 	nSeq := cfg.Parallel + cfg.MaxPools
 	if err := pol.Check(nSeq, cfg.NBatch, cfg.NUBatch); err != nil {
-		model.Free()
-		return nil, err
+		return err
 	}
 	cp := llama.ContextParams{FlashAttn: fa,
 		NCtx: cfg.NCtx, NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: pol.ContextSeqs(nSeq),
-		NThreads: cfg.Threads, KVUnified: true, TypeK: tk, TypeV: tv, AttnKernel: llama.KernelNamed(cfg.FAKernel),
+		NThreads: cfg.Threads, KVUnified: true, TypeK: o.tk, TypeV: o.tv, AttnKernel: llama.KernelNamed(cfg.FAKernel),
 	}
 	pol.Params(&cp)
-	if cfg.wantsMTP() && cfg.ModelDraft != "" {
+	if o.spec.assistant(cfg) {
 		// An MTP assistant's draft decode places one entry per drafting session in the
 		// target's cache (it writes nothing there, but llama.cpp wants free cells for
 		// them): the context has that many cells beyond the scheduler's, which it never
@@ -364,25 +461,26 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		// A recurrent state is cut back past a rejected draft through llama.cpp's
 		// per-sequence snapshots (n_rs_seq): one more copy of the state per draft
 		// position, for every sequence (RecurrentBytesPerSeq counts them).
-		cp.RSSeq = pol.SpecRollback(ecfg.Spec.DraftMax, cfg.NUBatch)
+		cp.RSSeq = pol.SpecRollback(o.ecfg.Spec.DraftMax, cfg.NUBatch)
 	}
 	ctx, err := llama.NewContext(model, cp)
 	if err != nil {
-		model.Free()
-		return nil, err
+		return err
 	}
+	o.cleanups.push(ctx.Free)
+	o.pol, o.nSeq, o.cp, o.ctx = pol, nSeq, cp, ctx
 	if specAsked && pol.Recurrent {
 		// Read back: llama.cpp clamps n_rs_seq to 0 on architectures without rollback.
 		if r := ctx.RSSeq(); r > 0 {
-			ecfg.Rollback = r
-			ecfg.Spec.DraftMax = min(ecfg.Spec.DraftMax, r)
-			ecfg.Spec.DraftMin = min(ecfg.Spec.DraftMin, r)
+			o.ecfg.Rollback = r
+			o.ecfg.Spec.DraftMax = min(o.ecfg.Spec.DraftMax, r)
+			o.ecfg.Spec.DraftMin = min(o.ecfg.Spec.DraftMin, r)
 			if log != nil {
 				log.Info("speculative decoding on a recurrent model: rejected drafts are rolled back through state snapshots",
-					"draft_max", ecfg.Spec.DraftMax, "n_rs_seq", r, "recurrent_bytes_per_seq", ctx.RecurrentBytesPerSeq())
+					"draft_max", o.ecfg.Spec.DraftMax, "n_rs_seq", r, "recurrent_bytes_per_seq", ctx.RecurrentBytesPerSeq())
 			}
 		} else {
-			ecfg.Spec = engine.Spec{}
+			o.ecfg.Spec = engine.Spec{}
 			if log != nil {
 				log.Info("speculative decoding off: this model's recurrent state cannot be cut back past a rejected draft here (llama.cpp has no rollback for this architecture)")
 			}
@@ -390,116 +488,128 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	}
 	// A hybrid's or recurrent model's per-sequence state, from the context's memory: pool
 	// and session reports count it beside their KV bytes.
-	ecfg.RecurrentBytesPerSeq = ctx.RecurrentBytesPerSeq()
-	metrics := api.NewMetrics()
-	metrics.SetCacheConfig(cfg.KVBlockSize, cfg.NCtx)
-	id := strings.TrimSuffix(filepath.Base(cfg.ModelPath), filepath.Ext(cfg.ModelPath))
+	o.ecfg.RecurrentBytesPerSeq = ctx.RecurrentBytesPerSeq()
+	return nil
+}
+
+// kvEvents makes the metrics and the model's name, and opens the KV-event publisher
+// when --kv-events-endpoint asks for one.
+func (o *opening) kvEvents() error {
+	cfg := o.cfg
+	o.metrics = api.NewMetrics()
+	o.metrics.SetCacheConfig(cfg.KVBlockSize, cfg.NCtx)
+	o.id = strings.TrimSuffix(filepath.Base(cfg.ModelPath), filepath.Ext(cfg.ModelPath))
 	if cfg.Alias != "" {
-		id = cfg.Alias
+		o.id = cfg.Alias
 	}
-	var pub *kvevents.Publisher
-	if cfg.KVEventsEndpoint != "" {
-		podID := cfg.KVEventsPodID
-		if podID == "" {
-			podID, _ = os.Hostname()
-		}
-		pub, err = kvevents.Open(kvevents.Config{Endpoint: cfg.KVEventsEndpoint, BlockSize: cfg.KVBlockSize,
-			PodID: podID, Model: id, Log: log})
-		if err != nil {
-			ctx.Free()
-			model.Free()
-			return nil, err
-		}
-		metrics.AddKVEvents(func() float64 { return float64(pub.Sent.Load()) },
-			func() float64 { return float64(pub.Snapshots.Load()) },
-			func() float64 { return float64(pub.Dropped.Load()) })
+	if cfg.KVEventsEndpoint == "" {
+		return nil
 	}
-	store, tierOff, key, err := openTier(cfg, model, ecfg, pol, log)
+	podID := cfg.KVEventsPodID
+	if podID == "" {
+		podID, _ = os.Hostname()
+	}
+	pub, err := kvevents.Open(kvevents.Config{Endpoint: cfg.KVEventsEndpoint, BlockSize: cfg.KVBlockSize,
+		PodID: podID, Model: o.id, Log: o.log})
 	if err != nil {
-		if pub != nil {
-			_ = pub.Close()
-		}
-		ctx.Free()
-		model.Free()
-		return nil, err
+		return err
 	}
+	o.pub = pub
+	o.cleanups.push(func() { _ = pub.Close() })
+	o.metrics.AddKVEvents(func() float64 { return float64(pub.Sent.Load()) },
+		func() float64 { return float64(pub.Snapshots.Load()) },
+		func() float64 { return float64(pub.Dropped.Load()) })
+	return nil
+}
+
+// tier opens the store below the cache (openTier).
+func (o *opening) tier() error {
+	store, tierOff, key, err := openTier(o.cfg, o.model, o.ecfg, o.pol, o.log)
+	if err != nil {
+		return err
+	}
+	o.store, o.tierOff, o.key = store, tierOff, key
 	if store != nil {
-		ecfg.Tier, ecfg.TierRecord, ecfg.PoolIDFloor = true, store.Durable(), store.IDFloor()
+		o.cleanups.push(store.Close)
+		o.ecfg.Tier, o.ecfg.TierRecord, o.ecfg.PoolIDFloor = true, store.Durable(), store.IDFloor()
 	}
-	// fail releases what Open holds so far (the tier store, the KV-event publisher, the
-	// context and the model) and returns err.
-	fail := func(err error) (*App, error) {
-		if store != nil {
-			store.Close()
-		}
-		if pub != nil {
-			_ = pub.Close()
-		}
-		ctx.Free()
-		model.Free()
-		return nil, err
+	return nil
+}
+
+// drafter makes the backend and opens the drafter with a model of its own, if the
+// server runs one (modelDrafters).
+func (o *opening) drafter() error {
+	o.backend = runner.NewBackend(o.model, o.ctx, o.log)
+	md := o.spec.model
+	if !o.ecfg.Spec.On() || md == nil {
+		return nil
 	}
-	backend := runner.NewBackend(model, ctx, log)
-	var draft *draftModel
-	if ecfg.Spec.On() && cfg.ModelDraft != "" && !cfg.wantsMTP() {
-		if draft, err = openDraft(cfg, model, cp, log); err != nil {
-			return fail(err)
-		}
-		backend.EnableDraft(draft.drafter)
-	}
-	if ecfg.Spec.On() && cfg.wantsMTP() {
-		if draft, err = openMTP(cfg, model, ctx, cp, off.params, ecfg.Spec.DraftMax, log); err != nil {
-			return fail(err)
-		}
-		backend.EnableMTP(draft.mtp)
-		// Every cell the target holds has its MTP cell and row beside it: the pools'
-		// and sessions' KV bytes count them (the scheduler reads BytesPerCell; 0 for an
-		// MTP assistant, which reads the target's cells).
-		ecfg.BytesPerCell += draft.mtpBytesPerCell
-	}
-	sched, err := engine.NewScheduler(ecfg, runner.Vocab{M: model})
+	d, err := md.open(o, o.cfg.DraftPMinFor(md.name))
 	if err != nil {
-		draft.free()
-		return fail(err)
+		return err
 	}
-	var obs engine.Observer = metrics
-	if pub != nil {
+	o.draft = d
+	o.backend.EnableDrafter(d.drafter)
+	// A drafter that follows the target (an MTP head) keeps a cell and a row beside
+	// every cell the target holds: the pools' and sessions' KV bytes count them (the
+	// scheduler reads BytesPerCell; 0 for a draft model or an MTP assistant).
+	o.ecfg.BytesPerCell += d.bytesPerCell
+	return nil
+}
+
+// engine starts the scheduler and the engine over the backend, and recovers the pools
+// an earlier run recorded.
+func (o *opening) engine() error {
+	cfg, backend, log := o.cfg, o.backend, o.log
+	sched, err := engine.NewScheduler(o.ecfg, runner.Vocab{M: o.model})
+	if err != nil {
+		return err
+	}
+	var obs engine.Observer = o.metrics
+	if o.pub != nil {
 		sched.ReportResidency()
-		obs = observers{metrics, pub} // the engine hands it every sequence's changes too
+		obs = observers{o.metrics, o.pub} // the engine hands it every sequence's changes too
 	}
 	backend.AlwaysCompact(cfg.KVCompaction == "always")
-	if !ctx.OrderedAttention() && log != nil {
+	if !o.ctx.OrderedAttention() && log != nil {
 		log.Info("attention is not ordered by position here: the KV cache is compacted after frees", "cache_type_k", cfg.CacheTypeK, "fa_kernel", cfg.FAKernel, "flash_attn", cfg.FlashAttn)
 	}
-	pol.Enable(backend, nSeq)
-	if store != nil {
-		backend.EnableTier(store)
-		metrics.SetTier(store)
+	o.pol.Enable(backend, o.nSeq)
+	if o.store != nil {
+		backend.EnableTier(o.store)
+		o.metrics.SetTier(o.store)
 	}
-	metrics.AddCompactions(backend.Compactions)
-	eng := engine.New(sched, backend, obs)
-	metrics.SetEngine(eng)
-	recoverPools(eng, store, log)
+	o.metrics.AddCompactions(backend.Compactions)
+	o.eng = engine.New(sched, backend, obs)
+	o.cleanups.push(o.eng.Close) // first at Close: the engine goroutine uses everything above
+	o.metrics.SetEngine(o.eng)
+	recoverPools(o.eng, o.store, log)
+	return nil
+}
+
+// api makes the HTTP API.
+func (o *opening) api() error {
+	cfg, model := o.cfg, o.model
 	info := api.Info{
-		ModelID: id, ModelPath: cfg.ModelPath, ModelDesc: model.Desc(), NCtx: cfg.NCtx, NCtxTrain: model.NCtxTrain(),
-		Parallel: cfg.Parallel, NBatch: cfg.NBatch, NVocab: model.NVocab(), ChatTemplate: tmplSrc, Started: time.Now(),
-		MaxPools: cfg.MaxPools, PoolGraceMs: cfg.PoolGrace.Milliseconds(), BytesPerCell: ecfg.BytesPerCell,
+		ModelID: o.id, ModelPath: cfg.ModelPath, ModelDesc: model.Desc(), NCtx: cfg.NCtx, NCtxTrain: model.NCtxTrain(),
+		Parallel: cfg.Parallel, NBatch: cfg.NBatch, NVocab: model.NVocab(), ChatTemplate: o.tmplSrc, Started: time.Now(),
+		MaxPools: cfg.MaxPools, PoolGraceMs: cfg.PoolGrace.Milliseconds(), BytesPerCell: o.ecfg.BytesPerCell,
 	}
 	info.TPSTauMs = cfg.TPSTau.Milliseconds()
-	info.PrefixCache = ecfg.PrefixCache
-	info.Spec = ecfg.Spec
-	info.Compute = off
+	info.PrefixCache = o.ecfg.PrefixCache
+	info.Spec = o.ecfg.Spec
+	info.Compute = o.off
 	info.SessionTTL, info.ResponsesMax, info.ResponsesMaxBytes = cfg.SessionTTL, cfg.ResponsesMax, cfg.ResponsesMaxBytes
 	info.BuildInfo, info.CPUFeatures = llama.BuildInfo(), llama.CPUFeatures()
-	info.OrderedAttention = ctx.OrderedAttention
-	info.PoolTier = tierOff
-	info.SlotSavePath, info.ModelKey = cfg.SlotSavePath, key
-	srv := api.New(eng, model, renderer, info, metrics, log)
-	if store != nil {
-		srv.SetTier(store)
+	info.OrderedAttention = o.ctx.OrderedAttention
+	info.PoolTier = o.tierOff
+	info.SlotSavePath, info.ModelKey = cfg.SlotSavePath, o.key
+	o.srv = api.New(o.eng, model, o.renderer, info, o.metrics, o.log)
+	if o.store != nil {
+		o.srv.SetTier(o.store)
 	}
-	srv.RequireAPIKeys(cfg.APIKeys)
-	return &App{Config: cfg, Model: model, Ctx: ctx, Engine: eng, API: srv, KVEvents: pub, Offload: off, Tier: store, TierOff: tierOff, backend: backend, draft: draft}, nil
+	o.srv.RequireAPIKeys(cfg.APIKeys)
+	return nil
 }
 
 // observers is the metrics and the KV-event publisher as one engine Observer: the
@@ -509,19 +619,11 @@ type observers struct {
 	*kvevents.Publisher
 }
 
-// Close stops the engine, then frees the context and the model.
-func (a *App) Close() {
-	a.Engine.Close()
-	if a.KVEvents != nil { // after the engine: it reports no change once closed
-		_ = a.KVEvents.Close()
-	}
-	if a.Tier != nil { // after the engine: queued disk writes finish
-		a.Tier.Close()
-	}
-	a.draft.free()
-	a.Ctx.Free()
-	a.Model.Free()
-}
+// Close stops the engine, then releases what Open acquired, last first: the KV-event
+// publisher and the tier store after the engine (it reports no change once closed;
+// queued disk writes finish), the drafter's contexts and model before the served
+// context they read, the model last.
+func (a *App) Close() { a.cleanups.run() }
 
 // openTier opens the store below the cache when --pool-ram-mb or --pool-dir asks for
 // one, or says why the tier is off for this model (the second result; "" when on or

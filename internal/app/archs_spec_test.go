@@ -269,7 +269,7 @@ func waitDraftHeld(t *testing.T, a *App, cells, seqs int, when string) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		c, s := a.draft.drafter.Held()
+		c, s := draftOf(a).Held()
 		if c == cells && s == seqs {
 			return
 		}

@@ -24,87 +24,129 @@ const DefaultDraftPMin = 0.75
 // its probabilities run low while its first token is often right).
 const DefaultMTPPMin = 0.0
 
-// DraftPMinFor is --draft-p-min as given, or the drafter's default when it was not (-1).
-func (c Config) DraftPMinFor(typ string) float64 {
-	switch {
-	case c.DraftPMin >= 0:
-		return c.DraftPMin
-	case typ == engine.SpecDraftMTP:
-		return DefaultMTPPMin
-	default:
-		return DefaultDraftPMin
-	}
+// A modelDrafter is one of the engine's backend drafters (engine.SpecDraftSimple,
+// engine.SpecDraftMTP: their proposals come from the runner) as the server opens it:
+// its --draft-p-min default, its checks of the flags and of the served model, and how
+// it opens its contexts over the served ones. The rest of a drafter is the engine's
+// (drafter.go: its sessions) and the runner's (a runner.ModelDrafter, and a
+// runner.Follower where its contexts mirror the target's). Adding one is a file and a
+// line here (docs/speculative.md "Adding a drafter").
+type modelDrafter struct {
+	name string
+	// pMin is --draft-p-min's default for it.
+	pMin float64
+	// mtpLayers: the served model is loaded with its MTP (NextN) layers.
+	mtpLayers bool
+	// check validates the draft flags for it (nil: nothing of its own).
+	check func(c Config) error
+	// checkModel refuses a served model it cannot draft for (nil: any).
+	checkModel func(c Config, model *llama.Model) error
+	// open opens it over the served model and context (o.model, o.ctx, o.cp), pushing
+	// what it holds on o.cleanups; pMin is --draft-p-min (DraftPMinFor).
+	open func(o *opening, pMin float64) (*draftModel, error)
 }
 
-// specTypes is the drafters the server runs: --spec-type's, or draft-simple alone when
-// only --model-draft is given (as llama-server drafts with -md and no --spec-type).
-func (c Config) specTypes() []string {
-	types, _ := engine.ParseSpecTypes(c.SpecType)
+// modelDrafters is the registry. The server runs at most one of them.
+var modelDrafters = []modelDrafter{
+	{name: engine.SpecDraftSimple, pMin: DefaultDraftPMin, check: checkDraftSimple, open: openDraft},
+	{name: engine.SpecDraftMTP, pMin: DefaultMTPPMin, mtpLayers: true, checkModel: checkMTP, open: openMTP},
+}
+
+// DraftPMinFor is --draft-p-min as given, or the drafter's default when it was not (-1).
+func (c Config) DraftPMinFor(typ string) float64 {
+	if c.DraftPMin >= 0 {
+		return c.DraftPMin
+	}
+	for _, md := range modelDrafters {
+		if md.name == typ {
+			return md.pMin
+		}
+	}
+	return DefaultDraftPMin
+}
+
+// specPlan is --spec-type and the draft flags, read once (Config.specPlan): the
+// drafters the server runs, in order, and the one of them with a model of its own.
+type specPlan struct {
+	types []string
+	model *modelDrafter // nil: none
+}
+
+// mtpLayers reports whether the served model is loaded with its MTP layers.
+func (p specPlan) mtpLayers() bool { return p.model != nil && p.model.mtpLayers }
+
+// assistant reports whether the drafter is an MTP assistant (--model-draft with
+// draft-mtp): it places its draft entries in the target's cache (Open gives it cells).
+func (p specPlan) assistant(c Config) bool {
+	return p.model != nil && p.model.name == engine.SpecDraftMTP && c.ModelDraft != ""
+}
+
+// specPlan parses --spec-type, draft-simple alone when only --model-draft is given (as
+// llama-server drafts with -md and no --spec-type), and checks the draft flags against it.
+func (c Config) specPlan() (specPlan, error) {
+	types, err := engine.ParseSpecTypes(c.SpecType)
+	if err != nil {
+		return specPlan{}, fmt.Errorf("--spec-type: %v", err)
+	}
 	if c.ModelDraft != "" && len(types) == 0 {
 		types = []string{engine.SpecDraftSimple}
 	}
-	return types
+	p := specPlan{types: types}
+	var names []string
+	for i := range modelDrafters {
+		if md := &modelDrafters[i]; slices.Contains(types, md.name) {
+			names = append(names, md.name)
+			if p.model == nil {
+				p.model = md
+			}
+		}
+	}
+	if len(names) > 1 {
+		return specPlan{}, fmt.Errorf("--spec-type: %s cannot both run (one drafter per server); pick one", strings.Join(names, " and "))
+	}
+	if p.model != nil && p.model.check != nil {
+		if err := p.model.check(c); err != nil {
+			return specPlan{}, err
+		}
+	}
+	switch {
+	case p.model == nil && c.ModelDraft != "":
+		return specPlan{}, fmt.Errorf("--model-draft is only used by --spec-type %s, or by %s for a model whose MTP drafter is a file of its own (a Gemma 4 assistant) (got %q)", engine.SpecDraftSimple, engine.SpecDraftMTP, c.SpecType)
+	case c.CtxSizeDraft < 0:
+		return specPlan{}, fmt.Errorf("--ctx-size-draft must be 0 (the target's --ctx-size) or positive, got %d", c.CtxSizeDraft)
+	case !(c.DraftPMin >= 0 && c.DraftPMin <= 1) && c.DraftPMin != -1:
+		return specPlan{}, fmt.Errorf("--draft-p-min must be in 0..1 (or -1: the drafter's default), got %v", c.DraftPMin)
+	}
+	return p, nil
 }
 
-// checkDraft validates the draft model's flags against --spec-type.
-func (c Config) checkDraft() error {
-	types := c.specTypes()
-	has := slices.Contains(types, engine.SpecDraftSimple)
-	switch {
-	case has && slices.Contains(types, engine.SpecDraftMTP):
-		return fmt.Errorf("--spec-type: %s and %s cannot both run (one drafter per server); pick one", engine.SpecDraftSimple, engine.SpecDraftMTP)
-	case has && c.ModelDraft == "":
+// checkDraftSimple: draft-simple drafts with --model-draft.
+func checkDraftSimple(c Config) error {
+	if c.ModelDraft == "" {
 		return fmt.Errorf("--spec-type %s needs a draft model: --model-draft PATH", engine.SpecDraftSimple)
-	case !has && c.ModelDraft != "" && !slices.Contains(types, engine.SpecDraftMTP):
-		return fmt.Errorf("--model-draft is only used by --spec-type %s, or by %s for a model whose MTP drafter is a file of its own (a Gemma 4 assistant) (got %q)", engine.SpecDraftSimple, engine.SpecDraftMTP, c.SpecType)
-	case c.CtxSizeDraft < 0:
-		return fmt.Errorf("--ctx-size-draft must be 0 (the target's --ctx-size) or positive, got %d", c.CtxSizeDraft)
-	case !(c.DraftPMin >= 0 && c.DraftPMin <= 1) && c.DraftPMin != -1:
-		return fmt.Errorf("--draft-p-min must be in 0..1 (or -1: the drafter's default), got %v", c.DraftPMin)
 	}
 	return nil
 }
 
-// wantsMTP reports whether --spec-type asks for the model's MTP head (draft-mtp): the
-// model is then loaded with its MTP layers.
-func (c Config) wantsMTP() bool { return slices.Contains(c.specTypes(), engine.SpecDraftMTP) }
-
-// draftModel is the draft model, its context and the drafter over them; or, for
-// draft-mtp, the MTP context on the served model and its drafter (model nil).
+// draftModel is the drafter open beside the served model: the runner's drafter over its
+// contexts (which Open's cleanups free) and what it adds to each target cell's bytes.
 type draftModel struct {
-	model   *llama.Model
-	ctx     *llama.Context
-	drafter *runner.Drafter
-	mtp     *runner.MTP
-	// heads are the MTP contexts of a model's further NextN blocks (MTP.ChainHeads).
-	heads []*llama.Context
-	// mtpBytesPerCell is what one target cell costs beside its own KV when the MTP
-	// head mirrors it: the MTP context's KV of one cell and the hidden-state row kept
-	// for it (n_embd float32s, RAM). Added to the pools' and sessions' KV bytes.
-	mtpBytesPerCell int64
-}
-
-func (d *draftModel) free() {
-	if d == nil {
-		return
-	}
-	for _, c := range d.heads {
-		c.Free()
-	}
-	d.ctx.Free()
-	if d.model != nil {
-		d.model.Free()
-	}
+	drafter runner.ModelDrafter
+	// bytesPerCell is what one target cell costs beside its own KV when the drafter
+	// follows it (an MTP head: the MTP context's KV of one cell and the hidden-state row
+	// kept for it, n_embd float32s, RAM). Added to the pools' and sessions' KV bytes.
+	bytesPerCell int64
 }
 
 // openMTP gives the served model's MTP head its own context over the served context
-// tgt (tp its parameters: as many cells and sequence ids, the same batch), with NextN
+// (the target's parameters: as many cells and sequence ids, the same batch), with NextN
 // rows turned on in both (the target's for every batch entry), and the drafter that
 // mirrors the target into it (runner.MTP). With --model-draft the head is that file, an
-// MTP assistant (openAssistant), loaded with place, the served model's placement.
-func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.ContextParams, place llama.ModelParams, draftMax int, log *slog.Logger) (*draftModel, error) {
+// MTP assistant (openAssistant), loaded with the served model's placement.
+func openMTP(o *opening, pMin float64) (*draftModel, error) {
+	cfg, model, tgt, tp, draftMax, log := o.cfg, o.model, o.ctx, o.cp, o.ecfg.Spec.DraftMax, o.log
 	if cfg.ModelDraft != "" {
-		return openAssistant(cfg, model, tgt, tp, place, draftMax, log)
+		return openAssistant(o, pMin)
 	}
 	// As many cells as the target, which it mirrors, and room for every sequence's
 	// drafts beside them (one block's KV: small). A sliding-window model's SWA cache is
@@ -116,71 +158,65 @@ func openMTP(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.Contex
 	if err != nil {
 		return nil, fmt.Errorf("--spec-type %s: %w", engine.SpecDraftMTP, err)
 	}
-	pMin := cfg.DraftPMinFor(engine.SpecDraftMTP)
+	o.cleanups.push(ctx.Free)
 	m, err := newMTP(model, tgt, ctx, pMin, log)
 	if err != nil {
 		return nil, err
 	}
-	d := &draftModel{ctx: ctx, mtp: m}
 	// A model with several NextN blocks (MiMo-V2, Step-3.5) chains them, one per draft
 	// step: each further block gets a context of its own (runner.MTP.ChainHeads says why).
 	kv := ctx.MemoryBytes()
 	for i := 1; i < model.NLayerNextN(); i++ {
 		c, err := llama.NewContext(model, mp)
 		if err == nil {
+			o.cleanups.push(c.Free)
 			err = c.SetNextNLayer(i)
 			c.SetEmbeddingsNextN(true, true)
-			d.heads = append(d.heads, c)
 		}
 		if err == nil {
 			err = m.ChainHeads(c)
 		}
 		if err != nil {
-			tgt.SetEmbeddingsNextN(false, false)
-			d.free()
 			return nil, fmt.Errorf("--spec-type %s: MTP block %d: %w", engine.SpecDraftMTP, i, err)
 		}
 		kv += c.MemoryBytes()
 	}
-	d.mtpBytesPerCell = (kv+int64(mp.NCtx)-1)/int64(mp.NCtx) + 4*int64(model.NEmbdOut())
+	d := &draftModel{drafter: m}
+	d.bytesPerCell = (kv+int64(mp.NCtx)-1)/int64(mp.NCtx) + 4*int64(model.NEmbdOut())
 	if log != nil {
 		log.Info("MTP drafting", "n_layer_nextn", model.NLayerNextN(), "draft_max", draftMax, "p_min", pMin,
-			"mtp_kv_bytes", kv, "mtp_row_bytes_per_cell", 4*model.NEmbdOut(), "mtp_bytes_per_cell", d.mtpBytesPerCell)
+			"mtp_kv_bytes", kv, "mtp_row_bytes_per_cell", 4*model.NEmbdOut(), "mtp_bytes_per_cell", d.bytesPerCell)
 	}
 	return d, nil
 }
 
 // newMTP turns the NextN rows on (the target's for every batch entry, the MTP context's
-// for those with logits) and gives the drafter over the two; on failure both are as
-// before and ctx is freed.
+// for those with logits) and gives the drafter over the two. (On failure Open fails and
+// its cleanups free both contexts.)
 func newMTP(model *llama.Model, tgt, ctx *llama.Context, pMin float64, log *slog.Logger) (*runner.MTP, error) {
 	tgt.SetEmbeddingsNextN(true, false)
 	ctx.SetEmbeddingsNextN(true, true)
-	m, err := runner.NewMTP(model, tgt, ctx, pMin, log)
-	if err != nil {
-		tgt.SetEmbeddingsNextN(false, false)
-		ctx.Free()
-		return nil, err
-	}
-	return m, nil
+	return runner.NewMTP(model, tgt, ctx, pMin, log)
 }
 
 // openAssistant loads --model-draft, an MTP assistant for the served model (Gemma 4's:
-// llama.Model.IsAssistant), and gives it a context over the served context tgt, whose
-// cells it reads (llama.cpp shares them: it keeps none, so it costs no memory per cell),
-// with the drafter (runner.MTP, which then mirrors nothing). As llama-server runs one:
+// llama.Model.IsAssistant), and gives it a context over the served context, whose cells
+// it reads (llama.cpp shares them: it keeps none, so it costs no memory per cell), with
+// the drafter (runner.MTP, which then mirrors nothing). As llama-server runs one:
 // --spec-type draft-mtp --model-draft ASSISTANT, and loaded as llama-server loads it, with
-// the served model's placement mp (its layers read the target's KV where it lives; a
+// the served model's placement (its layers read the target's KV where it lives; a
 // draft-simple model, which has its own, stays on the CPU). On a GPU: untested.
-func openAssistant(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.ContextParams, mp llama.ModelParams, draftMax int, log *slog.Logger) (*draftModel, error) {
+func openAssistant(o *opening, pMin float64) (*draftModel, error) {
+	cfg, model, tgt, tp, draftMax, log := o.cfg, o.model, o.ctx, o.cp, o.ecfg.Spec.DraftMax, o.log
+	mp := o.off.params
 	mp.LoadMTP = false
 	mp.MatMulKernel = llama.KernelNamed(cfg.MMKernel)
 	a, err := llama.LoadModelWith(cfg.ModelDraft, mp)
 	if err != nil {
 		return nil, fmt.Errorf("--model-draft: %w", err)
 	}
+	o.cleanups.push(a.Free)
 	refuse := func(err error) (*draftModel, error) {
-		a.Free()
 		return nil, fmt.Errorf("--spec-type %s --model-draft %s cannot draft for %s: %w", engine.SpecDraftMTP, cfg.ModelDraft, cfg.ModelPath, err)
 	}
 	if !a.IsAssistant() {
@@ -193,7 +229,7 @@ func openAssistant(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.
 	if err != nil {
 		return refuse(err)
 	}
-	pMin := cfg.DraftPMinFor(engine.SpecDraftMTP)
+	o.cleanups.push(ctx.Free)
 	m, err := newMTP(model, tgt, ctx, pMin, log)
 	if err != nil {
 		return refuse(err)
@@ -201,7 +237,7 @@ func openAssistant(cfg Config, model *llama.Model, tgt *llama.Context, tp llama.
 	if log != nil {
 		log.Info("MTP drafting with an assistant", "path", cfg.ModelDraft, "desc", a.Desc(), "blocks", a.NLayerNextN(), "draft_max", draftMax, "p_min", pMin)
 	}
-	return &draftModel{model: a, ctx: ctx, mtp: m}, nil
+	return &draftModel{drafter: m}, nil
 }
 
 // draftArchRefused refuses the draft-head architectures of llama.cpp that are not
@@ -222,9 +258,6 @@ func draftArchRefused(arch string) error {
 
 // checkMTP refuses draft-mtp on a model without MTP layers, with the reason.
 func checkMTP(cfg Config, model *llama.Model) error {
-	if !cfg.wantsMTP() {
-		return nil
-	}
 	if cfg.ModelDraft != "" {
 		// The drafter is that file, an MTP assistant (openAssistant checks it).
 		if model.NLayerNextN() > 0 {
@@ -246,20 +279,21 @@ func checkMTP(cfg Config, model *llama.Model) error {
 }
 
 // openDraft loads --model-draft on the CPU and gives it its own context, shaped as the
-// target's (tp: batch, threads, flash attention, as many sequence ids) with
-// --ctx-size-draft cells (the target's count by default: a draft sequence holds a
-// session's whole context, borrowed pool tokens included). A model whose vocabulary
-// differs from the target's, or one with recurrent state (a draft sequence is cut back
-// to the accepted tokens every step), is refused with the reason.
-func openDraft(cfg Config, target *llama.Model, tp llama.ContextParams, log *slog.Logger) (*draftModel, error) {
+// target's (batch, threads, flash attention, as many sequence ids) with --ctx-size-draft
+// cells (the target's count by default: a draft sequence holds a session's whole
+// context, borrowed pool tokens included). A model whose vocabulary differs from the
+// target's, or one with recurrent state (a draft sequence is cut back to the accepted
+// tokens every step), is refused with the reason.
+func openDraft(o *opening, pMin float64) (*draftModel, error) {
+	cfg, target, tp, log := o.cfg, o.model, o.cp, o.log
 	// The draft model and its context use the kernels the served ones use (--mm-kernel,
 	// --fa-kernel): the choice is per model and per context, not process-wide.
 	m, err := llama.LoadModelWith(cfg.ModelDraft, llama.ModelParams{MatMulKernel: llama.KernelNamed(cfg.MMKernel)})
 	if err != nil {
 		return nil, fmt.Errorf("--model-draft: %w", err)
 	}
+	o.cleanups.push(m.Free)
 	refuse := func(err error) (*draftModel, error) {
-		m.Free()
 		return nil, fmt.Errorf("--model-draft %s cannot draft for %s: %w", cfg.ModelDraft, cfg.ModelPath, err)
 	}
 	if err := draftArchRefused(m.Meta("general.architecture")); err != nil {
@@ -280,8 +314,9 @@ func openDraft(cfg Config, target *llama.Model, tp llama.ContextParams, log *slo
 	if err != nil {
 		return refuse(err)
 	}
+	o.cleanups.push(ctx.Free)
 	if log != nil {
-		log.Info("draft model", "path", cfg.ModelDraft, "desc", m.Desc(), "n_ctx", dp.NCtx, "p_min", cfg.DraftPMinFor(engine.SpecDraftSimple))
+		log.Info("draft model", "path", cfg.ModelDraft, "desc", m.Desc(), "n_ctx", dp.NCtx, "p_min", pMin)
 	}
-	return &draftModel{model: m, ctx: ctx, drafter: runner.NewDrafter(target, m, ctx, cfg.DraftPMinFor(engine.SpecDraftSimple), log)}, nil
+	return &draftModel{drafter: runner.NewDrafter(target, m, ctx, pMin, log)}, nil
 }

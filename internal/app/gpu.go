@@ -206,6 +206,16 @@ func ListDevices() (dirs []string, libs []llama.BackendLoad, devices []llama.Dev
 // cfg's -ngl, --device and --split-mode say, and loads it. Open and the benchmark's raw
 // decode loop use it, so both run on the same devices.
 func LoadModel(cfg Config) (*llama.Model, Offload, error) {
+	spec, err := cfg.specPlan()
+	if err != nil {
+		return nil, Offload{}, err
+	}
+	return loadModel(cfg, spec.mtpLayers())
+}
+
+// loadModel is LoadModel, with the model's MTP layers when mtpLayers (the drafter is
+// the model's MTP head: draft-mtp).
+func loadModel(cfg Config, mtpLayers bool) (*llama.Model, Offload, error) {
 	// GPU backends load before the model: llama.cpp places layers on the devices that
 	// ggml's registry holds when the model is loaded.
 	dirs := defaultLibraryDirs()
@@ -217,7 +227,7 @@ func LoadModel(cfg Config) (*llama.Model, Offload, error) {
 	}
 	params := off.params
 	params.MatMulKernel = llama.KernelNamed(cfg.MMKernel) // this model's, not the process's
-	params.LoadMTP = cfg.wantsMTP()                       // the MTP head drafts (draft-mtp)
+	params.LoadMTP = mtpLayers                            // the MTP head drafts (draft-mtp)
 	model, err := llama.LoadModelWith(cfg.ModelPath, params)
 	if err != nil {
 		return nil, off, err

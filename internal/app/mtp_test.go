@@ -58,10 +58,10 @@ func mtpConfig(t *testing.T, model string, cfg Config) Config {
 func testMTPServed(t *testing.T, model string) {
 	cfg := mtpConfig(t, model, Config{NCtx: 2048, Parallel: 4, MaxPools: 3, Threads: 2})
 	a, base := startServer(t, cfg)
-	if a.draft == nil || a.draft.mtp == nil {
+	mtp := mtpOf(a)
+	if mtp == nil {
 		t.Fatal("draft-mtp asked for, no MTP drafter")
 	}
-	mtp := a.draft.mtp
 	nSeq := cfg.Parallel + cfg.MaxPools
 	mtp.CheckMirror(nSeq)
 
@@ -184,13 +184,13 @@ func TestMTPPrefixCacheAndTier(t *testing.T) {
 				cfg.PoolRAMMB, cfg.PoolDir = 0, t.TempDir()
 			}
 			a, base := openServer(t, cfg)
-			if a.draft == nil || a.draft.mtp == nil {
+			mtp := mtpOf(a)
+			if mtp == nil {
 				t.Fatal("draft-mtp asked for, no MTP drafter")
 			}
 			if props := tierProps(t, base); props == nil || !props.Enabled {
 				t.Fatalf("tier props %+v, want the tier on", props)
 			}
-			mtp := a.draft.mtp
 			mtp.CheckMirror(cfg.Parallel + cfg.MaxPools)
 			drafted, accepted := 0, 0
 			// run completes prompt with speculation (from whatever the prefix cache or pool
@@ -272,7 +272,7 @@ func TestMTPSlotSaveRestore(t *testing.T) {
 	cfg := withDefaults(Config{ModelPath: testmodel.Arch(t, "glm4moemtp"), NCtx: 2048, Parallel: 2, MaxPools: 1,
 		Threads: 2, SpecType: "draft-mtp", DraftMax: 3, SpecStepCost: -1, SlotSavePath: dir})
 	a, base := openServer(t, cfg)
-	mtp := a.draft.mtp
+	mtp := mtpOf(a)
 	mtp.CheckMirror(cfg.Parallel + cfg.MaxPools)
 	toks := archTokens(a, 11, 70)
 	if code, out := post(t, base+"/v1/completions", map[string]any{"prompt": toks, "max_tokens": 4, "session_id": "s",
@@ -312,7 +312,7 @@ func TestMTPSlotSaveRestore(t *testing.T) {
 
 	// A pool's KV bytes count the MTP context's cell and the row kept beside each of its
 	// cells: 40 cells cost 40 × (the target's bytes per cell + the MTP part).
-	mtpPerCell := a.draft.mtpBytesPerCell
+	mtpPerCell := a.draft.bytesPerCell
 	if mtpPerCell <= 4*int64(a.Model.NEmbdOut()) {
 		t.Fatalf("MTP bytes per cell %d: want the row (%d) and the MTP context's KV", mtpPerCell, 4*a.Model.NEmbdOut())
 	}
@@ -498,4 +498,13 @@ func TestDraftArchRefused(t *testing.T) {
 			t.Errorf("%s refused: %v", arch, err)
 		}
 	}
+}
+
+// mtpOf is a's MTP drafter (nil: none).
+func mtpOf(a *App) *runner.MTP {
+	if a.draft == nil {
+		return nil
+	}
+	m, _ := a.draft.drafter.(*runner.MTP)
+	return m
 }

@@ -78,7 +78,6 @@ func (p prefillBench) run(cfg app.Config, reps int) error {
 		fmt.Print("  llama-bench tok/s  polykv/llama-bench")
 	}
 	fmt.Println()
-	defer useKernels(cfg, true)
 	for _, path := range models {
 		model, err := llama.LoadModel(path)
 		if err != nil {
@@ -111,8 +110,10 @@ func (p prefillBench) model(model *llama.Model, path string, cfg app.Config, rep
 			if n > len(toks) {
 				return fmt.Errorf("bench: prefill length %d exceeds the %d-token test prompt", n, len(toks))
 			}
-			r, err := alternate(cfg, reps, withStock,
-				func() (float64, error) { return prefillOnce(model, cfg, llama.CacheType(ct), toks[:n]) },
+			r, err := alternate(model, cfg, reps, withStock,
+				func(attn llama.Kernel) (float64, error) {
+					return prefillOnce(model, cfg, attn, llama.CacheType(ct), toks[:n])
+				},
 				p.llamaBench(path, cfg, ct, n, 0, 0))
 			if err != nil {
 				return fmt.Errorf("prefill %s %s %d: %w", path, ct, n, err)
@@ -121,8 +122,10 @@ func (p prefillBench) model(model *llama.Model, path string, cfg app.Config, rep
 		}
 		if p.decode > 0 {
 			prompt, steps := toks[:p.depth], toks[p.depth:p.depth+p.decode]
-			r, err := alternate(cfg, reps, withStock,
-				func() (float64, error) { return decodeOnce(model, cfg, llama.CacheType(ct), prompt, steps) },
+			r, err := alternate(model, cfg, reps, withStock,
+				func(attn llama.Kernel) (float64, error) {
+					return decodeOnce(model, cfg, attn, llama.CacheType(ct), prompt, steps)
+				},
 				p.llamaBench(path, cfg, ct, 0, p.decode, p.depth))
 			if err != nil {
 				return fmt.Errorf("decode %s %s tg%d: %w", path, ct, p.decode, err)
@@ -149,18 +152,24 @@ type benchRow struct{ ours, stock, base float64 }
 // alternate measures one row reps times. Each repetition runs run with the configured
 // kernels, then run with ggml's kernels when stock is set, then base when it is not nil,
 // so the three alternate on one machine state; it keeps the best of each.
-func alternate(cfg app.Config, reps int, stock bool, run, base func() (float64, error)) (benchRow, error) {
+func alternate(model *llama.Model, cfg app.Config, reps int, stock bool, run func(attn llama.Kernel) (float64, error), base func() (float64, error)) (benchRow, error) {
 	var r benchRow
 	for range reps {
-		useKernels(cfg, true)
-		tps, err := run()
+		attn, err := useKernels(model, cfg, true)
+		if err != nil {
+			return r, err
+		}
+		tps, err := run(attn)
 		if err != nil {
 			return r, err
 		}
 		r.ours = max(r.ours, tps)
 		if stock {
-			useKernels(cfg, false)
-			tps, err := run()
+			attn, err := useKernels(model, cfg, false)
+			if err != nil {
+				return r, err
+			}
+			tps, err := run(attn)
 			if err != nil {
 				return r, fmt.Errorf("ggml kernels: %w", err)
 			}
@@ -178,10 +187,14 @@ func alternate(cfg app.Config, reps int, stock bool, run, base func() (float64, 
 }
 
 // useKernels selects the configured CPU kernels (configured true) or ggml's own for both
-// flash attention and Q4_1/K-quant matrices.
-func useKernels(cfg app.Config, configured bool) {
-	llama.SetFlashAttnKernel(configured && cfg.FAKernel != "ggml")
-	llama.SetMatMulKernel(configured && cfg.MMKernel != "ggml")
+// flash attention and Q4_1/K-quant matrices: the model's matrix kernel is set, and the
+// attention kernel the run's contexts are to use is returned.
+func useKernels(model *llama.Model, cfg app.Config, configured bool) (attn llama.Kernel, err error) {
+	attn, mm := llama.KernelGGML, llama.KernelGGML
+	if configured {
+		attn, mm = llama.KernelNamed(cfg.FAKernel), llama.KernelNamed(cfg.MMKernel)
+	}
+	return attn, model.SetMatMulKernel(mm)
 }
 
 // print writes the row under the header run printed: ours names that header's ggml
@@ -201,11 +214,12 @@ func (r benchRow) print(name, ct, tokens string, ours, stock, baseline bool) {
 }
 
 // benchContext creates the one-sequence context prefillOnce and decodeOnce time:
-// flash attention, threads and batch sizes from cfg, K and V of cache type ct, nCtx cells.
-func benchContext(model *llama.Model, cfg app.Config, ct llama.CacheType, nCtx int) (*llama.Context, error) {
+// flash attention, threads and batch sizes from cfg, the attention kernel attn, K and V
+// of cache type ct, nCtx cells.
+func benchContext(model *llama.Model, cfg app.Config, attn llama.Kernel, ct llama.CacheType, nCtx int) (*llama.Context, error) {
 	return llama.NewContext(model, llama.ContextParams{FlashAttn: app.FlashAttn(cfg.FlashAttn), NCtx: nCtx,
 		NBatch: cfg.NBatch, NUBatch: cfg.NUBatch, NSeqMax: 1, NThreads: cfg.Threads, KVUnified: true, TypeK: ct, TypeV: ct,
-		SWAFull: model.NSWA() > 0})
+		SWAFull: model.NSWA() > 0, AttnKernel: attn})
 }
 
 // feed decodes toks as sequence 0 from position 0 in --batch chunks, with logits for
@@ -226,8 +240,8 @@ func feed(ctx *llama.Context, toks []llama.Token) error {
 }
 
 // prefillOnce times the prefill of toks in a fresh context and returns tokens per second.
-func prefillOnce(model *llama.Model, cfg app.Config, ct llama.CacheType, toks []llama.Token) (float64, error) {
-	ctx, err := benchContext(model, cfg, ct, len(toks)+16)
+func prefillOnce(model *llama.Model, cfg app.Config, attn llama.Kernel, ct llama.CacheType, toks []llama.Token) (float64, error) {
+	ctx, err := benchContext(model, cfg, attn, ct, len(toks)+16)
 	if err != nil {
 		return 0, err
 	}
@@ -243,8 +257,8 @@ func prefillOnce(model *llama.Model, cfg app.Config, ct llama.CacheType, toks []
 // per token of steps, each a batch of that one token with logits for it, as greedy
 // generation of one sequence runs (the tokens are given rather than sampled, as
 // llama-bench's are), and returns steps per second.
-func decodeOnce(model *llama.Model, cfg app.Config, ct llama.CacheType, prompt, steps []llama.Token) (float64, error) {
-	ctx, err := benchContext(model, cfg, ct, len(prompt)+len(steps))
+func decodeOnce(model *llama.Model, cfg app.Config, attn llama.Kernel, ct llama.CacheType, prompt, steps []llama.Token) (float64, error) {
+	ctx, err := benchContext(model, cfg, attn, ct, len(prompt)+len(steps))
 	if err != nil {
 		return 0, err
 	}

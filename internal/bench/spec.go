@@ -106,10 +106,11 @@ func (sb specBench) run(cfg app.Config, reps int) error {
 	if err != nil {
 		return err
 	}
-	if _, err := engine.ParseSpecTypes(cfg.SpecType); err != nil {
+	types, err := engine.ParseSpecTypes(cfg.SpecType)
+	if err != nil {
 		return err
 	}
-	if types, _ := engine.ParseSpecTypes(cfg.SpecType); len(types) == 0 {
+	if len(types) == 0 {
 		cfg.SpecType = sb.types
 	}
 	workloads := strings.Split(sb.workloads, ",")

@@ -14,7 +14,8 @@ import "slices"
 //
 // The drafter is pluggable: anything that turns a session's context into a proposal
 // (a draft model, MTP heads over the target's hidden states) is a DraftBackend behind
-// its own --spec-type; the scheduler only sees DraftWant and DraftProposal.
+// its own --spec-type, registered here as a backendDrafter (drafter.go); the scheduler
+// only sees DraftWant and DraftProposal.
 
 // SpecDraftSimple drafts with a second, smaller model of the same vocabulary
 // (--model-draft), greedily (llama-server's draft-simple).
@@ -62,20 +63,52 @@ type DraftBackend interface {
 	DraftSeqRm(seq int)
 }
 
-// modelDrafts reports whether a drafter outside the scheduler (a draft model or MTP
-// heads) is configured.
-func (sp Spec) modelDrafts() bool {
-	return slices.Contains(sp.Types, SpecDraftSimple) || slices.Contains(sp.Types, SpecDraftMTP)
+// backendDrafter is the scheduler's side of a drafter that drafts with the model (a
+// draft model, MTP heads): its sessions propose what the backend's drafter offered for
+// them in this step's draft round (OfferDrafts). Every such --spec-type is one of it; how
+// the backend drafts is the runner's (runner.ModelDrafter) and how it is opened the app's.
+type backendDrafter struct{}
+
+func newBackendDrafter(Spec) Drafter { return backendDrafter{} }
+
+// NewSession implements Drafter.
+func (backendDrafter) NewSession() DraftSession { return &backendSession{} }
+
+// backendSession holds the backend's proposal for the next plan (OfferDrafts).
+type backendSession struct{ offered []Token }
+
+// Propose implements DraftSession: the backend's proposal cut to k tokens (nil when
+// none), used once.
+func (b *backendSession) Propose(_ []Token, _ Token, k int, _ bool) []Token {
+	d := b.offered
+	b.offered = nil
+	return d[:min(len(d), k)]
 }
 
-// DraftWants names the sessions that would draft with the model in the next plan and
+// Verified implements DraftSession.
+func (b *backendSession) Verified(int, int) {}
+
+// EndStep implements DraftSession.
+func (b *backendSession) EndStep() {}
+
+// backendDrafts reports whether a drafter outside the scheduler (a backendDrafter) is
+// configured.
+func (s *Scheduler) backendDrafts() bool {
+	for _, d := range s.drafters {
+		if _, ok := d.(backendDrafter); ok {
+			return true
+		}
+	}
+	return false
+}
+
+// DraftWants names the sessions that would draft with the backend in the next plan and
 // how many tokens each may propose: a decoding task with speculation on, not backing
 // off, whose earlier drafters (in --spec-type order) propose nothing, and whose drafts
 // the cost-aware limit lets through as things stand (Plan decides again with the
 // step's real room; a proposal longer than it allows is cut).
 func (s *Scheduler) DraftWants() []DraftWant {
-	sp := s.cfg.Spec
-	if !sp.modelDrafts() {
+	if !s.backendDrafts() {
 		return nil
 	}
 	decoders := 0
@@ -86,13 +119,13 @@ func (s *Scheduler) DraftWants() []DraftWant {
 	}
 	var out []DraftWant
 	for _, t := range s.running {
-		if !t.hasNext || !s.specOn(t) || t.specWait > 0 || t.slot == nil {
+		if !t.hasNext || !s.specOn(t) || t.spec.wait > 0 || t.slot == nil {
 			continue
 		}
-		k := min(s.specBudget(t), t.draftCap)
+		k := min(s.specBudget(t), t.spec.cap)
 		if c := s.specCostCap(t, k, float64(decoders), float64(decoders)); c > 0 {
 			k = c
-		} else if t.specIdle >= specProbeEvery {
+		} else if t.spec.idle >= specProbeEvery {
 			k = min(k, specProbeLen)
 		} else {
 			k = 0
@@ -111,22 +144,15 @@ func (s *Scheduler) DraftWants() []DraftWant {
 	return out
 }
 
-// pureDraft reports whether a drafter listed before draft-simple or draft-mtp proposes
-// for t (then the model is not asked).
+// pureDraft reports whether a drafter listed before the first backend drafter proposes
+// for t (then the backend is not asked).
 func (s *Scheduler) pureDraft(t *task, k, minN int) bool {
-	sp := s.cfg.Spec
-	for _, typ := range sp.Types {
-		var d []Token
-		switch typ {
-		case SpecDraftSimple, SpecDraftMTP:
+	for i, d := range s.drafters {
+		if _, ok := d.(backendDrafter); ok {
 			return false
-		case SpecNgramSimple:
-			d = s.ngramSimple(t, sp.NgramMin, k) // kept for Plan's look (ngramSimple)
-		case SpecNgramMod:
-			s.modFeed(t)
-			d = s.mod.draft(t.slot.tokens, t.next, k)
 		}
-		if len(d) >= max(minN, 1) {
+		// (ngram-simple keeps its match for Plan's ask.)
+		if p := t.spec.drafters[i].Propose(t.slot.tokens, t.next, k, false); len(p) >= max(minN, 1) {
 			return true
 		}
 	}
@@ -141,7 +167,11 @@ func (s *Scheduler) pureDraft(t *task, k, minN int) bool {
 // it proposes, and the cost-aware limit only sees verified drafts.
 func (s *Scheduler) OfferDrafts(wants []DraftWant, props []DraftProposal) {
 	for _, t := range s.running {
-		t.modelDraft = nil
+		for _, ds := range t.spec.drafters {
+			if b, ok := ds.(*backendSession); ok {
+				b.offered = nil
+			}
+		}
 	}
 	got := map[TaskID]bool{}
 	for _, p := range props {
@@ -149,15 +179,27 @@ func (s *Scheduler) OfferDrafts(wants []DraftWant, props []DraftProposal) {
 		if t == nil || !t.hasNext || t.slot == nil || p.At != len(t.slot.tokens)+1 || len(p.Tokens) == 0 {
 			continue
 		}
-		t.modelDraft = slices.Clone(p.Tokens)
+		if b := t.spec.backend(); b != nil {
+			b.offered = slices.Clone(p.Tokens)
+		}
 		got[p.Task] = true
 	}
 	for _, w := range wants {
 		if t := s.byID(w.Task); t != nil && !got[w.Task] {
-			t.specMisses++
-			t.specWait = min(1<<min(t.specMisses-1, 10), specMaxWait)
+			t.spec.backOff()
 		}
 	}
+}
+
+// backend is the session of the first backend drafter (the one that takes the backend's
+// proposal), or nil.
+func (ss *specSession) backend() *backendSession {
+	for _, ds := range ss.drafters {
+		if b, ok := ds.(*backendSession); ok {
+			return b
+		}
+	}
+	return nil
 }
 
 // byID is the running task id, or nil.
@@ -168,13 +210,6 @@ func (s *Scheduler) byID(id TaskID) *task {
 		}
 	}
 	return nil
-}
-
-// takeModelDraft is t's model proposal cut to k tokens (nil when none), used once.
-func (t *task) takeModelDraft(k int) []Token {
-	d := t.modelDraft
-	t.modelDraft = nil
-	return d[:min(len(d), k)]
 }
 
 // draftRound runs the drafter, when be has one and a session wants drafts, before the

@@ -114,7 +114,7 @@ func TestDraftModelFreed(t *testing.T) {
 	// A proposal for another position than the task's is dropped.
 	tb := h.s.byID(b)
 	h.s.OfferDrafts(nil, []DraftProposal{{Task: b, At: len(tb.slot.tokens), Tokens: []Token{1, 2}}})
-	if tb.modelDraft != nil {
+	if tb.spec.backend().offered != nil {
 		t.Error("a stale proposal was kept")
 	}
 	h.run()
@@ -129,7 +129,7 @@ func TestDraftModelFreed(t *testing.T) {
 
 // TestNgramLookupOncePerStep: with ngram-simple before draft-simple, DraftWants looks
 // the n-grams up to decide whether to ask the model and Plan looks again for the
-// proposal it verifies; the match is kept on the task between the two (ngramSimple),
+// proposal it verifies; the match is kept on the task between the two (ngramSession),
 // so each session's context is scanned at most once per step, and every batch is the
 // one the two separate scans planned.
 func TestNgramLookupOncePerStep(t *testing.T) {
@@ -137,7 +137,7 @@ func TestNgramLookupOncePerStep(t *testing.T) {
 		t.Run(fmt.Sprintf("stepcost%g", cost), func(t *testing.T) {
 			spec := Spec{Types: []string{SpecNgramSimple, SpecDraftSimple}, DraftMax: 6, StepCost: cost}
 			r, h := specWorkloadH(t, spec)
-			rTwice, hTwice := specWorkloadWith(t, spec, func(h *harness) { h.s.ngramNoMemo = true })
+			rTwice, hTwice := specWorkloadWith(t, spec, func(h *harness) { ngramOf(h.s).noMemo = true })
 			if len(h.be.batches) != len(hTwice.be.batches) {
 				t.Fatalf("%d batches with the kept match, %d with two scans per step", len(h.be.batches), len(hTwice.be.batches))
 			}
@@ -157,7 +157,7 @@ func TestNgramLookupOncePerStep(t *testing.T) {
 					}
 				}
 			}
-			once, twice := h.s.ngramLookups, hTwice.s.ngramLookups
+			once, twice := ngramOf(h.s).lookups, ngramOf(hTwice.s).lookups
 			if once == 0 || once > decoding || once >= twice {
 				t.Errorf("%d scans with the kept match, %d with two per step, %d decode entries: want 0 < kept ≤ entries, kept < two", once, twice, decoding)
 			}
@@ -167,4 +167,14 @@ func TestNgramLookupOncePerStep(t *testing.T) {
 			t.Logf("ngram-simple scans: %d with the match kept, %d with two per step; %d decode entries, %d model wants", once, twice, decoding, h.be.draft.wants)
 		})
 	}
+}
+
+// ngramOf is s's ngram-simple drafter (nil when not configured).
+func ngramOf(s *Scheduler) *ngramSimple {
+	for _, d := range s.drafters {
+		if n, ok := d.(*ngramSimple); ok {
+			return n
+		}
+	}
+	return nil
 }

@@ -394,7 +394,7 @@ func (s *Scheduler) sessionTPS(sl *slot, free int) SessionTPS {
 		st.TPSEWMA = t.ewma.RateAt(s.now)
 		st.Warming = t.ewma.Warming()
 		st.Decoded = t.generated
-		st.DraftN, st.DraftAccepted = t.draftN, t.draftAccepted
+		st.DraftN, st.DraftAccepted = t.spec.drafted, t.spec.accepted
 	}
 	return st
 }

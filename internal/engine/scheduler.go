@@ -196,28 +196,9 @@ type task struct {
 	// why it was still waiting after the last admission pass (a Wait* reason).
 	queued time.Time
 	wait   string
-	// Speculative decoding (speculative.go): the most drafts proposed next (adapted to
-	// how the last ones fared), ngram-mod's progress over the context and its streak
-	// of poor proposals, and the totals proposed and accepted (Stats.DraftN).
-	draftCap              int
-	modFed, modLow        int
-	draftN, draftAccepted int
-	// draftFiltered: draft tokens the grammar cut before planning (Stats.DraftFiltered).
-	draftFiltered int
-	// specWait is how many more steps t decodes without drafting after proposals that
-	// were wholly rejected (specMisses of them in a row): a backoff, since every
-	// rejection costs a verification and the removal of its cells.
-	specWait, specMisses int
-	// specHits/specTrials: t's decayed draft history for the cost-aware limit
-	// (specCostCap); specIdle counts steps since t last drafted (its probes).
-	specHits, specTrials float64
-	specIdle             int
-	// modelDraft is the draft model's proposal for the next plan (OfferDrafts).
-	modelDraft []Token
-	// ngram is this step's ngram-simple match for t (ngramSimple), kept from
-	// DraftWants' look (does an n-gram drafter propose, or is the model asked?) for
-	// Plan's, and cleared when Plan ends.
-	ngram ngramMemo
+	// spec is t's speculative decoding (drafter.go): its drafters' sessions and what
+	// the scheduler keeps to limit and count its drafts.
+	spec specSession
 }
 
 func (t *task) prefilling() bool { return t.slot != nil && len(t.slot.tokens) < len(t.req.Prompt) }
@@ -268,16 +249,11 @@ type Scheduler struct {
 
 	// kv is the KV-cache manager (kvcache.go): the one owner of the cells.
 	kv *kvCache
-	// mod is ngram-mod's table shared by all sessions (nil unless Config.Spec has it).
-	mod *ngramMod
+	// drafters are the speculation types' drafters, in --spec-type order (drafter.go).
+	drafters []Drafter
 	// draftCheck cuts grammar requests' drafts (nil: they are verified uncut; see
 	// DraftChecker). Set by New when the backend has it.
 	draftCheck DraftChecker
-	// ngramLookups counts ngram-simple's context scans (ngramSimple; read by tests);
-	// ngramNoMemo (tests only) scans on every ask, as before the memo, so a test can
-	// compare the plans.
-	ngramLookups int
-	ngramNoMemo  bool
 	// Prefix cache counters (issue 12): prompt tokens served from cached prefixes,
 	// and evictions of cached anonymous sequences' cells.
 	cacheHits      int64
@@ -334,9 +310,7 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	}
 	s.kv = &kvCache{nCtx: cfg.NCtx, cells: cells, plan: &s.ops, slots: s.slots, pools: s.pools, grace: cfg.PoolGrace}
 	s.pools.SkipIDs(cfg.PoolIDFloor)
-	if slices.Contains(cfg.Spec.Types, SpecNgramMod) {
-		s.mod = newNgramMod(cfg.Spec.ModN)
-	}
+	s.drafters = newDrafters(cfg.Spec)
 	return s, nil
 }
 
@@ -875,8 +849,7 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 			s.cacheHits += int64(t.cacheN)
 		}
 		t.ewma = tps.NewEWMA(s.cfg.TPSTau)
-		t.draftCap = s.cfg.Spec.DraftMax
-		t.specHits, t.specTrials, t.specIdle = specPriorHits, specPriorTrials, specProbeEvery
+		t.spec = s.newSpecSession()
 		s.adm.SessionSeated(t.req.SessionID, s.now)
 	}
 	sl.task = t
@@ -1006,8 +979,8 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 		spare--
 		planned++
 		budget--
-		if s.specOn(t) && t.specWait > 0 {
-			t.specWait--
+		if s.specOn(t) && t.spec.wait > 0 {
+			t.spec.wait--
 		} else if s.specOn(t) {
 			// Drafts use what the other decoders leave of the budget and spare cells,
 			// which idle sequences' tails give up when there are too few (draftRoom).
@@ -1015,12 +988,12 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 			probe := false
 			if c := s.specCostCap(t, k, specGain, specRows); c > 0 {
 				k = c
-			} else if t.specIdle >= specProbeEvery {
+			} else if t.spec.idle >= specProbeEvery {
 				k, probe = min(k, specProbeLen), true // a probe: does t copy again?
 			} else {
 				k = 0
 			}
-			t.specIdle++
+			t.spec.idle++
 			d := s.specDraft(t, k, probe)
 			if room := spare - decoders; len(d) > room {
 				got := s.draftRoom(len(d) - room)
@@ -1034,8 +1007,8 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 				}
 			}
 			if len(d) > 0 {
-				t.specIdle = 0
-				specGain += t.specExpected(len(d))
+				t.spec.idle = 0
+				specGain += t.spec.expected(len(d))
 				specRows += float64(len(d))
 				for i, tok := range d {
 					batch = append(batch, BatchEntry{Token: tok, Pos: pos + 1 + i, Seq: t.slot.seq, Sample: true, Task: t.id, Draft: true})
@@ -1077,7 +1050,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 		planned += k
 	}
 	for _, t := range s.running {
-		t.ngram = ngramMemo{} // the context moves on with this step
+		t.spec.endStep() // the context moves on with this step
 	}
 	p := Plan{Samplers: s.samplers, SeqOps: s.ops, Batch: batch}
 	s.samplers, s.ops = nil, nil
@@ -1160,8 +1133,8 @@ func (s *Scheduler) commitDecode(f inflight, smp []Sampled, now time.Time) {
 	k := len(f.drafts)
 	a := specAccepted(f.drafts, smp)
 	if k > 0 {
-		t.draftN += k
-		t.draftAccepted += a
+		t.spec.drafted += k
+		t.spec.accepted += a
 		s.specAdapt(t, k, a)
 		s.obs = append(s.obs, Observation{Kind: ObsDraft, Pool: t.poolID(), Drafted: k, Accepted: a})
 	}
@@ -1234,7 +1207,7 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 		return
 	}
 	stats := Stats{PromptN: len(t.req.Prompt) - t.cacheN, CacheN: t.cacheN, PredictedN: t.generated, Seq: sl.seq,
-		DraftN: t.draftN, DraftAccepted: t.draftAccepted, DraftFiltered: t.draftFiltered}
+		DraftN: t.spec.drafted, DraftAccepted: t.spec.accepted, DraftFiltered: t.spec.filtered}
 	if sl.base != nil {
 		stats.Pool = sl.base.ID
 		stats.Shared = sl.shared

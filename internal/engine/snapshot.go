@@ -67,7 +67,7 @@ func (s *Scheduler) Slots() []SlotInfo {
 		if t := sl.task; t != nil {
 			info.Task = uint64(t.id)
 			info.Decoded = t.generated
-			info.DraftN, info.DraftAccepted = t.draftN, t.draftAccepted
+			info.DraftN, info.DraftAccepted = t.spec.drafted, t.spec.accepted
 		}
 		out = append(out, info)
 	}

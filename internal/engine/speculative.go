@@ -3,8 +3,6 @@ package engine
 import (
 	"fmt"
 	"math"
-	"slices"
-	"strings"
 )
 
 // Speculative decoding (issue 23). Each decoding session may propose draft tokens that
@@ -25,26 +23,15 @@ import (
 // probability of it, and on a rejection the token drawn is the model's draw conditioned
 // on not being the draft, so the output distribution is the model's.
 //
-// Drafting is pure: tokens in, a proposal out (ngramMatch and ngramFrom, ngramMod), all state in
-// the scheduler. The cells of rejected drafts are removed (an OpSeqRm planned with the
+// Who drafts is a Drafter per --spec-type (drafter.go: ngram-simple and ngram-mod in
+// spec_*.go, drafters with a model of their own through the backend in draft.go); this
+// file is what every drafter shares: the configuration, how many drafts a session may
+// propose (its adaptive cap, the cost-aware limit, the back-off), and how a verification
+// is taken back. The cells of rejected drafts are removed (an OpSeqRm planned with the
 // next step) and never enter the cell tree.
 
-// Speculation types (--spec-type), named as llama-server names its n-gram drafters.
-const (
-	// SpecNgramSimple looks the end of the session's own context (its prompt, the
-	// tokens it borrows from its pool, what it generated) up in that context and
-	// proposes what followed the longest most recent match (prompt lookup decoding).
-	SpecNgramSimple = "ngram-simple"
-	// SpecNgramMod is llama.cpp's ngram-mod: one hashed table of n-gram → next token
-	// shared by every session (what one agent wrote drafts for another), fed with each
-	// session's context.
-	SpecNgramMod = "ngram-mod"
-	// SpecNone turns speculation off.
-	SpecNone = "none"
-)
-
-// SpecTypes are the drafters the engine implements, in the order flag help lists them.
-var SpecTypes = []string{SpecNgramSimple, SpecNgramMod, SpecDraftSimple, SpecDraftMTP}
+// SpecNone turns speculation off (--spec-type none).
+const SpecNone = "none"
 
 // Spec configures speculative decoding (Config.Spec).
 type Spec struct {
@@ -70,71 +57,32 @@ type Spec struct {
 }
 
 // Spec defaults. DraftMax 16: on a CPU a verification's cost grows with its tokens, so
-// a long run of rejected drafts is not free; the adaptive cap (task.draftCap) halves it
-// after rejections anyway.
+// a long run of rejected drafts is not free; the adaptive cap (specSession.cap) halves it
+// after rejections anyway. (Each drafter's own defaults are in its file.)
 const (
 	DefaultDraftMax = 16
-	DefaultNgramMin = 3
-	// DefaultNgramMax 64: a match is extended that far before the longest, most recent
-	// one is taken. Text that repeats with a period (a model looping over a list of
-	// JSON objects, a table, code with repeated blocks) holds the same 16-token run
-	// several times per period with different continuations; a cap of 16 then takes
-	// the most recent of them, often at the wrong phase, where a longer match finds the
-	// previous period's same place. On the edit benchmark's reply (SmolLM2 loops with a
-	// period of 82 tokens) replaying the scheduler's drafting over the recorded tokens
-	// gave 74.9% of drafts accepted and 3.80 tokens per step at 16, 91.2% and 5.14 at
-	// 32 or more; the other replies were unchanged (docs/speculative.md). The scan
-	// stops at a match of this length, and costs the same where none is found.
-	DefaultNgramMax = 64
-	DefaultModN     = 24
 	// DefaultStepCost is StepCost's default, measured on SmolLM2-135M Q4_1 with 2
 	// threads (docs/speculative.md): a step of R rows took about (DefaultStepCost+R)
 	// times one row's share.
 	DefaultStepCost = 2.0
 	// MaxDraft bounds --draft-max and a request's speculative.n_max.
 	MaxDraft = 256
-	// modSize is ngram-mod's table (entries of 4 bytes): llama.cpp uses 4M entries;
-	// one million suffice for the 25% occupancy at which the table is reset.
-	modSize = 1 << 20
 )
 
 // On reports whether any drafter is configured.
 func (sp Spec) On() bool { return len(sp.Types) > 0 }
 
-// ParseSpecTypes reads a comma-separated --spec-type list ("none" or empty: off).
-func ParseSpecTypes(v string) ([]string, error) {
-	var out []string
-	for _, name := range strings.Split(v, ",") {
-		name = strings.TrimSpace(name)
-		switch {
-		case name == "" || name == SpecNone:
-			continue
-		case !slices.Contains(SpecTypes, name):
-			return nil, fmt.Errorf("unknown speculation type %q: want none or a comma-separated list of %s", name, strings.Join(SpecTypes, ", "))
-		case slices.Contains(out, name):
-			return nil, fmt.Errorf("speculation type %q listed twice", name)
-		}
-		out = append(out, name)
-	}
-	if strings.Contains(","+v+",", ","+SpecNone+",") && len(out) > 0 {
-		return nil, fmt.Errorf("speculation type none cannot be combined with others (%q)", v)
-	}
-	return out, nil
-}
-
-// withDefaults fills the zero fields.
+// withDefaults fills the zero fields: the shared ones here, each drafter's own in its
+// file (drafterType.defaults, applied for every registered drafter whether or not it is
+// configured, so a Spec reads the same whichever types it lists).
 func (sp Spec) withDefaults() Spec {
 	if sp.DraftMax == 0 {
 		sp.DraftMax = DefaultDraftMax
 	}
-	if sp.NgramMin == 0 {
-		sp.NgramMin = DefaultNgramMin
-	}
-	if sp.NgramMax == 0 {
-		sp.NgramMax = DefaultNgramMax
-	}
-	if sp.ModN == 0 {
-		sp.ModN = DefaultModN
+	for _, d := range drafters {
+		if d.defaults != nil {
+			d.defaults(&sp) // each drafter's own options (every registered one's)
+		}
 	}
 	if sp.StepCost == 0 {
 		sp.StepCost = DefaultStepCost
@@ -142,11 +90,12 @@ func (sp Spec) withDefaults() Spec {
 	return sp
 }
 
-// validate checks a configuration (with defaults filled).
+// validate checks a configuration (with defaults filled): the shared fields, then each
+// registered drafter's own options (drafterType.check).
 func (sp Spec) validate() error {
 	for _, t := range sp.Types {
-		if !slices.Contains(SpecTypes, t) {
-			return fmt.Errorf("unknown speculation type %q (want %s)", t, strings.Join(SpecTypes, ", "))
+		if _, ok := lookupDrafter(t); !ok {
+			return fmt.Errorf("unknown speculation type %q (want %s)", t, specNames())
 		}
 	}
 	switch {
@@ -154,11 +103,16 @@ func (sp Spec) validate() error {
 		return fmt.Errorf("draft max must be in 1..%d, got %d", MaxDraft, sp.DraftMax)
 	case sp.DraftMin < 0 || sp.DraftMin > sp.DraftMax:
 		return fmt.Errorf("draft min must be in 0..draft max (%d), got %d", sp.DraftMax, sp.DraftMin)
-	case sp.NgramMin < 1 || sp.NgramMax < sp.NgramMin:
-		return fmt.Errorf("n-gram lengths must satisfy 1 <= min <= max, got %d and %d", sp.NgramMin, sp.NgramMax)
-	case sp.ModN < 1:
-		return fmt.Errorf("ngram-mod length must be positive, got %d", sp.ModN)
-	case math.IsNaN(sp.StepCost):
+	}
+	for _, d := range drafters {
+		if d.check == nil {
+			continue
+		}
+		if err := d.check(sp); err != nil {
+			return err
+		}
+	}
+	if math.IsNaN(sp.StepCost) {
 		return fmt.Errorf("step cost must be a number")
 	}
 	return nil
@@ -177,39 +131,23 @@ type SpecRequest struct {
 const NotDrawn Token = -1
 
 // specDraft is the proposal for t, whose next token (t.next, not yet decoded) will sit
-// at position len(t.slot.tokens), of at most k tokens; nil when none is worth verifying.
-// A probe (a session the cost-aware limit keeps from drafting) asks ngram-simple for a
-// match of at least specProbeMatch tokens: its drafts are paid for at odds the limit
-// already judged too low, and a short match in prose (three tokens recurring) lands
-// far less often than a long one in a quote.
+// at position len(t.slot.tokens), of at most k tokens: the first of its drafters' (in
+// --spec-type order) with at least the session's minimum, after the grammar's cut; nil
+// when none is worth verifying. probe: the cost-aware limit keeps t from drafting and
+// this is its periodic probe (DraftSession.Propose).
 func (s *Scheduler) specDraft(t *task, k int, probe bool) []Token {
-	sp := s.cfg.Spec
-	ngramMin := sp.NgramMin
-	if probe {
-		ngramMin = min(max(ngramMin, specProbeMatch), sp.NgramMax)
-	}
 	minN := s.draftMin(t)
-	k = min(k, t.draftCap)
+	k = min(k, t.spec.cap)
 	if k < minN {
 		return nil
 	}
-	ctx := t.slot.tokens
-	for _, typ := range sp.Types {
-		var d []Token
-		switch typ {
-		case SpecNgramSimple:
-			d = s.ngramSimple(t, ngramMin, k)
-		case SpecNgramMod:
-			s.modFeed(t)
-			d = s.mod.draft(ctx, t.next, k)
-		case SpecDraftSimple, SpecDraftMTP:
-			d = t.takeModelDraft(k) // the draft model's or MTP head's, from draftRound (draft.go)
-		}
+	for _, ds := range t.spec.drafters {
+		d := ds.Propose(t.slot.tokens, t.next, k, probe)
 		if len(d) > 0 && t.req.Sampling.Grammar != "" && s.draftCheck != nil {
 			// Cut at the first token the grammar forbids: the sampler could never
 			// draw it, so it and every draft after it would be rejected anyway.
 			n := s.draftCheck.DraftFits(t.id, d)
-			t.draftFiltered += len(d) - n
+			t.spec.filtered += len(d) - n
 			d = d[:n]
 		}
 		if len(d) >= minN {
@@ -293,7 +231,7 @@ func specAccepted(drafts []Token, smp []Sampled) int {
 	return a
 }
 
-// specMaxWait bounds the backoff after wholly rejected proposals (task.specWait).
+// specMaxWait bounds the backoff after wholly rejected proposals (specSession.wait).
 const specMaxWait = 32
 
 // The cost-aware draft limit (specCostCap). A session's drafts are modelled as
@@ -301,7 +239,7 @@ const specMaxWait = 32
 // holding), so draft i lands with probability p^i. A step of R rows costs StepCost+R
 // and yields G tokens (its decoders' plus the drafts expected to land); one more draft
 // row raises tokens per cost iff p^i·(StepCost+R) > G. p is the session's own history
-// (specHits/specTrials, decayed by specDecay per trial, starting at specPrior), so a
+// (specSession.hits/trials, decayed by specDecay per trial, starting at specPrior), so a
 // session whose drafts rarely land stops drafting once other sessions fill the step,
 // and one copying its context (p near 1) keeps long proposals.
 const (
@@ -317,14 +255,10 @@ const (
 	// specProbeLen tokens, so a session that starts copying is found again.
 	specProbeEvery = 16
 	specProbeLen   = 4
-	// specProbeMatch is the shortest context match an ngram-simple probe drafts from
-	// (specDraft): on SmolLM2's chat at N = 8 probes from 3-token matches landed
-	// 19-60% of their drafts (docs/speculative.md).
-	specProbeMatch = 8
 )
 
-// specP is t's estimated probability that a draft lands given the earlier ones did.
-func (t *task) specP() float64 { return t.specHits / t.specTrials }
+// p is the session's estimated probability that a draft lands given the earlier ones did.
+func (ss *specSession) p() float64 { return ss.hits / ss.trials }
 
 // specCostCap is how many of at most k drafts pay for their rows in a step that so far
 // yields gain tokens from rows rows (specDecay's comment has the model); k when the
@@ -334,7 +268,7 @@ func (s *Scheduler) specCostCap(t *task, k int, gain, rows float64) int {
 	if c < 0 {
 		return k
 	}
-	p, q := t.specP(), 1.0
+	p, q := t.spec.p(), 1.0
 	n := 0
 	for n < k {
 		q *= p
@@ -348,9 +282,9 @@ func (s *Scheduler) specCostCap(t *task, k int, gain, rows float64) int {
 	return n
 }
 
-// specExpected is what n drafts of t add to the step's expected tokens.
-func (t *task) specExpected(n int) float64 {
-	p, q, e := t.specP(), 1.0, 0.0
+// expected is what n drafts of the session add to the step's expected tokens.
+func (ss *specSession) expected(n int) float64 {
+	p, q, e := ss.p(), 1.0, 0.0
 	for range n {
 		q *= p
 		e += q
@@ -358,202 +292,45 @@ func (t *task) specExpected(n int) float64 {
 	return e
 }
 
-// specLearn folds one verification into t's history: a accepted of k proposed is a
-// successful trials and, if a < k, one failed one (drafts after a rejection are not
+// learn folds one verification into the session's history: a accepted of k proposed is
+// a successful trials and, if a < k, one failed one (drafts after a rejection are not
 // tried).
-func (t *task) specLearn(k, a int) {
+func (ss *specSession) learn(k, a int) {
 	for i := 0; i < a; i++ {
-		t.specHits = t.specHits*specDecay + 1
-		t.specTrials = t.specTrials*specDecay + 1
+		ss.hits = ss.hits*specDecay + 1
+		ss.trials = ss.trials*specDecay + 1
 	}
 	if a < k {
-		t.specHits *= specDecay
-		t.specTrials = t.specTrials*specDecay + 1
+		ss.hits *= specDecay
+		ss.trials = ss.trials*specDecay + 1
 	}
 }
 
 // specAdapt updates t's draft cap from one verification: a fully accepted proposal
 // doubles it (up to DraftMax), a rejected one shrinks it to what was accepted plus one,
 // so a session whose text stopped repeating soon proposes little, and one copying text
-// grows back to long proposals within a few steps.
+// grows back to long proposals within a few steps. Then each of t's drafters hears how
+// the proposal fared.
 func (s *Scheduler) specAdapt(t *task, k, a int) {
 	if k == 0 {
 		return
 	}
-	t.specLearn(k, a)
+	ss := &t.spec
+	ss.learn(k, a)
 	if a == k {
-		t.draftCap = min(max(t.draftCap, 1)*2, s.cfg.Spec.DraftMax)
+		ss.cap = min(max(ss.cap, 1)*2, s.cfg.Spec.DraftMax)
 	} else {
-		t.draftCap = max(a+1, 1)
+		ss.cap = max(a+1, 1)
 	}
 	// Wholly rejected proposals back off: 1, 2, 4, ... up to specMaxWait steps without
 	// drafting, until a proposal gets a token accepted. Text that does not repeat its
 	// context (plain chat) then rarely pays for a verification.
 	if a == 0 {
-		t.specMisses++
-		t.specWait = min(1<<min(t.specMisses-1, 10), specMaxWait)
+		ss.backOff()
 	} else {
-		t.specMisses = 0
+		ss.misses = 0
 	}
-	if s.mod != nil {
-		// llama.cpp's ngram-mod: a session whose proposals keep failing (under a
-		// quarter accepted, five times running) resets the shared table, which has
-		// filled with n-grams that no longer predict anything.
-		if 4*a < k {
-			t.modLow++
-			if t.modLow >= 5 {
-				s.mod.reset()
-				for _, r := range s.running {
-					r.modFed = 0
-				}
-				t.modLow = 0
-			}
-		} else {
-			t.modLow = 0
-		}
-	}
-}
-
-// ngramMatch finds the longest suffix (up to maxN tokens) of ctx followed by last that
-// occurs earlier in it, the most recent such occurrence: its length and where that
-// occurrence ends. The scan over the context is ngram-simple's whole cost; neither
-// minN nor k changes which match it finds (ngramFrom applies them), so one match
-// serves every caller in a step (ngramSimple).
-func ngramMatch(ctx []Token, last Token, maxN int) (best, end int) {
-	n := len(ctx) + 1
-	at := func(i int) Token {
-		if i == len(ctx) {
-			return last
-		}
-		return ctx[i]
-	}
-	best, end = 0, -1
-	// j is where an earlier occurrence of the suffix ends (it is followed by j+1).
-	for j := n - 2; j >= 0 && best < maxN; j-- {
-		if ctx[j] != last {
-			continue
-		}
-		m := 1
-		for m < maxN && j-m >= 0 && ctx[j-m] == at(n-1-m) {
-			m++
-		}
-		if m > best {
-			best, end = m, j
-		}
-	}
-	return best, end
-}
-
-// ngramFrom is the proposal of a match found by ngramMatch: up to k tokens after the
-// occurrence ending at end, or nil when the match is shorter than minN.
-func ngramFrom(ctx []Token, last Token, best, end, minN, k int) []Token {
-	if best < minN {
-		return nil
-	}
-	out := make([]Token, 0, k)
-	for i := end + 1; i < len(ctx)+1 && len(out) < k; i++ {
-		if i == len(ctx) {
-			out = append(out, last)
-		} else {
-			out = append(out, ctx[i])
-		}
-	}
-	return out
-}
-
-// ngramMemo is a task's ngram-simple match in the current step, for the context it was
-// found in (its length and next token).
-type ngramMemo struct {
-	ok        bool
-	n         int
-	next      Token
-	best, end int
-}
-
-// ngramSimple is ngram-simple's proposal for t (at least minN matched, at most k
-// tokens). The match is looked up once per step: DraftWants asks whether ngram-simple
-// proposes before it asks a draft model (pureDraft) and Plan asks again for the
-// proposal to verify, with another minN (a probe's) or k (the step's real room), which
-// only ngramFrom uses. Plan clears the memo.
-func (s *Scheduler) ngramSimple(t *task, minN, k int) []Token {
-	ctx, m := t.slot.tokens, &t.ngram
-	if s.ngramNoMemo || !m.ok || m.n != len(ctx) || m.next != t.next {
-		best, end := ngramMatch(ctx, t.next, s.cfg.Spec.NgramMax)
-		*m = ngramMemo{ok: true, n: len(ctx), next: t.next, best: best, end: end}
-		s.ngramLookups++
-	}
-	return ngramFrom(ctx, t.next, m.best, m.end, minN, k)
-}
-
-// ngramMod is llama.cpp's common_ngram_mod: a fixed table indexed by a hash of n
-// tokens, holding the token that last followed them (collisions overwrite).
-type ngramMod struct {
-	n       int
-	entries []Token
-	used    int
-}
-
-func newNgramMod(n int) *ngramMod {
-	m := &ngramMod{n: n, entries: make([]Token, modSize)}
-	m.reset()
-	return m
-}
-
-func (m *ngramMod) reset() {
-	for i := range m.entries {
-		m.entries[i] = NotDrawn
-	}
-	m.used = 0
-}
-
-// idx hashes n tokens as llama.cpp does.
-func (m *ngramMod) idx(toks []Token) int {
-	var h uint64
-	for _, t := range toks[:m.n] {
-		h = h*6364136223846793005 + uint64(int64(t))
-	}
-	return int(h % uint64(len(m.entries)))
-}
-
-// add records that toks[n] followed toks[:n].
-func (m *ngramMod) add(toks []Token) {
-	i := m.idx(toks)
-	if m.entries[i] == NotDrawn {
-		m.used++
-	}
-	m.entries[i] = toks[m.n]
-}
-
-// draft chains lookups from the last n tokens of ctx+last, up to k tokens.
-func (m *ngramMod) draft(ctx []Token, last Token, k int) []Token {
-	if len(ctx)+1 < m.n {
-		return nil
-	}
-	win := make([]Token, 0, m.n+k)
-	win = append(win, ctx[len(ctx)-(m.n-1):]...)
-	win = append(win, last)
-	for range k {
-		tok := m.entries[m.idx(win[len(win)-m.n:])]
-		if tok == NotDrawn {
-			break
-		}
-		win = append(win, tok)
-	}
-	return win[m.n:]
-}
-
-// modFeed adds the n-grams of t's context it has not added yet (the whole prompt on the
-// first call: its pool's tokens too), and resets the table past a quarter full as
-// llama.cpp does (collisions would make most proposals wrong).
-func (s *Scheduler) modFeed(t *task) {
-	m, ctx := s.mod, t.slot.tokens
-	for ; t.modFed+m.n < len(ctx); t.modFed++ {
-		m.add(ctx[t.modFed : t.modFed+m.n+1])
-	}
-	if 4*m.used > len(m.entries) {
-		m.reset()
-		for _, r := range s.running {
-			r.modFed = 0
-		}
+	for _, d := range ss.drafters {
+		d.Verified(k, a)
 	}
 }

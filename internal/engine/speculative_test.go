@@ -427,24 +427,24 @@ func TestSpecCostCap(t *testing.T) {
 		{p: 0.98, decoders: 8, k: 16, wantLo: 8, wantHi: 16},
 		{p: 0.98, decoders: 8, k: 3, wantLo: 3, wantHi: 3},
 	} {
-		tk := &task{specHits: c.p, specTrials: 1}
+		tk := &task{spec: specSession{hits: c.p, trials: 1}}
 		got := s.specCostCap(tk, c.k, c.decoders, c.decoders)
 		if got < c.wantLo || got > c.wantHi {
 			t.Errorf("p %.2f, %v decoders, k %d: cap %d, want %d..%d", c.p, c.decoders, c.k, got, c.wantLo, c.wantHi)
 		}
 	}
 	s.cfg.Spec.StepCost = -1
-	if got := s.specCostCap(&task{specHits: 0.1, specTrials: 1}, 7, 8, 8); got != 7 {
+	if got := s.specCostCap(&task{spec: specSession{hits: 0.1, trials: 1}}, 7, 8, 8); got != 7 {
 		t.Errorf("limit off: cap %d, want 7", got)
 	}
 	// A session's history: a wholly rejected proposal lowers p, an accepted run raises it.
-	tk := &task{specHits: specPriorHits, specTrials: specPriorTrials}
-	tk.specLearn(4, 0)
-	if p := tk.specP(); p >= 0.5 {
+	tk := &task{spec: specSession{hits: specPriorHits, trials: specPriorTrials}}
+	tk.spec.learn(4, 0)
+	if p := tk.spec.p(); p >= 0.5 {
 		t.Errorf("p %.3f after a rejection, want below 0.5", p)
 	}
-	tk.specLearn(16, 16)
-	if p := tk.specP(); p < 0.9 {
+	tk.spec.learn(16, 16)
+	if p := tk.spec.p(); p < 0.9 {
 		t.Errorf("p %.3f after 16 accepted, want at least 0.9", p)
 	}
 }
@@ -624,7 +624,7 @@ func TestSpeculativeGrammar(t *testing.T) {
 // longest suffix of that sequence (at least minN tokens, at most maxN) that also occurs
 // earlier in it, the most recent such occurrence, and proposes the tokens that followed
 // it. nil when no suffix of minN tokens recurs.
-// (A test helper: the scheduler asks ngramSimple, which keeps the match for the step.)
+// (A test helper: the scheduler asks an ngramSession, which keeps the match for the step.)
 func ngramLookup(ctx []Token, last Token, minN, maxN, k int) []Token {
 	best, end := ngramMatch(ctx, last, maxN)
 	return ngramFrom(ctx, last, best, end, minN, k)

@@ -165,7 +165,7 @@ type ModelParams struct {
 	// an MTP draft context (ContextParams.MTPTarget) runs; without it llama.cpp skips them.
 	LoadMTP bool
 	// MatMulKernel is the CPU kernel for products with this model's Q4_1, Q4_K and Q6_K
-	// weights (KernelDefault: the process default, SetMatMulKernel). Per model, not per
+	// weights (PolyKV's unless set; Model.SetMatMulKernel changes it). Per model, not per
 	// context: the choice is about the weights, which every context of the model shares,
 	// and ggml tells kquant.cpp whose product it is by the weights alone (kquant.cpp).
 	MatMulKernel Kernel
@@ -175,7 +175,7 @@ type ModelParams struct {
 // p must be registered GPU devices (see LoadBackends and Devices).
 func LoadModelWith(path string, p ModelParams) (*Model, error) {
 	Init()
-	if !p.MatMulKernel.valid() {
+	if p.MatMulKernel != KernelPolyKV && p.MatMulKernel != KernelGGML {
 		return nil, fmt.Errorf("load model: unknown matrix kernel %d", p.MatMulKernel)
 	}
 	if _, err := os.Stat(path); err != nil {
@@ -242,9 +242,12 @@ func LoadModelWith(path string, p ModelParams) (*Model, error) {
 	if m == nil {
 		return nil, fmt.Errorf("load model %s: llama.cpp could not load the file (with %d GPU layers)", path, p.GPULayers)
 	}
-	if p.MatMulKernel != KernelDefault && C.polykv_kq_model_choose(m, C.int(p.MatMulKernel)) == 0 {
-		C.llama_model_free(m)
-		return nil, fmt.Errorf("load model %s: too many models with a matrix kernel of their own are loaded", path)
+	model := &Model{m: m, vocab: C.llama_model_get_vocab(m), path: path}
+	if p.MatMulKernel != KernelPolyKV { // (PolyKV's needs no record: kquant.cpp)
+		if err := model.SetMatMulKernel(p.MatMulKernel); err != nil {
+			C.llama_model_free(m)
+			return nil, fmt.Errorf("load model %s: %w", path, err)
+		}
 	}
-	return &Model{m: m, vocab: C.llama_model_get_vocab(m), path: path}, nil
+	return model, nil
 }

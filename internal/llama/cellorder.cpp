@@ -9,11 +9,12 @@
 // kernel now sums each query's visible cells in position order, which is the cell order
 // of a quiet server, wherever the cells are: this file tells it the positions.
 //
-// It reads llama.cpp internals (llama_kv_cache, llama_kv_cells), so a bump of the pinned
-// llama.cpp that changes them fails to compile here, in the binding, as it should.
+// What it needs of llama.cpp's internals (which caches a context has, their layers' K
+// storage, the positions of cells) it reads through internals.h.
 
 #include "cellorder.h"
 #include "fattn.h"
+#include "internals.h"
 
 #include <immintrin.h>
 
@@ -24,19 +25,12 @@
 #include <shared_mutex>
 #include <utility>
 
-#include "llama-context.h"
-#include "llama-model.h"
-#include "llama-kv-cache-iswa.h"
-#include "llama-kv-cache.h"
-#include "llama-memory-hybrid-iswa.h"
-#include "llama-memory-hybrid.h"
-
 namespace {
 
 struct layer_ref {
-    const void *           kdata;
-    const llama_kv_cells * cells;
-    bool                   first;
+    const void * kdata;
+    const void * cells; // the cache's cells (polykv_cell_positions)
+    bool         first;
 };
 
 // kspan is one K storage of a context's cache, [begin, end): a flash-attention node's K
@@ -53,11 +47,10 @@ struct registration {
     // every attention layer); otherwise it still runs, in cell order, and the context
     // compacts.
     bool ordered = false;
-    // kernel: the context's flash-attention kernel (ContextParams.AttnKernel: 0 the
-    // process default, polykv_fattn_default; 1 PolyKV's; 2 ggml's). A context's own
-    // because ggml-cpu asks its extras about a node, not a context: the node's K view
-    // (in spans) is what tells whose node it is.
-    int                kernel = 0;
+    // kernel: the context's flash-attention kernel (ContextParams.AttnKernel: 1 PolyKV's,
+    // 2 ggml's). A context's own because ggml-cpu asks its extras about a node, not a
+    // context: the node's K view (in spans) is what tells whose node it is.
+    int                kernel = 1;
     std::vector<kspan> spans;
     // stock: one of ctx's attention nodes ran another kernel (ggml's: ALiBi, soft-capping,
     // a head size PolyKV's kernel does not take), which sums in cell order.
@@ -73,94 +66,52 @@ struct registration {
 std::shared_mutex        mu;
 std::vector<registration> reg; // few contexts: a linear search is enough
 
-// caches lists the attention caches of mem (nullptr entries for kinds this cannot read).
-void caches(llama_memory_i * mem, std::vector<llama_kv_cache *> & out, bool & unknown) {
-    if (auto * kv = dynamic_cast<llama_kv_cache *>(mem)) {
-        out.push_back(kv);
-    } else if (auto * iswa = dynamic_cast<llama_kv_cache_iswa *>(mem)) {
-        out.push_back(iswa->get_base());
-        out.push_back(iswa->get_swa());
-    } else if (auto * hy = dynamic_cast<llama_memory_hybrid *>(mem)) {
-        out.push_back(hy->get_mem_attn());
-    } else if (auto * hyi = dynamic_cast<llama_memory_hybrid_iswa *>(mem)) {
-        out.push_back(hyi->get_mem_attn()->get_base());
-        out.push_back(hyi->get_mem_attn()->get_swa());
-    } else if (mem != nullptr) {
-        unknown = true; // recurrent-only models have no attention cache; others: not read
-    }
-}
-
-// chosen resolves a registration's kernel choice (the process default where it has none).
-bool chosen(const registration & r) {
-    return r.kernel == 1 || (r.kernel == 0 && polykv_fattn_default() != 0);
-}
-
-// host_k is layer il's K storage where this kernel could read it (nullptr on a GPU).
-ggml_tensor * host_k(llama_kv_cache * kv, uint32_t il) {
-    ggml_tensor * k = kv->get_k_storage((int32_t) il);
-    if (k == nullptr || k->data == nullptr || k->buffer == nullptr || !ggml_backend_buffer_is_host(k->buffer)) {
-        return nullptr;
-    }
-    return k;
-}
+// chosen resolves a registration's kernel choice.
+bool chosen(const registration & r) { return r.kernel != 2; }
 
 }  // namespace
 
 extern "C" int polykv_cells_register(struct llama_context * ctx, int order, int kernel) {
-    if (!ctx->get_cparams().flash_attn) {
+    polykv_attn_info info;
+    std::vector<polykv_attn_layer> layers(64);
+    int n = polykv_attn_layers(ctx, &info, layers.data(), (int) layers.size());
+    if (n > (int) layers.size()) {
+        layers.resize(n);
+        n = polykv_attn_layers(ctx, &info, layers.data(), n);
+    }
+    layers.resize(n);
+    if (!info.flash_attn) {
         return 0; // the plain attention path (matrix products over all cells) is not ours
     }
-    llama_memory_i * mem = llama_get_memory(ctx);
-    std::vector<llama_kv_cache *> kvs;
-    bool unknown = false;
-    caches(mem, kvs, unknown);
     registration r;
     r.ctx = ctx;
     r.kernel = kernel;
-    const llama_hparams & hp = ctx->get_model().hparams;
-    r.fa_ok = !hp.use_alibi && !hp.attn_soft_cap;
+    r.fa_ok = info.plain;
     uint32_t first_il = UINT32_MAX;
-    bool ok = !unknown && order != 0;
-    for (llama_kv_cache * kv : kvs) {
-        if (kv == nullptr) {
-            ok = false;
-            continue;
-        }
+    bool ok = !info.unknown && order != 0;
+    for (const polykv_attn_layer & l : layers) {
         // Every host K storage tells the kernel choice, whether or not it can be ordered.
-        for (uint32_t il : kv->get_layer_ids()) {
-            if (ggml_tensor * k = host_k(kv, il)) {
-                r.spans.push_back({(const char *) k->data, (const char *) k->data + ggml_nbytes(k)});
-            }
+        if (l.kdata != nullptr) {
+            r.spans.push_back({(const char *) l.kdata, (const char *) l.kdata + l.kbytes});
         }
-        if (kv->get_n_stream() != 1) {
+        if (l.n_stream != 1) {
             ok = false; // one stream per sequence: the kernel could not tell which stream a view is
             continue;
         }
-        const llama_kv_cells * cells = &kv->get_cells(0);
-        for (uint32_t il : kv->get_layer_ids()) {
-            ggml_tensor * k = host_k(kv, il);
-            if (k == nullptr) {
-                ok = false; // offloaded to a GPU: computed there, not by this kernel
-                continue;
-            }
-            r.layers.push_back({k->data, cells, false});
-            const uint32_t dk = hp.n_embd_head_k(il), dv = hp.n_embd_head_v(il);
-            r.fa_ok = r.fa_ok && dk % 32 == 0 && dv % 32 == 0 && dk <= 256 && dv <= 256;
-            first_il = std::min(first_il, il);
+        if (l.kdata == nullptr) {
+            ok = false; // offloaded to a GPU: computed there, not by this kernel
+            continue;
         }
+        r.layers.push_back({l.kdata, l.cells, false});
+        r.fa_ok = r.fa_ok && l.dk % 32 == 0 && l.dv % 32 == 0 && l.dk <= 256 && l.dv <= 256;
+        first_il = std::min(first_il, l.il);
     }
     // The first attention layer starts every graph: the kernel drops what it cached for
     // the previous one there.
     size_t i = 0;
-    for (llama_kv_cache * kv : kvs) {
-        if (kv == nullptr || kv->get_n_stream() != 1) {
-            continue;
-        }
-        for (uint32_t il : kv->get_layer_ids()) {
-            if (host_k(kv, il) == nullptr) {
-                continue;
-            }
-            r.layers[i++].first = il == first_il;
+    for (const polykv_attn_layer & l : layers) {
+        if (l.n_stream == 1 && l.kdata != nullptr) {
+            r.layers[i++].first = l.il == first_il;
         }
     }
     r.ordered = ok && !r.layers.empty();
@@ -189,7 +140,7 @@ bool polykv_fattn_chosen(const void * kdata) {
             }
         }
     }
-    return polykv_fattn_default() != 0; // a cache no context registered (none of NewContext's)
+    return true; // a cache no context registered (none of NewContext's): PolyKV's, the default
 }
 
 const void * polykv_cells_find(const void * kdata, bool * first) {
@@ -275,12 +226,14 @@ bool polykv_cells_cast_skippable(const void * data) {
     return false;
 }
 
-void polykv_visible_runs(const void * cells_, const uint16_t * mrow, int64_t nkv, std::vector<polykv_run> & out) {
-    const llama_kv_cells * cells = (const llama_kv_cells *) cells_;
+void polykv_visible_runs(const void * cells, const uint16_t * mrow, int64_t nkv, std::vector<polykv_run> & out) {
     constexpr uint16_t kNegInf = 0xFC00; // -inf in f16: how llama.cpp's mask hides a cell
     out.clear();
+    // The visible cells first (the mask alone), then their positions in one call.
+    thread_local std::vector<uint32_t> vis;
+    thread_local std::vector<int32_t>  pos;
+    vis.clear();
     const __m256i hidden = _mm256_set1_epi16((short) kNegInf);
-    bool sorted = true;
     int64_t c = 0;
     while (c < nkv) {
         // Whole stretches of other sequences' cells are skipped 16 at a time.
@@ -291,22 +244,33 @@ void polykv_visible_runs(const void * cells_, const uint16_t * mrow, int64_t nkv
                 continue;
             }
         }
-        if (mrow[c] == kNegInf) {
-            c++;
-            continue;
+        if (mrow[c] != kNegInf) {
+            vis.push_back((uint32_t) c);
         }
+        c++;
+    }
+    pos.resize(vis.size());
+    if (cells == nullptr) {
+        for (size_t i = 0; i < vis.size(); i++) {
+            pos[i] = (int32_t) vis[i];
+        }
+    } else {
         // A visible cell holds a token of the query's sequence, so it is not empty; an
-        // empty one (never seen) sorts first rather than tripping llama.cpp's assert.
-        const int32_t p = cells == nullptr ? (int32_t) c : cells->is_empty((uint32_t) c) ? -1 : cells->pos_get((uint32_t) c);
-        if (!out.empty() && out.back().cell + out.back().len == (uint32_t) c && out.back().pos + (int32_t) out.back().len == p) {
+        // empty one (never seen) sorts first (position -1).
+        polykv_cell_positions(cells, vis.data(), (int) vis.size(), pos.data());
+    }
+    bool sorted = true;
+    for (size_t i = 0; i < vis.size(); i++) {
+        const uint32_t cc = vis[i];
+        const int32_t  p = pos[i];
+        if (!out.empty() && out.back().cell + out.back().len == cc && out.back().pos + (int32_t) out.back().len == p) {
             out.back().len++;
         } else {
             if (!out.empty() && out.back().pos + (int32_t) out.back().len > p) {
                 sorted = false;
             }
-            out.push_back({(uint32_t) c, p, 1});
+            out.push_back({cc, p, 1});
         }
-        c++;
     }
     if (!sorted) {
         // Positions of one sequence are distinct, so runs of one query never overlap and

@@ -39,8 +39,7 @@ bool polykv_cells_cast_skippable(const void * data);
 
 // polykv_fattn_chosen reports whether the context whose cache holds kdata (a
 // flash-attention node's K view) chose PolyKV's kernel (polykv_cells_register's kernel;
-// the process default, polykv_fattn_default, for a context without a choice or a cache
-// no context registered).
+// PolyKV's for a cache no context registered).
 bool polykv_fattn_chosen(const void * kdata);
 
 // polykv_visible_runs fills out with the cells in [0, nkv) that the f16 mask row lets
@@ -53,8 +52,8 @@ extern "C" {
 
 struct llama_context;
 
-// polykv_cells_register records ctx's flash-attention kernel (kernel: 0 the process
-// default, 1 PolyKV's, 2 ggml's) and, where order is 1, its attention caches (unified,
+// polykv_cells_register records ctx's flash-attention kernel (kernel: 1 PolyKV's, 2
+// ggml's) and, where order is 1, its attention caches (unified,
 // one stream) so its flash-attention nodes can be ordered by position; 1 if every
 // attention cache of ctx was recorded for ordering, 0 if order is 0 or ctx has one this
 // cannot read (the caller then keeps cells ordered by compaction).

@@ -5,7 +5,7 @@ package llama
 #include "llama.h"
 #include "sampler_shim.h"
 #include "cellorder.h"
-#include "memsize.h"
+#include "internals.h"
 
 static void polykv_batch_set(struct llama_batch * b, int i, llama_token tok, llama_pos pos, llama_seq_id seq, int logits) {
 	b->token[i] = tok;
@@ -48,9 +48,9 @@ type ContextParams struct {
 	// assistant for MTPTarget's (Model.IsAssistant: Gemma 4's), whose context keeps no
 	// cache of its own: its layers read MTPTarget's (SharesTargetKV).
 	MTPTarget *Context
-	// AttnKernel is this context's CPU flash-attention kernel (KernelDefault: the process
-	// default, SetFlashAttnKernel). Per context, not per model: the kernel reads the
-	// context's own cache, and fattn.cpp tells a node's context by its K view.
+	// AttnKernel is this context's CPU flash-attention kernel (PolyKV's unless set). Per
+	// context, not per model: the kernel reads the context's own cache, and fattn.cpp
+	// tells a node's context by its K view.
 	AttnKernel Kernel
 }
 
@@ -83,7 +83,7 @@ func NewContext(model *Model, p ContextParams) (*Context, error) {
 	if p.NSeqMax > 256 {
 		return nil, fmt.Errorf("new context: n_seq_max %d exceeds llama.cpp's limit of 256", p.NSeqMax)
 	}
-	if !p.AttnKernel.valid() {
+	if p.AttnKernel != KernelPolyKV && p.AttnKernel != KernelGGML {
 		return nil, fmt.Errorf("new context: unknown attention kernel %d", p.AttnKernel)
 	}
 	if p.NUBatch <= 0 || p.NUBatch > p.NBatch {
@@ -102,7 +102,7 @@ func NewContext(model *Model, p ContextParams) (*Context, error) {
 		// attention path multiplies by V transposed, which quantized rows cannot be).
 		return nil, fmt.Errorf("new context: a quantized V cache (%s) needs flash attention (--flash-attn on)", p.TypeV)
 	}
-	installFlashAttn()
+	installKernels()
 	cp := C.llama_context_default_params()
 	cp.type_k = tk
 	cp.type_v = tv
@@ -148,10 +148,14 @@ func NewContext(model *Model, p ContextParams) (*Context, error) {
 		ctx.initMTPBatch()
 	}
 	ctx.valueTypesOK = orderedType(p.TypeK) && p.TypeK.normal() == p.TypeV.normal()
-	if flashAttnInstalled {
+	if kernelsInstalled() {
 		// Every context records its kernel; only those over caches the kernel orders by
 		// position record their cells too.
-		C.polykv_cells_register(c, C.int(boolToInt(ctx.valueTypesOK)), C.int(p.AttnKernel))
+		order := C.int(0)
+		if ctx.valueTypesOK {
+			order = 1
+		}
+		C.polykv_cells_register(c, order, p.AttnKernel.code())
 	}
 	return ctx, nil
 }
@@ -280,12 +284,12 @@ func (t CacheType) normal() CacheType {
 // cells in position order wherever llama.cpp placed them: PolyKV's flash-attention
 // kernel, on the CPU, over an f16, f32, q8_0 or q4_0 cache (K and V of one type) it has
 // registered (fattn.cpp, cellorder.cpp). Then holes left by freed cells change no output
-// and the cache never needs Compact. False for other or mixed cache types, llama.cpp's own kernel (AttnKernel
-// KernelGGML, or the process default set so: --fa-kernel ggml),
+// and the cache never needs Compact. False for other or mixed cache types, llama.cpp's
+// own kernel (AttnKernel KernelGGML: --fa-kernel ggml),
 // flash attention off, GPU offload, or a model one of whose attention nodes PolyKV's
 // kernel does not take (it turns false once such a node has run).
 func (c *Context) OrderedAttention() bool {
-	return c.valueTypesOK && flashAttnInstalled && C.polykv_cells_ordered(c.c) == 1
+	return c.valueTypesOK && kernelsInstalled() && C.polykv_cells_ordered(c.c) == 1
 }
 
 // Compact moves every used KV cell to the bottom of the cache, cells 0..used-1, keeping

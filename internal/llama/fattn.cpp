@@ -1,6 +1,8 @@
 // PolyKV's CPU flash-attention kernel for f16 K/V caches, installed into ggml-cpu
 // through its "extra buffer type" hook (ggml_cpu_extra_compute_forward asks every
-// registered extra for tensor traits before running an op's stock kernel).
+// registered extra for tensor traits before running an op's stock kernel; internals.cpp
+// registers the hook, and polykv_kernel_for below says which of PolyKV's kernels, if any,
+// computes a node).
 //
 // Why our own kernel: the ggml the ollama module vendors computes flash attention one
 // query row at a time (per cell: an f16 dot product with a horizontal sum, a scalar expf
@@ -31,6 +33,7 @@
 #include "fattn.h"
 #include "kquant.h"
 #include "cellorder.h"
+#include "internals.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 
@@ -42,16 +45,24 @@
 #include <unordered_map>
 #include <vector>
 
-#include "ggml-cpu/traits.h"
-#include "ggml-cpu/vec.h"
+#include "ggml.h"
 
 namespace {
+
+// fp16_to_fp32 converts exactly, as ggml-cpu's GGML_CPU_FP16_TO_FP32 does (with F16C by
+// the same instruction).
+inline float fp16_to_fp32(ggml_fp16_t x) {
+#ifdef __F16C__
+    return _cvtsh_ss(x);
+#else
+    return ggml_fp16_to_fp32(x);
+#endif
+}
 
 constexpr int kRows = 8;    // query rows sharing one K/V tile
 constexpr int kTile = 8;    // cells per tile (one AVX2 register of scores)
 constexpr int kMaxD = 576;  // largest head size handled (576: MLA, whose K row is the 512-wide latent and a 64-wide rope part)
 
-std::atomic<bool> enabled{false};           // the process default (polykv_fattn_enable)
 std::atomic<unsigned long long> computed{0}; // flash-attention nodes this kernel ran
 std::atomic<unsigned long long> ordered{0};  // of those, nodes of a registered cache (position order)
 std::atomic<unsigned long long> skipped{0};  // f32-to-f16 casts of cache views left uncomputed
@@ -143,7 +154,7 @@ inline __m256 row8(const float * r, int64_t d0) { return _mm256_loadu_ps(r + d0)
 inline __m256 row8(const q8_block * r, int64_t d0) {
     const q8_block & b = r[d0 / 32];
     const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (b.qs + d0 % 32)));
-    return _mm256_mul_ps(_mm256_set1_ps(GGML_CPU_FP16_TO_FP32(b.d)), _mm256_cvtepi32_ps(q));
+    return _mm256_mul_ps(_mm256_set1_ps(fp16_to_fp32(b.d)), _mm256_cvtepi32_ps(q));
 }
 inline __m256 row8(const q4_block * r, int64_t d0) {
     const q4_block & b = r[d0 / 32];
@@ -151,7 +162,7 @@ inline __m256 row8(const q4_block * r, int64_t d0) {
     __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (b.qs + off % 16)));
     q = _mm256_and_si256(_mm256_srli_epi32(q, off < 16 ? 0 : 4), _mm256_set1_epi32(15));
     q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));
-    return _mm256_mul_ps(_mm256_set1_ps(GGML_CPU_FP16_TO_FP32(b.d)), _mm256_cvtepi32_ps(q));
+    return _mm256_mul_ps(_mm256_set1_ps(fp16_to_fp32(b.d)), _mm256_cvtepi32_ps(q));
 }
 
 // load_tile converts the dims [d0, d0+8) of up to kTile cells (rows at r[0..n)) to f32
@@ -179,15 +190,6 @@ inline void load_tile(const T * const * rp, int n, int64_t d0, __m256 out[8]) {
     out[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
     out[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
     out[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
-
-// expf8 is ggml's vectorized expf (vec.h defines the widest one the build targets).
-inline __m256 expf8(__m256 x) {
-#if defined(__AVX512F__)
-    return _mm512_castps512_ps256(ggml_v_expf(_mm512_zextps256_ps512(x)));
-#else
-    return ggml_v_expf(x);
-#endif
 }
 
 // accumulate adds p[c] * vt[c] for NC cells, all visible, to NV vectors at a, in cell
@@ -290,7 +292,7 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
             for (int r = 0; r < nr; r++) {
                 float mv[kTile];
                 for (int c = 0; c < kTile; c++) {
-                    mv[c] = c < n[h] ? (mr[r] ? GGML_CPU_FP16_TO_FP32(mr[r][idx[c0 + h * kTile + c]]) : 0.0f) : -INFINITY;
+                    mv[c] = c < n[h] ? (mr[r] ? fp16_to_fp32(mr[r][idx[c0 + h * kTile + c]]) : 0.0f) : -INFINITY;
                 }
                 m[r][h] = _mm256_loadu_ps(mv);
                 any[h] = any[h] || _mm256_movemask_ps(_mm256_cmp_ps(m[r][h], ninf, _CMP_NEQ_OQ)) != 0;
@@ -365,14 +367,9 @@ void block(const ggml_tensor * op, const geometry & g, const int64_t * rows, flo
         if (mrow[r] == -INFINITY) {
             continue; // every cell masked: the output is zero, as the stock kernel's
         }
-        const __m256 M = _mm256_set1_ps(mrow[r]);
-        float * s = sc + r * ldsc;
-        for (int64_t c0 = 0; c0 < nu; c0 += kTile) {
-            const __m256 x = _mm256_loadu_ps(s + c0);
-            const __m256 hidden = _mm256_cmp_ps(x, ninf, _CMP_EQ_OQ);
-            const __m256 p = _mm256_blendv_ps(expf8(_mm256_sub_ps(x, M)), _mm256_set1_ps(-1.0f), hidden);
-            _mm256_storeu_ps(s + c0, p); // -1 marks a hidden cell
-        }
+        // ggml's vectorized expf (internals.cpp: it lives in a private ggml-cpu header);
+        // -1 marks a hidden cell.
+        polykv_exp_row(sc + r * ldsc, nu, mrow[r]);
     }
     // Weighted V rows: each tile's V converted to f32 once for all rows; per row and
     // 64-dim chunk the accumulator lives in registers across the tile's cells, which are
@@ -482,14 +479,15 @@ struct thread_cache {
 };
 thread_local thread_cache tl;
 
-class traits : public ggml::cpu::tensor_traits {
+// traits is the kernel as ggml-cpu runs it (polykv_kernel: internals.cpp adapts it).
+class traits {
   public:
-    bool work_size(int n_threads, const ggml_tensor * op, size_t & size) override {
-        size = (size_t) n_threads * (scratch_floats(shape(op)) * sizeof(float) + 64);
+    static bool work_size(int n_threads, const ggml_tensor * op, size_t * size) {
+        *size = (size_t) n_threads * (scratch_floats(shape(op)) * sizeof(float) + 64);
         return true;
     }
 
-    bool compute_forward(ggml_compute_params * params, ggml_tensor * op) override {
+    static bool compute(const polykv_compute * params, ggml_tensor * op) {
         const geometry g = shape(op);
         const size_t per = scratch_floats(g) * sizeof(float) + 64;
         // A new graph starts at its first attention layer: what this thread cached about the
@@ -644,78 +642,49 @@ class traits : public ggml::cpu::tensor_traits {
 
 // skip_cast leaves llama.cpp's f16 cast of an f32 cache view uncomputed: only PolyKV's
 // kernel reads it, and that reads the f32 view under it (cache_view).
-class skip_cast : public ggml::cpu::tensor_traits {
-  public:
-    bool work_size(int, const ggml_tensor *, size_t & size) override {
-        size = 0;
-        return true;
-    }
-    bool compute_forward(ggml_compute_params * params, ggml_tensor *) override {
-        if (params->ith == 0) {
-            skipped.fetch_add(1, std::memory_order_relaxed);
-        }
-        return true;
-    }
-};
+bool skip_cast_work_size(int, const ggml_tensor *, size_t * size) {
+    *size = 0;
+    return true;
+}
 
-class extra : public ggml::cpu::extra_buffer_type {
-  public:
-    bool supports_op(ggml_backend_dev_t, const ggml_tensor *) override { return false; }
-
-    // One extra serves both of PolyKV's kernels: flash attention here, K-quant matrix
-    // products in kquant.cpp.
-    ggml::cpu::tensor_traits * get_tensor_traits(const ggml_tensor * op) override {
-        static traits t;
-        if (ggml::cpu::tensor_traits * kq = polykv_kq_traits(op)) {
-            return kq;
-        }
-        static skip_cast skip;
-        // The kernel is each context's choice (polykv_fattn_chosen): ggml-cpu asks about
-        // a node, and the node's K view tells whose cache, so whose choice, it is.
-        if (op->op == GGML_OP_CPY && op->type == GGML_TYPE_F16 && op->src[0]->type == GGML_TYPE_F32 &&
-            polykv_cells_cast_skippable(op->src[0]->data)) {
-            return &skip;
-        }
-        if (op->op != GGML_OP_FLASH_ATTN_EXT || !polykv_fattn_chosen(cache_view(op->src[1])->data)) {
-            return nullptr;
-        }
-        if (!supported(op)) {
-            polykv_cells_mark_stock(cache_view(op->src[1])->data); // its context must compact again
-            return nullptr;
-        }
-        return &t;
+bool skip_cast_compute(const polykv_compute * params, ggml_tensor *) {
+    if (params->ith == 0) {
+        skipped.fetch_add(1, std::memory_order_relaxed);
     }
-};
+    return true;
+}
+
+const polykv_kernel fattn_kernel = {traits::work_size, traits::compute};
+const polykv_kernel skip_cast_kernel = {skip_cast_work_size, skip_cast_compute};
 
 }  // namespace
 
-extern "C" int polykv_fattn_install(void) {
-    static bool installed = [] {
-        // The CPU device hands llama.cpp's model loader a copy of the extra buffer types
-        // made on first use; make that copy now, without us, so no weight is ever placed
-        // in (or asks anything of) our buffer type, which allocates nothing.
-        ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-        if (dev == nullptr) {
-            return false;
-        }
-        ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
-        auto get = (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts");
-        if (get != nullptr) {
-            (void) get(dev);
-        }
-        static extra ctx;
-        static ggml_backend_buffer_type buft = {};
-        buft.device = dev;
-        buft.context = &ctx;
-        ggml_backend_cpu_get_extra_buffer_types().push_back(&buft);
-        return true;
-    }();
-    return installed ? 1 : 0;
+// polykv_kernel_for: one hook serves PolyKV's kernels: flash attention here, K-quant
+// matrix products in kquant.cpp.
+extern "C" const polykv_kernel * polykv_kernel_for(const ggml_tensor * op) {
+    if (const polykv_kernel * kq = polykv_kq_kernel_for(op)) {
+        return kq;
+    }
+    // The kernel is each context's choice (polykv_fattn_chosen): ggml-cpu asks about a
+    // node, and the node's K view tells whose cache, so whose choice, it is.
+    if (op->op == GGML_OP_CPY && op->type == GGML_TYPE_F16 && op->src[0]->type == GGML_TYPE_F32 &&
+        polykv_cells_cast_skippable(op->src[0]->data)) {
+        return &skip_cast_kernel;
+    }
+    if (op->op != GGML_OP_FLASH_ATTN_EXT || !polykv_fattn_chosen(cache_view(op->src[1])->data)) {
+        return nullptr;
+    }
+    if (!supported(op)) {
+        polykv_cells_mark_stock(cache_view(op->src[1])->data); // its context must compact again
+        return nullptr;
+    }
+    return &fattn_kernel;
 }
 
-extern "C" void polykv_fattn_enable(int on) { enabled.store(on != 0); }
-
-extern "C" int polykv_fattn_default(void) { return enabled.load() ? 1 : 0; }
+extern "C" int polykv_fattn_install(void) {
+    const polykv_kernel * kernels[] = {&fattn_kernel, &skip_cast_kernel, polykv_kq_kernel(false), polykv_kq_kernel(true)};
+    return polykv_hook_install(kernels, (int) (sizeof(kernels) / sizeof(kernels[0])));
+}
 
 extern "C" unsigned long long polykv_fattn_computed(void) { return computed.load(); }
 
@@ -725,11 +694,9 @@ extern "C" unsigned long long polykv_fattn_casts_skipped(void) { return skipped.
 
 #else
 
+extern "C" const polykv_kernel * polykv_kernel_for(const ggml_tensor *) { return nullptr; }
+
 extern "C" int polykv_fattn_install(void) { return 0; }
-
-extern "C" void polykv_fattn_enable(int on) { (void) on; }
-
-extern "C" int polykv_fattn_default(void) { return 0; }
 
 extern "C" unsigned long long polykv_fattn_computed(void) { return 0; }
 

@@ -2,25 +2,29 @@ package llama
 
 /*
 #include "fattn.h"
+#include "internals.h"
 */
 import "C"
 
-import "sync/atomic"
-
 // Kernel chooses a CPU kernel: PolyKV's own or the linked llama.cpp's (ggml's). A
 // context chooses its flash-attention kernel (ContextParams.AttnKernel) and a model its
-// matrix kernel (ModelParams.MatMulKernel), so a target and a draft model in one process
-// may differ.
+// matrix kernel (ModelParams.MatMulKernel, Model.SetMatMulKernel), so a target and a
+// draft model, or two servers, in one process may differ. There is no process-wide
+// choice: ggml-cpu's hook that runs PolyKV's kernels is one per process (its list of
+// extra buffer types is global, and it is asked about a graph node alone), so the hook
+// reads whose choice applies from the node's tensors: the K cache it attends over tells
+// the context (cellorder.cpp), the weights' buffer the model (kquant.cpp).
 type Kernel int
 
 const (
-	// KernelDefault follows the process default as it is when a graph is computed
-	// (SetFlashAttnKernel, SetMatMulKernel: PolyKV's unless changed).
-	KernelDefault Kernel = iota
-	// KernelPolyKV is PolyKV's kernel (fattn.cpp, kquant.cpp).
-	KernelPolyKV
+	// KernelPolyKV is PolyKV's kernel (fattn.cpp, kquant.cpp): the zero value, what a
+	// context or model uses unless it chooses otherwise.
+	KernelPolyKV Kernel = iota
 	// KernelGGML is the linked llama.cpp's own.
 	KernelGGML
+	// kernelPolyKVAVX2 (matrix kernel only; tests) is PolyKV's matrix kernel on its AVX2
+	// path, what a CPU without AVX-512 VNNI runs, where this one would run VNNI.
+	kernelPolyKVAVX2
 )
 
 // KernelNamed is the kernel a --fa-kernel or --mm-kernel value names: "ggml" is
@@ -32,22 +36,15 @@ func KernelNamed(name string) Kernel {
 	return KernelPolyKV
 }
 
-func (k Kernel) valid() bool { return k >= KernelDefault && k <= KernelGGML }
-
-// stockFlashAttn is the process default (false: PolyKV's).
-var stockFlashAttn atomic.Bool
-
-// SetFlashAttnKernel sets the process default CPU flash-attention kernel, what contexts
-// created with AttnKernel KernelDefault use: PolyKV's (polykv true, the default;
-// fattn.cpp says how it keeps logits independent of the batch) or the linked llama.cpp's
-// own, for graphs computed from then on. A default and not only a per-context choice so
-// that one loaded model can be compared under both kernels (the prefill benchmark, the
-// kernel tests) without threading the choice through every helper; the server passes
-// its choice per context. Quantized caches other than q8_0 and q4_0, ALiBi and logit
-// soft-capping always use ggml's kernel.
-func SetFlashAttnKernel(polykv bool) {
-	stockFlashAttn.Store(!polykv)
-	C.polykv_fattn_enable(C.int(boolToInt(polykv)))
+// code is the kernel's number in the C API (cellorder.h, kquant.h).
+func (k Kernel) code() C.int {
+	switch k {
+	case KernelGGML:
+		return 2
+	case kernelPolyKVAVX2:
+		return 3
+	}
+	return 1
 }
 
 // FlashAttnKernelRuns counts the flash-attention nodes PolyKV's kernel has computed in
@@ -64,22 +61,10 @@ func FlashAttnOrderedRuns() uint64 { return uint64(C.polykv_fattn_ordered()) }
 // (each cast copies every used cell of the layer).
 func FlashAttnCastsSkipped() uint64 { return uint64(C.polykv_fattn_casts_skipped()) }
 
-// flashAttnInstalled: PolyKV's kernels are registered with ggml-cpu (AVX2 and FMA).
-var flashAttnInstalled bool
+// installKernels registers PolyKV's kernels with ggml-cpu (once per process; it must
+// follow the first model load, see internals.cpp).
+func installKernels() { C.polykv_fattn_install() }
 
-// installFlashAttn registers PolyKV's kernels with ggml-cpu (once; it must follow the
-// first model load, see fattn.cpp) and applies the current choices.
-func installFlashAttn() {
-	if C.polykv_fattn_install() != 0 {
-		flashAttnInstalled = true
-		C.polykv_fattn_enable(C.int(boolToInt(!stockFlashAttn.Load())))
-		applyMatMulKernel()
-	}
-}
-
-func boolToInt(b bool) int {
-	if b {
-		return 1
-	}
-	return 0
-}
+// kernelsInstalled reports whether PolyKV's kernels are registered with ggml-cpu (AVX2
+// and FMA).
+func kernelsInstalled() bool { return C.polykv_hook_installed() != 0 }

@@ -5,16 +5,12 @@
 extern "C" {
 #endif
 
-// polykv_fattn_install registers the kernel with ggml-cpu once; 0 if this build or CPU
-// cannot run it (no AVX2/FMA). Call it after the first model is loaded.
+// polykv_fattn_install registers PolyKV's kernels (this one and the matrix kernel,
+// kquant.cpp) with ggml-cpu once (internals.h: polykv_hook_install); 0 if this build or
+// CPU cannot run them (no AVX2/FMA). Call it after the first model is loaded. Which
+// kernel computes a node is its context's choice (polykv_cells_register) or its model's
+// (polykv_kq_model_choose); there is no process-wide one.
 int polykv_fattn_install(void);
-
-// polykv_fattn_enable sets the process default (on: PolyKV's kernel) for contexts that
-// registered no choice of their own (polykv_cells_register), for graphs planned from now on.
-void polykv_fattn_enable(int on);
-
-// polykv_fattn_default is that default: 1 PolyKV's kernel, 0 ggml's.
-int polykv_fattn_default(void);
 
 // polykv_fattn_computed counts the flash-attention nodes the kernel has computed.
 unsigned long long polykv_fattn_computed(void);

@@ -30,13 +30,14 @@ type fattnOpts struct {
 	chunk, neighbour, fa int
 	evict                bool
 	cache                CacheType
+	attn                 Kernel           // the context's flash-attention kernel
 	check                func(c *Context) // called once the prompt is in
 }
 
 func fattnRunOpts(t *testing.T, m *Model, prompt, then []Token, o fattnOpts) [][]float32 {
 	t.Helper()
 	c, err := NewContext(m, ContextParams{NCtx: 2048, NBatch: 256, NSeqMax: 2, NThreads: 1, KVUnified: true, FlashAttn: o.fa,
-		SWAFull: m.NSWA() > 0, TypeK: o.cache, TypeV: o.cache})
+		SWAFull: m.NSWA() > 0, TypeK: o.cache, TypeV: o.cache, AttnKernel: o.attn})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -89,9 +90,7 @@ func fattnRunOpts(t *testing.T, m *Model, prompt, then []Token, o fattnOpts) [][
 func TestFlashAttnKernel(t *testing.T) {
 	forEachFamily(t, func(t *testing.T, m *Model) {
 		prompt, then := fattnPrompt(t, m)
-		defer SetFlashAttnKernel(true)
 
-		SetFlashAttnKernel(true)
 		before := FlashAttnKernelRuns()
 		whole := fattnRun(t, m, prompt, 256, 0, then)
 		if FlashAttnKernelRuns() == before {
@@ -121,9 +120,8 @@ func TestFlashAttnKernel(t *testing.T) {
 			}
 		}
 
-		SetFlashAttnKernel(false)
 		before = FlashAttnKernelRuns()
-		stock := fattnRun(t, m, prompt, 256, 0, then)
+		stock := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 256, fa: 1, attn: KernelGGML})
 		if FlashAttnKernelRuns() != before {
 			t.Fatal("PolyKV's kernel ran while ggml's was chosen")
 		}
@@ -152,18 +150,16 @@ func TestFlashAttnKernelMLA(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer m.Free()
-	defer SetFlashAttnKernel(true)
 	prompt := make([]Token, 299)
 	for i := range prompt {
 		prompt[i] = Token(4 + (i*37+i/7)%120)
 	}
 	then := []Token{9, 17, 33, 65, 101}
 
-	SetFlashAttnKernel(true)
 	before := FlashAttnKernelRuns()
 	whole := fattnRun(t, m, prompt, 256, 0, then)
 	switch {
-	case !flashAttnInstalled:
+	case !kernelsInstalled():
 		t.Skip("PolyKV's flash-attention kernel is not available here (needs AVX2 and FMA)")
 	case FlashAttnKernelRuns() == before:
 		t.Fatal("PolyKV's kernel did not take the MLA attention nodes")
@@ -184,8 +180,7 @@ func TestFlashAttnKernelMLA(t *testing.T) {
 		}
 	}
 
-	SetFlashAttnKernel(false)
-	stock := fattnRun(t, m, prompt, 256, 0, then)
+	stock := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 256, fa: 1, attn: KernelGGML})
 	plain := fattnRunFA(t, m, prompt, 256, 0, then, 0)
 	checkKLToPlain(t, plain, whole, stock, 1e-6)
 }
@@ -215,8 +210,6 @@ func checkKLToPlain(t *testing.T, plain, ours, stock [][]float32, slack float64)
 func TestFlashAttnKernelPlacement(t *testing.T) {
 	forEachFamily(t, func(t *testing.T, m *Model) {
 		prompt, then := fattnPrompt(t, m)
-		defer SetFlashAttnKernel(true)
-		SetFlashAttnKernel(true)
 		ordered := func(want bool, what string) func(c *Context) {
 			return func(c *Context) {
 				if got := c.OrderedAttention(); got != want {
@@ -245,9 +238,7 @@ func TestFlashAttnKernelPlacement(t *testing.T) {
 		for _, ct := range []CacheType{"q8_0", "q4_0"} {
 			q := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 256, fa: 1, cache: ct, check: ordered(true, string(ct))})
 			scattered := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 13, neighbour: 300, evict: true, fa: 1, cache: ct})
-			SetFlashAttnKernel(false)
-			stock := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 256, fa: 1, cache: ct})
-			SetFlashAttnKernel(true)
+			stock := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 256, fa: 1, cache: ct, attn: KernelGGML})
 			ours, theirs := 0.0, 0.0
 			for i := range q {
 				if d := maxDiff(scattered[i], q[i]); d != 0 {
@@ -262,8 +253,7 @@ func TestFlashAttnKernelPlacement(t *testing.T) {
 		}
 		fattnRunOpts(t, m, prompt, then[:1], fattnOpts{chunk: 256, fa: 1, cache: "q5_0", check: ordered(false, "q5_0 (ggml's kernel)")})
 		fattnRunOpts(t, m, prompt, then[:1], fattnOpts{chunk: 256, fa: 0, check: ordered(false, "flash attention off")})
-		SetFlashAttnKernel(false)
-		fattnRunOpts(t, m, prompt, then[:1], fattnOpts{chunk: 256, fa: 1, check: ordered(false, "llama.cpp's kernel")})
+		fattnRunOpts(t, m, prompt, then[:1], fattnOpts{chunk: 256, fa: 1, attn: KernelGGML, check: ordered(false, "llama.cpp's kernel")})
 	})
 }
 

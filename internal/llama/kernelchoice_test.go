@@ -2,6 +2,7 @@ package llama
 
 import (
 	"fmt"
+	"slices"
 	"sync"
 	"testing"
 )
@@ -67,13 +68,12 @@ func kernelContext(t *testing.T, m *Model, attn Kernel) *Context {
 }
 
 // TestKernelChoicePerContext checks that the kernel choice belongs to a context
-// (attention) and to a model (matrix products), not to the process: contexts with
-// different choices alive in one process, the process default set against them, each
-// give the logits, bit for bit, of a run where that choice was the only one (the process
-// default, as a server with only that --fa-kernel / --mm-kernel ran before choices were
-// per context); decoded in turn, PolyKV's kernels run for exactly the contexts and
-// models that chose them; decoded at the same time on two goroutines, the outputs stay
-// the same.
+// (attention) and to a model (matrix products), not to the process (which has none):
+// contexts with different choices alive in one process, beside another model and
+// context whose choices are set against them, each give the logits, bit for bit, of a
+// run where that choice was the only one; decoded in turn, PolyKV's kernels run for
+// exactly the contexts and models that chose them; decoded at the same time on two
+// goroutines, the outputs stay the same.
 func TestKernelChoicePerContext(t *testing.T) {
 	forEachFamily(t, func(t *testing.T, m *Model) {
 		if !MatMulKernelAvailable() {
@@ -81,16 +81,13 @@ func TestKernelChoicePerContext(t *testing.T) {
 		}
 		prompt, then := fattnPrompt(t, m)
 		prompt = prompt[:100] // short: what matters is which kernel ran, not the context length
-		defer SetFlashAttnKernel(true)
-		defer SetMatMulKernel(true)
 		choices := []kernelChoice{{KernelPolyKV, KernelPolyKV}, {KernelGGML, KernelGGML}, {KernelGGML, KernelPolyKV}}
 
-		// The references: each choice alone, as the process default, on the loaded model.
+		// The references: each choice alone, on the loaded model.
 		want := map[kernelChoice][][]float32{}
 		for _, k := range choices {
-			SetFlashAttnKernel(k.attn == KernelPolyKV)
-			SetMatMulKernel(k.mm == KernelPolyKV)
-			c := kernelContext(t, m, KernelDefault)
+			setMatMulKernel(t, m, k.mm)
+			c := kernelContext(t, m, k.attn)
 			s := &kernelStepper{c: c, prompt: prompt, then: then}
 			for !s.done() {
 				s.next(t)
@@ -117,12 +114,18 @@ func TestKernelChoicePerContext(t *testing.T) {
 			defer mk.Free()
 			models[mm] = mk
 		}
-		for _, def := range []bool{false, true} {
-			SetFlashAttnKernel(def)
-			SetMatMulKernel(def)
+		// A bystander: the first model, its choice and a context of its own set to one
+		// kernel, then the other, while the three contexts above keep theirs.
+		for _, other := range []Kernel{KernelGGML, KernelPolyKV} {
+			setMatMulKernel(t, m, other)
+			all := append(slices.Clone(choices), kernelChoice{other, other})
 			var steppers []*kernelStepper
-			for _, k := range choices {
-				c := kernelContext(t, models[k.mm], k.attn)
+			for i, k := range all {
+				mk := m
+				if i < len(choices) {
+					mk = models[k.mm]
+				}
+				c := kernelContext(t, mk, k.attn)
 				defer c.Free()
 				steppers = append(steppers, &kernelStepper{c: c, prompt: prompt, then: then})
 			}
@@ -132,22 +135,20 @@ func TestKernelChoicePerContext(t *testing.T) {
 					fa, mm := FlashAttnKernelRuns(), MatMulKernelRuns()
 					s.next(t)
 					ranFA, ranMM := FlashAttnKernelRuns() != fa, MatMulKernelRuns() != mm
-					if k := choices[i]; ranFA != (k.attn == KernelPolyKV) || ranMM != (k.mm == KernelPolyKV) {
-						t.Errorf("default polykv=%v, %v, step %d: PolyKV's attention kernel ran: %v, its matrix kernel: %v",
-							def, k, s.step-1, ranFA, ranMM)
+					if k := all[i]; ranFA != (k.attn == KernelPolyKV) || ranMM != (k.mm == KernelPolyKV) {
+						t.Errorf("bystander %v, %v, step %d: PolyKV's attention kernel ran: %v, its matrix kernel: %v",
+							other, k, s.step-1, ranFA, ranMM)
 					}
 				}
 			}
 			for i, s := range steppers {
-				if !logitsEqual(s.logits, want[choices[i]]) {
-					t.Errorf("default polykv=%v, %v, decoded in turn with the others: logits differ from that choice alone", def, choices[i])
+				if !logitsEqual(s.logits, want[all[i]]) {
+					t.Errorf("bystander %v, %v, decoded in turn with the others: logits differ from that choice alone", other, all[i])
 				}
 			}
 		}
 
 		// At the same time: the two contexts of the PolyKV model, one per attention kernel.
-		SetFlashAttnKernel(true)
-		SetMatMulKernel(true)
 		var wg sync.WaitGroup
 		got := make([][][]float32, 2)
 		for i, k := range []kernelChoice{choices[0], choices[2]} {

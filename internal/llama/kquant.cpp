@@ -1,6 +1,7 @@
 // PolyKV's CPU matrix kernel for Q4_1, Q4_K and Q6_K weights, installed beside the
-// flash-attention kernel through ggml-cpu's extra-buffer-type hook (fattn.cpp registers
-// one extra that asks polykv_kq_traits here for MUL_MAT nodes).
+// flash-attention kernel through ggml-cpu's extra-buffer-type hook (internals.cpp
+// registers it; fattn.cpp's dispatcher asks polykv_kq_kernel_for here about MUL_MAT
+// nodes).
 //
 // Why our own kernel: the ggml the ollama module vendors computes these products one
 // (weight row, activation row) pair at a time (ggml_vec_dot_q4_K_q8_K etc.; llamafile's
@@ -28,6 +29,7 @@
 // with ggml.
 
 #include "kquant.h"
+#include "internals.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
@@ -42,8 +44,8 @@
 #include <random>
 #include <vector>
 
-#include "ggml-cpu/traits.h"
 #include "ggml-cpu.h"
+#include "ggml.h"
 
 namespace {
 
@@ -51,45 +53,46 @@ constexpr int kRows = 8;  // weight rows per block: one lane each in a 256-bit r
 constexpr int kCols = 4;  // activation rows computed together (sharing weight loads)
 constexpr int kQK = 256;  // values per super-block
 constexpr int kChunk = 64; // activation rows per pass over a thread's packed weights
-// pack_budget is the bytes of packed weights a thread holds at once (the self-test
-// lowers it to exercise the grouped path).
-size_t pack_budget = 4 << 20;
+// kPackBudget is the bytes of packed weights a thread holds at once (the self-test passes
+// a smaller budget to exercise the grouped path).
+constexpr size_t kPackBudget = 4 << 20;
 
-// group_blocks is how many packed 8-row blocks of nsb blocks each fit the budget (at
-// least one): a vocabulary-sized output matrix is packed a group at a time.
-int64_t group_blocks(int64_t nsb, size_t packed) {
-    const int64_t g = (int64_t) (pack_budget / ((size_t) nsb * packed));
+// group_blocks is how many packed 8-row blocks of nsb blocks each fit budget (at least
+// one): a vocabulary-sized output matrix is packed a group at a time.
+int64_t group_blocks(int64_t nsb, size_t packed, size_t budget) {
+    const int64_t g = (int64_t) (budget / ((size_t) nsb * packed));
     return g > 0 ? g : 1;
 }
 
-std::atomic<bool> enabled{false}; // the process default (polykv_kq_enable)
 std::atomic<unsigned long long> computed{0};
 
-// The models' own choices, by weight buffer (polykv_kq_choose_buffer). Why per model and
-// not per context: the kernel's choice is about the weights, which every context of a
-// model shares, and ggml-cpu asks its extras about a node alone (get_tensor_traits(op)),
-// where the weights' buffer tells the model; what would tell a context (the node's
-// compute buffer) is reallocated by llama.cpp's scheduler whenever a graph outgrows it.
-// A lock-free table: every thread asks once per MUL_MAT node of a graph.
+// The models' own choices, by weight buffer (choose_buffer): a model that
+// chose anything but this kernel on its best path (kernel 1, which needs no entry) has
+// its weight buffers here. Why per model and not per context: the kernel's choice is
+// about the weights, which every context of a model shares, and ggml-cpu asks its extras
+// about a node alone (get_tensor_traits(op)), where the weights' buffer tells the model;
+// what would tell a context (the node's compute buffer) is reallocated by llama.cpp's
+// scheduler whenever a graph outgrows it. A lock-free table: every thread asks once per
+// MUL_MAT node of a graph.
 constexpr int kChoices = 64;
 struct buffer_choice {
     std::atomic<const void *> buf{nullptr};
-    std::atomic<bool>         polykv{false};
+    std::atomic<int>          kernel{1};
 };
 buffer_choice choices[kChoices];
 std::mutex    choices_mu; // writers only
 
-// chosen reports whether w's model chose this kernel (the process default where its
-// model made no choice).
-bool chosen(const ggml_tensor * w) {
+// chosen is the kernel w's model chose (1: this one, its best path; 2: ggml's; 3: this
+// one, its AVX2 path).
+int chosen(const ggml_tensor * w) {
     if (const void * b = w->buffer) {
         for (const buffer_choice & c : choices) {
             if (c.buf.load(std::memory_order_acquire) == b) {
-                return c.polykv.load(std::memory_order_relaxed);
+                return c.kernel.load(std::memory_order_relaxed);
             }
         }
     }
-    return enabled.load(std::memory_order_relaxed);
+    return 1;
 }
 
 // The activation side: ggml's block_q8_K (ggml-common.h), restated because that header
@@ -131,8 +134,9 @@ struct q6k {
 static_assert(sizeof(q6k) == 210, "q6_K layout");
 
 // The kernel body, compiled twice: for the build's target (AVX2: the maddubs path of
-// dot4) and for AVX-512 VNNI (dpbusd), picked per process by use_vnni. Both compute the
-// same exact int32 sums and the same float sequence, so they give the same bits.
+// dot4) and for AVX-512 VNNI (dpbusd), picked by has_vnni (and the model's choice). Both
+// compute the same exact int32 sums and the same float sequence, so they give the same
+// bits.
 // (GCC's target pragma does not define the feature macros, so POLYKV_KQ_VNNI tells the
 // body which dot4 to compile.)
 #define POLYKV_KQ_VNNI 0
@@ -150,14 +154,14 @@ namespace vnni {
 #undef POLYKV_KQ_VNNI
 #pragma GCC pop_options
 
-// use_vnni: the CPU has AVX-512 VNNI (and VL for its 256-bit form); tests may turn it
-// off to run the AVX2 path (polykv_kq_set_vnni).
-// (__builtin_cpu_init first: this initializer may run before libgcc's own constructor
-// has filled in the CPU model, and would then read "no VNNI".)
-std::atomic<bool> use_vnni{[] {
+// has_vnni: the CPU has AVX-512 VNNI (and VL for its 256-bit form), the kernel's best
+// path; a model may choose the AVX2 path instead (kernel 3: tests run what CPUs without
+// VNNI run). (__builtin_cpu_init first: this initializer may run before libgcc's own
+// constructor has filled in the CPU model, and would then read "no VNNI".)
+const bool has_vnni = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
-}()};
+}();
 
 size_t packed_bytes(ggml_type t) {
     switch (t) {
@@ -184,25 +188,27 @@ void thread_rows(int64_t M, int ith, int nth, int64_t & r0, int64_t & r1) {
 
 // scratch_bytes is what rows needs per thread for an M x K matrix and N activation rows:
 // the integer sums of the direct path, or the packed blocks it holds at once.
-size_t scratch_bytes(ggml_type t, int64_t M, int64_t K, int64_t N, int nth) {
+size_t scratch_bytes(ggml_type t, int64_t M, int64_t K, int64_t N, int nth, size_t budget) {
     const int64_t nblk = (M + kRows - 1) / kRows;
     const int64_t most = (nblk + nth - 1) / nth;
     const int64_t nsb = K / block_values(t);
-    const int64_t held = N < kCols ? 0 : N <= kChunk ? 1 : std::min(most, group_blocks(nsb, packed_bytes(t)));
+    const int64_t held = N < kCols ? 0 : N <= kChunk ? 1 : std::min(most, group_blocks(nsb, packed_bytes(t), budget));
     const size_t packs = (size_t) held * nsb * packed_bytes(t);
     const size_t direct_sums = (size_t) (2 * (kCols - 1) + 2) * nsb * kRows * 4; // direct's integer sums and scales
     return (packs > direct_sums ? packs : direct_sums) + 64;
 }
 
+// compute runs weight rows [r0, r1) times N activation rows on the VNNI path (vnni) or
+// the AVX2 path, holding at most budget bytes of packed weights at once.
 void compute(ggml_type t, const char * w, size_t wstride, int64_t r0, int64_t r1, int64_t K, const char * act, size_t astride, int64_t N,
-             char * dst, size_t dstride, void * scratch) {
-#define POLYKV_KQ_ROWS(ns)                                                                                     \
-    switch (t) {                                                                                               \
-    case GGML_TYPE_Q4_K: ns::rows<ns::kq4>(w, wstride, r0, r1, K, act, astride, N, dst, dstride, scratch); break;  \
-    case GGML_TYPE_Q6_K: ns::rows<ns::kq6>(w, wstride, r0, r1, K, act, astride, N, dst, dstride, scratch); break;  \
-    default: ns::rows<ns::kq41>(w, wstride, r0, r1, K, act, astride, N, dst, dstride, scratch); break;             \
+             char * dst, size_t dstride, void * scratch, bool vnni, size_t budget) {
+#define POLYKV_KQ_ROWS(ns)                                                                                             \
+    switch (t) {                                                                                                       \
+    case GGML_TYPE_Q4_K: ns::rows<ns::kq4>(w, wstride, r0, r1, K, act, astride, N, dst, dstride, scratch, budget); break;  \
+    case GGML_TYPE_Q6_K: ns::rows<ns::kq6>(w, wstride, r0, r1, K, act, astride, N, dst, dstride, scratch, budget); break;  \
+    default: ns::rows<ns::kq41>(w, wstride, r0, r1, K, act, astride, N, dst, dstride, scratch, budget); break;             \
     }
-    if (use_vnni.load(std::memory_order_relaxed)) {
+    if (vnni) {
         POLYKV_KQ_ROWS(vnni)
     } else {
         POLYKV_KQ_ROWS(avx2)
@@ -238,28 +244,31 @@ size_t act_row_bytes(ggml_type t, int64_t K) { return ggml_row_size(act_type(t),
 size_t work_bytes(const ggml_tensor * op, int nth) {
     const ggml_tensor * w = op->src[0], * x = op->src[1];
     const size_t q8 = (act_row_bytes(w->type, x->ne[0]) * x->ne[1] + 63) & ~(size_t) 63;
-    const size_t per = (scratch_bytes(w->type, w->ne[1], w->ne[0], x->ne[1], nth) + 63) & ~(size_t) 63;
+    const size_t per = (scratch_bytes(w->type, w->ne[1], w->ne[0], x->ne[1], nth, kPackBudget) + 63) & ~(size_t) 63;
     return 64 + q8 + per * nth;
 }
 
-class traits : public ggml::cpu::tensor_traits {
+// traits is the kernel as ggml-cpu runs it (polykv_kernel: internals.cpp adapts it), on
+// the CPU's best path (VNNI) or, where the model chose it, the AVX2 path.
+template <bool avx2_only>
+class traits {
   public:
-    bool work_size(int n_threads, const ggml_tensor * op, size_t & size) override {
-        size = work_bytes(op, n_threads);
+    static bool work_size(int n_threads, const ggml_tensor * op, size_t * size) {
+        *size = work_bytes(op, n_threads);
         return true;
     }
 
-    bool compute_forward(ggml_compute_params * params, ggml_tensor * op) override {
+    static bool compute_forward(const polykv_compute * params, ggml_tensor * op) {
         const ggml_tensor * w = op->src[0], * x = op->src[1];
         const int ith = params->ith, nth = params->nth;
         if (params->wsize < work_bytes(op, nth)) {
-            return false; // planned without us (enabled mid-graph): ggml's kernel
+            return false; // planned without us (chosen mid-graph): ggml's kernel
         }
         const int64_t K = w->ne[0], M = w->ne[1], N = x->ne[1];
         char * base = (char *) (((uintptr_t) params->wdata + 63) & ~(uintptr_t) 63);
         const size_t qrow = act_row_bytes(w->type, K);
         const size_t q8 = (qrow * N + 63) & ~(size_t) 63;
-        const size_t per = (scratch_bytes(w->type, M, K, N, nth) + 63) & ~(size_t) 63;
+        const size_t per = (scratch_bytes(w->type, M, K, N, nth, kPackBudget) + 63) & ~(size_t) 63;
         // Phase 1: the activation rows to q8_K or q8_1 (ggml's own quantizer, so a row's
         // quantization is a function of the row alone), split among threads.
         const ggml_from_float_t quantize = ggml_get_type_traits_cpu(act_type(w->type))->from_float;
@@ -269,36 +278,34 @@ class traits : public ggml::cpu::tensor_traits {
         if (ith == 0) {
             computed.fetch_add(1, std::memory_order_relaxed);
         }
-        ggml_barrier(params->threadpool);
+        polykv_barrier(params);
         // Phase 2: each thread its contiguous share of weight rows, all activation rows.
         int64_t r0, r1;
         thread_rows(M, ith, nth, r0, r1);
         if (r0 < r1) {
             compute(w->type, (const char *) w->data, w->nb[1], r0, r1, K, base, qrow, N, (char *) op->data, op->nb[1],
-                    base + q8 + per * ith);
+                    base + q8 + per * ith, has_vnni && !avx2_only, kPackBudget);
         }
         return true;
     }
 };
 
-}  // namespace
+const polykv_kernel kq_best = {traits<false>::work_size, traits<false>::compute_forward};
+const polykv_kernel kq_avx2 = {traits<true>::work_size, traits<true>::compute_forward};
 
-ggml::cpu::tensor_traits * polykv_kq_traits(const ggml_tensor * op) {
-    static traits t;
-    return supported(op) && chosen(op->src[0]) ? &t : nullptr;
-}
-
-bool polykv_kq_choose_buffer(const void * buf, int kernel) {
+// choose_buffer records kernel for weights in buf (false if the table is full);
+// forget_buffer drops it (kernel 1 needs no entry).
+bool choose_buffer(const void * buf, int kernel) {
     std::lock_guard<std::mutex> lock(choices_mu);
     for (buffer_choice & c : choices) {
         if (c.buf.load() == buf) {
-            c.polykv.store(kernel == 1);
+            c.kernel.store(kernel);
             return true;
         }
     }
     for (buffer_choice & c : choices) {
         if (c.buf.load() == nullptr) {
-            c.polykv.store(kernel == 1);
+            c.kernel.store(kernel);
             c.buf.store(buf, std::memory_order_release);
             return true;
         }
@@ -306,7 +313,7 @@ bool polykv_kq_choose_buffer(const void * buf, int kernel) {
     return false;
 }
 
-void polykv_kq_forget_buffer(const void * buf) {
+void forget_buffer(const void * buf) {
     std::lock_guard<std::mutex> lock(choices_mu);
     for (buffer_choice & c : choices) {
         if (c.buf.load() == buf) {
@@ -315,19 +322,59 @@ void polykv_kq_forget_buffer(const void * buf) {
     }
 }
 
-extern "C" void polykv_kq_enable(int on) { enabled.store(on != 0); }
+// model_buffers is the host buffers holding model's weights (internals.h).
+std::vector<const void *> model_buffers(const struct llama_model * model) {
+    std::vector<const void *> bufs(8);
+    int n = polykv_model_host_buffers(model, bufs.data(), (int) bufs.size());
+    if (n > (int) bufs.size()) {
+        bufs.resize(n);
+        n = polykv_model_host_buffers(model, bufs.data(), n);
+    }
+    bufs.resize(n);
+    return bufs;
+}
+
+}  // namespace
+
+const polykv_kernel * polykv_kq_kernel_for(const ggml_tensor * op) {
+    if (!supported(op)) {
+        return nullptr;
+    }
+    switch (chosen(op->src[0])) {
+    case 2: return nullptr;
+    case 3: return &kq_avx2;
+    default: return &kq_best;
+    }
+}
+
+const polykv_kernel * polykv_kq_kernel(bool avx2_only) { return avx2_only ? &kq_avx2 : &kq_best; }
+
+extern "C" int polykv_kq_model_choose(struct llama_model * model, int kernel) {
+    const std::vector<const void *> bufs = model_buffers(model);
+    for (const void * b : bufs) {
+        if (kernel == 1) {
+            forget_buffer(b);
+        } else if (!choose_buffer(b, kernel)) {
+            for (const void * x : bufs) {
+                forget_buffer(x);
+            }
+            return 0;
+        }
+    }
+    return 1;
+}
+
+extern "C" void polykv_kq_model_forget(struct llama_model * model) {
+    for (const void * b : model_buffers(model)) {
+        forget_buffer(b);
+    }
+}
 
 extern "C" unsigned long long polykv_kq_computed(void) { return computed.load(); }
 
 extern "C" int polykv_kq_available(void) { return 1; }
 
-extern "C" int polykv_kq_vnni(void) { return use_vnni.load() ? 1 : 0; }
-
-extern "C" int polykv_kq_set_vnni(int on) {
-    const bool can = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
-    use_vnni.store(on != 0 && can);
-    return use_vnni.load() ? 1 : 0;
-}
+extern "C" int polykv_kq_vnni(void) { return has_vnni ? 1 : 0; }
 
 // polykv_kq_selftest quantizes a random M x K matrix to type and N random activation
 // rows (q8_K or q8_1), computes the product with this kernel for all N rows at once, for
@@ -359,6 +406,8 @@ extern "C" int polykv_kq_selftest(int type, int M, int K, int N, unsigned seed, 
         quantize(xf.data() + (size_t) n * K, xq.data() + n * qrow, K);
     }
     // Two "threads" (row ranges) as the graph would split them with nth = 2.
+    bool vnni = has_vnni;           // the path run (the other one is checked below)
+    size_t budget = kPackBudget;     // lowered below to exercise the grouped path
     auto run = [&](int64_t c0, int64_t cn, std::vector<float> & out) {
         for (int ith = 0; ith < 2; ith++) {
             int64_t r0, r1;
@@ -366,8 +415,9 @@ extern "C" int polykv_kq_selftest(int type, int M, int K, int N, unsigned seed, 
             if (r0 >= r1) {
                 continue;
             }
-            void * s = aligned_alloc(64, (scratch_bytes(t, M, K, cn, 2) + 63) & ~(size_t) 63);
-            compute(t, wq.data(), wrow, r0, r1, K, xq.data() + c0 * qrow, qrow, cn, (char *) (out.data() + c0 * M), M * sizeof(float), s);
+            void * s = aligned_alloc(64, (scratch_bytes(t, M, K, cn, 2, budget) + 63) & ~(size_t) 63);
+            compute(t, wq.data(), wrow, r0, r1, K, xq.data() + c0 * qrow, qrow, cn, (char *) (out.data() + c0 * M), M * sizeof(float), s,
+                    vnni, budget);
             free(s);
         }
     };
@@ -379,25 +429,23 @@ extern "C" int polykv_kq_selftest(int type, int M, int K, int N, unsigned seed, 
     for (int n = 0; n < N; n += 3) {
         run(n, N - n < 3 ? N - n : 3, three);
     }
-    const size_t budget = pack_budget;
-    pack_budget = 1; // one 8-row block per group
+    budget = 1; // one 8-row block per group
     run(0, N, grouped);
-    pack_budget = budget;
+    budget = kPackBudget;
     *identical = memcmp(all.data(), one.data(), all.size() * sizeof(float)) == 0 &&
                  memcmp(all.data(), three.data(), all.size() * sizeof(float)) == 0 &&
                  memcmp(all.data(), grouped.data(), all.size() * sizeof(float)) == 0;
     *paths = 1;
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) {
-        // The other instruction path (AVX2 or VNNI), batched and one row at a time, must
-        // give the same bits.
-        const bool was = use_vnni.load();
-        use_vnni.store(!was);
+    if (has_vnni) {
+        // The other instruction path (AVX2), batched and one row at a time, must give the
+        // same bits.
+        vnni = false;
         std::vector<float> other_all((size_t) N * M), other_one((size_t) N * M);
         run(0, N, other_all);
         for (int n = 0; n < N; n++) {
             run(n, 1, other_one);
         }
-        use_vnni.store(was);
+        vnni = true;
         *identical = *identical && memcmp(all.data(), other_all.data(), all.size() * sizeof(float)) == 0 &&
                      memcmp(all.data(), other_one.data(), all.size() * sizeof(float)) == 0;
         *paths = 2;
@@ -418,19 +466,17 @@ extern "C" int polykv_kq_selftest(int type, int M, int K, int N, unsigned seed, 
 
 #else
 
-ggml::cpu::tensor_traits * polykv_kq_traits(const ggml_tensor *) { return nullptr; }
+const polykv_kernel * polykv_kq_kernel_for(const ggml_tensor *) { return nullptr; }
 
-bool polykv_kq_choose_buffer(const void *, int) { return true; }
+const polykv_kernel * polykv_kq_kernel(bool) { return nullptr; }
 
-void polykv_kq_forget_buffer(const void *) {}
+extern "C" int polykv_kq_model_choose(struct llama_model *, int) { return 1; }
 
-extern "C" void polykv_kq_enable(int on) { (void) on; }
+extern "C" void polykv_kq_model_forget(struct llama_model *) {}
 
 extern "C" unsigned long long polykv_kq_computed(void) { return 0; }
 
 extern "C" int polykv_kq_available(void) { return 0; }
-
-extern "C" int polykv_kq_set_vnni(int on) { (void) on; return 0; }
 
 extern "C" int polykv_kq_vnni(void) { return 0; }
 

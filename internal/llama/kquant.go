@@ -7,21 +7,23 @@ import "C"
 
 import (
 	"errors"
-	"sync/atomic"
+	"fmt"
 )
 
-// stockMatMul is the process default matrix kernel (false: PolyKV's).
-var stockMatMul atomic.Bool
-
-// SetMatMulKernel sets the process default CPU kernel for matrix products with Q4_1, Q4_K
-// and Q6_K weights, what models loaded with MatMulKernel KernelDefault use: PolyKV's
-// (polykv true, the default; kquant.cpp says how it keeps a token's logits independent
-// of the batch while unpacking each weight block once per product) or the stock ggml
-// kernels of the linked llama.cpp, for graphs computed from then on (a default for the
-// reason SetFlashAttnKernel gives); other weight types always use ggml's kernels.
-func SetMatMulKernel(polykv bool) {
-	stockMatMul.Store(!polykv)
-	C.polykv_kq_enable(C.int(boolToInt(polykv)))
+// SetMatMulKernel sets m's CPU kernel for matrix products with its Q4_1, Q4_K and Q6_K
+// weights, for graphs computed from then on (ModelParams.MatMulKernel is the one it is
+// loaded with): PolyKV's (kquant.cpp says how it keeps a token's logits independent of
+// the batch while unpacking each weight block once per product) or the stock ggml kernels
+// of the linked llama.cpp; other weight types always use ggml's kernels. The choice is
+// the model's: every context of it shares its weights, other models keep theirs.
+func (m *Model) SetMatMulKernel(k Kernel) error {
+	if k < KernelPolyKV || k > kernelPolyKVAVX2 {
+		return fmt.Errorf("unknown matrix kernel %d", k)
+	}
+	if C.polykv_kq_model_choose(m.m, k.code()) == 0 {
+		return errors.New("too many models with a matrix kernel of their own are loaded")
+	}
+	return nil
 }
 
 // MatMulKernelRuns counts the matrix products PolyKV's matrix kernel has computed in
@@ -30,10 +32,6 @@ func MatMulKernelRuns() uint64 { return uint64(C.polykv_kq_computed()) }
 
 // MatMulKernelAvailable reports whether this build can run PolyKV's matrix kernel.
 func MatMulKernelAvailable() bool { return C.polykv_kq_available() != 0 }
-
-// applyMatMulKernel applies the current choice (called once the shared extra buffer
-// type is installed, see installFlashAttn).
-func applyMatMulKernel() { C.polykv_kq_enable(C.int(boolToInt(!stockMatMul.Load()))) }
 
 // ggml type ids (ggml.h) of the weight types the kernel computes.
 const (
@@ -58,10 +56,6 @@ func kquantSelfTest(typ, m, k, n int, seed uint32) (maxRel float64, identical bo
 }
 
 // MatMulKernelVNNI reports whether PolyKV's matrix kernel runs its AVX-512 VNNI path
-// (chosen at run time where the CPU has it; otherwise its AVX2 path).
+// (chosen at run time where the CPU has it; otherwise its AVX2 path). A model may choose
+// the AVX2 path (tests: what a CPU without AVX-512 VNNI runs).
 func MatMulKernelVNNI() bool { return C.polykv_kq_vnni() != 0 }
-
-// setMatMulKernelVNNI turns the VNNI path on (where the CPU has it) or off, so tests run
-// the plain AVX2 path a CPU without AVX-512 VNNI takes; it returns whether VNNI is now
-// used. Process-wide, for graphs computed from then on.
-func setMatMulKernelVNNI(on bool) bool { return C.polykv_kq_set_vnni(C.int(boolToInt(on))) != 0 }

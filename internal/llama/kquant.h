@@ -5,16 +5,12 @@
 extern "C" {
 #endif
 
-// polykv_kq_enable sets the process default (on: this kernel) for models that chose no
-// kernel of their own (polykv_kq_model_choose), for graphs planned from now on (it is
-// installed with the flash-attention kernel's extra buffer type, see fattn.cpp).
-void polykv_kq_enable(int on);
-
 struct llama_model;
 
-// polykv_kq_model_choose records model's matrix kernel (kernel 1: this one, 2: ggml's)
-// for products with its weights, whatever the process default; 0 if the table of
-// choices is full (kquant.cpp).
+// polykv_kq_model_choose records model's matrix kernel for products with its weights,
+// for graphs planned from then on: kernel 1 this one (on the CPU's best path: the
+// default, which needs no record), 2 ggml's, 3 this one on its AVX2 path (what a CPU
+// without AVX-512 VNNI runs; tests). 0 if the table of choices is full (kquant.cpp).
 int polykv_kq_model_choose(struct llama_model * model, int kernel);
 
 // polykv_kq_model_forget drops model's choice (before llama_model_free, whose buffers a
@@ -27,11 +23,7 @@ unsigned long long polykv_kq_computed(void);
 // polykv_kq_available is 0 where this build cannot run the kernel (no AVX2/FMA).
 int polykv_kq_available(void);
 
-// polykv_kq_set_vnni chooses the AVX-512 VNNI path (on, where the CPU has it) or the AVX2
-// path; it returns whether VNNI is now used. The default is VNNI where available.
-int polykv_kq_set_vnni(int on);
-
-// polykv_kq_vnni reports whether the AVX-512 VNNI path is in use.
+// polykv_kq_vnni reports whether the kernel's best path on this CPU is AVX-512 VNNI.
 int polykv_kq_vnni(void);
 
 // polykv_kq_selftest checks the kernel on random data (see kquant.cpp); 0 on success.
@@ -41,17 +33,13 @@ int polykv_kq_selftest(int type, int M, int K, int N, unsigned seed, double * ma
 }
 
 struct ggml_tensor;
-namespace ggml::cpu {
-class tensor_traits;
-}
+struct polykv_kernel;
 
-// polykv_kq_traits claims op for the kernel: MUL_MAT of Q4_1/Q4_K/Q6_K weights whose
-// model chose it (or, without a choice, when the process default is on).
-ggml::cpu::tensor_traits * polykv_kq_traits(const ggml_tensor * op);
+// polykv_kq_kernel_for is the kernel computing op (fattn.cpp's dispatcher asks): MUL_MAT
+// of Q4_1/Q4_K/Q6_K weights whose model did not choose ggml's kernel; nullptr otherwise.
+const polykv_kernel * polykv_kq_kernel_for(const ggml_tensor * op);
 
-// polykv_kq_choose_buffer records the kernel for weights in buf (a ggml backend buffer),
-// false if the table is full; polykv_kq_forget_buffer drops it. kquant_model.cpp calls
-// them for each buffer of a model.
-bool polykv_kq_choose_buffer(const void * buf, int kernel);
-void polykv_kq_forget_buffer(const void * buf);
+// polykv_kq_kernel is the kernel on the CPU's best path, or on its AVX2 path (avx2_only),
+// for the hook's list (polykv_hook_install).
+const polykv_kernel * polykv_kq_kernel(bool avx2_only);
 #endif

@@ -447,10 +447,11 @@ void direct41(const char * rows, size_t stride, int n, int64_t nsb, const q81 * 
 }
 
 // rows computes weight rows [r0, r1) (a thread's share, r0 a multiple of kRows) times
-// all N activation rows, with scratch for the packed blocks.
+// all N activation rows, with scratch for the packed blocks, holding at most budget bytes
+// of them at once (group_blocks).
 template <class T>
 void rows(const char * w, size_t wstride, int64_t r0, int64_t r1, int64_t K, const char * act, size_t astride, int64_t N,
-          char * dst, size_t dstride, void * scratch) {
+          char * dst, size_t dstride, void * scratch, size_t budget) {
     const int64_t nsb = K / T::kQK;
     auto * P = (packed<T> *) scratch;
     const int64_t nblk = (r1 - r0 + kRows - 1) / kRows;
@@ -510,7 +511,7 @@ void rows(const char * w, size_t wstride, int64_t r0, int64_t r1, int64_t K, con
     // A prompt batch: pack a group of the thread's row blocks (all of them unless the
     // matrix is huge) once, then walk the activation rows in chunks so a chunk stays in
     // cache while the packed blocks stream past it.
-    const int64_t group = group_blocks(nsb, sizeof(packed<T>));
+    const int64_t group = group_blocks(nsb, sizeof(packed<T>), budget);
     for (int64_t g0 = 0; g0 < nblk; g0 += group) {
         const int64_t g1 = g0 + group < nblk ? g0 + group : nblk;
         for (int64_t i = g0; i < g1; i++) {

@@ -74,9 +74,7 @@ func TestKQuantKernelModel(t *testing.T) {
 			t.Skip("this build has no AVX2/FMA: PolyKV's matrix kernel is not compiled in")
 		}
 		prompt, then := fattnPrompt(t, m)
-		defer SetMatMulKernel(true)
 
-		SetMatMulKernel(true)
 		before := MatMulKernelRuns()
 		ours := fattnRun(t, m, prompt, 256, 0, then)
 		if MatMulKernelRuns() == before {
@@ -91,9 +89,9 @@ func TestKQuantKernelModel(t *testing.T) {
 		// The plain AVX2 path (a CPU without AVX-512 VNNI) gives the same bits on the
 		// whole model, not only on TestKQuantKernel's random matrices.
 		if MatMulKernelVNNI() {
-			setMatMulKernelVNNI(false)
+			setMatMulKernel(t, m, kernelPolyKVAVX2)
 			avx2 := fattnRun(t, m, prompt, 13, 37, then)
-			setMatMulKernelVNNI(true)
+			setMatMulKernel(t, m, KernelPolyKV)
 			for i := range ours {
 				if d := maxDiff(avx2[i], ours[i]); d != 0 {
 					t.Errorf("logits of step %d differ by up to %g between the VNNI and AVX2 paths", i, d)
@@ -103,7 +101,7 @@ func TestKQuantKernelModel(t *testing.T) {
 			t.Log("this CPU has no AVX-512 VNNI: the run above was the AVX2 path")
 		}
 
-		SetMatMulKernel(false)
+		setMatMulKernel(t, m, KernelGGML)
 		before = MatMulKernelRuns()
 		stock := fattnRun(t, m, prompt, 256, 0, then)
 		if MatMulKernelRuns() != before {
@@ -121,4 +119,12 @@ func TestKQuantKernelModel(t *testing.T) {
 			t.Errorf("PolyKV's matrix kernel is %.3g nats from ggml's", worst)
 		}
 	})
+}
+
+// setMatMulKernel sets m's matrix kernel or fails the test.
+func setMatMulKernel(t *testing.T, m *Model, k Kernel) {
+	t.Helper()
+	if err := m.SetMatMulKernel(k); err != nil {
+		t.Fatal(err)
+	}
 }

@@ -21,7 +21,7 @@ package llama
 #include <stdlib.h>
 #include <string.h>
 #include "llama.h"
-#include "memsize.h"
+#include "internals.h"
 #include "kquant.h"
 
 static void polykv_quiet_log(enum ggml_log_level level, const char * text, void * user_data) {
@@ -351,7 +351,7 @@ func (m *Model) KVBytesPerCell() int64 { return m.KVBytesPerCellTyped("", "") }
 // layers) with K and V caches of types tk and tv: per layer that keeps K and V, one K
 // row of n_head_kv × key_length elements and one V row of n_head_kv × value_length,
 // sized by ggml_row_size (quantized types store whole blocks), the geometry read per
-// layer from llama.cpp's hyperparameters (memsize.cpp): a hybrid's recurrent layers keep
+// layer from llama.cpp's hyperparameters (internals.cpp): a hybrid's recurrent layers keep
 // no KV, and Gemma 4's sliding-window layers have smaller heads than its full layers.
 func (m *Model) KVBytesPerCellTyped(tk, tv CacheType) int64 {
 	gk, errK := tk.ggml()

@@ -15,7 +15,7 @@ package llama
 /*
 #include <stdlib.h>
 #include "llama.h"
-#include "mtp.h"
+#include "internals.h"
 */
 import "C"
 

@@ -138,7 +138,7 @@ type draftJob struct {
 	copy bool // takes its first w.Shared tokens from the pool's draft sequence
 }
 
-// Draft implements engine.DraftBackend's drafting. A decode failure drops the wanted
+// Draft implements ModelDrafter. A decode failure drops the wanted
 // sequences' draft state (the cache may hold part of a batch) and proposes nothing.
 func (d *Drafter) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 	defer d.publish()
@@ -329,7 +329,7 @@ func (d *Drafter) pick(j *draftJob) {
 	}
 }
 
-// DraftSeqRm implements engine.DraftBackend: the target emptied seq.
+// DraftSeqRm implements ModelDrafter: the target emptied seq.
 func (d *Drafter) DraftSeqRm(seq int) {
 	d.drop(seq)
 	d.publish()

@@ -38,7 +38,7 @@ import (
 // (the prefix cache) has the row at its cut. That costs n_embd floats per cell in RAM
 // beside the target's KV (1 KiB on the test models; 16 KiB on GLM-4.5-Air, under a tenth
 // of its 46 layers' KV per cell), bounded by the cells in use. A pool's rows go to the
-// pool tier with its MTP cells (saveSeq, loadSeq). Where no row is known (an entry the
+// pool tier with its MTP cells (savePart, loadPart). Where no row is known (an entry the
 // tier restored without MTP cells, a failed MTP decode) the entry is decoded with h = 0
 // and counted as a gap: the MTP cache is then slightly wrong at that position, which
 // costs acceptance, never correctness (the target verifies every draft). A sequence
@@ -94,23 +94,32 @@ type MTP struct {
 	paused     bool
 	mismatches atomic.Int64
 	mismatch   atomic.Value // string
-	// backend is the target's backend (Backend.EnableMTP; nil in tests of the MTP alone),
+	// layout is the target's backend (Follower.follow; nil in tests of the MTP alone),
 	// whose SWA shadows (anchor), window chunks and scratch sequence the MTP context uses
 	// too: on a model with sliding-window layers its SWA cache hands a cell held by one
 	// sequence to another once it falls out of that sequence's window, as the target's
 	// does, so each sequence's cells get the same shadow here (mirror, seqRm, seqCp,
-	// loadSeq), and a pool's MTP part is saved and loaded chunk by chunk, as the
+	// loadPart), and a pool's MTP part is saved and loaded chunk by chunk, as the
 	// target's part is (saveChunks), because an SWA cache's state holds only the window.
-	backend *Backend
+	layout target
 }
 
 // anchor is the target's SWA shadow offset (0: none).
 func (m *MTP) anchor() int {
-	if m.backend == nil {
+	if m.layout == nil {
 		return 0
 	}
-	return m.backend.anchor
+	return m.layout.swaAnchor()
 }
+
+// follow implements Follower.
+func (m *MTP) follow(t target) { m.layout = t }
+
+// hasPart implements Follower: an MTP assistant's cells are the target's.
+func (m *MTP) hasPart() bool { return !m.shared }
+
+// restoring implements Follower: the mirror's check waits for the whole restore.
+func (m *MTP) restoring(on bool) { m.paused = on }
 
 // posRow is the target's NextN row h of one position.
 type posRow struct {
@@ -185,7 +194,7 @@ func (m *MTP) check(op string) {
 	for seq := range int(m.checkSeqs.Load()) {
 		// llama.cpp reports a rolled-back sequence's old last position until its next
 		// decode consumes the rollback: skipped.
-		if m.backend != nil && m.backend.rolled[seq] {
+		if m.layout != nil && m.layout.rolledBack(seq) {
 			continue
 		}
 		tlo, thi := m.tgt.SeqPosMin(seq), m.tgt.SeqPosMax(seq)
@@ -214,9 +223,9 @@ func (m *MTP) row(seq, pos int) []float32 {
 
 func cmpPos(r posRow, pos int) int { return r.pos - pos }
 
-// mirror mirrors a target decode of batch (its NextN rows still readable). A failure
-// drops the batch's sequences from the MTP context, whose cache may hold part of it;
-// they are then not drafted for (their positions no longer start at 0).
+// mirror implements Follower: it mirrors a target decode of batch (its NextN rows still
+// readable). A failure drops the batch's sequences from the MTP context, whose cache may
+// hold part of it; they are then not drafted for (their positions no longer start at 0).
 func (m *MTP) mirror(batch []engine.BatchEntry) {
 	if m.shared {
 		m.keepLast(batch)
@@ -308,7 +317,7 @@ func (m *MTP) fail(batch []engine.BatchEntry, err error) {
 	}
 }
 
-// seqRm mirrors a SeqRm on the target.
+// seqRm implements Follower: it mirrors a SeqRm on the target.
 func (m *MTP) seqRm(seq, p0, p1 int) {
 	for _, c := range m.heads {
 		c.SeqRm(seq, p0, p1)
@@ -330,7 +339,8 @@ func (m *MTP) seqRm(seq, p0, p1 int) {
 	m.check("seq_rm")
 }
 
-// seqCp mirrors a SeqCp on the target: dst gets src's cells and rows in [p0, p1).
+// seqCp implements Follower: it mirrors a SeqCp on the target (dst gets src's cells and
+// rows in [p0, p1)).
 func (m *MTP) seqCp(src, dst, p0, p1 int) {
 	for _, c := range m.heads {
 		c.SeqCp(src, dst, p0, p1)
@@ -358,7 +368,7 @@ type mtpJob struct {
 	done bool
 }
 
-// Draft implements engine.DraftBackend's drafting (see MTP).
+// Draft implements ModelDrafter (see MTP).
 func (m *MTP) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 	if len(m.heads) > 1 {
 		return m.draftChained(wants)
@@ -562,11 +572,11 @@ func (m *MTP) draftChained(wants []engine.DraftWant) []engine.DraftProposal {
 	return out
 }
 
-// DraftSeqRm implements engine.DraftBackend: nothing to do, the target's SeqRm of the
+// DraftSeqRm implements ModelDrafter: nothing to do, the target's SeqRm of the
 // sequence was mirrored already.
 func (m *MTP) DraftSeqRm(int) {}
 
-// A pool's MTP part in its tier entry (saveSeq, loadSeq): the MTP context's sequence
+// A pool's MTP part in its tier entry (savePart, loadPart): the MTP context's sequence
 // state of the pool's own cells [D, L) and the target's rows of those positions, so a
 // restored pool's sessions draft as before its eviction, with no gap. Little-endian:
 //
@@ -576,10 +586,10 @@ func (m *MTP) DraftSeqRm(int) {}
 // Hand-written beside llama.cpp's state format: the rows are PolyKV's (the target's
 // NextN outputs), which no llama.cpp state holds.
 
-// saveSeq copies out seq's MTP cells [lo, hi) and their rows. As for the target
+// savePart implements Follower: it copies out seq's MTP cells [lo, hi) and their rows. As for the target
 // (Backend.ownState), the cells below lo are the parent's (src's): they are taken out of
 // seq for the copy and shared back from src after it.
-func (m *MTP) saveSeq(seq, src, lo, hi int) ([]byte, error) {
+func (m *MTP) savePart(seq, src, lo, hi int) ([]byte, error) {
 	states := make([][]byte, len(m.heads))
 	for h, c := range m.heads {
 		if p0, p1 := c.SeqPosMin(seq), c.SeqPosMax(seq); p0 != 0 || p1 != hi-1 {
@@ -616,12 +626,12 @@ func (m *MTP) saveSeq(seq, src, lo, hi int) ([]byte, error) {
 	return out, nil
 }
 
-// headState is head context c's state of seq's cells [lo, hi) (see saveSeq): chunk by
+// headState is head context c's state of seq's cells [lo, hi) (see savePart): chunk by
 // chunk through the backend's scratch sequence where the target keeps SWA shadows, in the
 // target's chunked format (Backend.saveChunks).
 func (m *MTP) headState(c *llama.Context, seq, src, lo, hi int) ([]byte, error) {
 	if m.anchor() > 0 {
-		return saveChunks(c, m.backend.scratch, seq, m.backend.swaChunks(lo, hi))
+		return saveChunks(c, m.layout.scratchSeq(), seq, m.layout.swaChunks(lo, hi))
 	}
 	if lo > 0 {
 		c.SeqRm(seq, 0, lo)
@@ -630,14 +640,14 @@ func (m *MTP) headState(c *llama.Context, seq, src, lo, hi int) ([]byte, error) 
 	return c.SeqStateGet(seq)
 }
 
-// loadSeq loads what saveSeq wrote into seq and checks that seq then holds exactly
+// loadPart implements Follower: it loads what savePart wrote into seq and checks that seq then holds exactly
 // [lo, hi), or [0, hi) where it held src's [0, lo) already. An attention-only target's
 // pool sequence is empty here (the engine shares the parent's [0, lo) after the
 // restore, mirrored like any SeqCp); a hybrid target's restore (Backend.loadRecurrent)
 // shared them before, and llama.cpp's state load empties the sequence first, so they
 // are shared again from src after it. On failure seq holds nothing in the MTP contexts
 // (its sessions are then not drafted for).
-func (m *MTP) loadSeq(seq, src, lo, hi int, data []byte) (err error) {
+func (m *MTP) loadPart(seq, src, lo, hi int, data []byte) (err error) {
 	defer func() {
 		for _, c := range m.heads {
 			if err != nil {
@@ -723,7 +733,7 @@ func (m *MTP) loadHead(c *llama.Context, seq, src, lo, hi int, st []byte, prefix
 		// Chunk by chunk through the scratch sequence, which leaves seq's [0, lo) as it
 		// is; each chunk is shared with seq and its shadow (so a loaded cell always has
 		// two members, as the target's).
-		x := m.backend.scratch
+		x := m.layout.scratchSeq()
 		if err := loadChunks(c, x, lo, hi, st, func(c0, c1 int) {
 			c.SeqCp(x, seq, c0, c1)
 			c.SeqCp(x, seq+a, c0, c1)

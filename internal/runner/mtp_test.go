@@ -45,7 +45,7 @@ func TestMTPDraftsMatchReference(t *testing.T) {
 	}
 	mtp.CheckMirror(4)
 	b := NewBackend(m, tgt, nil)
-	b.EnableMTP(mtp)
+	b.EnableDrafter(mtp)
 
 	decode := func(seq, from int, toks []engine.Token) { decodeAt(t, b, seq, from, toks...) }
 	toks := mtpTestTokens
@@ -179,7 +179,7 @@ func TestAssistantDraftsMatchReference(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := NewBackend(m, tgt, nil)
-	b.EnableMTP(mtp)
+	b.EnableDrafter(mtp)
 
 	draft := func(wants ...engine.DraftWant) map[engine.TaskID][]engine.Token { return draftsByTask(mtp, wants) }
 	// check compares seq's drafts, and the row MTP keeps for its last position, with the
@@ -344,7 +344,7 @@ func TestMTPChainedDraftsMatchReference(t *testing.T) {
 	}
 	mtp.CheckMirror(4)
 	b := NewBackend(m, tgt, nil)
-	b.EnableMTP(mtp)
+	b.EnableDrafter(mtp)
 	check := func(name string, got []engine.Token, ctxToks []engine.Token) {
 		t.Helper()
 		if want := mtpChainReference(t, m, p, ctxToks, k); !slices.Equal(got, want) {

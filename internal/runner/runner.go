@@ -52,14 +52,11 @@ type Backend struct {
 	// which the tier saves and loads state where a sequence's own state cannot be taken
 	// as it is (EnableScratch; -1: none).
 	scratch int
-	// drafter drafts with a second model (EnableDraft) or the model's MTP head
-	// (EnableMTP); nil: none.
-	drafter interface {
-		Draft([]engine.DraftWant) []engine.DraftProposal
-		DraftSeqRm(seq int)
-	}
-	// mtp mirrors every decode, SeqRm and SeqCp into the MTP context (EnableMTP; nil: none).
-	mtp *MTP
+	// drafter drafts with a model of its own (EnableDrafter; nil: none); follower is
+	// the same drafter where its contexts mirror the target's cells (follower.go), and
+	// otherwise noFollower, which keeps nothing.
+	drafter  ModelDrafter
+	follower Follower
 	// rolled holds the sequences whose recurrent state was rolled back (a rejected
 	// draft cut off through llama.cpp's n_rs_seq snapshots) and not decoded since.
 	// llama.cpp keeps such a state in a snapshot plane chosen by a per-sequence index
@@ -227,7 +224,7 @@ func NewBackend(model *llama.Model, ctx *llama.Context, log *slog.Logger) *Backe
 	if log == nil {
 		log = slog.Default()
 	}
-	b := &Backend{ctx: ctx, model: model, samplers: map[engine.TaskID]*sampler{}, log: log, scratch: -1}
+	b := &Backend{ctx: ctx, model: model, samplers: map[engine.TaskID]*sampler{}, log: log, scratch: -1, follower: noFollower{}}
 	if ctx != nil && ctx.RSSeq() > 0 { // (tests build samplers-only backends without a context)
 		b.rolled = map[int]bool{}
 	}
@@ -334,9 +331,7 @@ func (b *Backend) decodePart(batch []engine.BatchEntry, idx []int, got map[int]e
 	if err := b.ctx.Decode(); err != nil {
 		return nil, err
 	}
-	if b.mtp != nil {
-		b.mtp.mirror(batch) // its cells follow the target's; it reads this decode's NextN rows
-	}
+	b.follower.mirror(batch) // its cells follow the target's; it may read this decode's outputs
 	if len(b.rolled) > 0 {
 		for _, e := range batch {
 			delete(b.rolled, e.Seq) // the decode consumed its rollback index
@@ -444,9 +439,7 @@ func logprobs(logits []float32, tok llama.Token, n int) (float32, []engine.Token
 // SeqRm implements engine.Backend. Removing cells that seq holds leaves a hole (see
 // settle).
 func (b *Backend) SeqRm(seq, p0, p1 int) bool {
-	if b.mtp != nil {
-		defer b.mtp.seqRm(seq, p0, p1) // after the rollback bookkeeping below (its check reads it)
-	}
+	defer b.follower.seqRm(seq, p0, p1) // after the rollback bookkeeping below (its check reads it)
 	if hi := b.ctx.SeqPosMax(seq); hi >= 0 && hi >= p0 && (p1 < 0 || b.ctx.SeqPosMin(seq) < p1) {
 		b.holes = true
 	}
@@ -552,9 +545,7 @@ func (b *Backend) SeqCp(src, dst, p0, p1 int) {
 	if b.anchor > 0 {
 		b.ctx.SeqCp(src, dst+b.anchor, p0, p1)
 	}
-	if b.mtp != nil {
-		b.mtp.seqCp(src, dst, p0, p1)
-	}
+	b.follower.seqCp(src, dst, p0, p1)
 }
 
 // NewSampler implements engine.Backend.
@@ -713,30 +704,3 @@ func (b *Backend) ProbeFits(seq, n int, tok llama.Token) (bool, error) {
 	}
 	return true, nil
 }
-
-// EnableDraft makes the backend draft with d (a draft model: --model-draft).
-func (b *Backend) EnableDraft(d *Drafter) { b.drafter = d }
-
-// EnableMTP makes the backend draft with the model's MTP head through m, which from now
-// on mirrors every decode and cell operation of the target (--spec-type draft-mtp).
-func (b *Backend) EnableMTP(m *MTP) {
-	b.drafter, b.mtp = m, m
-	m.backend = b
-}
-
-// Draft implements engine.DraftBackend (no proposals without a drafter).
-func (b *Backend) Draft(wants []engine.DraftWant) []engine.DraftProposal {
-	if b.drafter == nil {
-		return nil
-	}
-	return b.drafter.Draft(wants)
-}
-
-// DraftSeqRm implements engine.DraftBackend.
-func (b *Backend) DraftSeqRm(seq int) {
-	if b.drafter != nil {
-		b.drafter.DraftSeqRm(seq)
-	}
-}
-
-var _ engine.DraftBackend = (*Backend)(nil)

@@ -154,16 +154,14 @@ func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 	default:
 		data, loc, err = b.store.Get(m)
 	}
-	var mtp []byte
+	var part []byte
 	if err == nil {
-		data, mtp, err = splitMTP(data)
+		data, part, err = splitPart(data)
 	}
-	if b.mtp != nil {
-		// A hybrid target's load shares cells into the sequence (mirrored) before the
-		// MTP part is loaded: the mirror's check waits for the whole restore.
-		b.mtp.paused = true
-		defer func() { b.mtp.paused = false }()
-	}
+	// A hybrid target's load shares cells into the sequence (mirrored) before the
+	// follower's part is loaded: the mirror's check waits for the whole restore.
+	b.follower.restoring(true)
+	defer b.follower.restoring(false)
 	if err == nil {
 		if b.recurrent() {
 			err = b.loadRecurrent(op.Seq, op.Src, op.D, len(op.Tokens), data)
@@ -174,13 +172,13 @@ func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 			err = &tier.MissError{Reason: tier.MissRejected, Err: err}
 		}
 	}
-	if err == nil && b.mtp != nil && !b.mtp.shared {
+	if err == nil && b.follower.hasPart() {
 		// The target's cells are back whatever happens here: without the MTP part (an
 		// entry written without MTP, or one the MTP context refuses) the pool's sessions
 		// are only not drafted for.
-		if mtp == nil {
+		if part == nil {
 			b.log.Info("pool restored from the tier without MTP cells: its sessions are not MTP-drafted for", "pool", op.Pool)
-		} else if e := b.mtp.loadSeq(op.Seq, op.Src, op.D, len(op.Tokens), mtp); e != nil {
+		} else if e := b.follower.loadPart(op.Seq, op.Src, op.D, len(op.Tokens), part); e != nil {
 			b.log.Warn("pool's MTP cells not restored: its sessions are not MTP-drafted for", "pool", op.Pool, "err", e)
 		}
 	}
@@ -192,8 +190,10 @@ func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 	return nil
 }
 
-// A pool's tier entry on a server drafting with the model's MTP head (draft-mtp) holds
-// the MTP context's part too (MTP.saveSeq), behind the target's:
+// A pool's tier entry on a server whose drafter follows the target (a Follower: the
+// model's MTP head, draft-mtp) holds the follower's part too (MTP.savePart), behind the
+// target's (the magic names MTP, the only follower, and stays so that entries and slot
+// files written before keep loading):
 //
 //	"PKVMTP1\x00" | u64 target part length | target part | MTP part
 //
@@ -206,37 +206,37 @@ func (b *Backend) restore(op engine.SeqOp, m tier.Meta) error {
 // under the same key.
 const mtpMagic = "PKVMTP1\x00"
 
-// withMTP adds the MTP context's part of op's pool to the target's part data (as is
-// without MTP, or when the MTP context does not hold the pool: its sessions were not
+// withMTP adds the follower's part of op's pool to the target's part data (as is
+// without a follower, or when the follower does not hold the pool: its sessions were not
 // drafted for either).
 func (b *Backend) withMTP(op engine.SeqOp, data []byte) []byte {
-	out, err := b.mtpEnvelope(op.Seq, op.Src, op.D, len(op.Tokens), data)
+	out, err := b.envelope(op.Seq, op.Src, op.D, len(op.Tokens), data)
 	if err != nil {
 		b.log.Warn("pool's MTP cells not saved with it: after a restore its sessions are not MTP-drafted for", "pool", op.Pool, "err", err)
 	}
 	return out
 }
 
-// mtpEnvelope is data (the target's part of seq's cells [lo, hi)) with the MTP
-// context's part of the same cells behind it (MTP.saveSeq), in the format above: data
-// as is without MTP, and with the error when the MTP context cannot give its part.
-func (b *Backend) mtpEnvelope(seq, src, lo, hi int, data []byte) ([]byte, error) {
-	if b.mtp == nil || b.mtp.shared { // an MTP assistant's cells are the target's
+// envelope is data (the target's part of seq's cells [lo, hi)) with the follower's
+// part of the same cells behind it (Follower.savePart), in the format above: data as is
+// without a follower that keeps cells, and with the error when it cannot give its part.
+func (b *Backend) envelope(seq, src, lo, hi int, data []byte) ([]byte, error) {
+	if !b.follower.hasPart() { // none, or an MTP assistant's: its cells are the target's
 		return data, nil
 	}
-	mtp, err := b.mtp.saveSeq(seq, src, lo, hi)
+	part, err := b.follower.savePart(seq, src, lo, hi)
 	if err != nil {
 		return data, err
 	}
-	out := make([]byte, 0, len(mtpMagic)+8+len(data)+len(mtp))
+	out := make([]byte, 0, len(mtpMagic)+8+len(data)+len(part))
 	out = append(out, mtpMagic...)
 	out = binary.LittleEndian.AppendUint64(out, uint64(len(data)))
 	out = append(out, data...)
-	return append(out, mtp...), nil
+	return append(out, part...), nil
 }
 
-// splitMTP is withMTP's inverse: the target's part and the MTP part (nil: none).
-func splitMTP(data []byte) (target, mtp []byte, err error) {
+// splitPart is envelope's inverse: the target's part and the follower's (nil: none).
+func splitPart(data []byte) (target, part []byte, err error) {
 	if !bytes.HasPrefix(data, []byte(mtpMagic)) {
 		return data, nil, nil
 	}
@@ -275,7 +275,7 @@ var _ engine.SlotBackend = (*Backend)(nil)
 
 // SaveSeq implements engine.SlotBackend (llama-server's slot save). On a draft-mtp
 // server the file holds the MTP context's cells and rows of the slot too (the tier
-// entries' envelope, mtpEnvelope), so a restored slot is drafted for as before.
+// entries' envelope), so a restored slot is drafted for as before.
 func (b *Backend) SaveSeq(seq int) ([]byte, error) {
 	var data []byte
 	var err error
@@ -290,7 +290,7 @@ func (b *Backend) SaveSeq(seq int) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	out, err := b.mtpEnvelope(seq, -1, 0, b.ctx.SeqPosMax(seq)+1, data)
+	out, err := b.envelope(seq, -1, 0, b.ctx.SeqPosMax(seq)+1, data)
 	if err != nil {
 		b.log.Warn("slot's MTP cells not saved with it: after a restore it is not MTP-drafted for", "seq", seq, "err", err)
 	}
@@ -302,27 +302,25 @@ func (b *Backend) SaveSeq(seq int) ([]byte, error) {
 // (saved by a server not drafting with MTP) restores the target's alone, and the slot
 // is then not MTP-drafted for; a server without MTP drops the part.
 func (b *Backend) LoadSeq(seq, n int, data []byte) error {
-	data, mtp, err := splitMTP(data)
+	data, part, err := splitPart(data)
 	if err != nil {
 		return err
 	}
-	if b.mtp != nil {
-		// The target's cells come back before the MTP context's: the mirror's check
-		// waits for the whole restore (as for the tier's).
-		b.mtp.paused = true
-		defer func() { b.mtp.paused = false }()
-	}
+	// The target's cells come back before the follower's: the mirror's check waits for
+	// the whole restore (as for the tier's).
+	b.follower.restoring(true)
+	defer b.follower.restoring(false)
 	if b.recurrent() {
 		err = b.loadRecurrent(seq, -1, 0, n, data)
 	} else {
 		err = b.load(seq, 0, n, data)
 	}
-	if err != nil || b.mtp == nil || b.mtp.shared {
+	if err != nil || !b.follower.hasPart() {
 		return err
 	}
-	if mtp == nil {
+	if part == nil {
 		b.log.Info("slot restored without MTP cells: it is not MTP-drafted for", "seq", seq)
-	} else if e := b.mtp.loadSeq(seq, -1, 0, n, mtp); e != nil {
+	} else if e := b.follower.loadPart(seq, -1, 0, n, part); e != nil {
 		b.log.Warn("slot's MTP cells not restored: it is not MTP-drafted for", "seq", seq, "err", e)
 	}
 	return nil
