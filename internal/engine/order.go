@@ -57,6 +57,7 @@ type sessionGap struct {
 	avg     time.Duration // 0: no gap seen yet
 	lastEnd time.Time     // when its last turn ended
 	tool    bool          // its last reply ended in a tool call
+	served  int           // its context at the end of its last turn (attained service)
 }
 
 func ewmaDur(avg, x time.Duration) time.Duration {
@@ -80,22 +81,35 @@ func (s *Scheduler) turnGap(sl *slot) time.Duration {
 	return s.gaps.all
 }
 
+// unknownHorizon is how far ahead a holder nothing is expected of (a pool, or a
+// conversation before any gap was learned) is put: after every holder expected back
+// sooner, least recently used first among themselves.
+const unknownHorizon = 30 * time.Second
+
 // nextUse is when victim v is expected to be needed again (see the top of this file):
-// its expected time while that is ahead, else now plus twice how overdue it is (went
-// quiet: the longer, the less likely soon). With no expectation (a pool, or nothing
-// learned) the expected time is its last use, which orders by recency alone.
+// now when a queued request continues it; its expected time while that is ahead, else
+// now plus twice how overdue it is (went quiet: the longer, the less likely soon); with
+// no expectation, unknownHorizon plus how long it has been idle, which orders such
+// holders by recency alone (a server that saw no conversation evicts least recently
+// used first).
 func (s *Scheduler) nextUse(v victim) time.Time {
-	var exp time.Time
+	var exp, last time.Time
 	if v.p != nil {
-		exp = v.p.LastAccess
+		last = v.p.LastAccess
 	} else {
 		sl := v.sl
 		if s.awaited(sl) {
 			return s.now
 		}
+		last = sl.lastUsed
 		if exp = sl.expect; exp.IsZero() {
-			exp = sl.lastUsed.Add(s.turnGap(sl))
+			if g := s.turnGap(sl); g > 0 {
+				exp = sl.lastUsed.Add(g)
+			}
 		}
+	}
+	if exp.IsZero() {
+		return s.now.Add(unknownHorizon + s.now.Sub(last))
 	}
 	if late := s.now.Sub(exp); late > 0 {
 		return s.now.Add(2 * late)
@@ -130,7 +144,7 @@ func (s *Scheduler) turnEnded(t *task, sl *slot) {
 			g = &sessionGap{}
 			s.gaps.sessions[id] = g
 		}
-		g.lastEnd, g.tool = s.now, false
+		g.lastEnd, g.tool, g.served = s.now, false, len(sl.tokens)
 	}
 }
 

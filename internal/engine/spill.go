@@ -446,6 +446,9 @@ func (s *Scheduler) continuation(t *task) (cont bool, attained, seq int) {
 	if id := t.req.SessionID; id != "" {
 		_, bound := s.bySession[id]
 		cont = bound || s.adm.Known(id)
+		if g := s.gaps.sessions[id]; g != nil {
+			attained = g.served
+		}
 	}
 	for _, sl := range s.slots {
 		own := sl.session != "" && sl.session == t.req.SessionID
