@@ -85,13 +85,16 @@ type Config struct {
 	// a pool_id (issue 12); off only for comparison.
 	PrefixCache string
 
-	// The tier below the cache (issue 25): an evicted pool's KV goes to host RAM up to
-	// PoolRAMMB (--pool-ram-mb; 0: none), then to disk under PoolDir (--pool-dir; "":
-	// none) up to PoolDiskMB (--pool-disk-mb), and is restored from there instead of
-	// prefilled. With PoolDir, pinned pools are recorded and come back after a restart.
+	// The tier below the cache (issues 25, 40): evicted KV (pools' own cells, and
+	// segments of TierChunk tokens of idle sessions' and cached sequences' cells) goes to
+	// host RAM up to PoolRAMMB (--pool-ram-mb; 0: none), then to disk under PoolDir
+	// (--pool-dir; "": none) up to PoolDiskMB (--pool-disk-mb), and is restored from
+	// there instead of prefilled. With PoolDir, pinned pools are recorded and come back
+	// after a restart.
 	PoolRAMMB  int
 	PoolDir    string
 	PoolDiskMB int
+	TierChunk  int // --tier-chunk
 	// SlotSavePath (--slot-save-path): directory of llama-server's slot save/restore
 	// files ("": those actions answer 501).
 	SlotSavePath string
@@ -140,7 +143,8 @@ func DefaultConfig() Config {
 		KVCompaction: "auto",
 		MMKernel:     "polykv",
 		PrefixCache:  "on",
-		PoolRAMMB:    512,
+		PoolRAMMB:    8192, // llama-server's --cache-ram default: a budget, not an allocation
+		TierChunk:    engine.DefaultTierChunk,
 		PoolDiskMB:   4096,
 		TPSTau:       tps.DefaultTau,
 		CacheTypeK:   "f16",
@@ -188,6 +192,8 @@ func (c Config) Validate() error {
 		return fmt.Errorf("--kv-block-size must be positive, got %d", c.KVBlockSize)
 	case c.PoolRAMMB < 0 || c.PoolDiskMB < 0:
 		return fmt.Errorf("--pool-ram-mb and --pool-disk-mb must not be negative")
+	case c.TierChunk < 16 || c.TierChunk > 1<<16:
+		return fmt.Errorf("--tier-chunk must be between 16 and 65536 tokens, got %d", c.TierChunk)
 	}
 	if _, _, err := ParseGPULayers(c.GPULayers); err != nil {
 		return err
@@ -282,7 +288,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 	}
 	ecfg := engine.Config{NCtx: cfg.NCtx, Parallel: cfg.Parallel, MaxPools: cfg.MaxPools, NBatch: cfg.NBatch,
 		MaxQueue: cfg.MaxQueue, QueueTimeout: cfg.QueueTimeout, AttachMin: cfg.AttachMin, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau,
-		PrefixCache: cfg.PrefixCache == "on"}
+		PrefixCache: cfg.PrefixCache == "on", TierChunk: cfg.TierChunk}
 	specTypes := cfg.specTypes() // checked by Validate
 	ecfg.Spec = engine.Spec{Types: specTypes, DraftMax: cfg.DraftMax, DraftMin: cfg.DraftMin, NgramMin: cfg.SpecNgramMin, StepCost: cfg.SpecStepCost}
 	if err := ecfg.Validate(); err != nil {
@@ -450,6 +456,7 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 			return fail(err)
 		}
 		backend.EnableMTP(draft.mtp)
+		ecfg.NoSequenceSpill = draft.mtp.Mirrors()
 		// Every cell the target holds has its MTP cell and row beside it: the pools'
 		// and sessions' KV bytes count them (the scheduler reads BytesPerCell; 0 for an
 		// MTP assistant, which reads the target's cells).
@@ -538,13 +545,7 @@ func openTier(cfg Config, model *llama.Model, ecfg engine.Config, pol runner.Pol
 	if cfg.PoolRAMMB == 0 && cfg.PoolDir == "" {
 		return nil, "", key, nil
 	}
-	off := ""
-	switch {
-	case cfg.MaxPools == 0:
-		off = "this server has no pools"
-	default:
-		off = pol.TierOff()
-	}
+	off := pol.TierOff()
 	if off != "" {
 		if log != nil {
 			log.Info("pool tier off", "reason", off)

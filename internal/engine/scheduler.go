@@ -51,6 +51,10 @@ type Config struct {
 	// TierChunk is the tokens per stored segment of a session's or cached sequence's
 	// cells (spill.go; 0: DefaultTierChunk). Used with Tier.
 	TierChunk int
+	// NoSequenceSpill keeps the tier to pools: sessions' and cached sequences' cells are
+	// dropped when evicted, as before issue 40 (a backend whose cells another context
+	// mirrors cell for cell, the MTP head's, cannot load them back alone).
+	NoSequenceSpill bool
 	// PoolIDFloor: pool ids start above it (ids an earlier run may have used).
 	PoolIDFloor int
 	// QueueTimeout bounds every wait in the queue (issue 30): a request waiting for a
@@ -380,7 +384,7 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 		s.slots = append(s.slots, &slot{seq: i})
 	}
 	s.kv = &kvCache{nCtx: cfg.NCtx, cells: cells, plan: &s.ops, slots: s.slots, pools: s.pools, grace: cfg.PoolGrace, pinPaging: cfg.Tier}
-	if cfg.Tier {
+	if cfg.Tier && !cfg.NoSequenceSpill {
 		s.spills = newSpillIndex(cfg.tierChunk())
 	}
 	s.kv.nextUse = s.nextUse

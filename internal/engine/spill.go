@@ -419,6 +419,11 @@ func (s *Scheduler) loaded(m Loaded) {
 	t := s.tasks[m.Task]
 	sl := t.slot
 	t.loadWait = false
+	if m.N < len(sl.tokens) {
+		// The load failed after it had to let go of what the sequence held (a recurrent
+		// state cannot be cut back): the sequence holds [0, N) only.
+		s.truncate(sl, m.N)
+	}
 	h := len(sl.tokens)
 	n := min(max(m.N, h), t.loadTo)
 	if n > h {

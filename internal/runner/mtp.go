@@ -170,6 +170,12 @@ func (m *MTP) NoRoom() int64 { return m.noRoom.Load() }
 // (tests: Mismatches reports what it found). Safe from any goroutine.
 func (m *MTP) CheckMirror(n int) { m.checkSeqs.Store(int32(n)) }
 
+// Mirrors reports whether the MTP context keeps cells of its own beside every target
+// cell (an MTP head; false for an assistant, which reads the target's): sequences'
+// cells then cannot be loaded back from the tier without its part (issue 40: the engine
+// spills no session or cached sequence, engine.Config.NoSequenceSpill).
+func (m *MTP) Mirrors() bool { return !m.shared }
+
 // Mismatches is the number of checks (CheckMirror) that found the MTP context's cells
 // differing from the target's, and the first difference. Safe from any goroutine.
 func (m *MTP) Mismatches() (int64, string) {
