@@ -441,6 +441,9 @@ func (s *Scheduler) submit(req Request) (TaskID, Gate, error) {
 	}
 	s.enqueue(t)
 	s.admit()
+	if t.slot == nil {
+		s.prefetch(t) // it waits: what it will load can come up from disk meanwhile
+	}
 	return t.id, g, nil
 }
 
@@ -811,6 +814,11 @@ func (s *Scheduler) admitPass() bool {
 		}
 		pl := s.place(t, sl)
 		if need, room := s.fit(t, sl, pl); room < need {
+			if err := s.neverFits(need); err != nil {
+				s.unqueue(t, FinishError, err)
+				moved = true
+				continue
+			}
 			// Head-of-line: wait for running tasks to end; those behind wait behind it.
 			t.wait = WaitCells
 			for _, q := range s.queue[i+1:] {

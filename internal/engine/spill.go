@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"fmt"
 	"slices"
 
 	"github.com/polykv/polykv/internal/pool"
@@ -367,6 +368,54 @@ func (s *Scheduler) planLoad(t *task, sl *slot) {
 		return
 	}
 	s.ops = append(s.ops, SeqOp{Kind: OpLoad, Seq: sl.seq, P0: h, P1: to, Segs: segs, Task: t.id, Spill: spillKindOf(sl)})
+}
+
+// prefetch plans reading what t will load from disk into memory while t waits for a
+// sequence (OpPrefetch: the driver reads off the engine goroutine; entries already in
+// memory cost a lookup), so its load, once seated, reads memory.
+func (s *Scheduler) prefetch(t *task) {
+	if s.spills == nil || t.kind != kindGenerate {
+		return
+	}
+	limit := len(t.req.Prompt) - 1
+	h, _ := s.kv.longest(t.req.Prompt, limit)
+	if segs, to := s.spills.lookup(t.req.Prompt, h, limit, s.cfg.Recurrent); to-h >= minLoad {
+		s.ops = append(s.ops, SeqOp{Kind: OpPrefetch, Seq: -1, Segs: segs, Task: t.id})
+	}
+}
+
+// neverFits refuses, at once, a request that needs more new cells than the cache could
+// give it even once every running request ended and everything evictable went: the
+// cells of user-pinned pools (and of the ancestors their cells extend) stay, and
+// without a tier nothing pages them out (issue 40: a request that can never fit fails
+// at once, saying why, instead of waiting out the queue timeout). With a tier every
+// pool pages, and a prompt shorter than the context always fits eventually.
+func (s *Scheduler) neverFits(need int) error {
+	if s.kv.pinPaging {
+		return nil
+	}
+	var others seqSet
+	keep := map[int]bool{}
+	for _, p := range s.pools.All() {
+		if p.UserPinned && p.State == pool.Resident {
+			for a := p; a != nil; a = a.Parent {
+				keep[a.Seq] = true
+			}
+		}
+	}
+	if len(keep) == 0 {
+		return nil
+	}
+	for q := range s.cfg.Parallel + s.cfg.MaxPools {
+		if !keep[q] {
+			others.add(q)
+		}
+	}
+	pinned := s.kv.used() - s.kv.freedBy(others, -1, 0)
+	if need <= s.cfg.NCtx-pinned {
+		return nil
+	}
+	return fmt.Errorf("%w: it needs %d new cells; pinned pools hold %d of the cache's %d (unpin one, or give the server a tier below the cache: --pool-ram-mb)", ErrNeverFits, need, pinned, s.cfg.NCtx)
 }
 
 // minLoad is the shortest run worth a load: below it the one step a load waits for its

@@ -175,8 +175,8 @@ func TestPinnedPoolPagedForARequest(t *testing.T) {
 	}
 }
 
-// Without a tier a pinned pool is never evicted: the same request waits, and the
-// deadline refuses it once nothing moves.
+// Without a tier a pinned pool is never evicted: the same request can never fit beside
+// it, and is refused at once saying so (not after the queue timeout).
 func TestPinnedPoolWithoutTierStaysResident(t *testing.T) {
 	cfg := spillCfg()
 	cfg.NCtx, cfg.Tier, cfg.QueueTimeout = 64, false, 2*time.Second
@@ -187,12 +187,14 @@ func TestPinnedPoolWithoutTierStaysResident(t *testing.T) {
 	}
 	h.now = h.now.Add(2 * time.Second)
 	big := h.submit(Request{Prompt: seqTokens(400, 34), MaxTokens: 2})
-	for range 3 {
-		h.step()
-		h.now = h.now.Add(time.Second)
+	if ev, ok := h.done(big); !ok || !errors.Is(ev.Err, ErrNeverFits) {
+		t.Fatalf("request beside a pinned pool without a tier: %+v, want refused at once", ev)
 	}
-	if ev, ok := h.done(big); !ok || !errors.Is(ev.Err, ErrQueueTimeout) {
-		t.Fatalf("request beside a pinned pool without a tier: %+v", ev)
+	// One that fits beside it runs.
+	small := h.submit(Request{Prompt: seqTokens(400, 20), MaxTokens: 2})
+	h.run()
+	if ev, ok := h.done(small); !ok || ev.Err != nil {
+		t.Fatalf("a request that fits beside the pinned pool: %+v", ev)
 	}
 	if info, _ := h.s.Pool(id); info.State != "resident" {
 		t.Fatalf("pinned pool %+v, want resident", info)

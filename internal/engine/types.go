@@ -143,6 +143,9 @@ var (
 	ErrContextExceeded = errors.New("the context is exhausted")
 	// ErrQueueTimeout: the request waited in the queue past Config.QueueTimeout.
 	ErrQueueTimeout = errors.New("the request waited too long in the queue")
+	// ErrNeverFits: the request needs more cells than the cache can ever give it while
+	// the pools pinned now stay pinned (no tier to page them to).
+	ErrNeverFits = errors.New("the request cannot fit the cache beside the pinned pools")
 )
 
 // BatchEntry is one token of a decode batch.
