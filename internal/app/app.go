@@ -462,6 +462,15 @@ func Open(cfg Config, log *slog.Logger) (*App, error) {
 		// MTP assistant, which reads the target's cells).
 		ecfg.BytesPerCell += draft.mtpBytesPerCell
 	}
+	if store != nil && ecfg.BytesPerCell > 0 {
+		// The scheduler's index of stored segments need not outlive what the tier can
+		// hold: twice its budgets in tokens.
+		budget := int64(cfg.PoolRAMMB) << 20
+		if cfg.PoolDir != "" {
+			budget += int64(cfg.PoolDiskMB) << 20
+		}
+		ecfg.TierIndexTokens = int(min(2*budget/ecfg.BytesPerCell, 1<<28))
+	}
 	sched, err := engine.NewScheduler(ecfg, runner.Vocab{M: model})
 	if err != nil {
 		draft.free()

@@ -134,6 +134,11 @@ func (f *fakeBackend) Load(op SeqOp) (Loaded, error) {
 		if g.Whole && g.Start != ans.N {
 			f.t.Errorf("fake: a whole segment from %d loaded onto seq %d holding %d", g.Start, op.Seq, ans.N)
 		}
+		// The runner loads the whole segment into a scratch sequence first: its cells
+		// below what the sequence holds are there until the load ends.
+		if need := f.cells() + len(toks); need > f.nCtx {
+			f.t.Errorf("fake: loading segment [%d, %d) needs %d cells of %d (the scheduler's room accounting)", g.Start, g.Start+len(toks), need, f.nCtx)
+		}
 		for p := ans.N; p < min(g.Start+len(toks), op.P1); p++ {
 			f.nextCell++
 			f.kv[op.Seq] = append(f.kv[op.Seq], fakeCell{id: f.nextCell, tok: toks[p-g.Start]})

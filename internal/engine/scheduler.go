@@ -55,6 +55,9 @@ type Config struct {
 	// dropped when evicted, as before issue 40 (a backend whose cells another context
 	// mirrors cell for cell, the MTP head's, cannot load them back alone).
 	NoSequenceSpill bool
+	// TierIndexTokens bounds the tokens the scheduler remembers having stored (about the
+	// tier's capacity in tokens; 0: 4M).
+	TierIndexTokens int
 	// PoolIDFloor: pool ids start above it (ids an earlier run may have used).
 	PoolIDFloor int
 	// QueueTimeout bounds every wait in the queue (issue 30): a request waiting for a
@@ -385,7 +388,7 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	}
 	s.kv = &kvCache{nCtx: cfg.NCtx, cells: cells, plan: &s.ops, slots: s.slots, pools: s.pools, grace: cfg.PoolGrace, pinPaging: cfg.Tier}
 	if cfg.Tier && !cfg.NoSequenceSpill {
-		s.spills = newSpillIndex(cfg.tierChunk())
+		s.spills = newSpillIndex(cfg.tierChunk(), cfg.TierIndexTokens)
 	}
 	s.kv.nextUse = s.nextUse
 	s.pools.SkipIDs(cfg.PoolIDFloor)
@@ -1052,7 +1055,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	budget := s.cfg.NBatch
 	// A restore planned in this step writes its cells before the batch runs, though
 	// the cell tree counts them only once its Restored answer comes.
-	free := s.kv.room(s.tierPending() + s.loadPending() + s.loadScratch())
+	free := s.kv.room(s.tierPending() + s.loadPending())
 	planned := 0
 	// decoders still to plan: each needs one token of the budget and one cell, which
 	// drafts never take from them.

@@ -99,16 +99,33 @@ type spilled struct {
 	tail bool
 }
 
-// spillIndex is what the scheduler asked the tier to store, by content.
+// spillIndex is what the scheduler asked the tier to store, by content. It holds at
+// most limit tokens: the store drops its own entries by LRU without telling, so past
+// that the oldest entries are forgotten (a forgotten entry the store still had is only
+// a load not tried; one it no longer had would have been a miss).
 type spillIndex struct {
 	chunk    int
+	limit    int
 	entries  map[spillKey][]*spilled
+	order    []indexRef // insertion order, for the limit (entries already gone are skipped)
 	segments int
 	tokens   int
 }
 
-func newSpillIndex(chunk int) *spillIndex {
-	return &spillIndex{chunk: chunk, entries: map[spillKey][]*spilled{}}
+// indexRef names one entry in insertion order.
+type indexRef struct {
+	k spillKey
+	e *spilled
+}
+
+// defaultIndexTokens bounds the index when Config.TierIndexTokens is 0.
+const defaultIndexTokens = 1 << 22
+
+func newSpillIndex(chunk, limit int) *spillIndex {
+	if limit <= 0 {
+		limit = defaultIndexTokens
+	}
+	return &spillIndex{chunk: chunk, limit: limit, entries: map[spillKey][]*spilled{}}
 }
 
 // hashSeed is the hash of the empty prefix; hashTokens extends h over toks.
@@ -140,7 +157,6 @@ func (x *spillIndex) add(k spillKey, toks []Token, whole, tail bool) (dropped []
 		list = slices.DeleteFunc(list, func(o *spilled) bool {
 			if !o.whole && len(o.toks) < len(toks) && slices.Equal(o.toks, toks[:len(o.toks)]) {
 				dropped = append(dropped, o)
-				e.tail = e.tail || o.tail && len(toks) == len(o.toks)
 				return true
 			}
 			return false
@@ -152,17 +168,24 @@ func (x *spillIndex) add(k spillKey, toks []Token, whole, tail bool) (dropped []
 	for _, o := range dropped {
 		x.tokens -= len(o.toks)
 	}
+	x.order = append(x.order, indexRef{k, e})
+	for x.tokens > x.limit && len(x.order) > 0 {
+		old := x.order[0]
+		x.order = x.order[1:]
+		x.remove(old.k, func(o *spilled) bool { return o == old.e })
+	}
+	if len(x.order) > 2*x.segments+64 {
+		x.order = slices.DeleteFunc(x.order, func(r indexRef) bool { return !slices.Contains(x.entries[r.k], r.e) })
+	}
 	return dropped
 }
 
-// forget removes a segment the store could not give.
-func (x *spillIndex) forget(g Segment) {
-	k := spillKey{g.Start, hashTokens(hashSeed, g.Tokens[:g.Start])}
-	own := g.Tokens[g.Start:]
+// remove drops the entries at k that match.
+func (x *spillIndex) remove(k spillKey, match func(*spilled) bool) {
 	list := x.entries[k]
 	n := len(list)
 	list = slices.DeleteFunc(list, func(e *spilled) bool {
-		if e.whole == g.Whole && slices.Equal(e.toks, own) {
+		if match(e) {
 			x.tokens -= len(e.toks)
 			return true
 		}
@@ -174,6 +197,14 @@ func (x *spillIndex) forget(g Segment) {
 	} else {
 		x.entries[k] = list
 	}
+}
+
+// forget removes a segment the store could not give.
+func (x *spillIndex) forget(g Segment) {
+	own := g.Tokens[g.Start:]
+	x.remove(spillKey{g.Start, hashTokens(hashSeed, g.Tokens[:g.Start])}, func(e *spilled) bool {
+		return e.whole == g.Whole && slices.Equal(e.toks, own)
+	})
 }
 
 // lookup is the longest run of stored segments that continues prompt from position
@@ -348,9 +379,15 @@ func (s *Scheduler) spillCount(kind SpillKind, n int) {
 // planLoad, right after t was seated on sl, plans loading whatever the tier holds of
 // t's prompt beyond what sl holds now, up to the last prompt token (decoded for its
 // logits). t then waits (loadWait) for the Loaded answer before any of its prompt is
-// prefilled. Nothing is planned when the run is shorter than a worthwhile load or
-// the cache cannot give the cells a load needs at once (its run and a chunk of
-// scratch room), which a prefill could take chunk by chunk.
+// prefilled. Nothing is planned when the run is shorter than a worthwhile load.
+//
+// Room: the cells the load writes are t's own prompt's, which admission reserved
+// (reservedPrefill) and Plan keeps from the batch (loadPending). Beyond them a load needs,
+// only while it runs (before the batch), the cells of its first segment below what sl
+// holds and of its last beyond what t uses: a segment goes whole into the scratch
+// sequence and only what sl lacks is shared from there; the rest is free again when
+// the load ends. The loads of a plan run in order, each after the cells of those before
+// it are written.
 func (s *Scheduler) planLoad(t *task, sl *slot) {
 	if !s.cfg.Tier || s.spills == nil || t.kind != kindGenerate {
 		return
@@ -360,10 +397,9 @@ func (s *Scheduler) planLoad(t *task, sl *slot) {
 	if to-h < minLoad {
 		return
 	}
-	// Counted from here by reservedPrefill (t's whole remaining prompt) and loadScratch:
-	// every seated prompt and the scratch room must fit before the loads run.
-	t.loadWait, t.loadTo, t.loadSegs = true, to, segs
-	if want := s.reservedPrefill() + s.loadScratch(); s.kv.room(0) < want && s.freeCells(want, nil, 0) < want {
+	t.loadWait, t.loadTo, t.loadSegs = true, to, segs // counted by loadPending from here
+	want := s.loadPending() + s.tierPending() + h - segs[0].Start + segs[len(segs)-1].End() - to
+	if s.kv.room(0) < want && s.freeCells(want, nil, 0) < want {
 		t.loadWait, t.loadTo, t.loadSegs = false, 0, nil
 		return
 	}
@@ -422,24 +458,7 @@ func (s *Scheduler) neverFits(need int) error {
 // answer costs more than prefilling the tokens.
 const minLoad = 16
 
-// loadRoom is the scratch room one more load would need: a segment is loaded whole into
-// the scratch sequence before what the sequence lacks is shared from it.
-func (s *Scheduler) loadRoom() int {
-	if s.cfg.Recurrent {
-		return 0 // a whole segment: the scratch's cells are the ones the sequence keeps
-	}
-	return s.cfg.tierChunk()
-}
-
-// loadScratch is the scratch room the loads already planned need (one chunk: the
-// driver loads them one at a time); loadPending the cells they will write.
-func (s *Scheduler) loadScratch() int {
-	if s.loadPending() > 0 {
-		return s.loadRoom()
-	}
-	return 0
-}
-
+// loadPending is the cells the loads planned and not yet answered will write.
 func (s *Scheduler) loadPending() int {
 	n := 0
 	for _, t := range s.running {

@@ -5,8 +5,6 @@ import (
 	"slices"
 	"testing"
 	"time"
-
-	"github.com/polykv/polykv/internal/pool"
 )
 
 // spillCfg is a small server with a tier below the cache (issue 40).
@@ -326,7 +324,7 @@ func TestEvictionByExpectedNextUse(t *testing.T) {
 // The index finds stored content by prompt alone: full chunks in a row, a last one
 // that matches only in part, and nothing past a gap.
 func TestSpillIndexLookup(t *testing.T) {
-	x := newSpillIndex(4)
+	x := newSpillIndex(4, 0)
 	toks := seqTokens(10, 14)
 	h := hashSeed
 	for k := 0; k < 14; k += 4 {
@@ -350,5 +348,17 @@ func TestSpillIndexLookup(t *testing.T) {
 	if _, to = x.lookup(toks, 0, 13, false); to != 8 {
 		t.Fatalf("after forgetting the third chunk: to %d, want 8", to)
 	}
-	_ = pool.CommonPrefix
+	// Bounded: past its limit the oldest entries go.
+	y := newSpillIndex(4, 8)
+	h = hashSeed
+	for k := 0; k < 12; k += 4 {
+		y.add(spillKey{k, h}, toks[k:k+4], false, false)
+		h = hashTokens(h, toks[k:k+4])
+	}
+	if y.tokens != 8 || y.segments != 2 {
+		t.Fatalf("bounded index holds %d tokens in %d segments, want 8 in 2", y.tokens, y.segments)
+	}
+	if _, to := y.lookup(toks, 0, 13, false); to != 0 {
+		t.Fatalf("the oldest (first) chunk was forgotten, yet a lookup from 0 reached %d", to)
+	}
 }
