@@ -68,9 +68,11 @@ func ewmaDur(avg, x time.Duration) time.Duration {
 }
 
 // turnGap is the expected gap after sl's last turn: after a tool call, the tool gap;
-// else its session's own, else the average over every conversation seen. 0 when
-// nothing is known (no conversation has continued yet): nextUse is then least
-// recently used, which is what a server without conversations should do.
+// else its session's own; else, for a conversation (a session, or an anonymous request
+// that continued an earlier one), the average over every conversation seen. 0 when
+// nothing is known (a one-shot request as far as anyone can tell, or no conversation
+// has continued yet): nextUse then orders it by recency alone, after every holder
+// expected back.
 func (s *Scheduler) turnGap(sl *slot) time.Duration {
 	if sl.toolTurn {
 		return cmp.Or(s.gaps.tool, defaultToolGap)
@@ -78,7 +80,10 @@ func (s *Scheduler) turnGap(sl *slot) time.Duration {
 	if g := s.gaps.sessions[sl.session]; sl.session != "" && g != nil && g.avg > 0 {
 		return g.avg
 	}
-	return s.gaps.all
+	if sl.conv {
+		return s.gaps.all
+	}
+	return 0
 }
 
 // unknownHorizon is how far ahead a holder nothing is expected of (a pool, or a
@@ -135,6 +140,7 @@ func (s *Scheduler) awaited(sl *slot) bool {
 // the client's word (Request.NextTurn), or later from the learned gaps (nextUse).
 func (s *Scheduler) turnEnded(t *task, sl *slot) {
 	sl.lastTask, sl.toolTurn, sl.expect = t.id, false, time.Time{}
+	sl.conv = t.cont || t.req.SessionID != ""
 	if t.req.NextTurn > 0 {
 		sl.expect = s.now.Add(t.req.NextTurn)
 	}

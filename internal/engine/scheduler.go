@@ -186,6 +186,9 @@ type slot struct {
 	lastTask TaskID
 	expect   time.Time
 	toolTurn bool
+	// conv: its last request was a conversation's turn (a session's, or one that
+	// continued an earlier request), so it is expected back after a turn's gap.
+	conv bool
 }
 
 type taskKind int
