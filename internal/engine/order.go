@@ -67,23 +67,24 @@ func ewmaDur(avg, x time.Duration) time.Duration {
 	return avg + time.Duration(gapAlpha*float64(x-avg))
 }
 
-// turnGap is the expected gap after sl's last turn: after a tool call, the tool gap;
-// else its session's own; else, for a conversation (a session, or an anonymous request
-// that continued an earlier one), the average over every conversation seen. 0 when
-// nothing is known (a one-shot request as far as anyone can tell, or no conversation
-// has continued yet): nextUse then orders it by recency alone, after every holder
-// expected back.
+// turnGap is the expected gap after sl's last turn, from evidence about this
+// conversation alone: after a tool call, the tool gap (learned over every conversation);
+// else the typical gap its session showed, or, anonymous, the one the conversation on
+// this sequence showed. 0 when nothing is known: nextUse then orders it by recency
+// alone, after every holder expected back. (A gap learned from other conversations is
+// no evidence about this one: applied to all, it would evict the most recently used
+// first, which fails every conversation that is not a round of agents.)
 func (s *Scheduler) turnGap(sl *slot) time.Duration {
-	if sl.toolTurn {
+	switch g := s.gaps.sessions[sl.session]; {
+	case sl.toolTurn:
 		return cmp.Or(s.gaps.tool, defaultToolGap)
+	case sl.session != "":
+		if g != nil {
+			return g.avg
+		}
+		return 0
 	}
-	if g := s.gaps.sessions[sl.session]; sl.session != "" && g != nil && g.avg > 0 {
-		return g.avg
-	}
-	if sl.conv {
-		return s.gaps.all
-	}
-	return 0
+	return sl.gap
 }
 
 // unknownHorizon is how far ahead a holder nothing is expected of (a pool, or a
@@ -140,7 +141,6 @@ func (s *Scheduler) awaited(sl *slot) bool {
 // the client's word (Request.NextTurn), or later from the learned gaps (nextUse).
 func (s *Scheduler) turnEnded(t *task, sl *slot) {
 	sl.lastTask, sl.toolTurn, sl.expect = t.id, false, time.Time{}
-	sl.conv = t.cont || t.req.SessionID != ""
 	if t.req.NextTurn > 0 {
 		sl.expect = s.now.Add(t.req.NextTurn)
 	}
@@ -189,6 +189,9 @@ func (s *Scheduler) turnArrived(t *task) {
 			return
 		}
 		gap, tool = s.now.Sub(sl.lastUsed), sl.toolTurn
+		if !tool {
+			sl.gap = ewmaDur(sl.gap, gap) // the conversation on this sequence
+		}
 	default:
 		return
 	}

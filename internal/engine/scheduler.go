@@ -186,9 +186,9 @@ type slot struct {
 	lastTask TaskID
 	expect   time.Time
 	toolTurn bool
-	// conv: its last request was a conversation's turn (a session's, or one that
-	// continued an earlier request), so it is expected back after a turn's gap.
-	conv bool
+	// gap: the typical gap between turns of the anonymous conversation on it (learned
+	// when a request continued it; 0: none seen).
+	gap time.Duration
 }
 
 type taskKind int
@@ -921,6 +921,9 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 			from = pl.keep
 		}
 		s.spillSeq(sl, from, spillKindOf(sl))
+		if t.contSeq != sl.seq {
+			sl.gap = 0 // another conversation moves onto it
+		}
 	}
 	switch {
 	case t.kind == kindMaterialize:
