@@ -220,8 +220,10 @@ func (ab agentsBench) run(cfg app.Config) error {
 				}
 				args := []string{"-m", cfg.ModelPath, "-c", strconv.Itoa(cfg.NCtx), "-np", np, "-t", strconv.Itoa(cfg.Threads), "--kv-unified"}
 				args = append(args, strings.Fields(ab.llamaExtra)...)
-				for _, s := range sessModes {
-					configs = append(configs, config{name: fmt.Sprintf("llama-server -np %d%s", n, sessName(s)), sess: s, start: func() (string, func(), error) {
+				// llama-server has no sessions (x-session-id means nothing to it): once.
+				{
+					s := false
+					configs = append(configs, config{name: fmt.Sprintf("llama-server -np %d", n), sess: s, start: func() (string, func(), error) {
 						l, err := startLlamaServer(ab.llamaServer, args, "agents-np"+np)
 						if err != nil {
 							return "", nil, err
