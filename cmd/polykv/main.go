@@ -98,7 +98,8 @@ func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
 		cfg.PoolGrace = time.Duration(n) * time.Millisecond
 		return nil
 	})
-	fs.IntVar(&cfg.PoolRAMMB, "pool-ram-mb", cfg.PoolRAMMB, "host RAM (MiB) for evicted pools' KV, restored instead of prefilled (0: none)")
+	fs.IntVar(&cfg.PoolRAMMB, "pool-ram-mb", cfg.PoolRAMMB, "host RAM (MiB) for evicted KV (pools, idle sessions, cached requests), restored instead of prefilled (0: none); a budget, used only as the cache overflows")
+	fs.IntVar(&cfg.TierChunk, "tier-chunk", cfg.TierChunk, "tokens per stored segment of an evicted session's or cached request's KV (shared prefixes are stored once per segment)")
 	fs.StringVar(&cfg.PoolDir, "pool-dir", cfg.PoolDir, "directory for evicted pools' KV below RAM and for pinned pools that survive restarts (\"\": none)")
 	fs.IntVar(&cfg.PoolDiskMB, "pool-disk-mb", cfg.PoolDiskMB, "disk budget (MiB) under --pool-dir")
 	fs.StringVar(&cfg.SlotSavePath, "slot-save-path", cfg.SlotSavePath, "directory for POST /slots/{id}?action=save|restore files (\"\": those actions are off)")

@@ -62,8 +62,11 @@ func (a *anthropicShape) failed(_ *chunker, e *apiError) []any {
 // done: a Messages stream ends with message_stop, no [DONE].
 func (a *anthropicShape) done(*sseWriter) {}
 
-func (a *anthropicShape) answer(_ *Server, gen generation, text string, _ []engine.TokenLogprob, ev engine.Event) any {
+func (a *anthropicShape) answer(s *Server, gen generation, text string, _ []engine.TokenLogprob, ev engine.Event) any {
 	msg, calls := replyMessage(gen.plan, text)
+	if calls {
+		s.toolTurn(ev)
+	}
 	a.add("thinking", msg.ReasoningContent, "", "")
 	if msg.Content != nil {
 		a.add("text", *msg.Content, "", "")
@@ -161,7 +164,7 @@ func (a *anthropicShape) finish(gen generation, ev engine.Event, calls bool) wir
 	}
 	msg.StopReason = &reason
 	n := len(gen.req.Prompt)
-	msg.Usage = wire.AnthropicUsage{InputTokens: n - ev.Stats.CacheN, CacheReadInputTokens: ev.Stats.CacheN, OutputTokens: ev.Stats.PredictedN}
+	msg.Usage = wire.AnthropicUsage{InputTokens: n - ev.Stats.CacheN - ev.Stats.RestoredN, CacheReadInputTokens: ev.Stats.CacheN + ev.Stats.RestoredN, OutputTokens: ev.Stats.PredictedN}
 	ctx, tm := wireSessionCtx(ev.Stats.Ctx), wireTimings(ev.Stats)
 	msg.Context, msg.Timings, msg.PoolID = &ctx, &tm, ev.Stats.Pool
 	return msg

@@ -55,6 +55,7 @@ func wireSlot(s engine.SlotInfo) wire.Slot {
 		RecurrentStateBytes: s.RecurrentStateBytes, TPSEWMA: s.TPSEWMA, CtxUsed: s.CtxUsed,
 		CtxTotal: s.CtxTotal, CtxHeadroomTokens: s.Headroom, CtxPressure: s.Pressure}
 	w.DraftN, w.DraftNAccepted = drafts(s.DraftN, s.DraftAccepted)
+	w.NRestored = s.Restored
 	return w
 }
 
@@ -124,7 +125,7 @@ func wireTPS(t engine.TPSSnapshot) wire.TPS {
 // wireUsageOf is OpenAI's usage of a finished generation of promptN prompt tokens.
 func wireUsageOf(promptN int, st engine.Stats) wire.Usage {
 	return wire.Usage{PromptTokens: promptN, CompletionTokens: st.PredictedN, TotalTokens: promptN + st.PredictedN,
-		PromptTokensDetails: wire.PromptTokensDetails{CachedTokens: st.CacheN}}
+		PromptTokensDetails: wire.PromptTokensDetails{CachedTokens: st.CacheN + st.RestoredN}}
 }
 
 // wireTimings are llama-server's timings of a finished generation, with tps_ewma.
@@ -132,7 +133,7 @@ func wireTimings(st engine.Stats) wire.Timings {
 	pms := float64(st.PromptTime.Microseconds()) / 1000
 	gms := float64(st.PredictTime.Microseconds()) / 1000
 	t := wire.Timings{CacheN: st.CacheN, PromptN: st.PromptN, PromptMs: pms, PredictedN: st.PredictedN,
-		PredictedMs: gms, TPSEWMA: st.TPS}
+		PredictedMs: gms, TPSEWMA: st.TPS, RestoredN: st.RestoredN}
 	if st.PromptN > 0 && pms > 0 {
 		t.PromptPerTokenMs = pms / float64(st.PromptN)
 		t.PromptPerSecond = 1000 * float64(st.PromptN) / pms

@@ -49,13 +49,23 @@ func (s *Server) handleCompletionsRender(w http.ResponseWriter, r *http.Request)
 // session-affinity scorer routes by it, so the replica it picks keeps the session.
 const SessionHeader = "X-Session-Id"
 
-// sessionFromHeader uses the x-session-id header as session_id unless the body sets one.
+// NextTurnHeader carries next_turn_ms when the body has none (issue 40): the client's
+// word on when this conversation's next turn follows the reply.
+const NextTurnHeader = "X-PolyKV-Next-Turn-Ms"
+
+// sessionFromHeader uses the x-session-id header as session_id, and
+// x-polykv-next-turn-ms as next_turn_ms, unless the body sets them. A header that is not
+// a number is kept as an impossible value, which toEngine refuses with a 400.
 func sessionFromHeader(r *http.Request, g *wire.GenParams) {
-	if g.SessionID != nil {
-		return
-	}
-	if v := strings.TrimSpace(r.Header.Get(SessionHeader)); v != "" {
+	if v := strings.TrimSpace(r.Header.Get(SessionHeader)); v != "" && g.SessionID == nil {
 		g.SessionID = &v
+	}
+	if v := strings.TrimSpace(r.Header.Get(NextTurnHeader)); v != "" && g.NextTurnMs == nil {
+		ms, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			ms = -1
+		}
+		g.NextTurnMs = &ms
 	}
 }
 

@@ -112,7 +112,11 @@ var (
 	descCacheResident  = prometheus.NewDesc("polykv_prefix_cache_resident_tokens", "Cells held only by finished anonymous sequences kept as cache (what dropping the cache would free).", nil, nil)
 	descCacheSeqs      = prometheus.NewDesc("polykv_prefix_cache_sequences", "Finished anonymous sequences kept as cache.", nil, nil)
 	descCacheEvictions = prometheus.NewDesc("polykv_prefix_cache_evictions_total", "Times a cached anonymous sequence lost cells (least recently used tail first) or its sequence id under pressure or expiry.", nil, nil)
-	descEvictions      = prometheus.NewDesc("polykv_evictions_total", "Times the one least-recently-used eviction under cell or sequence-id pressure took cells from a victim, by its kind: cached (an anonymous sequence kept as cache; also its sequence id or expiry), session (an idle session's tail, or the whole session) or pool (an unpinned pool's own cells).", []string{"kind"}, nil)
+	descEvictions      = prometheus.NewDesc("polykv_evictions_total", "Times eviction under cell or sequence-id pressure (in order of expected next use) took cells from a victim, by its kind: cached (an anonymous sequence kept as cache; also its sequence id or expiry), session (an idle session's tail, or the whole session) or pool (a pool's own cells; with a tier also a pinned pool's, paged out).", []string{"kind"}, nil)
+	descSeqSaves       = prometheus.NewDesc("polykv_tier_segments_saved_total", "Segments of evicted sessions' and cached sequences' KV the scheduler asked the tier to store (shared content is asked once), by kind (session, cached).", []string{"kind"}, nil)
+	descSeqLoaded      = prometheus.NewDesc("polykv_tier_loaded_tokens_total", "Prompt tokens loaded from the tier into a sequence instead of prefilled, by what stored them last (session, cached).", []string{"kind"}, nil)
+	descSeqLoads       = prometheus.NewDesc("polykv_tier_loads_total", "Loads from the tier into a request's sequence that brought tokens back, by kind (session, cached).", []string{"kind"}, nil)
+	descSeqMisses      = prometheus.NewDesc("polykv_tier_segment_misses_total", "Segments a load expected but the tier no longer had or could not load (the rest of the prompt was prefilled).", nil, nil)
 )
 
 var waitReasons = []string{engine.WaitPool, engine.WaitPrefix, engine.WaitSession, engine.WaitSequence,
@@ -122,7 +126,8 @@ var waitReasons = []string{engine.WaitPool, engine.WaitPrefix, engine.WaitSessio
 func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descGen, descKV, descSessions, descRunning, descWaiting, descKVRatio,
 		descWaitReason, descWaitOldest, descWaitTimeouts, descKVCellsUsed, descKVCellsEvictable,
-		descCacheImplicit, descCacheResident, descCacheSeqs, descCacheEvictions, descEvictions} {
+		descCacheImplicit, descCacheResident, descCacheSeqs, descCacheEvictions, descEvictions,
+		descSeqSaves, descSeqLoaded, descSeqLoads, descSeqMisses} {
 		ch <- d
 	}
 }
@@ -163,6 +168,13 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descCacheResident, prometheus.GaugeValue, float64(usage.CacheCells))
 	ch <- prometheus.MustNewConstMetric(descCacheSeqs, prometheus.GaugeValue, float64(usage.CacheSeqs))
 	ch <- prometheus.MustNewConstMetric(descCacheEvictions, prometheus.CounterValue, float64(usage.CacheEvictions))
+	for _, k := range []engine.SpillKind{engine.SpillSession, engine.SpillCached} {
+		ts := usage.Tier
+		ch <- prometheus.MustNewConstMetric(descSeqSaves, prometheus.CounterValue, float64(ts.Saves[k]), k.String())
+		ch <- prometheus.MustNewConstMetric(descSeqLoaded, prometheus.CounterValue, float64(ts.LoadedTokens[k]), k.String())
+		ch <- prometheus.MustNewConstMetric(descSeqLoads, prometheus.CounterValue, float64(ts.Loads[k]), k.String())
+	}
+	ch <- prometheus.MustNewConstMetric(descSeqMisses, prometheus.CounterValue, float64(usage.Tier.Misses))
 	for kind, n := range map[string]int64{"cached": usage.CacheEvictions, "session": usage.SessionEvictions, "pool": usage.PoolEvictions} {
 		ch <- prometheus.MustNewConstMetric(descEvictions, prometheus.CounterValue, float64(n), kind)
 	}

@@ -2,6 +2,7 @@ package api
 
 import (
 	"bytes"
+	"context"
 	"crypto/rand"
 	"encoding/binary"
 	"encoding/hex"
@@ -113,7 +114,26 @@ func (s *Server) toEngine(g *wire.GenParams) (engine.Request, *apiError) {
 		}
 		req.SessionID = *g.SessionID
 	}
+	if g.NextTurnMs != nil {
+		if ms := *g.NextTurnMs; ms < 0 || ms > maxNextTurnMs {
+			return req, badRequest("next_turn_ms must be between 0 and %d (a day), got %d", maxNextTurnMs, ms)
+		}
+		req.NextTurn = time.Duration(*g.NextTurnMs) * time.Millisecond
+	}
 	return req, nil
+}
+
+// maxNextTurnMs bounds next_turn_ms: a day.
+const maxNextTurnMs = 24 * 3600 * 1000
+
+// toolTurn tells the engine that the reply of ev's task ended in a tool call, so its
+// conversation's next turn is expected soon (issue 40: eviction by expected next use).
+// It does not wait: the reply is not held up for it.
+func (s *Server) toolTurn(ev engine.Event) {
+	if s.eng == nil {
+		return // a server without an engine (shape tests)
+	}
+	go func() { _, _ = s.eng.Send(context.Background(), engine.ExpectTurn{Seq: ev.Stats.Seq, Task: ev.Task}) }()
 }
 
 // parseSpeculative reads the request's speculative decoding settings: speculative
@@ -576,6 +596,7 @@ func (s *Server) completion(gen generation, text string, lps []engine.TokenLogpr
 		choice.Message, calls = replyMessage(gen.plan, text)
 		if calls {
 			choice.FinishReason = "tool_calls"
+			s.toolTurn(ev)
 		}
 	}
 	out := wire.ChatCompletion{Object: "chat.completion", Choices: []wire.ChatChoice{choice}}

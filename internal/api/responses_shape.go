@@ -68,8 +68,11 @@ func (r *responsesShape) failed(_ *chunker, e *apiError) []any {
 // done: a Responses stream ends with its last event, no [DONE].
 func (r *responsesShape) done(*sseWriter) {}
 
-func (r *responsesShape) answer(_ *Server, gen generation, text string, _ []engine.TokenLogprob, ev engine.Event) any {
+func (r *responsesShape) answer(s *Server, gen generation, text string, _ []engine.TokenLogprob, ev engine.Event) any {
 	msg, calls := replyMessage(gen.plan, text)
+	if calls {
+		s.toolTurn(ev)
+	}
 	r.reasoning(msg.ReasoningContent)
 	if msg.Content != nil && *msg.Content != "" {
 		r.content(*msg.Content)

@@ -225,6 +225,9 @@ func errorFor(err error) *apiError {
 		// creation timed out may succeed once the creator retries.
 		return &apiError{status: http.StatusServiceUnavailable, typ: "unavailable_error", msg: err.Error(),
 			headers: map[string]string{"Retry-After": strconv.Itoa(retryAfterBusyS)}}
+	case errors.Is(err, engine.ErrNeverFits):
+		// Waiting cannot help until a client unpins a pool: said at once, no Retry-After.
+		return &apiError{status: http.StatusServiceUnavailable, typ: "unavailable_error", msg: err.Error()}
 	case errors.Is(err, engine.ErrPromptTooLong):
 		return &apiError{status: http.StatusBadRequest, typ: "exceed_context_size_error", msg: err.Error()}
 	case errors.Is(err, engine.ErrEmptyPrompt), errors.Is(err, engine.ErrInvalidToken):

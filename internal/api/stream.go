@@ -126,6 +126,7 @@ func (c *chunker) finish(ev engine.Event) []any {
 		out = append(out, c.callDeltas()...)
 		if len(fin.Calls) > 0 {
 			reason = "tool_calls"
+			c.s.toolTurn(ev)
 		}
 	} else if ev.Text != "" {
 		out = append(out, c.render(piece(ev.Text, nil))...)

@@ -62,8 +62,13 @@ func (s *Server) tierProps() *wire.PoolTierProps {
 	for loc, n := range st.Restores {
 		restores[string(loc)] = n
 	}
+	kinds := map[string]wire.TierKind{}
+	for k, v := range st.Kinds {
+		kinds[k] = wire.TierKind{Spills: v.Spills, SpillBytes: v.SpillBytes, Restores: v.Restores, RestoreBytes: v.RestoreBytes,
+			RestoreSeconds: v.RestoreSeconds, Misses: v.Misses}
+	}
 	return &wire.PoolTierProps{Enabled: true, RAMBytes: st.RAMBytes, RAMEntries: st.RAMEntries, DiskBytes: st.DiskBytes,
-		DiskEntries: st.DiskEntries, Spills: st.Spills, Restores: restores, Misses: st.Misses, DiskErrors: st.DiskErrors}
+		DiskEntries: st.DiskEntries, Spills: st.Spills, Restores: restores, Misses: st.Misses, DiskErrors: st.DiskErrors, Kinds: kinds}
 }
 
 var (
@@ -75,13 +80,21 @@ var (
 	descTierMisses   = prometheus.NewDesc("polykv_pool_tier_misses_total", "Restores that found no usable entry and prefilled instead, by reason (absent, truncated, corrupt, foreign, io, rejected).", []string{"reason"}, nil)
 	descTierErrors   = prometheus.NewDesc("polykv_pool_tier_disk_errors_total", "Pool tier disk writes that failed (disk full, read-only, ...); the server kept serving.", nil, nil)
 	descTierLost     = prometheus.NewDesc("polykv_pool_tier_lost_pools", "Recorded pools not back after this start (1 each), by pool id and reason (absent, truncated, corrupt, foreign, io: their record; refused: the server's).", []string{"pool", "reason"}, nil)
+	// By kind of holder (issue 40): pool, session, cached.
+	descKindSpills     = prometheus.NewDesc("polykv_tier_spills_total", "Entries put in the tier (or found there already), by kind of holder: pool, session (an idle session's segments), cached (a cached request's segments).", []string{"kind"}, nil)
+	descKindSpillBytes = prometheus.NewDesc("polykv_tier_spill_bytes_total", "Bytes put in the tier, by kind of holder.", []string{"kind"}, nil)
+	descKindRestores   = prometheus.NewDesc("polykv_tier_restores_total", "Entries restored from the tier into the cache instead of prefilled, by kind of holder.", []string{"kind"}, nil)
+	descKindRestBytes  = prometheus.NewDesc("polykv_tier_restore_bytes_total", "Bytes restored from the tier, by kind of holder.", []string{"kind"}, nil)
+	descKindRestSecs   = prometheus.NewDesc("polykv_tier_restore_seconds_total", "Time spent restoring from the tier (read, verify, load), by kind of holder.", []string{"kind"}, nil)
+	descKindMisses     = prometheus.NewDesc("polykv_tier_misses_total", "Restores or loads that found no usable entry (the rest was prefilled), by kind of holder.", []string{"kind"}, nil)
 )
 
 // tierCollector exports a tier store's counters at scrape time.
 type tierCollector struct{ t *tier.Store }
 
 func (c tierCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descTierBytes, descTierEntries, descTierSpills, descTierRestores, descTierSeconds, descTierMisses, descTierErrors, descTierLost} {
+	for _, d := range []*prometheus.Desc{descTierBytes, descTierEntries, descTierSpills, descTierRestores, descTierSeconds, descTierMisses, descTierErrors, descTierLost,
+		descKindSpills, descKindSpillBytes, descKindRestores, descKindRestBytes, descKindRestSecs, descKindMisses} {
 		ch <- d
 	}
 }
@@ -107,6 +120,15 @@ func (c tierCollector) Collect(ch chan<- prometheus.Metric) {
 			seen[l] = true
 			ch <- prometheus.MustNewConstMetric(descTierLost, prometheus.GaugeValue, 1, strconv.Itoa(l.ID), l.Reason)
 		}
+	}
+	for _, k := range []string{tier.KindPool, tier.KindSession, tier.KindCached} {
+		ks := st.Kinds[k]
+		ch <- prometheus.MustNewConstMetric(descKindSpills, prometheus.CounterValue, float64(ks.Spills), k)
+		ch <- prometheus.MustNewConstMetric(descKindSpillBytes, prometheus.CounterValue, float64(ks.SpillBytes), k)
+		ch <- prometheus.MustNewConstMetric(descKindRestores, prometheus.CounterValue, float64(ks.Restores), k)
+		ch <- prometheus.MustNewConstMetric(descKindRestBytes, prometheus.CounterValue, float64(ks.RestoreBytes), k)
+		ch <- prometheus.MustNewConstMetric(descKindRestSecs, prometheus.CounterValue, ks.RestoreSeconds, k)
+		ch <- prometheus.MustNewConstMetric(descKindMisses, prometheus.CounterValue, float64(ks.Misses), k)
 	}
 }
 

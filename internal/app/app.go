@@ -87,13 +87,16 @@ type Config struct {
 	// a pool_id (issue 12); off only for comparison.
 	PrefixCache string
 
-	// The tier below the cache (issue 25): an evicted pool's KV goes to host RAM up to
-	// PoolRAMMB (--pool-ram-mb; 0: none), then to disk under PoolDir (--pool-dir; "":
-	// none) up to PoolDiskMB (--pool-disk-mb), and is restored from there instead of
-	// prefilled. With PoolDir, pinned pools are recorded and come back after a restart.
+	// The tier below the cache (issues 25, 40): evicted KV (pools' own cells, and
+	// segments of TierChunk tokens of idle sessions' and cached sequences' cells) goes to
+	// host RAM up to PoolRAMMB (--pool-ram-mb; 0: none), then to disk under PoolDir
+	// (--pool-dir; "": none) up to PoolDiskMB (--pool-disk-mb), and is restored from
+	// there instead of prefilled. With PoolDir, pinned pools are recorded and come back
+	// after a restart.
 	PoolRAMMB  int
 	PoolDir    string
 	PoolDiskMB int
+	TierChunk  int // --tier-chunk
 	// SlotSavePath (--slot-save-path): directory of llama-server's slot save/restore
 	// files ("": those actions answer 501).
 	SlotSavePath string
@@ -142,7 +145,8 @@ func DefaultConfig() Config {
 		KVCompaction: "auto",
 		MMKernel:     "polykv",
 		PrefixCache:  "on",
-		PoolRAMMB:    512,
+		PoolRAMMB:    8192, // llama-server's --cache-ram default: a budget, not an allocation
+		TierChunk:    engine.DefaultTierChunk,
 		PoolDiskMB:   4096,
 		TPSTau:       tps.DefaultTau,
 		CacheTypeK:   "f16",
@@ -197,6 +201,8 @@ func (c Config) validate() (specPlan, error) {
 		return specPlan{}, fmt.Errorf("--kv-block-size must be positive, got %d", c.KVBlockSize)
 	case c.PoolRAMMB < 0 || c.PoolDiskMB < 0:
 		return specPlan{}, fmt.Errorf("--pool-ram-mb and --pool-disk-mb must not be negative")
+	case c.TierChunk < 16 || c.TierChunk > 1<<16:
+		return specPlan{}, fmt.Errorf("--tier-chunk must be between 16 and 65536 tokens, got %d", c.TierChunk)
 	}
 	if _, _, err := ParseGPULayers(c.GPULayers); err != nil {
 		return specPlan{}, err
@@ -361,7 +367,7 @@ func (o *opening) settings() error {
 	}
 	o.ecfg = engine.Config{NCtx: cfg.NCtx, Parallel: cfg.Parallel, MaxPools: cfg.MaxPools, NBatch: cfg.NBatch,
 		MaxQueue: cfg.MaxQueue, QueueTimeout: cfg.QueueTimeout, AttachMin: cfg.AttachMin, SessionTTL: cfg.SessionTTL, PoolGrace: cfg.PoolGrace, TPSTau: cfg.TPSTau,
-		PrefixCache: cfg.PrefixCache == "on"}
+		PrefixCache: cfg.PrefixCache == "on", TierChunk: cfg.TierChunk}
 	o.ecfg.Spec = engine.Spec{Types: o.spec.types, DraftMax: cfg.DraftMax, DraftMin: cfg.DraftMin, NgramMin: cfg.SpecNgramMin, StepCost: cfg.SpecStepCost}
 	if err := o.ecfg.Validate(); err != nil {
 		return err
@@ -554,6 +560,10 @@ func (o *opening) drafter() error {
 	// every cell the target holds: the pools' and sessions' KV bytes count them (the
 	// scheduler reads BytesPerCell; 0 for a draft model or an MTP assistant).
 	o.ecfg.BytesPerCell += d.bytesPerCell
+	// A follower with cells of its own (an MTP head) needs its part of every cell a
+	// sequence's segments would carry, which they do not: such a server spills no session
+	// or cached sequence (pools spill with their part, as before).
+	o.ecfg.NoSequenceSpill = o.backend.FollowerHasPart()
 	return nil
 }
 
@@ -561,6 +571,15 @@ func (o *opening) drafter() error {
 // an earlier run recorded.
 func (o *opening) engine() error {
 	cfg, backend, log := o.cfg, o.backend, o.log
+	if o.store != nil && o.ecfg.BytesPerCell > 0 {
+		// The scheduler's index of stored segments need not outlive what the tier can
+		// hold: twice its budgets in tokens.
+		budget := int64(cfg.PoolRAMMB) << 20
+		if cfg.PoolDir != "" {
+			budget += int64(cfg.PoolDiskMB) << 20
+		}
+		o.ecfg.TierIndexTokens = int(min(2*budget/o.ecfg.BytesPerCell, 1<<28))
+	}
 	sched, err := engine.NewScheduler(o.ecfg, runner.Vocab{M: o.model})
 	if err != nil {
 		return err
@@ -642,13 +661,7 @@ func openTier(cfg Config, model *llama.Model, ecfg engine.Config, pol runner.Pol
 	if cfg.PoolRAMMB == 0 && cfg.PoolDir == "" {
 		return nil, "", key, nil
 	}
-	off := ""
-	switch {
-	case cfg.MaxPools == 0:
-		off = "this server has no pools"
-	default:
-		off = pol.TierOff()
-	}
+	off := pol.TierOff()
 	if off != "" {
 		if log != nil {
 			log.Info("pool tier off", "reason", off)

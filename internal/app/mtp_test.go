@@ -251,8 +251,10 @@ func TestMTPPrefixCacheAndTier(t *testing.T) {
 			if r.draftN == 0 {
 				t.Errorf("no drafts for a session of a child pool restored from the tier")
 			}
-			if props := tierProps(t, base); props.Restores[where] != 2 || len(props.Misses) != 0 {
-				t.Errorf("tier counters %+v, want 2 restores from %s, no miss", props, where)
+			// Two pools restored (with an MTP assistant, whose cells are the target's,
+			// cached requests' segments are spilled and loaded too: counted apart).
+			if props := tierProps(t, base); props.Kinds["pool"].Restores != 2 || props.Restores[where] < 2 || len(props.Misses) != 0 {
+				t.Errorf("tier counters %+v, want 2 pool restores from %s, no miss", props, where)
 			}
 			checkMTPRun(t, mtp, drafted, accepted)
 		})

@@ -54,6 +54,7 @@ type Options struct {
 	rp         ramp
 	lp         agentLoop
 	sb         specBench
+	ab         agentsBench
 }
 
 // Register binds the benchmark's flags to o (cmd/polykv parses them with the server's).
@@ -62,7 +63,7 @@ func (o *Options) Register(fs *flag.FlagSet) {
 	o.nGen = fs.Int("n", 128, "tokens each session decodes")
 	o.reps = fs.Int("reps", 2, "repetitions per measurement (best is reported; spec: alternating rounds, medians reported)")
 	o.cpuProfile = fs.String("cpuprofile", "", "write a Go CPU profile of the server runs to this file")
-	o.workload = fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on), plain-fanout and agent-loop (plain OpenAI client: automatic prefix reuse vs off vs explicit pool), plain (both plain-client workloads), tier (evicted pool restored from RAM / disk vs prefill; restart with pinned pools), tenants (short requests and one session's decode beside idle pools of other tenants, compaction auto vs always), spec (speculative decoding off vs on: edit and chat agents; not part of all) or all")
+	o.workload = fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on), plain-fanout and agent-loop (plain OpenAI client: automatic prefix reuse vs off vs explicit pool), plain (both plain-client workloads), tier (evicted pool restored from RAM / disk vs prefill; restart with pinned pools), tenants (short requests and one session's decode beside idle pools of other tenants, compaction auto vs always), spec (speculative decoding off vs on: edit and chat agents; not part of all), agents (a team of tool-calling agents whose contexts outgrow the cache, beside llama-server with --agents-llama-server; not part of all) or all")
 	fs.StringVar(&o.pf.models, "prefill-models", "", "prefill: comma-separated GGUF files (default: -m); missing files are skipped")
 	fs.StringVar(&o.pf.types, "prefill-cache-types", "f16,q8_0,q4_0", "prefill: KV cache types (K and V alike)")
 	fs.StringVar(&o.pf.lengths, "prefill-tokens", "128,2000", "prefill: prompt lengths")
@@ -99,6 +100,7 @@ func (o *Options) Register(fs *flag.FlagSet) {
 	fs.DurationVar(&o.rp.interval, "ramp-interval", 2*time.Second, "spawn ramp: time between join requests")
 	fs.IntVar(&o.rp.gen, "ramp-gen", 256, "spawn ramp: tokens each agent decodes")
 	fs.Float64Var(&o.rp.floorFr, "ramp-floor", 0.6, "spawn ramp: floor as a fraction of one session's tps")
+	o.ab.register(fs)
 }
 
 // Run runs the workload o names on the server cfg configures (resolved), printing its
@@ -155,6 +157,8 @@ func Run(cfg app.Config, o *Options) error {
 		}
 		defer stop()
 		return o.tn.run(cfg)
+	case "agents":
+		return o.ab.run(cfg)
 	case "spec":
 		stop, err := startCPUProfile(*o.cpuProfile)
 		if err != nil {

@@ -94,11 +94,17 @@ func (s *Scheduler) freeCells(want int, except *slot, planned int) int {
 	return s.kv.makeRoom(s.now, want, except, planned, s.evictVictim)
 }
 
-// evictVictim takes n cells from a victim's tail (a pool: all of its own).
+// evictVictim takes n cells from a victim's tail (a pool: all of its own). With the
+// tier (issue 40) what is taken is spilled first: a sequence's cells from where it is
+// cut on, a pool's own cells (a user-pinned pool is paged, never lost).
 func (s *Scheduler) evictVictim(v victim, n int) {
 	if v.p != nil {
 		s.poolEvictions++
-		s.check(s.evictPool(v.p))
+		if s.cfg.Tier {
+			s.check(s.pagePool(v.p))
+		} else {
+			s.check(s.evictPool(v.p))
+		}
 		return
 	}
 	sl := v.sl
@@ -107,7 +113,12 @@ func (s *Scheduler) evictVictim(v victim, n int) {
 	} else {
 		s.sessionEvictions++
 	}
-	s.truncate(sl, len(sl.tokens)-n)
+	keep := len(sl.tokens) - n
+	if s.cfg.Recurrent {
+		keep = 0 // recurrent state cannot be cut back: truncate drops the sequence whole
+	}
+	s.spillSeq(sl, keep, spillKindOf(sl))
+	s.truncate(sl, keep)
 	if len(sl.tokens) == 0 {
 		s.evictSlot(sl) // nothing left: a session is forgotten, as by its TTL
 	}
@@ -127,6 +138,7 @@ func (s *Scheduler) expire() {
 		}
 	}
 	s.adm.ForgetSessions(s.now, max(s.cfg.SessionTTL, time.Hour))
+	s.forgetGaps(max(s.cfg.SessionTTL, time.Hour))
 	for _, p := range s.pools.All() {
 		if p.Reclaimable(s.now, s.cfg.PoolGrace) {
 			s.reclaim(p)

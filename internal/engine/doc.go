@@ -54,19 +54,29 @@
 // small API (allocate, free, share, longest prefix, victims, makeRoom): the scheduler
 // plans and asks, and only the manager changes cells. Pools are named nodes of the same tree (their residency and own
 // cells are read from it), built by the same longest-prefix seq_cp, a fork from its
-// parent's node. Admission reserves the cells a prompt needs, evicting in one least
-// recently used order over the tree's leaves (cached sequences' and idle sessions'
+// parent's node. Admission reserves the cells a prompt needs, evicting in one order
+// (expected next use) over the tree's leaves (cached sequences' and idle sessions'
 // tails, unpinned idle pools: kvcache.go; what a taken victim loses: cells.go), so two half-prefilled prompts can never
 // deadlock the cache. When no cell is left a generating task stops with finish
 // "length" and Truncated set; the context is never shifted. Pools (package pool) change state only through their
 // lifecycle verbs; a verb the scheduler's request breaks is counted (Violations).
 //
+// Below the cache (issues 25, 40; tier.go, spill.go): with Config.Tier whatever eviction
+// takes is spilled first, an evicted pool's own cells whole (a user-pinned pool is paged
+// too, never lost), an idle session's or cached sequence's cells as content-addressed
+// segments of Config.TierChunk tokens (a shared prefix is stored once), and a later
+// request loads what its prompt continues instead of prefilling it: the plan's OpSave /
+// OpLoad and the driver's Loaded answer, as OpSpill / OpRestore and Restored for pools.
+// Eviction and sequence reuse go in order of expected next use, not recency alone, and
+// the queue in program-aware order: continuations before first turns, least attained
+// service first, aging against starvation (order.go).
+//
 // Liveness (issue 30): a waiting request with admissible capacity is scheduled or
 // refused within one step. A request waits only for something that makes progress on
 // its own (its pool or its parent pool being built, a running request that will hold a
 // longer prefix of its prompt, its own session's running turn, a sequence id or cells
-// that running requests hold), or behind the first such request (FIFO, so a long
-// prompt is never starved). Admission counts exactly what eviction can free for it
+// that running requests hold), or behind the first such request in queue order (the
+// head waits for cells rather than be overtaken, so a long prompt is never starved). Admission counts exactly what eviction can free for it
 // (fit): the cells free now, less those promised to seated prompts, plus every cell
 // that only idle sequences, evictable pools and the sequence it takes hold, except
 // what its placement keeps or borrows. The test harness checks this at the end of
@@ -75,8 +85,11 @@
 // Config.QueueTimeout after it entered the queue is refused (ErrQueueTimeout; a pool's
 // creation is abandoned), which also ends the waits that only a client could end
 // (cells pinned by pools, a pool queued behind the creation that waits for its
-// sibling's pinned cells). Why each request waits (Wait*) and for how long is in
-// Waiting and the snapshot.
+// sibling's pinned cells). The deadline runs only while the server makes no progress
+// (issue 40: a request behind work that progresses keeps its place), and a request
+// that can never fit beside pools pinned without a tier to page them is refused at once
+// (ErrNeverFits). Why each request waits (Wait*) and for how long is in Waiting and the
+// snapshot.
 //
 // Admission state (policies, settle windows, the measured-drop forecast, requests held
 // by an enforced gate, reservations, the sessions seen before) lives in an

@@ -376,15 +376,28 @@ type TierBackend interface {
 	Tier(op SeqOp) error
 }
 
-// AsyncTierBackend is a TierBackend that reads a restore's bytes off the engine
-// goroutine, so that other sequences' steps do not wait on a disk: its Tier answers such
-// an OpRestore ErrTierPending and, once the bytes are in memory, sends the op on
-// TierReady; the engine then applies it again (the load into llama.cpp, on the engine
-// goroutine) if the pool still waits for it, or calls TierDiscard.
+// SeqTierBackend is a TierBackend that also stores the segments of sessions' and cached
+// sequences' cells (issue 40, spill.go): Tier performs OpSave, OpDrop and OpPrefetch
+// (their failures are the tier's to count: nothing waits for them), Load an OpLoad.
+type SeqTierBackend interface {
+	TierBackend
+	// Load loads op.Segs in order into op.Seq, which holds [0, op.P0): each segment
+	// whole into a scratch sequence, then the positions op.Seq lacks (up to op.P1)
+	// shared from it, until one fails or the run is done; the answer says how far it
+	// got and which segment missed. On a failure op.Seq holds exactly [0, Loaded.N).
+	// ErrTierPending (an AsyncTierBackend): bytes are being read, no answer yet.
+	Load(op SeqOp) (Loaded, error)
+}
+
+// AsyncTierBackend is a TierBackend that reads a restore's or a load's bytes off the
+// engine goroutine, so that other sequences' steps do not wait on a disk: it answers
+// such an OpRestore or OpLoad ErrTierPending and, once the bytes are in memory, sends
+// the op on TierReady; the engine then applies it again (the load into llama.cpp, on
+// the engine goroutine) if the pool or task still waits for it, or calls TierDiscard.
 type AsyncTierBackend interface {
 	TierBackend
 	TierReady() <-chan SeqOp
-	TierDiscard(pool int)
+	TierDiscard(op SeqOp)
 }
 
 // ErrTierPending is an AsyncTierBackend's answer to an OpRestore whose bytes are being
@@ -405,8 +418,12 @@ func tierReady(be Backend) <-chan SeqOp {
 // materialization that ended meanwhile, must not load into a sequence that may now be
 // someone else's).
 func resumeRestore(sched *Scheduler, be Backend, op SeqOp, now time.Time) {
-	if !sched.tierWaiting(op.Pool, op.Seq) {
-		be.(AsyncTierBackend).TierDiscard(op.Pool)
+	waits := sched.tierWaiting(op.Pool, op.Seq)
+	if op.Kind == OpLoad {
+		waits = sched.loadWaiting(op.Task, op.Seq)
+	}
+	if !waits {
+		be.(AsyncTierBackend).TierDiscard(op)
 		return
 	}
 	for _, m := range apply(be, Plan{SeqOps: []SeqOp{op}}) {
@@ -417,7 +434,7 @@ func resumeRestore(sched *Scheduler, be Backend, op SeqOp, now time.Time) {
 // apply runs a plan's samplers and sequence operations on the backend and returns the
 // answers the scheduler needs before the next batch: one Restored per pool with a
 // restore planned (the last one: operations run in order, so it is what the pool's
-// sequence holds now).
+// sequence holds now) and one Loaded per load.
 func apply(be Backend, p Plan) []Msg {
 	var answers []Msg
 	for _, op := range p.Samplers {
@@ -436,17 +453,27 @@ func apply(be Backend, p Plan) []Msg {
 			}
 		case OpSeqCp:
 			be.SeqCp(op.Src, op.Seq, op.P0, op.P1)
-		case OpSpill, OpRestore, OpRecord, OpForget:
+		case OpSpill, OpRestore, OpRecord, OpForget, OpSave, OpDrop, OpPrefetch:
 			var err error = errNoTier
 			if tb, ok := be.(TierBackend); ok {
 				err = tb.Tier(op)
 			}
 			if op.Kind == OpRestore {
-				answers = slices.DeleteFunc(answers, func(m Msg) bool { return m.(Restored).Pool == op.Pool })
+				answers = slices.DeleteFunc(answers, func(m Msg) bool { r, ok := m.(Restored); return ok && r.Pool == op.Pool })
 				if !errors.Is(err, ErrTierPending) {
 					answers = append(answers, Restored{Pool: op.Pool, Err: err})
 				}
 			}
+		case OpLoad:
+			ans := Loaded{Task: op.Task, Seq: op.Seq, N: op.P0, Missed: -1}
+			if sb, ok := be.(SeqTierBackend); ok {
+				ld, err := sb.Load(op)
+				if errors.Is(err, ErrTierPending) {
+					continue
+				}
+				ans = ld
+			}
+			answers = append(answers, ans)
 		}
 	}
 	return answers

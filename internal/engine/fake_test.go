@@ -40,6 +40,14 @@ type fakeBackend struct {
 	// tierSpills, tierRestores count the operations; records lists the OpRecords.
 	tierSpills, tierRestores int
 	records                  []SeqOp
+	// segs is the fake sequence tier (Config.Tier, issue 40): each saved segment's own
+	// tokens by its whole prefix (segKey); missing makes a stored one miss (a store that
+	// dropped it); segSaves and segLoads count the segments saved and loaded.
+	segs               map[string][]Token
+	missing            map[string]bool
+	segSaves, segLoads int
+	// keptPools: pools paged out while user-pinned, whose entries the tier must keep.
+	keptPools map[int]bool
 	// model is the fake model (nil: fakeNext); drawn counts the samples it drew, so a
 	// test can check that a verification draws no more than plain decoding would.
 	model func(seq []Token) Token
@@ -95,9 +103,51 @@ func (f *fakeBackend) constrain(task TaskID, tok Token) Token {
 func (f *fakeBackend) TierReady() <-chan SeqOp { return nil }
 
 // TierDiscard implements AsyncTierBackend.
-func (f *fakeBackend) TierDiscard(pool int) {
-	delete(f.read, pool)
+func (f *fakeBackend) TierDiscard(op SeqOp) {
+	delete(f.read, op.Pool)
 	f.discarded++
+}
+
+// segKey names a stored segment in the fake tier, by its whole prefix, as the store's
+// key does.
+func segKey(start int, toks []Token, whole bool) string { return fmt.Sprint(start, whole, toks) }
+
+// Load implements SeqTierBackend with the fake's segments: each segment's cells are its
+// tokens, loaded as new cells at their positions, the ones below what the sequence
+// holds left out (as the runner loads a chunk into a scratch sequence and shares only
+// what the sequence lacks).
+func (f *fakeBackend) Load(op SeqOp) (Loaded, error) {
+	ans := Loaded{Task: op.Task, Seq: op.Seq, N: op.P0, Missed: -1}
+	if len(f.kv[op.Seq]) != op.P0 {
+		f.t.Errorf("fake: load into seq %d holding %d cells, want %d", op.Seq, len(f.kv[op.Seq]), op.P0)
+		return ans, nil
+	}
+	for i, g := range op.Segs {
+		if g.Start > ans.N {
+			f.t.Errorf("fake: load segment %d starts at %d past what seq %d holds (%d)", i, g.Start, op.Seq, ans.N)
+			return ans, nil
+		}
+		toks, ok := f.segs[segKey(g.Start, g.Tokens, g.Whole)]
+		if !ok || f.missing[segKey(g.Start, g.Tokens, g.Whole)] {
+			ans.Missed = i
+			return ans, nil
+		}
+		if g.Whole && g.Start != ans.N {
+			f.t.Errorf("fake: a whole segment from %d loaded onto seq %d holding %d", g.Start, op.Seq, ans.N)
+		}
+		// The runner loads the whole segment into a scratch sequence first: its cells
+		// below what the sequence holds are there until the load ends.
+		if need := f.cells() + len(toks); need > f.nCtx {
+			f.t.Errorf("fake: loading segment [%d, %d) needs %d cells of %d (the scheduler's room accounting)", g.Start, g.Start+len(toks), need, f.nCtx)
+		}
+		for p := ans.N; p < min(g.Start+len(toks), op.P1); p++ {
+			f.nextCell++
+			f.kv[op.Seq] = append(f.kv[op.Seq], fakeCell{id: f.nextCell, tok: toks[p-g.Start]})
+		}
+		ans.N = len(f.kv[op.Seq])
+		f.segLoads++
+	}
+	return ans, nil
 }
 
 // Tier implements TierBackend with the fake's tokens.
@@ -115,6 +165,24 @@ func (f *fakeBackend) Tier(op SeqOp) error {
 		}
 		f.tier[op.Pool] = append([]Token(nil), f.tokens(op.Seq)[op.D:]...)
 		f.tierSpills++
+		f.keptPools[op.Pool] = op.Pinned
+	case OpForget:
+		delete(f.keptPools, op.Pool)
+	case OpSave:
+		v := f.kv[op.Seq]
+		if len(v) < op.P1 {
+			f.t.Errorf("fake: save of [%d, %d) from seq %d holding %d cells", op.P0, op.P1, op.Seq, len(v))
+			return nil
+		}
+		for i := range op.P1 {
+			if v[i].tok != op.Tokens[i] {
+				f.t.Errorf("fake: seq %d holds token %d at %d, the saved segment says %d", op.Seq, v[i].tok, i, op.Tokens[i])
+			}
+		}
+		f.segs[segKey(op.P0, op.Tokens, op.Whole)] = append([]Token(nil), op.Tokens[op.P0:op.P1]...)
+		f.segSaves++
+	case OpDrop:
+		delete(f.segs, segKey(op.P0, op.Tokens, false))
 	case OpRestore:
 		if f.async && !f.read[op.Pool] {
 			f.reads = append(f.reads, op)
@@ -155,6 +223,7 @@ type fakeCell struct {
 
 func newFakeBackend(t *testing.T, nCtx int) *fakeBackend {
 	return &fakeBackend{t: t, nCtx: nCtx, kv: map[int][]fakeCell{}, samplers: map[TaskID]bool{}, tier: map[int][]Token{}, tail: map[int][]fakeCell{},
+		segs: map[string][]Token{}, missing: map[string]bool{}, keptPools: map[int]bool{},
 		grammarTasks: map[TaskID]bool{}, lastDrawn: map[TaskID]Token{}}
 }
 
@@ -514,7 +583,10 @@ func (h *harness) checkLiveness() {
 		}
 	}
 	for _, p := range s.pools.All() {
-		if p.State == pool.Resident && !p.Pinned() && s.now.Sub(p.LastAccess) >= s.cfg.PoolGrace {
+		// With a tier, user-pinned pools and pools whose children hold no cells are paged
+		// too (issue 40).
+		pageable := !p.Pinned() || (s.cfg.Tier && p.Pageable())
+		if p.State == pool.Resident && pageable && s.now.Sub(p.LastAccess) >= s.cfg.PoolGrace {
 			victims.add(p.Seq)
 		}
 	}

@@ -36,21 +36,26 @@ func FuzzSchedulerInvariants(f *testing.F) {
 		// pool or two fill it, so requests wait on cells that only eviction can give.
 		// And with speculative decoding (issue 23) on a model that repeats itself, so
 		// drafts take cells and budget beside everything else and rejected ones go.
+		// The tight cache runs again with a tier below it (issue 40): what eviction takes
+		// is spilled and loaded back, and pinned pools are paged.
 		for _, cache := range []bool{false, true} {
-			for _, nctx := range []int{256, 96} {
+			for _, c := range []struct {
+				nctx int
+				tier bool
+			}{{256, false}, {96, false}, {96, true}} {
 				for _, spec := range []bool{false, true} {
-					fuzzScheduler(t, slices.Clone(data), cache, nctx, spec)
+					fuzzScheduler(t, slices.Clone(data), cache, c.nctx, spec, c.tier)
 				}
 			}
 		}
 	})
 }
 
-func fuzzScheduler(t *testing.T, data []byte, cache bool, nctx int, spec bool) {
+func fuzzScheduler(t *testing.T, data []byte, cache bool, nctx int, spec, tier bool) {
 	{
 		cfg := Config{NCtx: nctx, Parallel: 3, MaxPools: 3, NBatch: 16, MaxQueue: 4,
 			SessionTTL: time.Minute, PoolGrace: time.Second, BytesPerCell: 10, PrefixCache: cache,
-			QueueTimeout: 3 * time.Second}
+			QueueTimeout: 3 * time.Second, Tier: tier, TierChunk: 8}
 		if spec {
 			cfg.Spec = Spec{Types: []string{SpecNgramSimple, SpecNgramMod}, DraftMax: 6, ModN: 3}
 		}
@@ -229,8 +234,9 @@ func coldText(model func([]Token) Token, prompt []Token, n int) string {
 // ownership accounting matches the cache.
 func (h *harness) checkStep(cfg Config) {
 	h.t.Helper()
-	// Eviction never takes a pinned pool: one resident and pinned by the user before
-	// a step (which carries no message: no release, no explicit evict) still is after.
+	// Eviction never loses a pinned pool: one resident and pinned by the user before a
+	// step (which carries no message: no release, no explicit evict) still is after,
+	// or, with a tier (issue 40), was paged out to it, kept (OpSpill.Pinned).
 	var pinned []*pool.Pool
 	for _, p := range h.s.pools.All() {
 		if p.UserPinned && p.State == pool.Resident {
@@ -239,6 +245,10 @@ func (h *harness) checkStep(cfg Config) {
 	}
 	defer func() {
 		for _, p := range pinned {
+			if cfg.Tier && p.State != pool.Resident && p.State != pool.Released && h.be.keptPools[p.ID] && slices.Equal(h.be.tier[p.ID], p.Tokens[p.D:]) {
+				// Paged out (evicted), or already being restored from the tier.
+				continue
+			}
 			if p.State != pool.Resident || p.Filled() != p.L() {
 				h.t.Fatalf("pinned pool %d is %s holding %d of %d positions after a step", p.ID, p.State, p.Filled(), p.L())
 			}
@@ -249,14 +259,26 @@ func (h *harness) checkStep(cfg Config) {
 			h.t.Fatalf("batch entry on sequence %d, outside [0, %d)", e.Seq, cfg.Parallel+cfg.MaxPools)
 		}
 	}
-	apply(h.be, Plan{Samplers: h.s.samplers, SeqOps: h.s.ops})
-	h.s.samplers, h.s.ops = nil, nil
+	// Until nothing is left: an answer (a load's or a restore's, stepped as the engine
+	// loop steps it) may plan more operations (the admission it lets through).
+	for len(h.s.samplers)+len(h.s.ops) > 0 {
+		ops := Plan{Samplers: h.s.samplers, SeqOps: h.s.ops}
+		h.s.samplers, h.s.ops = nil, nil
+		for _, m := range apply(h.be, ops) {
+			h.s.Step(h.now, m)
+		}
+	}
 	h.checkAccounting()
-	// No wait outlives its deadline (issue 30): Plan refused every task past it. (A
-	// root pool waiting at the head for cells its peer's child pins, the child queued
-	// behind it, is a cycle only the deadline breaks.)
+	// No wait outlives its deadline (issues 30, 40): Plan refused every task that waited
+	// past it with no progress on the server's work. (A root pool waiting at the head
+	// for cells its peer's child pins, the child queued behind it, is a cycle only the
+	// deadline breaks.)
 	for _, t := range h.s.queue {
-		if waited := h.s.planAt.Sub(t.queued); waited >= cfg.QueueTimeout {
+		since := t.queued
+		if h.s.progressAt.After(since) {
+			since = h.s.progressAt
+		}
+		if waited := h.s.planAt.Sub(since); waited >= cfg.QueueTimeout {
 			h.t.Fatalf("task %d has waited %s, past the queue timeout %s (%s)", t.id, waited, cfg.QueueTimeout, t.wait)
 		}
 	}

@@ -31,6 +31,12 @@ type kvCache struct {
 	slots []*slot    // the scheduler's session sequences (victims)
 	pools *pool.Tree // the scheduler's pools (victims)
 	grace time.Duration
+	// pinPaging: a tier keeps what is evicted (Config.Tier), so user-pinned pools and
+	// pools whose children hold no cells are victims too (pool.Page), after the rest.
+	pinPaging bool
+	// nextUse is the scheduler's estimate of when a victim is needed again (order.go);
+	// victims go in order of it, the one expected last first. nil: least recently used.
+	nextUse func(v victim) time.Time
 }
 
 // used counts the physical cells in use: every run of shared cells once, however many
@@ -97,7 +103,11 @@ type victim struct {
 	sl   *slot      // an idle sequence, or nil
 	p    *pool.Pool // an evictable pool, or nil
 	used time.Time
+	next time.Time // when it is expected to be needed again (kvCache.nextUse)
 }
+
+// pinned: a user-pinned pool, paged only after every other victim.
+func (v victim) pinned() bool { return v.p != nil && v.p.UserPinned }
 
 func (v victim) seq() int {
 	if v.sl != nil {
@@ -124,13 +134,15 @@ func (v victim) rank() int {
 	return 0
 }
 
-// victims lists what eviction may take at now, least recently used first: idle
-// sequences holding cells (but except) and evictable pools. Never a running task's
-// sequence (and so never cells a running request borrows: the cell tree keeps a cell
-// while any sequence holds it), never a pinned pool, a pool with children (released
-// ones too: their [0, D) lives in its cells) or attached sessions (Pinned covers both),
-// and never a pool within --pool-grace of its last use (a pool just created or
-// restored must survive until the attach it was made for).
+// victims lists what eviction may take at now, the one expected to be needed last first
+// (nextUse; least recently used without it): idle sequences holding cells (but except)
+// and evictable pools. Never a running task's sequence (and so never cells a running
+// request borrows: the cell tree keeps a cell while any sequence holds it), never a pool
+// with attached sessions, and never a pool within --pool-grace of its last use (a pool
+// just created or restored must survive until the attach it was made for). Without a
+// tier, never a user-pinned pool or one with children (released ones too: their [0, D)
+// lives in its cells); with one (pinPaging), such a pool is paged once its children hold
+// no cells, user-pinned ones after everything else.
 func (kv *kvCache) victims(now time.Time, except *slot) []victim {
 	var out []victim
 	for _, sl := range kv.slots {
@@ -139,12 +151,32 @@ func (kv *kvCache) victims(now time.Time, except *slot) []victim {
 		}
 	}
 	for _, p := range kv.pools.All() {
-		if p.State == pool.Resident && !p.Pinned() && now.Sub(p.LastAccess) >= kv.grace {
+		if p.State != pool.Resident || now.Sub(p.LastAccess) < kv.grace {
+			continue
+		}
+		if (kv.pinPaging && p.Pageable()) || !p.Pinned() {
 			out = append(out, victim{p: p, used: p.LastAccess})
 		}
 	}
+	for i := range out {
+		if kv.nextUse != nil {
+			out[i].next = kv.nextUse(out[i])
+		} else {
+			out[i].next = out[i].used
+		}
+	}
 	slices.SortStableFunc(out, func(a, b victim) int {
-		if c := a.used.Compare(b.used); c != 0 {
+		if pa, pb := a.pinned(), b.pinned(); pa != pb {
+			if pa {
+				return 1
+			}
+			return -1
+		}
+		if kv.nextUse != nil {
+			if c := b.next.Compare(a.next); c != 0 {
+				return c // expected last, evicted first
+			}
+		} else if c := a.used.Compare(b.used); c != 0 {
 			return c
 		}
 		return a.rank() - b.rank()

@@ -172,6 +172,10 @@ func (s *Scheduler) Step(now time.Time, m Msg) Result {
 	case Restored:
 		s.restored(m)
 		s.admit()
+	case Loaded:
+		s.loaded(m)
+	case ExpectTurn:
+		s.expectTurn(m)
 	case RecoverPool:
 		return Result{Pool: m.ID, Err: s.recoverPool(m)}
 	case SaveSlot:

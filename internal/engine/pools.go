@@ -270,9 +270,17 @@ func (s *Scheduler) unpool(t *task) {
 }
 
 // evictPool drops a pool's own cells, keeping the object so it can be restored.
-func (s *Scheduler) evictPool(p *pool.Pool) error {
+func (s *Scheduler) evictPool(p *pool.Pool) error { return s.dropPool(p, p.Evict) }
+
+// pagePool drops a pool's own cells under pressure when the tier keeps them (issue 40):
+// a user-pinned pool too (pool.Page), restored on its next attach.
+func (s *Scheduler) pagePool(p *pool.Pool) error { return s.dropPool(p, p.Page) }
+
+// dropPool moves p to evicted through verb (Evict or Page) and drops its cells, spilled
+// to the tier first.
+func (s *Scheduler) dropPool(p *pool.Pool, verb func() error) error {
 	announced := prefixAnnounced(p)
-	if err := p.Evict(); err != nil {
+	if err := verb(); err != nil {
 		return err
 	}
 	if announced {
@@ -359,7 +367,8 @@ func (s *Scheduler) releasePool(id int) error {
 	return nil
 }
 
-// pinPool sets or clears the user pin (a pinned pool is never evicted under pressure).
+// pinPool sets or clears the user pin (a pinned pool is never lost: under pressure it is
+// only paged to the tier, with Config.Tier, and otherwise never evicted).
 func (s *Scheduler) pinPool(id int, pin bool) error {
 	now := s.now
 	p, err := s.getLive(id)

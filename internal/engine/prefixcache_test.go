@@ -60,7 +60,7 @@ func TestRandomTrafficWithPrefixCache(t *testing.T) {
 		for _, cache := range []bool{false, true} {
 			for _, nctx := range []int{256, 96} {
 				for _, spec := range []bool{false, true} {
-					fuzzScheduler(t, slices.Clone(data), cache, nctx, spec)
+					fuzzScheduler(t, slices.Clone(data), cache, nctx, spec, nctx == 96)
 				}
 			}
 		}

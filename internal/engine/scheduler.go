@@ -48,6 +48,16 @@ type Config struct {
 	// TierRecord: user-pinned pools are also recorded for restarts (OpRecord, OpForget;
 	// a disk tier).
 	TierRecord bool
+	// TierChunk is the tokens per stored segment of a session's or cached sequence's
+	// cells (spill.go; 0: DefaultTierChunk). Used with Tier.
+	TierChunk int
+	// NoSequenceSpill keeps the tier to pools: sessions' and cached sequences' cells are
+	// dropped when evicted, as before issue 40 (a backend whose cells another context
+	// mirrors cell for cell, the MTP head's, cannot load them back alone).
+	NoSequenceSpill bool
+	// TierIndexTokens bounds the tokens the scheduler remembers having stored (about the
+	// tier's capacity in tokens; 0: 4M).
+	TierIndexTokens int
 	// PoolIDFloor: pool ids start above it (ids an earlier run may have used).
 	PoolIDFloor int
 	// QueueTimeout bounds every wait in the queue (issue 30): a request waiting for a
@@ -116,6 +126,11 @@ const (
 	OpRestore // load them from the tier into the empty Seq; the driver answers Restored
 	OpRecord  // copy a resident pinned pool's cells to disk and record it for restarts
 	OpForget  // the pool is no longer recorded for restarts (unpinned or released)
+	// Sequence tier operations (Config.Tier, issue 40; spill.go):
+	OpSave     // copy Seq's cells [P0, P1) out as one segment named by Tokens ([0, P1)); Whole: with its recurrent state
+	OpLoad     // load Segs into Seq, which holds [0, P0), up to P1; the driver answers Loaded for Task
+	OpDrop     // the segment [P0, P1) named by Tokens is superseded: the store may drop it
+	OpPrefetch // read Segs from disk into memory ahead of an OpLoad (no answer)
 )
 
 // SeqOp is one sequence operation.
@@ -130,6 +145,16 @@ type SeqOp struct {
 	// Admission (OpRecord only): the pool's admission policy when one was set (nil: the
 	// default), recorded with it.
 	Admission *admission.Policy
+	// Pinned (OpSpill): a user-pinned pool paged out under pressure; the tier must keep
+	// its entry (a pin means never lost).
+	Pinned bool
+	// Sequence tier operations only: what the sequence was (metrics), whether a saved
+	// segment carries recurrent state, the segments to load or prefetch, and the task
+	// whose load it is.
+	Spill SpillKind
+	Whole bool
+	Segs  []Segment
+	Task  TaskID
 }
 
 // SamplerOp creates or frees a task's sampler.
@@ -158,6 +183,15 @@ type slot struct {
 	shared   int // tokens [0, shared) are the base pool's cells (borrowed, not owned)
 	task     *task
 	lastUsed time.Time
+	// When its conversation is expected back (order.go): lastTask is the task that last
+	// ran on it, expect the client's word for the next turn (zero: none), toolTurn its
+	// reply ended in a tool call (ExpectTurn).
+	lastTask TaskID
+	expect   time.Time
+	toolTurn bool
+	// gap: the typical gap between turns of the anonymous conversation on it (learned
+	// when a request continued it; 0: none seen).
+	gap time.Duration
 }
 
 type taskKind int
@@ -199,6 +233,22 @@ type task struct {
 	// spec is t's speculative decoding (drafter.go): its drafters' sessions and what
 	// the scheduler keeps to limit and count its drafts.
 	spec specSession
+	// The sequence tier (spill.go): loadWait, an OpLoad of loadSegs up to loadTo is
+	// planned and its Loaded answer has not come (nothing of the prompt is prefilled
+	// meanwhile); restoredN, the prompt tokens loaded instead of prefilled.
+	loadWait  bool
+	loadTo    int
+	loadSegs  []Segment
+	restoredN int
+	// The queue's order (order.go): cont, the request continues a conversation seen
+	// before; attained, that conversation's accumulated context; passed, how many
+	// requests that came later were seated before it (aging: no starvation).
+	cont     bool
+	attained int
+	passed   int
+	// contSeq is the idle anonymous sequence t continues (-1: none), which is needed
+	// now: eviction takes it last (nextUse).
+	contSeq int
 }
 
 func (t *task) prefilling() bool { return t.slot != nil && len(t.slot.tokens) < len(t.req.Prompt) }
@@ -266,6 +316,16 @@ type Scheduler struct {
 	tierRestores, tierMisses int64
 	// queueTimeouts counts waits that ran past Config.QueueTimeout.
 	queueTimeouts int64
+	// spills is the index of the sessions' and cached sequences' segments asked of the
+	// tier (nil without Config.Tier); tierStats counts that work.
+	spills    *spillIndex
+	tierStats TierStats
+	// progressAt is when the server last made progress on its work (a step that
+	// computed anything, a request seated or ended): a queued request's deadline runs
+	// only while nothing moves (deadlines).
+	progressAt time.Time
+	// gaps is what was learned of the time between a conversation's turns (order.go).
+	gaps gapModel
 
 	// afterAdmit, when set (tests), is called at the end of every admission pass, to
 	// check the liveness invariant where it must hold (doc.go).
@@ -303,12 +363,16 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	cells := newCellTree(cfg.Parallel)
 	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
 		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools, cells), poolSeqs: map[int]*slot{}, inTier: map[int]bool{},
-		adm: admission.NewController(),
+		adm: admission.NewController(), gaps: gapModel{sessions: map[string]*sessionGap{}},
 		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau)}
 	for i := range cfg.Parallel {
 		s.slots = append(s.slots, &slot{seq: i})
 	}
-	s.kv = &kvCache{nCtx: cfg.NCtx, cells: cells, plan: &s.ops, slots: s.slots, pools: s.pools, grace: cfg.PoolGrace}
+	s.kv = &kvCache{nCtx: cfg.NCtx, cells: cells, plan: &s.ops, slots: s.slots, pools: s.pools, grace: cfg.PoolGrace, pinPaging: cfg.Tier}
+	if cfg.Tier && !cfg.NoSequenceSpill {
+		s.spills = newSpillIndex(cfg.tierChunk(), cfg.TierIndexTokens)
+	}
+	s.kv.nextUse = s.nextUse
 	s.pools.SkipIDs(cfg.PoolIDFloor)
 	s.drafters = newDrafters(cfg.Spec)
 	return s, nil
@@ -343,6 +407,7 @@ func (s *Scheduler) submit(req Request) (TaskID, Gate, error) {
 	if p != nil {
 		t.newSession = req.SessionID == "" || !s.adm.Known(req.SessionID)
 	}
+	s.classify(t)
 	g, until, err := s.gate(t)
 	if err != nil {
 		delete(s.tasks, t.id)
@@ -359,6 +424,9 @@ func (s *Scheduler) submit(req Request) (TaskID, Gate, error) {
 	}
 	s.enqueue(t)
 	s.admit()
+	if t.slot == nil {
+		s.prefetch(t) // it waits: what it will load can come up from disk meanwhile
+	}
 	return t.id, g, nil
 }
 
@@ -371,7 +439,7 @@ func (s *Scheduler) enqueue(t *task) {
 
 func (s *Scheduler) newTask(k taskKind, req Request, p *pool.Pool) *task {
 	s.nextID++
-	t := &task{id: s.nextID, kind: k, req: req, pool: p, text: newTextAssembler(req.Stop), submitted: s.now}
+	t := &task{id: s.nextID, kind: k, req: req, pool: p, text: newTextAssembler(req.Stop), submitted: s.now, contSeq: -1}
 	s.tasks[t.id] = t
 	return t
 }
@@ -488,7 +556,7 @@ func (s *Scheduler) pickSlot(t *task) *slot {
 		if sl.session == "" && len(sl.tokens) == 0 {
 			return sl
 		}
-		if lru == nil || evictsBefore(sl, lru) {
+		if lru == nil || s.evictsBefore(sl, lru) {
 			lru = sl
 		}
 	}
@@ -496,13 +564,16 @@ func (s *Scheduler) pickSlot(t *task) *slot {
 }
 
 // evictsBefore orders idle sequences for reuse under sequence-id pressure: those
-// holding nothing (a session whose KV was flushed) first, then the one least recently
-// used order eviction under cell pressure follows (victim: cached anonymous sequences
-// and idle sessions alike; the anonymous one first only when both were last used at the
-// same instant).
-func evictsBefore(a, b *slot) bool {
+// holding nothing (a session whose KV was flushed) first, then the order eviction under
+// cell pressure follows (victims: the one expected to be needed last first, cached
+// anonymous sequences and idle sessions alike; then the least recently used, the
+// anonymous one first only when both were last used at the same instant).
+func (s *Scheduler) evictsBefore(a, b *slot) bool {
 	if ea, eb := len(a.tokens) == 0, len(b.tokens) == 0; ea != eb {
 		return ea
+	}
+	if c := s.nextUse(victim{sl: b}).Compare(s.nextUse(victim{sl: a})); c != 0 {
+		return c < 0
 	}
 	if c := a.lastUsed.Compare(b.lastUsed); c != 0 {
 		return c < 0
@@ -702,6 +773,7 @@ func (s *Scheduler) admit() {
 // dropped a task.
 func (s *Scheduler) admitPass() bool {
 	moved := false
+	s.orderQueue()
 	for i := 0; i < len(s.queue); {
 		t := s.queue[i]
 		if ok, err := s.ready(t); err != nil {
@@ -725,6 +797,11 @@ func (s *Scheduler) admitPass() bool {
 		}
 		pl := s.place(t, sl)
 		if need, room := s.fit(t, sl, pl); room < need {
+			if err := s.neverFits(need); err != nil {
+				s.unqueue(t, FinishError, err)
+				moved = true
+				continue
+			}
 			// Head-of-line: wait for running tasks to end; those behind wait behind it.
 			t.wait = WaitCells
 			for _, q := range s.queue[i+1:] {
@@ -735,6 +812,7 @@ func (s *Scheduler) admitPass() bool {
 			}
 			return moved
 		}
+		s.passedOver(t)
 		s.seat(t, sl, pl)
 		if s.kv.room(0) < s.reservedPrefill() {
 			// Seated, t is prefilling: reservedPrefill now counts its need too, and fit
@@ -811,6 +889,19 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 	if s.cachedSlot(sl.seq) != nil && !(pl.reused && pl.cpP == 0) {
 		s.cacheEvictions++ // a cached sequence gives up its sequence id
 	}
+	if t.kind == kindGenerate && !(sl.session != "" && sl.session == t.req.SessionID) {
+		// The sequence id goes to another holder: what it holds beyond what t keeps of it
+		// is spilled to the tier first (issue 40), whole unless t takes over a cached
+		// sequence's prefix.
+		from := 0
+		if pl.reused && pl.cpP == 0 {
+			from = pl.keep
+		}
+		s.spillSeq(sl, from, spillKindOf(sl))
+		if t.contSeq != sl.seq {
+			sl.gap = 0 // another conversation moves onto it
+		}
+	}
 	switch {
 	case t.kind == kindMaterialize:
 		// A pool (new, forked or restored) starts from whatever sequence holds the
@@ -857,7 +948,9 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 	t.slot = sl
 	t.admitted = s.now
 	s.running = append(s.running, t)
+	s.progressAt = s.now
 	if t.kind == kindGenerate {
+		s.planLoad(t, sl)
 		s.startSettle(t)
 	} else if !t.prefilling() {
 		s.poolMaterialized(t) // all of it was resident: nothing to prefill
@@ -899,12 +992,16 @@ func (s *Scheduler) deadlines() {
 	}
 	dropped := false
 	for _, t := range slices.Clone(s.queue) {
-		waited := s.now.Sub(t.queued)
-		if waited < s.cfg.QueueTimeout || s.tasks[t.id] != t {
+		since := t.queued
+		if s.progressAt.After(since) {
+			since = s.progressAt
+		}
+		if s.now.Sub(since) < s.cfg.QueueTimeout || s.tasks[t.id] != t {
 			continue
 		}
 		s.queueTimeouts++
-		s.unqueue(t, FinishError, fmt.Errorf("%w: waited %s for %s (queue timeout %s)", ErrQueueTimeout, waited.Round(time.Millisecond), waitPhrase(t.wait), s.cfg.QueueTimeout))
+		s.unqueue(t, FinishError, fmt.Errorf("%w: waited %s for %s, %s of it with no progress on the server's work (queue timeout %s)", ErrQueueTimeout,
+			s.now.Sub(t.queued).Round(time.Millisecond), waitPhrase(t.wait), s.now.Sub(since).Round(time.Millisecond), s.cfg.QueueTimeout))
 		dropped = true
 	}
 	if dropped {
@@ -940,7 +1037,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	budget := s.cfg.NBatch
 	// A restore planned in this step writes its cells before the batch runs, though
 	// the cell tree counts them only once its Restored answer comes.
-	free := s.kv.room(s.tierPending())
+	free := s.kv.room(s.tierPending() + s.loadPending())
 	planned := 0
 	// decoders still to plan: each needs one token of the budget and one cell, which
 	// drafts never take from them.
@@ -1026,7 +1123,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 		if budget == 0 {
 			break
 		}
-		if !t.prefilling() || t.tierWait {
+		if !t.prefilling() || t.tierWait || t.loadWait {
 			continue
 		}
 		have := len(t.slot.tokens)
@@ -1062,6 +1159,9 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 	s.now = now
 	in := s.inflight
 	s.inflight = nil
+	if len(in) > 0 {
+		s.progressAt = now // the step computed something: the queue's deadlines restart
+	}
 	if err != nil {
 		s.snapDue = true
 		for _, f := range in {
@@ -1206,7 +1306,7 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 		s.abandonPool(t.pool, t.restore, cmp.Or(err, ErrCancelled))
 		return
 	}
-	stats := Stats{PromptN: len(t.req.Prompt) - t.cacheN, CacheN: t.cacheN, PredictedN: t.generated, Seq: sl.seq,
+	stats := Stats{PromptN: len(t.req.Prompt) - t.cacheN - t.restoredN, CacheN: t.cacheN, RestoredN: t.restoredN, PredictedN: t.generated, Seq: sl.seq,
 		DraftN: t.spec.drafted, DraftAccepted: t.spec.accepted, DraftFiltered: t.spec.filtered}
 	if sl.base != nil {
 		stats.Pool = sl.base.ID
@@ -1218,12 +1318,20 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 	} else {
 		stats.PromptTime = s.now.Sub(t.admitted)
 	}
+	if t.loadWait {
+		// Its load is planned or being read: whatever it writes beyond what the cell
+		// tree counts goes with the next step's operations (as a rejected draft's cells).
+		t.loadWait, t.loadSegs = false, nil
+		s.kv.discard(sl.seq, len(sl.tokens))
+	}
 	stats.TPS = t.ewma.Rate()
 	stats.Ctx = s.sessionContext(sl)
 	s.events = append(s.events, Event{Task: t.id, Text: t.text.flush(), Done: true, Finish: reason, StopWord: t.stopWord, Truncated: truncated, Err: err, Stats: stats, Pool: stats.Pool})
 	s.samplers = append(s.samplers, SamplerOp{Task: t.id, Free: true})
 	s.obs = append(s.obs, Observation{Kind: ObsQuery, Pool: stats.Pool, PromptTokens: len(t.req.Prompt), CachedTokens: t.cacheN})
+	s.turnEnded(t, sl)
 	s.removeRunning(t)
+	s.progressAt = s.now
 	switch {
 	case sl.base != nil && sl.base.State == pool.Released:
 		s.evictSlot(sl)

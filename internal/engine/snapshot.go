@@ -34,6 +34,10 @@ type SlotInfo struct {
 	// DraftN, DraftAccepted: the running task's speculative proposals and accepted
 	// draft tokens so far.
 	DraftN, DraftAccepted int
+	// Restored: the running task's prompt tokens loaded from the tier (issue 40);
+	// Loading: its load is still awaited.
+	Restored int
+	Loading  bool
 }
 
 func slotState(sl *slot) string {
@@ -42,6 +46,8 @@ func slotState(sl *slot) string {
 		return "cached" // a finished anonymous request's sequence, kept as prefix cache
 	case sl.task == nil:
 		return "idle"
+	case sl.task.loadWait:
+		return "load" // loading its prompt's KV from the tier (issue 40)
 	case sl.task.prefilling():
 		return "prefill"
 	}
@@ -68,6 +74,7 @@ func (s *Scheduler) Slots() []SlotInfo {
 			info.Task = uint64(t.id)
 			info.Decoded = t.generated
 			info.DraftN, info.DraftAccepted = t.spec.drafted, t.spec.accepted
+			info.Restored, info.Loading = t.restoredN, t.loadWait
 		}
 		out = append(out, info)
 	}
@@ -142,6 +149,8 @@ type Usage struct {
 	// QueueTimeouts counts waits that ran past Config.QueueTimeout (requests refused
 	// with ErrQueueTimeout, pool creations and restores abandoned).
 	QueueTimeouts int64
+	// Tier is the sequence tier's work (issue 40: segments saved, loads, misses).
+	Tier TierStats
 }
 
 // Usage reports the current load.
@@ -160,7 +169,7 @@ func (s *Scheduler) Usage() Usage {
 	}
 	u := Usage{CellsUsed: s.kv.used(), CellsMax: s.cfg.NCtx, Running: running, Waiting: waiting, Sessions: len(s.bySession), Pools: s.pools.Len(),
 		CacheHitTokens: s.cacheHits, CacheEvictions: s.cacheEvictions,
-		SessionEvictions: s.sessionEvictions, PoolEvictions: s.poolEvictions, QueueTimeouts: s.queueTimeouts}
+		SessionEvictions: s.sessionEvictions, PoolEvictions: s.poolEvictions, QueueTimeouts: s.queueTimeouts, Tier: s.TierStats()}
 	for _, sl := range s.slots {
 		if s.cachedSlot(sl.seq) != nil {
 			u.CacheSeqs++

@@ -25,7 +25,7 @@ import (
 
 // tierOp plans a tier operation on p.
 func (s *Scheduler) tierOp(kind OpKind, p *pool.Pool) {
-	op := SeqOp{Kind: kind, Seq: p.Seq, Pool: p.ID, D: p.D, Tokens: p.Tokens}
+	op := SeqOp{Kind: kind, Seq: p.Seq, Pool: p.ID, D: p.D, Tokens: p.Tokens, Pinned: p.UserPinned}
 	if p.Parent != nil {
 		op.Parent, op.Src = p.Parent.ID, p.Parent.Seq
 	}
@@ -124,9 +124,10 @@ func (s *Scheduler) recordPinned(p *pool.Pool) {
 	}
 }
 
-// forgetRecord plans dropping a pool's restart record (unpinned, released).
+// forgetRecord plans dropping a pool's restart record (unpinned, released), and the
+// keep on its tier entry that paging it out while pinned set.
 func (s *Scheduler) forgetRecord(p *pool.Pool) {
-	if s.cfg.TierRecord {
+	if s.cfg.Tier {
 		s.ops = append(s.ops, SeqOp{Kind: OpForget, Seq: p.Seq, Pool: p.ID})
 	}
 }

@@ -66,6 +66,10 @@ type Request struct {
 	// NoPrefixCache: do not start from another sequence's cached prefix, prefill the
 	// whole prompt (cache_prompt: false; a cold reference for comparisons).
 	NoPrefixCache bool
+	// NextTurn is the client's word on when this conversation's next turn comes after
+	// this reply (x-polykv-next-turn-ms; 0: not said): its cells are kept ahead of those
+	// expected later (issue 40: eviction by expected next use).
+	NextTurn time.Duration
 	// Spec is the request's own speculative decoding settings (speculative: false,
 	// speculative.n_max, speculative.n_min); the zero value follows the server's.
 	Spec SpecRequest
@@ -81,8 +85,9 @@ const (
 
 // Stats are a task's counters and timings, in llama-server's terms.
 type Stats struct {
-	PromptN     int           // prompt tokens evaluated (not served from cache)
+	PromptN     int           // prompt tokens evaluated (not served from cache or the tier)
 	CacheN      int           // prompt tokens reused from the KV cache
+	RestoredN   int           // prompt tokens loaded from the tier below the cache (issue 40)
 	PredictedN  int           // generated tokens
 	PromptTime  time.Duration // admission to first sampled token
 	PredictTime time.Duration // first sampled token to the end
@@ -138,6 +143,9 @@ var (
 	ErrContextExceeded = errors.New("the context is exhausted")
 	// ErrQueueTimeout: the request waited in the queue past Config.QueueTimeout.
 	ErrQueueTimeout = errors.New("the request waited too long in the queue")
+	// ErrNeverFits: the request needs more cells than the cache can ever give it while
+	// the pools pinned now stay pinned (no tier to page them to).
+	ErrNeverFits = errors.New("the request cannot fit the cache beside the pinned pools")
 )
 
 // BatchEntry is one token of a decode batch.

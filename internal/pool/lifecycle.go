@@ -70,6 +70,42 @@ func (p *Pool) Evict() error {
 	return nil
 }
 
+// Page drops the pool's own cells under memory pressure when a tier below the cache
+// keeps its KV (issue 40): unlike Evict it is allowed on a user-pinned pool, since a pin
+// means "never lost", not "never moved" (the pool keeps its tokens and is restored on
+// its next attach), and on a pool whose children hold no cells and are not being built
+// (evicted themselves: a child's restore restores its parent first). Nothing attached
+// may depend on the cells.
+func (p *Pool) Page() error {
+	switch {
+	case p.State != Resident:
+		return fmt.Errorf("%w: pool %d is %s", ErrConflict, p.ID, p.State)
+	case p.Sessions > 0:
+		return fmt.Errorf("%w: %d sequences are attached to pool %d", ErrConflict, p.Sessions, p.ID)
+	}
+	for _, c := range p.Children {
+		if c.Filled() > 0 || c.State == Materializing {
+			return fmt.Errorf("%w: pool %d's child %d holds or is building cells on its own", ErrConflict, p.ID, c.ID)
+		}
+	}
+	p.State = Evicted // the caller spills and removes its sequence's cells
+	return nil
+}
+
+// Pageable reports whether Page would succeed: resident, nothing attached, and no child
+// holding cells.
+func (p *Pool) Pageable() bool {
+	if p.State != Resident || p.Sessions > 0 {
+		return false
+	}
+	for _, c := range p.Children {
+		if c.Filled() > 0 || c.State == Materializing {
+			return false
+		}
+	}
+	return true
+}
+
 // Release ends the pool for clients: no new attach, pin or child. Children that are
 // released themselves do not block it (they only wait to be reclaimed, before their
 // parent); live ones do.

@@ -354,6 +354,19 @@ func RollingHash(tokens []Token) []uint64 {
 	return out
 }
 
+// HashExtend continues a rolling hash over toks: HashExtend(HashExtend(0, nil), t)
+// ends where RollingHash(t)'s last value does. HashExtend(0, nil) is the hash of the
+// empty prefix.
+func HashExtend(h uint64, toks []Token) uint64 {
+	if h == 0 {
+		h = prime5
+	}
+	for _, t := range toks {
+		h = mix(h, uint64(uint32(t)))
+	}
+	return h
+}
+
 func mix(h, v uint64) uint64 {
 	k := v * prime2
 	k = (k << 31) | (k >> 33)

@@ -109,3 +109,9 @@ var (
 	_ Follower     = (*MTP)(nil)
 	_ Follower     = noFollower{}
 )
+
+// FollowerHasPart reports whether the drafter follows the target with cells of its own
+// (an MTP head; false for an assistant, which reads the target's, or for no drafter):
+// a sequence's cells then cannot be loaded back from the tier without that part, so the
+// engine spills no session or cached sequence (engine.Config.NoSequenceSpill).
+func (b *Backend) FollowerHasPart() bool { return b.follower.hasPart() }

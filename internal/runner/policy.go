@@ -63,16 +63,13 @@ func (p Policy) SpecRollback(draftMax, nUBatch int) int {
 
 // ContextSeqs is how many sequence ids the llama context needs for nSeq engine
 // sequences (sessions and pools): with SWA anchors twice as many, one shadow each;
-// with anchors or recurrent state one more, the scratch sequence the tier saves and
-// loads through (Backend.EnableScratch).
+// and one more, the scratch sequence the tier saves and loads through
+// (Backend.EnableScratch).
 func (p Policy) ContextSeqs(nSeq int) int {
-	switch {
-	case p.anchors():
+	if p.anchors() {
 		return 2*nSeq + 1
-	case p.Recurrent:
-		return nSeq + 1
 	}
-	return nSeq
+	return nSeq + 1
 }
 
 // Check refuses the settings this model cannot run with: more sequences than the
@@ -82,7 +79,7 @@ func (p Policy) ContextSeqs(nSeq int) int {
 func (p Policy) Check(nSeq, nBatch, nUBatch int) error {
 	if !p.anchors() {
 		if p.ContextSeqs(nSeq) > engine.MaxSeqs {
-			return fmt.Errorf("this model has recurrent state, whose pool tier needs one sequence id more than the sessions and pools: --parallel + --max-pools must be at most %d, got %d", engine.MaxSeqs-1, nSeq)
+			return fmt.Errorf("the tier below the cache needs one sequence id more than the sessions and pools: --parallel + --max-pools must be at most %d, got %d", engine.MaxSeqs-1, nSeq)
 		}
 		return nil
 	}
@@ -117,7 +114,7 @@ func (p Policy) Enable(b *Backend, nSeq int) {
 	case p.anchors():
 		b.EnableSWAAnchors(nSeq)
 		b.EnableScratch(2 * nSeq)
-	case p.Recurrent:
+	default:
 		b.EnableScratch(nSeq)
 	}
 }

@@ -48,6 +48,8 @@ type Backend struct {
 	ready      chan engine.SeqOp
 	mu         sync.Mutex
 	prefetched map[int]prefetch
+	// loadsRead: a load's segments read off the engine goroutine, by task (see Load).
+	loadsRead map[engine.TaskID][]prefetch
 	// scratch is a sequence id no engine sequence uses, empty between calls, through
 	// which the tier saves and loads state where a sequence's own state cannot be taken
 	// as it is (EnableScratch; -1: none).

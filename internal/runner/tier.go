@@ -22,10 +22,11 @@ var _ engine.TierBackend = (*Backend)(nil)
 // time (see swaChunks), the second through the scratch sequence (see saveRecurrent).
 func (b *Backend) EnableTier(store *tier.Store) {
 	b.store = store
-	// One pending read per waiting pool at most, and pools are fewer than MaxSeqs: a
-	// reader never blocks on the send.
-	b.ready = make(chan engine.SeqOp, engine.MaxSeqs)
+	// One pending read per waiting pool and one per seated task at most, each fewer than
+	// MaxSeqs: a reader never blocks on the send.
+	b.ready = make(chan engine.SeqOp, 2*engine.MaxSeqs)
 	b.prefetched = map[int]prefetch{}
+	b.loadsRead = map[engine.TaskID][]prefetch{}
 }
 
 var _ engine.AsyncTierBackend = (*Backend)(nil)
@@ -43,9 +44,13 @@ type prefetch struct {
 func (b *Backend) TierReady() <-chan engine.SeqOp { return b.ready }
 
 // TierDiscard implements engine.AsyncTierBackend.
-func (b *Backend) TierDiscard(pool int) {
+func (b *Backend) TierDiscard(op engine.SeqOp) {
 	b.mu.Lock()
-	delete(b.prefetched, pool)
+	if op.Kind == engine.OpLoad {
+		delete(b.loadsRead, op.Task)
+	} else {
+		delete(b.prefetched, op.Pool)
+	}
 	b.mu.Unlock()
 }
 
@@ -58,10 +63,16 @@ func (b *Backend) Tier(op engine.SeqOp) error {
 		return errors.New("no tier")
 	}
 	m := tier.Meta{D: op.D, Tokens: op.Tokens}
+	put := b.store.Put
+	if op.Pinned {
+		put = b.store.PutKept // paged out while pinned (issue 40): never dropped
+	}
 	switch op.Kind {
+	case engine.OpSave, engine.OpDrop, engine.OpPrefetch:
+		return b.segmentOp(op)
 	case engine.OpSpill:
 		if b.store.Has(m) {
-			b.store.Put(op.Pool, m, nil) // restored and evicted again: the entry is unchanged
+			put(op.Pool, m, nil) // restored and evicted again: the entry is unchanged
 			return nil
 		}
 		data, err := b.ownState(op, false)
@@ -69,7 +80,7 @@ func (b *Backend) Tier(op engine.SeqOp) error {
 			b.store.Miss(op.Pool, fmt.Errorf("spill: %w", err))
 			return err
 		}
-		b.store.Put(op.Pool, m, b.withMTP(op, data))
+		put(op.Pool, m, b.withMTP(op, data))
 	case engine.OpRestore:
 		return b.restore(op, m)
 	case engine.OpRecord:
@@ -363,12 +374,13 @@ func (b *Backend) saveRecurrent(seq, lo, hi int) ([]byte, error) {
 }
 
 // loadRecurrent loads what saveRecurrent wrote into seq, which must be empty, with
-// src's [0, lo) shared before it (src < 0: lo must be 0). On failure seq holds nothing.
+// src's [0, lo) shared before it, or (src < 0) already hold exactly [0, lo). On failure
+// seq holds nothing.
 func (b *Backend) loadRecurrent(seq, src, lo, hi int, data []byte) (err error) {
 	if b.scratch < 0 {
 		return errors.New("no scratch sequence for a recurrent model's state")
 	}
-	if lo > 0 && src < 0 {
+	if lo > 0 && src < 0 && b.ctx.SeqPosMax(seq) != lo-1 {
 		return fmt.Errorf("load from position %d without a sequence holding the positions below", lo)
 	}
 	if err := b.settle(); err != nil {
@@ -391,7 +403,7 @@ func (b *Backend) loadRecurrent(seq, src, lo, hi int, data []byte) (err error) {
 		return fmt.Errorf("loaded positions [%d, %d], want a state at %d", p0, p1, hi-1)
 	}
 	// Through b.SeqCp: with SWA anchors seq's shadow gets them too.
-	if lo > 0 {
+	if lo > 0 && src >= 0 {
 		b.SeqCp(src, seq, 0, lo)
 	}
 	b.SeqCp(x, seq, lo, hi) // last: seq's recurrent state becomes x's

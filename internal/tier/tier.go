@@ -1,7 +1,8 @@
-// Package tier keeps evicted pools' KV below the cache (issue 25): in host RAM up to a
-// byte budget, then on disk under a directory up to another, least recently used first
-// out of each, so that a pool's next attach restores its cells instead of prefilling
-// them, and pinned pools survive a restart.
+// Package tier keeps evicted KV below the cache: in host RAM up to a byte budget, then
+// on disk under a directory up to another, least recently used first out of each, so
+// that what was evicted is restored instead of prefilled. Its entries are pools' own
+// cells (issue 25; pinned pools also survive a restart) and segments of sessions' and
+// cached sequences' cells (issue 40, segments.go), both named by content.
 //
 // The store holds bytes, never decides: the engine's scheduler plans a spill when it
 // evicts a pool and a restore when an evicted pool is needed; the runner copies the
@@ -124,6 +125,7 @@ type Store struct {
 	lost      []Lost
 	floor     int
 	stats     Stats
+	kinds     map[string]*KindStats // per kind of holder (segments.go)
 
 	jobs chan job
 	done chan struct{}
@@ -139,6 +141,10 @@ type Stats struct {
 	Misses                 map[string]int64 // by reason
 	DiskErrors             int64            // failed writes (disk full, read-only, ...)
 	Dropped                int64            // entries that fit no tier and were dropped
+	Prefetches             int64            // entries read from disk into RAM ahead of a load
+	// Kinds splits the work by what the entries hold (KindPool, KindSession,
+	// KindCached).
+	Kinds map[string]KindStats
 }
 
 // Open starts a store: with a directory, it scans the entries there (removing
@@ -149,7 +155,7 @@ func Open(cfg Config) (*Store, error) {
 		cfg.Log = slog.Default()
 	}
 	s := &Store{cfg: cfg, log: cfg.Log, ram: map[Key]*ramEntry{}, pending: map[Key]*ramEntry{}, disk: map[Key]*diskEntry{},
-		byPool: map[int]Key{}, kept: map[Key]bool{}, logged: map[string]bool{}, jobs: make(chan job, 256), done: make(chan struct{}),
+		byPool: map[int]Key{}, kept: map[Key]bool{}, logged: map[string]bool{}, jobs: make(chan job, 256), done: make(chan struct{}), kinds: map[string]*KindStats{},
 		stats: Stats{Restores: map[Location]int64{}, RestoreSeconds: map[Location]float64{}, Misses: map[string]int64{}}}
 	if cfg.Dir != "" {
 		if err := s.openDir(); err != nil {
@@ -220,8 +226,16 @@ func (s *Store) Put(pool int, m Meta, payload []byte) Location {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.byPool[pool] = k
+	return s.putLocked(k, KindPool, m, payload)
+}
+
+// putLocked stores payload under k (nil: touch an entry the caller found with Has).
+func (s *Store) putLocked(k Key, kind string, m Meta, payload []byte) Location {
 	s.stats.Spills++
 	s.stats.SpillBytes += int64(len(payload))
+	ks := s.kind(kind)
+	ks.Spills++
+	ks.SpillBytes += int64(len(payload))
 	if e := s.ram[k]; e != nil {
 		e.used = s.tick()
 		return RAM
@@ -238,12 +252,13 @@ func (s *Store) Put(pool int, m Meta, payload []byte) Location {
 	}
 	size := int64(len(payload))
 	if size <= s.cfg.RAMBytes {
-		for s.ramBytes+size > s.cfg.RAMBytes {
-			s.demoteLRU()
+		for s.ramBytes+size > s.cfg.RAMBytes && s.demoteLRU() {
 		}
-		s.ram[k] = &ramEntry{meta: m, payload: payload, used: s.tick()}
-		s.ramBytes += size
-		return RAM
+		if s.ramBytes+size <= s.cfg.RAMBytes {
+			s.ram[k] = &ramEntry{meta: m, payload: payload, used: s.tick()}
+			s.ramBytes += size
+			return RAM
+		}
 	}
 	if s.queueWrite(k, &ramEntry{meta: m, payload: payload}) {
 		return Disk
@@ -252,23 +267,35 @@ func (s *Store) Put(pool int, m Meta, payload []byte) Location {
 	return None
 }
 
-// demoteLRU moves the least recently used RAM entry to disk (or drops it).
-func (s *Store) demoteLRU() {
+// demoteLRU moves the least recently used RAM entry to disk (or drops it). A kept entry
+// (a pinned pool's) is never dropped: without a disk tier to take it, it stays. False
+// when nothing could be moved.
+func (s *Store) demoteLRU() bool {
+	diskOK := s.cfg.Dir != "" && s.diskOff == ""
 	var victim Key
 	var v *ramEntry
 	for k, e := range s.ram {
-		if v == nil || e.used < v.used {
+		if (diskOK || !s.kept[k]) && (v == nil || e.used < v.used) {
 			victim, v = k, e
 		}
 	}
 	if v == nil {
-		return
+		return false
 	}
 	delete(s.ram, victim)
 	s.ramBytes -= int64(len(v.payload))
+	if s.disk[victim] != nil {
+		return true // the disk has it already (it was promoted from there)
+	}
 	if !s.queueWrite(victim, v) {
 		s.stats.Dropped++
+		if s.kept[victim] { // the disk refused it after all: back in RAM, over the budget
+			s.ram[victim] = v
+			s.ramBytes += int64(len(v.payload))
+			return false
+		}
 	}
+	return true
 }
 
 // Get returns the payload stored for m and where it was found, or a *MissError.
@@ -308,15 +335,24 @@ func (s *Store) Miss(pool int, err error) {
 	defer s.mu.Unlock()
 	r := Reason(err)
 	s.stats.Misses[r]++
+	s.kind(KindPool).Misses++
 	s.logOnce("pool KV not restored from the tier; prefilling it instead", "pool", pool, "reason", r, "err", err)
 }
 
-// Restored counts a restore from loc that took d.
-func (s *Store) Restored(loc Location, d time.Duration) {
+// Restored counts a pool restore from loc that took d.
+func (s *Store) Restored(loc Location, d time.Duration) { s.RestoredKind(KindPool, loc, d, 0) }
+
+// RestoredKind counts a restore of kind's entry from loc that took d and brought back
+// n bytes.
+func (s *Store) RestoredKind(kind string, loc Location, d time.Duration, n int64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.stats.Restores[loc]++
 	s.stats.RestoreSeconds[loc] += d.Seconds()
+	ks := s.kind(kind)
+	ks.Restores++
+	ks.RestoreBytes += n
+	ks.RestoreSeconds += d.Seconds()
 }
 
 // Where reports where pool's entry lives and its size (None, 0 when the store holds
@@ -354,6 +390,10 @@ func (s *Store) Stats() Stats {
 		}
 	}
 	st.Restores, st.RestoreSeconds, st.Misses = cloneMap(s.stats.Restores), cloneMap(s.stats.RestoreSeconds), cloneMap(s.stats.Misses)
+	st.Kinds = map[string]KindStats{}
+	for k, v := range s.kinds {
+		st.Kinds[k] = *v
+	}
 	return st
 }
 

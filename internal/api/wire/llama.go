@@ -150,6 +150,9 @@ type Slot struct {
 	// and accepted so far (only once it drafted any).
 	DraftN         *int `json:"draft_n,omitempty"`
 	DraftNAccepted *int `json:"draft_n_accepted,omitempty"`
+	// NRestored (PolyKV's): the running request's prompt tokens loaded from the tier
+	// instead of prefilled (issue 40); only when nonzero.
+	NRestored int `json:"n_restored,omitempty"`
 	// A waiting request (state "waiting", id -1: no sequence yet) says why it waits
 	// (pool, prefix, session, sequence, cells, queue, admission), since when, and how
 	// long its prompt is.
@@ -260,4 +263,16 @@ type PoolTierProps struct {
 	Restores    map[string]int64 `json:"restores"`
 	Misses      map[string]int64 `json:"misses"`
 	DiskErrors  int64            `json:"disk_errors"`
+	// Kinds splits the work by kind of holder (pool, session, cached: issue 40).
+	Kinds map[string]TierKind `json:"kinds,omitempty"`
+}
+
+// TierKind is the tier's work for one kind of holder.
+type TierKind struct {
+	Spills         int64   `json:"spills"`
+	SpillBytes     int64   `json:"spill_bytes"`
+	Restores       int64   `json:"restores"`
+	RestoreBytes   int64   `json:"restore_bytes"`
+	RestoreSeconds float64 `json:"restore_seconds"`
+	Misses         int64   `json:"misses"`
 }

@@ -30,6 +30,9 @@ type GenParams struct {
 	PoolKey             *string         `json:"pool_key"`
 	Overcommit          bool            `json:"overcommit"`
 	ReservationID       *string         `json:"reservation_id"`
+	// NextTurnMs (PolyKV's; header x-polykv-next-turn-ms): when this conversation's next
+	// turn comes after the reply, so its KV is kept ahead of conversations expected later.
+	NextTurnMs *int64 `json:"next_turn_ms"`
 	// CachePrompt false (llama-server's name): prefill the whole prompt rather than
 	// start from a cached prefix of another sequence (a cold reference).
 	CachePrompt *bool `json:"cache_prompt"`
@@ -211,6 +214,9 @@ type Timings struct {
 	PromptPerSecond     float64 `json:"prompt_per_second"`
 	PromptPerTokenMs    float64 `json:"prompt_per_token_ms"`
 	TPSEWMA             float64 `json:"tps_ewma"`
+	// RestoredN (PolyKV's): prompt tokens loaded from the tier below the cache instead of
+	// prefilled (issue 40); only when nonzero. prompt_n counts neither these nor cache_n.
+	RestoredN int `json:"restored_n,omitempty"`
 	// DraftN and DraftNAccepted (llama-server's names): speculative draft tokens
 	// verified for the request and those accepted; only when it drafted any.
 	DraftN         *int `json:"draft_n,omitempty"`

@@ -1,0 +1,568 @@
+package engine
+
+import (
+	"fmt"
+	"slices"
+
+	"github.com/polykv/polykv/internal/pool"
+)
+
+// Sequences below the cache (issue 40). Pools always had a tier (tier.go); here every
+// other holder of cells gets one too: an idle session or a finished anonymous sequence
+// kept as prefix cache whose cells are taken (for cells or for its sequence id) spills
+// them first, and a later request whose prompt continues them loads them back instead
+// of prefilling. Nothing is keyed by who held the cells: what is stored is content,
+// segments of a sequence's cells at chunk-aligned positions [k·C, min((k+1)·C, L)),
+// each the KV of those positions computed after the whole prefix before them (the KV
+// of a position depends on nothing else). So twelve agents that share a system prompt
+// store its chunks once, and a request finds whatever a session, a cached request or
+// an earlier turn of its own left, by its prompt alone.
+//
+// The scheduler only decides and keeps an index of what it asked to store (spillIndex):
+// OpSave copies one segment out before the OpSeqRm that drops its cells; OpLoad asks the
+// driver to load a run of segments into a sequence that holds the positions below the
+// run's start, and the driver answers with Loaded (how far it got). The store's own
+// checks (key over the model and every token of the prefix, checksum) make a wrong load
+// impossible; a segment the store no longer has is a miss, forgotten here, and the
+// rest of the prompt is prefilled. An index entry may outlive its entry in the store
+// (the store drops by LRU on its own): that costs one miss, never a wrong token.
+//
+// On a model with recurrent state a segment cannot start anywhere: the state is one
+// value at a sequence's end. Such a sequence spills as one whole segment from the pool
+// boundary it borrowed (0 without a pool) to its end, with its state, and loads back
+// only whole, onto a sequence holding exactly that boundary (the Config.Recurrent rule
+// for pools).
+
+// DefaultTierChunk is the tokens per stored segment when Config.TierChunk is 0.
+const DefaultTierChunk = 256
+
+// SpillKind is what a spilled holder of cells was (metrics labels).
+type SpillKind uint8
+
+// Spill kinds.
+const (
+	SpillPool    SpillKind = iota // a pool's own cells (OpSpill)
+	SpillSession                  // an idle session's sequence
+	SpillCached                   // a finished anonymous sequence kept as prefix cache
+)
+
+func (k SpillKind) String() string {
+	switch k {
+	case SpillSession:
+		return "session"
+	case SpillCached:
+		return "cached"
+	}
+	return "pool"
+}
+
+// Segment is one stored run of a sequence's cells: positions [Start, len(Tokens))
+// computed after Tokens[:Start]. Tokens is the whole prefix, which is what names the
+// entry in the store. Whole: the entry also holds the recurrent state at its end and
+// loads only whole.
+type Segment struct {
+	Start  int
+	Tokens []Token
+	Whole  bool
+}
+
+// End is one past the segment's last position.
+func (g Segment) End() int { return len(g.Tokens) }
+
+// Loaded is the driver's answer to an OpLoad (message): sequence Seq of task Task now
+// holds positions [0, N) (N == the op's P0 when nothing loaded). Missed is the index in
+// the op's Segs of the segment the store could not give (absent, corrupt, refused):
+// forgotten by the index; -1 when every segment it tried loaded or the load stopped
+// for another reason (no room: nothing is wrong with the entries).
+type Loaded struct {
+	Task   TaskID
+	Seq    int
+	N      int
+	Missed int
+}
+
+func (Loaded) isMsg() {}
+
+// spillKey finds index entries: the position a segment starts at and a hash of every
+// token before it, so entries are found by content, whoever stored them.
+type spillKey struct {
+	start int
+	h     uint64
+}
+
+// spilled is one index entry: the tokens of a stored segment's own positions.
+type spilled struct {
+	toks  []Token
+	whole bool
+	// tail: the segment ended the sequence it was spilled from (the conversation's
+	// end then), which is how a later prompt is recognised as its continuation.
+	tail bool
+}
+
+// spillIndex is what the scheduler asked the tier to store, by content. It holds at
+// most limit tokens: the store drops its own entries by LRU without telling, so past
+// that the oldest entries are forgotten (a forgotten entry the store still had is only
+// a load not tried; one it no longer had would have been a miss).
+type spillIndex struct {
+	chunk    int
+	limit    int
+	entries  map[spillKey][]*spilled
+	order    []indexRef // insertion order, for the limit (entries already gone are skipped)
+	segments int
+	tokens   int
+}
+
+// indexRef names one entry in insertion order.
+type indexRef struct {
+	k spillKey
+	e *spilled
+}
+
+// defaultIndexTokens bounds the index when Config.TierIndexTokens is 0.
+const defaultIndexTokens = 1 << 22
+
+func newSpillIndex(chunk, limit int) *spillIndex {
+	if limit <= 0 {
+		limit = defaultIndexTokens
+	}
+	return &spillIndex{chunk: chunk, limit: limit, entries: map[spillKey][]*spilled{}}
+}
+
+// hashSeed is the hash of the empty prefix; hashTokens extends h over toks.
+var hashSeed = pool.HashExtend(0, nil)
+
+func hashTokens(h uint64, toks []Token) uint64 { return pool.HashExtend(h, toks) }
+
+// find is the entry at k whose tokens equal toks (whole) or begin with them (a longer
+// entry covers a shorter one's content).
+func (x *spillIndex) find(k spillKey, toks []Token, whole bool) *spilled {
+	for _, e := range x.entries[k] {
+		if e.whole != whole {
+			continue
+		}
+		if (whole && slices.Equal(e.toks, toks)) || (!whole && len(e.toks) >= len(toks) && slices.Equal(e.toks[:len(toks)], toks)) {
+			return e
+		}
+	}
+	return nil
+}
+
+// add records a segment the scheduler planned to store; entries it covers (shorter
+// ones whose tokens begin its own) are dropped from the index and returned, so their
+// store entries can be dropped too.
+func (x *spillIndex) add(k spillKey, toks []Token, whole, tail bool) (dropped []*spilled) {
+	e := &spilled{toks: toks, whole: whole, tail: tail}
+	list := x.entries[k]
+	if !whole {
+		list = slices.DeleteFunc(list, func(o *spilled) bool {
+			if !o.whole && len(o.toks) < len(toks) && slices.Equal(o.toks, toks[:len(o.toks)]) {
+				dropped = append(dropped, o)
+				return true
+			}
+			return false
+		})
+	}
+	x.entries[k] = append(list, e)
+	x.segments += 1 - len(dropped)
+	x.tokens += len(toks)
+	for _, o := range dropped {
+		x.tokens -= len(o.toks)
+	}
+	x.order = append(x.order, indexRef{k, e})
+	for x.tokens > x.limit && len(x.order) > 0 {
+		old := x.order[0]
+		x.order = x.order[1:]
+		x.remove(old.k, func(o *spilled) bool { return o == old.e })
+	}
+	if len(x.order) > 2*x.segments+64 {
+		x.order = slices.DeleteFunc(x.order, func(r indexRef) bool { return !slices.Contains(x.entries[r.k], r.e) })
+	}
+	return dropped
+}
+
+// remove drops the entries at k that match.
+func (x *spillIndex) remove(k spillKey, match func(*spilled) bool) {
+	list := x.entries[k]
+	n := len(list)
+	list = slices.DeleteFunc(list, func(e *spilled) bool {
+		if match(e) {
+			x.tokens -= len(e.toks)
+			return true
+		}
+		return false
+	})
+	x.segments -= n - len(list)
+	if len(list) == 0 {
+		delete(x.entries, k)
+	} else {
+		x.entries[k] = list
+	}
+}
+
+// forget removes a segment the store could not give.
+func (x *spillIndex) forget(g Segment) {
+	own := g.Tokens[g.Start:]
+	x.remove(spillKey{g.Start, hashTokens(hashSeed, g.Tokens[:g.Start])}, func(e *spilled) bool {
+		return e.whole == g.Whole && slices.Equal(e.toks, own)
+	})
+}
+
+// lookup is the longest run of stored segments that continues prompt from position
+// from (the sequence holds [0, from)) up to at most limit: the segments, in order, and
+// the position the run reaches (from when nothing is stored). The first segment may
+// start below from (chunks are aligned; the driver loads it whole into a scratch
+// sequence and takes only what the sequence lacks) and the last may match the prompt
+// only in part. recurrent: only a whole segment starting exactly at from, matching all
+// of its tokens.
+func (x *spillIndex) lookup(prompt []Token, from, limit int, recurrent bool) ([]Segment, int) {
+	if x == nil || len(x.entries) == 0 || from >= limit {
+		return nil, from
+	}
+	if recurrent {
+		k := spillKey{from, hashTokens(hashSeed, prompt[:from])}
+		var best *spilled
+		for _, e := range x.entries[k] {
+			if e.whole && from+len(e.toks) <= limit && slices.Equal(e.toks, prompt[from:from+len(e.toks)]) && (best == nil || len(e.toks) > len(best.toks)) {
+				best = e
+			}
+		}
+		if best == nil {
+			return nil, from
+		}
+		return []Segment{{Start: from, Tokens: prompt[:from+len(best.toks)], Whole: true}}, from + len(best.toks)
+	}
+	c := x.chunk
+	k := from / c * c
+	h := hashTokens(hashSeed, prompt[:k])
+	pos := from
+	var segs []Segment
+	for k < limit {
+		var best *spilled
+		bestM := 0
+		for _, e := range x.entries[spillKey{k, h}] {
+			if e.whole {
+				continue
+			}
+			if m := pool.CommonPrefix(e.toks, prompt[k:limit]); m > bestM {
+				best, bestM = e, m
+			}
+		}
+		if best == nil || k+bestM <= pos {
+			break
+		}
+		g := Segment{Start: k, Tokens: prompt[:k+bestM]}
+		if bestM < len(best.toks) {
+			// Only a part matches: the entry's name is its own tokens, not the prompt's.
+			g.Tokens = append(slices.Clone(prompt[:k]), best.toks...)
+		}
+		segs = append(segs, g)
+		pos = k + bestM
+		if bestM < c {
+			break
+		}
+		h = hashTokens(h, prompt[k:k+c])
+		k += c
+	}
+	return segs, pos
+}
+
+// tailMatch reports how much of prompt a stored conversation's end covers: the longest
+// run of stored segments from position 0 that passes through an entry that ended its
+// sequence, up to that entry's end (0 when none): a prompt that continues it is that
+// conversation's next turn.
+func (x *spillIndex) tailMatch(prompt []Token) int {
+	if x == nil || len(x.entries) == 0 {
+		return 0
+	}
+	c := x.chunk
+	h := hashSeed
+	best := 0
+	for k := 0; k < len(prompt); k += c {
+		var full *spilled
+		for _, e := range x.entries[spillKey{k, h}] {
+			if e.whole {
+				if e.tail && k+len(e.toks) <= len(prompt) && slices.Equal(e.toks, prompt[k:k+len(e.toks)]) {
+					best = max(best, k+len(e.toks))
+				}
+				continue
+			}
+			m := pool.CommonPrefix(e.toks, prompt[k:])
+			if e.tail && m >= len(e.toks)-continuationSlack(k+len(e.toks)) {
+				best = max(best, k+m)
+			}
+			if m == c {
+				full = e
+			}
+		}
+		if full == nil || k+c > len(prompt) {
+			break
+		}
+		h = hashTokens(h, prompt[k:k+c])
+	}
+	return best
+}
+
+// continuationSlack is how many of a conversation's last tokens a next turn's prompt
+// may differ in and still continue it: a chat template renders the previous reply
+// again from its text, which need not tokenize as the model generated it.
+func continuationSlack(n int) int { return max(64, n/8) }
+
+// tierChunk is the configured segment size.
+func (c Config) tierChunk() int {
+	if c.TierChunk > 0 {
+		return c.TierChunk
+	}
+	return DefaultTierChunk
+}
+
+// spillKindOf is what sl is as a victim.
+func spillKindOf(sl *slot) SpillKind {
+	if sl.session != "" {
+		return SpillSession
+	}
+	return SpillCached
+}
+
+// spillSeq plans saving what sl holds from position from on, before those cells are
+// dropped (its tail under cell pressure, or all of it when its sequence id is taken).
+// Segments the index already has are not saved again. A pool's prefix that sl borrows
+// is the pool's own tier entry's, not sl's. On a recurrent model sl goes whole (it
+// cannot be cut back) and is saved as one segment with its state.
+func (s *Scheduler) spillSeq(sl *slot, from int, kind SpillKind) {
+	if !s.cfg.Tier || s.spills == nil || len(sl.tokens) == 0 {
+		return
+	}
+	toks := slices.Clone(sl.tokens) // ops keep prefixes of it; sl.tokens changes
+	L := len(toks)
+	base := max(from, sl.shared)
+	if base >= L {
+		return
+	}
+	if s.cfg.Recurrent {
+		start := sl.shared // the pool boundary whose state the session extended, or 0
+		k := spillKey{start, hashTokens(hashSeed, toks[:start])}
+		if s.spills.find(k, toks[start:], true) == nil {
+			s.spills.add(k, toks[start:], true, true)
+			s.ops = append(s.ops, SeqOp{Kind: OpSave, Seq: sl.seq, P0: start, P1: L, Tokens: toks, Whole: true, Spill: kind})
+			s.spillCount(kind, L-start)
+		}
+		return
+	}
+	c := s.cfg.tierChunk()
+	k := base / c * c
+	h := hashTokens(hashSeed, toks[:k])
+	for k < L {
+		e := min(k+c, L)
+		key := spillKey{k, h}
+		if s.spills.find(key, toks[k:e], false) == nil {
+			for _, o := range s.spills.add(key, toks[k:e], false, e == L) {
+				s.ops = append(s.ops, SeqOp{Kind: OpDrop, Seq: sl.seq, P0: k, P1: k + len(o.toks), Tokens: append(slices.Clone(toks[:k]), o.toks...)})
+			}
+			s.ops = append(s.ops, SeqOp{Kind: OpSave, Seq: sl.seq, P0: k, P1: e, Tokens: toks[:e], Spill: kind})
+			s.spillCount(kind, e-k)
+		} else if e == L {
+			if en := s.spills.find(key, toks[k:e], false); en != nil && len(en.toks) == e-k {
+				en.tail = true
+			}
+		}
+		h = hashTokens(h, toks[k:e])
+		k = e
+	}
+}
+
+// spillCount counts a planned segment save.
+func (s *Scheduler) spillCount(kind SpillKind, n int) {
+	s.tierStats.Saves[kind]++
+	s.tierStats.SavedTokens[kind] += int64(n)
+}
+
+// planLoad, right after t was seated on sl, plans loading whatever the tier holds of
+// t's prompt beyond what sl holds now, up to the last prompt token (decoded for its
+// logits). t then waits (loadWait) for the Loaded answer before any of its prompt is
+// prefilled. Nothing is planned when the run is shorter than a worthwhile load.
+//
+// Room: the cells the load writes are t's own prompt's, which admission reserved
+// (reservedPrefill) and Plan keeps from the batch (loadPending). Beyond them a load needs,
+// only while it runs (before the batch), the cells of its first segment below what sl
+// holds and of its last beyond what t uses: a segment goes whole into the scratch
+// sequence and only what sl lacks is shared from there; the rest is free again when
+// the load ends. The loads of a plan run in order, each after the cells of those before
+// it are written.
+func (s *Scheduler) planLoad(t *task, sl *slot) {
+	if !s.cfg.Tier || s.spills == nil || t.kind != kindGenerate {
+		return
+	}
+	h := len(sl.tokens)
+	segs, to := s.spills.lookup(t.req.Prompt, h, len(t.req.Prompt)-1, s.cfg.Recurrent)
+	if to-h < minLoad {
+		return
+	}
+	t.loadWait, t.loadTo, t.loadSegs = true, to, segs // counted by loadPending from here
+	want := s.loadPending() + s.tierPending() + h - segs[0].Start + segs[len(segs)-1].End() - to
+	if s.kv.room(0) < want && s.freeCells(want, nil, 0) < want {
+		t.loadWait, t.loadTo, t.loadSegs = false, 0, nil
+		return
+	}
+	s.ops = append(s.ops, SeqOp{Kind: OpLoad, Seq: sl.seq, P0: h, P1: to, Segs: segs, Task: t.id, Spill: spillKindOf(sl)})
+}
+
+// prefetch plans reading what t will load from disk into memory while t waits for a
+// sequence (OpPrefetch: the driver reads off the engine goroutine; entries already in
+// memory cost a lookup), so its load, once seated, reads memory.
+func (s *Scheduler) prefetch(t *task) {
+	if s.spills == nil || t.kind != kindGenerate {
+		return
+	}
+	limit := len(t.req.Prompt) - 1
+	h, _ := s.kv.longest(t.req.Prompt, limit)
+	if segs, to := s.spills.lookup(t.req.Prompt, h, limit, s.cfg.Recurrent); to-h >= minLoad {
+		s.ops = append(s.ops, SeqOp{Kind: OpPrefetch, Seq: -1, Segs: segs, Task: t.id})
+	}
+}
+
+// neverFits refuses, at once, a request that needs more new cells than the cache could
+// give it even once every running request ended and everything evictable went: the
+// cells of user-pinned pools (and of the ancestors their cells extend) stay, and
+// without a tier nothing pages them out (issue 40: a request that can never fit fails
+// at once, saying why, instead of waiting out the queue timeout). With a tier every
+// pool pages, and a prompt shorter than the context always fits eventually.
+func (s *Scheduler) neverFits(need int) error {
+	if s.kv.pinPaging {
+		return nil
+	}
+	var others seqSet
+	keep := map[int]bool{}
+	for _, p := range s.pools.All() {
+		if p.UserPinned && p.State == pool.Resident {
+			for a := p; a != nil; a = a.Parent {
+				keep[a.Seq] = true
+			}
+		}
+	}
+	if len(keep) == 0 {
+		return nil
+	}
+	for q := range s.cfg.Parallel + s.cfg.MaxPools {
+		if !keep[q] {
+			others.add(q)
+		}
+	}
+	pinned := s.kv.used() - s.kv.freedBy(others, -1, 0)
+	if need <= s.cfg.NCtx-pinned {
+		return nil
+	}
+	return fmt.Errorf("%w: it needs %d new cells; pinned pools hold %d of the cache's %d (unpin one, or give the server a tier below the cache: --pool-ram-mb)", ErrNeverFits, need, pinned, s.cfg.NCtx)
+}
+
+// minLoad is the shortest run worth a load: below it the one step a load waits for its
+// answer costs more than prefilling the tokens.
+const minLoad = 16
+
+// loadPending is the cells the loads planned and not yet answered will write.
+func (s *Scheduler) loadPending() int {
+	n := 0
+	for _, t := range s.running {
+		if t.loadWait {
+			n += t.loadTo - len(t.slot.tokens)
+		}
+	}
+	return n
+}
+
+// loadWaiting reports whether task t still waits on seq for the answer to its OpLoad
+// (a late asynchronous read for a task that ended must not load into a sequence that
+// may now be someone else's).
+func (s *Scheduler) loadWaiting(task TaskID, seq int) bool {
+	t := s.tasks[task]
+	return t != nil && t.loadWait && t.slot != nil && t.slot.seq == seq
+}
+
+// loaded applies the driver's answer to an OpLoad (message Loaded): the positions it
+// loaded join the sequence (as a prefill's would), a segment it could not load leaves
+// the index, and the task's prompt is prefilled from where the load stopped.
+func (s *Scheduler) loaded(m Loaded) {
+	if !s.loadWaiting(m.Task, m.Seq) {
+		return // cancelled before the answer came: nothing was loaded for it
+	}
+	t := s.tasks[m.Task]
+	sl := t.slot
+	t.loadWait = false
+	if m.N < len(sl.tokens) {
+		// The load failed after it had to let go of what the sequence held (a recurrent
+		// state cannot be cut back): the sequence holds [0, N) only.
+		s.truncate(sl, m.N)
+	}
+	h := len(sl.tokens)
+	n := min(max(m.N, h), t.loadTo)
+	if n > h {
+		s.kv.allocate(sl.seq, t.req.Prompt[h:n])
+		sl.tokens = append(sl.tokens, t.req.Prompt[h:n]...)
+		t.restoredN += n - h
+		s.tierStats.Loads[spillKindOf(sl)]++
+		s.tierStats.LoadedTokens[spillKindOf(sl)] += int64(n - h)
+	}
+	if m.Missed >= 0 && m.Missed < len(t.loadSegs) {
+		s.spills.forget(t.loadSegs[m.Missed])
+		s.tierStats.Misses++
+	}
+	t.loadSegs = nil
+}
+
+// continuation classifies a new request at submission for the queue's order (issue 40,
+// program-aware order): whether it continues a conversation the server has seen (a
+// known session, or a prompt that extends what an idle sequence holds or a stored
+// conversation ended with) and how much context that conversation has accumulated
+// (its attained service: the tokens of the prompt already computed once).
+func (s *Scheduler) continuation(t *task) (cont bool, attained, seq int) {
+	prompt := t.req.Prompt
+	seq = -1
+	if id := t.req.SessionID; id != "" {
+		_, bound := s.bySession[id]
+		cont = bound || s.adm.Known(id)
+		if g := s.gaps.sessions[id]; g != nil {
+			attained = g.served
+		}
+	}
+	for _, sl := range s.slots {
+		own := sl.session != "" && sl.session == t.req.SessionID
+		if len(sl.tokens) == 0 || (sl.task != nil && !own) {
+			continue
+		}
+		m := pool.CommonPrefix(sl.tokens, prompt)
+		covers := m >= 64 && m >= len(sl.tokens)-continuationSlack(len(sl.tokens))
+		cont = cont || covers
+		if covers || own {
+			attained = max(attained, m)
+		}
+		if covers && sl.session == "" && sl.task == nil && (seq < 0 || len(sl.tokens) > len(s.slots[seq].tokens)) {
+			seq = sl.seq // the idle anonymous sequence it continues
+		}
+	}
+	if s.cfg.Tier && s.spills != nil {
+		if m := s.spills.tailMatch(prompt); m >= 64 {
+			cont = true
+			attained = max(attained, m)
+		}
+	}
+	return cont, attained, seq
+}
+
+// TierStats counts the sequence tier's work (issue 40), by SpillKind: segments planned
+// to be saved and their tokens, loads answered and the tokens they brought back, and
+// segments a load missed (forgotten by the index). Index* is the index's size now.
+type TierStats struct {
+	Saves, SavedTokens  [3]int64
+	Loads, LoadedTokens [3]int64
+	Misses              int64
+	IndexSegments       int
+	IndexTokens         int
+}
+
+// TierStats copies the counters (tests, Usage).
+func (s *Scheduler) TierStats() TierStats {
+	st := s.tierStats
+	if s.spills != nil {
+		st.IndexSegments, st.IndexTokens = s.spills.segments, s.spills.tokens
+	}
+	return st
+}
