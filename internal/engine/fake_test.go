@@ -46,6 +46,8 @@ type fakeBackend struct {
 	segs               map[string][]Token
 	missing            map[string]bool
 	segSaves, segLoads int
+	// prefetches: the OpPrefetch operations received, in order.
+	prefetches []SeqOp
 	// keptPools: pools paged out while user-pinned, whose entries the tier must keep.
 	keptPools map[int]bool
 	// model is the fake model (nil: fakeNext); drawn counts the samples it drew, so a
@@ -183,6 +185,8 @@ func (f *fakeBackend) Tier(op SeqOp) error {
 		f.segSaves++
 	case OpDrop:
 		delete(f.segs, segKey(op.P0, op.Tokens, false))
+	case OpPrefetch:
+		f.prefetches = append(f.prefetches, op)
 	case OpRestore:
 		if f.async && !f.read[op.Pool] {
 			f.reads = append(f.reads, op)

@@ -58,6 +58,13 @@ type sessionGap struct {
 	lastEnd time.Time     // when its last turn ended
 	tool    bool          // its last reply ended in a tool call
 	served  int           // its context at the end of its last turn (attained service)
+	// parked is what the session held when its cells went to the tier (spillSeq), kept
+	// until its next turn arrives so that its segments can be read up from disk ahead
+	// of the turn its evidence expects (prefetchExpected); expect is that time (zero:
+	// no evidence, no prefetch); fetched, the prefetch was planned.
+	parked  []Token
+	expect  time.Time
+	fetched bool
 }
 
 func ewmaDur(avg, x time.Duration) time.Duration {
@@ -183,6 +190,7 @@ func (s *Scheduler) turnArrived(t *task) {
 		gap, tool = s.now.Sub(g.lastEnd), g.tool
 		g.avg = ewmaDur(g.avg, gap)
 		g.lastEnd = time.Time{}
+		g.parked, g.expect, g.fetched = nil, time.Time{}, false // its request reads them now
 	case t.contSeq >= 0:
 		sl := s.slots[t.contSeq]
 		if sl.task != nil {

@@ -978,6 +978,7 @@ func (s *Scheduler) advance() {
 	s.releaseGated()
 	s.admit()
 	s.deadlines()
+	s.prefetchExpected()
 }
 
 // deadlines ends the waits past Config.QueueTimeout: a request fails with

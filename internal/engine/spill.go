@@ -2,7 +2,9 @@ package engine
 
 import (
 	"fmt"
+	"maps"
 	"slices"
+	"time"
 
 	"github.com/polykv/polykv/internal/pool"
 )
@@ -333,6 +335,7 @@ func (s *Scheduler) spillSeq(sl *slot, from int, kind SpillKind) {
 		return
 	}
 	toks := slices.Clone(sl.tokens) // ops keep prefixes of it; sl.tokens changes
+	s.park(sl, toks)
 	L := len(toks)
 	base := max(from, sl.shared)
 	if base >= L {
@@ -413,10 +416,54 @@ func (s *Scheduler) prefetch(t *task) {
 	if s.spills == nil || t.kind != kindGenerate {
 		return
 	}
-	limit := len(t.req.Prompt) - 1
-	h, _ := s.kv.longest(t.req.Prompt, limit)
-	if segs, to := s.spills.lookup(t.req.Prompt, h, limit, s.cfg.Recurrent); to-h >= minLoad {
-		s.ops = append(s.ops, SeqOp{Kind: OpPrefetch, Seq: -1, Segs: segs, Task: t.id})
+	s.prefetchTokens(t.req.Prompt, len(t.req.Prompt)-1, t.id)
+}
+
+// prefetchTokens plans an OpPrefetch of the stored segments that continue what the
+// cache holds of toks, up to limit, when they are worth a load.
+func (s *Scheduler) prefetchTokens(toks []Token, limit int, task TaskID) {
+	h, _ := s.kv.longest(toks, limit)
+	if segs, to := s.spills.lookup(toks, h, limit, s.cfg.Recurrent); to-h >= minLoad {
+		s.ops = append(s.ops, SeqOp{Kind: OpPrefetch, Seq: -1, Segs: segs, Task: task})
+	}
+}
+
+// prefetchLead is how long before a parked session's expected turn its segments are
+// read up from disk: about what reading a long context's segments takes, so that the
+// turn, when it comes, loads from memory; a turn that comes earlier prefetches anyway
+// when it is queued.
+const prefetchLead = 2 * time.Second
+
+// park notes, when sl's cells go to the tier, what its session held and when its next
+// turn is expected (from evidence about it alone, as nextUse: a hint, a tool call, its
+// own gap), for prefetchExpected. Anonymous sequences have no next turn to expect.
+func (s *Scheduler) park(sl *slot, toks []Token) {
+	g := s.gaps.sessions[sl.session]
+	if sl.session == "" || g == nil || sl.task != nil {
+		return
+	}
+	exp := sl.expect
+	if gap := s.turnGap(sl); exp.IsZero() && gap > 0 {
+		exp = sl.lastUsed.Add(gap)
+	}
+	g.parked, g.expect, g.fetched = toks, exp, false
+}
+
+// prefetchExpected plans, once per parking, reading a parked session's segments from
+// disk into memory when its expected turn is less than prefetchLead away (issue 40:
+// prefetch when a session's turn is expected, not only once its request is queued).
+// Sessions in id order: the plan must not depend on map order.
+func (s *Scheduler) prefetchExpected() {
+	if s.spills == nil {
+		return
+	}
+	for _, id := range slices.Sorted(maps.Keys(s.gaps.sessions)) {
+		g := s.gaps.sessions[id]
+		if g.parked == nil || g.fetched || g.expect.IsZero() || g.expect.Sub(s.now) > prefetchLead {
+			continue
+		}
+		g.fetched = true
+		s.prefetchTokens(g.parked, len(g.parked), 0)
 	}
 }
 

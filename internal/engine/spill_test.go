@@ -362,3 +362,52 @@ func TestSpillIndexLookup(t *testing.T) {
 		t.Fatalf("the oldest (first) chunk was forgotten, yet a lookup from 0 reached %d", to)
 	}
 }
+
+// A session displaced to the tier whose next turn is expected (a hint, or a reply that
+// ended in a tool call) has its segments read up from disk shortly before that turn,
+// once; a session with no evidence of its next turn is not prefetched.
+func TestExpectedTurnPrefetched(t *testing.T) {
+	for _, how := range []string{"hint", "tool", "none"} {
+		h := newHarness(t, spillCfg())
+		a := seqTokens(100, 30)
+		req := Request{Prompt: a, SessionID: "A", MaxTokens: 2}
+		if how == "hint" {
+			req.NextTurn = 5 * time.Second
+		}
+		ev, _ := h.turn(req)
+		if how == "tool" {
+			h.s.gaps.tool = 5 * time.Second // the tool gap learned over earlier turns
+			h.send(ExpectTurn{Seq: ev.Stats.Seq, Task: h.ended[len(h.ended)-1]})
+		}
+		h.turn(Request{Prompt: seqTokens(300, 20), SessionID: "B", MaxTokens: 2}) // takes A's sequence
+		if h.be.segSaves == 0 {
+			t.Fatalf("%s: A was not spilled", how)
+		}
+		tick := func(d time.Duration) int {
+			h.now = h.now.Add(d)
+			h.send(Tick{})
+			h.step()
+			return len(h.be.prefetches)
+		}
+		if n := tick(time.Second); n != 0 {
+			t.Fatalf("%s: prefetched %d times 4 s before the expected turn", how, n)
+		}
+		n := tick(2500 * time.Millisecond)
+		if how == "none" {
+			if n != 0 {
+				t.Fatalf("none: a session with no expected turn was prefetched: %+v", h.be.prefetches)
+			}
+			continue
+		}
+		if n != 1 {
+			t.Fatalf("%s: %d prefetches within 2 s of the expected turn, want 1", how, n)
+		}
+		op := h.be.prefetches[0]
+		if len(op.Segs) == 0 || op.Segs[0].Start != 0 || !slices.Equal(op.Segs[len(op.Segs)-1].Tokens[:len(a)], a) {
+			t.Fatalf("%s: prefetch %+v, want A's segments from 0", how, op)
+		}
+		if n := tick(time.Second); n != 1 {
+			t.Fatalf("%s: prefetched again (%d)", how, n)
+		}
+	}
+}
