@@ -211,6 +211,13 @@ type task struct {
 	specIdle             int
 	// modelDraft is the draft model's proposal for the next plan (OfferDrafts).
 	modelDraft []Token
+	// Throttle toward the floor (throttle.go): the unthrottled rate (admission's),
+	// the skip credit, whether Plan skips t in the step it builds, and the steps t
+	// skipped so far.
+	shadow     tps.EWMA
+	skipCredit float64
+	skipNow    bool
+	throttled  int
 	// ngram is this step's ngram-simple match for t (ngramSimple), kept from
 	// DraftWants' look (does an n-gram drafter propose, or is the model asked?) for
 	// Plan's, and cleared when Plan ends.
@@ -287,6 +294,14 @@ type Scheduler struct {
 	tierRestores, tierMisses int64
 	// queueTimeouts counts waits that ran past Config.QueueTimeout.
 	queueTimeouts int64
+	// Throttle toward the floor (throttle.go): the sessions the planned step skips,
+	// the row-cost fit, the virtual clock's lead for the unthrottled rates, and the
+	// steps skipped so far (all pools, and per pool).
+	skipped        []*task
+	rowCost        rowCost
+	throttleExtra  time.Duration
+	throttledTotal int64
+	throttledBy    map[int]int64
 
 	// afterAdmit, when set (tests), is called at the end of every admission pass, to
 	// check the liveness invariant where it must hold (doc.go).
@@ -323,7 +338,7 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	}
 	cells := newCellTree(cfg.Parallel)
 	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
-		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools, cells), poolSeqs: map[int]*slot{}, inTier: map[int]bool{},
+		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools, cells), poolSeqs: map[int]*slot{}, inTier: map[int]bool{}, throttledBy: map[int]int64{},
 		adm: admission.NewController(),
 		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau)}
 	for i := range cfg.Parallel {
@@ -872,6 +887,7 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 			s.cacheHits += int64(t.cacheN)
 		}
 		t.ewma = tps.NewEWMA(s.cfg.TPSTau)
+		t.shadow = tps.NewEWMA(s.cfg.TPSTau)
 		t.draftCap = s.cfg.Spec.DraftMax
 		t.specHits, t.specTrials, t.specIdle = specPriorHits, specPriorTrials, specProbeEvery
 		s.adm.SessionSeated(t.req.SessionID, s.now)
@@ -968,9 +984,11 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	planned := 0
 	// decoders still to plan: each needs one token of the budget and one cell, which
 	// drafts never take from them.
+	// Sessions throttled toward their pool's floor skip this step (throttle.go).
+	s.throttleSkips()
 	decoders := 0
 	for _, t := range s.running {
-		if t.hasNext {
+		if t.hasNext && !t.skipNow {
 			decoders++
 		}
 	}
@@ -984,7 +1002,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	// every decoder's token, and the drafts planned and expected to land.
 	specGain, specRows := float64(decoders), float64(decoders)
 	for _, t := range slices.Clone(s.running) {
-		if !t.hasNext {
+		if !t.hasNext || t.skipNow {
 			continue
 		}
 		decoders--
@@ -1075,6 +1093,26 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	}
 	for _, t := range s.running {
 		t.ngram = ngramMemo{} // the context moves on with this step
+		t.skipNow = false
+	}
+	if len(batch) == 0 && len(s.skipped) > 0 {
+		// Nothing else runs this step, so the skips would gain nobody (and an empty
+		// batch would idle the loop): plan the skipped sessions' tokens after all.
+		skipped := slices.Clone(s.skipped)
+		s.unskip()
+		for _, t := range skipped {
+			if free == 0 {
+				free = s.freeCells(1, nil, planned)
+			}
+			if free == 0 {
+				s.finish(t, FinishLength, true, nil)
+				continue
+			}
+			batch = append(batch, BatchEntry{Token: t.next, Pos: len(t.slot.tokens), Seq: t.slot.seq, Sample: true, Task: t.id})
+			s.inflight = append(s.inflight, inflight{t: t, n: 1, decode: true, sample: true})
+			free--
+			planned++
+		}
 	}
 	p := Plan{Samplers: s.samplers, SeqOps: s.ops, Batch: batch}
 	s.samplers, s.ops = nil, nil
@@ -1088,6 +1126,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 	s.inflight = nil
 	if err != nil {
 		s.snapDue = true
+		s.skipped = s.skipped[:0]
 		for _, f := range in {
 			if f.t.slot == nil {
 				continue
@@ -1108,6 +1147,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 		}
 	}
 	s.measureStep(in, now)
+	s.throttleCommit(in, now)
 	si = 0
 	for _, f := range in {
 		t := f.t
@@ -1165,6 +1205,7 @@ func (s *Scheduler) commitDecode(f inflight, smp []Sampled, now time.Time) {
 	// The step made a+1 tokens (the EWMA takes them in one observation: it folds
 	// observations at one instant), and they share its time for inter-token latency.
 	t.ewma.Observe(a+1, now)
+	t.shadow.Observe(a+1, now.Add(s.throttleExtra))
 	d := now.Sub(t.lastTok) / time.Duration(a+1)
 	t.lastTok = now
 	kept := pos + 1
@@ -1190,6 +1231,7 @@ func (s *Scheduler) onToken(t *task, smp Sampled) {
 	if t.firstTok.IsZero() {
 		t.firstTok, t.lastTok = s.now, s.now
 		t.ewma.Start(s.now)
+		t.shadow.Start(s.now.Add(s.throttleExtra))
 		s.obs = append(s.obs, Observation{Kind: ObsTTFT, Pool: t.poolID(), D: s.now.Sub(t.submitted)})
 	}
 	if s.vocab.IsEOG(smp.Token) && !t.req.IgnoreEOS {
@@ -1231,7 +1273,7 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 		return
 	}
 	stats := Stats{PromptN: len(t.req.Prompt) - t.cacheN, CacheN: t.cacheN, PredictedN: t.generated, Seq: sl.seq,
-		DraftN: t.draftN, DraftAccepted: t.draftAccepted, DraftFiltered: t.draftFiltered}
+		DraftN: t.draftN, DraftAccepted: t.draftAccepted, DraftFiltered: t.draftFiltered, ThrottledSteps: t.throttled}
 	if sl.base != nil {
 		stats.Pool = sl.base.ID
 		stats.Shared = sl.shared
