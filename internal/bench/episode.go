@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"net/http"
@@ -175,6 +176,8 @@ type episodeSample struct {
 	clientLow  int
 	workers    int
 	throttled  int // the running turns' skipped steps (server)
+	// Each warm decoding session's experienced tps, by session id.
+	serverRates, clientRates map[string]float64
 }
 
 func (e episode) run(cfg app.Config) error {
@@ -427,7 +430,7 @@ func (e episode) calibrate(c app.Config, tx episodeTexts) (float64, error) {
 		}
 		speeds = append(speeds, out.Timings.PredictedPerSecond)
 		msgs = append(msgs, map[string]any{"role": "assistant", "content": out.Choices[0].Message.Content},
-			map[string]any{"role": "user", "content": tx.tools[0][s]})
+			map[string]any{"role": "user", "content": tx.tools[0][s%len(tx.tools[0])]})
 	}
 	return median(speeds), nil
 }
@@ -561,6 +564,13 @@ func (r *episodeRun) worker(id int, reservation string) {
 		p := r.next
 		if p >= r.e.packages || len(r.errs) > 0 {
 			r.mu.Unlock()
+			if reservation != "" {
+				// Another worker took the last package: give the place back.
+				req, _ := http.NewRequest(http.MethodDelete, fmt.Sprintf("%s/polykv/pools/%d/reservations/%s", r.tg.base, r.tg.pool, reservation), nil)
+				if resp, err := http.DefaultClient.Do(req); err == nil {
+					resp.Body.Close()
+				}
+			}
 			return
 		}
 		r.next++
@@ -682,12 +692,14 @@ func (r *episodeRun) sample(done <-chan struct{}) []episodeSample {
 		r.mu.Lock()
 		s.workers = r.live
 		var rates []float64
-		for _, ew := range r.turns {
+		s.clientRates, s.serverRates = map[string]float64{}, map[string]float64{}
+		for id, ew := range r.turns {
 			if ew.Warming() {
 				continue
 			}
 			rate := ew.RateAt(now)
 			rates = append(rates, rate)
+			s.clientRates[id] = rate
 			if rate < r.floor {
 				s.clientLow++
 			}
@@ -708,7 +720,10 @@ func (r *episodeRun) sample(done <-chan struct{}) []episodeSample {
 					if ss["state"] != "decode" || ss["warming"] == true {
 						continue
 					}
-					if rate, _ := ss["tps_ewma"].(float64); rate < r.floor {
+					rate, _ := ss["tps_ewma"].(float64)
+					id, _ := ss["session_id"].(string)
+					s.serverRates[id] = rate
+					if rate < r.floor {
 						s.serverLow++
 					}
 				}
@@ -830,6 +845,23 @@ func (e episode) write(r episodeResult, floor float64) error {
 		activeSeries = append(activeSeries, point{float64(i), float64(b.active)})
 	}
 	if err := os.WriteFile(stem+".csv", []byte(csv.String()), 0o644); err != nil {
+		return err
+	}
+	// Every reading's per-session rates, long format.
+	var sess strings.Builder
+	sess.WriteString("t_s,session,source,tps\n")
+	for _, s := range r.samples {
+		for _, src := range []struct {
+			name  string
+			rates map[string]float64
+		}{{"server", s.serverRates}, {"client", s.clientRates}} {
+			ids := slices.Sorted(maps.Keys(src.rates))
+			for _, id := range ids {
+				fmt.Fprintf(&sess, "%.2f,%s,%s,%.2f\n", s.t.Seconds(), id, src.name, src.rates[id])
+			}
+		}
+	}
+	if err := os.WriteFile(stem+"-sessions.csv", []byte(sess.String()), 0o644); err != nil {
 		return err
 	}
 	top := []plotSeries{{name: "mean active tps", pts: tpsSeries, col: colBlue}, {name: "client-side", pts: clientSeries, col: colGrey}}

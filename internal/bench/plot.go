@@ -208,7 +208,7 @@ func (c canvas) panel(y0, y1 int, yMax, xMax float64, series []plotSeries, lines
 		c.set(plotL, y, colBlack)
 		c.set(plotR, y, colBlack)
 	}
-	c.text(8, y0-2, label, colBlack)
+	c.text(plotL-8-textWidth(label), y0-20, label, colBlack)
 	for _, h := range lines {
 		if h.y <= yMax {
 			c.dashed(plotL, plotR, py(h.y), h.col)
