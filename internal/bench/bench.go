@@ -117,6 +117,7 @@ func (o *Options) Register(fs *flag.FlagSet) {
 	fs.StringVar(&o.ep.gateKind, "episode-gate", "reserve", "episode: how the gated orchestrator asks: reserve (POST reservations; the id goes with the worker's first request) or capacity (GET /capacity)")
 	fs.Float64Var(&o.ep.margin, "episode-throttle-margin", 0.2, "episode: throttle_margin of the throttle configuration")
 	fs.Float64Var(&o.ep.maxSkip, "episode-throttle-max-skip", 0.5, "episode: throttle_max_skip of the throttle configuration")
+	fs.IntVar(&o.ep.guarantee, "episode-guarantee", 1, "episode: guarantee_min_sessions of the gated configurations")
 	fs.IntVar(&o.ep.settleTokens, "episode-settle-tokens", 0, "episode: settle_tokens of the gated configurations (0: the server's default)")
 	fs.Int64Var(&o.ep.settleMs, "episode-settle-ms", 0, "episode: settle_max_ms of the gated configurations (0: the server's default)")
 	fs.StringVar(&o.ep.out, "episode-out", "episode-out", "episode: directory for each run's per-second CSV and PNG plot (empty: none)")

@@ -61,6 +61,7 @@ type episode struct {
 	gateKind        string // reserve | capacity
 	margin          float64
 	maxSkip         float64
+	guarantee       int // guarantee_min_sessions of the gated configurations
 	settleTokens    int
 	settleMs        int64
 	out             string
@@ -220,8 +221,8 @@ func (e episode) run(cfg app.Config) error {
 	}
 	fmt.Printf("episode: %d packages x %d steps, %d tokens decoded per turn, a %d-token system prompt with tools, %d-token tool results after %s tool latency (%s);\n",
 		e.packages, e.steps, e.gen, e.system, e.tool, e.toolLatency, randomLat)
-	fmt.Printf("orchestrator tick %s, at most %d workers, floor %.1f tok/s (deep: < %.1f), gate %s, throttle margin %.2f, max skip %.2f; n_ctx %d, %d threads\n\n",
-		e.tick, e.maxWorkers, floor, floor/2, e.gateKind, e.margin, e.maxSkip, c.NCtx, c.Threads)
+	fmt.Printf("orchestrator tick %s, at most %d workers, floor %.1f tok/s (deep: < %.1f), gate %s, guarantee %d, throttle margin %.2f, max skip %.2f; n_ctx %d, %d threads\n\n",
+		e.tick, e.maxWorkers, floor, floor/2, e.gateKind, e.guarantee, e.margin, e.maxSkip, c.NCtx, c.Threads)
 	fmt.Println("config    rep  wall s  under floor s  deep s  session-s under  client: under  deep  sess-s  delivery p50 s  p90 s  tokens  peak workers  worker-s  held ticks  throttled steps")
 	var results []episodeResult
 	// Alternating: the configurations in order, then reversed (ABC CBA ...), so none
@@ -379,7 +380,7 @@ func (e episode) start(c app.Config, name string, floor float64, tx episodeTexts
 	}
 	tg.pool = int(out["pool_id"].(float64))
 	if name == epGated || name == epThrottle {
-		policy := map[string]any{"target_tps_per_session": floor, "mode": "advisory", "guarantee_min_sessions": 1}
+		policy := map[string]any{"target_tps_per_session": floor, "mode": "advisory", "guarantee_min_sessions": e.guarantee}
 		if e.settleTokens > 0 {
 			policy["settle_tokens"] = e.settleTokens
 		}
@@ -622,6 +623,7 @@ func (r *episodeRun) turn(session string, msgs []map[string]any, reservation str
 	}
 	ewma := tps.NewEWMA(tps.DefaultTau)
 	started := false
+	chunks := 0
 	var text strings.Builder
 	n := -1
 	sc := bufio.NewScanner(resp.Body)
@@ -654,6 +656,7 @@ func (r *episodeRun) turn(session string, msgs []map[string]any, reservation str
 			continue
 		}
 		text.WriteString(chunk.Choices[0].Delta.Content)
+		chunks++
 		now := time.Now()
 		r.mu.Lock()
 		if !started {
@@ -670,7 +673,8 @@ func (r *episodeRun) turn(session string, msgs []map[string]any, reservation str
 		return "", 0, err
 	}
 	if n < 0 {
-		return "", 0, fmt.Errorf("stream ended without usage")
+		// A server that sends no usage: one streamed chunk per token, as llama-server's.
+		n = chunks
 	}
 	return text.String(), n, nil
 }
