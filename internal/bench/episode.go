@@ -161,6 +161,7 @@ type episodeResult struct {
 	peakWorkers        int
 	workerSeconds      float64 // ∫ workers dt
 	throttled          int64   // decode steps skipped by the throttle (PolyKV)
+	foreign            float64 // CPU seconds other processes used during the run
 	refusedTicks       int     // ticks that held a spawn the policy refused
 	samples            []episodeSample
 	meanTPS, clientTPS float64 // time-weighted mean of mean_active_tps while sessions decode
@@ -223,7 +224,8 @@ func (e episode) run(cfg app.Config) error {
 		e.packages, e.steps, e.gen, e.system, e.tool, e.toolLatency, randomLat)
 	fmt.Printf("orchestrator tick %s, at most %d workers, floor %.1f tok/s (deep: < %.1f), gate %s, guarantee %d, throttle margin %.2f, max skip %.2f; n_ctx %d, %d threads\n\n",
 		e.tick, e.maxWorkers, floor, floor/2, e.gateKind, e.guarantee, e.margin, e.maxSkip, c.NCtx, c.Threads)
-	fmt.Println("config    rep  wall s  under floor s  deep s  session-s under  client: under  deep  sess-s  delivery p50 s  p90 s  tokens  peak workers  worker-s  held ticks  throttled steps")
+	fmt.Println("other CPU s: CPU time other processes used during the run (this machine's cores are shared; a clean run has ~0)")
+	fmt.Println("config    rep  wall s  under floor s  deep s  session-s under  client: under  deep  sess-s  delivery p50 s  p90 s  tokens  peak workers  worker-s  held ticks  throttled steps  other CPU s")
 	var results []episodeResult
 	// Alternating: the configurations in order, then reversed (ABC CBA ...), so none
 	// always runs first or on the same machine state.
@@ -238,11 +240,11 @@ func (e episode) run(cfg app.Config) error {
 				return fmt.Errorf("episode %s run %d: %w", name, rep+1, err)
 			}
 			results = append(results, r)
-			fmt.Printf("%-9s %3d  %6.1f  %13.1f  %6.1f  %15.1f  %13.1f  %4.1f  %6.1f  %14.1f  %5.1f  %6d  %12d  %8.0f  %10d  %15d\n",
+			fmt.Printf("%-9s %3d  %6.1f  %13.1f  %6.1f  %15.1f  %13.1f  %4.1f  %6.1f  %14.1f  %5.1f  %6d  %12d  %8.0f  %10d  %15d  %11.1f\n",
 				r.config, r.rep+1, r.wall.Seconds(), r.under.Seconds(), r.deep.Seconds(), r.sessUnder.Seconds(),
 				r.clientUnder.Seconds(), r.clientDeep.Seconds(), r.clientSessUnder.Seconds(),
 				percentile(r.delivered, 0.5).Seconds(), percentile(r.delivered, 0.9).Seconds(), r.tokens, r.peakWorkers,
-				r.workerSeconds, r.refusedTicks, r.throttled)
+				r.workerSeconds, r.refusedTicks, r.throttled, r.foreign)
 			if e.out != "" {
 				if err := e.write(r, floor); err != nil {
 					return err
@@ -352,6 +354,7 @@ type episodeTarget struct {
 	base   string
 	polykv bool // the /polykv routes exist (a pool, admission, /polykv/tps)
 	pool   int
+	pid    int // a server process it started (0: in-process or not ours)
 	stop   func()
 }
 
@@ -366,7 +369,7 @@ func (e episode) start(c app.Config, name string, floor float64, tx episodeTexts
 		if err != nil {
 			return nil, err
 		}
-		return &episodeTarget{base: l.base, stop: l.stop}, nil
+		return &episodeTarget{base: l.base, pid: l.cmd.Process.Pid, stop: l.stop}, nil
 	}
 	a, srv, base, err := serveApp(c)
 	if err != nil {
@@ -463,6 +466,7 @@ func (e episode) once(c app.Config, name string, rep int, floor float64, tx epis
 	}
 	defer tg.stop()
 	r := &episodeRun{e: e, tg: tg, tx: tx, name: name, floor: floor, deliv: make([]time.Duration, e.packages), turns: map[string]*tps.EWMA{}}
+	cpu0 := readCPU(tg.pid)
 	r.start = time.Now()
 	done := make(chan struct{})
 	sampled := make(chan []episodeSample)
@@ -508,6 +512,7 @@ func (e episode) once(c app.Config, name string, rep int, floor float64, tx epis
 	}
 	workers.Wait()
 	res.wall = time.Since(r.start)
+	res.foreign = foreignSince(cpu0, tg.pid)
 	close(done)
 	res.samples = <-sampled
 	if len(r.errs) > 0 {

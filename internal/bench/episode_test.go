@@ -119,3 +119,24 @@ func TestEpisodeWrite(t *testing.T) {
 		t.Fatalf("PNG: %v %v", err, img)
 	}
 }
+
+// The machine's busy time counts this process's own: burning CPU here moves both, and
+// what other processes used stays what the machine did beyond it.
+func TestForeignCPU(t *testing.T) {
+	start := readCPU()
+	if start.machine <= 0 || start.own <= 0 {
+		t.Skipf("no /proc CPU times here: %+v", start)
+	}
+	deadline := time.Now().Add(300 * time.Millisecond)
+	x := 0
+	for time.Now().Before(deadline) {
+		x++
+	}
+	now := readCPU()
+	if now.own-start.own < 0.1 || now.machine-start.machine < now.own-start.own-0.05 {
+		t.Fatalf("busy loop (%d): own %.2f s, machine %.2f s", x, now.own-start.own, now.machine-start.machine)
+	}
+	if f := foreignSince(start); f < 0 {
+		t.Fatalf("foreign %.2f", f)
+	}
+}
