@@ -120,6 +120,8 @@ func (o *Options) Register(fs *flag.FlagSet) {
 	fs.IntVar(&o.ep.guarantee, "episode-guarantee", 1, "episode: guarantee_min_sessions of the gated configurations")
 	fs.IntVar(&o.ep.settleTokens, "episode-settle-tokens", 0, "episode: settle_tokens of the gated configurations (0: the server's default)")
 	fs.Int64Var(&o.ep.settleMs, "episode-settle-ms", 0, "episode: settle_max_ms of the gated configurations (0: the server's default)")
+	fs.Float64Var(&o.ep.quiet, "episode-quiet", 0, "episode: before each run, wait until other processes use less than this fraction of a core over 3 s (a shared machine; 0: do not wait)")
+	fs.DurationVar(&o.ep.quietWait, "episode-quiet-wait", 5*time.Minute, "episode: the longest --episode-quiet waits before running anyway")
 	fs.StringVar(&o.ep.out, "episode-out", "episode-out", "episode: directory for each run's per-second CSV and PNG plot (empty: none)")
 }
 

@@ -66,6 +66,10 @@ type episode struct {
 	settleMs        int64
 	out             string
 	reps            int
+	// quiet: before each run, wait (at most quietWait) until other processes use less
+	// than this fraction of a core (0: do not wait).
+	quiet     float64
+	quietWait time.Duration
 }
 
 // Episode configurations.
@@ -235,6 +239,11 @@ func (e episode) run(cfg app.Config) error {
 			slices.Reverse(order)
 		}
 		for _, name := range order {
+			if e.quiet > 0 {
+				if waited, ok := waitQuiet(e.quiet, e.quietWait); !ok {
+					fmt.Printf("(the machine did not quieten in %s: other processes kept more than %.0f%% of a core busy)\n", waited.Round(time.Second), 100*e.quiet)
+				}
+			}
 			r, err := e.once(c, name, rep, floor, tx)
 			if err != nil {
 				return fmt.Errorf("episode %s run %d: %w", name, rep+1, err)

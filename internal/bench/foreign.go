@@ -4,6 +4,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // A benchmark on a shared machine measures the machine as much as the code. foreignCPU
@@ -57,4 +58,22 @@ func readCPU(pids ...int) cpuTimes {
 func foreignSince(start cpuTimes, pids ...int) float64 {
 	now := readCPU(pids...)
 	return max(0, (now.machine-start.machine)-(now.own-start.own))
+}
+
+// waitQuiet waits until other processes use less than frac of one core over a 3 s
+// window, or until maxWait has passed; it returns how long it waited and whether the
+// machine was quiet.
+func waitQuiet(frac float64, maxWait time.Duration) (time.Duration, bool) {
+	const window = 3 * time.Second
+	start := time.Now()
+	for {
+		c := readCPU()
+		time.Sleep(window)
+		if foreignSince(c) < frac*window.Seconds() {
+			return time.Since(start), true
+		}
+		if time.Since(start) >= maxWait {
+			return time.Since(start), false
+		}
+	}
 }
