@@ -208,6 +208,9 @@ func (e episode) run(cfg app.Config) error {
 	c.QueueTimeout = 0 // every configuration completes all packages: nothing times out
 	floor := e.floor
 	if floor <= 0 {
+		if e.quiet > 0 {
+			waitQuiet(e.quiet, e.quietWait)
+		}
 		single, err := e.calibrate(c, tx)
 		if err != nil {
 			return err
