@@ -289,6 +289,7 @@ func (s *Scheduler) reclaim(p *pool.Pool) {
 	s.kv.free(p.Seq, 0)
 	s.adm.Forget(p.ID)
 	delete(s.throttledBy, p.ID)
+	delete(s.throttleLead, p.ID)
 	delete(s.inTier, p.ID)
 	s.check(s.pools.Reclaim(p))
 }

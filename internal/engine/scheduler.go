@@ -295,11 +295,11 @@ type Scheduler struct {
 	// queueTimeouts counts waits that ran past Config.QueueTimeout.
 	queueTimeouts int64
 	// Throttle toward the floor (throttle.go): the sessions the planned step skips,
-	// the row-cost fit, the virtual clock's lead for the unthrottled rates, and the
-	// steps skipped so far (all pools, and per pool).
+	// the row-cost fit, each pool's virtual clock lead for its unthrottled rates, and
+	// the steps skipped so far (all pools, and per pool).
 	skipped        []*task
 	rowCost        rowCost
-	throttleExtra  time.Duration
+	throttleLead   map[int]time.Duration
 	throttledTotal int64
 	throttledBy    map[int]int64
 
@@ -338,7 +338,7 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	}
 	cells := newCellTree(cfg.Parallel)
 	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
-		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools, cells), poolSeqs: map[int]*slot{}, inTier: map[int]bool{}, throttledBy: map[int]int64{},
+		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools, cells), poolSeqs: map[int]*slot{}, inTier: map[int]bool{}, throttledBy: map[int]int64{}, throttleLead: map[int]time.Duration{},
 		adm: admission.NewController(),
 		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau)}
 	for i := range cfg.Parallel {
@@ -1205,7 +1205,7 @@ func (s *Scheduler) commitDecode(f inflight, smp []Sampled, now time.Time) {
 	// The step made a+1 tokens (the EWMA takes them in one observation: it folds
 	// observations at one instant), and they share its time for inter-token latency.
 	t.ewma.Observe(a+1, now)
-	t.shadow.Observe(a+1, now.Add(s.throttleExtra))
+	t.shadow.Observe(a+1, now.Add(s.throttleLead[t.poolID()]))
 	d := now.Sub(t.lastTok) / time.Duration(a+1)
 	t.lastTok = now
 	kept := pos + 1
@@ -1231,7 +1231,7 @@ func (s *Scheduler) onToken(t *task, smp Sampled) {
 	if t.firstTok.IsZero() {
 		t.firstTok, t.lastTok = s.now, s.now
 		t.ewma.Start(s.now)
-		t.shadow.Start(s.now.Add(s.throttleExtra))
+		t.shadow.Start(s.now.Add(s.throttleLead[t.poolID()]))
 		s.obs = append(s.obs, Observation{Kind: ObsTTFT, Pool: t.poolID(), D: s.now.Sub(t.submitted)})
 	}
 	if s.vocab.IsEOG(smp.Token) && !t.req.IgnoreEOS {

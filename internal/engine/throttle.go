@@ -30,13 +30,15 @@ import "time"
 // Admission must not read a throttled session's slowness as a lack of capacity (the
 // gate would refuse the very sessions the throttle makes room for). The scheduler
 // therefore keeps, beside each session's experienced EWMA, an unthrottled one: the
-// rate it would have had if no row had been skipped. Each skipped row adds the
-// marginal cost of a row (rowCost) to a virtual clock that runs ahead of the real one;
-// every session's unthrottled EWMA counts a token for each step it decoded or skipped,
-// on that clock. The admission facts (the pool's rates, the settle windows, the
-// measured drop) read the unthrottled rates once anything was throttled; /polykv/tps,
-// /metrics and the responses report what sessions experienced. With no throttling the
-// two are the same numbers.
+// rate it would have had if its pool's sessions had skipped no row. Each skipped row
+// adds the marginal cost of a row (rowCost) to its pool's virtual clock, which runs
+// ahead of the real one; every session's unthrottled EWMA counts a token for each step
+// it decoded or skipped, on its pool's clock. Another pool's skips are not added: the
+// capacity they give this pool's sessions is real while that pool stays throttled,
+// and the gate may count it. The admission facts (the pool's rates, the settle
+// windows, the measured drop) read the unthrottled rates once the pool's sessions were
+// throttled; /polykv/tps, /metrics and the responses report what sessions experienced.
+// Without throttling the two are the same numbers.
 
 // rowCost estimates the marginal cost of one decode row from the steps that decoded
 // only (no prompt tokens): an exponentially weighted least-squares fit of step time
@@ -161,24 +163,29 @@ func (s *Scheduler) throttleCommit(in []inflight, now time.Time) {
 	if row == 0 && entries > 0 {
 		row = d / time.Duration(entries) // nothing learnt yet: this step's time per entry
 	}
-	s.throttleExtra += time.Duration(len(s.skipped)) * row
-	at := now.Add(s.throttleExtra)
+	// Each pool's clock moves on by its own skipped rows: its sessions' unthrottled
+	// rates are what they would decode if the pool's own sessions were not throttled,
+	// while the capacity other pools' throttles give them stays counted (it is theirs
+	// as long as those pools stay above their floors).
+	for _, t := range s.skipped {
+		s.throttleLead[t.poolID()] += row
+	}
 	for _, t := range s.skipped {
 		t.throttled++
 		s.throttledTotal++
-		if t.slot != nil && t.slot.base != nil {
-			s.throttledBy[t.slot.base.ID]++
+		if id := t.poolID(); id != 0 {
+			s.throttledBy[id]++
 		}
-		t.shadow.Observe(1, at)
+		t.shadow.Observe(1, now.Add(s.throttleLead[t.poolID()]))
 	}
 	s.skipped = s.skipped[:0]
 }
 
-// admissionRate is t's rate as admission reads it: the unthrottled rate once any
-// session was throttled, else (the same number) the experienced one.
+// admissionRate is t's rate as admission reads it: the unthrottled rate once its
+// pool's sessions were throttled, else (the same number) the experienced one.
 func (s *Scheduler) admissionRate(t *task) float64 {
-	if s.throttleExtra > 0 {
-		return t.shadow.RateAt(s.now.Add(s.throttleExtra))
+	if lead := s.throttleLead[t.poolID()]; lead > 0 {
+		return t.shadow.RateAt(s.now.Add(lead))
 	}
 	return t.ewma.RateAt(s.now)
 }

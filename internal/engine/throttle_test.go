@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"math"
 	"slices"
 	"testing"
 	"time"
@@ -252,26 +253,37 @@ func TestThrottleFeedsBudgetCutPrefill(t *testing.T) {
 // sessions near floor·(1+margin), /capacity still projects what they would decode
 // unthrottled, so a third session is admitted as it is without the throttle (the gate
 // does not refuse the room the throttle makes), while /polykv/tps reports what the
-// sessions experience.
+// sessions experience. The slow pool, which skips nothing, is judged by what its
+// session experiences: the capacity the fast pool's skips give it counts.
 func TestThrottleAdmissionCountsFreedCapacity(t *testing.T) {
-	verdict := func(p admission.Policy) (admission.Verdict, float64) {
+	type reading struct {
+		fast, slow admission.Verdict
+		fastSeen   float64 // the fast sessions' mean experienced tps
+		slowSeen   float64
+	}
+	verdict := func(p admission.Policy) reading {
 		sc := newThrottleScene(t, p, 2000)
 		sc.h.steps(400)
-		c := sc.h.capacity(sc.fast)
-		var experienced []float64
+		r := reading{fast: sc.h.capacity(sc.fast).Verdict, slow: sc.h.capacity(sc.slow).Verdict}
 		for _, st := range sc.h.s.TPS(sc.h.now).Sessions {
-			if st.PoolID != nil && *st.PoolID == sc.fast {
-				experienced = append(experienced, st.TPSEWMA)
+			switch {
+			case st.PoolID != nil && *st.PoolID == sc.fast:
+				r.fastSeen += st.TPSEWMA / 2
+			case st.PoolID != nil && *st.PoolID == sc.slow:
+				r.slowSeen = st.TPSEWMA
 			}
 		}
-		return c.Verdict, (experienced[0] + experienced[1]) / 2
+		return r
 	}
 	// Floor 14: unthrottled the two fast sessions decode at ~22 tok/s, a third is
 	// projected at 22·2/3 ≈ 14.8.
 	offP := throttlePolicy(14)
 	offP.Throttle = admission.ThrottleOff
-	off, offSeen := verdict(offP)
-	on, onSeen := verdict(throttlePolicy(14))
+	offR, onR := verdict(offP), verdict(throttlePolicy(14))
+	off, offSeen, on, onSeen := offR.fast, offR.fastSeen, onR.fast, onR.fastSeen
+	if m := *onR.slow.MeanActiveTPS; math.Abs(m-onR.slowSeen) > 0.01*onR.slowSeen || m < *offR.slow.MeanActiveTPS*1.1 {
+		t.Fatalf("slow pool: admission reads %.1f tok/s, its session experiences %.1f, unthrottled run %.1f", m, onR.slowSeen, *offR.slow.MeanActiveTPS)
+	}
 	if !off.CanAdmit {
 		t.Fatalf("unthrottled: %+v", off)
 	}
