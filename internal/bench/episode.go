@@ -3,6 +3,7 @@ package bench
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -70,6 +71,13 @@ type episode struct {
 	// than this fraction of a core (0: do not wait).
 	quiet     float64
 	quietWait time.Duration
+	// Background agents (0: none): sessions of a second pool, with a floor of their own
+	// (bgFloorFrac of one worker's speed), decoding bgGen tokens a request back to back
+	// for as long as the workers run: the mixed load where some sessions have room
+	// above their floor and others do not.
+	background  int
+	bgGen       int
+	bgFloorFrac float64
 }
 
 // Episode configurations.
@@ -87,6 +95,9 @@ type episodeTexts struct {
 	system string
 	tasks  []string
 	tools  [][]string
+	// The background agents' system prompt and documents.
+	bgSystem string
+	bgDocs   []string
 }
 
 // texts sizes the texts with the model's tokenizer.
@@ -119,6 +130,19 @@ func (e episode) texts(path string) (episodeTexts, error) {
 		return fmt.Sprintf("- %s_%d(id: string, zone: int): returns the %s record of a package in zone %d as JSON.\n", name, j, strings.ReplaceAll(name, "_", " "), j*11%97)
 	}); err != nil {
 		return tx, err
+	}
+	tx.bgSystem = "You are a background summarizer agent. Read the document you are given and write a plain summary of it, one paragraph, no lists."
+	for k := range 16 {
+		doc, err := grow(200, func(j int) string {
+			if j == 0 {
+				return fmt.Sprintf("Document %d. Shipping log of depot %d:", k, k*5%23)
+			}
+			return fmt.Sprintf(" on day %d the depot handled %d parcels, %d late, %d returned;", j, (k*37+j*11)%400, (k+j)%9, (k*j)%5)
+		})
+		if err != nil {
+			return tx, err
+		}
+		tx.bgDocs = append(tx.bgDocs, doc)
 	}
 	tx.tasks = make([]string, e.packages)
 	tx.tools = make([][]string, e.packages)
@@ -165,6 +189,8 @@ type episodeResult struct {
 	peakWorkers        int
 	workerSeconds      float64 // ∫ workers dt
 	throttled          int64   // decode steps skipped by the throttle (PolyKV)
+	bgTokens           int     // tokens the background agents decoded while the workers ran
+	bgTPS, bgClientTPS float64 // their time-weighted mean experienced tps (server, client)
 	foreign            float64 // CPU seconds other processes used during the run
 	refusedTicks       int     // ticks that held a spawn the policy refused
 	samples            []episodeSample
@@ -174,9 +200,14 @@ type episodeResult struct {
 // episodeSample is one 250 ms reading.
 type episodeSample struct {
 	t          time.Duration // since the first tick
-	serverMean float64
-	serverN    int // warm decoding sessions (server)
-	serverLow  int // of them under the floor
+	serverMean float64       // the workers' warm decoding sessions' mean tps (server)
+	serverN    int           // those sessions
+	serverLow  int           // of them under the floor
+	serverAll  float64       // mean_active_tps: every session, background ones included
+	bgMean     float64       // the background sessions' mean tps (server)
+	bgN        int
+	clientBg   float64 // the background sessions' mean tps (client)
+	clientBgN  int
 	clientMean float64
 	clientN    int
 	clientLow  int
@@ -206,8 +237,8 @@ func (e episode) run(cfg app.Config) error {
 	c.NCtx = max(cfg.NCtx, e.maxWorkers*e.perWorker()+e.system+512)
 	c.NBatch = max(c.NBatch, e.maxWorkers)
 	c.QueueTimeout = 0 // every configuration completes all packages: nothing times out
-	floor := e.floor
-	if floor <= 0 {
+	floor, bgFloor := e.floor, 0.0
+	if floor <= 0 || e.background > 0 {
 		if e.quiet > 0 {
 			waitQuiet(e.quiet, e.quietWait)
 		}
@@ -215,8 +246,17 @@ func (e episode) run(cfg app.Config) error {
 		if err != nil {
 			return err
 		}
-		floor = e.floorFrac * single
-		fmt.Printf("one worker alone decodes at %.1f tok/s (median of 3 turns); floor %.1f tok/s (%.0f%%)\n", single, floor, e.floorFrac*100)
+		if floor <= 0 {
+			floor = e.floorFrac * single
+		}
+		bgFloor = e.bgFloorFrac * single
+		fmt.Printf("one worker alone decodes at %.1f tok/s (median of 3 turns); floor %.1f tok/s (%.0f%%)\n", single, floor, 100*floor/single)
+	}
+	if e.background > 0 {
+		c.Parallel += e.background
+		c.NCtx += e.background * (200 + 64 + e.bgGen + 64)
+		c.NBatch = max(c.NBatch, c.Parallel)
+		fmt.Printf("%d background agents on a pool of their own (floor %.1f tok/s), %d tokens a request, back to back while the workers run\n", e.background, bgFloor, e.bgGen)
 	}
 	if e.out != "" {
 		if err := os.MkdirAll(e.out, 0o755); err != nil {
@@ -247,7 +287,7 @@ func (e episode) run(cfg app.Config) error {
 					fmt.Printf("(the machine did not quieten in %s: other processes kept more than %.0f%% of a core busy)\n", waited.Round(time.Second), 100*e.quiet)
 				}
 			}
-			r, err := e.once(c, name, rep, floor, tx)
+			r, err := e.once(c, name, rep, floor, bgFloor, tx)
 			if err != nil {
 				return fmt.Errorf("episode %s run %d: %w", name, rep+1, err)
 			}
@@ -257,6 +297,10 @@ func (e episode) run(cfg app.Config) error {
 				r.clientUnder.Seconds(), r.clientDeep.Seconds(), r.clientSessUnder.Seconds(),
 				percentile(r.delivered, 0.5).Seconds(), percentile(r.delivered, 0.9).Seconds(), r.tokens, r.peakWorkers,
 				r.workerSeconds, r.refusedTicks, r.throttled, r.foreign)
+			if e.background > 0 {
+				fmt.Printf("          background: %d tokens while the workers ran (%.1f tok/s), mean experienced %.1f tok/s (client-side %.1f)\n",
+					r.bgTokens, float64(r.bgTokens)/r.wall.Seconds(), r.bgTPS, r.bgClientTPS)
+			}
 			if e.out != "" {
 				if err := e.write(r, floor); err != nil {
 					return err
@@ -366,12 +410,13 @@ type episodeTarget struct {
 	base   string
 	polykv bool // the /polykv routes exist (a pool, admission, /polykv/tps)
 	pool   int
+	bgPool int // the background agents' pool
 	pid    int // a server process it started (0: in-process or not ours)
 	stop   func()
 }
 
 // start brings up the server of configuration name.
-func (e episode) start(c app.Config, name string, floor float64, tx episodeTexts) (*episodeTarget, error) {
+func (e episode) start(c app.Config, name string, floor, bgFloor float64, tx episodeTexts) (*episodeTarget, error) {
 	switch name {
 	case epURL:
 		return &episodeTarget{base: strings.TrimRight(e.url, "/"), stop: func() {}}, nil
@@ -394,6 +439,14 @@ func (e episode) start(c app.Config, name string, floor float64, tx episodeTexts
 		return nil, err
 	}
 	tg.pool = int(out["pool_id"].(float64))
+	if e.background > 0 {
+		out, err := postJSON(base+"/polykv/pools", map[string]any{"messages": []map[string]any{{"role": "system", "content": tx.bgSystem}}})
+		if err != nil {
+			tg.stop()
+			return nil, err
+		}
+		tg.bgPool = int(out["pool_id"].(float64))
+	}
 	if name == epGated || name == epThrottle {
 		policy := map[string]any{"target_tps_per_session": floor, "mode": "advisory", "guarantee_min_sessions": e.guarantee}
 		if e.settleTokens > 0 {
@@ -411,6 +464,13 @@ func (e episode) start(c app.Config, name string, floor float64, tx episodeTexts
 			tg.stop()
 			return nil, err
 		}
+		if tg.bgPool != 0 {
+			policy["target_tps_per_session"] = bgFloor
+			if _, err := postJSON(fmt.Sprintf("%s/polykv/pools/%d/admission", base, tg.bgPool), policy); err != nil {
+				tg.stop()
+				return nil, err
+			}
+		}
 	}
 	return tg, nil
 }
@@ -419,7 +479,7 @@ func (e episode) start(c app.Config, name string, floor float64, tx episodeTexts
 // first package on the pool (what the floor is set from, as the design set 15 tps
 // from its GPU's single-session speed).
 func (e episode) calibrate(c app.Config, tx episodeTexts) (float64, error) {
-	tg, err := e.start(c, epBaseline, 0, tx)
+	tg, err := e.start(c, epBaseline, 0, 0, tx)
 	if err != nil {
 		return 0, err
 	}
@@ -465,24 +525,36 @@ type episodeRun struct {
 	tokens int
 	live   int // workers spawned and not retired
 	peak   int
-	// turns are the client-side rates of the turns streaming now, by session.
-	turns map[string]*tps.EWMA
-	errs  []error
+	// turns and bgTurns are the client-side rates of the workers' and the background
+	// agents' turns streaming now, by session.
+	turns, bgTurns map[string]*tps.EWMA
+	bgTokens       int
+	errs           []error
 }
 
-func (e episode) once(c app.Config, name string, rep int, floor float64, tx episodeTexts) (episodeResult, error) {
+func (e episode) once(c app.Config, name string, rep int, floor, bgFloor float64, tx episodeTexts) (episodeResult, error) {
 	res := episodeResult{config: name, rep: rep}
-	tg, err := e.start(c, name, floor, tx)
+	tg, err := e.start(c, name, floor, bgFloor, tx)
 	if err != nil {
 		return res, err
 	}
 	defer tg.stop()
-	r := &episodeRun{e: e, tg: tg, tx: tx, name: name, floor: floor, deliv: make([]time.Duration, e.packages), turns: map[string]*tps.EWMA{}}
+	r := &episodeRun{e: e, tg: tg, tx: tx, name: name, floor: floor, deliv: make([]time.Duration, e.packages),
+		turns: map[string]*tps.EWMA{}, bgTurns: map[string]*tps.EWMA{}}
 	cpu0 := readCPU(tg.pid)
 	r.start = time.Now()
 	done := make(chan struct{})
 	sampled := make(chan []episodeSample)
 	go func() { sampled <- r.sample(done) }()
+	bgCtx, stopBg := context.WithCancel(context.Background())
+	var bg sync.WaitGroup
+	for i := range e.background {
+		bg.Add(1)
+		go func() {
+			defer bg.Done()
+			r.backgroundAgent(bgCtx, i)
+		}()
+	}
 	var workers sync.WaitGroup
 	tick := time.NewTicker(e.tick)
 	defer tick.Stop()
@@ -525,6 +597,11 @@ func (e episode) once(c app.Config, name string, rep int, floor float64, tx epis
 	workers.Wait()
 	res.wall = time.Since(r.start)
 	res.foreign = foreignSince(cpu0, tg.pid)
+	r.mu.Lock()
+	res.bgTokens = r.bgTokens // what they decoded while the workers ran
+	r.mu.Unlock()
+	stopBg()
+	bg.Wait()
 	close(done)
 	res.samples = <-sampled
 	if len(r.errs) > 0 {
@@ -595,7 +672,7 @@ func (r *episodeRun) worker(id int, reservation string) {
 		r.mu.Unlock()
 		msgs := []map[string]any{{"role": "system", "content": r.tx.system}, {"role": "user", "content": r.tx.tasks[p]}}
 		for s := range r.e.steps {
-			text, n, err := r.turn(session, msgs, reservation)
+			text, n, err := r.turn(context.Background(), r.tg.pool, session, msgs, reservation, r.e.gen, r.turns)
 			reservation = ""
 			if err != nil {
 				r.fail(fmt.Errorf("%s package %d step %d: %w", session, p, s+1, err))
@@ -617,19 +694,42 @@ func (r *episodeRun) worker(id int, reservation string) {
 	}
 }
 
-// turn streams one chat turn and returns its text and completion tokens; its
-// client-side rate is visible to the sampler while it streams.
-func (r *episodeRun) turn(session string, msgs []map[string]any, reservation string) (string, int, error) {
-	body := map[string]any{"messages": msgs, "max_tokens": r.e.gen, "temperature": 0, "ignore_eos": true,
+// backgroundAgent sends background requests back to back until ctx ends.
+func (r *episodeRun) backgroundAgent(ctx context.Context, i int) {
+	session := fmt.Sprintf("background-%d", i)
+	for k := i; ctx.Err() == nil; k += r.e.background {
+		msgs := []map[string]any{{"role": "system", "content": r.tx.bgSystem}, {"role": "user", "content": r.tx.bgDocs[k%len(r.tx.bgDocs)]}}
+		_, n, err := r.turn(ctx, r.tg.bgPool, session, msgs, "", r.e.bgGen, r.bgTurns)
+		if err != nil {
+			if ctx.Err() == nil {
+				r.fail(fmt.Errorf("%s: %w", session, err))
+			}
+			return
+		}
+		r.mu.Lock()
+		r.bgTokens += n
+		r.mu.Unlock()
+	}
+}
+
+// turn streams one chat turn of gen tokens and returns its text and completion
+// tokens; its client-side rate is in rates (by session) while it streams.
+func (r *episodeRun) turn(ctx context.Context, pool int, session string, msgs []map[string]any, reservation string, gen int, rates map[string]*tps.EWMA) (string, int, error) {
+	body := map[string]any{"messages": msgs, "max_tokens": gen, "temperature": 0, "ignore_eos": true,
 		"stream": true, "stream_options": map[string]any{"include_usage": true}}
 	if r.tg.polykv {
-		body["pool_id"], body["session_id"] = r.tg.pool, session
+		body["pool_id"], body["session_id"] = pool, session
 		if reservation != "" {
 			body["reservation_id"] = reservation
 		}
 	}
 	buf, _ := json.Marshal(body)
-	resp, err := http.Post(r.tg.base+"/v1/chat/completions", "application/json", bytes.NewReader(buf))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, r.tg.base+"/v1/chat/completions", bytes.NewReader(buf))
+	if err != nil {
+		return "", 0, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return "", 0, err
 	}
@@ -647,7 +747,7 @@ func (r *episodeRun) turn(session string, msgs []map[string]any, reservation str
 	sc.Buffer(make([]byte, 64<<10), 4<<20)
 	defer func() {
 		r.mu.Lock()
-		delete(r.turns, session)
+		delete(rates, session)
 		r.mu.Unlock()
 	}()
 	for sc.Scan() {
@@ -680,7 +780,7 @@ func (r *episodeRun) turn(session string, msgs []map[string]any, reservation str
 			// As the server's EWMA: measured from the first token, not the prompt.
 			ewma.Start(now)
 			started = true
-			r.turns[session] = &ewma
+			rates[session] = &ewma
 		} else {
 			ewma.Observe(1, now)
 		}
@@ -725,14 +825,21 @@ func (r *episodeRun) sample(done <-chan struct{}) []episodeSample {
 				s.clientLow++
 			}
 		}
+		var bgRates []float64
+		for id, ew := range r.bgTurns {
+			if !ew.Warming() {
+				bgRates = append(bgRates, ew.RateAt(now))
+				s.clientRates[id] = bgRates[len(bgRates)-1]
+			}
+		}
 		r.mu.Unlock()
 		s.clientMean, s.clientN = tps.Mean(rates), len(rates)
+		s.clientBg, s.clientBgN = tps.Mean(bgRates), len(bgRates)
 		if r.tg.polykv {
 			if snap, err := getJSON(r.tg.base + "/polykv/tps?once=1"); err == nil {
-				s.serverMean, _ = snap["mean_active_tps"].(float64)
-				n, _ := snap["n_active"].(float64)
-				s.serverN = int(n)
+				s.serverAll, _ = snap["mean_active_tps"].(float64)
 				sessions, _ := snap["sessions"].([]any)
+				var mine, theirs []float64
 				for _, x := range sessions {
 					ss, _ := x.(map[string]any)
 					if th, ok := ss["throttled_steps"].(float64); ok {
@@ -744,10 +851,17 @@ func (r *episodeRun) sample(done <-chan struct{}) []episodeSample {
 					rate, _ := ss["tps_ewma"].(float64)
 					id, _ := ss["session_id"].(string)
 					s.serverRates[id] = rate
+					if pool, _ := ss["pool_id"].(float64); int(pool) != r.tg.pool {
+						theirs = append(theirs, rate)
+						continue
+					}
+					mine = append(mine, rate)
 					if rate < r.floor {
 						s.serverLow++
 					}
 				}
+				s.serverMean, s.serverN = tps.Mean(mine), len(mine)
+				s.bgMean, s.bgN = tps.Mean(theirs), len(theirs)
 			}
 		}
 		out = append(out, s)
@@ -784,10 +898,18 @@ func (r *episodeRun) throttledTotal() int64 {
 // stands for the interval since the previous one.
 func (r *episodeResult) summarize(floor float64) {
 	var prev time.Duration
-	var wsum, wdt, csum, cdt float64
+	var wsum, wdt, csum, cdt, bsum, bdt, cbsum, cbdt float64
 	for _, s := range r.samples {
 		dt := s.t - prev
 		prev = s.t
+		if s.bgN > 0 {
+			bsum += s.bgMean * dt.Seconds()
+			bdt += dt.Seconds()
+		}
+		if s.clientBgN > 0 {
+			cbsum += s.clientBg * dt.Seconds()
+			cbdt += dt.Seconds()
+		}
 		r.workerSeconds += float64(s.workers) * dt.Seconds()
 		if s.serverN > 0 {
 			wsum += s.serverMean * dt.Seconds()
@@ -818,6 +940,12 @@ func (r *episodeResult) summarize(floor float64) {
 	if cdt > 0 {
 		r.clientTPS = csum / cdt
 	}
+	if bdt > 0 {
+		r.bgTPS = bsum / bdt
+	}
+	if cbdt > 0 {
+		r.bgClientTPS = cbsum / cbdt
+	}
 }
 
 // write saves a run's per-second timeline as CSV and its plot as PNG in --episode-out.
@@ -825,10 +953,10 @@ func (e episode) write(r episodeResult, floor float64) error {
 	stem := filepath.Join(e.out, fmt.Sprintf("episode-%s-%d", r.config, r.rep+1))
 	secs := int(math.Ceil(r.wall.Seconds()))
 	type bin struct {
-		server, client  float64
-		nSrv, nCli      int // samples with sessions decoding
-		workers, active int
-		throttled       int
+		server, client, all, bg float64
+		nSrv, nCli, nAll, nBg   int // samples with sessions decoding
+		workers, active         int
+		throttled               int
 	}
 	bins := make([]bin, secs+1)
 	for _, s := range r.samples {
@@ -846,10 +974,18 @@ func (e episode) write(r episodeResult, floor float64) error {
 			b.nCli++
 			b.active = max(b.active, s.clientN)
 		}
+		if s.serverN+s.bgN > 0 {
+			b.all += s.serverAll
+			b.nAll++
+		}
+		if s.bgN > 0 {
+			b.bg += s.bgMean
+			b.nBg++
+		}
 	}
 	var csv strings.Builder
-	csv.WriteString("second,mean_active_tps,client_mean_tps,workers,decoding,throttled_steps_running\n")
-	var tpsSeries, clientSeries, workerSeries, activeSeries []point
+	csv.WriteString("second,mean_active_tps,client_mean_tps,workers,decoding,throttled_steps_running,mean_active_tps_all,background_tps\n")
+	var tpsSeries, clientSeries, workerSeries, activeSeries, bgSeries []point
 	for i, b := range bins {
 		srv, cli := math.NaN(), math.NaN()
 		if b.nSrv > 0 {
@@ -858,7 +994,15 @@ func (e episode) write(r episodeResult, floor float64) error {
 		if b.nCli > 0 {
 			cli = b.client / float64(b.nCli)
 		}
-		fmt.Fprintf(&csv, "%d,%s,%s,%d,%d,%d\n", i, csvNum(srv), csvNum(cli), b.workers, b.active, b.throttled)
+		all, bgm := math.NaN(), math.NaN()
+		if b.nAll > 0 {
+			all = b.all / float64(b.nAll)
+		}
+		if b.nBg > 0 {
+			bgm = b.bg / float64(b.nBg)
+		}
+		fmt.Fprintf(&csv, "%d,%s,%s,%d,%d,%d,%s,%s\n", i, csvNum(srv), csvNum(cli), b.workers, b.active, b.throttled, csvNum(all), csvNum(bgm))
+		bgSeries = append(bgSeries, point{float64(i) + 0.5, bgm})
 		x := float64(i) + 0.5
 		tpsSeries = append(tpsSeries, point{x, srv})
 		clientSeries = append(clientSeries, point{x, cli})
@@ -885,10 +1029,13 @@ func (e episode) write(r episodeResult, floor float64) error {
 	if err := os.WriteFile(stem+"-sessions.csv", []byte(sess.String()), 0o644); err != nil {
 		return err
 	}
-	top := []plotSeries{{name: "mean active tps", pts: tpsSeries, col: colBlue}, {name: "client-side", pts: clientSeries, col: colGrey}}
+	top := []plotSeries{{name: "workers' mean tps", pts: tpsSeries, col: colBlue}, {name: "client-side", pts: clientSeries, col: colGrey}}
 	polykv := r.config == epBaseline || r.config == epGated || r.config == epThrottle
 	if !polykv {
 		top = top[1:] // other servers: client-side only
+	}
+	if e.background > 0 && polykv {
+		top = append(top, plotSeries{name: "background", pts: bgSeries, col: colGreen})
 	}
 	bottom := []plotSeries{{name: "workers", pts: workerSeries, col: colBlack, step: true}, {name: "decoding", pts: activeSeries, col: colOrange, step: true}}
 	title := fmt.Sprintf("%s run %d: wall %.0f s, under floor %.0f s, deep %.0f s", r.config, r.rep+1, r.wall.Seconds(), r.under.Seconds(), r.deep.Seconds())

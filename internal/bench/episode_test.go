@@ -88,9 +88,9 @@ func TestEpisodeWrite(t *testing.T) {
 	dir := t.TempDir()
 	e := episode{out: dir, maxWorkers: 4}
 	r := episodeResult{config: epGated, rep: 0, wall: 3 * time.Second, samples: []episodeSample{
-		{t: 250 * time.Millisecond, serverN: 1, serverMean: 50, clientN: 1, clientMean: 48, workers: 1,
+		{t: 250 * time.Millisecond, serverN: 1, serverMean: 50, serverAll: 52, clientN: 1, clientMean: 48, workers: 1,
 			serverRates: map[string]float64{"worker-0": 50}, clientRates: map[string]float64{"worker-0": 48}},
-		{t: 2250 * time.Millisecond, serverN: 2, serverMean: 30, clientN: 2, clientMean: 29, workers: 2,
+		{t: 2250 * time.Millisecond, serverN: 2, serverMean: 30, serverAll: 31, clientN: 2, clientMean: 29, workers: 2,
 			serverRates: map[string]float64{"worker-0": 31, "worker-1": 29}, clientRates: map[string]float64{"worker-0": 30, "worker-1": 28}},
 	}}
 	r.summarize(40)
@@ -101,7 +101,8 @@ func TestEpisodeWrite(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := "second,mean_active_tps,client_mean_tps,workers,decoding,throttled_steps_running\n0,50.00,48.00,1,1,0\n1,,,0,0,0\n2,30.00,29.00,2,2,0\n3,,,0,0,0\n"
+	want := "second,mean_active_tps,client_mean_tps,workers,decoding,throttled_steps_running,mean_active_tps_all,background_tps\n" +
+		"0,50.00,48.00,1,1,0,52.00,\n1,,,0,0,0,,\n2,30.00,29.00,2,2,0,31.00,\n3,,,0,0,0,,\n"
 	if string(csv) != want {
 		t.Fatalf("per-second CSV:\n%s\nwant:\n%s", csv, want)
 	}
