@@ -173,13 +173,17 @@ func TestThrottleIdleWithoutBeneficiary(t *testing.T) {
 		if err := h.setAdmission(id, p); err != nil {
 			t.Fatal(err)
 		}
+		// A session of a pool without a floor beside them: it has no floor to be near,
+		// so it is no reason to throttle either (and it keeps the batch from emptying).
+		other := h.createPool(PoolSpec{Tokens: seqTokens(200, 20)})
 		a := h.submit(agentReq(prefix, id, "a", 80))
 		b := h.submit(Request{Prompt: append(slices.Clone(prefix), 98), HasPool: true, PoolID: id, SessionID: "b", MaxTokens: 80})
+		c := h.submit(agentReq(seqTokens(200, 20), other, "c", 100))
 		var out [][]BatchEntry
 		for i := 0; !h.s.Idle() && i < 1000; i++ {
 			out = append(out, h.step())
 		}
-		return out, h.text(a) + "|" + h.text(b)
+		return out, h.text(a) + "|" + h.text(b) + "|" + h.text(c)
 	}
 	on := throttlePolicy(5) // both sessions far above 5 tok/s, nobody under
 	offP := on
