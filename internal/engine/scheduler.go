@@ -338,7 +338,8 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	}
 	cells := newCellTree(cfg.Parallel)
 	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
-		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools, cells), poolSeqs: map[int]*slot{}, inTier: map[int]bool{}, throttledBy: map[int]int64{}, throttleLead: map[int]time.Duration{},
+		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools, cells), poolSeqs: map[int]*slot{}, inTier: map[int]bool{},
+		throttledBy: map[int]int64{}, throttleLead: map[int]time.Duration{},
 		adm: admission.NewController(),
 		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau)}
 	for i := range cfg.Parallel {
@@ -982,10 +983,10 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	// the cell tree counts them only once its Restored answer comes.
 	free := s.kv.room(s.tierPending())
 	planned := 0
-	// decoders still to plan: each needs one token of the budget and one cell, which
-	// drafts never take from them.
 	// Sessions throttled toward their pool's floor skip this step (throttle.go).
 	s.throttleSkips()
+	// decoders still to plan: each needs one token of the budget and one cell, which
+	// drafts never take from them.
 	decoders := 0
 	for _, t := range s.running {
 		if t.hasNext && !t.skipNow {
