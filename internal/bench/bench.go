@@ -122,6 +122,7 @@ func (o *Options) Register(fs *flag.FlagSet) {
 	fs.Int64Var(&o.ep.settleMs, "episode-settle-ms", 0, "episode: settle_max_ms of the gated configurations (0: the server's default)")
 	fs.Float64Var(&o.ep.quiet, "episode-quiet", 0, "episode: before each run, wait until other processes use less than this fraction of a core over 3 s (a shared machine; 0: do not wait)")
 	fs.DurationVar(&o.ep.quietWait, "episode-quiet-wait", 5*time.Minute, "episode: the longest --episode-quiet waits before running anyway")
+	fs.IntVar(&o.ep.retries, "episode-retries", 2, "episode: with --episode-quiet, a run (or the calibration) during which other processes used more than that fraction of a core is shown, discarded and run again, at most this many times")
 	fs.IntVar(&o.ep.background, "episode-background", 0, "episode: background agents on a second pool, decoding back to back while the workers run (a mixed load: their floor is lower)")
 	fs.IntVar(&o.ep.bgGen, "episode-background-gen", 128, "episode: tokens a background request decodes")
 	fs.Float64Var(&o.ep.bgFloorFrac, "episode-background-floor-frac", 0.15, "episode: the background pool's floor as a fraction of one worker's speed (gated and throttle configurations)")

@@ -71,6 +71,9 @@ type episode struct {
 	// than this fraction of a core (0: do not wait).
 	quiet     float64
 	quietWait time.Duration
+	// retries: a run during which other processes used more than quiet of a core on
+	// average is shown, discarded and run again, at most this many times.
+	retries int
 	// Background agents (0: none): sessions of a second pool, with a floor of their own
 	// (bgFloorFrac of one worker's speed), decoding bgGen tokens a request back to back
 	// for as long as the workers run: the mixed load where some sessions have room
@@ -239,12 +242,20 @@ func (e episode) run(cfg app.Config) error {
 	c.QueueTimeout = 0 // every configuration completes all packages: nothing times out
 	floor, bgFloor := e.floor, 0.0
 	if floor <= 0 || e.background > 0 {
-		if e.quiet > 0 {
-			waitQuiet(e.quiet, e.quietWait)
-		}
-		single, err := e.calibrate(c, tx)
-		if err != nil {
-			return err
+		var single float64
+		for try := 0; ; try++ {
+			if e.quiet > 0 {
+				waitQuiet(e.quiet, e.quietWait)
+			}
+			cpu0, t0 := readCPU(), time.Now()
+			var err error
+			if single, err = e.calibrate(c, tx); err != nil {
+				return err
+			}
+			if !e.contaminated(foreignSince(cpu0), time.Since(t0)) || try >= e.retries {
+				break
+			}
+			fmt.Printf("(calibration discarded: %.1f tok/s while other processes used the cores)\n", single)
 		}
 		if floor <= 0 {
 			floor = e.floorFrac * single
@@ -282,14 +293,22 @@ func (e episode) run(cfg app.Config) error {
 			slices.Reverse(order)
 		}
 		for _, name := range order {
-			if e.quiet > 0 {
-				if waited, ok := waitQuiet(e.quiet, e.quietWait); !ok {
-					fmt.Printf("(the machine did not quieten in %s: other processes kept more than %.0f%% of a core busy)\n", waited.Round(time.Second), 100*e.quiet)
+			var r episodeResult
+			for try := 0; ; try++ {
+				if e.quiet > 0 {
+					if waited, ok := waitQuiet(e.quiet, e.quietWait); !ok {
+						fmt.Printf("(the machine did not quieten in %s: other processes kept more than %.0f%% of a core busy)\n", waited.Round(time.Second), 100*e.quiet)
+					}
 				}
-			}
-			r, err := e.once(c, name, rep, floor, bgFloor, tx)
-			if err != nil {
-				return fmt.Errorf("episode %s run %d: %w", name, rep+1, err)
+				var err error
+				if r, err = e.once(c, name, rep, floor, bgFloor, tx); err != nil {
+					return fmt.Errorf("episode %s run %d: %w", name, rep+1, err)
+				}
+				if !e.contaminated(r.foreign, r.wall) || try >= e.retries {
+					break
+				}
+				fmt.Printf("(discarded: %s run %d, wall %.1f s, under floor %.1f s, while other processes used %.1f CPU s; run again)\n",
+					r.config, r.rep+1, r.wall.Seconds(), r.under.Seconds(), r.foreign)
 			}
 			results = append(results, r)
 			fmt.Printf("%-9s %3d  %6.1f  %13.1f  %6.1f  %15.1f  %13.1f  %4.1f  %6.1f  %14.1f  %5.1f  %6d  %12d  %8.0f  %10d  %15d  %11.1f\n",
@@ -310,6 +329,12 @@ func (e episode) run(cfg app.Config) error {
 	}
 	e.summary(configs, results)
 	return nil
+}
+
+// contaminated reports a run of wall during which other processes used foreign CPU
+// seconds, more than --episode-quiet of a core on average (never with quiet 0).
+func (e episode) contaminated(foreign float64, wall time.Duration) bool {
+	return e.quiet > 0 && foreign > e.quiet*wall.Seconds()
 }
 
 func (e episode) parseConfigs() ([]string, error) {
