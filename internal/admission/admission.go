@@ -37,6 +37,15 @@ const (
 	ReasonNoMeasurements = "no measurements yet"
 )
 
+// Throttle settings (issue 41, the design's §4.4 banked step, Andes' idea).
+const (
+	ThrottleOff         = "off"
+	ThrottleTowardFloor = "toward_floor"
+	// MaxThrottleSkip bounds throttle_max_skip: a throttled session decodes at least
+	// one step in ten, whatever the policy says.
+	MaxThrottleSkip = 0.9
+)
+
 // Policy is a pool's admission policy, as set by POST /polykv/pools/{id}/admission.
 type Policy struct {
 	TargetTPS            float64
@@ -46,11 +55,25 @@ type Policy struct {
 	SettleTokens         int
 	SettleMaxMs          int64
 	QueueTimeoutMs       int64
+	// Throttle toward the floor (ThrottleTowardFloor; needs TargetTPS): a session of the
+	// pool decoding above TargetTPS·(1+ThrottleMargin) skips decode steps while another
+	// session near or under its floor, or a prompt the step's token budget cuts, gains
+	// from it; at most ThrottleMaxSkip of its steps (the skips never starve it). Without
+	// a floor the throttle does nothing.
+	Throttle        string
+	ThrottleMargin  float64
+	ThrottleMaxSkip float64
 }
 
 // DefaultPolicy is the policy of a pool nobody configured: advisory, no floor.
 func DefaultPolicy() Policy {
-	return Policy{Mode: ModeAdvisory, OnSaturation: OnReject, GuaranteeMinSessions: 1, SettleTokens: 48, SettleMaxMs: 5000, QueueTimeoutMs: 30000}
+	return Policy{Mode: ModeAdvisory, OnSaturation: OnReject, GuaranteeMinSessions: 1, SettleTokens: 48, SettleMaxMs: 5000, QueueTimeoutMs: 30000,
+		Throttle: ThrottleOff, ThrottleMargin: 0.2, ThrottleMaxSkip: 0.5}
+}
+
+// Throttles reports whether the pool's sessions may be throttled toward its floor.
+func (p Policy) Throttles() bool {
+	return p.Throttle == ThrottleTowardFloor && p.TargetTPS > 0 && p.ThrottleMaxSkip > 0
 }
 
 // Validate checks a policy.
@@ -70,6 +93,12 @@ func (p Policy) Validate() error {
 		return fmt.Errorf("settle_max_ms must be in [0, 600000], got %d", p.SettleMaxMs)
 	case p.QueueTimeoutMs < 0 || p.QueueTimeoutMs > 3600000:
 		return fmt.Errorf("queue_timeout_ms must be in [0, 3600000], got %d", p.QueueTimeoutMs)
+	case p.Throttle != ThrottleOff && p.Throttle != ThrottleTowardFloor:
+		return fmt.Errorf("throttle must be %q or %q, got %q", ThrottleOff, ThrottleTowardFloor, p.Throttle)
+	case !(p.ThrottleMargin >= 0 && p.ThrottleMargin <= 10):
+		return fmt.Errorf("throttle_margin must be in [0, 10], got %v", p.ThrottleMargin)
+	case !(p.ThrottleMaxSkip >= 0 && p.ThrottleMaxSkip <= MaxThrottleSkip):
+		return fmt.Errorf("throttle_max_skip must be in [0, %g], got %v", MaxThrottleSkip, p.ThrottleMaxSkip)
 	}
 	return nil
 }
@@ -268,6 +297,9 @@ type Patch struct {
 	SettleTokens         *int
 	SettleMaxMs          *int64
 	QueueTimeoutMs       *int64
+	Throttle             *string
+	ThrottleMargin       *float64
+	ThrottleMaxSkip      *float64
 }
 
 // Apply returns p with the patch's fields set.
@@ -279,12 +311,16 @@ func (pt Patch) Apply(p Policy) Policy {
 	set(&p.SettleTokens, pt.SettleTokens)
 	set(&p.SettleMaxMs, pt.SettleMaxMs)
 	set(&p.QueueTimeoutMs, pt.QueueTimeoutMs)
+	set(&p.Throttle, pt.Throttle)
+	set(&p.ThrottleMargin, pt.ThrottleMargin)
+	set(&p.ThrottleMaxSkip, pt.ThrottleMaxSkip)
 	return p
 }
 
 // Replace is the patch that sets every field to p's.
 func Replace(p Policy) Patch {
-	return Patch{&p.TargetTPS, &p.Mode, &p.OnSaturation, &p.GuaranteeMinSessions, &p.SettleTokens, &p.SettleMaxMs, &p.QueueTimeoutMs}
+	return Patch{&p.TargetTPS, &p.Mode, &p.OnSaturation, &p.GuaranteeMinSessions, &p.SettleTokens, &p.SettleMaxMs, &p.QueueTimeoutMs,
+		&p.Throttle, &p.ThrottleMargin, &p.ThrottleMaxSkip}
 }
 
 func set[T any](dst *T, v *T) {

@@ -15,6 +15,10 @@ func TestValidate(t *testing.T) {
 		func(p *Policy) { p.OnSaturation = "drop" },
 		func(p *Policy) { p.GuaranteeMinSessions = -1 },
 		func(p *Policy) { p.SettleMaxMs = -5 },
+		func(p *Policy) { p.Throttle = "on" },
+		func(p *Policy) { p.ThrottleMargin = -0.1 },
+		func(p *Policy) { p.ThrottleMaxSkip = 0.95 },
+		func(p *Policy) { p.ThrottleMaxSkip = -1 },
 	} {
 		p := DefaultPolicy()
 		mut(&p)
@@ -78,5 +82,39 @@ func TestFoldDropAndSettle(t *testing.T) {
 	}
 	if !SettleDone(p, start, start.Add(time.Second), 48, false) || !SettleDone(p, start, start.Add(6*time.Second), 0, false) || !SettleDone(p, start, start, 0, true) {
 		t.Fatal("settle conditions")
+	}
+}
+
+// The throttle applies only with a floor and a skip allowance, and a patch changes
+// its fields alone.
+func TestThrottlePolicy(t *testing.T) {
+	p := DefaultPolicy()
+	if p.Throttle != ThrottleOff || p.Throttles() {
+		t.Fatalf("default policy throttles: %+v", p)
+	}
+	on, margin := ThrottleTowardFloor, 0.3
+	p = Patch{Throttle: &on, ThrottleMargin: &margin}.Apply(p)
+	if p.Throttles() {
+		t.Fatal("throttles without a floor")
+	}
+	floor := 20.0
+	p = Patch{TargetTPS: &floor}.Apply(p)
+	if !p.Throttles() || p.ThrottleMargin != 0.3 || p.ThrottleMaxSkip != 0.5 || p.Validate() != nil {
+		t.Fatalf("with a floor: %+v", p)
+	}
+	zero := 0.0
+	if q := (Patch{ThrottleMaxSkip: &zero}).Apply(p); q.Throttles() {
+		t.Fatal("throttles with max skip 0")
+	}
+	c := NewController()
+	if c.Throttling() {
+		t.Fatal("a new controller throttles")
+	}
+	if _, err := c.SetPolicy(3, Replace(p)); err != nil || !c.Throttling() {
+		t.Fatalf("set: %v, throttling %v", err, c.Throttling())
+	}
+	c.Forget(3)
+	if c.Throttling() {
+		t.Fatal("a forgotten pool still throttles")
 	}
 }

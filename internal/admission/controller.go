@@ -143,6 +143,16 @@ func (c *Controller) Floors() map[int]float64 {
 	return out
 }
 
+// Throttling reports whether any pool's policy throttles its sessions toward its floor.
+func (c *Controller) Throttling() bool {
+	for _, ps := range c.pools {
+		if ps.policy.Throttles() {
+			return true
+		}
+	}
+	return false
+}
+
 // Forget drops a reclaimed pool's policy, measurements and reservations. Held requests
 // are not dropped here: the scheduler refuses them itself (Unhold) when it sees their
 // pool released, with its own error.

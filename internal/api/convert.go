@@ -24,7 +24,7 @@ func mapSlice[T, U any](in []T, f func(T) U) []U {
 func wirePolicy(p admission.Policy) wire.Policy {
 	return wire.Policy{TargetTPS: p.TargetTPS, Mode: p.Mode, OnSaturation: p.OnSaturation,
 		GuaranteeMinSessions: p.GuaranteeMinSessions, SettleTokens: p.SettleTokens, SettleMaxMs: p.SettleMaxMs,
-		QueueTimeoutMs: p.QueueTimeoutMs}
+		QueueTimeoutMs: p.QueueTimeoutMs, Throttle: p.Throttle, ThrottleMargin: p.ThrottleMargin, ThrottleMaxSkip: p.ThrottleMaxSkip}
 }
 
 func wireVerdict(v admission.Verdict) wire.Verdict {
@@ -112,14 +112,14 @@ func wireReservation(r engine.ReservationReport) wire.Reservation {
 func wireSessionTPS(s engine.SessionTPS) wire.SessionTPS {
 	w := wire.SessionTPS{SessionID: s.SessionID, SeqID: s.Seq, PoolID: s.PoolID, State: s.State, TPSEWMA: s.TPSEWMA,
 		Warming: s.Warming, NDecoded: s.Decoded, CtxUsed: s.CtxUsed, CtxTotal: s.CtxTotal,
-		CtxHeadroomTokens: s.CtxHeadroomTokens, CtxPressure: s.CtxPressure}
+		CtxHeadroomTokens: s.CtxHeadroomTokens, CtxPressure: s.CtxPressure, ThrottledSteps: s.ThrottledSteps}
 	w.DraftN, w.DraftNAccepted = drafts(s.DraftN, s.DraftAccepted)
 	return w
 }
 
 func wireTPS(t engine.TPSSnapshot) wire.TPS {
 	return wire.TPS{TS: t.TS, AggregateTPS: t.AggregateTPS, PromptTPS: t.PromptTPS, MeanActiveTPS: t.MeanActiveTPS,
-		NActive: t.NActive, NWarming: t.NWarming, Sessions: mapSlice(t.Sessions, wireSessionTPS)}
+		NActive: t.NActive, NWarming: t.NWarming, ThrottledStepsTotal: t.ThrottledSteps, Sessions: mapSlice(t.Sessions, wireSessionTPS)}
 }
 
 // wireUsageOf is OpenAI's usage of a finished generation of promptN prompt tokens.
@@ -144,5 +144,6 @@ func wireTimings(st engine.Stats) wire.Timings {
 	}
 	t.DraftN, t.DraftNAccepted = drafts(st.DraftN, st.DraftAccepted)
 	t.DraftNFiltered = st.DraftFiltered
+	t.ThrottledSteps = st.ThrottledSteps
 	return t
 }

@@ -195,6 +195,8 @@ func goldenCases() (main, tools, keyed []goldenCase) {
 		{name: "admission_get", method: "GET", path: "/polykv/pools/1/admission"},
 		{name: "admission_set", method: "POST", path: "/polykv/pools/1/admission", body: map[string]any{"target_tps_per_session": 5.5, "mode": "enforced"}},
 		{name: "admission_set_bad", method: "POST", path: "/polykv/pools/1/admission", body: map[string]any{"mode": "strict"}},
+		{name: "admission_set_throttle_bad", method: "POST", path: "/polykv/pools/1/admission", body: map[string]any{"throttle": "always"}},
+		{name: "admission_set_skip_bad", method: "POST", path: "/polykv/pools/1/admission", body: map[string]any{"throttle_max_skip": 1}},
 		{name: "admission_get_missing", method: "GET", path: "/polykv/pools/42/admission"},
 		{name: "reserve", method: "POST", path: "/polykv/pools/2/reservations", body: map[string]any{"ttl_ms": 60000, "expected_tokens": 10}},
 		{name: "reserve_no_body", method: "POST", path: "/polykv/pools/2/reservations"},

@@ -94,8 +94,10 @@ var (
 	descGen      = prometheus.NewDesc("polykv_gen_throughput_tps", "Sum of experienced decode tokens/s of the pool's generating sessions.", []string{"pool"}, nil)
 	descKV       = prometheus.NewDesc("polykv_pool_kv_bytes", "KV bytes owned by the pool and its attached sessions' suffixes.", []string{"pool"}, nil)
 	descSessions = prometheus.NewDesc("polykv_pool_sessions", "Sessions holding cells on the pool.", []string{"pool"}, nil)
-	descRunning  = prometheus.NewDesc("polykv_requests_running", "Generation requests on a sequence.", nil, nil)
-	descWaiting  = prometheus.NewDesc("polykv_requests_waiting", "Generation requests waiting for a sequence.", nil, nil)
+	// Throttle toward the floor (issue 41).
+	descThrottled = prometheus.NewDesc("polykv_throttled_steps_total", "Decode steps the pool's sessions skipped because its policy throttles sessions decoding well above the floor (throttle: toward_floor).", []string{"pool"}, nil)
+	descRunning   = prometheus.NewDesc("polykv_requests_running", "Generation requests on a sequence.", nil, nil)
+	descWaiting   = prometheus.NewDesc("polykv_requests_waiting", "Generation requests waiting for a sequence.", nil, nil)
 	// Every wait is visible and bounded (issue 30, --queue-timeout).
 	descWaitReason   = prometheus.NewDesc("polykv_requests_waiting_reason", "Generation requests without a sequence yet, by why they wait: pool (being built or restored), prefix (a running request will hold a longer prefix), session (its previous turn runs), sequence (all are running), cells (held by running requests or pinned pools), queue (behind a request waiting for cells), admission (held by an enforced pool's gate).", []string{"reason"}, nil)
 	descWaitOldest   = prometheus.NewDesc("polykv_queue_oldest_wait_seconds", "How long the longest-waiting request without a sequence has waited (0: none waits).", nil, nil)
@@ -124,7 +126,7 @@ var waitReasons = []string{engine.WaitPool, engine.WaitPrefix, engine.WaitSessio
 
 // Describe implements prometheus.Collector for the scrape-time gauges.
 func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descGen, descKV, descSessions, descRunning, descWaiting, descKVRatio,
+	for _, d := range []*prometheus.Desc{descGen, descKV, descSessions, descThrottled, descRunning, descWaiting, descKVRatio,
 		descWaitReason, descWaitOldest, descWaitTimeouts, descKVCellsUsed, descKVCellsEvictable,
 		descCacheImplicit, descCacheResident, descCacheSeqs, descCacheEvictions, descEvictions,
 		descSeqSaves, descSeqLoaded, descSeqLoads, descSeqMisses} {
@@ -144,6 +146,9 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descGen, prometheus.GaugeValue, r.GenTPS, l)
 		ch <- prometheus.MustNewConstMetric(descKV, prometheus.GaugeValue, float64(r.KVBytes), l)
 		ch <- prometheus.MustNewConstMetric(descSessions, prometheus.GaugeValue, float64(r.Sessions), l)
+		if !r.Unattached {
+			ch <- prometheus.MustNewConstMetric(descThrottled, prometheus.CounterValue, float64(r.ThrottledSteps), l)
+		}
 	}
 	ch <- prometheus.MustNewConstMetric(descRunning, prometheus.GaugeValue, float64(usage.Running))
 	ch <- prometheus.MustNewConstMetric(descWaiting, prometheus.GaugeValue, float64(usage.Waiting))

@@ -118,7 +118,7 @@ func (s *Server) handleSetAdmission(w http.ResponseWriter, r *http.Request) {
 	}
 	patch := admission.Patch{TargetTPS: body.TargetTPS, Mode: body.Mode, OnSaturation: body.OnSaturation,
 		GuaranteeMinSessions: body.GuaranteeMinSessions, SettleTokens: body.SettleTokens, SettleMaxMs: body.SettleMaxMs,
-		QueueTimeoutMs: body.QueueTimeoutMs}
+		QueueTimeoutMs: body.QueueTimeoutMs, Throttle: body.Throttle, ThrottleMargin: body.ThrottleMargin, ThrottleMaxSkip: body.ThrottleMaxSkip}
 	res, err := s.eng.Send(r.Context(), engine.SetAdmission{Pool: id, Patch: patch})
 	if err == nil {
 		err = res.Err

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"io"
 	"math"
 	"net/http"
 	"slices"
@@ -239,4 +240,99 @@ func scrapeMetrics(t *testing.T, base string) map[string]*dto.MetricFamily {
 		t.Fatalf("/metrics does not parse: %v", err)
 	}
 	return families
+}
+
+// Throttle toward the floor (issue 41) changes when a token is decoded, never which:
+// two sessions of a pool far above its floor skip steps beside a session of a pool
+// whose floor nobody reaches (so it always gains from a skip), and every request's
+// greedy tokens are the ones an unthrottled run of the same requests gives.
+func TestThrottleLossless(t *testing.T) {
+	forEachModel(t, Config{NCtx: 4096, Parallel: 4}, func(t *testing.T, cfg Config) {
+		_, base := startServer(t, cfg)
+		const fastSys, slowSys = "You are a fast worker agent. Answer in full sentences.", "You are a careful reviewer agent. Check every claim."
+		fast, slow := num(createPool(t, base, map[string]any{"prompt": fastSys})["pool_id"]), num(createPool(t, base, map[string]any{"prompt": slowSys})["pool_id"])
+		policy := func(pool int, body map[string]any) {
+			if code, out := post(t, fmt.Sprintf("%s/polykv/pools/%d/admission", base, pool), body); code != 200 {
+				t.Fatalf("admission: %d %v", code, out)
+			}
+		}
+		policy(slow, map[string]any{"target_tps_per_session": 1e6})
+		type reply struct {
+			ids       []int
+			lps       []float64
+			throttled int
+		}
+		reqs := []struct {
+			pool   int
+			prompt string
+		}{{fast, fastSys + " Task: describe a harbour at dawn."}, {fast, fastSys + " Task: explain how bread rises."}, {slow, slowSys + " Claim: the moon is made of rock."}}
+		run := func(throttle string, round int) []reply {
+			policy(fast, map[string]any{"target_tps_per_session": 1, "throttle": throttle})
+			out := make([]reply, len(reqs))
+			var wg sync.WaitGroup
+			for i, rq := range reqs {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					code, res := post(t, base+"/v1/completions", map[string]any{"prompt": rq.prompt, "pool_id": rq.pool,
+						"session_id": fmt.Sprintf("r%d-%d", round, i), "max_tokens": 64, "temperature": 0, "logprobs": 1, "ignore_eos": true})
+					if code != 200 {
+						t.Errorf("request %d: %d %v", i, code, res)
+						return
+					}
+					lp := res["choices"].([]any)[0].(map[string]any)["logprobs"].(map[string]any)
+					for _, v := range lp["token_ids"].([]any) {
+						out[i].ids = append(out[i].ids, num(v))
+					}
+					for _, v := range lp["token_logprobs"].([]any) {
+						out[i].lps = append(out[i].lps, v.(float64))
+					}
+					if n, ok := res["timings"].(map[string]any)["throttled_steps"]; ok {
+						out[i].throttled = num(n)
+					}
+				}()
+			}
+			wg.Wait()
+			if t.Failed() {
+				t.FailNow()
+			}
+			return out
+		}
+		off := run("off", 0)
+		on := run("toward_floor", 1)
+		maxDelta := 0.0
+		for i := range reqs {
+			if !slices.Equal(off[i].ids, on[i].ids) {
+				t.Fatalf("request %d: greedy tokens differ throttled:\n off %v\n on  %v", i, off[i].ids, on[i].ids)
+			}
+			for j := range off[i].lps {
+				maxDelta = math.Max(maxDelta, math.Abs(off[i].lps[j]-on[i].lps[j]))
+			}
+			if off[i].throttled != 0 {
+				t.Fatalf("request %d skipped %d steps with the throttle off", i, off[i].throttled)
+			}
+		}
+		t.Logf("throttled steps: fast %d and %d of 64 tokens, slow %d; max |Δ logprob| %.2e", on[0].throttled, on[1].throttled, on[2].throttled, maxDelta)
+		if on[0].throttled == 0 || on[1].throttled == 0 || on[2].throttled != 0 {
+			t.Fatalf("throttled steps: fast %d and %d, slow %d: want the fast sessions throttled and the slow one not", on[0].throttled, on[1].throttled, on[2].throttled)
+		}
+		if maxDelta > 0.05 {
+			t.Fatalf("logprobs drift by %.3f throttled", maxDelta)
+		}
+		var snap wire.TPS
+		get(t, base+"/polykv/tps?once=1", &snap)
+		if snap.ThrottledStepsTotal != int64(on[0].throttled+on[1].throttled) {
+			t.Fatalf("/polykv/tps throttled_steps_total %d, the responses say %d", snap.ThrottledStepsTotal, on[0].throttled+on[1].throttled)
+		}
+		resp, err := http.Get(base + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		raw, _ := io.ReadAll(resp.Body)
+		want := fmt.Sprintf("polykv_throttled_steps_total{pool=\"%d\"} %d", fast, on[0].throttled+on[1].throttled)
+		if !strings.Contains(string(raw), want) {
+			t.Fatalf("/metrics lacks %q", want)
+		}
+	})
 }

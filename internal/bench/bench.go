@@ -55,6 +55,7 @@ type Options struct {
 	lp         agentLoop
 	sb         specBench
 	ab         agentsBench
+	ep         episode
 }
 
 // Register binds the benchmark's flags to o (cmd/polykv parses them with the server's).
@@ -63,7 +64,7 @@ func (o *Options) Register(fs *flag.FlagSet) {
 	o.nGen = fs.Int("n", 128, "tokens each session decodes")
 	o.reps = fs.Int("reps", 2, "repetitions per measurement (best is reported; spec: alternating rounds, medians reported)")
 	o.cpuProfile = fs.String("cpuprofile", "", "write a Go CPU profile of the server runs to this file")
-	o.workload = fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on), plain-fanout and agent-loop (plain OpenAI client: automatic prefix reuse vs off vs explicit pool), plain (both plain-client workloads), tier (evicted pool restored from RAM / disk vs prefill; restart with pinned pools), tenants (short requests and one session's decode beside idle pools of other tenants, compaction auto vs always), spec (speculative decoding off vs on: edit and chat agents; not part of all), agents (a team of tool-calling agents whose contexts outgrow the cache, beside llama-server with --agents-llama-server; not part of all) or all")
+	o.workload = fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on), plain-fanout and agent-loop (plain OpenAI client: automatic prefix reuse vs off vs explicit pool), plain (both plain-client workloads), tier (evicted pool restored from RAM / disk vs prefill; restart with pinned pools), tenants (short requests and one session's decode beside idle pools of other tenants, compaction auto vs always), spec (speculative decoding off vs on: edit and chat agents; not part of all), episode (a team of tool-calling workers delivering packages under an orchestrator: baseline, admission-gated, gated with throttle-toward-floor, llama-server; not part of all), agents (a team of tool-calling agents whose contexts outgrow the cache, beside llama-server with --agents-llama-server; not part of all) or all")
 	fs.StringVar(&o.pf.models, "prefill-models", "", "prefill: comma-separated GGUF files (default: -m); missing files are skipped")
 	fs.StringVar(&o.pf.types, "prefill-cache-types", "f16,q8_0,q4_0", "prefill: KV cache types (K and V alike)")
 	fs.StringVar(&o.pf.lengths, "prefill-tokens", "128,2000", "prefill: prompt lengths")
@@ -101,6 +102,33 @@ func (o *Options) Register(fs *flag.FlagSet) {
 	fs.IntVar(&o.rp.gen, "ramp-gen", 256, "spawn ramp: tokens each agent decodes")
 	fs.Float64Var(&o.rp.floorFr, "ramp-floor", 0.6, "spawn ramp: floor as a fraction of one session's tps")
 	o.ab.register(fs)
+	fs.IntVar(&o.ep.packages, "episode-packages", 6, "episode: packages to deliver")
+	fs.IntVar(&o.ep.steps, "episode-steps", 8, "episode: steps (chat turns) per package")
+	fs.DurationVar(&o.ep.tick, "episode-tick", 2*time.Second, "episode: the orchestrator's tick (one spawn at most per tick)")
+	fs.IntVar(&o.ep.maxWorkers, "episode-max-workers", 6, "episode: most workers at once (the baseline spawns up to it)")
+	fs.IntVar(&o.ep.gen, "episode-gen", 48, "episode: tokens decoded per turn (ignore_eos: every configuration does the same work)")
+	fs.IntVar(&o.ep.system, "episode-system", 400, "episode: tokens of the system prompt with the tool definitions (a pool on PolyKV)")
+	fs.IntVar(&o.ep.tool, "episode-tool", 120, "episode: tokens of each synthetic tool result")
+	fs.DurationVar(&o.ep.toolLatency, "episode-tool-latency", time.Second, "episode: a tool call's latency between turns")
+	fs.BoolVar(&o.ep.toolRandom, "episode-tool-random", false, "episode: tool latency uniform in [0, 2 x --episode-tool-latency), seeded per package and step (the same in every configuration)")
+	fs.Float64Var(&o.ep.floor, "episode-floor", 0, "episode: the tps floor (0: --episode-floor-frac of one worker's measured speed)")
+	fs.Float64Var(&o.ep.floorFrac, "episode-floor-frac", 0.4, "episode: the floor as a fraction of one worker's speed, when --episode-floor is 0 (the design's 15 of 38 tps)")
+	fs.StringVar(&o.ep.configs, "episode-configs", "baseline,gated,throttle", "episode: configurations, run alternating (ABC CBA ...): baseline, gated, throttle (gated + throttle toward the floor), llama (needs --episode-llama-server), url (needs --episode-url)")
+	fs.StringVar(&o.ep.url, "episode-url", "", "episode: also run the baseline orchestrator against this OpenAI-compatible server (client-side tps only)")
+	fs.StringVar(&o.ep.llamaServer, "episode-llama-server", "", "episode: also run the baseline orchestrator against this llama-server binary (make llama-tools), started with the same model, context, threads and batch")
+	fs.StringVar(&o.ep.gateKind, "episode-gate", "reserve", "episode: how the gated orchestrator asks: reserve (POST reservations; the id goes with the worker's first request) or capacity (GET /capacity)")
+	fs.Float64Var(&o.ep.margin, "episode-throttle-margin", 0.2, "episode: throttle_margin of the throttle configuration")
+	fs.Float64Var(&o.ep.maxSkip, "episode-throttle-max-skip", 0.5, "episode: throttle_max_skip of the throttle configuration")
+	fs.IntVar(&o.ep.guarantee, "episode-guarantee", 1, "episode: guarantee_min_sessions of the gated configurations")
+	fs.IntVar(&o.ep.settleTokens, "episode-settle-tokens", 0, "episode: settle_tokens of the gated configurations (0: the server's default)")
+	fs.Int64Var(&o.ep.settleMs, "episode-settle-ms", 0, "episode: settle_max_ms of the gated configurations (0: the server's default)")
+	fs.Float64Var(&o.ep.quiet, "episode-quiet", 0, "episode: before each run, wait until other processes use less than this fraction of a core over 3 s (a shared machine; 0: do not wait)")
+	fs.DurationVar(&o.ep.quietWait, "episode-quiet-wait", 5*time.Minute, "episode: the longest --episode-quiet waits before running anyway")
+	fs.IntVar(&o.ep.retries, "episode-retries", 2, "episode: with --episode-quiet, a run (or the calibration) during which other processes used more than that fraction of a core is shown, discarded and run again, at most this many times")
+	fs.IntVar(&o.ep.background, "episode-background", 0, "episode: background agents on a second pool, decoding back to back while the workers run (a mixed load: their floor is lower)")
+	fs.IntVar(&o.ep.bgGen, "episode-background-gen", 128, "episode: tokens a background request decodes")
+	fs.Float64Var(&o.ep.bgFloorFrac, "episode-background-floor-frac", 0.15, "episode: the background pool's floor as a fraction of one worker's speed (gated and throttle configurations)")
+	fs.StringVar(&o.ep.out, "episode-out", "episode-out", "episode: directory for each run's per-second CSV and PNG plot (empty: none)")
 }
 
 // Run runs the workload o names on the server cfg configures (resolved), printing its
@@ -159,6 +187,9 @@ func Run(cfg app.Config, o *Options) error {
 		return o.tn.run(cfg)
 	case "agents":
 		return o.ab.run(cfg)
+	case "episode":
+		o.ep.reps = max(1, *o.reps)
+		return o.ep.run(cfg)
 	case "spec":
 		stop, err := startCPUProfile(*o.cpuProfile)
 		if err != nil {

@@ -98,6 +98,12 @@
 // progress, a request naming a reservation) and acts on its decisions (admit, warn,
 // hold, refuse with a SaturatedError). Held requests count against the queue bound.
 //
+// Throttle toward the floor (issue 41, throttle.go): a pool's policy may let its
+// sessions that decode well above its floor skip steps of Plan's decode loop while a
+// session near or under its own floor, or a prompt the step's budget cuts, gains from
+// it; skips are bounded per session, and admission reads the rates sessions would have
+// unthrottled, so the gate does not refuse the room the throttle makes.
+//
 // Tests: most scheduling rules are tested against a fake backend (fake_test.go) in
 // milliseconds, as data-driven stories (testdata/stories) and by fuzzing random
 // message sequences (FuzzSchedulerInvariants).

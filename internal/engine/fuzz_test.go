@@ -160,6 +160,10 @@ func fuzzScheduler(t *testing.T, data []byte, cache bool, nctx int, spec, tier b
 					p.TargetTPS = float64(next() % 80)
 					p.GuaranteeMinSessions = next() % 3
 					p.SettleTokens, p.SettleMaxMs, p.QueueTimeoutMs = next()%8, int64(next()%4)*500, int64(next()%4)*1000
+					if next()%2 == 0 { // throttle toward the floor (issue 41)
+						p.Throttle = admission.ThrottleTowardFloor
+						p.ThrottleMargin, p.ThrottleMaxSkip = float64(next()%3)*0.2, []float64{0.25, 0.5, 0.9}[next()%3]
+					}
 					_ = h.setAdmission(id, p)
 				case 5:
 					if r, err := h.tryReserve(id, time.Duration(next()%4)*time.Second, next()%40); err == nil && r.Granted {

@@ -100,9 +100,19 @@ func (t *task) decoding() bool {
 	return t.kind == kindGenerate && t.slot != nil && !t.prefilling() && !t.firstTok.IsZero()
 }
 
-// poolRates lists the warm decoding sessions' rates of pool p (nil: all sessions) and
-// counts the warming ones.
+// poolRates lists the warm decoding sessions' experienced rates of pool p (nil: all
+// sessions) and counts the warming ones.
 func (s *Scheduler) poolRates(p *pool.Pool, all bool) ([]float64, int) {
+	return s.rates(p, all, func(t *task) float64 { return t.ewma.RateAt(s.now) })
+}
+
+// admissionRates is poolRates as admission reads it: each session's unthrottled rate,
+// so the capacity a throttle frees is not read as a lack of it (throttle.go).
+func (s *Scheduler) admissionRates(p *pool.Pool) ([]float64, int) {
+	return s.rates(p, false, s.admissionRate)
+}
+
+func (s *Scheduler) rates(p *pool.Pool, all bool, rate func(*task) float64) ([]float64, int) {
 	var rates []float64
 	warming := 0
 	for _, t := range s.running {
@@ -113,7 +123,7 @@ func (s *Scheduler) poolRates(p *pool.Pool, all bool) ([]float64, int) {
 			warming++
 			continue
 		}
-		rates = append(rates, t.ewma.RateAt(s.now))
+		rates = append(rates, rate(t))
 	}
 	return rates, warming
 }
@@ -129,7 +139,7 @@ func (s *Scheduler) settle() {
 		}
 		var rates []float64
 		if p, err := s.pools.Get(w.Pool); err == nil {
-			rates, _ = s.poolRates(p, false)
+			rates, _ = s.admissionRates(p)
 		}
 		s.adm.Progress(s.now, w.Pool, decoded, ended, rates)
 	}
@@ -142,7 +152,7 @@ func (s *Scheduler) startSettle(t *task) {
 	if p == nil || !t.newSession {
 		return
 	}
-	rates, _ := s.poolRates(p, false)
+	rates, _ := s.admissionRates(p)
 	s.adm.Seated(s.now, p.ID, uint64(t.id), rates)
 }
 
@@ -211,7 +221,7 @@ func (s *Scheduler) sessionContext(sl *slot) SessionCtx {
 // poolFacts gathers what the admission controller needs to know about pool p now;
 // expected and session describe the asker (0 and "": not given).
 func (s *Scheduler) poolFacts(p *pool.Pool, expected int, session string) admission.Facts {
-	rates, warming := s.poolRates(p, false)
+	rates, warming := s.admissionRates(p)
 	f := admission.Facts{
 		Sessions: p.Sessions, Pending: s.pendingAdmits(p), Rates: rates, Warming: warming,
 		FreeCells: s.freeForNew(), TotalCells: s.cfg.NCtx, Expected: expected, Pressure: s.pressure(),
@@ -364,6 +374,8 @@ type SessionTPS struct {
 	// DraftN, DraftAccepted: the running task's speculative proposals so far and the
 	// tokens of them accepted (llama-server's draft_n, draft_n_accepted).
 	DraftN, DraftAccepted int
+	// ThrottledSteps: decode steps the running task skipped for its pool's throttle.
+	ThrottledSteps int
 }
 
 // TPSSnapshot is one event of GET /polykv/tps.
@@ -374,7 +386,9 @@ type TPSSnapshot struct {
 	MeanActiveTPS float64
 	NActive       int
 	NWarming      int
-	Sessions      []SessionTPS
+	// ThrottledSteps counts the decode steps skipped by throttles so far (all pools).
+	ThrottledSteps int64
+	Sessions       []SessionTPS
 }
 
 // headroom is how many more tokens a sequence holding used tokens can take: bounded
@@ -395,6 +409,7 @@ func (s *Scheduler) sessionTPS(sl *slot, free int) SessionTPS {
 		st.Warming = t.ewma.Warming()
 		st.Decoded = t.generated
 		st.DraftN, st.DraftAccepted = t.spec.drafted, t.spec.accepted
+		st.ThrottledSteps = t.throttled
 	}
 	return st
 }
@@ -404,7 +419,7 @@ func (s *Scheduler) TPS(now time.Time) TPSSnapshot {
 	s.now = now
 	rates, warming := s.poolRates(nil, true)
 	snap := TPSSnapshot{TS: float64(now.UnixMilli()) / 1000, AggregateTPS: s.agg.RateAt(now), PromptTPS: s.aggPrompt.RateAt(now),
-		MeanActiveTPS: tps.Mean(rates), NActive: len(rates), NWarming: warming, Sessions: []SessionTPS{}}
+		MeanActiveTPS: tps.Mean(rates), NActive: len(rates), NWarming: warming, ThrottledSteps: s.throttledTotal, Sessions: []SessionTPS{}}
 	free := s.freeForNew()
 	for _, sl := range s.slots {
 		if sl.task != nil || len(sl.tokens) > 0 {
@@ -421,6 +436,9 @@ type PoolMetric struct {
 	KVBytes    int64   // own cells plus attached sessions' suffixes
 	Sessions   int
 	Unattached bool // the "none" row: sessions on no pool
+	// ThrottledSteps: decode steps its sessions skipped for its throttle, since the
+	// scheduler started.
+	ThrottledSteps int64
 }
 
 // Metrics copies out the per-pool gauges (plus a row for sessions on no pool).
@@ -429,7 +447,7 @@ func (s *Scheduler) Metrics(now time.Time) ([]PoolMetric, Usage) {
 	byPool := map[*pool.Pool]*PoolMetric{}
 	none := &PoolMetric{Unattached: true}
 	for _, p := range s.pools.All() {
-		byPool[p] = &PoolMetric{PoolID: p.ID, KVBytes: int64(p.OwnCells()) * s.cfg.BytesPerCell}
+		byPool[p] = &PoolMetric{PoolID: p.ID, KVBytes: int64(p.OwnCells()) * s.cfg.BytesPerCell, ThrottledSteps: s.throttledBy[p.ID]}
 	}
 	for _, sl := range s.slots {
 		m := none

@@ -296,6 +296,8 @@ func (s *Scheduler) reclaim(p *pool.Pool) {
 	// Its prefix was reported removed when it was released.
 	s.kv.free(p.Seq, 0)
 	s.adm.Forget(p.ID)
+	delete(s.throttledBy, p.ID)
+	delete(s.throttleLead, p.ID)
 	delete(s.inTier, p.ID)
 	s.check(s.pools.Reclaim(p))
 }

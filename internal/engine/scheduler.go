@@ -249,6 +249,13 @@ type task struct {
 	// contSeq is the idle anonymous sequence t continues (-1: none), which is needed
 	// now: eviction takes it last (nextUse).
 	contSeq int
+	// Throttle toward the floor (throttle.go): the unthrottled rate (admission's),
+	// the skip credit, whether Plan skips t in the step it builds, and the steps t
+	// skipped so far.
+	shadow     tps.EWMA
+	skipCredit float64
+	skipNow    bool
+	throttled  int
 }
 
 func (t *task) prefilling() bool { return t.slot != nil && len(t.slot.tokens) < len(t.req.Prompt) }
@@ -326,6 +333,14 @@ type Scheduler struct {
 	progressAt time.Time
 	// gaps is what was learned of the time between a conversation's turns (order.go).
 	gaps gapModel
+	// Throttle toward the floor (throttle.go): the sessions the planned step skips,
+	// the row-cost fit, each pool's virtual clock lead for its unthrottled rates, and
+	// the steps skipped so far (all pools, and per pool).
+	skipped        []*task
+	rowCost        rowCost
+	throttleLead   map[int]time.Duration
+	throttledTotal int64
+	throttledBy    map[int]int64
 
 	// afterAdmit, when set (tests), is called at the end of every admission pass, to
 	// check the liveness invariant where it must hold (doc.go).
@@ -363,6 +378,7 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	cells := newCellTree(cfg.Parallel)
 	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
 		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools, cells), poolSeqs: map[int]*slot{}, inTier: map[int]bool{},
+		throttledBy: map[int]int64{}, throttleLead: map[int]time.Duration{},
 		adm: admission.NewController(), gaps: gapModel{sessions: map[string]*sessionGap{}},
 		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau)}
 	for i := range cfg.Parallel {
@@ -941,6 +957,7 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 		}
 		t.ewma = tps.NewEWMA(s.cfg.TPSTau)
 		t.spec = s.newSpecSession()
+		t.shadow = tps.NewEWMA(s.cfg.TPSTau)
 		s.adm.SessionSeated(t.req.SessionID, s.now)
 	}
 	sl.task = t
@@ -1040,11 +1057,13 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	// the cell tree counts them only once its Restored answer comes.
 	free := s.kv.room(s.tierPending() + s.loadPending())
 	planned := 0
+	// Sessions throttled toward their pool's floor skip this step (throttle.go).
+	s.throttleSkips()
 	// decoders still to plan: each needs one token of the budget and one cell, which
 	// drafts never take from them.
 	decoders := 0
 	for _, t := range s.running {
-		if t.hasNext {
+		if t.hasNext && !t.skipNow {
 			decoders++
 		}
 	}
@@ -1058,7 +1077,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	// every decoder's token, and the drafts planned and expected to land.
 	specGain, specRows := float64(decoders), float64(decoders)
 	for _, t := range slices.Clone(s.running) {
-		if !t.hasNext {
+		if !t.hasNext || t.skipNow {
 			continue
 		}
 		decoders--
@@ -1149,6 +1168,26 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	}
 	for _, t := range s.running {
 		t.spec.endStep() // the context moves on with this step
+		t.skipNow = false
+	}
+	if len(batch) == 0 && len(s.skipped) > 0 {
+		// Nothing else runs this step, so the skips would gain nobody (and an empty
+		// batch would idle the loop): plan the skipped sessions' tokens after all.
+		skipped := slices.Clone(s.skipped)
+		s.unskip()
+		for _, t := range skipped {
+			if free == 0 {
+				free = s.freeCells(1, nil, planned)
+			}
+			if free == 0 {
+				s.finish(t, FinishLength, true, nil)
+				continue
+			}
+			batch = append(batch, BatchEntry{Token: t.next, Pos: len(t.slot.tokens), Seq: t.slot.seq, Sample: true, Task: t.id})
+			s.inflight = append(s.inflight, inflight{t: t, n: 1, decode: true, sample: true})
+			free--
+			planned++
+		}
 	}
 	p := Plan{Samplers: s.samplers, SeqOps: s.ops, Batch: batch}
 	s.samplers, s.ops = nil, nil
@@ -1165,6 +1204,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 	}
 	if err != nil {
 		s.snapDue = true
+		s.skipped = s.skipped[:0]
 		for _, f := range in {
 			if f.t.slot == nil {
 				continue
@@ -1185,6 +1225,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 		}
 	}
 	s.measureStep(in, now)
+	s.throttleCommit(in, now)
 	si = 0
 	for _, f := range in {
 		t := f.t
@@ -1242,6 +1283,7 @@ func (s *Scheduler) commitDecode(f inflight, smp []Sampled, now time.Time) {
 	// The step made a+1 tokens (the EWMA takes them in one observation: it folds
 	// observations at one instant), and they share its time for inter-token latency.
 	t.ewma.Observe(a+1, now)
+	t.shadow.Observe(a+1, now.Add(s.throttleLead[t.poolID()]))
 	d := now.Sub(t.lastTok) / time.Duration(a+1)
 	t.lastTok = now
 	kept := pos + 1
@@ -1267,6 +1309,7 @@ func (s *Scheduler) onToken(t *task, smp Sampled) {
 	if t.firstTok.IsZero() {
 		t.firstTok, t.lastTok = s.now, s.now
 		t.ewma.Start(s.now)
+		t.shadow.Start(s.now.Add(s.throttleLead[t.poolID()]))
 		s.obs = append(s.obs, Observation{Kind: ObsTTFT, Pool: t.poolID(), D: s.now.Sub(t.submitted)})
 	}
 	if s.vocab.IsEOG(smp.Token) && !t.req.IgnoreEOS {
@@ -1308,7 +1351,7 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 		return
 	}
 	stats := Stats{PromptN: len(t.req.Prompt) - t.cacheN - t.restoredN, CacheN: t.cacheN, RestoredN: t.restoredN, PredictedN: t.generated, Seq: sl.seq,
-		DraftN: t.spec.drafted, DraftAccepted: t.spec.accepted, DraftFiltered: t.spec.filtered}
+		DraftN: t.spec.drafted, DraftAccepted: t.spec.accepted, DraftFiltered: t.spec.filtered, ThrottledSteps: t.throttled}
 	if sl.base != nil {
 		stats.Pool = sl.base.ID
 		stats.Shared = sl.shared

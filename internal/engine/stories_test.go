@@ -41,12 +41,16 @@ import (
 //	state             sessions, pools and cells (checked against the fake cache)
 //	waiting           the requests without a sequence yet: why they wait, for how long
 //	admission pool=P [mode=M] [on=S] [floor=F] [guarantee=N] [settle_tokens=N] [settle_ms=N] [queue_ms=N]
+//	          [throttle=off|toward_floor] [margin=F] [maxskip=F]
+//	tps               each session's experienced tps, warming, and steps skipped by a throttle
 //	capacity pool=P [expected=N] [session=S]   the admission verdict now
 //	reserve name=R pool=P [ttl=DUR] [expected=N]
 //	unreserve name=R pool=P
 //
 // cost=perdecode makes a step cost 10 ms per sampled token (see perDecodeCost), so
-// per-session tps falls as sessions join and admission has something to measure.
+// per-session tps falls as sessions join and admission has something to measure;
+// cost=affine makes it 5 ms plus 10 ms per sampled token plus 1 ms per other prompt
+// token (affineCost): a fixed part per step, as on a real machine.
 func TestStories(t *testing.T) {
 	datadriven.Walk(t, "testdata/stories", func(t *testing.T, path string) {
 		st := &story{t: t}
@@ -94,7 +98,7 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 			case "ttl":
 				cfg.SessionTTL = dur(t, d, v)
 			case "cost":
-				if v != "perdecode" {
+				if v != "perdecode" && v != "affine" {
 					d.Fatalf(t, "unknown cost %s", v)
 				}
 			case "prefixcache":
@@ -127,8 +131,11 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 			}
 		}
 		st.h, st.nended = newHarness(t, cfg), 0 // a new harness: its ended list starts empty
-		if arg(d, "cost") == "perdecode" {
+		switch arg(d, "cost") {
+		case "perdecode":
 			st.h.stepCost = perDecodeCost
+		case "affine":
+			st.h.stepCost = affineCost
 		}
 		if v := arg(d, "repeat"); v != "" {
 			st.h.be.model = fakeRepeater(atoi(t, d, v))
@@ -242,6 +249,15 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 		}
 	case "admission", "capacity", "reserve", "unreserve":
 		return st.admission(t, d)
+	case "tps":
+		snap := st.h.s.TPS(st.h.now)
+		st.printf("mean_active_tps=%.1f active=%d warming=%d throttled_total=%d\n", snap.MeanActiveTPS, snap.NActive, snap.NWarming, snap.ThrottledSteps)
+		for _, ss := range snap.Sessions {
+			if ss.State != "decode" {
+				continue
+			}
+			st.printf("%s: %.1f tok/s warming=%v decoded=%d throttled=%d\n", ss.SessionID, ss.TPSEWMA, ss.Warming, ss.Decoded, ss.ThrottledSteps)
+		}
 	default:
 		d.Fatalf(t, "unknown command %s", d.Cmd)
 	}
@@ -331,13 +347,29 @@ func (st *story) admission(t *testing.T, d *datadriven.TestData) string {
 			n := atoi(t, d, v)
 			pt.SettleTokens = &n
 		}
+		if v := arg(d, "throttle"); v != "" {
+			pt.Throttle = &v
+		}
+		for key, dst := range map[string]**float64{"margin": &pt.ThrottleMargin, "maxskip": &pt.ThrottleMaxSkip} {
+			if v := arg(d, key); v != "" {
+				f, err := strconv.ParseFloat(v, 64)
+				if err != nil {
+					d.Fatalf(t, "bad %s %q", key, v)
+				}
+				*dst = &f
+			}
+		}
 		r := st.h.send(SetAdmission{Pool: id, Patch: pt})
 		if r.Err != nil {
 			return "error: " + r.Err.Error()
 		}
 		p := r.Admission
-		return fmt.Sprintf("%s on_saturation=%s floor=%g guarantee=%d settle_tokens=%d settle_ms=%d queue_ms=%d",
+		line := fmt.Sprintf("%s on_saturation=%s floor=%g guarantee=%d settle_tokens=%d settle_ms=%d queue_ms=%d",
 			p.Mode, p.OnSaturation, p.TargetTPS, p.GuaranteeMinSessions, p.SettleTokens, p.SettleMaxMs, p.QueueTimeoutMs)
+		if p.Throttle != admission.ThrottleOff {
+			line += fmt.Sprintf(" throttle=%s margin=%g maxskip=%g", p.Throttle, p.ThrottleMargin, p.ThrottleMaxSkip)
+		}
+		return line
 	case "capacity":
 		c, err := st.h.capacityOf(id, num("expected"), arg(d, "session"))
 		if err != nil {

@@ -103,6 +103,9 @@ type Stats struct {
 	// DraftFiltered are draft tokens the task's grammar forbade (DraftChecker), cut
 	// from its proposals before they took a batch row; not part of DraftN.
 	DraftFiltered int
+	// ThrottledSteps are the decode steps the task skipped for its pool's throttle
+	// toward the floor (throttle.go).
+	ThrottledSteps int
 }
 
 // TokenLogprob is one sampled token with its log-probability and, when the task asked

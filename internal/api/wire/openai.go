@@ -224,6 +224,9 @@ type Timings struct {
 	// DraftNFiltered (PolyKV's): draft tokens a grammar-constrained request's grammar
 	// forbade, cut from its proposals before they were verified; only when nonzero.
 	DraftNFiltered int `json:"draft_n_filtered,omitempty"`
+	// ThrottledSteps (PolyKV's): decode steps the request skipped because its pool
+	// throttles sessions toward the floor; only when nonzero.
+	ThrottledSteps int `json:"throttled_steps,omitempty"`
 }
 
 // SessionCtx is one session's own context pressure: what its sequence holds against

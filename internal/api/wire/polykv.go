@@ -130,6 +130,11 @@ type Policy struct {
 	SettleTokens         int     `json:"settle_tokens"`
 	SettleMaxMs          int64   `json:"settle_max_ms"`
 	QueueTimeoutMs       int64   `json:"queue_timeout_ms"`
+	// Throttle toward the floor (issue 41): off | toward_floor, the margin above the
+	// floor a session must decode at to be throttled, and the most of its steps it skips.
+	Throttle        string  `json:"throttle"`
+	ThrottleMargin  float64 `json:"throttle_margin"`
+	ThrottleMaxSkip float64 `json:"throttle_max_skip"`
 }
 
 // PolicyPatch is POST /polykv/pools/{id}/admission: the members given are merged
@@ -142,6 +147,9 @@ type PolicyPatch struct {
 	SettleTokens         *int     `json:"settle_tokens"`
 	SettleMaxMs          *int64   `json:"settle_max_ms"`
 	QueueTimeoutMs       *int64   `json:"queue_timeout_ms"`
+	Throttle             *string  `json:"throttle"`
+	ThrottleMargin       *float64 `json:"throttle_margin"`
+	ThrottleMaxSkip      *float64 `json:"throttle_max_skip"`
 }
 
 // PoolAdmission is GET and POST /polykv/pools/{id}/admission: the policy in force.
@@ -211,13 +219,16 @@ type ReservationReleased struct {
 
 // TPS is one event of GET /polykv/tps (or its answer with once=1).
 type TPS struct {
-	TS            float64      `json:"ts"`
-	AggregateTPS  float64      `json:"aggregate_tps"`
-	PromptTPS     float64      `json:"prompt_tps"`
-	MeanActiveTPS float64      `json:"mean_active_tps"`
-	NActive       int          `json:"n_active"`
-	NWarming      int          `json:"n_warming"`
-	Sessions      []SessionTPS `json:"sessions"`
+	TS            float64 `json:"ts"`
+	AggregateTPS  float64 `json:"aggregate_tps"`
+	PromptTPS     float64 `json:"prompt_tps"`
+	MeanActiveTPS float64 `json:"mean_active_tps"`
+	NActive       int     `json:"n_active"`
+	NWarming      int     `json:"n_warming"`
+	// ThrottledStepsTotal counts every decode step a session skipped for its pool's
+	// throttle since the server started (issue 41).
+	ThrottledStepsTotal int64        `json:"throttled_steps_total"`
+	Sessions            []SessionTPS `json:"sessions"`
 }
 
 // SessionTPS is one session in the tps stream.
@@ -237,4 +248,7 @@ type SessionTPS struct {
 	// and accepted so far (only once it drafted any).
 	DraftN         *int `json:"draft_n,omitempty"`
 	DraftNAccepted *int `json:"draft_n_accepted,omitempty"`
+	// ThrottledSteps: decode steps the running request skipped so far because its pool
+	// throttles sessions decoding well above the floor (issue 41).
+	ThrottledSteps int `json:"throttled_steps"`
 }
