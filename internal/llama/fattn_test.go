@@ -92,10 +92,11 @@ func TestFlashAttnKernel(t *testing.T) {
 		defer SetFlashAttnKernel(true)
 
 		SetFlashAttnKernel(true)
+		skipWithoutFlashAttnKernel(t)
 		before := FlashAttnKernelRuns()
 		whole := fattnRun(t, m, prompt, 256, 0, then)
 		if FlashAttnKernelRuns() == before {
-			t.Skip("PolyKV's flash-attention kernel is not available here (needs AVX2 and FMA)")
+			t.Fatal("PolyKV's flash-attention kernel did not run on an f16 cache (ggml's computed every attention node)")
 		}
 		for _, v := range []struct {
 			name             string
@@ -160,12 +161,10 @@ func TestFlashAttnKernelMLA(t *testing.T) {
 	then := []Token{9, 17, 33, 65, 101}
 
 	SetFlashAttnKernel(true)
+	skipWithoutFlashAttnKernel(t)
 	before := FlashAttnKernelRuns()
 	whole := fattnRun(t, m, prompt, 256, 0, then)
-	switch {
-	case !flashAttnInstalled:
-		t.Skip("PolyKV's flash-attention kernel is not available here (needs AVX2 and FMA)")
-	case FlashAttnKernelRuns() == before:
+	if FlashAttnKernelRuns() == before {
 		t.Fatal("PolyKV's kernel did not take the MLA attention nodes")
 	}
 	// 299 = 23 chunks of 13: no chunk of one token. The test model's weights are f16 and
@@ -224,10 +223,11 @@ func TestFlashAttnKernelPlacement(t *testing.T) {
 				}
 			}
 		}
+		skipWithoutFlashAttnKernel(t)
 		before := FlashAttnOrderedRuns()
 		whole := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 256, fa: 1, cache: "f32", check: ordered(true, "f32")})
 		if FlashAttnOrderedRuns() == before {
-			t.Skip("PolyKV's flash-attention kernel is not available here (needs AVX2 and FMA)")
+			t.Fatal("f32 cache: PolyKV's flash-attention kernel did not run in position order (ggml's computed the attention)")
 		}
 		plain := fattnRunFA(t, m, prompt, 256, 0, then, 0)
 		skipped := FlashAttnCastsSkipped()
@@ -243,7 +243,11 @@ func TestFlashAttnKernelPlacement(t *testing.T) {
 		// Quantized caches: PolyKV's kernel dequantizes each row to f32 (ggml's converts the
 		// query to q8_0 instead), so it is at least as close to plain attention.
 		for _, ct := range []CacheType{"q8_0", "q4_0"} {
+			before := FlashAttnOrderedRuns()
 			q := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 256, fa: 1, cache: ct, check: ordered(true, string(ct))})
+			if FlashAttnOrderedRuns() == before {
+				t.Errorf("%s cache: PolyKV's flash-attention kernel did not run in position order (ggml's computed the attention)", ct)
+			}
 			scattered := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 13, neighbour: 300, evict: true, fa: 1, cache: ct})
 			SetFlashAttnKernel(false)
 			stock := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 256, fa: 1, cache: ct})
@@ -265,6 +269,18 @@ func TestFlashAttnKernelPlacement(t *testing.T) {
 		SetFlashAttnKernel(false)
 		fattnRunOpts(t, m, prompt, then[:1], fattnOpts{chunk: 256, fa: 1, check: ordered(false, "llama.cpp's kernel")})
 	})
+}
+
+// skipWithoutFlashAttnKernel skips a kernel test where PolyKV's flash-attention kernel
+// cannot exist: a build or CPU without AVX2 and FMA (it registers with ggml-cpu at the
+// first model load, so call it after loading one). Anywhere else a kernel that did not
+// run is the regression the test is for, and fails it: OrderedAttention() would still
+// say true, the runner would skip compaction, and output would depend on other traffic.
+func skipWithoutFlashAttnKernel(t *testing.T) {
+	t.Helper()
+	if !flashAttnInstalled {
+		t.Skip("PolyKV's flash-attention kernel is not available here (needs AVX2 and FMA)")
+	}
 }
 
 // forEachFamily runs f as a subtest on each model family of the test suite (SmolLM2,
