@@ -400,6 +400,7 @@ func (s *Store) dropDisk(k Key) {
 
 // readEntry reads and verifies k's file.
 func (s *Store) readEntry(k Key, want *Meta) ([]byte, error) {
+	crashPoint("read", k.String()+".kv")
 	b, err := os.ReadFile(s.path(k))
 	if err != nil {
 		if errors.Is(err, os.ErrNotExist) {
@@ -437,6 +438,7 @@ func atomicWrite(dir, name string, b []byte) error {
 		err = cerr
 	}
 	if err == nil {
+		crashPoint("write", name)
 		err = os.Rename(tmp, filepath.Join(dir, name))
 	}
 	if err != nil {
