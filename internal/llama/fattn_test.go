@@ -135,7 +135,7 @@ func TestFlashAttnKernel(t *testing.T) {
 		// Measured as the KL divergence of the next-token distributions from plain
 		// attention's: the largest logit difference is dominated by tokens of no
 		// probability and swings by tens of logits on a repetitive prompt.
-		checkKLToPlain(t, plain, whole, stock, 0.01)
+		checkKLToPlain(t, plain, whole, stock, 2, 0.01)
 	})
 }
 
@@ -146,7 +146,7 @@ func TestFlashAttnKernel(t *testing.T) {
 // row. With ggml's kernel its logits moved with the batch (a speculative verify batch
 // against one token at a time: logprobs apart by up to 3.8e-6 in TestMTPServed); with
 // ours they are the same bit for bit whatever the chunking and wherever the cells sit,
-// and as close to plain attention as ggml's kernel is.
+// and within a tenth of ggml's kernel's distance from plain attention.
 func TestFlashAttnKernelMLA(t *testing.T) {
 	m, err := LoadModel(testmodel.Arch(t, "deepseek2mtp"))
 	if err != nil {
@@ -186,13 +186,18 @@ func TestFlashAttnKernelMLA(t *testing.T) {
 	SetFlashAttnKernel(false)
 	stock := fattnRun(t, m, prompt, 256, 0, then)
 	plain := fattnRunFA(t, m, prompt, 256, 0, then, 0)
-	checkKLToPlain(t, plain, whole, stock, 1e-6)
+	// Ours accumulates in f32 over this f16/f32 model and lands next to plain attention
+	// (measured: 6.0e-12 nats over the 6 steps), ggml's flash kernel with its f16 V
+	// accumulator 2.2e-8: the bound, a tenth of ggml's, leaves ours a margin of ~360×
+	// and fails a kernel that fell back to ggml's precision (the old bound, 2× ggml's
+	// plus 1e-6, passed anything under a micro-nat).
+	checkKLToPlain(t, plain, whole, stock, 0.1, 0)
 }
 
 // checkKLToPlain compares PolyKV's kernel's logits (ours) and ggml's flash kernel's
 // (stock) with plain attention's (plain) step by step, as the largest KL divergence of the
-// next-token distributions, and fails when ours is more than twice ggml's plus slack.
-func checkKLToPlain(t *testing.T, plain, ours, stock [][]float32, slack float64) {
+// next-token distributions, and fails when ours is more than factor times ggml's plus slack.
+func checkKLToPlain(t *testing.T, plain, ours, stock [][]float32, factor, slack float64) {
 	t.Helper()
 	klOurs, klStock := 0.0, 0.0
 	for i := range ours {
@@ -200,8 +205,8 @@ func checkKLToPlain(t *testing.T, plain, ours, stock [][]float32, slack float64)
 		klStock = max(klStock, kl(plain[i], stock[i]))
 	}
 	t.Logf("largest KL divergence from plain attention over %d steps: PolyKV's kernel %.5g, ggml's %.5g nats", len(ours), klOurs, klStock)
-	if klOurs > 2*klStock+slack || math.IsNaN(klOurs) {
-		t.Errorf("PolyKV's kernel is %.5g nats from plain attention, ggml's flash kernel %.5g", klOurs, klStock)
+	if klOurs > factor*klStock+slack || math.IsNaN(klOurs) {
+		t.Errorf("PolyKV's kernel is %.5g nats from plain attention, ggml's flash kernel %.5g (bound: %g× ggml's + %g)", klOurs, klStock, factor, slack)
 	}
 }
 
@@ -260,8 +265,12 @@ func TestFlashAttnKernelPlacement(t *testing.T) {
 				ours, theirs = max(ours, kl(plain[i], q[i])), max(theirs, kl(plain[i], stock[i]))
 			}
 			t.Logf("%s cache: largest KL divergence from plain f16 attention: PolyKV's kernel %.5f, ggml's %.5f nats", ct, ours, theirs)
-			if ours > 2*theirs+0.01 || math.IsNaN(ours) {
-				t.Errorf("%s cache: PolyKV's kernel is %.5f nats from plain attention, ggml's flash kernel %.5f", ct, ours, theirs)
+			// Measured (1 thread): q8_0 0.0212 vs ggml's 0.0166 on SmolLM2 (1.27×, the
+			// worst), 0.0140 vs 0.0177 on Gemma 3; q4_0 0.142 vs 0.236 and 0.275 vs 0.346.
+			// The bound, 1.5× ggml's, leaves the worst case an 18% margin (the old one, 2×
+			// plus 0.01 nats, let q8_0 drift to twice its measured distance).
+			if ours > 1.5*theirs || math.IsNaN(ours) {
+				t.Errorf("%s cache: PolyKV's kernel is %.5f nats from plain attention, ggml's flash kernel %.5f (bound: 1.5× ggml's)", ct, ours, theirs)
 			}
 		}
 		fattnRunOpts(t, m, prompt, then[:1], fattnOpts{chunk: 256, fa: 1, cache: "q5_0", check: ordered(false, "q5_0 (ggml's kernel)")})
@@ -272,12 +281,14 @@ func TestFlashAttnKernelPlacement(t *testing.T) {
 }
 
 // skipWithoutFlashAttnKernel skips a kernel test where PolyKV's flash-attention kernel
-// cannot exist: a build or CPU without AVX2 and FMA (it registers with ggml-cpu at the
-// first model load, so call it after loading one). Anywhere else a kernel that did not
-// run is the regression the test is for, and fails it: OrderedAttention() would still
-// say true, the runner would skip compaction, and output would depend on other traffic.
+// cannot exist: a build without AVX2 and FMA. It registers the kernel first (what the
+// first NewContext does; registration must follow a model load, so call it after
+// loading one). Anywhere else a kernel that did not run is the regression the test is
+// for, and fails it: OrderedAttention() would still say true, the runner would skip
+// compaction, and output would depend on other traffic.
 func skipWithoutFlashAttnKernel(t *testing.T) {
 	t.Helper()
+	installFlashAttn()
 	if !flashAttnInstalled {
 		t.Skip("PolyKV's flash-attention kernel is not available here (needs AVX2 and FMA)")
 	}
