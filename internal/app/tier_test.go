@@ -472,8 +472,8 @@ func TestTierServerKill9(t *testing.T) {
 	// start runs the helper server, stopping at the hold-th call of tier.CrashPoint with
 	// point and a name ending in suffix (counted once the file arm exists, when given).
 	type helper struct {
-		cmd             *exec.Cmd
-		url, held, base string
+		cmd       *exec.Cmd
+		url, held string
 	}
 	start := func(point, suffix string, hold int, arm string) *helper {
 		t.Helper()
