@@ -2,7 +2,8 @@
 
 `make test-python` runs pytest with -rs, so each skip is listed with its reason at the
 end; this hook turns a skip that no allow-list rule covers into a failure naming it. A
-rule is `TEST REASON`: regular expressions on the test's node id (a full match) and on
+rule is `TEST REASON`: regular expressions on the test's node id (a full match, its
+parameters' [...] allowed) and on
 the skip's reason (a search); the Go suite's cmd/testreport reads the same file. xfails
 are not skips here (integration_tests/conftest.py checks those).
 """
@@ -22,7 +23,8 @@ def _rules() -> list[tuple[re.Pattern[str], re.Pattern[str]]]:
         if not line or line.startswith("#"):
             continue
         test, _, reason = line.partition(" ")
-        rules.append((re.compile(f"(?:{test})"), re.compile(reason.strip())))
+        # (a parametrized test's ids, [...], are covered by its rule)
+        rules.append((re.compile(f"(?:{test})(?:\\[.*\\])?"), re.compile(reason.strip())))
     return rules
 
 
