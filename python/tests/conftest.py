@@ -3,9 +3,9 @@
 `make test-python` runs pytest with -rs, so each skip is listed with its reason at the
 end; this hook turns a skip that no allow-list rule covers into a failure naming it. A
 rule is `TEST REASON`: regular expressions on the test's node id (a full match, its
-parameters' [...] allowed) and on
-the skip's reason (a search); the Go suite's cmd/testreport reads the same file. xfails
-are not skips here (integration_tests/conftest.py checks those).
+parameters' [...] allowed) and on the skip's reason (a search); the Go suite's
+cmd/testreport reads the same file. xfails are not skips here (integration_tests/
+conftest.py checks those).
 """
 import re
 from collections.abc import Generator
