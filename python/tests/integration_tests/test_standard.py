@@ -33,7 +33,9 @@ XFAIL: dict[str, tuple[str, tuple[type[BaseException], ...], str]] = {
         "json_object constrains the reply to a JSON object, not to the requested schema, "
         "which the 135M model does not follow from the prompt",
         (OutputParserException, AssertionError),
-        r"Failed to parse Joke from completion|assert set\(",
+        # (pytest's rewritten assertions show values: the dict check's failure is a set diff)
+        r"Failed to parse Joke from completion|Extra items in the (left|right) set|isinstance\("
+        r"|Stream returned no chunks",
     ),
     "test_agent_loop": (
         "with tool_choice auto (unconstrained) the 135M model answers in prose instead of calling the tool",
