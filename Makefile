@@ -66,7 +66,11 @@ browser:
 testmodels:
 	./scripts/llama.sh testmodels
 
+# The log ends with every skipped test and its reason: pytest's (-rs) at the end of
+# test-python, then the Go suite's (cmd/testreport, written by test-go) again. A skip that
+# scripts/skips.allow does not list fails the run (GPU tests on a CPU machine are listed).
 test: build model testmodels templates venv browser test-go test-python
+	@cat bin/go-skips.txt
 
 # Static checks of the Go and C++ code (make test runs them first; each failure fails it):
 # gofmt, go vet, staticcheck at a pinned version (go run fetches it through the module
@@ -85,16 +89,23 @@ lint:
 # with a thread per core, and ggml's threads spin at every graph node's barrier: two such
 # processes on 2 cores wait out each other's time slices at every node (measured: decode
 # fell from ~100 to under 1 token/s with the cores oversubscribed).
+# go test -json through cmd/testreport: plain go test's output (a line per package, a
+# failed test's whole output), then the skipped tests with their reasons (also in
+# bin/go-skips.txt); a failure or a skip not on scripts/skips.allow fails the target.
 test-go: lint
-	POLYKV_REQUIRE_MODEL=1 go test -p 1 -count=1 -timeout 40m ./...
+	@mkdir -p bin
+	set -o pipefail; POLYKV_REQUIRE_MODEL=1 go test -json -p 1 -count=1 -timeout 40m ./... \
+	  | go run ./cmd/testreport -allow scripts/skips.allow -o bin/go-skips.txt
 	./scripts/fuzz.sh
 
 # polykv-langgraph as a langchain partner package: lint (ruff), types (mypy), unit tests
 # with sockets disabled (no network), then the integration tests against live servers.
+# -rfEs lists failures, errors and skips with reasons; python/tests/conftest.py fails a
+# skip scripts/skips.allow does not list.
 test-python:
 	cd python && "$(VENV)/bin/ruff" check --no-cache . && "$(VENV)/bin/mypy" --no-incremental --cache-dir=/dev/null \
-	  && PYTHONPATH=$(CURDIR)/python "$(VENV)/bin/python" -m pytest -q -p no:cacheprovider tests/unit_tests --disable-socket --allow-unix-socket \
-	  && PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv POLYKV_REQUIRE_BROWSER=1 "$(VENV)/bin/python" -m pytest -q -p no:cacheprovider tests/integration_tests
+	  && PYTHONPATH=$(CURDIR)/python "$(VENV)/bin/python" -m pytest -q -rfEs -p no:cacheprovider tests/unit_tests --disable-socket --allow-unix-socket \
+	  && PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv POLYKV_REQUIRE_BROWSER=1 "$(VENV)/bin/python" -m pytest -q -rfEs -p no:cacheprovider tests/integration_tests
 
 demo: build model venv
 	PYTHONPATH=$(CURDIR)/python POLYKV_BIN=$(CURDIR)/bin/polykv "$(VENV)/bin/python" scripts/demo.py

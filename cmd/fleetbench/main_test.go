@@ -13,22 +13,27 @@ import (
 )
 
 // TestRunReadsUsageAndRetries: against a fake server that streams like PolyKV and
-// fails every third request once, each turn's history grows with the replies, the hit
-// ratio is the usage's cached / prompt tokens, and failed attempts are retried and
-// counted apart from lost turns.
+// fails every third request of each agent once, each turn's history grows with the
+// replies, the hit ratio is the usage's cached / prompt tokens, and failed attempts are
+// retried and counted apart from lost turns. (Every third request of all agents together,
+// as before, could fail one agent's retries back to back when the others' requests fell
+// in between, and lose its turn: seen once under load.)
 func TestRunReadsUsageAndRetries(t *testing.T) {
 	var n atomic.Int64
 	var mu sync.Mutex
-	sessions, most := map[string]bool{}, 0
+	sessions, most := map[string]int{}, 0
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		i := n.Add(1)
-		if i%3 == 0 {
+		n.Add(1)
+		mu.Lock()
+		sessions[r.Header.Get("x-session-id")]++
+		fail := sessions[r.Header.Get("x-session-id")]%3 == 0
+		mu.Unlock()
+		if fail {
 			http.Error(w, "replica gone", http.StatusServiceUnavailable)
 			return
 		}
 		body, _ := io.ReadAll(r.Body)
 		mu.Lock()
-		sessions[r.Header.Get("x-session-id")] = true
 		most = max(most, strings.Count(string(body), `"role"`))
 		mu.Unlock()
 		w.Header().Set("Content-Type", "text/event-stream")

@@ -9,13 +9,16 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/polykv/polykv/internal/api/wire"
 	"github.com/polykv/polykv/internal/testmodel"
+	"github.com/polykv/polykv/internal/tier"
 )
 
 // greedyLogprobs completes prompt tokens greedily, optionally attached to a pool, and
@@ -452,44 +455,70 @@ func TestTierArchsRestoreEqualsPrefill(t *testing.T) {
 }
 
 // TestTierServerKill9: the whole server (a child process running this package's
-// TestTierServerHelper) is killed with SIGKILL while it writes spilled pools to disk,
-// then killed while a restart reloads its recorded pools, once during Open and once
-// while the recovered pools are being restored. The server started after that comes
-// back clean: no temporary file left, the three pinned pools recorded before the first
-// kill back under their ids and resident, each giving a cold prefill's greedy tokens
-// and logprobs, no miss but a counted one, and new pool ids above the killed runs'.
+// TestTierServerHelper) is killed with SIGKILL at three moments made certain by
+// tier.CrashPoint (the helper stops there, touches a file, and is killed once the file
+// is seen): while a spill is written to disk (its temporary file complete, not renamed),
+// during a restart's Open (the manifest's new id floor in its temporary file), and while
+// the recovered pools are being restored (an entry about to be read back). The server
+// started after that comes back clean: no temporary file left, the three pinned pools
+// recorded before the first kill back under their ids and resident, each giving a cold
+// prefill's greedy tokens and logprobs, no miss, and new pool ids above the killed runs'.
 func TestTierServerKill9(t *testing.T) {
 	if os.Getenv("POLYKV_TIER_SERVER") != "" {
 		return
 	}
 	tk, _ := startServer(t, Config{NCtx: 512, Parallel: 1, MaxPools: 1}) // a tokenizer
 	dir := t.TempDir()
-	start := func(waitURL bool) *exec.Cmd {
+	// start runs the helper server, stopping at the hold-th call of tier.CrashPoint with
+	// point and a name ending in suffix (counted once the file arm exists, when given).
+	type helper struct {
+		cmd       *exec.Cmd
+		url, held string
+	}
+	start := func(point, suffix string, hold int, arm string) *helper {
 		t.Helper()
-		urlFile := filepath.Join(t.TempDir(), "url")
-		cmd := exec.Command(os.Args[0], "-test.run=^TestTierServerHelper$")
-		cmd.Env = append(os.Environ(), "POLYKV_TIER_SERVER="+dir, "POLYKV_TIER_SERVER_URL="+urlFile)
-		if err := cmd.Start(); err != nil {
+		tmp := t.TempDir()
+		h := &helper{url: filepath.Join(tmp, "url"), held: filepath.Join(tmp, "held")}
+		h.cmd = exec.Command(os.Args[0], "-test.run=^TestTierServerHelper$")
+		h.cmd.Env = append(os.Environ(), "POLYKV_TIER_SERVER="+dir, "POLYKV_TIER_SERVER_URL="+h.url,
+			fmt.Sprintf("POLYKV_TIER_HOLD=%s:%s:%d", point, suffix, hold), "POLYKV_TIER_HELD="+h.held, "POLYKV_TIER_ARM="+arm)
+		if err := h.cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
-		if !waitURL {
-			return cmd
-		}
-		for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-			if b, err := os.ReadFile(urlFile); err == nil && len(b) > 0 {
-				cmd.Args = append(cmd.Args, string(b)) // the base URL, for the caller
-				return cmd
+		return h
+	}
+	kill := func(h *helper) {
+		_ = h.cmd.Process.Signal(syscall.SIGKILL)
+		_ = h.cmd.Wait()
+	}
+	// wait polls file until it has content, or kills h and fails after a minute.
+	wait := func(h *helper, file, what string) string {
+		t.Helper()
+		for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+			if b, err := os.ReadFile(file); err == nil && len(b) > 0 {
+				return string(b)
 			}
 			if time.Now().After(deadline) {
-				_ = cmd.Process.Kill()
-				_ = cmd.Wait()
-				t.Fatal("helper server did not start")
+				kill(h)
+				t.Fatalf("helper server: %s never came", what)
 			}
 		}
 	}
-	kill := func(cmd *exec.Cmd) {
-		_ = cmd.Process.Signal(syscall.SIGKILL)
-		_ = cmd.Wait()
+	tmpFiles := func() []string {
+		tmps, _ := filepath.Glob(filepath.Join(dir, ".tmp-*"))
+		return tmps
+	}
+	// killHeld waits until h stops at its crash point, kills it there and returns what the
+	// point was and the temporary files in the directory at the kill.
+	killHeld := func(h *helper) (string, []string) {
+		t.Helper()
+		at := wait(h, h.held, "the crash point")
+		tmps := tmpFiles()
+		kill(h)
+		if after := tmpFiles(); !slices.Equal(after, tmps) {
+			t.Fatalf("temporary files changed at the kill at %q: %v, then %v (the helper did not stop there)", at, tmps, after)
+		}
+		return at, tmps
 	}
 	recorded := func() int {
 		var m struct{ Recorded []int }
@@ -498,9 +527,12 @@ func TestTierServerKill9(t *testing.T) {
 		return len(m.Recorded)
 	}
 
-	// 1. Pinned pools recorded, then four spills to disk, killed while they are written.
-	cmd := start(true)
-	base := cmd.Args[len(cmd.Args)-1]
+	// 1. Pinned pools recorded, then four spills to disk; killed while spill n (1..4) is in
+	// its temporary file.
+	arm := filepath.Join(t.TempDir(), "arm")
+	n := 1 + rand.IntN(4)
+	h := start("write", ".kv", n, arm)
+	base := wait(h, h.url, "the URL")
 	pinned := map[int][]int32{}
 	for i := range 3 {
 		toks := tokenize(t, tk, fmt.Sprintf("Team %d. ", i)+longSystem(t, tk, 120))
@@ -508,9 +540,12 @@ func TestTierServerKill9(t *testing.T) {
 	}
 	for deadline := time.Now().Add(30 * time.Second); recorded() < 3; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			kill(cmd)
+			kill(h)
 			t.Fatalf("pinned pools not recorded: pools.json lists %d", recorded())
 		}
+	}
+	if err := os.WriteFile(arm, []byte("1"), 0o644); err != nil {
+		t.Fatal(err)
 	}
 	var spare []int
 	for i := range 4 {
@@ -518,26 +553,39 @@ func TestTierServerKill9(t *testing.T) {
 	}
 	for _, id := range spare {
 		if code, out := post(t, fmt.Sprintf("%s/polykv/pools/%d/evict", base, id), map[string]any{}); code != 200 {
+			kill(h)
 			t.Fatalf("evict %d: %d %v", id, code, out)
 		}
 	}
-	time.Sleep(time.Duration(rand.IntN(20)) * time.Millisecond)
-	kill(cmd)
+	at, tmps := killHeld(h)
 	kvs, _ := filepath.Glob(filepath.Join(dir, "*.kv"))
-	tmps, _ := filepath.Glob(filepath.Join(dir, ".tmp-*"))
-	t.Logf("killed while spilling: %d entries and %d temporary files on disk", len(kvs), len(tmps))
+	t.Logf("killed at %s (spill %d of 4): %d entries and temporary files %v on disk", at, n, len(kvs), tmps)
+	if !strings.HasPrefix(at, "write ") || !strings.HasSuffix(at, ".kv") || len(tmps) != 1 || len(kvs) != 3+n-1 {
+		t.Fatalf("kill while spilling: at %q, temporary files %v, %d entries (want one temporary file, the 3 pinned entries and %d spills)", at, tmps, len(kvs), n-1)
+	}
 
-	// 2. Killed while a restart reloads: during Open, then while restoring.
-	cmd = start(false)
-	time.Sleep(time.Duration(100+rand.IntN(400)) * time.Millisecond)
-	kill(cmd)
-	kill(start(true))
+	// 2. Killed while a restart reloads: during Open, with the manifest's new id floor in
+	// its temporary file (the spill's was removed by then) ...
+	spillTmp := tmps[0]
+	at, tmps = killHeld(start("write", "pools.json", 1, ""))
+	if at != "write pools.json" || len(tmps) != 1 || tmps[0] == spillTmp || strings.HasPrefix(filepath.Base(tmps[0]), ".tmp-probe-") {
+		t.Fatalf("kill during Open: at %q with temporary files %v, want the manifest's alone", at, tmps)
+	}
+	// ... then while restoring recovered pool k (1..3): Open has not returned, so the
+	// helper never wrote its URL.
+	k := 1 + rand.IntN(3)
+	h = start("read", ".kv", k, "")
+	at, _ = killHeld(h)
+	if _, err := os.Stat(h.url); !strings.HasPrefix(at, "read ") || err == nil {
+		t.Fatalf("kill while restoring: at %q, URL file %v (want a read inside Open)", at, err)
+	}
+	t.Logf("killed in Open at the manifest write, then at the read of recovered pool %d of 3", k)
 
 	// 3. A clean restart.
 	cfg := withDefaults(Config{ModelPath: modelPath(t), NCtx: 2048, Parallel: 2, MaxPools: 8, PoolDir: dir, PrefixCache: "off"})
 	cfg.PoolRAMMB = 0
 	a, base := openServer(t, cfg)
-	if tmps, _ := filepath.Glob(filepath.Join(dir, ".tmp-*")); len(tmps) != 0 {
+	if tmps := tmpFiles(); len(tmps) != 0 {
 		t.Fatalf("temporary files left after a restart: %v", tmps)
 	}
 	var after wire.PoolsStatus
@@ -573,11 +621,39 @@ func TestTierServerKill9(t *testing.T) {
 }
 
 // TestTierServerHelper is the server TestTierServerKill9 kills: SmolLM2 with its pools
-// on disk only, serving until it dies.
+// on disk only, serving until it dies. POLYKV_TIER_HOLD (point:suffix:n) stops it for
+// good at the n-th tier.CrashPoint call with that point and a name ending in suffix
+// (counted once the file POLYKV_TIER_ARM exists, when named), after writing where it
+// stopped to the file POLYKV_TIER_HELD: the parent kills it there.
 func TestTierServerHelper(t *testing.T) {
 	dir := os.Getenv("POLYKV_TIER_SERVER")
 	if dir == "" {
 		t.Skip("helper process of TestTierServerKill9")
+	}
+	var point, suffix string
+	var hold int
+	if spec := strings.SplitN(os.Getenv("POLYKV_TIER_HOLD"), ":", 3); len(spec) == 3 {
+		point, suffix = spec[0], spec[1]
+		hold, _ = strconv.Atoi(spec[2])
+	}
+	arm, held := os.Getenv("POLYKV_TIER_ARM"), os.Getenv("POLYKV_TIER_HELD")
+	var calls atomic.Int32
+	tier.CrashPoint = func(p, name string) {
+		if p != point || !strings.HasSuffix(name, suffix) {
+			return
+		}
+		if arm != "" {
+			if _, err := os.Stat(arm); err != nil {
+				return
+			}
+		}
+		if int(calls.Add(1)) != hold {
+			return
+		}
+		if err := tier.WriteFileAtomic(filepath.Dir(held), filepath.Base(held), []byte(p+" "+name)); err != nil {
+			panic(err)
+		}
+		select {} // until the SIGKILL
 	}
 	cfg := withDefaults(Config{ModelPath: modelPath(t), NCtx: 2048, Parallel: 2, MaxPools: 8, PoolDir: dir, PoolGrace: time.Nanosecond, PrefixCache: "off"})
 	cfg.PoolRAMMB = 0 // every spill is a disk write
@@ -586,7 +662,7 @@ func TestTierServerHelper(t *testing.T) {
 		t.Fatal(err)
 	}
 	ts := httptest.NewServer(a.API.Handler())
-	if err := os.WriteFile(os.Getenv("POLYKV_TIER_SERVER_URL"), []byte(ts.URL), 0o644); err != nil {
+	if err := tier.WriteFileAtomic(filepath.Dir(os.Getenv("POLYKV_TIER_SERVER_URL")), filepath.Base(os.Getenv("POLYKV_TIER_SERVER_URL")), []byte(ts.URL)); err != nil {
 		t.Fatal(err)
 	}
 	select {}

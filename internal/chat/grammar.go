@@ -12,15 +12,19 @@ import (
 // SchemaToGBNF compiles a JSON schema into a llama.cpp GBNF grammar whose root rule
 // matches exactly the JSON values the schema accepts (within the supported subset):
 // type (string, integer, number, boolean, null, array, object, or a list of them),
-// properties + required (properties kept in schema order, no extra keys), items,
-// enum, const, anyOf/oneOf, maxLength, and {} / true for any value. oneOf compiles as
-// anyOf: a value matching two branches is not excluded (a grammar cannot say "exactly
-// one" without expanding every overlap), so such schemas should use disjoint branches. Anything else that
-// constrains values ($ref, allOf, not, pattern, ...) is refused with the keyword named,
-// since ignoring it would let the model produce JSON the schema rejects.
+// properties + required (properties kept in schema order, no extra keys),
+// additionalProperties false, items with minItems/maxItems, enum, const, anyOf/oneOf,
+// maxLength, local $ref (#/$defs/..., #/definitions/...; recursive schemas become
+// recursive rules), and {} / true for any value. oneOf compiles as anyOf: a value
+// matching two branches is not excluded (a grammar cannot say "exactly one" without
+// expanding every overlap), so such schemas should use disjoint branches. Anything else
+// that constrains values (allOf, not, pattern, ...; the unsupported list) is refused
+// with the keyword named, since ignoring it would let the model produce JSON the schema
+// rejects; numeric bounds are accepted and not enforced (see unsupported).
 //
-// (llama.cpp's own json-schema-to-grammar ships in the ollama module without its
-// nlohmann/json dependency — Go module zips drop vendor/ — so it cannot be built here.)
+// (llama.cpp's own json-schema-to-grammar lives in its common library, which the server
+// build leaves out (LLAMA_BUILD_COMMON=OFF, scripts/llama.sh): only the common/chat
+// measurement links it, make commonchat.)
 func SchemaToGBNF(schema []byte) (string, error) {
 	node, err := parseOrdered(schema)
 	if err != nil {

@@ -7,8 +7,11 @@ import (
 
 // TestBlockHashesMatchTheRouter: golden keys printed by llm-d-router's own token
 // processor (pkg/kvcache/kvblock, NewChunkedTokenDatabase, TokensToKVBlockKeys) at
-// commit ebab687927f5331c1b39defcb579a07951bce56c, run outside this repository on the
-// inputs below. The default config (block size 16, seed "", cbor-fnv) unless noted.
+// commit ebab687927f5331c1b39defcb579a07951bce56c on the inputs below. The default
+// config (block size 16, seed "", cbor-fnv) unless noted. scripts/fleet-hash-goldens.sh
+// regenerates them from a checkout of the router at that commit and checks every key is
+// here (run by hand: the router's source is not committed); the cases there and here
+// are the same inputs, changed together.
 func TestBlockHashesMatchTheRouter(t *testing.T) {
 	toks := make([]int32, 40)
 	for i := range toks {

@@ -4,10 +4,14 @@
 // registers the hook, and polykv_kernel_for below says which of PolyKV's kernels, if any,
 // computes a node).
 //
-// Why our own kernel: the ggml the ollama module vendors computes flash attention one
-// query row at a time (per cell: an f16 dot product with a horizontal sum, a scalar expf
-// and an f16 accumulator converted back and forth), which makes a 2,000-token prefill
-// run at ~0.7x of newer llama.cpp's tiled kernel. This one shares each K/V tile among up
+// Why our own kernel: it was written when PolyKV linked the llama.cpp the ollama Go module
+// vendored (ec98e2002), whose ggml computed flash attention one query row at a time (per
+// cell: an f16 dot product with a horizontal sum, a scalar expf and an f16 accumulator
+// converted back and forth), ~0.7x of newer llama.cpp's tiled kernel on a 2,000-token
+// prefill. PolyKV now links the pinned release (llama.cpp.pin, b11434), which has that
+// tiled kernel; this one stays for what ggml's does not give: a token's logits that do
+// not depend on the batch or on where its cells sit, without compacting the cache (below;
+// docs/benchmarks.md measures both kernels on b11434). It shares each K/V tile among up
 // to eight query rows of the same KV head (transposed and converted to f32 once), keeps
 // the accumulator in f32 and vectorizes the exponentials.
 //

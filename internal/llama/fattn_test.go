@@ -2,6 +2,7 @@ package llama
 
 import (
 	"fmt"
+	"golang.org/x/sys/cpu"
 	"math"
 	"slices"
 	"strings"
@@ -91,10 +92,11 @@ func TestFlashAttnKernel(t *testing.T) {
 	forEachFamily(t, func(t *testing.T, m *Model) {
 		prompt, then := fattnPrompt(t, m)
 
+		skipWithoutFlashAttnKernel(t)
 		before := FlashAttnKernelRuns()
 		whole := fattnRun(t, m, prompt, 256, 0, then)
 		if FlashAttnKernelRuns() == before {
-			t.Skip("PolyKV's flash-attention kernel is not available here (needs AVX2 and FMA)")
+			t.Fatal("PolyKV's flash-attention kernel did not run on an f16 cache (ggml's computed every attention node)")
 		}
 		for _, v := range []struct {
 			name             string
@@ -132,7 +134,7 @@ func TestFlashAttnKernel(t *testing.T) {
 		// Measured as the KL divergence of the next-token distributions from plain
 		// attention's: the largest logit difference is dominated by tokens of no
 		// probability and swings by tens of logits on a repetitive prompt.
-		checkKLToPlain(t, plain, whole, stock, 0.01)
+		checkKLToPlain(t, plain, whole, stock, 2, 0.01)
 	})
 }
 
@@ -143,7 +145,7 @@ func TestFlashAttnKernel(t *testing.T) {
 // row. With ggml's kernel its logits moved with the batch (a speculative verify batch
 // against one token at a time: logprobs apart by up to 3.8e-6 in TestMTPServed); with
 // ours they are the same bit for bit whatever the chunking and wherever the cells sit,
-// and as close to plain attention as ggml's kernel is.
+// and within a tenth of ggml's kernel's distance from plain attention.
 func TestFlashAttnKernelMLA(t *testing.T) {
 	m, err := LoadModel(testmodel.Arch(t, "deepseek2mtp"))
 	if err != nil {
@@ -156,12 +158,10 @@ func TestFlashAttnKernelMLA(t *testing.T) {
 	}
 	then := []Token{9, 17, 33, 65, 101}
 
+	skipWithoutFlashAttnKernel(t)
 	before := FlashAttnKernelRuns()
 	whole := fattnRun(t, m, prompt, 256, 0, then)
-	switch {
-	case !kernelsInstalled():
-		t.Skip("PolyKV's flash-attention kernel is not available here (needs AVX2 and FMA)")
-	case FlashAttnKernelRuns() == before:
+	if FlashAttnKernelRuns() == before {
 		t.Fatal("PolyKV's kernel did not take the MLA attention nodes")
 	}
 	// 299 = 23 chunks of 13: no chunk of one token. The test model's weights are f16 and
@@ -182,13 +182,18 @@ func TestFlashAttnKernelMLA(t *testing.T) {
 
 	stock := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 256, fa: 1, attn: KernelGGML})
 	plain := fattnRunFA(t, m, prompt, 256, 0, then, 0)
-	checkKLToPlain(t, plain, whole, stock, 1e-6)
+	// Ours accumulates in f32 over this f16/f32 model and lands next to plain attention
+	// (measured: 6.0e-12 nats over the 6 steps), ggml's flash kernel with its f16 V
+	// accumulator 2.2e-8: the bound, a tenth of ggml's, leaves ours a margin of ~360×
+	// and fails a kernel that fell back to ggml's precision (the old bound, 2× ggml's
+	// plus 1e-6, passed anything under a micro-nat).
+	checkKLToPlain(t, plain, whole, stock, 0.1, 0)
 }
 
 // checkKLToPlain compares PolyKV's kernel's logits (ours) and ggml's flash kernel's
 // (stock) with plain attention's (plain) step by step, as the largest KL divergence of the
-// next-token distributions, and fails when ours is more than twice ggml's plus slack.
-func checkKLToPlain(t *testing.T, plain, ours, stock [][]float32, slack float64) {
+// next-token distributions, and fails when ours is more than factor times ggml's plus slack.
+func checkKLToPlain(t *testing.T, plain, ours, stock [][]float32, factor, slack float64) {
 	t.Helper()
 	klOurs, klStock := 0.0, 0.0
 	for i := range ours {
@@ -196,8 +201,8 @@ func checkKLToPlain(t *testing.T, plain, ours, stock [][]float32, slack float64)
 		klStock = max(klStock, kl(plain[i], stock[i]))
 	}
 	t.Logf("largest KL divergence from plain attention over %d steps: PolyKV's kernel %.5g, ggml's %.5g nats", len(ours), klOurs, klStock)
-	if klOurs > 2*klStock+slack || math.IsNaN(klOurs) {
-		t.Errorf("PolyKV's kernel is %.5g nats from plain attention, ggml's flash kernel %.5g", klOurs, klStock)
+	if klOurs > factor*klStock+slack || math.IsNaN(klOurs) {
+		t.Errorf("PolyKV's kernel is %.5g nats from plain attention, ggml's flash kernel %.5g (bound: %g× ggml's + %g)", klOurs, klStock, factor, slack)
 	}
 }
 
@@ -217,10 +222,11 @@ func TestFlashAttnKernelPlacement(t *testing.T) {
 				}
 			}
 		}
+		skipWithoutFlashAttnKernel(t)
 		before := FlashAttnOrderedRuns()
 		whole := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 256, fa: 1, cache: "f32", check: ordered(true, "f32")})
 		if FlashAttnOrderedRuns() == before {
-			t.Skip("PolyKV's flash-attention kernel is not available here (needs AVX2 and FMA)")
+			t.Fatal("f32 cache: PolyKV's flash-attention kernel did not run in position order (ggml's computed the attention)")
 		}
 		plain := fattnRunFA(t, m, prompt, 256, 0, then, 0)
 		skipped := FlashAttnCastsSkipped()
@@ -236,7 +242,11 @@ func TestFlashAttnKernelPlacement(t *testing.T) {
 		// Quantized caches: PolyKV's kernel dequantizes each row to f32 (ggml's converts the
 		// query to q8_0 instead), so it is at least as close to plain attention.
 		for _, ct := range []CacheType{"q8_0", "q4_0"} {
+			before := FlashAttnOrderedRuns()
 			q := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 256, fa: 1, cache: ct, check: ordered(true, string(ct))})
+			if FlashAttnOrderedRuns() == before {
+				t.Errorf("%s cache: PolyKV's flash-attention kernel did not run in position order (ggml's computed the attention)", ct)
+			}
 			scattered := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 13, neighbour: 300, evict: true, fa: 1, cache: ct})
 			stock := fattnRunOpts(t, m, prompt, then, fattnOpts{chunk: 256, fa: 1, cache: ct, attn: KernelGGML})
 			ours, theirs := 0.0, 0.0
@@ -247,14 +257,35 @@ func TestFlashAttnKernelPlacement(t *testing.T) {
 				ours, theirs = max(ours, kl(plain[i], q[i])), max(theirs, kl(plain[i], stock[i]))
 			}
 			t.Logf("%s cache: largest KL divergence from plain f16 attention: PolyKV's kernel %.5f, ggml's %.5f nats", ct, ours, theirs)
-			if ours > 2*theirs+0.01 || math.IsNaN(ours) {
-				t.Errorf("%s cache: PolyKV's kernel is %.5f nats from plain attention, ggml's flash kernel %.5f", ct, ours, theirs)
+			// Measured (1 thread): q8_0 0.0212 vs ggml's 0.0166 on SmolLM2 (1.27×, the
+			// worst), 0.0140 vs 0.0177 on Gemma 3; q4_0 0.142 vs 0.236 and 0.275 vs 0.346.
+			// The bound, 1.5× ggml's, leaves the worst case an 18% margin (the old one, 2×
+			// plus 0.01 nats, let q8_0 drift to twice its measured distance).
+			if ours > 1.5*theirs || math.IsNaN(ours) {
+				t.Errorf("%s cache: PolyKV's kernel is %.5f nats from plain attention, ggml's flash kernel %.5f (bound: 1.5× ggml's)", ct, ours, theirs)
 			}
 		}
 		fattnRunOpts(t, m, prompt, then[:1], fattnOpts{chunk: 256, fa: 1, cache: "q5_0", check: ordered(false, "q5_0 (ggml's kernel)")})
 		fattnRunOpts(t, m, prompt, then[:1], fattnOpts{chunk: 256, fa: 0, check: ordered(false, "flash attention off")})
 		fattnRunOpts(t, m, prompt, then[:1], fattnOpts{chunk: 256, fa: 1, attn: KernelGGML, check: ordered(false, "llama.cpp's kernel")})
 	})
+}
+
+// skipWithoutFlashAttnKernel skips a kernel test where PolyKV's flash-attention kernel
+// cannot exist: a build without AVX2 and FMA. It registers the kernel first (what the
+// first NewContext does; registration must follow a model load, so call it after
+// loading one). Anywhere else a kernel that did not run is the regression the test is
+// for, and fails it: OrderedAttention() would still say true, the runner would skip
+// compaction, and output would depend on other traffic.
+func skipWithoutFlashAttnKernel(t *testing.T) {
+	t.Helper()
+	if !cpu.X86.HasAVX2 || !cpu.X86.HasFMA {
+		t.Skip("PolyKV's flash-attention kernel is not available here (needs AVX2 and FMA)")
+	}
+	installKernels()
+	if !kernelsInstalled() {
+		t.Fatal("PolyKV's kernels are not registered with ggml-cpu on a CPU with AVX2 and FMA")
+	}
 }
 
 // forEachFamily runs f as a subtest on each model family of the test suite (SmolLM2,

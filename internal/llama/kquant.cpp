@@ -3,15 +3,18 @@
 // registers it; fattn.cpp's dispatcher asks polykv_kq_kernel_for here about MUL_MAT
 // nodes).
 //
-// Why our own kernel: the ggml the ollama module vendors computes these products one
-// (weight row, activation row) pair at a time (ggml_vec_dot_q4_K_q8_K etc.; llamafile's
-// tiled sgemm covers Q4_0/Q5_0/Q8_0 but not these), unpacking the weights and their
-// scales again for every token of a prompt batch. Newer llama.cpp tiles K-quants for
-// batches of 8+ rows; ggml's "repack" layout groups rows by 4; both compute a row of a
-// batch differently from a row alone, which would break PolyKV's promise that a token's
-// logits do not depend on the batch (measured for repack: 0.214 in a logprob). This
-// kernel unpacks each block of 8 weight rows once per product and reuses it for every
-// activation row (the codes transposed so one 32-bit lane is one weight row).
+// Why our own kernel: it was written when PolyKV linked the llama.cpp the ollama Go module
+// vendored (ec98e2002), whose ggml computed these products one (weight row, activation
+// row) pair at a time (ggml_vec_dot_q4_K_q8_K etc.; llamafile's tiled sgemm covers
+// Q4_0/Q5_0/Q8_0 but not these), unpacking the weights and their scales again for every
+// token of a prompt batch. The pinned release PolyKV links now (llama.cpp.pin, b11434)
+// still has no tiled path for Q4_1 (this kernel: 3.0x at 128 tokens, 2.1x at 2,000,
+// docs/benchmarks.md); it tiles K-quants for batches of 8+ rows, and ggml's "repack"
+// layout groups rows by 4; both compute a row of a batch differently from a row alone,
+// which would break PolyKV's promise that a token's logits do not depend on the batch
+// (measured for repack: 0.214 in a logprob). This kernel unpacks each block of 8 weight
+// rows once per product and reuses it for every activation row (the codes transposed so
+// one 32-bit lane is one weight row).
 //
 // Why it keeps a token's logits independent of the batch: each output element is the
 // same fixed sequence of operations whatever the batch size, the tile or the thread:

@@ -248,6 +248,7 @@ func (s *Store) dropDisk(k Key) {
 
 // readEntry reads and verifies k's file.
 func (s *Store) readEntry(k Key, want *Meta) ([]byte, error) {
+	crashPoint("read", k.String()+".kv")
 	b, err := os.ReadFile(s.path(k))
 	if err != nil {
 		if errors.Is(err, os.ErrNotExist) {
@@ -285,6 +286,7 @@ func atomicWrite(dir, name string, b []byte) error {
 		err = cerr
 	}
 	if err == nil {
+		crashPoint("write", name)
 		err = os.Rename(tmp, filepath.Join(dir, name))
 	}
 	if err != nil {

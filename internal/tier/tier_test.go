@@ -10,8 +10,11 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/polykv/polykv/internal/testmodel"
 )
 
 func meta(d, n int, seed int32) Meta {
@@ -523,25 +526,56 @@ func TestMissErrorReason(t *testing.T) {
 	}
 }
 
-// mountTmpfs mounts a tmpfs of size at a fresh directory (opts: extra mount options),
-// or skips when mounting is not allowed (it needs root).
-func mountTmpfs(t *testing.T, size, opts string) string {
+// inTmpfs runs body on a tmpfs of size mounted at a fresh directory (readOnly: mounted
+// read-only). Mounting needs no privilege: the test binary runs the test again in a child
+// process with a user and a mount namespace of its own (the current user mapped to root
+// there), where an unprivileged user may mount a tmpfs; the mount is the child's alone
+// and goes with it. Where the kernel refuses user namespaces, root mounts it here
+// instead; anyone else skips, or fails under make test (POLYKV_REQUIRE_MODEL).
+func inTmpfs(t *testing.T, size string, readOnly bool, body func(t *testing.T, dir string)) {
+	var flags uintptr
+	if readOnly {
+		flags = syscall.MS_RDONLY
+	}
+	if dir := os.Getenv("POLYKV_TIER_TMPFS"); dir != "" { // the child
+		if err := syscall.Mount("tmpfs", dir, "tmpfs", flags, "size="+size); err != nil {
+			t.Fatalf("mount a tmpfs in a user namespace: %v", err)
+		}
+		body(t, dir)
+		return
+	}
 	dir := t.TempDir()
-	o := "size=" + size
-	if opts != "" {
-		o += "," + opts
+	cmd := exec.Command(os.Args[0], "-test.run=^"+t.Name()+"$", "-test.v", "-test.count=1")
+	cmd.Env = append(os.Environ(), "POLYKV_TIER_TMPFS="+dir)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWUSER | syscall.CLONE_NEWNS,
+		UidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: os.Getuid(), Size: 1}},
+		GidMappings: []syscall.SysProcIDMap{{ContainerID: 0, HostID: os.Getgid(), Size: 1}}}
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	switch {
+	case err == nil && bytes.Contains(out, []byte("--- PASS: "+t.Name())):
+		return
+	case err == nil || errors.As(err, &exit):
+		t.Fatalf("in a tmpfs of %s (child process): %v\n%s", size, err, out)
+	case os.Getuid() == 0:
+		t.Logf("no user namespace (%v): mounting the tmpfs as root", err)
+		if err := syscall.Mount("tmpfs", dir, "tmpfs", flags, "size="+size); err != nil {
+			t.Fatalf("mount a tmpfs as root: %v", err)
+		}
+		t.Cleanup(func() { _ = syscall.Unmount(dir, 0) })
+		body(t, dir)
+	default:
+		testmodel.SkipOrFail(t, fmt.Sprintf("cannot mount a tmpfs: no user namespace here (%v) and not root", err))
 	}
-	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", o, "tmpfs", dir).CombinedOutput(); err != nil {
-		t.Skipf("cannot mount a tmpfs (needs root): %v %s", err, out)
-	}
-	t.Cleanup(func() { _ = exec.Command("umount", dir).Run() })
-	return dir
 }
 
 // TestFullDisk: a disk that fills up is logged and counted; entries that did not fit
 // are misses (never half entries), and the store keeps working.
 func TestFullDisk(t *testing.T) {
-	dir := mountTmpfs(t, "256k", "")
+	inTmpfs(t, "256k", false, testFullDisk)
+}
+
+func testFullDisk(t *testing.T, dir string) {
 	s := open(t, Config{Dir: dir, DiskBytes: 1 << 30}) // the budget allows it; the disk does not
 	for i := range 6 {
 		s.Put(i+1, meta(0, 8, int32(100*i)), payload(100<<10, byte(i)))
@@ -568,7 +602,10 @@ func TestFullDisk(t *testing.T) {
 // TestReadOnlyDir: a read-only directory is read, never written: spills stay in RAM
 // (or are dropped and counted), and pools cannot be recorded.
 func TestReadOnlyDir(t *testing.T) {
-	dir := mountTmpfs(t, "1m", "ro")
+	inTmpfs(t, "1m", true, testReadOnlyDir)
+}
+
+func testReadOnlyDir(t *testing.T, dir string) {
 	s := open(t, Config{Dir: dir, DiskBytes: 1 << 20, RAMBytes: 100})
 	if s.Durable() {
 		t.Fatal("a read-only directory is durable")

@@ -3,7 +3,6 @@ package jinja_test
 import (
 	"bytes"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -20,26 +19,21 @@ import (
 // testdata/requests and compares this engine's output to the canonical
 // HuggingFace Jinja2 implementation byte-for-byte.
 //
-// The reference output is produced on demand by scripts/render_python.py,
-// which uses the same `jinja2.sandbox.ImmutableSandboxedEnvironment` setup
-// HuggingFace's `transformers.PreTrainedTokenizerBase.apply_chat_template`
-// uses. There are no checked-in golden files: adding a template (drop it in
-// testdata/templates/) or a captured request (drop it in testdata/requests/)
-// just makes the next `go test` run pick it up automatically.
-//
-// The script is launched via `uv` so no Python venv setup is required. If `uv`
-// is not on PATH the test is skipped with an explanatory message.
+// The reference output comes from scripts/render_reference.py (the renderer
+// internal/chat's corpus test uses: jinja2's ImmutableSandboxedEnvironment set up
+// as transformers' apply_chat_template sets it), run by the Python of the test
+// venv (make venv; POLYKV_PYTHON overrides it), which has jinja2. There are no
+// checked-in golden files: adding a template (drop it in testdata/templates/) or
+// a captured request (drop it in testdata/requests/) just makes the next `go test`
+// run pick it up automatically. (Upstream ran its own scripts/render_python.py
+// through `uv` and skipped without it; PolyKV's fork runs it in make test, where
+// a missing Python or jinja2 fails.)
 func TestRequestsAgainstTemplates(t *testing.T) {
-	reference, err := pythonReference()
-	if err != nil {
-		if errors.Is(err, errUVMissing) {
-			t.Skipf("skipping: `uv` not found on PATH (needed to run scripts/render_python.py for the reference Jinja2 output)")
-		}
-		t.Fatalf("could not obtain Python reference output: %v", err)
-	}
-
 	requests := loadRequests(t)
 	reqNames := sortedKeys(requests)
+	reference := pythonReference(t, requests, reqNames)
+	refused := 0 // pairs both engines refuse to render
+	defer func() { t.Logf("%d template × request pairs, %d refused by both engines", len(reference), refused) }()
 
 	for _, templateName := range sortedTemplateNames() {
 		content := chatTemplates[templateName]
@@ -75,10 +69,18 @@ func TestRequestsAgainstTemplates(t *testing.T) {
 					}
 
 					key := templateName + "/" + reqName
-					want, ok := reference[key]
+					ref, ok := reference[key]
 					if !ok {
-						t.Fatalf("scripts/render_python.py did not produce output for key %q (template/request mismatch)", key)
+						t.Fatalf("scripts/render_reference.py did not produce output for key %q (template/request mismatch)", key)
 					}
+					if ref.Text == nil {
+						if err == nil {
+							t.Errorf("jinja2 refuses to render (%s); this engine rendered %d bytes", ref.Error, len(got))
+						}
+						refused++
+						return
+					}
+					want := *ref.Text
 
 					if got != want {
 						t.Errorf("rendered output diverges from canonical Python jinja2\n%s", diffSummary(got, want))
@@ -94,9 +96,7 @@ func TestRequestsAgainstTemplates(t *testing.T) {
 // tools, and a handful of well-known control variables (bos_token,
 // add_generation_prompt, enable_thinking, ...). We provide neutral defaults
 // for those so every template can render without panicking on a missing name.
-//
-// IMPORTANT: this map must stay in sync with build_context() in
-// scripts/render_python.py — both engines must see the exact same context.
+// pythonReference hands the reference renderer the same map.
 func buildRenderData(req map[string]any) map[string]any {
 	return map[string]any{
 		"messages":              req["messages"],
@@ -115,30 +115,77 @@ func buildRenderData(req map[string]any) map[string]any {
 	}
 }
 
-var errUVMissing = errors.New("uv binary not found")
+// referenceRender is one rendering by jinja2: its text, or why it refused.
+type referenceRender struct {
+	Text  *string `json:"text"`
+	Error string  `json:"error"`
+}
 
-// pythonReference invokes scripts/render_python.py via `uv` and returns its
-// {key -> rendered text} map, where key is "<template>/<request>".
-func pythonReference() (map[string]string, error) {
-	if _, err := exec.LookPath("uv"); err != nil {
-		return nil, errUVMissing
+// pythonReference renders every template against every request with jinja2
+// (scripts/render_reference.py, one process for all pairs) and returns the
+// renderings by "<template>/<request>". Without a Python that has jinja2 the
+// test skips, or fails under make test (POLYKV_REQUIRE_MODEL).
+func pythonReference(t *testing.T, requests map[string]map[string]any, reqNames []string) map[string]referenceRender {
+	t.Helper()
+	py := os.Getenv("POLYKV_PYTHON")
+	if py == "" {
+		cache := os.Getenv("POLYKV_CACHE")
+		if cache == "" {
+			home, _ := os.UserHomeDir()
+			cache = filepath.Join(home, ".cache", "polykv")
+		}
+		py = filepath.Join(cache, "venv", "bin", "python")
 	}
-
-	scriptPath := filepath.Join("scripts", "render_python.py")
-	cmd := exec.Command("uv", "run", "--quiet", "--with", "jinja2>=3.1", "python", scriptPath)
+	if err := exec.Command(py, "-c", "import jinja2").Run(); err != nil {
+		why := fmt.Sprintf("no Python with jinja2 at %s (make venv, or set POLYKV_PYTHON): %v", py, err)
+		if os.Getenv("POLYKV_REQUIRE_MODEL") != "" {
+			t.Fatal(why)
+		}
+		t.Skip(why)
+	}
+	type refCase struct {
+		Name                string         `json:"name"`
+		Messages            any            `json:"messages"`
+		Tools               any            `json:"tools"`
+		AddGenerationPrompt bool           `json:"add_generation_prompt"`
+		Kwargs              map[string]any `json:"kwargs"`
+	}
+	var cases []refCase
+	var special map[string]any
+	for _, name := range reqNames {
+		data := buildRenderData(requests[name])
+		c := refCase{Name: name, Messages: data["messages"], Tools: data["tools"], AddGenerationPrompt: true, Kwargs: map[string]any{}}
+		special = map[string]any{"bos_token": data["bos_token"], "eos_token": data["eos_token"]}
+		for k, v := range data {
+			switch k {
+			case "messages", "tools", "add_generation_prompt", "bos_token", "eos_token":
+			default:
+				c.Kwargs[k] = v
+			}
+		}
+		cases = append(cases, c)
+	}
+	job, err := json.Marshal(map[string]any{"templates": chatTemplates, "cases": cases, "special": special})
+	if err != nil {
+		t.Fatal(err)
+	}
+	script := filepath.Join("..", "..", "..", "scripts", "render_reference.py")
+	cmd := exec.Command(py, script)
+	cmd.Stdin = bytes.NewReader(job)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout = &stdout
 	cmd.Stderr = &stderr
-
 	if err := cmd.Run(); err != nil {
-		return nil, fmt.Errorf("running %s failed: %v\nstderr:\n%s", scriptPath, err, stderr.String())
+		t.Fatalf("running %s failed: %v\nstderr:\n%s", script, err, stderr.String())
 	}
-
-	var ref map[string]string
+	var ref map[string]referenceRender
 	if err := json.Unmarshal(stdout.Bytes(), &ref); err != nil {
-		return nil, fmt.Errorf("decoding %s output: %v\nfirst bytes: %q", scriptPath, err, head(stdout.Bytes(), 200))
+		t.Fatalf("decoding %s output: %v\nfirst bytes: %q", script, err, head(stdout.Bytes(), 200))
 	}
-	return ref, nil
+	if len(ref) != len(chatTemplates)*len(cases) {
+		t.Fatalf("%s rendered %d pairs, want %d templates × %d requests", script, len(ref), len(chatTemplates), len(cases))
+	}
+	return ref
 }
 
 func head(b []byte, n int) []byte {

@@ -4,7 +4,9 @@ Everything the server supports runs; what the 135M test model cannot do is marke
 xfail with the reason (see XFAIL below)."""
 from typing import Type
 
+import httpx
 import pytest
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 
@@ -13,20 +15,52 @@ from polykv_langgraph import ChatPolyKV
 _LOOPS = ("the 135M test model loops inside free-text string fields until max_tokens (128 in the suite): "
           "the grammar keeps the JSON valid, but the call never closes, so nothing parses")
 # Features the server supports but the tiny model cannot carry out within the suite's
-# budgets. conftest.py marks these xfail (not skip): they run, and a pass is reported.
-XFAIL = {
-    "test_structured_output": _LOOPS,
-    "test_structured_output_async": _LOOPS,
-    "test_structured_output_pydantic_2_v1": _LOOPS,
-    "test_structured_output_optional_param": _LOOPS,
+# budgets: test name -> (reason, exceptions that count, regular expression the exception's
+# message must match). conftest.py marks these xfail(raises=..., strict=True): they run,
+# only that failure counts as the expected one, a pass fails (the entry is then stale),
+# and so does any other error: a 500 or a dead server (every response the test got must
+# be a 200: HTTP_STATUSES), another exception, another message.
+# The looping model's forced tool call never closes, so langchain's tool parser returns
+# None: the suite's checks then fail on None (its dict check iterates it: TypeError), or,
+# streaming, on a stream that yielded no parsed object.
+_LOOPS_FAIL = r"Stream returned no chunks|isinstance\(None, |'NoneType' object is not iterable"
+XFAIL: dict[str, tuple[str, tuple[type[BaseException], ...], str]] = {
+    "test_structured_output": (_LOOPS, (AssertionError, TypeError), _LOOPS_FAIL),
+    "test_structured_output_async": (_LOOPS, (AssertionError, TypeError), _LOOPS_FAIL),
+    "test_structured_output_pydantic_2_v1": (_LOOPS, (AssertionError,), _LOOPS_FAIL),
+    "test_structured_output_optional_param": (_LOOPS, (AssertionError,), _LOOPS_FAIL),
     "test_json_mode": (
         "json_object constrains the reply to a JSON object, not to the requested schema, "
-        "which the 135M model does not follow from the prompt"
+        "which the 135M model does not follow from the prompt",
+        (OutputParserException, AssertionError),
+        # (pytest's rewritten assertions show values: the dict check's failure is a set diff)
+        r"Failed to parse Joke from completion|Extra items in the (left|right) set|isinstance\("
+        r"|Stream returned no chunks",
     ),
     "test_agent_loop": (
-        "with tool_choice auto (unconstrained) the 135M model answers in prose instead of calling the tool"
+        "with tool_choice auto (unconstrained) the 135M model answers in prose instead of calling the tool",
+        (AssertionError,),
+        r"^assert ",
     ),
 }
+
+# Status of every HTTP response the suite's chat models got, in order (the transports
+# below record them); conftest.py clears it before each XFAIL test and checks it after.
+HTTP_STATUSES: list[int] = []
+
+
+class _Recording(httpx.HTTPTransport):
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        resp = super().handle_request(request)
+        HTTP_STATUSES.append(resp.status_code)
+        return resp
+
+
+class _AsyncRecording(httpx.AsyncHTTPTransport):
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        resp = await super().handle_async_request(request)
+        HTTP_STATUSES.append(resp.status_code)
+        return resp
 
 
 class TestChatPolyKVIntegration(ChatModelIntegrationTests):
@@ -45,6 +79,9 @@ class TestChatPolyKVIntegration(ChatModelIntegrationTests):
             "model": "smollm2",
             "temperature": 0,
             "max_tokens": 128,
+            # New per model: an async transport's connections belong to one event loop.
+            "transport": _Recording(),
+            "async_transport": _AsyncRecording(),
         }
 
     @property
