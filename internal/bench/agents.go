@@ -1,7 +1,6 @@
 package bench
 
 import (
-	"bufio"
 	"bytes"
 	"encoding/json"
 	"flag"
@@ -379,45 +378,33 @@ func agentTurnHTTP(client *http.Client, base string, msgs []chatMsg, n, agent in
 		return out, fmt.Errorf("%d %s", resp.StatusCode, bytes.TrimSpace(raw))
 	}
 	var text strings.Builder
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 4<<20)
-	for sc.Scan() {
-		line, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok || !strings.HasPrefix(line, "{") {
-			continue
+	type chunk struct {
+		Choices []deltaChoice `json:"choices"`
+		Timings *struct {
+			PromptN   int `json:"prompt_n"`
+			CacheN    int `json:"cache_n"`
+			RestoredN int `json:"restored_n"`
+		} `json:"timings"`
+		Error *struct {
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	err = eachChunk(resp.Body, func(c *chunk) error {
+		if c.Error != nil {
+			return fmt.Errorf("in the stream: %s", c.Error.Message)
 		}
-		var chunk struct {
-			Choices []struct {
-				Delta struct {
-					Content string `json:"content"`
-				} `json:"delta"`
-			} `json:"choices"`
-			Timings *struct {
-				PromptN   int `json:"prompt_n"`
-				CacheN    int `json:"cache_n"`
-				RestoredN int `json:"restored_n"`
-			} `json:"timings"`
-			Error *struct {
-				Message string `json:"message"`
-			} `json:"error"`
-		}
-		if err := json.Unmarshal([]byte(line), &chunk); err != nil {
-			return out, fmt.Errorf("stream chunk: %v: %s", err, line)
-		}
-		if chunk.Error != nil {
-			return out, fmt.Errorf("in the stream: %s", chunk.Error.Message)
-		}
-		for _, c := range chunk.Choices {
-			if c.Delta.Content != "" && out.ttft == 0 {
+		for _, ch := range c.Choices {
+			if ch.Delta.Content != "" && out.ttft == 0 {
 				out.ttft = time.Since(t0)
 			}
-			text.WriteString(c.Delta.Content)
+			text.WriteString(ch.Delta.Content)
 		}
-		if chunk.Timings != nil {
-			out.promptN, out.cacheN, out.restoredN = chunk.Timings.PromptN, chunk.Timings.CacheN, chunk.Timings.RestoredN
+		if c.Timings != nil {
+			out.promptN, out.cacheN, out.restoredN = c.Timings.PromptN, c.Timings.CacheN, c.Timings.RestoredN
 		}
-	}
-	if err := sc.Err(); err != nil {
+		return nil
+	})
+	if err != nil {
 		return out, err
 	}
 	if out.ttft == 0 {

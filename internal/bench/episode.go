@@ -768,36 +768,23 @@ func (r *episodeRun) turn(ctx context.Context, pool int, session string, msgs []
 	chunks := 0
 	var text strings.Builder
 	n := -1
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 4<<20)
 	defer func() {
 		r.mu.Lock()
 		delete(rates, session)
 		r.mu.Unlock()
 	}()
-	for sc.Scan() {
-		line, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok || !strings.HasPrefix(line, "{") {
-			continue
+	type chunk struct {
+		Choices []deltaChoice `json:"choices"`
+		Usage   *plainUsage   `json:"usage"`
+	}
+	err = eachChunk(resp.Body, func(c *chunk) error {
+		if c.Usage != nil {
+			n = c.Usage.CompletionTokens
 		}
-		var chunk struct {
-			Choices []struct {
-				Delta struct {
-					Content string `json:"content"`
-				} `json:"delta"`
-			} `json:"choices"`
-			Usage *plainUsage `json:"usage"`
+		if len(c.Choices) == 0 || c.Choices[0].Delta.Content == "" {
+			return nil
 		}
-		if err := json.Unmarshal([]byte(line), &chunk); err != nil {
-			return "", 0, fmt.Errorf("stream chunk: %v: %s", err, line)
-		}
-		if chunk.Usage != nil {
-			n = chunk.Usage.CompletionTokens
-		}
-		if len(chunk.Choices) == 0 || chunk.Choices[0].Delta.Content == "" {
-			continue
-		}
-		text.WriteString(chunk.Choices[0].Delta.Content)
+		text.WriteString(c.Choices[0].Delta.Content)
 		chunks++
 		now := time.Now()
 		r.mu.Lock()
@@ -810,8 +797,9 @@ func (r *episodeRun) turn(ctx context.Context, pool int, session string, msgs []
 			ewma.Observe(1, now)
 		}
 		r.mu.Unlock()
-	}
-	if err := sc.Err(); err != nil {
+		return nil
+	})
+	if err != nil {
 		return "", 0, err
 	}
 	if n < 0 {

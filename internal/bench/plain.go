@@ -1,7 +1,6 @@
 package bench
 
 import (
-	"bufio"
 	"bytes"
 	"encoding/json"
 	"fmt"
@@ -162,28 +161,20 @@ func streamUsage(url string, body map[string]any) (time.Duration, plainUsage, er
 		return 0, u, fmt.Errorf("bench request: %d %s", resp.StatusCode, raw)
 	}
 	var first time.Duration
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 4<<20)
-	for sc.Scan() {
-		line, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok || !strings.HasPrefix(line, "{") {
-			continue
-		}
-		var chunk struct {
-			Choices []json.RawMessage `json:"choices"`
-			Usage   *plainUsage       `json:"usage"`
-		}
-		if err := json.Unmarshal([]byte(line), &chunk); err != nil {
-			return 0, u, fmt.Errorf("bench stream chunk: %v: %s", err, line)
-		}
-		if first == 0 && len(chunk.Choices) > 0 {
+	type chunk struct {
+		Choices []json.RawMessage `json:"choices"`
+		Usage   *plainUsage       `json:"usage"`
+	}
+	err = eachChunk(resp.Body, func(c *chunk) error {
+		if first == 0 && len(c.Choices) > 0 {
 			first = time.Since(t0)
 		}
-		if chunk.Usage != nil {
-			u = *chunk.Usage
+		if c.Usage != nil {
+			u = *c.Usage
 		}
-	}
-	return first, u, sc.Err()
+		return nil
+	})
+	return first, u, err
 }
 
 // plainFanout is the fan-out of issue 12 sent by a plain client: a root prefix shared by
