@@ -445,9 +445,12 @@ func TestTierArchsRestoreEqualsPrefill(t *testing.T) {
 				if arch == "gemma4" {
 					restores = 1
 				}
+				// The pools' own counters: the checks' plain requests, displaced on the way,
+				// spill and load their segments too (kind cached, issue 40).
 				props := tierProps(t, base)
-				if props.Restores[c.where] != restores || len(props.Misses) != 0 || props.Spills != 2 {
-					t.Fatalf("tier counters %+v, want 2 spills and %d restores from %s, no miss", props, restores, c.where)
+				pk := props.Kinds["pool"]
+				if pk.Restores != restores || pk.Spills != 2 || len(props.Misses) != 0 || props.Restores[c.where] < restores {
+					t.Fatalf("tier counters %+v, want 2 pool spills and %d pool restores from %s, no miss", props, restores, c.where)
 				}
 			})
 		}

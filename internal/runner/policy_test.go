@@ -26,8 +26,8 @@ func TestPolicy(t *testing.T) {
 		t.Error("recurrent model reported turning off a prefix cache that was already off")
 	}
 
-	if plain.ContextSeqs(20) != 20 || swa.ContextSeqs(20) != 41 || (Policy{SWA: 512}).ContextSeqs(20) != 20 {
-		t.Error("context sequence ids: want n, 2n+1 with SWA anchors, n without")
+	if plain.ContextSeqs(20) != 21 || swa.ContextSeqs(20) != 41 || (Policy{SWA: 512}).ContextSeqs(20) != 21 {
+		t.Error("context sequence ids: want n+1 (the tier's scratch sequence), 2n+1 with SWA anchors")
 	}
 	if err := swa.Check((engine.MaxSeqs-1)/2, 512, 512); err != nil {
 		t.Errorf("SWA model at the sequence limit: %v", err)
@@ -41,8 +41,11 @@ func TestPolicy(t *testing.T) {
 	if err := swa.Check(8, 512, 256); err != nil {
 		t.Errorf("SWA model with a batch within the window: %v", err)
 	}
-	if err := plain.Check(engine.MaxSeqs, 1024, 256); err != nil {
-		t.Errorf("plain model: %v", err)
+	if err := plain.Check(engine.MaxSeqs-1, 1024, 256); err != nil {
+		t.Errorf("plain model at the sequence limit: %v", err)
+	}
+	if err := plain.Check(engine.MaxSeqs, 1024, 256); err == nil || !strings.Contains(err.Error(), "one sequence id more") {
+		t.Errorf("plain model over the sequence limit (no id left for the scratch sequence): %v", err)
 	}
 
 	both := Policy{SWA: 512, Anchors: true, Recurrent: true}
