@@ -105,6 +105,11 @@ class TestChatPolyKVIntegration(ChatModelIntegrationTests):
         return True
 
     @property
+    def supports_model_override(self) -> bool:
+        # A PolyKV server serves one model: there is no other model name to switch to.
+        return False
+
+    @property
     def returns_usage_metadata(self) -> bool:
         return True
 
