@@ -541,10 +541,17 @@ func TestTierServerKill9(t *testing.T) {
 		toks := tokenize(t, tk, fmt.Sprintf("Team %d. ", i)+longSystem(t, tk, 120))
 		pinned[num(createPool(t, base, map[string]any{"tokens": toks, "pin": true})["pool_id"])] = toks
 	}
-	for deadline := time.Now().Add(30 * time.Second); recorded() < 3; time.Sleep(10 * time.Millisecond) {
+	// Recorded means listed in pools.json with a record; each pinned pool's KV entry is
+	// written beside it by the store's writer, after. The crash point counts .kv writes
+	// from the arming on, so it is armed only once the three entries are on disk.
+	entries := func() int {
+		kvs, _ := filepath.Glob(filepath.Join(dir, "*.kv"))
+		return len(kvs)
+	}
+	for deadline := time.Now().Add(30 * time.Second); recorded() < 3 || entries() < 3; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			kill(h)
-			t.Fatalf("pinned pools not recorded: pools.json lists %d", recorded())
+			t.Fatalf("pinned pools not recorded: pools.json lists %d, %d entries on disk", recorded(), entries())
 		}
 	}
 	if err := os.WriteFile(arm, []byte("1"), 0o644); err != nil {
