@@ -50,12 +50,11 @@ type DraftProposal struct {
 	Tokens []Token
 }
 
-// DraftBackend is a Backend with a drafter (a draft model or MTP heads). The engine
-// calls Draft once per step, before the plan, for the sessions DraftWants names, and
-// DraftSeqRm when a target sequence is emptied, so that the drafter frees its own
-// cells for it (it syncs the rest by token prefix on its next Draft).
+// DraftBackend is a backend's drafter (a draft model or MTP heads; Caps.Draft). The
+// engine calls Draft once per step, before the plan, for the sessions DraftWants
+// names, and DraftSeqRm when a target sequence is emptied, so that the drafter frees
+// its own cells for it (it syncs the rest by token prefix on its next Draft).
 type DraftBackend interface {
-	Backend
 	// Draft returns a proposal per want it could draft for (a failure is no proposal:
 	// drafting is never needed for correctness).
 	Draft(wants []DraftWant) []DraftProposal
@@ -212,17 +211,16 @@ func (s *Scheduler) byID(id TaskID) *task {
 	return nil
 }
 
-// draftRound runs the drafter, when be has one and a session wants drafts, before the
-// next plan.
-func draftRound(sched *Scheduler, be Backend) {
-	db, ok := be.(DraftBackend)
-	if !ok {
+// draftRound runs the drafter, when the backend has one and a session wants drafts,
+// before the next plan.
+func draftRound(sched *Scheduler, d driver) {
+	if d.caps.Draft == nil {
 		return
 	}
 	var props []DraftProposal
 	w := sched.DraftWants()
 	if len(w) > 0 {
-		props = db.Draft(w)
+		props = d.caps.Draft.Draft(w)
 	}
 	sched.OfferDrafts(w, props) // also drops proposals an earlier plan did not use
 }

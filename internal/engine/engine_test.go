@@ -38,6 +38,9 @@ func (l *lockedBackend) NewSampler(id TaskID, p SamplingParams, lp bool, h []Tok
 }
 func (l *lockedBackend) FreeSampler(id TaskID) { l.mu.Lock(); defer l.mu.Unlock(); l.f.FreeSampler(id) }
 
+// Caps implements Backend: the locked fake declares no ability beyond Backend.
+func (l *lockedBackend) Caps() Caps { return Caps{} }
+
 func startEngine(t *testing.T, cfg Config) (*Engine, *lockedBackend) {
 	t.Helper()
 	s, err := NewScheduler(cfg, fakeVocab{})

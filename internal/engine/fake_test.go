@@ -66,7 +66,25 @@ type fakeBackend struct {
 	grammar      func(prev, tok Token) bool
 	grammarTasks map[TaskID]bool
 	lastDrawn    map[TaskID]Token
+	// checkDrafts declares DraftFits in Caps (the scheduler then cuts drafts).
+	checkDrafts bool
 }
+
+// Caps implements Backend: the fake has every ability but slots and the cell probe;
+// it checks drafts against its grammar (DraftChecker) only when checkDrafts is set.
+func (f *fakeBackend) Caps() Caps {
+	c := Caps{Draft: f, Tier: f, SeqTier: f, AsyncTier: f}
+	if f.checkDrafts {
+		c.Check = f
+	}
+	return c
+}
+
+// driver drives the fake as the engine loop drives a backend.
+func (f *fakeBackend) driver() driver { return driver{be: f, caps: f.Caps()} }
+
+// apply runs p on the fake (driver.apply).
+func apply(f *fakeBackend, p Plan) []Msg { return f.driver().apply(p) }
 
 // DraftFits implements DraftChecker with the fake grammar.
 func (f *fakeBackend) DraftFits(task TaskID, drafts []Token) int {
@@ -411,6 +429,7 @@ func newHarness(t *testing.T, cfg Config) *harness {
 	h := &harness{t: t, s: s, be: newFakeBackend(t, cfg.NCtx), now: time.Unix(1000, 0), events: map[TaskID][]Event{}}
 	h.be.recurrent = cfg.Recurrent
 	s.afterAdmit = h.checkLiveness
+	s.useBackend(h.be.Caps())
 	return h
 }
 
@@ -444,7 +463,7 @@ func (h *harness) submit(req Request) TaskID {
 // step runs one Plan/Decode/Commit round and returns the batch.
 func (h *harness) step() []BatchEntry {
 	h.now = h.now.Add(10 * time.Millisecond)
-	draftRound(h.s, h.be) // as the engine loop does before each plan
+	draftRound(h.s, h.be.driver()) // as the engine loop does before each plan
 	p := h.s.Plan(h.now)
 	for _, m := range apply(h.be, p) {
 		h.s.Step(h.now, m)

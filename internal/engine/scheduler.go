@@ -309,7 +309,7 @@ type Scheduler struct {
 	// drafters are the speculation types' drafters, in --spec-type order (drafter.go).
 	drafters []Drafter
 	// draftCheck cuts grammar requests' drafts (nil: they are verified uncut; see
-	// DraftChecker). Set by New when the backend has it.
+	// DraftChecker): the backend's Caps.Check (useBackend).
 	draftCheck DraftChecker
 	// Prefix cache counters (issue 12): prompt tokens served from cached prefixes,
 	// and evictions of cached anonymous sequences' cells.

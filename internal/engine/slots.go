@@ -41,7 +41,8 @@ func (LoadSlot) isMsg()   {}
 func (EraseSlot) isMsg()  {}
 func (slotLoaded) isMsg() {}
 
-// SlotBackend is a backend that can copy a sequence's KV out and back in.
+// SlotBackend is a backend's ability (Caps.Slots) to copy a sequence's KV out and back
+// in.
 type SlotBackend interface {
 	SaveSeq(seq int) ([]byte, error)
 	// LoadSeq loads data into seq (which it empties first) and checks that it then
@@ -111,8 +112,8 @@ func (s *Scheduler) eraseSlot(m EraseSlot) (int, error) {
 
 // slotIO does the byte copies of the slot messages on the engine goroutine, right
 // after the scheduler accepted them (res.Err nil).
-func slotIO(sched *Scheduler, be Backend, msg Msg, res *Result) {
-	sb, ok := be.(SlotBackend)
+func slotIO(sched *Scheduler, d driver, msg Msg, res *Result) {
+	sb, ok := d.caps.Slots, d.caps.Slots != nil
 	switch m := msg.(type) {
 	case SaveSlot:
 		if !ok {
@@ -123,7 +124,7 @@ func slotIO(sched *Scheduler, be Backend, msg Msg, res *Result) {
 		// leave rejected draft cells that the next step would remove (speculative.go).
 		ops := sched.ops
 		sched.ops = nil
-		for _, m := range apply(be, Plan{SeqOps: ops}) {
+		for _, m := range d.apply(Plan{SeqOps: ops}) {
 			sched.Step(sched.now, m) // a restore's answer
 		}
 		res.Data, res.Err = sb.SaveSeq(m.Seq)
@@ -131,7 +132,7 @@ func slotIO(sched *Scheduler, be Backend, msg Msg, res *Result) {
 		err := errNoSlots
 		if ok {
 			// The slot's old cells go first: LoadSeq writes into free cells.
-			_ = apply(be, Plan{SeqOps: sched.ops})
+			_ = d.apply(Plan{SeqOps: sched.ops})
 			sched.ops = nil
 			err = sb.LoadSeq(m.Seq, len(m.Tokens), m.Data)
 		}
