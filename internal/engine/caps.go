@@ -25,5 +25,8 @@ type Caps struct {
 }
 
 // useBackend tells the scheduler what the backend it plans for can do (New, and the
-// test harness): how grammar requests' drafts are checked.
-func (s *Scheduler) useBackend(c Caps) { s.draftCheck = c.Check }
+// test harness): whether a model drafts (a draft round before each plan), how grammar
+// requests' drafts are checked, whether slots can be saved and loaded.
+func (s *Scheduler) useBackend(c Caps) {
+	s.modelDrafts, s.draftCheck, s.slotIO = c.Draft != nil, c.Check, c.Slots != nil
+}

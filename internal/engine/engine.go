@@ -26,22 +26,12 @@ type Engine struct {
 // the scheduler's Result and, for a submit or a pool materialization, the task's stream.
 type envelope struct {
 	msg   Msg
-	probe *ProbeFits
 	reply chan reply
 }
 
 type reply struct {
 	res    Result
 	stream *Stream
-	fits   bool // a probe's answer
-}
-
-// ProbeFits asks llama.cpp itself whether N more cells fit, written to the empty
-// sequence Seq as copies of token Tok, beside what the cache holds (diagnostics and
-// tests of the cell accounting). The backend must declare a CellProber (Caps.Probe).
-type ProbeFits struct {
-	Seq, N int
-	Tok    Token
 }
 
 // CellProber is a backend's ability to answer ProbeFits (Caps.Probe).
@@ -232,11 +222,11 @@ func (e *Engine) Send(ctx context.Context, m Msg) (Result, error) {
 
 // Probe asks the backend whether p.N more cells fit for p.Seq (see ProbeFits).
 func (e *Engine) Probe(ctx context.Context, p ProbeFits) (bool, error) {
-	r, err := e.call(ctx, envelope{probe: &p})
+	r, err := e.call(ctx, envelope{msg: p})
 	if err != nil {
 		return false, err
 	}
-	return r.fits, r.res.Err
+	return r.res.Fits, r.res.Err
 }
 
 // Snapshot is the state published after the last message or step. It never blocks.
@@ -276,30 +266,24 @@ func (e *Engine) run(sched *Scheduler, d driver) {
 			}
 		}
 	}
+	// handle steps one message. A message that needs the backend before its reply (a
+	// slot's bytes, a probe, a tier read that came in) finds its operations in the
+	// Ready that follows: they run, their answers go back through Step (filling the
+	// reply), and a second Ready hands out what the answers did.
 	handle := func(m envelope) {
 		now := time.Now() // the engine loop is the only reader of the clock
-		var r reply
-		switch {
-		case m.probe != nil:
-			r.res.Err = fmt.Errorf("engine: the backend cannot probe cells")
-			if d.caps.Probe != nil {
-				r.fits, r.res.Err = d.caps.Probe.ProbeFits(m.probe.Seq, m.probe.N, m.probe.Tok)
-			}
-		default:
-			r.res = sched.Step(now, m.msg)
-			switch m.msg.(type) {
-			case SaveSlot, LoadSlot:
-				if r.res.Err == nil {
-					slotIO(sched, d, m.msg, &r.res)
-				}
-			}
-			// A submitted request, or a pool's materialization: its events get a stream.
-			if task := r.res.Task; r.res.Err == nil && task != 0 {
-				r.stream = newStream(task, e)
-				streams[task] = r.stream
-			}
+		r := reply{res: sched.Step(now, m.msg)}
+		// A submitted request, or a pool's materialization: its events get a stream.
+		if task := r.res.Task; r.res.Err == nil && task != 0 {
+			r.stream = newStream(task, e)
+			streams[task] = r.stream
 		}
-		deliver(sched.Ready(now, false))
+		rd := sched.Ready(now, false)
+		if d.settle(sched, now, rd.Plan, &r.res) {
+			deliver(rd)
+			rd = sched.Ready(now, false)
+		}
+		deliver(rd)
 		if m.reply != nil {
 			m.reply <- r
 		}
@@ -319,7 +303,7 @@ func (e *Engine) run(sched *Scheduler, d driver) {
 			case m := <-e.inbox:
 				handle(m)
 			case op := <-ready:
-				resumeRestore(sched, d, op, time.Now())
+				handle(envelope{msg: TierRead{Op: op}})
 			case <-tick.C:
 				handle(envelope{msg: Tick{}})
 			case <-e.quit:
@@ -332,7 +316,7 @@ func (e *Engine) run(sched *Scheduler, d driver) {
 			case m := <-e.inbox:
 				handle(m)
 			case op := <-ready:
-				resumeRestore(sched, d, op, time.Now())
+				handle(envelope{msg: TierRead{Op: op}})
 			case <-e.quit:
 				e.shutdown(sched, d, streams)
 				return
@@ -340,16 +324,20 @@ func (e *Engine) run(sched *Scheduler, d driver) {
 				drained = true
 			}
 		}
-		draftRound(sched, d) // a draft model's proposals, before the plan (draft.go)
 		now := time.Now()
 		rd := sched.Ready(now, true)
-		p := rd.Plan
-		answers := d.apply(p)
-		for _, m := range answers {
-			sched.Step(time.Now(), m) // restores' answers, before the batch runs
+		if len(rd.Plan.Drafts) > 0 {
+			// The draft round (draft.go): the drafter's proposals go back before the
+			// step is planned.
+			d.settle(sched, now, rd.Plan, nil)
+			deliver(rd)
+			now = time.Now()
+			rd = sched.Ready(now, true)
 		}
+		p := rd.Plan
+		answered := d.settle(sched, time.Now(), p, nil) // restores' answers, before the batch runs
 		deliver(rd)
-		if len(answers) > 0 {
+		if answered {
 			deliver(sched.Ready(now, false)) // what the answers did
 		}
 		changed := len(p.SeqOps) > 0 || len(p.Samplers) > 0
@@ -405,29 +393,13 @@ type AsyncTierBackend interface {
 // read: no Restored answer yet (the pool keeps waiting).
 var ErrTierPending = errors.New("tier read in progress")
 
-// resumeRestore applies a restore whose bytes were read off the engine goroutine, if
-// its pool still waits for it on the same sequence (a late duplicate read, or a
-// materialization that ended meanwhile, must not load into a sequence that may now be
-// someone else's).
-func resumeRestore(sched *Scheduler, d driver, op SeqOp, now time.Time) {
-	waits := sched.tierWaiting(op.Pool, op.Seq)
-	if op.Kind == OpLoad {
-		waits = sched.loadWaiting(op.Task, op.Seq)
-	}
-	if !waits {
-		d.caps.AsyncTier.TierDiscard(op)
-		return
-	}
-	for _, m := range d.apply(Plan{SeqOps: []SeqOp{op}}) {
-		sched.Step(now, m)
-	}
-}
-
-// shutdown ends the streams after applying the operations planned since the last step:
-// a pool recorded for restarts (OpRecord) just before a clean shutdown is then on disk.
+// shutdown ends the streams after running the operations planned since the last step
+// (stopping): a pool recorded for restarts (OpRecord) just before a clean shutdown is
+// then on disk.
 func (e *Engine) shutdown(sched *Scheduler, d driver, streams map[TaskID]*Stream) {
-	_ = d.apply(Plan{SeqOps: sched.ops})
-	sched.ops = nil
+	now := time.Now()
+	sched.Step(now, stopping{})
+	_ = d.apply(sched.Ready(now, false).Plan)
 	for id, st := range streams {
 		st.push(Event{Task: id, Done: true, Finish: FinishError, Err: ErrEngineClosed})
 	}
