@@ -62,8 +62,9 @@
 // (celltree.go) mirrors which sequences share which cells, exactly as llama.cpp does:
 // it is the cell accounting (used cells, ownership, what an eviction frees) and the
 // longest-prefix index. The KV-cache manager (kvCache, kvcache.go) owns it behind a
-// small API (allocate, free, share, longest prefix, victims, makeRoom): the scheduler
-// plans and asks, and only the manager changes cells. Pools are named nodes of
+// small API (allocate, free, share, longest prefix, victims, makeRoom, draftRoom): the
+// scheduler plans and asks, and only the manager changes cells and evicts (the room a
+// step's speculative drafts take from idle tails included). Pools are named nodes of
 // the same tree (their residency and own cells are read from it), built by the same
 // longest-prefix seq_cp, a fork from its
 // parent's node. Admission reserves the cells a prompt needs, evicting in one order
