@@ -4,30 +4,41 @@
 // no I/O and reads no clock. Everything from outside enters as a typed message (Submit,
 // Cancel, CreatePool, ReleasePool, PinPool, EvictPool, FlushPool, SetAdmission,
 // QueryCapacity, Reserve, ReleaseReservation, RecoverPool, SaveSlot, LoadSlot,
-// EraseSlot, Tick: messages.go, slots.go; and Restored, the driver's answer to a
-// planned tier restore: tier.go) through one entry,
-// Step(now, msg), which answers
-// with a Result. Each step of the model is a Plan: sampler and sequence operations to
-// perform, and one batch holding a decode token for every generating task (followed by
-// its speculative draft tokens when speculation is on: speculative.go) plus prompt
-// chunks (chunked prefill) within the batch budget. The backend's sampled tokens go
-// back through Commit. Everything the scheduler has for its driver comes out in one
-// Ready (ready.go, as etcd raft's RawNode.Ready): the plan, the events (text and
-// completions to deliver), the observations and, when due, a snapshot. A log of
-// (time, message) pairs and backend results replays a run exactly.
+// EraseSlot, ProbeFits, ExpectTurn, Tick: messages.go, slots.go, order.go; and the
+// driver's answers to planned operations: Drafted, Restored, Loaded, SlotDone, Probed,
+// and TierRead when a tier read finishes off the engine goroutine: draft.go, tier.go,
+// spill.go) through one entry, Step(now, msg), which answers with a Result. Each step
+// of the model is a Plan: sampler and sequence operations to perform, and one batch
+// holding a decode token for every generating task (followed by its speculative draft
+// tokens when speculation is on: speculative.go) plus prompt chunks (chunked prefill)
+// within the batch budget. The backend's sampled tokens go back through Commit.
+// Everything the scheduler has for its driver comes out in one Ready (ready.go, as
+// etcd raft's RawNode.Ready): the plan, the events (text and completions to deliver),
+// the observations and, when due, a snapshot. That is the only door: a draft model's
+// round before a step (Plan.Drafts), tier restores and loads, slot copies and cell
+// probes are operations of a Ready's plan whose answers come back as messages, and
+// nothing outside the scheduler's methods touches its state. A log of (time, message)
+// pairs and backend results replays a run exactly.
 //
 // The Engine drives a Scheduler on one goroutine, the only one that touches the
-// Backend (and so the llama.cpp context) and the only reader of the clock. Its loop is,
-// in full (deliver: observe, publish the snapshot if any, then push the events):
+// Backend (and so the llama.cpp context) and the only reader of the clock. What the
+// backend can do beyond Backend it declares once (Caps, read at New). The loop is, in
+// full (deliver: observe, publish the snapshot if any, then push the events; settle:
+// run a plan's operations on the backend and Step each answer back, driver.go):
 //
 //	for {
-//		for each waiting message m (or a Tick when idle for 200 ms):
+//		for each waiting message m (or a Tick when idle for 200 ms, or a TierRead):
 //			res := sched.Step(time.Now(), m)
-//			deliver(sched.Ready(now, false)); reply(res)
+//			rd := sched.Ready(now, false) // with the operations m needs before its reply
+//			if settle(rd.Plan) answered { deliver(rd); rd = sched.Ready(now, false) }
+//			deliver(rd); reply(res, with the answers' data)
 //		rd := sched.Ready(time.Now(), true)
-//		run rd.Plan.Samplers and rd.Plan.SeqOps on the backend
-//		for each planned tier restore: sched.Step(now, Restored{...})
-//		deliver(rd), then deliver(sched.Ready(now, false)) if restores were answered
+//		if len(rd.Plan.Drafts) > 0 { // the draft round (draft.go)
+//			settle(rd.Plan) // the drafter's proposals: Step(Drafted{...})
+//			deliver(rd); rd = sched.Ready(time.Now(), true)
+//		}
+//		settle(rd.Plan) // samplers and sequence ops; Restored, Loaded back
+//		deliver(rd), then deliver(sched.Ready(now, false)) if answers were stepped
 //		if len(rd.Plan.Batch) == 0 { wait for a message; continue }
 //		sampled, err := backend.Decode(rd.Plan.Batch)
 //		sched.Commit(sampled, err, time.Now())
@@ -51,9 +62,11 @@
 // (celltree.go) mirrors which sequences share which cells, exactly as llama.cpp does:
 // it is the cell accounting (used cells, ownership, what an eviction frees) and the
 // longest-prefix index. The KV-cache manager (kvCache, kvcache.go) owns it behind a
-// small API (allocate, free, share, longest prefix, victims, makeRoom): the scheduler
-// plans and asks, and only the manager changes cells. Pools are named nodes of the same tree (their residency and own
-// cells are read from it), built by the same longest-prefix seq_cp, a fork from its
+// small API (allocate, free, share, longest prefix, victims, makeRoom, draftRoom): the
+// scheduler plans and asks, and only the manager changes cells and evicts (the room a
+// step's speculative drafts take from idle tails included). Pools are named nodes of
+// the same tree (their residency and own cells are read from it), built by the same
+// longest-prefix seq_cp, a fork from its
 // parent's node. Admission reserves the cells a prompt needs, evicting in one order
 // (expected next use) over the tree's leaves (cached sequences' and idle sessions'
 // tails, unpinned idle pools: kvcache.go; what a taken victim loses: cells.go), so two half-prefilled prompts can never

@@ -5,12 +5,13 @@ import "slices"
 // Drafting with a model (--model-draft, --spec-type draft-simple; issue 23). A draft
 // model is I/O: it decodes in its own llama.cpp context, which only the engine
 // goroutine may touch, while the scheduler plans without I/O. So drafting is a round
-// the engine runs before each plan (draftRound): the scheduler names the sessions that
-// would draft this step and how many tokens each may use (DraftWants, pure), the
-// backend's drafter decodes them, batched over all those sessions, and the scheduler
-// takes the proposals back as typed input (OfferDrafts), which Plan then verifies like
-// an n-gram proposal. The plan stays a deterministic function of the scheduler's state
-// and its inputs, and the fake backend can draft in tests.
+// before each plan, through the one door: Ready first hands out a plan holding only
+// Drafts, the sessions that would draft this step and how many tokens each may use
+// (draftWants, pure); the driver has the backend's drafter decode them, batched over
+// all those sessions, and steps the proposals back as a typed message (Drafted), which
+// the plan Ready hands out next then verifies like an n-gram proposal. The plan stays
+// a deterministic function of the scheduler's state and its inputs, and the fake
+// backend can draft in tests.
 //
 // The drafter is pluggable: anything that turns a session's context into a proposal
 // (a draft model, MTP heads over the target's hidden states) is a DraftBackend behind
@@ -50,12 +51,11 @@ type DraftProposal struct {
 	Tokens []Token
 }
 
-// DraftBackend is a Backend with a drafter (a draft model or MTP heads). The engine
-// calls Draft once per step, before the plan, for the sessions DraftWants names, and
-// DraftSeqRm when a target sequence is emptied, so that the drafter frees its own
-// cells for it (it syncs the rest by token prefix on its next Draft).
+// DraftBackend is a backend's drafter (a draft model or MTP heads; Caps.Draft). The
+// engine calls Draft once per step, before the plan, for the sessions draftWants
+// names, and DraftSeqRm when a target sequence is emptied, so that the drafter frees
+// its own cells for it (it syncs the rest by token prefix on its next Draft).
 type DraftBackend interface {
-	Backend
 	// Draft returns a proposal per want it could draft for (a failure is no proposal:
 	// drafting is never needed for correctness).
 	Draft(wants []DraftWant) []DraftProposal
@@ -65,7 +65,7 @@ type DraftBackend interface {
 
 // backendDrafter is the scheduler's side of a drafter that drafts with the model (a
 // draft model, MTP heads): its sessions propose what the backend's drafter offered for
-// them in this step's draft round (OfferDrafts). Every such --spec-type is one of it; how
+// them in this step's draft round (offerDrafts). Every such --spec-type is one of it; how
 // the backend drafts is the runner's (runner.ModelDrafter) and how it is opened the app's.
 type backendDrafter struct{}
 
@@ -74,7 +74,7 @@ func newBackendDrafter(Spec) Drafter { return backendDrafter{} }
 // NewSession implements Drafter.
 func (backendDrafter) NewSession() DraftSession { return &backendSession{} }
 
-// backendSession holds the backend's proposal for the next plan (OfferDrafts).
+// backendSession holds the backend's proposal for the next plan (offerDrafts).
 type backendSession struct{ offered []Token }
 
 // Propose implements DraftSession: the backend's proposal cut to k tokens (nil when
@@ -102,12 +102,12 @@ func (s *Scheduler) backendDrafts() bool {
 	return false
 }
 
-// DraftWants names the sessions that would draft with the backend in the next plan and
+// draftWants names the sessions that would draft with the backend in the next plan and
 // how many tokens each may propose: a decoding task with speculation on, not backing
 // off, whose earlier drafters (in --spec-type order) propose nothing, and whose drafts
 // the cost-aware limit lets through as things stand (Plan decides again with the
 // step's real room; a proposal longer than it allows is cut).
-func (s *Scheduler) DraftWants() []DraftWant {
+func (s *Scheduler) draftWants() []DraftWant {
 	if !s.backendDrafts() {
 		return nil
 	}
@@ -159,13 +159,13 @@ func (s *Scheduler) pureDraft(t *task, k, minN int) bool {
 	return false
 }
 
-// OfferDrafts hands the drafter's proposals for wants to the scheduler for the next
+// offerDrafts hands the drafter's proposals for wants to the scheduler for the next
 // plan; earlier ones not used are dropped. A proposal for a task that has moved on since
 // (another length) is ignored. A want the drafter had nothing for (its model was not
 // sure enough of the first token) backs off as a wholly rejected proposal does (1, 2,
 // 4 … steps without asking): a draft model's decode costs a step's time whether or not
 // it proposes, and the cost-aware limit only sees verified drafts.
-func (s *Scheduler) OfferDrafts(wants []DraftWant, props []DraftProposal) {
+func (s *Scheduler) offerDrafts(wants []DraftWant, props []DraftProposal) {
 	for _, t := range s.running {
 		for _, ds := range t.spec.drafters {
 			if b, ok := ds.(*backendSession); ok {
@@ -212,17 +212,26 @@ func (s *Scheduler) byID(id TaskID) *task {
 	return nil
 }
 
-// draftRound runs the drafter, when be has one and a session wants drafts, before the
-// next plan.
-func draftRound(sched *Scheduler, be Backend) {
-	db, ok := be.(DraftBackend)
-	if !ok {
-		return
+// draftRequest is the draft round ahead of the next plan: the wants to hand the
+// backend's drafter (Plan.Drafts), or none when the backend has no drafter, this plan's
+// round has been answered, or no session wants drafts (earlier proposals not used are
+// then dropped at once).
+func (s *Scheduler) draftRequest() []DraftWant {
+	if !s.modelDrafts || s.draftsIn {
+		return nil
 	}
-	var props []DraftProposal
-	w := sched.DraftWants()
-	if len(w) > 0 {
-		props = db.Draft(w)
+	w := s.draftWants()
+	if len(w) == 0 {
+		s.offerDrafts(nil, nil)
+		return nil
 	}
-	sched.OfferDrafts(w, props) // also drops proposals an earlier plan did not use
+	s.draftAsked = w
+	return w
+}
+
+// drafted takes the drafter's answer to the draft round (message Drafted) for the next
+// plan.
+func (s *Scheduler) drafted(m Drafted) {
+	s.offerDrafts(s.draftAsked, m.Props) // also drops proposals an earlier plan did not use
+	s.draftAsked, s.draftsIn = nil, true
 }

@@ -113,7 +113,7 @@ func TestDraftModelFreed(t *testing.T) {
 	}
 	// A proposal for another position than the task's is dropped.
 	tb := h.s.byID(b)
-	h.s.OfferDrafts(nil, []DraftProposal{{Task: b, At: len(tb.slot.tokens), Tokens: []Token{1, 2}}})
+	h.s.offerDrafts(nil, []DraftProposal{{Task: b, At: len(tb.slot.tokens), Tokens: []Token{1, 2}}})
 	if tb.spec.backend().offered != nil {
 		t.Error("a stale proposal was kept")
 	}
@@ -127,7 +127,7 @@ func TestDraftModelFreed(t *testing.T) {
 	}
 }
 
-// TestNgramLookupOncePerStep: with ngram-simple before draft-simple, DraftWants looks
+// TestNgramLookupOncePerStep: with ngram-simple before draft-simple, draftWants looks
 // the n-grams up to decide whether to ask the model and Plan looks again for the
 // proposal it verifies; the match is kept on the task between the two (ngramSession),
 // so each session's context is scanned at most once per step, and every batch is the

@@ -33,7 +33,7 @@ type Drafter interface {
 type DraftSession interface {
 	// Propose returns at most k tokens that continue ctx (the session's tokens, its pool's
 	// included) followed by next (sampled, not decoded yet), or nil. It may be asked more
-	// than once in a step (DraftWants asks whether a drafter before a backend one
+	// than once in a step (draftWants asks whether a drafter before a backend one
 	// proposes; Plan asks for the proposal it verifies), with another k. probe: the
 	// cost-aware limit keeps the session from drafting and this is its periodic probe
 	// (specProbeEvery), whose drafts are paid for at odds already judged too low; a

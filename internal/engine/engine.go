@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -27,25 +26,15 @@ type Engine struct {
 // the scheduler's Result and, for a submit or a pool materialization, the task's stream.
 type envelope struct {
 	msg   Msg
-	probe *ProbeFits
 	reply chan reply
 }
 
 type reply struct {
 	res    Result
 	stream *Stream
-	fits   bool // a probe's answer
 }
 
-// ProbeFits asks llama.cpp itself whether N more cells fit, written to the empty
-// sequence Seq as copies of token Tok, beside what the cache holds (diagnostics and
-// tests of the cell accounting). The backend must implement CellProber.
-type ProbeFits struct {
-	Seq, N int
-	Tok    Token
-}
-
-// CellProber is a backend that can answer ProbeFits.
+// CellProber is a backend's ability to answer ProbeFits (Caps.Probe).
 type CellProber interface {
 	ProbeFits(seq, n int, tok Token) (bool, error)
 }
@@ -149,11 +138,10 @@ func (s *Stream) Cancel() { s.eng.send(envelope{msg: Cancel{Task: s.id}}) }
 // receives the scheduler's measurements after each step.
 func New(sched *Scheduler, be Backend, obs Observer) *Engine {
 	e := &Engine{inbox: make(chan envelope, 1024), quit: make(chan struct{}), stopped: make(chan struct{}), obs: obs}
-	if dc, ok := be.(DraftChecker); ok {
-		sched.draftCheck = dc
-	}
+	d := driver{be: be, caps: be.Caps()}
+	sched.useBackend(d.caps)
 	e.snap.Store(sched.Snapshot(time.Now()))
-	go e.run(sched, be)
+	go e.run(sched, d)
 	return e
 }
 
@@ -234,11 +222,11 @@ func (e *Engine) Send(ctx context.Context, m Msg) (Result, error) {
 
 // Probe asks the backend whether p.N more cells fit for p.Seq (see ProbeFits).
 func (e *Engine) Probe(ctx context.Context, p ProbeFits) (bool, error) {
-	r, err := e.call(ctx, envelope{probe: &p})
+	r, err := e.call(ctx, envelope{msg: p})
 	if err != nil {
 		return false, err
 	}
-	return r.fits, r.res.Err
+	return r.res.Fits, r.res.Err
 }
 
 // Snapshot is the state published after the last message or step. It never blocks.
@@ -253,7 +241,7 @@ func (e *Engine) Close() {
 // Done is closed once the engine goroutine has exited.
 func (e *Engine) Done() <-chan struct{} { return e.stopped }
 
-func (e *Engine) run(sched *Scheduler, be Backend) {
+func (e *Engine) run(sched *Scheduler, d driver) {
 	// The backend's C state is used from this thread only.
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
@@ -278,30 +266,24 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 			}
 		}
 	}
+	// handle steps one message. A message that needs the backend before its reply (a
+	// slot's bytes, a probe, a tier read that came in) finds its operations in the
+	// Ready that follows: they run, their answers go back through Step (filling the
+	// reply), and a second Ready hands out what the answers did.
 	handle := func(m envelope) {
 		now := time.Now() // the engine loop is the only reader of the clock
-		var r reply
-		switch {
-		case m.probe != nil:
-			r.res.Err = fmt.Errorf("engine: the backend cannot probe cells")
-			if cp, ok := be.(CellProber); ok {
-				r.fits, r.res.Err = cp.ProbeFits(m.probe.Seq, m.probe.N, m.probe.Tok)
-			}
-		default:
-			r.res = sched.Step(now, m.msg)
-			switch m.msg.(type) {
-			case SaveSlot, LoadSlot:
-				if r.res.Err == nil {
-					slotIO(sched, be, m.msg, &r.res)
-				}
-			}
-			// A submitted request, or a pool's materialization: its events get a stream.
-			if task := r.res.Task; r.res.Err == nil && task != 0 {
-				r.stream = newStream(task, e)
-				streams[task] = r.stream
-			}
+		r := reply{res: sched.Step(now, m.msg)}
+		// A submitted request, or a pool's materialization: its events get a stream.
+		if task := r.res.Task; r.res.Err == nil && task != 0 {
+			r.stream = newStream(task, e)
+			streams[task] = r.stream
 		}
-		deliver(sched.Ready(now, false))
+		rd := sched.Ready(now, false)
+		if d.settle(sched, now, rd.Plan, &r.res) {
+			deliver(rd)
+			rd = sched.Ready(now, false)
+		}
+		deliver(rd)
 		if m.reply != nil {
 			m.reply <- r
 		}
@@ -310,7 +292,10 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 	// request arrives.
 	tick := time.NewTicker(200 * time.Millisecond)
 	defer tick.Stop()
-	ready := tierReady(be)
+	var ready <-chan SeqOp // never receives without an AsyncTier
+	if d.caps.AsyncTier != nil {
+		ready = d.caps.AsyncTier.TierReady()
+	}
 	idle := true
 	for {
 		if idle {
@@ -318,11 +303,11 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 			case m := <-e.inbox:
 				handle(m)
 			case op := <-ready:
-				resumeRestore(sched, be, op, time.Now())
+				handle(envelope{msg: TierRead{Op: op}})
 			case <-tick.C:
 				handle(envelope{msg: Tick{}})
 			case <-e.quit:
-				e.shutdown(sched, be, streams)
+				e.shutdown(sched, d, streams)
 				return
 			}
 		}
@@ -331,24 +316,28 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 			case m := <-e.inbox:
 				handle(m)
 			case op := <-ready:
-				resumeRestore(sched, be, op, time.Now())
+				handle(envelope{msg: TierRead{Op: op}})
 			case <-e.quit:
-				e.shutdown(sched, be, streams)
+				e.shutdown(sched, d, streams)
 				return
 			default:
 				drained = true
 			}
 		}
-		draftRound(sched, be) // a draft model's proposals, before the plan (draft.go)
 		now := time.Now()
 		rd := sched.Ready(now, true)
-		p := rd.Plan
-		answers := apply(be, p)
-		for _, m := range answers {
-			sched.Step(time.Now(), m) // restores' answers, before the batch runs
+		if len(rd.Plan.Drafts) > 0 {
+			// The draft round (draft.go): the drafter's proposals go back before the
+			// step is planned.
+			d.settle(sched, now, rd.Plan, nil)
+			deliver(rd)
+			now = time.Now()
+			rd = sched.Ready(now, true)
 		}
+		p := rd.Plan
+		answered := d.settle(sched, time.Now(), p, nil) // restores' answers, before the batch runs
 		deliver(rd)
-		if len(answers) > 0 {
+		if answered {
 			deliver(sched.Ready(now, false)) // what the answers did
 		}
 		changed := len(p.SeqOps) > 0 || len(p.Samplers) > 0
@@ -358,15 +347,15 @@ func (e *Engine) run(sched *Scheduler, be Backend) {
 			continue
 		}
 		idle = false
-		sampled, err := be.Decode(p.Batch)
+		sampled, err := d.be.Decode(p.Batch)
 		now = time.Now()
 		sched.Commit(sampled, err, now)
 		deliver(sched.Ready(now, false))
 	}
 }
 
-// TierBackend is a backend that moves pools' KV to and from a tier below the cache
-// (Config.Tier, issue 25).
+// TierBackend is a backend's ability (Caps.Tier) to move pools' KV to and from a tier
+// below the cache (Config.Tier, issue 25).
 type TierBackend interface {
 	// Tier performs OpSpill, OpRestore, OpRecord or OpForget. For OpRestore the error
 	// says why nothing was loaded (the sequence then holds nothing); the others report
@@ -376,11 +365,11 @@ type TierBackend interface {
 	Tier(op SeqOp) error
 }
 
-// SeqTierBackend is a TierBackend that also stores the segments of sessions' and cached
-// sequences' cells (issue 40, spill.go): Tier performs OpSave, OpDrop and OpPrefetch
-// (their failures are the tier's to count: nothing waits for them), Load an OpLoad.
+// SeqTierBackend is a tier's ability (Caps.SeqTier) to load the segments of sessions'
+// and cached sequences' cells (issue 40, spill.go) that its Tier stored: Tier performs
+// OpSave, OpDrop and OpPrefetch (their failures are the tier's to count: nothing waits
+// for them), Load an OpLoad.
 type SeqTierBackend interface {
-	TierBackend
 	// Load loads op.Segs in order into op.Seq, which holds [0, op.P0): each segment
 	// whole into a scratch sequence, then the positions op.Seq lacks (up to op.P1)
 	// shared from it, until one fails or the run is done; the answer says how far it
@@ -389,13 +378,13 @@ type SeqTierBackend interface {
 	Load(op SeqOp) (Loaded, error)
 }
 
-// AsyncTierBackend is a TierBackend that reads a restore's or a load's bytes off the
-// engine goroutine, so that other sequences' steps do not wait on a disk: it answers
-// such an OpRestore or OpLoad ErrTierPending and, once the bytes are in memory, sends
-// the op on TierReady; the engine then applies it again (the load into llama.cpp, on
-// the engine goroutine) if the pool or task still waits for it, or calls TierDiscard.
+// AsyncTierBackend is a tier's ability (Caps.AsyncTier) to read a restore's or a
+// load's bytes off the engine goroutine, so that other sequences' steps do not wait on
+// a disk: it answers such an OpRestore or OpLoad ErrTierPending and, once the bytes are
+// in memory, sends the op on TierReady; the engine then applies it again (the load into
+// llama.cpp, on the engine goroutine) if the pool or task still waits for it, or calls
+// TierDiscard.
 type AsyncTierBackend interface {
-	TierBackend
 	TierReady() <-chan SeqOp
 	TierDiscard(op SeqOp)
 }
@@ -404,88 +393,13 @@ type AsyncTierBackend interface {
 // read: no Restored answer yet (the pool keeps waiting).
 var ErrTierPending = errors.New("tier read in progress")
 
-// tierReady is be's channel of restores whose bytes are read (nil, which never
-// receives, for a backend that reads on the engine goroutine).
-func tierReady(be Backend) <-chan SeqOp {
-	if ab, ok := be.(AsyncTierBackend); ok {
-		return ab.TierReady()
-	}
-	return nil
-}
-
-// resumeRestore applies a restore whose bytes were read off the engine goroutine, if
-// its pool still waits for it on the same sequence (a late duplicate read, or a
-// materialization that ended meanwhile, must not load into a sequence that may now be
-// someone else's).
-func resumeRestore(sched *Scheduler, be Backend, op SeqOp, now time.Time) {
-	waits := sched.tierWaiting(op.Pool, op.Seq)
-	if op.Kind == OpLoad {
-		waits = sched.loadWaiting(op.Task, op.Seq)
-	}
-	if !waits {
-		be.(AsyncTierBackend).TierDiscard(op)
-		return
-	}
-	for _, m := range apply(be, Plan{SeqOps: []SeqOp{op}}) {
-		sched.Step(now, m)
-	}
-}
-
-// apply runs a plan's samplers and sequence operations on the backend and returns the
-// answers the scheduler needs before the next batch: one Restored per pool with a
-// restore planned (the last one: operations run in order, so it is what the pool's
-// sequence holds now) and one Loaded per load.
-func apply(be Backend, p Plan) []Msg {
-	var answers []Msg
-	for _, op := range p.Samplers {
-		if op.Free {
-			be.FreeSampler(op.Task)
-		} else {
-			be.NewSampler(op.Task, op.Params, op.Logprobs, op.History)
-		}
-	}
-	for _, op := range p.SeqOps {
-		switch op.Kind {
-		case OpSeqRm:
-			be.SeqRm(op.Seq, op.P0, op.P1)
-			if db, ok := be.(DraftBackend); ok && op.P0 == 0 {
-				db.DraftSeqRm(op.Seq) // the sequence is emptied: free the drafter's cells for it
-			}
-		case OpSeqCp:
-			be.SeqCp(op.Src, op.Seq, op.P0, op.P1)
-		case OpSpill, OpRestore, OpRecord, OpForget, OpSave, OpDrop, OpPrefetch:
-			var err error = errNoTier
-			if tb, ok := be.(TierBackend); ok {
-				err = tb.Tier(op)
-			}
-			if op.Kind == OpRestore {
-				answers = slices.DeleteFunc(answers, func(m Msg) bool { r, ok := m.(Restored); return ok && r.Pool == op.Pool })
-				if !errors.Is(err, ErrTierPending) {
-					answers = append(answers, Restored{Pool: op.Pool, Err: err})
-				}
-			}
-		case OpLoad:
-			ans := Loaded{Task: op.Task, Seq: op.Seq, N: op.P0, Missed: -1}
-			if sb, ok := be.(SeqTierBackend); ok {
-				ld, err := sb.Load(op)
-				if errors.Is(err, ErrTierPending) {
-					continue
-				}
-				ans = ld
-			}
-			answers = append(answers, ans)
-		}
-	}
-	return answers
-}
-
-var errNoTier = errors.New("the backend has no tier")
-
-// shutdown ends the streams after applying the operations planned since the last step:
-// a pool recorded for restarts (OpRecord) just before a clean shutdown is then on disk.
-func (e *Engine) shutdown(sched *Scheduler, be Backend, streams map[TaskID]*Stream) {
-	_ = apply(be, Plan{SeqOps: sched.ops})
-	sched.ops = nil
+// shutdown ends the streams after running the operations planned since the last step
+// (stopping): a pool recorded for restarts (OpRecord) just before a clean shutdown is
+// then on disk.
+func (e *Engine) shutdown(sched *Scheduler, d driver, streams map[TaskID]*Stream) {
+	now := time.Now()
+	sched.Step(now, stopping{})
+	_ = d.apply(sched.Ready(now, false).Plan)
 	for id, st := range streams {
 		st.push(Event{Task: id, Done: true, Finish: FinishError, Err: ErrEngineClosed})
 	}

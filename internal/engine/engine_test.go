@@ -38,6 +38,38 @@ func (l *lockedBackend) NewSampler(id TaskID, p SamplingParams, lp bool, h []Tok
 }
 func (l *lockedBackend) FreeSampler(id TaskID) { l.mu.Lock(); defer l.mu.Unlock(); l.f.FreeSampler(id) }
 
+// Caps implements Backend: the locked fake declares no ability beyond Backend but, when
+// the fake's slots is set, its slots and cell probe (under the lock).
+func (l *lockedBackend) Caps() Caps {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.f.slots {
+		return Caps{Slots: lockedSlots{l}, Probe: lockedSlots{l}}
+	}
+	return Caps{}
+}
+
+// lockedSlots is the locked fake's SlotBackend and CellProber.
+type lockedSlots struct{ l *lockedBackend }
+
+func (x lockedSlots) SaveSeq(seq int) ([]byte, error) {
+	x.l.mu.Lock()
+	defer x.l.mu.Unlock()
+	return x.l.f.SaveSeq(seq)
+}
+
+func (x lockedSlots) LoadSeq(seq, n int, data []byte) error {
+	x.l.mu.Lock()
+	defer x.l.mu.Unlock()
+	return x.l.f.LoadSeq(seq, n, data)
+}
+
+func (x lockedSlots) ProbeFits(seq, n int, tok Token) (bool, error) {
+	x.l.mu.Lock()
+	defer x.l.mu.Unlock()
+	return x.l.f.ProbeFits(seq, n, tok)
+}
+
 func startEngine(t *testing.T, cfg Config) (*Engine, *lockedBackend) {
 	t.Helper()
 	s, err := NewScheduler(cfg, fakeVocab{})

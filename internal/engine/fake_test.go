@@ -66,7 +66,30 @@ type fakeBackend struct {
 	grammar      func(prev, tok Token) bool
 	grammarTasks map[TaskID]bool
 	lastDrawn    map[TaskID]Token
+	// checkDrafts declares DraftFits in Caps (the scheduler then cuts drafts); slots
+	// declares SaveSeq, LoadSeq and ProbeFits.
+	checkDrafts, slots bool
 }
+
+// Caps implements Backend: the fake drafts and has a tier; it checks drafts against
+// its grammar (DraftChecker) only when checkDrafts is set, and saves and loads slots
+// and answers cell probes (slots_test.go) only when slots is set.
+func (f *fakeBackend) Caps() Caps {
+	c := Caps{Draft: f, Tier: f, SeqTier: f, AsyncTier: f}
+	if f.checkDrafts {
+		c.Check = f
+	}
+	if f.slots {
+		c.Slots, c.Probe = f, f
+	}
+	return c
+}
+
+// driver drives the fake as the engine loop drives a backend.
+func (f *fakeBackend) driver() driver { return driver{be: f, caps: f.Caps()} }
+
+// apply runs p on the fake (driver.apply).
+func apply(f *fakeBackend, p Plan) []Msg { return f.driver().apply(p) }
 
 // DraftFits implements DraftChecker with the fake grammar.
 func (f *fakeBackend) DraftFits(task TaskID, drafts []Token) int {
@@ -101,7 +124,7 @@ func (f *fakeBackend) constrain(task TaskID, tok Token) Token {
 	return tok
 }
 
-// TierReady implements AsyncTierBackend; tests call resumeRestore themselves.
+// TierReady implements AsyncTierBackend; tests send TierRead themselves.
 func (f *fakeBackend) TierReady() <-chan SeqOp { return nil }
 
 // TierDiscard implements AsyncTierBackend.
@@ -411,6 +434,7 @@ func newHarness(t *testing.T, cfg Config) *harness {
 	h := &harness{t: t, s: s, be: newFakeBackend(t, cfg.NCtx), now: time.Unix(1000, 0), events: map[TaskID][]Event{}}
 	h.be.recurrent = cfg.Recurrent
 	s.afterAdmit = h.checkLiveness
+	s.useBackend(h.be.Caps())
 	return h
 }
 
@@ -444,11 +468,13 @@ func (h *harness) submit(req Request) TaskID {
 // step runs one Plan/Decode/Commit round and returns the batch.
 func (h *harness) step() []BatchEntry {
 	h.now = h.now.Add(10 * time.Millisecond)
-	draftRound(h.s, h.be) // as the engine loop does before each plan
-	p := h.s.Plan(h.now)
-	for _, m := range apply(h.be, p) {
-		h.s.Step(h.now, m)
+	d := h.be.driver()
+	p := h.s.nextPlan(h.now)
+	if len(p.Drafts) > 0 { // the draft round, as the engine loop runs it
+		d.settle(h.s, h.now, p, nil)
+		p = h.s.nextPlan(h.now)
 	}
+	d.settle(h.s, h.now, p, nil)
 	h.collect()
 	if len(p.Batch) == 0 {
 		if n, last := h.s.Violations(); n > 0 {
@@ -508,9 +534,10 @@ func seqTokens(from, n int) []Token {
 }
 
 // send hands a message to the scheduler as the engine loop does: through Step, at the
-// harness's clock.
+// harness's clock, then runs the operations it needs before its reply.
 func (h *harness) send(m Msg) Result {
 	r := h.s.Step(h.now, m)
+	h.be.driver().settle(h.s, h.now, h.s.urgentPlan(), &r)
 	h.collect()
 	return r
 }

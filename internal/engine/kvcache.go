@@ -18,7 +18,9 @@ import (
 // (makeRoom's take), since taking a session's or a pool's cells changes its lifecycle.
 //
 // Its API is small: allocate, free, share (the three changes), longest/longestFrom
-// (the prefix lookup), victims, evictable and makeRoom (eviction), and the counts
+// (the prefix lookup), victims, evictable, makeRoom and draftRoom (eviction: the only
+// two loops that take cells, the second a bounded pass for speculative drafts), and
+// the counts
 // (used, room, owned, freedBy). The cell tree changes only through it (Append, Rm and
 // Cp are called here alone); readers that only look (the pool tree's ownership, the
 // residency reports, poolsUsed) read kv.cells directly.
@@ -234,6 +236,34 @@ func (kv *kvCache) makeRoom(now time.Time, want int, except *slot, planned int, 
 		take(vs[i], len(kv.cells.tokens(vs[i].seq())))
 	}
 	return kv.room(planned)
+}
+
+// draftRoom frees up to n cells for speculative drafts when too few are free, and
+// returns the cells freed: one pass over the victims in makeRoom's order, taking from
+// the tails of idle sequences (cached anonymous ones, idle sessions) what only they
+// hold, as a decode token does when the cache is full, but never a pool, which goes
+// whole. take is makeRoom's. Without it a server whose cache had filled (its steady
+// state under varied traffic: cached sequences and idle sessions keep their cells
+// until they are wanted) never drafted again. It costs little: a draft's cells come
+// back after its step (rejected ones are removed; accepted ones are tokens the session
+// would have decoded, which evict as decode tokens do), so the drafts of a session
+// take a window of cells once, not new ones every step; a session that loses tail
+// tokens to it prefills them again on its next turn.
+func (kv *kvCache) draftRoom(now time.Time, n int, take func(v victim, n int)) int {
+	before := kv.room(0)
+	for _, v := range kv.victims(now, nil) {
+		left := n - (kv.room(0) - before)
+		if left <= 0 {
+			break
+		}
+		if v.sl == nil {
+			continue
+		}
+		if x := kv.cells.Exclusive(v.sl.seq, 0); x > 0 {
+			take(v, min(x, left))
+		}
+	}
+	return kv.room(0) - before
 }
 
 // discard plans seq_rm(seq, p0, -1) of cells the last step wrote that the cell tree

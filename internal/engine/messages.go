@@ -93,6 +93,30 @@ type RecoverPool struct {
 	InTier        bool
 }
 
+// ProbeFits asks llama.cpp itself whether N more cells fit, written to the empty
+// sequence Seq as copies of token Tok, beside what the cache holds (diagnostics and
+// tests of the cell accounting). The backend must declare a CellProber (Caps.Probe).
+// Result: Fits, or Err. It plans an OpProbe that the driver runs at once.
+type ProbeFits struct {
+	Seq, N int
+	Tok    Token
+}
+
+// Probed is the driver's answer to an OpProbe.
+type Probed struct {
+	Fits bool
+	Err  error
+}
+
+// Drafted is the driver's answer to a plan's Drafts: the backend drafter's proposals
+// (none for a want it could not draft). The scheduler keeps them for the plan it
+// makes next (draft.go).
+type Drafted struct{ Props []DraftProposal }
+
+// stopping: the engine shuts down; the operations planned since the last step are
+// handed out to run at once.
+type stopping struct{}
+
 // Tick lets time pass: idle sessions expire, released pools are reclaimed, settle
 // windows close and held requests are let in or refused. Plan does the same first.
 type Tick struct{}
@@ -111,6 +135,11 @@ func (Reserve) isMsg()            {}
 func (ReleaseReservation) isMsg() {}
 func (Restored) isMsg()           {}
 func (RecoverPool) isMsg()        {}
+func (ProbeFits) isMsg()          {}
+func (Probed) isMsg()             {}
+func (Drafted) isMsg()            {}
+func (TierRead) isMsg()           {}
+func (stopping) isMsg()           {}
 
 // Result is the scheduler's answer to one message; which fields are set depends on the
 // message (see each type). Err is the refusal, mapped to an HTTP status by the API.
@@ -126,7 +155,9 @@ type Result struct {
 	Tokens []Token
 	Data   []byte
 	Erased int
-	Err    error
+	// Fits: ProbeFits's answer.
+	Fits bool
+	Err  error
 }
 
 // Flushed is what FlushPool freed.
@@ -138,6 +169,11 @@ type Flushed struct {
 // Step applies one message at time now. It is the scheduler's only entry for inputs;
 // the sequence operations and samplers it plans run before the next batch (Plan).
 func (s *Scheduler) Step(now time.Time, m Msg) Result {
+	if m, ok := m.(Drafted); ok {
+		// Part of planning the coming step, not news from outside: no snapshot is due.
+		s.drafted(m)
+		return Result{}
+	}
 	s.now = now
 	s.snapDue = true // a reader must see the message's effect (Ready)
 	switch m := m.(type) {
@@ -183,8 +219,19 @@ func (s *Scheduler) Step(now time.Time, m Msg) Result {
 		return Result{Tokens: toks, Err: err}
 	case LoadSlot:
 		return Result{Err: s.loadSlot(m)}
-	case slotLoaded:
-		s.slotLoaded(m)
+	case SlotDone:
+		return s.slotDone(m)
+	case ProbeFits:
+		s.urgent = append(s.urgent, SeqOp{Kind: OpProbe, Seq: m.Seq, P1: m.N, Tok: m.Tok})
+	case Probed:
+		return Result{Fits: m.Fits, Err: m.Err}
+	case TierRead:
+		s.tierRead(m.Op)
+	case stopping:
+		// Operations planned since the last step still run: a pool recorded for
+		// restarts (OpRecord) just before a clean shutdown is then on disk.
+		s.urgent = append(s.urgent, s.ops...)
+		s.ops = nil
 	case EraseSlot:
 		n, err := s.eraseSlot(m)
 		return Result{Erased: n, Err: err}

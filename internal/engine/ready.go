@@ -8,12 +8,16 @@ import "time"
 // Observer, and a snapshot for readers when one is due (nil otherwise, as raft's
 // SoftState is nil when unchanged). Each Ready drains what it holds: nothing is handed
 // out twice, so the driver needs no Advance. The driver acts on it in this order: run
-// the plan's samplers and sequence operations (answering planned restores through
-// Step), publish the snapshot, deliver the events (a reader woken by an event already
-// sees its effect), then decode the plan's batch and Commit.
+// the plan's samplers, drafts and sequence operations (answering each that has an
+// answer through Step), publish the snapshot, deliver the events (a reader woken by an
+// event already sees its effect), then decode the plan's batch and Commit. Nothing
+// leaves the scheduler any other way: draft rounds, tier restores and loads, slot
+// copies and probes are all operations of a Ready's plan.
 type Ready struct {
-	// Plan is the next step (Scheduler.Plan); empty unless the Ready was asked with
-	// plan set.
+	// Plan is the next step (Scheduler.Plan), or with Drafts the draft round before it;
+	// empty unless the Ready was asked with plan set. Operations a message needs
+	// before its reply (a slot's copy, a probe, a tier read that came in) come first,
+	// in a Plan of their own with no batch, plan set or not.
 	Plan         Plan
 	Events       []Event
 	Observations []Observation
@@ -29,13 +33,16 @@ type Ready struct {
 const snapshotEvery = 50 * time.Millisecond
 
 // Ready returns the scheduler's outputs at now; with plan, it first builds the next
-// step (Plan). The driver asks without plan after each message it steps and after
+// step (nextPlan). The driver asks without plan after each message it steps and after
 // Commit, and with plan once its inbox is drained.
 func (s *Scheduler) Ready(now time.Time, plan bool) Ready {
 	var rd Ready
 	due := s.snapDue
-	if plan {
-		rd.Plan = s.Plan(now)
+	switch {
+	case len(s.urgent) > 0:
+		rd.Plan = s.urgentPlan()
+	case plan:
+		rd.Plan = s.nextPlan(now)
 		p := rd.Plan
 		due = due || len(p.Batch) == 0 && (len(p.SeqOps) > 0 || len(p.Samplers) > 0)
 	}
@@ -49,4 +56,21 @@ func (s *Scheduler) Ready(now time.Time, plan bool) Ready {
 		s.snapAt, s.snapDue = now, false
 	}
 	return rd
+}
+
+// nextPlan is the next step's plan, or the draft round that must come before it (a
+// plan holding only Drafts; the driver answers Drafted and asks again).
+func (s *Scheduler) nextPlan(now time.Time) Plan {
+	if w := s.draftRequest(); len(w) > 0 {
+		return Plan{Drafts: w}
+	}
+	return s.Plan(now)
+}
+
+// urgentPlan hands out the operations messages need run before their replies (Ready
+// hands them out first).
+func (s *Scheduler) urgentPlan() Plan {
+	p := Plan{SeqOps: s.urgent}
+	s.urgent = nil
+	return p
 }

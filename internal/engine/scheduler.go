@@ -131,6 +131,12 @@ const (
 	OpLoad     // load Segs into Seq, which holds [0, P0), up to P1; the driver answers Loaded for Task
 	OpDrop     // the segment [P0, P1) named by Tokens is superseded: the store may drop it
 	OpPrefetch // read Segs from disk into memory ahead of an OpLoad (no answer)
+	// Operations a message needs before its reply (they come out of the Ready that
+	// follows it, plan or not):
+	OpSlotSave // copy session sequence Seq's KV out; the driver answers SlotDone with the bytes
+	OpSlotLoad // load Data into Seq, which then holds Tokens; the driver answers SlotDone
+	OpProbe    // do P1 copies of token Tok fit in the empty Seq (ProbeFits)? The driver answers Probed
+	OpDiscard  // drop the bytes read for an op of kind Of that nothing waits for any more (TierRead)
 )
 
 // SeqOp is one sequence operation.
@@ -155,6 +161,11 @@ type SeqOp struct {
 	Whole bool
 	Segs  []Segment
 	Task  TaskID
+	// Data (OpSlotLoad): the saved KV; Tok (OpProbe): the token written; Of
+	// (OpDiscard): the kind of the op whose read is dropped.
+	Data []byte
+	Tok  Token
+	Of   OpKind
 }
 
 // SamplerOp creates or frees a task's sampler.
@@ -166,12 +177,19 @@ type SamplerOp struct {
 	History  []Token
 }
 
-// Plan is what the driver must do now, in order: samplers, sequence ops, then decode
-// Batch (if any) and hand the result to Commit.
+// Plan is what the driver must do now, in order: samplers, drafts, sequence ops, then
+// decode Batch (if any) and hand the result to Commit. Each operation that has an
+// answer (Drafts: Drafted; OpRestore: Restored; OpLoad: Loaded; OpSlotSave,
+// OpSlotLoad: SlotDone; OpProbe: Probed) is answered through Step before the batch
+// runs.
 type Plan struct {
 	Samplers []SamplerOp
-	SeqOps   []SeqOp
-	Batch    []BatchEntry
+	// Drafts is the draft round before a step (draft.go): the sessions whose drafts
+	// the backend's drafter (Caps.Draft) proposes. A plan with Drafts holds nothing
+	// else: the driver answers Drafted and asks for the plan again.
+	Drafts []DraftWant
+	SeqOps []SeqOp
+	Batch  []BatchEntry
 }
 
 // slot is one sequence of the cache: a session's, or a pool's while it materializes.
@@ -296,6 +314,10 @@ type Scheduler struct {
 
 	ops      []SeqOp
 	samplers []SamplerOp
+	// urgent are operations a message needs run before its reply (a slot's bytes, a
+	// cell probe, a tier read that came in, what is pending at shutdown): the next
+	// Ready hands them out, plan or not, ahead of any step.
+	urgent   []SeqOp
 	events   []Event
 	obs      []Observation
 	inflight []inflight
@@ -309,8 +331,15 @@ type Scheduler struct {
 	// drafters are the speculation types' drafters, in --spec-type order (drafter.go).
 	drafters []Drafter
 	// draftCheck cuts grammar requests' drafts (nil: they are verified uncut; see
-	// DraftChecker). Set by New when the backend has it.
+	// DraftChecker): the backend's Caps.Check (useBackend).
 	draftCheck DraftChecker
+	// The backend's other abilities the scheduler plans around (useBackend): a
+	// drafter with a model (the draft round before each plan: draft.go) and slots.
+	modelDrafts, slotIO bool
+	// The draft round of the coming plan: the wants asked for (Plan.Drafts) and
+	// whether their answer (Drafted) came; Plan starts the next round.
+	draftAsked []DraftWant
+	draftsIn   bool
 	// Prefix cache counters (issue 12): prompt tokens served from cached prefixes,
 	// and evictions of cached anonymous sequences' cells.
 	cacheHits      int64
@@ -1047,6 +1076,7 @@ func waitPhrase(reason string) string {
 // Plan builds the next step: one decode token for every generating task, then prompt
 // chunks in admission order with what is left of the batch (chunked prefill).
 func (s *Scheduler) Plan(now time.Time) Plan {
+	s.draftsIn = false // the next plan has a draft round of its own
 	s.now = now
 	s.planAt = now
 	s.advance()

@@ -8,9 +8,11 @@ import (
 )
 
 // llama-server's slot save/restore/erase (issue 25), on PolyKV's session sequences. The
-// scheduler checks and does the bookkeeping; the engine loop copies the bytes with the
-// backend (SlotBackend) right after the step, since only it touches the cache; the
-// file is the API's business.
+// scheduler checks and does the bookkeeping and plans the copy (OpSlotSave,
+// OpSlotLoad) to run before the message's reply: the engine loop finds it in the Ready
+// that follows the step, copies the bytes with the backend (Caps.Slots), since only it
+// touches the cache, and answers SlotDone, which is the reply's data. The file is the
+// API's business.
 
 // SaveSlot asks for what session sequence Seq holds, to save it. Result: Tokens and
 // Data (the sequence's KV, from SlotBackend.SaveSeq). A running sequence is refused.
@@ -29,19 +31,25 @@ type LoadSlot struct {
 // Erased, the tokens it held.
 type EraseSlot struct{ Seq int }
 
-// slotLoaded is the engine loop's answer to a LoadSlot.
-type slotLoaded struct {
-	seq    int
-	tokens []Token
-	err    error
+// SlotDone is the driver's answer to an OpSlotSave (Data: the sequence's KV) or an
+// OpSlotLoad (Load; the sequence then holds Tokens): Err says why it failed (a failed
+// load leaves the sequence holding nothing). Result: Data and Err, the reply to the
+// SaveSlot or LoadSlot.
+type SlotDone struct {
+	Seq    int
+	Load   bool
+	Tokens []Token
+	Data   []byte
+	Err    error
 }
 
-func (SaveSlot) isMsg()   {}
-func (LoadSlot) isMsg()   {}
-func (EraseSlot) isMsg()  {}
-func (slotLoaded) isMsg() {}
+func (SaveSlot) isMsg()  {}
+func (LoadSlot) isMsg()  {}
+func (EraseSlot) isMsg() {}
+func (SlotDone) isMsg()  {}
 
-// SlotBackend is a backend that can copy a sequence's KV out and back in.
+// SlotBackend is a backend's ability (Caps.Slots) to copy a sequence's KV out and back
+// in.
 type SlotBackend interface {
 	SaveSeq(seq int) ([]byte, error)
 	// LoadSeq loads data into seq (which it empties first) and checks that it then
@@ -69,11 +77,18 @@ func (s *Scheduler) saveSlot(m SaveSlot) ([]Token, error) {
 	if len(sl.tokens) == 0 {
 		return nil, fmt.Errorf("%w: slot %d holds nothing to save", pool.ErrBadRequest, m.Seq)
 	}
+	if !s.slotIO {
+		return nil, errNoSlots
+	}
+	// Operations planned since the last step go first: a task that just ended may
+	// leave rejected draft cells that the next step would remove (speculative.go).
+	s.urgent = append(append(s.urgent, s.ops...), SeqOp{Kind: OpSlotSave, Seq: m.Seq})
+	s.ops = nil
 	return slices.Clone(sl.tokens), nil
 }
 
-// loadSlot empties the slot and makes room for the tokens; the engine loop then loads
-// the bytes and answers slotLoaded.
+// loadSlot empties the slot and makes room for the tokens, then plans the load (the
+// driver answers SlotDone).
 func (s *Scheduler) loadSlot(m LoadSlot) error {
 	sl, err := s.idleSlot(m.Seq)
 	if err != nil {
@@ -86,17 +101,25 @@ func (s *Scheduler) loadSlot(m LoadSlot) error {
 	if free := s.freeCells(len(m.Tokens), sl, 0); free < len(m.Tokens) {
 		return fmt.Errorf("%w: %d cells free, the slot needs %d", ErrQueueFull, free, len(m.Tokens))
 	}
+	if !s.slotIO {
+		return errNoSlots
+	}
+	// The slot's old cells go first: LoadSeq writes into free cells.
+	s.urgent = append(append(s.urgent, s.ops...), SeqOp{Kind: OpSlotLoad, Seq: m.Seq, Tokens: m.Tokens, Data: m.Data})
+	s.ops = nil
 	return nil
 }
 
-func (s *Scheduler) slotLoaded(m slotLoaded) {
-	if m.err != nil {
-		return // the sequence holds nothing (SlotBackend.LoadSeq)
+// slotDone applies the driver's answer to a slot's copy; its data and error are the
+// reply.
+func (s *Scheduler) slotDone(m SlotDone) Result {
+	if m.Load && m.Err == nil && m.Seq >= 0 && m.Seq < len(s.slots) {
+		sl := s.slots[m.Seq]
+		s.kv.allocate(sl.seq, m.Tokens)
+		sl.tokens = slices.Clone(m.Tokens)
+		sl.lastUsed = s.now
 	}
-	sl := s.slots[m.seq]
-	s.kv.allocate(sl.seq, m.tokens)
-	sl.tokens = slices.Clone(m.tokens)
-	sl.lastUsed = s.now
+	return Result{Data: m.Data, Err: m.Err}
 }
 
 func (s *Scheduler) eraseSlot(m EraseSlot) (int, error) {
@@ -107,37 +130,6 @@ func (s *Scheduler) eraseSlot(m EraseSlot) (int, error) {
 	n := len(sl.tokens)
 	s.evictSlot(sl)
 	return n, nil
-}
-
-// slotIO does the byte copies of the slot messages on the engine goroutine, right
-// after the scheduler accepted them (res.Err nil).
-func slotIO(sched *Scheduler, be Backend, msg Msg, res *Result) {
-	sb, ok := be.(SlotBackend)
-	switch m := msg.(type) {
-	case SaveSlot:
-		if !ok {
-			res.Err = errNoSlots
-			return
-		}
-		// Operations planned since the last step go first: a task that just ended may
-		// leave rejected draft cells that the next step would remove (speculative.go).
-		ops := sched.ops
-		sched.ops = nil
-		for _, m := range apply(be, Plan{SeqOps: ops}) {
-			sched.Step(sched.now, m) // a restore's answer
-		}
-		res.Data, res.Err = sb.SaveSeq(m.Seq)
-	case LoadSlot:
-		err := errNoSlots
-		if ok {
-			// The slot's old cells go first: LoadSeq writes into free cells.
-			_ = apply(be, Plan{SeqOps: sched.ops})
-			sched.ops = nil
-			err = sb.LoadSeq(m.Seq, len(m.Tokens), m.Data)
-		}
-		sched.Step(sched.now, slotLoaded{seq: m.Seq, tokens: m.Tokens, err: err})
-		res.Err = err
-	}
 }
 
 var errNoSlots = fmt.Errorf("%w: this backend cannot save or load slots", pool.ErrBadRequest)

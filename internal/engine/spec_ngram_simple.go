@@ -65,7 +65,7 @@ func ngramSimpleCheck(sp Spec) error {
 func (d *ngramSimple) NewSession() DraftSession { return &ngramSession{d: d} }
 
 // ngramSession is a session's match in the current step, for the context it was found
-// in (its length and next token): looked up once per step, though DraftWants asks
+// in (its length and next token): looked up once per step, though draftWants asks
 // whether ngram-simple proposes before it asks a backend drafter and Plan asks again
 // for the proposal to verify, with another minimum (a probe's) or k (the step's real
 // room), which only ngramFrom uses. EndStep clears it.

@@ -166,32 +166,10 @@ func (s *Scheduler) draftMin(t *task) int {
 	return max(s.cfg.Spec.DraftMin, 1)
 }
 
-// draftRoom evicts up to n cells for drafts when too few are free: from the tails of
-// idle sequences (cached anonymous ones, idle sessions), least recently used first, as a
-// decode token does when the cache is full, but never a pool, which goes whole. It
-// returns the cells freed. Without it a server whose cache had filled (its steady state
-// under varied traffic: cached sequences and idle sessions keep their cells until they
-// are wanted) never drafted again. It costs little: a draft's cells come back after its
-// step (rejected ones are removed; accepted ones are tokens the session would have
-// decoded, which evict as decode tokens do), so the drafts of a session take a window
-// of cells once, not new ones every step; a session that loses tail tokens to it
-// prefills them again on its next turn.
-func (s *Scheduler) draftRoom(n int) int {
-	before := s.kv.room(0)
-	for _, v := range s.kv.victims(s.now, nil) {
-		left := n - (s.kv.room(0) - before)
-		if left <= 0 {
-			break
-		}
-		if v.sl == nil {
-			continue
-		}
-		if x := s.kv.cells.Exclusive(v.sl.seq, 0); x > 0 {
-			s.evictVictim(v, min(x, left))
-		}
-	}
-	return s.kv.room(0) - before
-}
+// draftRoom frees up to n cells for drafts when too few are free, and returns the
+// cells freed: a request to the KV-cache manager (kvCache.draftRoom), which alone
+// evicts; each victim's loss is taken as any eviction's (evictVictim).
+func (s *Scheduler) draftRoom(n int) int { return s.kv.draftRoom(s.now, n, s.evictVictim) }
 
 // specOn reports whether t drafts: a generating task of a server with speculation on
 // that did not turn it off. Grammar-constrained requests (tools, JSON schema, lazy

@@ -555,7 +555,8 @@ func TestSpeculativeGrammar(t *testing.T) {
 		h.be.model = fakeRepeater(9)
 		h.be.grammar = fakeGrammar
 		if check {
-			h.s.draftCheck = h.be
+			h.be.checkDrafts = true
+			h.s.useBackend(h.be.Caps())
 		}
 		var ids []TaskID
 		for i := range 4 {

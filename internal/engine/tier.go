@@ -61,6 +61,26 @@ func (s *Scheduler) tierWaiting(pool, seq int) bool {
 	return slices.ContainsFunc(s.running, func(t *task) bool { return t.tierWait && t.pool.ID == pool && t.pool.Seq == seq })
 }
 
+// TierRead is the driver's word that the bytes of an OpRestore or OpLoad it answered
+// ErrTierPending are in memory now (AsyncTierBackend.TierReady). If the op's pool or
+// task still waits for it on the same sequence, the scheduler plans the op again, to
+// run at once (the load into llama.cpp, then its Restored or Loaded answer); if not
+// (a late duplicate read, or a materialization or task that ended meanwhile: the
+// sequence may be someone else's now), it plans dropping the bytes (OpDiscard).
+type TierRead struct{ Op SeqOp }
+
+// tierRead applies a TierRead.
+func (s *Scheduler) tierRead(op SeqOp) {
+	waits := s.tierWaiting(op.Pool, op.Seq)
+	if op.Kind == OpLoad {
+		waits = s.loadWaiting(op.Task, op.Seq)
+	}
+	if !waits {
+		op.Of, op.Kind = op.Kind, OpDiscard
+	}
+	s.urgent = append(s.urgent, op)
+}
+
 // tierPending counts the cells restores planned and not yet answered will write.
 func (s *Scheduler) tierPending() int {
 	n := 0

@@ -142,7 +142,7 @@ func TestTierAsyncRead(t *testing.T) {
 	}
 	op := h.be.reads[0]
 	h.be.read[r] = true
-	resumeRestore(h.s, h.be, op, h.now)
+	h.send(TierRead{Op: op})
 	from := len(h.be.batches)
 	h.run()
 	ev, _ := h.done(tid)
@@ -158,7 +158,7 @@ func TestTierAsyncRead(t *testing.T) {
 	// sequence reused) is discarded: nothing is loaded again.
 	held := len(h.be.kv[op.Seq])
 	h.be.read[r] = true
-	resumeRestore(h.s, h.be, op, h.now)
+	h.send(TierRead{Op: op})
 	if h.be.discarded != 1 || h.be.tierRestores != 1 || len(h.be.kv[op.Seq]) != held {
 		t.Fatalf("read of a restore no longer awaited: %d discarded, %d restores, seq %d holds %d cells (had %d); want it discarded, nothing loaded",
 			h.be.discarded, h.be.tierRestores, op.Seq, len(h.be.kv[op.Seq]), held)

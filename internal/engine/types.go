@@ -187,13 +187,15 @@ type Backend interface {
 	NewSampler(task TaskID, p SamplingParams, logprobs bool, history []Token)
 	// FreeSampler drops task's sampler.
 	FreeSampler(task TaskID)
+	// Caps declares what else the backend can do; the engine asks once, at New.
+	Caps() Caps
 }
 
-// DraftChecker is a Backend that can check speculative drafts against a task's
-// grammar before they are planned (speculative.go): the scheduler cuts a grammar
-// request's proposal at the first token its sampler could never draw, so a draft the
-// grammar forbids costs no batch row. Without it a grammar request's drafts are still
-// verified exactly (the forbidden one is simply rejected).
+// DraftChecker is a backend's ability (Caps.Check) to check speculative drafts against
+// a task's grammar before they are planned (speculative.go): the scheduler cuts a
+// grammar request's proposal at the first token its sampler could never draw, so a
+// draft the grammar forbids costs no batch row. Without it a grammar request's drafts
+// are still verified exactly (the forbidden one is simply rejected).
 type DraftChecker interface {
 	// DraftFits reports how many of drafts, in order, task's sampler allows right
 	// after the tokens it has drawn so far (its grammar's state after the task's

@@ -657,6 +657,13 @@ func triggers(ts []engine.GrammarTrigger) []llama.GrammarTrigger {
 	return out
 }
 
+// Caps implements engine.Backend: the runner has every ability. Drafting without a
+// drafter (EnableDrafter) proposes nothing, and the tier's operations without a store
+// (EnableTier) do nothing and load nothing.
+func (b *Backend) Caps() engine.Caps {
+	return engine.Caps{Draft: b, Check: b, Tier: b, SeqTier: b, AsyncTier: b, Slots: b, Probe: b}
+}
+
 // FreeSampler implements engine.Backend.
 func (b *Backend) FreeSampler(task engine.TaskID) {
 	if s, ok := b.samplers[task]; ok {

@@ -198,6 +198,9 @@ func (b *Backend) NewSampler(task engine.TaskID, p engine.SamplingParams, logpro
 }
 
 // FreeSampler implements engine.Backend.
+// Caps implements engine.Backend: the fake has no ability beyond engine.Backend.
+func (b *Backend) Caps() engine.Caps { return engine.Caps{} }
+
 func (b *Backend) FreeSampler(task engine.TaskID) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
