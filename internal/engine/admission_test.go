@@ -247,7 +247,7 @@ func TestTPSSnapshotAndAggregate(t *testing.T) {
 	if r := snap.Sessions[0].TPSEWMA; r < 30 || r > 36 {
 		t.Fatalf("session rate %f", r)
 	}
-	if snap.Sessions[0].CtxUsed == 0 || snap.Sessions[0].CtxHeadroomTokens != h.s.cfg.NCtx-h.s.kv.used() {
+	if snap.Sessions[0].CtxUsed == 0 || snap.Sessions[0].CtxHeadroomTokens != h.s.cfg.NCtx-h.s.kv.Used() {
 		t.Fatalf("context fields %+v", snap.Sessions[0])
 	}
 }

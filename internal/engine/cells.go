@@ -1,7 +1,7 @@
 package engine
 
 // The scheduler's side of the cells: what happens to a sequence, a session or a pool
-// when its cells go (the KV-cache manager, kvcache.go, owns the cells themselves).
+// when its cells go (the KV-cache manager, package kvcache, owns the cells themselves).
 
 import (
 	"time"
@@ -25,7 +25,7 @@ func (s *Scheduler) reservedPrefill() int {
 // session (if any) stays bound to the sequence.
 func (s *Scheduler) resetSlot(sl *slot) {
 	if len(sl.tokens) > 0 {
-		s.kv.free(sl.seq, 0)
+		s.kv.Free(sl.seq, 0)
 	}
 	sl.tokens = nil
 	s.detach(sl)
@@ -60,7 +60,7 @@ func (s *Scheduler) truncate(sl *slot, n int) {
 		n = 0 // recurrent state cannot be cut back: the sequence goes whole
 	}
 	if n < len(sl.tokens) {
-		s.kv.free(sl.seq, n)
+		s.kv.Free(sl.seq, n)
 		sl.tokens = sl.tokens[:n]
 	}
 	if sl.shared > n {
@@ -87,11 +87,11 @@ func (s *Scheduler) detach(sl *slot) {
 }
 
 // freeCells makes room until want cells are free or nothing is left to evict, and
-// returns the free count: the KV-cache manager picks the victims (kvCache.makeRoom),
+// returns the free count: the KV-cache manager picks the victims (kvcache.MakeRoom),
 // evictVictim takes each. planned are cells already promised to the batch being
 // built; except is never taken.
 func (s *Scheduler) freeCells(want int, except *slot, planned int) int {
-	return s.kv.makeRoom(s.now, want, except, planned, s.evictVictim)
+	return s.kv.MakeRoom(s.now, want, exceptSeq(except), planned, s.take)
 }
 
 // evictVictim takes n cells from a victim's tail (a pool: all of its own). With the

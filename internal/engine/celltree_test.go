@@ -4,10 +4,12 @@ import (
 	"math/rand/v2"
 	"slices"
 	"testing"
+
+	"github.com/polykv/polykv/internal/engine/kvcache"
 )
 
-// TestCellTreeMirrorsCache drives the cell tree and the fake cache with the same random
-// appends, copies and removals: the tree's cells in use, each sequence's tokens and the
+// TestCellTreeMirrorsCache drives the KV-cache manager (package kvcache) and the fake
+// cache with the same random appends, copies and removals: the tree's cells in use, each sequence's tokens and the
 // cells removing a set would free must equal the fake cache's, and ownership must sum
 // to the cells in use.
 func TestCellTreeMirrorsCache(t *testing.T) {
@@ -15,7 +17,8 @@ func TestCellTreeMirrorsCache(t *testing.T) {
 	for round := range 200 {
 		r := rand.New(rand.NewPCG(uint64(round), 7))
 		be := newFakeBackend(t, 1<<20)
-		c := newCellTree(firstPool)
+		kv := kvcache.New(kvcache.Config{NCtx: 1 << 20, FirstPool: firstPool, Plan: noPlan{}})
+		c := kv.Cells()
 		for range 60 {
 			seq := r.IntN(nSeq)
 			switch r.IntN(4) {
@@ -28,7 +31,7 @@ func TestCellTreeMirrorsCache(t *testing.T) {
 					be.nextCell++
 					be.kv[seq] = append(be.kv[seq], fakeCell{id: be.nextCell, tok: tk})
 				}
-				c.Append(seq, toks)
+				kv.Allocate(seq, toks)
 			case 2:
 				src := r.IntN(nSeq)
 				if src == seq || len(be.kv[src]) == 0 {
@@ -36,9 +39,9 @@ func TestCellTreeMirrorsCache(t *testing.T) {
 				}
 				p1 := 1 + r.IntN(len(be.kv[src]))
 				be.SeqRm(seq, 0, -1)
-				c.Rm(seq, 0)
+				kv.Free(seq, 0)
 				be.SeqCp(src, seq, 0, p1)
-				c.Cp(src, seq, p1)
+				kv.Share(src, seq, p1)
 			case 3:
 				q := r.IntN(len(be.kv[seq]) + 1)
 				want := 0
@@ -51,26 +54,26 @@ func TestCellTreeMirrorsCache(t *testing.T) {
 					t.Fatalf("round %d: exclusive(%d, %d) = %d, want %d", round, seq, q, got, want)
 				}
 				be.SeqRm(seq, q, -1)
-				c.Rm(seq, q)
+				kv.Free(seq, q)
 			}
-			if c.total != be.cells() {
-				t.Fatalf("round %d: tree %d cells, cache %d", round, c.total, be.cells())
+			if kv.Used() != be.cells() {
+				t.Fatalf("round %d: tree %d cells, cache %d", round, kv.Used(), be.cells())
 			}
 			sum := 0
 			for q := range nSeq {
 				sum += c.Owned(q)
-				if !slices.Equal(c.tokens(q), be.tokens(q)) {
-					t.Fatalf("round %d: seq %d tree %v cache %v", round, q, c.tokens(q), be.tokens(q))
+				if !slices.Equal(c.Tokens(q), be.tokens(q)) {
+					t.Fatalf("round %d: seq %d tree %v cache %v", round, q, c.Tokens(q), be.tokens(q))
 				}
 			}
-			if sum != c.total {
-				t.Fatalf("round %d: Σ owned %d != %d cells", round, sum, c.total)
+			if sum != kv.Used() {
+				t.Fatalf("round %d: Σ owned %d != %d cells", round, sum, kv.Used())
 			}
-			var set seqSet
+			var set kvcache.SeqSet
 			in := map[int]bool{}
 			for q := range nSeq {
 				if r.IntN(2) == 0 {
-					set.add(q)
+					set.Add(q)
 					in[q] = true
 				}
 			}
@@ -111,97 +114,8 @@ func cellHolders(be *fakeBackend, id int) int {
 	return n
 }
 
-// TestCellTreeLongest: the longest held prefix wins, limited to the prompt's limit.
-func TestCellTreeLongest(t *testing.T) {
-	c := newCellTree(10)
-	c.Append(0, seqTokens(1, 10))
-	c.Cp(0, 1, 6)
-	c.Append(1, []Token{50, 51})
-	c.Append(2, seqTokens(1, 3)) // the same tokens in other cells
-	for _, tc := range []struct {
-		prompt     []Token
-		limit, P   int
-		holderSeqs []int
-	}{
-		{seqTokens(1, 10), 9, 9, []int{0}},
-		{append(seqTokens(1, 6), 50, 51, 52), 8, 8, []int{1}},
-		{append(seqTokens(1, 6), 77), 6, 6, []int{0, 1}},
-		{append(seqTokens(1, 2), 9), 3, 2, []int{0, 1}},
-		{[]Token{99}, 1, 0, nil},
-	} {
-		P, n := c.Longest(tc.prompt, tc.limit)
-		var holders []int
-		if n != nil {
-			n.holders.each(func(q int) bool { holders = append(holders, q); return true })
-		}
-		if P != tc.P || !slices.Equal(holders, tc.holderSeqs) {
-			t.Errorf("Longest(%v, %d) = %d held by %v, want %d by %v", tc.prompt, tc.limit, P, holders, tc.P, tc.holderSeqs)
-		}
-	}
-}
+// noPlan drops the manager's planned operations (a test that applies them itself).
+type noPlan struct{}
 
-// TestCellTreeFreedKeeps: cells a placement is about to copy from keep are not counted
-// as freed by evicting keep, partially covered runs included.
-func TestCellTreeFreedKeeps(t *testing.T) {
-	c := newCellTree(10)
-	c.Append(0, seqTokens(1, 10))
-	c.Append(0, seqTokens(50, 5)) // still one run: seq 0 holds it alone
-	c.Cp(0, 1, 4)                 // splits at 4: [0,4) shared, [4,15) seq 0's
-	var set seqSet
-	set.add(0)
-	for _, tc := range []struct{ keepTo, want int }{{0, 11}, {4, 11}, {6, 9}, {15, 0}} {
-		if got := c.Freed(set, 0, tc.keepTo); got != tc.want {
-			t.Errorf("evicting seq 0 keeping [0, %d): %d freed, want %d", tc.keepTo, got, tc.want)
-		}
-	}
-	set.add(1)
-	if got := c.Freed(set, -1, 0); got != 15 {
-		t.Errorf("evicting both: %d, want 15", got)
-	}
-	if got := c.Exclusive(0, 0); got != 11 {
-		t.Errorf("exclusive(0) = %d, want 11", got)
-	}
-	if c.Owned(0) != 15 || c.Owned(1) != 0 {
-		t.Errorf("owned: seq 0 %d, seq 1 %d; the writer keeps ownership", c.Owned(0), c.Owned(1))
-	}
-	c.Rm(0, 0)
-	if c.total != 4 || c.Owned(1) != 4 {
-		t.Errorf("after seq 0 lets go: %d cells, seq 1 owns %d; want 4 and 4", c.total, c.Owned(1))
-	}
-}
-
-// TestCellTreeLongestFrom: a fork's lookup stays below its parent's node at D: it
-// follows the parent's own cells when they go on matching (at D inside a run too), it
-// finds other sequences below that node, and never same-token cells elsewhere.
-func TestCellTreeLongestFrom(t *testing.T) {
-	c := newCellTree(10)
-	c.Append(10, seqTokens(1, 20))            // the parent pool: one run [0, 20)
-	c.Cp(10, 0, 20)                           // a request borrowed it
-	c.Append(0, seqTokens(30, 6))             // and prefilled 30..35 below it
-	c.Append(1, append(seqTokens(1, 20), 30)) // the same tokens in cells of its own
-	c.Append(1, seqTokens(31, 9))
-	for _, tc := range []struct {
-		at         int
-		prompt     []Token
-		P          int
-		holderSeqs []int
-	}{
-		// D inside the parent's run, the child's tokens go on as the parent's.
-		{10, seqTokens(1, 15), 15, []int{0, 10}},
-		// D inside the run, then a token of its own.
-		{10, append(seqTokens(1, 10), 99), 10, []int{0, 10}},
-		// D at the run's end: seq 0's cells below it; seq 1's longer match is elsewhere.
-		{20, append(seqTokens(1, 20), seqTokens(30, 9)...), 26, []int{0}},
-		// at 0: the whole tree (seq 1 holds the longest).
-		{0, append(seqTokens(1, 20), seqTokens(30, 9)...), 29, []int{1}},
-	} {
-		P, n := c.LongestFrom(10, tc.at, tc.prompt, len(tc.prompt))
-		var holders []int
-		if n != nil {
-			n.holders.each(func(q int) bool { holders = append(holders, q); return true })
-		}
-		if P != tc.P || !slices.Equal(holders, tc.holderSeqs) {
-			t.Errorf("LongestFrom(at %d, %v) = %d held by %v, want %d by %v", tc.at, tc.prompt, P, holders, tc.P, tc.holderSeqs)
-		}
-	}
-}
+func (noPlan) SeqRm(int, int)      {}
+func (noPlan) SeqCp(int, int, int) {}

@@ -59,17 +59,20 @@
 // without a pool or a known session starts from the longest prefix any sequence holds
 // (seq_cp, or taking over a cached sequence), waits while a prefilling task will soon
 // hold a longer one, and its sequence stays as cache when it ends. The cell tree
-// (celltree.go) mirrors which sequences share which cells, exactly as llama.cpp does:
+// (kvcache/celltree.go) mirrors which sequences share which cells, exactly as llama.cpp does:
 // it is the cell accounting (used cells, ownership, what an eviction frees) and the
-// longest-prefix index. The KV-cache manager (kvCache, kvcache.go) owns it behind a
-// small API (allocate, free, share, longest prefix, victims, makeRoom, draftRoom): the
+// longest-prefix index. The KV-cache manager (package kvcache, its own package) owns it
+// behind a small API (Allocate, Free, Share, Longest, Victims, MakeRoom, DraftRoom): the
 // scheduler plans and asks, and only the manager changes cells and evicts (the room a
-// step's speculative drafts take from idle tails included). Pools are named nodes of
+// step's speculative drafts take from idle tails included). It sees the scheduler's
+// sequences and pools as kvcache.Holders and hands each victim it picks back to be
+// taken (holders.go); the cell tree tells residency reports every change through its
+// watcher (residency.go). Pools are named nodes of
 // the same tree (their residency and own cells are read from it), built by the same
 // longest-prefix seq_cp, a fork from its
 // parent's node. Admission reserves the cells a prompt needs, evicting in one order
 // (expected next use) over the tree's leaves (cached sequences' and idle sessions'
-// tails, unpinned idle pools: kvcache.go; what a taken victim loses: cells.go), so two half-prefilled prompts can never
+// tails, unpinned idle pools: kvcache/kvcache.go; what a taken victim loses: cells.go), so two half-prefilled prompts can never
 // deadlock the cache. When no cell is left a generating task stops with finish
 // "length" and Truncated set; the context is never shifted. Pools (package pool) change state only through their
 // lifecycle verbs; a verb the scheduler's request breaks is counted (Violations).

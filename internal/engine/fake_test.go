@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/polykv/polykv/internal/admission"
+	"github.com/polykv/polykv/internal/engine/kvcache"
 	"github.com/polykv/polykv/internal/pool"
 )
 
@@ -603,13 +604,13 @@ func (h *harness) releaseReservation(id int, rid string) error {
 func (h *harness) checkLiveness() {
 	h.t.Helper()
 	s := h.s
-	var victims seqSet
+	var victims kvcache.SeqSet
 	freeSeq := false
 	for _, sl := range s.slots {
 		if sl.task == nil {
 			freeSeq = true
 			if len(sl.tokens) > 0 {
-				victims.add(sl.seq)
+				victims.Add(sl.seq)
 			}
 		}
 	}
@@ -618,7 +619,7 @@ func (h *harness) checkLiveness() {
 		// too (issue 40).
 		pageable := !p.Pinned() || (s.cfg.Tier && p.Pageable())
 		if p.State == pool.Resident && pageable && s.now.Sub(p.LastAccess) >= s.cfg.PoolGrace {
-			victims.add(p.Seq)
+			victims.Add(p.Seq)
 		}
 	}
 	promised := 0
@@ -657,12 +658,12 @@ func (h *harness) checkLiveness() {
 				}
 			}
 			need -= share
-			set.del(t.pool.Seq)
+			set.Del(t.pool.Seq)
 		}
-		room := s.cfg.NCtx - s.kv.used() - promised + s.kv.freedBy(set, -1, 0)
+		room := s.cfg.NCtx - s.kv.Used() - promised + s.kv.FreedBy(set, -1, 0)
 		if need <= room {
 			h.t.Fatalf("liveness: task %d waits for %d cells with room for %d (%d used of %d, %d promised to prefills); queue %d, running %d",
-				t.id, need, room, s.kv.used(), s.cfg.NCtx, promised, len(s.queue), len(s.running))
+				t.id, need, room, s.kv.Used(), s.cfg.NCtx, promised, len(s.queue), len(s.running))
 		}
 		return
 	}

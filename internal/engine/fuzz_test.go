@@ -297,7 +297,7 @@ func (h *harness) checkStep(cfg Config) {
 		if got := h.be.tokens(sl.seq); !slices.Equal(got, sl.tokens) {
 			h.t.Fatalf("seq %d holds %v in the cache, the scheduler thinks %v", sl.seq, got, sl.tokens)
 		}
-		if got := h.s.kv.cells.tokens(sl.seq); !slices.Equal(got, sl.tokens) {
+		if got := h.s.kv.Cells().Tokens(sl.seq); !slices.Equal(got, sl.tokens) {
 			h.t.Fatalf("seq %d holds %v in the cell tree, the scheduler thinks %v", sl.seq, got, sl.tokens)
 		}
 	}
@@ -306,8 +306,8 @@ func (h *harness) checkStep(cfg Config) {
 	// (resident: all of [0, L); evicted: nothing).
 	for _, p := range h.s.pools.All() {
 		n := p.Filled()
-		if n > p.L() || !slices.Equal(h.s.kv.cells.tokens(p.Seq), p.Tokens[:n]) {
-			h.t.Fatalf("pool %d (seq %d, %s) holds %v in the cell tree, want a prefix of %v", p.ID, p.Seq, p.State, h.s.kv.cells.tokens(p.Seq), p.Tokens)
+		if n > p.L() || !slices.Equal(h.s.kv.Cells().Tokens(p.Seq), p.Tokens[:n]) {
+			h.t.Fatalf("pool %d (seq %d, %s) holds %v in the cell tree, want a prefix of %v", p.ID, p.Seq, p.State, h.s.kv.Cells().Tokens(p.Seq), p.Tokens)
 		}
 		if got := h.be.tokens(p.Seq); !slices.Equal(got, p.Tokens[:n]) {
 			h.t.Fatalf("pool %d (seq %d, %s) holds %v in the cache, want its first %d tokens", p.ID, p.Seq, p.State, got, n)
@@ -317,7 +317,7 @@ func (h *harness) checkStep(cfg Config) {
 		}
 		// The branch contract is a fact of the tree: a child that holds cells shares its
 		// parent's very cells [0, D), never copies of them.
-		if par := p.Parent; par != nil && p.D > 0 && n > 0 && !h.s.kv.cells.Shares(p.Seq, par.Seq, p.D-1) {
+		if par := p.Parent; par != nil && p.D > 0 && n > 0 && !h.s.kv.Cells().Shares(p.Seq, par.Seq, p.D-1) {
 			h.t.Fatalf("pool %d (D %d, holding %d) does not share its parent %d's cells [0, %d) (parent %s, holding %d)", p.ID, p.D, n, par.ID, p.D, par.State, par.Filled())
 		}
 	}

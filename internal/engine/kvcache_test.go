@@ -10,57 +10,69 @@ import (
 	"testing"
 	"time"
 
+	"github.com/polykv/polykv/internal/engine/kvcache"
 	"github.com/polykv/polykv/internal/pool"
 )
 
-// The KV-cache manager is the one home of cell changes: outside kvcache.go no code of
-// the package calls the cell tree's Append, Rm or Cp (it would change cells behind the
-// manager's plan of sequence operations). Readers may still look at kv.cells. It is
-// also the only place that evicts: no code outside it walks the victims (an eviction
-// loop of its own, as the draft room once was).
+// The KV-cache manager (package kvcache) is the one home of cell changes and the only
+// place that evicts. The cell tree's changes (write, remove, share) are unexported, so
+// the compiler keeps package engine to reading it; inside package kvcache only the
+// Manager (kvcache/kvcache.go) calls them, so every change is planned as a sequence
+// operation. No non-test code of package engine walks the victims (an eviction loop of
+// its own, as the draft room once was): it asks MakeRoom or DraftRoom.
 func TestOnlyTheManagerChangesCells(t *testing.T) {
-	files, err := filepath.Glob("*.go")
-	if err != nil {
-		t.Fatal(err)
-	}
 	fset := token.NewFileSet()
-	checked := 0
-	for _, name := range files {
-		if strings.HasSuffix(name, "_test.go") || name == "kvcache.go" || name == "celltree.go" {
-			continue
-		}
-		f, err := parser.ParseFile(fset, name, nil, 0)
+	inspect := func(glob string, skip func(name string) bool, f func(name string, call *ast.CallExpr, sel *ast.SelectorExpr)) int {
+		files, err := filepath.Glob(glob)
 		if err != nil {
 			t.Fatal(err)
 		}
-		checked++
-		ast.Inspect(f, func(n ast.Node) bool {
-			call, ok := n.(*ast.CallExpr)
-			if !ok {
-				return true
+		checked := 0
+		for _, name := range files {
+			if strings.HasSuffix(name, "_test.go") || skip(name) {
+				continue
 			}
-			sel, ok := call.Fun.(*ast.SelectorExpr)
-			if !ok {
-				return true
+			file, err := parser.ParseFile(fset, name, nil, 0)
+			if err != nil {
+				t.Fatal(err)
 			}
-			switch sel.Sel.Name {
-			case "Append", "Rm", "Cp":
-				if x, ok := sel.X.(*ast.SelectorExpr); ok && x.Sel.Name == "cells" {
-					t.Errorf("%s: %s changes the cell tree outside the KV-cache manager (kvcache.go)", fset.Position(call.Pos()), sel.Sel.Name)
+			checked++
+			ast.Inspect(file, func(n ast.Node) bool {
+				if call, ok := n.(*ast.CallExpr); ok {
+					if sel, ok := call.Fun.(*ast.SelectorExpr); ok {
+						f(name, call, sel)
+					}
 				}
-			case "victims":
-				t.Errorf("%s: victims walked outside the KV-cache manager (kvcache.go): only it evicts", fset.Position(call.Pos()))
-			}
-			return true
-		})
+				return true
+			})
+		}
+		return checked
 	}
-	if checked < 10 {
-		t.Fatalf("checked only %d files: the test is not looking at the package", checked)
+	n := inspect("kvcache/*.go", func(name string) bool { return filepath.Base(name) == "kvcache.go" }, func(name string, call *ast.CallExpr, sel *ast.SelectorExpr) {
+		switch sel.Sel.Name {
+		case "write", "remove", "share":
+			if filepath.Base(name) != "celltree.go" { // the tree's own methods build on each other
+				t.Errorf("%s: %s changes the cell tree outside the Manager (kvcache/kvcache.go)", fset.Position(call.Pos()), sel.Sel.Name)
+			}
+		case "victims", "Victims":
+			t.Errorf("%s: victims walked outside the Manager (kvcache/kvcache.go): only it evicts", fset.Position(call.Pos()))
+		}
+	})
+	if n < 1 {
+		t.Fatal("checked no file of package kvcache: the test is not looking at it")
+	}
+	n = inspect("*.go", func(string) bool { return false }, func(name string, call *ast.CallExpr, sel *ast.SelectorExpr) {
+		if sel.Sel.Name == "Victims" {
+			t.Errorf("%s: victims walked outside the KV-cache manager (package kvcache): only it evicts", fset.Position(call.Pos()))
+		}
+	})
+	if n < 10 {
+		t.Fatalf("checked only %d files: the test is not looking at the package", n)
 	}
 }
 
 // TestDraftRoomAsksTheManager: the draft room is a request to the KV-cache manager
-// (kvCache.draftRoom): it takes up to the cells asked for from idle sequences' tails,
+// (kvcache.Manager.DraftRoom): it takes up to the cells asked for from idle sequences' tails,
 // what only they hold, in the manager's victim order, and never a pool, even one past
 // its grace time that makeRoom would take whole; what it took leaves the cache and the
 // accounting agreeing.
@@ -76,8 +88,8 @@ func TestDraftRoomAsksTheManager(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	vs := h.s.kv.victims(h.s.now, nil)
-	if !slices.ContainsFunc(vs, func(v victim) bool { return v.p == p }) {
+	vs := h.s.kv.Victims(h.s.now, -1)
+	if !slices.ContainsFunc(vs, func(v kvcache.Holder) bool { return victimOf(v).p == p }) {
 		t.Fatal("the pool is not a victim: the test would not show the draft room passes it over")
 	}
 	session := h.s.bySession["T"]

@@ -158,7 +158,7 @@ func (s *Scheduler) startSettle(t *task) {
 
 // freeForNew is the cells a new session could get: free plus idle sessions' (evictable).
 func (s *Scheduler) freeForNew() int {
-	return s.cfg.NCtx - s.kv.used() + s.kv.evictable(s.now, nil)
+	return s.cfg.NCtx - s.kv.Used() + s.kv.Evictable(s.now, -1)
 }
 
 // pressure is §13.3's compaction pressure: the larger of the cache's fill and the
@@ -166,7 +166,7 @@ func (s *Scheduler) freeForNew() int {
 func (s *Scheduler) pressure() float64 {
 	// Cells only the prefix cache holds are free for the asking: a warm cache is no
 	// pressure.
-	fill := float64(s.kv.used()-s.cacheOnlyCells()) / float64(s.cfg.NCtx)
+	fill := float64(s.kv.Used()-s.cacheOnlyCells()) / float64(s.cfg.NCtx)
 	for _, sl := range s.slots {
 		if sl.session == "" && sl.task == nil {
 			continue // a cached anonymous sequence is nobody's context
@@ -206,7 +206,7 @@ type SessionCtx struct {
 // is bounded by positions (n_ctx) and by the cells sl could get.
 func (s *Scheduler) sessionContext(sl *slot) SessionCtx {
 	used := len(sl.tokens)
-	free := s.cfg.NCtx - s.kv.used() + s.kv.evictable(s.now, sl) + s.graceCells()
+	free := s.cfg.NCtx - s.kv.Used() + s.kv.Evictable(s.now, exceptSeq(sl)) + s.graceCells()
 	c := SessionCtx{SessionID: sl.session, CtxUsed: used, CtxHeadroomTokens: s.headroom(used, free)}
 	if sl.base != nil {
 		id := sl.base.ID
@@ -229,7 +229,7 @@ func (s *Scheduler) poolFacts(p *pool.Pool, expected int, session string) admiss
 	own, n := 0, 0
 	for _, sl := range s.slots {
 		if sl.base == p {
-			own += s.kv.owned(sl.seq)
+			own += s.kv.Owned(sl.seq)
 			n++
 		}
 	}
@@ -460,7 +460,7 @@ func (s *Scheduler) Metrics(now time.Time) ([]PoolMetric, Usage) {
 		if sl.task != nil || len(sl.tokens) > 0 {
 			m.Sessions++
 		}
-		m.KVBytes += int64(s.kv.owned(sl.seq)) * s.cfg.BytesPerCell
+		m.KVBytes += int64(s.kv.Owned(sl.seq)) * s.cfg.BytesPerCell
 		if t := sl.task; t != nil && t.decoding() {
 			m.GenTPS += t.ewma.RateAt(now)
 		}

@@ -114,7 +114,7 @@ func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 			if err != nil {
 				return 0, 0, err
 			}
-			s.kv.share(src.seq, p.Seq, len(tokens))
+			s.kv.Share(src.seq, p.Seq, len(tokens))
 			s.check(p.Materialized(now))
 			s.check(p.SetPin(spec.Pin, now))
 			s.prefixStored(p)
@@ -162,7 +162,7 @@ func (s *Scheduler) copyPoolPrefix(p *pool.Pool) int {
 	if P == 0 {
 		return 0
 	}
-	s.kv.share(donor, p.Seq, P)
+	s.kv.Share(donor, p.Seq, P)
 	if inherited := min(p.D, P); P > inherited && s.cfg.PrefixCache {
 		s.cacheHits += int64(P - inherited)
 	}
@@ -173,9 +173,9 @@ func (s *Scheduler) copyPoolPrefix(p *pool.Pool) int {
 // as used now: one least recently used order over the cell tree means a pool's cells
 // are as fresh as their last borrower, whether or not it named the pool.
 func (s *Scheduler) poolsUsed(seq, p1 int) {
-	set := s.kv.cells.holdersBelow(seq, p1)
+	set := s.kv.Cells().HoldersBelow(seq, p1)
 	for _, p := range s.pools.All() {
-		if set.has(p.Seq) {
+		if set.Has(p.Seq) {
 			p.Used(s.now)
 		}
 	}
@@ -212,7 +212,7 @@ func (s *Scheduler) poolMaterialized(t *task) {
 // being restored goes back to evicted; a new one is removed and its id returned, after
 // the children queued behind it are cancelled (they cannot be built either).
 func (s *Scheduler) abandonPool(p *pool.Pool, restoring bool, cause error) {
-	s.kv.free(p.Seq, 0)
+	s.kv.Free(p.Seq, 0)
 	delete(s.poolSeqs, p.ID)
 	p.Abandon()
 	if restoring {
@@ -287,14 +287,14 @@ func (s *Scheduler) dropPool(p *pool.Pool, verb func() error) error {
 		s.prefixRemoved(p)
 	}
 	s.spill(p)
-	s.kv.free(p.Seq, 0)
+	s.kv.Free(p.Seq, 0)
 	return nil
 }
 
 // reclaim frees a released pool's sequence and its sequence id.
 func (s *Scheduler) reclaim(p *pool.Pool) {
 	// Its prefix was reported removed when it was released.
-	s.kv.free(p.Seq, 0)
+	s.kv.Free(p.Seq, 0)
 	s.adm.Forget(p.ID)
 	delete(s.throttledBy, p.ID)
 	delete(s.throttleLead, p.ID)
@@ -411,7 +411,7 @@ func (s *Scheduler) flushPool(id int) (int, int, error) {
 	for _, sl := range s.slots {
 		if sl.base == p && sl.task == nil {
 			n++
-			cells += s.kv.owned(sl.seq)
+			cells += s.kv.Owned(sl.seq)
 			s.resetSlot(sl)
 		}
 	}
@@ -491,7 +491,7 @@ func (s *Scheduler) poolInfo(p *pool.Pool, withTokens bool) PoolInfo {
 		if sl.base != p {
 			continue
 		}
-		ps := PoolSession{SessionID: sl.session, Seq: sl.seq, SuffixNTokens: s.kv.owned(sl.seq), MarginalKVBytes: int64(s.kv.owned(sl.seq)) * bpc,
+		ps := PoolSession{SessionID: sl.session, Seq: sl.seq, SuffixNTokens: s.kv.Owned(sl.seq), MarginalKVBytes: int64(s.kv.Owned(sl.seq)) * bpc,
 			RecurrentStateBytes: s.slotRecurrentBytes(sl), State: slotState(sl)}
 		if sl.task != nil {
 			id := uint64(sl.task.id)
@@ -532,7 +532,7 @@ func (s *Scheduler) subtreeCells(p *pool.Pool) int64 {
 	n := int64(p.OwnCells())
 	for _, sl := range s.slots {
 		if sl.base == p {
-			n += int64(s.kv.owned(sl.seq))
+			n += int64(s.kv.Owned(sl.seq))
 		}
 	}
 	for _, c := range p.Children {
@@ -553,7 +553,7 @@ func (s *Scheduler) Pool(id int) (PoolInfo, error) {
 // Pools copies out the tree.
 func (s *Scheduler) Pools() PoolsStatus {
 	st := PoolsStatus{Pools: []PoolInfo{}, TreeDepth: s.pools.MaxDepth(), SeqIDsMax: s.cfg.Parallel + s.cfg.MaxPools,
-		PoolsMax: s.cfg.MaxPools, KVCellsUsed: s.kv.used(), KVCellsMax: s.cfg.NCtx, BytesPerCell: s.cfg.BytesPerCell,
+		PoolsMax: s.cfg.MaxPools, KVCellsUsed: s.kv.Used(), KVCellsMax: s.cfg.NCtx, BytesPerCell: s.cfg.BytesPerCell,
 		RecurrentBytesPerSeq: s.cfg.RecurrentBytesPerSeq}
 	for _, p := range s.pools.All() {
 		st.Pools = append(st.Pools, s.poolInfo(p, false))

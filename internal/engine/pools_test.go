@@ -53,7 +53,7 @@ func (h *harness) createPool(spec PoolSpec) int {
 // cells of the fake cache: every shared cell counted once.
 func (h *harness) checkAccounting() {
 	h.t.Helper()
-	if got, want := h.s.kv.used(), h.be.cells(); got != want {
+	if got, want := h.s.kv.Used(), h.be.cells(); got != want {
 		h.t.Fatalf("ownership accounting says %d cells, the cache holds %d", got, want)
 	}
 	st := h.s.Pools()

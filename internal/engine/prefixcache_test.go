@@ -86,8 +86,8 @@ func TestImplicitBorrowRefreshesPool(t *testing.T) {
 	h.now = h.now.Add(2 * time.Second)
 	h.step() // the scheduler's clock: the pool is past its grace time
 	var order []string
-	for _, v := range h.s.kv.victims(h.s.now, nil) {
-		switch {
+	for _, hv := range h.s.kv.Victims(h.s.now, -1) {
+		switch v := victimOf(hv); {
 		case v.p != nil:
 			order = append(order, fmt.Sprintf("pool%d", v.p.ID))
 		case v.sl.session != "":

@@ -9,7 +9,7 @@ import "github.com/polykv/polykv/internal/pool"
 // prefixStored marks a pool that has just become resident: with the prefix cache off,
 // its cells become reportable.
 func (s *Scheduler) prefixStored(p *pool.Pool) {
-	s.kv.cells.touch(p.Seq, 0)
+	s.kv.Cells().Touch(p.Seq, 0)
 }
 
 // prefixAnnounced reports a pool whose prefix was reported stored and not yet removed:
@@ -23,7 +23,7 @@ func prefixAnnounced(p *pool.Pool) bool {
 // so a router must stop sending its prefix here) or evicted. Callers check
 // prefixAnnounced before the transition.
 func (s *Scheduler) prefixRemoved(p *pool.Pool) {
-	s.kv.cells.touch(p.Seq, 0)
+	s.kv.Cells().Touch(p.Seq, 0)
 }
 
 // PoolByKey finds a live pool (not released) by its content address: the rolling hash

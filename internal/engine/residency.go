@@ -10,8 +10,8 @@ import "slices"
 // tasks, pools). With it off only pools are reused by other requests (by pool_id or
 // pool_key), so only announced pools (resident, fully built, not released) are reported.
 //
-// The cell tree notes the lowest position each sequence changed at since the last report
-// (touch); Observations turns the touched sequences into one ObsSeqChange each. A
+// The cell tree tells the lowest position each sequence changed at since the last report
+// (touch, its watcher); Observations turns the touched sequences into one ObsSeqChange each. A
 // decoding sequence so reports one token per step, which the observer batches into
 // blocks; nothing is reported for sequences nobody touched.
 
@@ -30,7 +30,8 @@ type SeqChange struct {
 	Tokens []Token
 }
 
-// seqWatch is the reporting state, kept in the cell tree so every mutation is seen.
+// seqWatch is the reporting state; the cell tree calls its touch on every mutation
+// (kvcache.Tree.Watch), so every change is seen.
 type seqWatch struct {
 	dirty    map[int]int // seq → lowest position changed since the last report
 	reported map[int]int // seq → tokens last reported
@@ -39,33 +40,16 @@ type seqWatch struct {
 // ReportResidency turns on ObsSeqChange observations (off by default: the bookkeeping
 // is for a KV-event publisher). Call it before the first step.
 func (s *Scheduler) ReportResidency() {
-	s.kv.cells.watch = &seqWatch{dirty: map[int]int{}, reported: map[int]int{}}
+	s.watch = &seqWatch{dirty: map[int]int{}, reported: map[int]int{}}
+	s.kv.Cells().Watch(s.watch.touch)
 }
 
-// touch notes that seq changed from position pos on.
-func (c *cellTree) touch(seq, pos int) {
-	if c.watch == nil {
-		return
+// touch notes that seq changed from position pos on: the cell tree's watcher
+// (kvcache.Tree.Watch), called for every change of a sequence's cells.
+func (w *seqWatch) touch(seq, pos int) {
+	if d, ok := w.dirty[seq]; !ok || pos < d {
+		w.dirty[seq] = pos
 	}
-	if d, ok := c.watch.dirty[seq]; !ok || pos < d {
-		c.watch.dirty[seq] = pos
-	}
-}
-
-// tokensIn lists what seq holds at [from, to) by walking up from its tip, so a step
-// that appends one token reads one node, not the whole path.
-func (c *cellTree) tokensIn(seq, from, to int) []Token {
-	if from >= to {
-		return nil
-	}
-	out := make([]Token, to-from)
-	for n := c.tip[seq]; n != nil && n != c.root && n.end() > from; n = n.parent {
-		lo, hi := max(n.start, from), min(n.end(), to)
-		if lo < hi {
-			copy(out[lo-from:], n.toks[lo-n.start:hi-n.start])
-		}
-	}
-	return out
 }
 
 // reportable says whether seq's cells are reused by other requests (see Residency).
@@ -86,7 +70,7 @@ func (s *Scheduler) reportable(seq int) bool {
 // residencyObs appends one ObsSeqChange per sequence that changed since the last call,
 // in sequence order (a replayed run reports the same).
 func (s *Scheduler) residencyObs() {
-	w := s.kv.cells.watch
+	w := s.watch
 	if w == nil || len(w.dirty) == 0 {
 		return
 	}
@@ -98,7 +82,7 @@ func (s *Scheduler) residencyObs() {
 	for _, q := range seqs {
 		n := 0
 		if s.reportable(q) {
-			n = s.kv.cells.Len(q)
+			n = s.kv.Cells().Len(q)
 		}
 		old := w.reported[q]
 		keep := min(w.dirty[q], old, n)
@@ -111,6 +95,6 @@ func (s *Scheduler) residencyObs() {
 		} else {
 			w.reported[q] = n
 		}
-		s.obs = append(s.obs, Observation{Kind: ObsSeqChange, Seq: SeqChange{Seq: q, Keep: keep, Tokens: s.kv.cells.tokensIn(q, keep, n)}})
+		s.obs = append(s.obs, Observation{Kind: ObsSeqChange, Seq: SeqChange{Seq: q, Keep: keep, Tokens: s.kv.Cells().TokensIn(q, keep, n)}})
 	}
 }

@@ -40,7 +40,7 @@ func (h *harness) checkResidency() {
 	for q := range MaxSeqs {
 		var want []Token
 		if h.s.reportable(q) {
-			want = h.s.kv.cells.tokens(q)
+			want = h.s.kv.Cells().Tokens(q)
 		}
 		if got := h.mirror[q]; !slices.Equal(got, want) {
 			h.t.Fatalf("seq %d: reported %d tokens %v, the cache holds %d: %v", q, len(got), got, len(want), want)

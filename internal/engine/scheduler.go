@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/polykv/polykv/internal/admission"
+	"github.com/polykv/polykv/internal/engine/kvcache"
 	"github.com/polykv/polykv/internal/pool"
 	"github.com/polykv/polykv/internal/tps"
 )
@@ -83,7 +84,7 @@ type Config struct {
 }
 
 // MaxSeqs is the largest n_seq_max llama.cpp accepts.
-const MaxSeqs = 256
+const MaxSeqs = kvcache.MaxSeqs
 
 // Validate checks a configuration.
 func (c Config) Validate() error {
@@ -326,8 +327,10 @@ type Scheduler struct {
 	snapAt  time.Time
 	snapDue bool
 
-	// kv is the KV-cache manager (kvcache.go): the one owner of the cells.
-	kv *kvCache
+	// kv is the KV-cache manager (package kvcache): the one owner of the cells.
+	kv *kvcache.Manager
+	// watch is the residency reports' state (ReportResidency; nil: off).
+	watch *seqWatch
 	// drafters are the speculation types' drafters, in --spec-type order (drafter.go).
 	drafters []Drafter
 	// draftCheck cuts grammar requests' drafts (nil: they are verified uncut; see
@@ -404,20 +407,20 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	if cfg.Spec.On() {
 		cfg.Spec = cfg.Spec.withDefaults()
 	}
-	cells := newCellTree(cfg.Parallel)
 	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
-		pools: pool.NewTree(cfg.Parallel, cfg.MaxPools, cells), poolSeqs: map[int]*slot{}, inTier: map[int]bool{},
+		poolSeqs: map[int]*slot{}, inTier: map[int]bool{},
 		throttledBy: map[int]int64{}, throttleLead: map[int]time.Duration{},
 		adm: admission.NewController(), gaps: gapModel{sessions: map[string]*sessionGap{}},
 		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau)}
 	for i := range cfg.Parallel {
 		s.slots = append(s.slots, &slot{seq: i})
 	}
-	s.kv = &kvCache{nCtx: cfg.NCtx, cells: cells, plan: &s.ops, slots: s.slots, pools: s.pools, grace: cfg.PoolGrace, pinPaging: cfg.Tier}
+	s.kv = kvcache.New(kvcache.Config{NCtx: cfg.NCtx, FirstPool: cfg.Parallel, Grace: cfg.PoolGrace, PinPaging: cfg.Tier,
+		Plan: planOps{&s.ops}, Holders: s.holders, NextUse: s.nextUseOf})
+	s.pools = pool.NewTree(cfg.Parallel, cfg.MaxPools, s.kv.Cells()) // its ownership counts read the cell tree
 	if cfg.Tier && !cfg.NoSequenceSpill {
 		s.spills = newSpillIndex(cfg.tierChunk(), cfg.TierIndexTokens)
 	}
-	s.kv.nextUse = s.nextUse
 	s.pools.SkipIDs(cfg.PoolIDFloor)
 	s.drafters = newDrafters(cfg.Spec)
 	return s, nil
@@ -658,12 +661,12 @@ func (s *Scheduler) prefixCached(t *task) bool {
 // copy it from, an idle cached one when there is one (it can be taken over), else the
 // lowest id. (0, -1) when nothing matches.
 func (s *Scheduler) donor(prompt []Token) (int, int) {
-	P, n := s.kv.longest(prompt, len(prompt)-1)
+	P, n := s.kv.Longest(prompt, len(prompt)-1)
 	if P == 0 {
 		return 0, -1
 	}
 	best := -1
-	n.holders.each(func(q int) bool {
+	n.Holders().Each(func(q int) bool {
 		if s.cachedSlot(q) != nil {
 			best = q
 			return false
@@ -706,21 +709,21 @@ func (s *Scheduler) poolDonor(p *pool.Pool) (int, int) {
 		return 0, -1
 	}
 	var P int
-	var n *cellNode
+	var n *kvcache.Node
 	if par != nil {
-		P, n = s.kv.longestFrom(par.Seq, p.D, p.Tokens, p.L())
+		P, n = s.kv.LongestFrom(par.Seq, p.D, p.Tokens, p.L())
 	} else {
-		P, n = s.kv.longest(p.Tokens, p.L())
+		P, n = s.kv.Longest(p.Tokens, p.L())
 	}
 	if P == 0 {
 		return 0, -1
 	}
 	donor := -1
-	n.holders.each(func(q int) bool {
+	n.Holders().Each(func(q int) bool {
 		donor = q
 		return false
 	})
-	if par != nil && n.holders.has(par.Seq) {
+	if par != nil && n.Holders().Has(par.Seq) {
 		donor = par.Seq // the parent when it holds all of it: the plainest seq_cp
 	}
 	return P, donor
@@ -732,7 +735,7 @@ func (s *Scheduler) poolDonor(p *pool.Pool) (int, int) {
 // be copied, so t waits until that task's prefill covers the common part.
 func (s *Scheduler) awaitsDonor(t *task) bool {
 	limit := len(t.req.Prompt) - 1
-	have, _ := s.kv.longest(t.req.Prompt, limit)
+	have, _ := s.kv.Longest(t.req.Prompt, limit)
 	for _, r := range s.running {
 		if r.prefilling() && min(commonPrefix(r.req.Prompt, t.req.Prompt), limit) > have {
 			return true
@@ -859,7 +862,7 @@ func (s *Scheduler) admitPass() bool {
 		}
 		s.passedOver(t)
 		s.seat(t, sl, pl)
-		if s.kv.room(0) < s.reservedPrefill() {
+		if s.kv.Room(0) < s.reservedPrefill() {
 			// Seated, t is prefilling: reservedPrefill now counts its need too, and fit
 			// said eviction can free that much.
 			s.freeCells(s.reservedPrefill(), nil, 0)
@@ -880,7 +883,7 @@ func (s *Scheduler) admitPass() bool {
 // victims count: taking sl and them frees them (counting only what sl or the others
 // held alone left such cells out, and a request could wait forever on an idle server).
 func (s *Scheduler) fit(t *task, sl *slot, pl placement) (need, room int) {
-	set := s.kv.victimSet(s.now, nil)
+	set := s.kv.VictimSet(s.now, -1)
 	keepSeq, keepTo := -1, 0
 	need = len(t.req.Prompt) - pl.keep - pl.attachP - pl.cpP
 	switch {
@@ -889,17 +892,17 @@ func (s *Scheduler) fit(t *task, sl *slot, pl placement) (need, room int) {
 		P, keepSeq = s.poolDonor(t.pool)
 		need, keepTo = t.pool.L()-P, P
 	case pl.attachP > 0:
-		set.del(pl.attachTo.Seq)   // attached, the pool stays whole
-		set.del(pl.attachFrom.Seq) // and the one it copies from (itself, or its ancestor)
-		set.add(sl.seq)
+		set.Del(pl.attachTo.Seq)   // attached, the pool stays whole
+		set.Del(pl.attachFrom.Seq) // and the one it copies from (itself, or its ancestor)
+		set.Add(sl.seq)
 	case pl.cpP > 0:
 		keepSeq, keepTo = pl.cpFrom, pl.cpP
-		set.add(sl.seq)
+		set.Add(sl.seq)
 	default:
 		keepSeq, keepTo = sl.seq, pl.keep
-		set.add(sl.seq)
+		set.Add(sl.seq)
 	}
-	room = s.kv.room(s.reservedPrefill()) + s.kv.freedBy(set, keepSeq, keepTo)
+	room = s.kv.Room(s.reservedPrefill()) + s.kv.FreedBy(set, keepSeq, keepTo)
 	return need, room
 }
 
@@ -961,12 +964,12 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 		t.cacheN = have
 	case pl.attachP > 0:
 		s.resetSlot(sl)
-		s.kv.share(pl.attachFrom.Seq, sl.seq, pl.attachP)
+		s.kv.Share(pl.attachFrom.Seq, sl.seq, pl.attachP)
 		sl.tokens = slices.Clone(t.req.Prompt[:pl.attachP])
 		s.attach(sl, pl.attachTo, pl.attachP)
 	case pl.cpP > 0:
 		s.resetSlot(sl)
-		s.kv.share(pl.cpFrom, sl.seq, pl.cpP)
+		s.kv.Share(pl.cpFrom, sl.seq, pl.cpP)
 		sl.tokens = slices.Clone(t.req.Prompt[:pl.cpP])
 		s.poolsUsed(sl.seq, pl.cpP)
 	case pl.reused, sl.session != "" && sl.session == t.req.SessionID:
@@ -1085,7 +1088,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	budget := s.cfg.NBatch
 	// A restore planned in this step writes its cells before the batch runs, though
 	// the cell tree counts them only once its Restored answer comes.
-	free := s.kv.room(s.tierPending() + s.loadPending())
+	free := s.kv.Room(s.tierPending() + s.loadPending())
 	planned := 0
 	// Sessions throttled toward their pool's floor skip this step (throttle.go).
 	s.throttleSkips()
@@ -1240,7 +1243,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 				continue
 			}
 			// The cells this batch may have written are not trusted: drop them.
-			s.kv.free(f.t.slot.seq, len(f.t.slot.tokens))
+			s.kv.Free(f.t.slot.seq, len(f.t.slot.tokens))
 			s.finish(f.t, FinishError, false, fmt.Errorf("%w: %v", ErrDecode, err))
 		}
 		return
@@ -1261,7 +1264,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 		t := f.t
 		if f.decode {
 			if si+f.n > len(sampled) {
-				s.kv.free(t.slot.seq, len(t.slot.tokens))
+				s.kv.Free(t.slot.seq, len(t.slot.tokens))
 				s.finish(t, FinishError, false, fmt.Errorf("%w: backend returned %d samples for a batch that asked for more", ErrDecode, len(sampled)))
 				continue
 			}
@@ -1270,7 +1273,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 			continue
 		} else {
 			have := len(t.slot.tokens)
-			s.kv.allocate(t.slot.seq, t.req.Prompt[have:have+f.n])
+			s.kv.Allocate(t.slot.seq, t.req.Prompt[have:have+f.n])
 			t.slot.tokens = append(t.slot.tokens, t.req.Prompt[have:have+f.n]...)
 			if t.kind == kindMaterialize {
 				if !t.prefilling() {
@@ -1299,7 +1302,7 @@ func (s *Scheduler) Commit(sampled []Sampled, err error, now time.Time) {
 func (s *Scheduler) commitDecode(f inflight, smp []Sampled, now time.Time) {
 	t, sl := f.t, f.t.slot
 	seq, pos := sl.seq, len(sl.tokens)
-	s.kv.allocate(seq, []Token{t.next})
+	s.kv.Allocate(seq, []Token{t.next})
 	sl.tokens = append(sl.tokens, t.next)
 	t.hasNext = false
 	k := len(f.drafts)
@@ -1324,14 +1327,14 @@ func (s *Scheduler) commitDecode(f inflight, smp []Sampled, now time.Time) {
 			break // ended (its sequence may be gone), or the step's last token
 		}
 		// smp[i] == f.drafts[i]: that draft's cell at pos+1+i is now the sequence's.
-		s.kv.allocate(seq, f.drafts[i:i+1])
+		s.kv.Allocate(seq, f.drafts[i:i+1])
 		sl.tokens = append(sl.tokens, f.drafts[i])
 		t.hasNext = false
 		kept++
 	}
 	if kept < pos+1+k && len(sl.tokens) == kept {
 		// Not the cell tree's: only the backend's cache holds these.
-		s.kv.discard(seq, kept)
+		s.kv.Discard(seq, kept)
 	}
 }
 
@@ -1396,7 +1399,7 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 		// Its load is planned or being read: whatever it writes beyond what the cell
 		// tree counts goes with the next step's operations (as a rejected draft's cells).
 		t.loadWait, t.loadSegs = false, nil
-		s.kv.discard(sl.seq, len(sl.tokens))
+		s.kv.Discard(sl.seq, len(sl.tokens))
 	}
 	stats.TPS = t.ewma.Rate()
 	stats.Ctx = s.sessionContext(sl)

@@ -115,7 +115,7 @@ func (s *Scheduler) loadSlot(m LoadSlot) error {
 func (s *Scheduler) slotDone(m SlotDone) Result {
 	if m.Load && m.Err == nil && m.Seq >= 0 && m.Seq < len(s.slots) {
 		sl := s.slots[m.Seq]
-		s.kv.allocate(sl.seq, m.Tokens)
+		s.kv.Allocate(sl.seq, m.Tokens)
 		sl.tokens = slices.Clone(m.Tokens)
 		sl.lastUsed = s.now
 	}

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/polykv/polykv/internal/admission"
+	"github.com/polykv/polykv/internal/engine/kvcache"
 	"github.com/polykv/polykv/internal/pool"
 )
 
@@ -63,8 +64,8 @@ func (s *Scheduler) Slots() []SlotInfo {
 			continue
 		}
 		st := s.sessionTPS(sl, free)
-		info := SlotInfo{Seq: sl.seq, SessionID: sl.session, State: slotState(sl), NPast: len(sl.tokens), Shared: sl.shared, Own: s.kv.owned(sl.seq),
-			OwnKVBytes: int64(s.kv.owned(sl.seq)) * s.cfg.BytesPerCell, RecurrentStateBytes: s.slotRecurrentBytes(sl),
+		info := SlotInfo{Seq: sl.seq, SessionID: sl.session, State: slotState(sl), NPast: len(sl.tokens), Shared: sl.shared, Own: s.kv.Owned(sl.seq),
+			OwnKVBytes: int64(s.kv.Owned(sl.seq)) * s.cfg.BytesPerCell, RecurrentStateBytes: s.slotRecurrentBytes(sl),
 			TPSEWMA: st.TPSEWMA, CtxUsed: st.CtxUsed, CtxTotal: st.CtxTotal, Headroom: st.CtxHeadroomTokens, Pressure: st.CtxPressure}
 		if sl.base != nil {
 			id := sl.base.ID
@@ -167,7 +168,7 @@ func (s *Scheduler) Usage() Usage {
 			waiting++
 		}
 	}
-	u := Usage{CellsUsed: s.kv.used(), CellsMax: s.cfg.NCtx, Running: running, Waiting: waiting, Sessions: len(s.bySession), Pools: s.pools.Len(),
+	u := Usage{CellsUsed: s.kv.Used(), CellsMax: s.cfg.NCtx, Running: running, Waiting: waiting, Sessions: len(s.bySession), Pools: s.pools.Len(),
 		CacheHitTokens: s.cacheHits, CacheEvictions: s.cacheEvictions,
 		SessionEvictions: s.sessionEvictions, PoolEvictions: s.poolEvictions, QueueTimeouts: s.queueTimeouts, Tier: s.TierStats()}
 	for _, sl := range s.slots {
@@ -176,20 +177,20 @@ func (s *Scheduler) Usage() Usage {
 		}
 	}
 	u.CacheCells = s.cacheOnlyCells()
-	u.CellsEvictable = s.kv.evictable(s.now, nil)
+	u.CellsEvictable = s.kv.Evictable(s.now, -1)
 	return u
 }
 
 // cacheOnlyCells counts the cells that only finished anonymous sequences kept as cache
 // hold: what dropping the prefix cache would free.
 func (s *Scheduler) cacheOnlyCells() int {
-	var cached seqSet
+	var cached kvcache.SeqSet
 	for _, sl := range s.slots {
 		if s.cachedSlot(sl.seq) != nil {
-			cached.add(sl.seq)
+			cached.Add(sl.seq)
 		}
 	}
-	return s.kv.freedBy(cached, -1, 0)
+	return s.kv.FreedBy(cached, -1, 0)
 }
 
 // Snapshot is an immutable copy of everything the HTTP layer reads: the engine

@@ -167,9 +167,9 @@ func (s *Scheduler) draftMin(t *task) int {
 }
 
 // draftRoom frees up to n cells for drafts when too few are free, and returns the
-// cells freed: a request to the KV-cache manager (kvCache.draftRoom), which alone
+// cells freed: a request to the KV-cache manager (kvcache.DraftRoom), which alone
 // evicts; each victim's loss is taken as any eviction's (evictVictim).
-func (s *Scheduler) draftRoom(n int) int { return s.kv.draftRoom(s.now, n, s.evictVictim) }
+func (s *Scheduler) draftRoom(n int) int { return s.kv.DraftRoom(s.now, n, s.take) }
 
 // specOn reports whether t drafts: a generating task of a server with speculation on
 // that did not turn it off. Grammar-constrained requests (tools, JSON schema, lazy

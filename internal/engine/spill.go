@@ -6,6 +6,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/polykv/polykv/internal/engine/kvcache"
 	"github.com/polykv/polykv/internal/pool"
 )
 
@@ -402,7 +403,7 @@ func (s *Scheduler) planLoad(t *task, sl *slot) {
 	}
 	t.loadWait, t.loadTo, t.loadSegs = true, to, segs // counted by loadPending from here
 	want := s.loadPending() + s.tierPending() + h - segs[0].Start + segs[len(segs)-1].End() - to
-	if s.kv.room(0) < want && s.freeCells(want, nil, 0) < want {
+	if s.kv.Room(0) < want && s.freeCells(want, nil, 0) < want {
 		t.loadWait, t.loadTo, t.loadSegs = false, 0, nil
 		return
 	}
@@ -422,7 +423,7 @@ func (s *Scheduler) prefetch(t *task) {
 // prefetchTokens plans an OpPrefetch of the stored segments that continue what the
 // cache holds of toks, up to limit, when they are worth a load.
 func (s *Scheduler) prefetchTokens(toks []Token, limit int, task TaskID) {
-	h, _ := s.kv.longest(toks, limit)
+	h, _ := s.kv.Longest(toks, limit)
 	if segs, to := s.spills.lookup(toks, h, limit, s.cfg.Recurrent); to-h >= minLoad {
 		s.ops = append(s.ops, SeqOp{Kind: OpPrefetch, Seq: -1, Segs: segs, Task: task})
 	}
@@ -474,10 +475,10 @@ func (s *Scheduler) prefetchExpected() {
 // at once, saying why, instead of waiting out the queue timeout). With a tier every
 // pool pages, and a prompt shorter than the context always fits eventually.
 func (s *Scheduler) neverFits(need int) error {
-	if s.kv.pinPaging {
+	if s.kv.PinPaging() {
 		return nil
 	}
-	var others seqSet
+	var others kvcache.SeqSet
 	keep := map[int]bool{}
 	for _, p := range s.pools.All() {
 		if p.UserPinned && p.State == pool.Resident {
@@ -491,10 +492,10 @@ func (s *Scheduler) neverFits(need int) error {
 	}
 	for q := range s.cfg.Parallel + s.cfg.MaxPools {
 		if !keep[q] {
-			others.add(q)
+			others.Add(q)
 		}
 	}
-	pinned := s.kv.used() - s.kv.freedBy(others, -1, 0)
+	pinned := s.kv.Used() - s.kv.FreedBy(others, -1, 0)
 	if need <= s.cfg.NCtx-pinned {
 		return nil
 	}
@@ -542,7 +543,7 @@ func (s *Scheduler) loaded(m Loaded) {
 	h := len(sl.tokens)
 	n := min(max(m.N, h), t.loadTo)
 	if n > h {
-		s.kv.allocate(sl.seq, t.req.Prompt[h:n])
+		s.kv.Allocate(sl.seq, t.req.Prompt[h:n])
 		sl.tokens = append(sl.tokens, t.req.Prompt[h:n]...)
 		t.restoredN += n - h
 		s.tierStats.Loads[spillKindOf(sl)]++

@@ -486,7 +486,7 @@ func (st *story) state() {
 		if sl.base != nil {
 			line += fmt.Sprintf(" pool=%d shared=%d", sl.base.ID, sl.shared)
 		}
-		if own := s.kv.owned(sl.seq); own != len(sl.tokens)-sl.shared {
+		if own := s.kv.Owned(sl.seq); own != len(sl.tokens)-sl.shared {
 			line += fmt.Sprintf(" own=%d", own) // it shares cells beyond a pool's
 		}
 		if sl.task != nil {

@@ -121,11 +121,11 @@ func (s *Scheduler) restored(m Restored) {
 	case p.D > 0 && s.cfg.Recurrent:
 		// The driver shared the parent's [0, D) itself, before the pool's own cells and
 		// state: a seq_cp now would replace the loaded recurrent state by the parent's.
-		s.kv.shared(p.Parent.Seq, p.Seq, p.D)
+		s.kv.Shared(p.Parent.Seq, p.Seq, p.D)
 	case p.D > 0:
-		s.kv.share(p.Parent.Seq, p.Seq, p.D)
+		s.kv.Share(p.Parent.Seq, p.Seq, p.D)
 	}
-	s.kv.allocate(p.Seq, p.Tokens[p.D:])
+	s.kv.Allocate(p.Seq, p.Tokens[p.D:])
 	sl.tokens = slices.Clone(p.Tokens)
 	t.cacheN = p.L()
 	s.poolMaterialized(t)

@@ -1,11 +1,11 @@
-package engine
+package kvcache
 
 import (
 	"math/bits"
 	"slices"
 )
 
-// cellTree is the scheduler's model of the unified KV cache (issue 12): a tree over
+// Tree is the scheduler's model of the unified KV cache (issue 12): a tree over
 // token ids whose nodes are runs of physical cells at positions [start, end), each
 // shared by every sequence whose path goes through the node. It mirrors llama.cpp
 // exactly: seq_cp(src, dst, 0, P) makes dst a member of src's first P cells (the nodes
@@ -23,36 +23,53 @@ import (
 // that is handed cells by seq_cp takes them over from a session, as a zero-copy
 // snapshot does), otherwise the sequence that wrote them, and when the owner lets go,
 // the lowest pool seq, else the lowest sequence still holding them.
-type cellTree struct {
-	root  *cellNode // the empty run at position 0; never counted
-	tip   map[int]*cellNode
+//
+// Only the Manager changes a Tree (write, remove, share are unexported, so the
+// compiler keeps every other package to reading it); everyone may read it.
+type Tree struct {
+	root  *Node // the empty run at position 0; never counted
+	tip   map[int]*Node
 	owned map[int]int
 	total int
 	// firstPool: sequence ids >= firstPool are pools' (preferred owners).
 	firstPool int
-	// watch, when set, notes each sequence's changes for residency reports.
-	watch *seqWatch
+	// watch, when set, is told each sequence's changes (Watch).
+	watch func(seq, pos int)
 }
 
-type cellNode struct {
-	parent   *cellNode
-	children []*cellNode
+// Node is one run of cells of a Tree: what Longest returns, so that the caller can
+// pick one of its holders to seq_cp the run from.
+type Node struct {
+	parent   *Node
+	children []*Node
 	start    int
 	toks     []Token
-	holders  seqSet
+	holders  SeqSet
 	owner    int
 }
 
-func (n *cellNode) end() int { return n.start + len(n.toks) }
+func (n *Node) end() int { return n.start + len(n.toks) }
 
-// seqSet is a set of sequence ids below MaxSeqs.
-type seqSet [MaxSeqs / 64]uint64
+// Holders is the set of sequences that hold the node's cells (each holds [0, end)).
+func (n *Node) Holders() SeqSet { return n.holders }
 
-func (s *seqSet) add(q int)     { s[q/64] |= 1 << (q % 64) }
-func (s *seqSet) del(q int)     { s[q/64] &^= 1 << (q % 64) }
-func (s seqSet) has(q int) bool { return s[q/64]&(1<<(q%64)) != 0 }
-func (s seqSet) empty() bool    { return s == seqSet{} }
-func (s seqSet) subsetOf(o seqSet) bool {
+// SeqSet is a set of sequence ids below MaxSeqs.
+type SeqSet [MaxSeqs / 64]uint64
+
+// Add puts q in the set.
+func (s *SeqSet) Add(q int) { s[q/64] |= 1 << (q % 64) }
+
+// Del takes q out of the set.
+func (s *SeqSet) Del(q int) { s[q/64] &^= 1 << (q % 64) }
+
+// Has reports whether q is in the set.
+func (s SeqSet) Has(q int) bool { return s[q/64]&(1<<(q%64)) != 0 }
+
+// Empty reports whether the set has no member.
+func (s SeqSet) Empty() bool { return s == SeqSet{} }
+
+// SubsetOf reports whether every member of s is in o.
+func (s SeqSet) SubsetOf(o SeqSet) bool {
 	for i := range s {
 		if s[i]&^o[i] != 0 {
 			return false
@@ -61,15 +78,15 @@ func (s seqSet) subsetOf(o seqSet) bool {
 	return true
 }
 
-// only reports whether q is the set's single member.
-func (s seqSet) only(q int) bool {
-	var o seqSet
-	o.add(q)
+// Only reports whether q is the set's single member.
+func (s SeqSet) Only(q int) bool {
+	var o SeqSet
+	o.Add(q)
 	return s == o
 }
 
-// each calls f for the members in ascending order until f returns false.
-func (s seqSet) each(f func(q int) bool) {
+// Each calls f for the members in ascending order until f returns false.
+func (s SeqSet) Each(f func(q int) bool) {
 	for i, w := range s {
 		for w != 0 {
 			b := bits.TrailingZeros64(w)
@@ -81,20 +98,23 @@ func (s seqSet) each(f func(q int) bool) {
 	}
 }
 
-func newCellTree(firstPool int) *cellTree {
-	return &cellTree{root: &cellNode{owner: -1}, tip: map[int]*cellNode{}, owned: map[int]int{}, firstPool: firstPool}
+// NewTree returns an empty tree; sequence ids >= firstPool are pools' (the preferred
+// owners of shared cells).
+func NewTree(firstPool int) *Tree {
+	return &Tree{root: &Node{owner: -1}, tip: map[int]*Node{}, owned: map[int]int{}, firstPool: firstPool}
 }
 
 // Len is how many cells seq holds (its positions are [0, Len)).
-func (c *cellTree) Len(seq int) int {
+func (c *Tree) Len(seq int) int {
 	if n := c.tip[seq]; n != nil {
 		return n.end()
 	}
 	return 0
 }
 
-// tokens lists what seq holds (tests).
-func (c *cellTree) tokens(seq int) []Token {
+// Tokens lists what seq holds (the liveness checks of tests compare it with what the
+// scheduler thinks its sequences hold).
+func (c *Tree) Tokens(seq int) []Token {
 	var runs [][]Token
 	for n := c.tip[seq]; n != nil && n != c.root; n = n.parent {
 		runs = append(runs, n.toks)
@@ -106,21 +126,21 @@ func (c *cellTree) tokens(seq int) []Token {
 	return out
 }
 
-// Append records that seq's next positions now hold toks (a committed batch).
-func (c *cellTree) Append(seq int, toks []Token) {
+// write records that seq's next positions now hold toks (a committed batch).
+func (c *Tree) write(seq int, toks []Token) {
 	if len(toks) == 0 {
 		return
 	}
-	c.touch(seq, c.Len(seq))
+	c.Touch(seq, c.Len(seq))
 	t := c.tip[seq]
 	if t == nil {
 		t = c.root
 	}
-	if t != c.root && t.holders.only(seq) && len(t.children) == 0 {
+	if t != c.root && t.holders.Only(seq) && len(t.children) == 0 {
 		t.toks = append(t.toks, toks...)
 	} else {
-		n := &cellNode{parent: t, start: t.end(), toks: slices.Clone(toks), owner: seq}
-		n.holders.add(seq)
+		n := &Node{parent: t, start: t.end(), toks: slices.Clone(toks), owner: seq}
+		n.holders.Add(seq)
 		t.children = append(t.children, n)
 		t = n
 	}
@@ -131,9 +151,9 @@ func (c *cellTree) Append(seq int, toks []Token) {
 
 // split cuts n at position at (start < at < end): a new node takes [start, at) and
 // becomes n's parent; n keeps [at, end), its children and every tip that points at it.
-func (c *cellTree) split(n *cellNode, at int) *cellNode {
+func (c *Tree) split(n *Node, at int) *Node {
 	k := at - n.start
-	h := &cellNode{parent: n.parent, start: n.start, toks: slices.Clone(n.toks[:k]), holders: n.holders, owner: n.owner, children: []*cellNode{n}}
+	h := &Node{parent: n.parent, start: n.start, toks: slices.Clone(n.toks[:k]), holders: n.holders, owner: n.owner, children: []*Node{n}}
 	p := n.parent
 	p.children[slices.Index(p.children, n)] = h
 	n.parent = h
@@ -144,7 +164,7 @@ func (c *cellTree) split(n *cellNode, at int) *cellNode {
 
 // cutAt finds the node on seq's path holding position pos-1 (the node that must end
 // at pos), splitting it when pos falls inside. nil for pos 0.
-func (c *cellTree) cutAt(seq, pos int) *cellNode {
+func (c *Tree) cutAt(seq, pos int) *Node {
 	if pos <= 0 {
 		return nil
 	}
@@ -161,24 +181,24 @@ func (c *cellTree) cutAt(seq, pos int) *cellNode {
 	return n
 }
 
-// Rm takes seq out of its cells from position q on (seq_rm(seq, q, -1)).
-func (c *cellTree) Rm(seq, q int) {
+// remove takes seq out of its cells from position q on (seq_rm(seq, q, -1)).
+func (c *Tree) remove(seq, q int) {
 	t := c.tip[seq]
 	if t == nil || q >= t.end() {
 		return
 	}
-	c.touch(seq, max(q, 0))
+	c.Touch(seq, max(q, 0))
 	keep := c.cutAt(seq, max(q, 0))
 	stop := keep
 	if stop == nil {
 		stop = c.root
 	}
 	for n := c.tip[seq]; n != stop; n = n.parent {
-		n.holders.del(seq)
-		if n.holders.empty() {
+		n.holders.Del(seq)
+		if n.holders.Empty() {
 			c.owned[n.owner] -= len(n.toks)
 			c.total -= len(n.toks)
-			n.parent.children = slices.DeleteFunc(n.parent.children, func(x *cellNode) bool { return x == n })
+			n.parent.children = slices.DeleteFunc(n.parent.children, func(x *Node) bool { return x == n })
 		} else if n.owner == seq {
 			c.reown(n, c.preferred(n.holders))
 		}
@@ -191,16 +211,16 @@ func (c *cellTree) Rm(seq, q int) {
 	c.clean(seq)
 }
 
-func (c *cellTree) clean(seq int) {
+func (c *Tree) clean(seq int) {
 	if c.owned[seq] == 0 {
 		delete(c.owned, seq)
 	}
 }
 
 // preferred is the owner a node falls to: the lowest pool sequence, else the lowest.
-func (c *cellTree) preferred(h seqSet) int {
+func (c *Tree) preferred(h SeqSet) int {
 	first, pool := -1, -1
-	h.each(func(q int) bool {
+	h.Each(func(q int) bool {
 		if first < 0 {
 			first = q
 		}
@@ -216,7 +236,7 @@ func (c *cellTree) preferred(h seqSet) int {
 	return first
 }
 
-func (c *cellTree) reown(n *cellNode, to int) {
+func (c *Tree) reown(n *Node, to int) {
 	if n.owner == to {
 		return
 	}
@@ -227,20 +247,20 @@ func (c *cellTree) reown(n *cellNode, to int) {
 	c.clean(old)
 }
 
-// Cp makes the empty sequence dst a member of src's cells [0, p1) (seq_cp).
-func (c *cellTree) Cp(src, dst, p1 int) {
+// share makes the empty sequence dst a member of src's cells [0, p1) (seq_cp).
+func (c *Tree) share(src, dst, p1 int) {
 	if c.tip[dst] != nil {
-		c.Rm(dst, 0) // the scheduler always clears first; mirror llama.cpp's union anyway
+		c.remove(dst, 0) // the scheduler always clears first; mirror llama.cpp's union anyway
 	}
 	p1 = min(p1, c.Len(src))
 	t := c.cutAt(src, p1)
 	if t == nil {
 		return
 	}
-	c.touch(dst, 0)
+	c.Touch(dst, 0)
 	c.tip[dst] = t
 	for n := t; n != c.root; n = n.parent {
-		n.holders.add(dst)
+		n.holders.Add(dst)
 		if dst >= c.firstPool && n.owner < c.firstPool {
 			c.reown(n, dst)
 		}
@@ -248,14 +268,14 @@ func (c *cellTree) Cp(src, dst, p1 int) {
 }
 
 // Owned is how many cells are attributed to seq.
-func (c *cellTree) Owned(seq int) int { return c.owned[seq] }
+func (c *Tree) Owned(seq int) int { return c.owned[seq] }
 
 // Exclusive counts the cells only seq holds at positions >= from: what seq_rm(seq,
 // from, -1) would free. They are always a suffix of seq's path.
-func (c *cellTree) Exclusive(seq, from int) int {
+func (c *Tree) Exclusive(seq, from int) int {
 	n := 0
 	for x := c.tip[seq]; x != nil && x != c.root && x.end() > from; x = x.parent {
-		if !x.holders.only(seq) {
+		if !x.holders.Only(seq) {
 			break
 		}
 		n += x.end() - max(x.start, from)
@@ -263,9 +283,9 @@ func (c *cellTree) Exclusive(seq, from int) int {
 	return n
 }
 
-// holdersBelow is every sequence that holds some cell of seq's below position p1.
-func (c *cellTree) holdersBelow(seq, p1 int) seqSet {
-	var set seqSet
+// HoldersBelow is every sequence that holds some cell of seq's below position p1.
+func (c *Tree) HoldersBelow(seq, p1 int) SeqSet {
+	var set SeqSet
 	for x := c.tip[seq]; x != nil && x != c.root; x = x.parent {
 		if x.start < p1 {
 			for i := range set {
@@ -278,13 +298,13 @@ func (c *cellTree) holdersBelow(seq, p1 int) seqSet {
 
 // Shares reports whether sequences a and b hold the same cells at position pos (the
 // same run of the tree, not merely the same token): then they share all of [0, pos].
-func (c *cellTree) Shares(a, b, pos int) bool {
+func (c *Tree) Shares(a, b, pos int) bool {
 	na, nb := c.nodeAt(a, pos), c.nodeAt(b, pos)
 	return na != nil && na == nb
 }
 
 // nodeAt is the run on seq's path that holds position pos, or nil.
-func (c *cellTree) nodeAt(seq, pos int) *cellNode {
+func (c *Tree) nodeAt(seq, pos int) *Node {
 	for n := c.tip[seq]; n != nil && n != c.root; n = n.parent {
 		if n.start <= pos && pos < n.end() {
 			return n
@@ -295,10 +315,10 @@ func (c *cellTree) nodeAt(seq, pos int) *cellNode {
 
 // Joint counts the cells on seq's path that only members of set hold: what removing
 // every member of set would free of seq's cells.
-func (c *cellTree) Joint(seq int, set seqSet) int {
+func (c *Tree) Joint(seq int, set SeqSet) int {
 	n := 0
 	for x := c.tip[seq]; x != nil && x != c.root; x = x.parent {
-		if x.holders.subsetOf(set) {
+		if x.holders.SubsetOf(set) {
 			n += len(x.toks)
 		}
 	}
@@ -307,8 +327,8 @@ func (c *cellTree) Joint(seq int, set seqSet) int {
 
 // Freed counts the cells that removing every sequence in set would free, except those
 // keep holds below keepTo (cells a placement is about to copy from keep).
-func (c *cellTree) Freed(set seqSet, keep, keepTo int) int {
-	var protect *cellNode
+func (c *Tree) Freed(set SeqSet, keep, keepTo int) int {
+	var protect *Node
 	if keepTo > 0 {
 		for n := c.tip[keep]; n != nil && n != c.root; n = n.parent {
 			if n.start < keepTo {
@@ -317,15 +337,15 @@ func (c *cellTree) Freed(set seqSet, keep, keepTo int) int {
 			}
 		}
 	}
-	protected := map[*cellNode]bool{}
+	protected := map[*Node]bool{}
 	for n := protect; n != nil && n != c.root; n = n.parent {
 		protected[n] = true
 	}
 	total := 0
-	var walk func(n *cellNode)
-	walk = func(n *cellNode) {
+	var walk func(n *Node)
+	walk = func(n *Node) {
 		for _, ch := range n.children {
-			if ch.holders.subsetOf(set) {
+			if ch.holders.SubsetOf(set) {
 				span := len(ch.toks)
 				if protected[ch] {
 					span = max(0, ch.end()-max(ch.start, keepTo))
@@ -342,14 +362,14 @@ func (c *cellTree) Freed(set seqSet, keep, keepTo int) int {
 // Longest finds the longest prefix of prompt[:limit] that some sequence holds: the
 // length and the node it ends in (every holder of the node holds [0, length)). Among
 // equal lengths the first found wins (children in creation order).
-func (c *cellTree) Longest(prompt []Token, limit int) (int, *cellNode) {
-	best, bestNode := 0, (*cellNode)(nil)
+func (c *Tree) Longest(prompt []Token, limit int) (int, *Node) {
+	best, bestNode := 0, (*Node)(nil)
 	c.below(c.root, prompt, limit, &best, &bestNode)
 	return best, bestNode
 }
 
 // below extends a match that covers all of n into n's children (Longest's walk).
-func (c *cellTree) below(n *cellNode, prompt []Token, limit int, best *int, bestNode **cellNode) {
+func (c *Tree) below(n *Node, prompt []Token, limit int, best *int, bestNode **Node) {
 	for _, ch := range n.children {
 		if ch.start >= limit || prompt[ch.start] != ch.toks[0] {
 			continue
@@ -368,7 +388,7 @@ func (c *cellTree) below(n *cellNode, prompt []Token, limit int, best *int, best
 // starts on seq's path at position at, so every holder of the node found holds seq's
 // own cells [0, at) (a fork builds on its parent's node). prompt[:at] must be what seq
 // holds there; at must not pass seq's length or limit. (0, nil) when seq holds nothing.
-func (c *cellTree) LongestFrom(seq, at int, prompt []Token, limit int) (int, *cellNode) {
+func (c *Tree) LongestFrom(seq, at int, prompt []Token, limit int) (int, *Node) {
 	if at <= 0 {
 		return c.Longest(prompt, limit)
 	}
@@ -389,4 +409,43 @@ func (c *cellTree) LongestFrom(seq, at int, prompt []Token, limit int) (int, *ce
 	}
 	c.below(n, prompt, limit, &best, &bestNode)
 	return best, bestNode
+}
+
+// Watch sets the function told, on the engine goroutine, that a sequence changed from
+// a position on: every write, removal and copy calls it (with the lowest position it
+// changes), and so do callers of Touch. Residency reports (the engine's residency.go)
+// are built from it. nil stops it.
+func (c *Tree) Watch(f func(seq, pos int)) { c.watch = f }
+
+// Touch tells the watcher, if any, that seq changed from position pos on, though no
+// cell did (a pool became reportable or stopped being so).
+func (c *Tree) Touch(seq, pos int) {
+	if c.watch != nil {
+		c.watch(seq, pos)
+	}
+}
+
+// TokensIn lists what seq holds at [from, to) by walking up from its tip, so a step
+// that appends one token reads one node, not the whole path.
+func (c *Tree) TokensIn(seq, from, to int) []Token {
+	if from >= to {
+		return nil
+	}
+	out := make([]Token, to-from)
+	for n := c.tip[seq]; n != nil && n != c.root && n.end() > from; n = n.parent {
+		lo, hi := max(n.start, from), min(n.end(), to)
+		if lo < hi {
+			copy(out[lo-from:], n.toks[lo-n.start:hi-n.start])
+		}
+	}
+	return out
+}
+
+// commonPrefix is how many leading tokens a and b share.
+func commonPrefix(a, b []Token) int {
+	n := 0
+	for n < len(a) && n < len(b) && a[n] == b[n] {
+		n++
+	}
+	return n
 }

@@ -1,0 +1,111 @@
+package engine
+
+import (
+	"time"
+
+	"github.com/polykv/polykv/internal/engine/kvcache"
+	"github.com/polykv/polykv/internal/pool"
+)
+
+// The scheduler's side of the KV-cache manager (package kvcache): its sequences and
+// pools as the manager's Holders, the plan the manager records its operations in, and
+// the victims the manager hands back to take.
+
+// victim is a holder the KV-cache manager picked, as the scheduler's own types: an idle
+// sequence (sl) or an evictable pool (p).
+type victim struct {
+	sl *slot      // an idle sequence, or nil
+	p  *pool.Pool // an evictable pool, or nil
+}
+
+// victimOf is the scheduler's view of a Holder it gave the manager (holders).
+func victimOf(h kvcache.Holder) victim {
+	switch h := h.(type) {
+	case *slot:
+		return victim{sl: h}
+	case poolHolder:
+		return victim{p: h.p}
+	}
+	panic("engine: a holder the scheduler did not list")
+}
+
+// holders lists the manager's candidates for eviction in a fixed order: the session
+// sequences, then the pools (the manager picks the victims among them).
+func (s *Scheduler) holders() []kvcache.Holder {
+	all := s.pools.All()
+	out := make([]kvcache.Holder, 0, len(s.slots)+len(all))
+	for _, sl := range s.slots {
+		out = append(out, sl)
+	}
+	for _, p := range all {
+		out = append(out, poolHolder{p})
+	}
+	return out
+}
+
+// exceptSeq is the sequence the manager must not take for a slot that must stay (nil:
+// none).
+func exceptSeq(sl *slot) int {
+	if sl == nil {
+		return -1
+	}
+	return sl.seq
+}
+
+// Seq is the slot's sequence id (kvcache.Holder).
+func (sl *slot) Seq() int { return sl.seq }
+
+// LastUsed is when a task last ran on it (kvcache.Holder).
+func (sl *slot) LastUsed() time.Time { return sl.lastUsed }
+
+// Kind is a session's or a cached anonymous sequence (kvcache.Holder).
+func (sl *slot) Kind() kvcache.Kind {
+	if sl.session != "" {
+		return kvcache.Session
+	}
+	return kvcache.Cached
+}
+
+// Busy: a task runs on it, or it holds nothing (kvcache.Holder).
+func (sl *slot) Busy() bool { return sl.task != nil || len(sl.tokens) == 0 }
+
+// Pinned is false: a sequence is never pinned (kvcache.Holder).
+func (sl *slot) Pinned() bool { return false }
+
+// Pageable is false: only pools page (kvcache.Holder).
+func (sl *slot) Pageable() bool { return false }
+
+// UserPinned is false: only pools are pinned (kvcache.Holder).
+func (sl *slot) UserPinned() bool { return false }
+
+// poolHolder is a pool as a kvcache.Holder (pool.Pool's own fields take the names).
+type poolHolder struct{ p *pool.Pool }
+
+func (h poolHolder) Seq() int            { return h.p.Seq }
+func (h poolHolder) LastUsed() time.Time { return h.p.LastAccess }
+func (h poolHolder) Kind() kvcache.Kind  { return kvcache.Pool }
+func (h poolHolder) Busy() bool          { return h.p.State != pool.Resident }
+func (h poolHolder) Pinned() bool        { return h.p.Pinned() }
+func (h poolHolder) Pageable() bool      { return h.p.Pageable() }
+func (h poolHolder) UserPinned() bool    { return h.p.UserPinned }
+
+// planOps records the manager's sequence operations in the plan being built
+// (Scheduler.ops), in order with the tier's (kvcache.Recorder).
+type planOps struct{ ops *[]SeqOp }
+
+// SeqRm plans seq_rm(seq, p0, -1).
+func (r planOps) SeqRm(seq, p0 int) {
+	*r.ops = append(*r.ops, SeqOp{Kind: OpSeqRm, Seq: seq, P0: p0, P1: -1})
+}
+
+// SeqCp plans seq_cp(src, dst, 0, p1).
+func (r planOps) SeqCp(src, dst, p1 int) {
+	*r.ops = append(*r.ops, SeqOp{Kind: OpSeqCp, Src: src, Seq: dst, P0: 0, P1: p1})
+}
+
+// take is the manager's take for MakeRoom and DraftRoom: the victim it picked gives up
+// n cells (evictVictim).
+func (s *Scheduler) take(h kvcache.Holder, n int) { s.evictVictim(victimOf(h), n) }
+
+// nextUseOf is the manager's Config.NextUse: nextUse of the scheduler's own victim.
+func (s *Scheduler) nextUseOf(h kvcache.Holder) time.Time { return s.nextUse(victimOf(h)) }
