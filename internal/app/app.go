@@ -604,6 +604,9 @@ func (o *opening) engine() error {
 	if o.pub != nil {
 		sched.ReportResidency()
 		obs = observers{o.metrics, o.pub} // the engine hands it every sequence's changes too
+		if o.store != nil {
+			o.store.SetObserver(o.pub) // and the tier's entries, announced with the tier's medium
+		}
 	}
 	backend.AlwaysCompact(cfg.KVCompaction == "always")
 	if !o.ctx.OrderedAttention() && log != nil {

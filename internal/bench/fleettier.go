@@ -139,18 +139,22 @@ func (fb fleetTier) run(cfg app.Config, reps int) error {
 		return err
 	}
 	replied := time.Now()
-	pa, err := fb.serve(a, probe, 1) // waits for the saves planned at A's end (engine goroutine)
+	chunks := int64((len(prompt) + shared.TierChunk - 1) / shared.TierChunk)
+	written := make(chan time.Duration, 1)
+	go func() { // when the chunks are on the shared level, timed while the probe runs
+		for a.Tier.Stats().SharedWrites < chunks && time.Since(replied) < time.Minute {
+			time.Sleep(time.Millisecond)
+		}
+		written <- time.Since(replied)
+	}()
+	pa, err := fb.serve(a, probe, 1) // queued behind the saves planned at A's end (engine goroutine)
 	if err != nil {
 		return err
 	}
-	chunks := int64((len(prompt) + shared.TierChunk - 1) / shared.TierChunk)
-	for a.Tier.Stats().SharedWrites < chunks {
-		if time.Since(replied) > time.Minute {
-			return fmt.Errorf("bench: A wrote %d of %d chunks to the shared level", a.Tier.Stats().SharedWrites, chunks)
-		}
-		time.Sleep(time.Millisecond)
+	onShared := <-written
+	if n := a.Tier.Stats().SharedWrites; n < chunks {
+		return fmt.Errorf("bench: A wrote %d of %d chunks to the shared level", n, chunks)
 	}
-	onShared := time.Since(replied)
 	sharedBytes := a.Tier.Stats().SharedBytes
 
 	row := func(name string, r fleetRun) {

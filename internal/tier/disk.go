@@ -188,6 +188,7 @@ func (s *Store) writeEntry(k Key, e *ramEntry) {
 		delete(s.pending, k)
 	}
 	if err != nil {
+		s.noteGone(k)
 		s.stats.DiskErrors++
 		reason := "io"
 		if errors.Is(err, syscall.ENOSPC) {
@@ -244,7 +245,10 @@ func (s *Store) dropDiskLRU(except Key) bool {
 
 // dropDisk removes k's entry from the disk level (its file too, unless the directory
 // is read-only).
-func (s *Store) dropDisk(k Key) { s.dsk.Delete(k) }
+func (s *Store) dropDisk(k Key) {
+	s.dsk.Delete(k)
+	s.noteGone(k)
+}
 
 func (s *Store) readEntryMeta(k Key) (Meta, []byte, error) {
 	b, err := os.ReadFile(s.dsk.path(k))

@@ -297,8 +297,8 @@ func (s *Store) Record(r Record, payload []byte) bool {
 	if e == nil && payload != nil {
 		e = &ramEntry{meta: Meta{D: r.D, Tokens: slices.Clone(r.Tokens)}, payload: payload}
 	}
-	if e != nil {
-		s.queueWrite(k, e)
+	if e != nil && s.queueWrite(k, e) {
+		s.noteStored(k, e.meta)
 	}
 	return true
 }

@@ -57,6 +57,7 @@ func (s *Store) PutKept(pool int, m Meta, payload []byte) Location {
 	if loc == None && payload != nil {
 		s.stats.Dropped-- // not dropped after all: kept in RAM over the budget
 		_ = s.mem.Put(k, m, payload)
+		s.noteStored(k, m)
 		loc = RAM
 	}
 	return loc
@@ -99,6 +100,7 @@ func (s *Store) Promote(m Meta) bool {
 		return false
 	}
 	_ = s.mem.Put(k, m, payload)
+	s.noteStored(k, m)
 	s.stats.Prefetches++
 	return true
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -217,5 +218,44 @@ func TestSharedLRUAcrossReplicas(t *testing.T) {
 	}
 	if st := b.Stats(); st.SharedEntries != 3 || st.SharedBytes > int64(3*probe) {
 		t.Fatalf("B's view: %d entries %d bytes", st.SharedEntries, st.SharedBytes)
+	}
+}
+
+type recorder struct{ events []string }
+
+func (r *recorder) TierChanged(d int, tokens []int32, stored bool) {
+	r.events = append(r.events, fmt.Sprintf("%v d=%d l=%d", stored, d, len(tokens)))
+}
+
+// TestObserverSeesLocalEntries (issue 44): the observer (the KV-event publisher) hears
+// of an entry once when it lands in RAM or on disk, not when it moves between them, and
+// once when it has left both (superseded, dropped by LRU); the shared level is not
+// reported.
+func TestObserverSeesLocalEntries(t *testing.T) {
+	s := open(t, Config{RAMBytes: 250, Dir: t.TempDir(), DiskBytes: 250, SharedDir: t.TempDir(), SharedBytes: 1 << 20})
+	r := &recorder{}
+	s.SetObserver(r)
+	for i := range 3 { // the third moves the first to disk
+		s.PutSegment(KindCached, meta(0, 10+i, int32(100*i)), payload(100, byte(i)))
+	}
+	s.Flush()
+	s.PutSegment(KindCached, meta(0, 20, 900), payload(200, 9)) // disk full: the oldest go
+	s.Flush()
+	s.Drop(meta(0, 12, 200))
+	want := []string{"true d=0 l=10", "true d=0 l=11", "true d=0 l=12", "true d=0 l=20"}
+	if len(r.events) < len(want) || !slices.Equal(r.events[:4], want) {
+		t.Fatalf("events %v, want %v first", r.events, want)
+	}
+	gone := map[string]bool{}
+	for _, e := range r.events[4:] {
+		gone[e] = true
+	}
+	if !gone["false d=0 l=12"] || !gone["false d=0 l=10"] || len(r.events) != 4+len(gone) {
+		t.Fatalf("removals %v, want the dropped entry and the disk's evicted LRU one, each once", r.events[4:])
+	}
+	for _, m := range []Meta{meta(0, 10, 0), meta(0, 12, 200)} {
+		if !s.Has(m) {
+			t.Fatalf("%+v: still on the shared level", m)
+		}
 	}
 }

@@ -124,6 +124,8 @@ type Store struct {
 	floor     int
 	stats     Stats
 	kinds     map[string]*KindStats // per kind of holder (segments.go)
+	obs       Observer              // nil: none (observe.go)
+	held      map[Key]Meta          // entries reported to obs as held
 
 	jobs chan job
 	done chan struct{}
@@ -247,6 +249,9 @@ func (s *Store) putLocked(k Key, kind string, m Meta, payload []byte) Location {
 	if len(payload) == 0 {
 		return loc
 	}
+	if loc != None {
+		s.noteStored(k, m)
+	}
 	if s.queueShared(k, m, payload) && loc == None && !s.kept[k] {
 		return Shared
 	}
@@ -328,6 +333,7 @@ func (s *Store) demoteLRU() bool {
 			_ = s.mem.Put(victim, v.meta, v.payload)
 			return false
 		}
+		s.noteGone(victim)
 	}
 	return true
 }
