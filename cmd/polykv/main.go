@@ -102,6 +102,8 @@ func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
 	fs.IntVar(&cfg.TierChunk, "tier-chunk", cfg.TierChunk, "tokens per stored segment of an evicted session's or cached request's KV (shared prefixes are stored once per segment)")
 	fs.StringVar(&cfg.PoolDir, "pool-dir", cfg.PoolDir, "directory for evicted pools' KV below RAM and for pinned pools that survive restarts (\"\": none)")
 	fs.IntVar(&cfg.PoolDiskMB, "pool-disk-mb", cfg.PoolDiskMB, "disk budget (MiB) under --pool-dir")
+	fs.StringVar(&cfg.SharedDir, "tier-shared-dir", cfg.SharedDir, "directory of KV chunks shared by the replicas serving this model (another replica's computed prefixes are loaded, not prefilled; \"\": none)")
+	fs.IntVar(&cfg.SharedMB, "tier-shared-mb", cfg.SharedMB, "budget (MiB) of --tier-shared-dir, kept by every replica, least recently used first out")
 	fs.StringVar(&cfg.SlotSavePath, "slot-save-path", cfg.SlotSavePath, "directory for POST /slots/{id}?action=save|restore files (\"\": those actions are off)")
 	fs.StringVar(&cfg.SpecType, "spec-type", cfg.SpecType, "speculative decoding: none, or a comma-separated list of drafters tried in order for every decoding session each step: "+strings.Join(engine.SpecTypes, ", ")+" (lossless: greedy and seeded output are the same as without; grammar-constrained requests speculate too, their drafts cut at the first token the grammar forbids)")
 	fs.IntVar(&cfg.DraftMax, "draft-max", cfg.DraftMax, "most draft tokens a session proposes per step (speculative decoding)")

@@ -106,7 +106,13 @@ func (c tierCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descTierEntries, prometheus.GaugeValue, float64(st.RAMEntries), "ram")
 	ch <- prometheus.MustNewConstMetric(descTierEntries, prometheus.GaugeValue, float64(st.DiskEntries), "disk")
 	ch <- prometheus.MustNewConstMetric(descTierSpills, prometheus.CounterValue, float64(st.Spills))
-	for _, loc := range []tier.Location{tier.RAM, tier.Disk} {
+	locs := []tier.Location{tier.RAM, tier.Disk}
+	if c.t.HasShared() {
+		locs = append(locs, tier.Shared)
+		ch <- prometheus.MustNewConstMetric(descTierBytes, prometheus.GaugeValue, float64(st.SharedBytes), string(tier.Shared))
+		ch <- prometheus.MustNewConstMetric(descTierEntries, prometheus.GaugeValue, float64(st.SharedEntries), string(tier.Shared))
+	}
+	for _, loc := range locs {
 		ch <- prometheus.MustNewConstMetric(descTierRestores, prometheus.CounterValue, float64(st.Restores[loc]), string(loc))
 		ch <- prometheus.MustNewConstMetric(descTierSeconds, prometheus.CounterValue, st.RestoreSeconds[loc], string(loc))
 	}

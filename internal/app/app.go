@@ -97,6 +97,15 @@ type Config struct {
 	PoolDir    string
 	PoolDiskMB int
 	TierChunk  int // --tier-chunk
+	// SharedDir (--tier-shared-dir; "": none) is a directory several replicas serving
+	// the same model share (issue 44, tier/shared.go), up to SharedMB (--tier-shared-mb)
+	// kept by all of them, least recently used first out: every entry this replica
+	// stores goes there too, each request's prompt is saved there when it ends (write
+	// through), and a prompt's chunks found there (another replica's) are loaded
+	// instead of prefilled. It is a level of its own below PoolDir, never PoolDir: that
+	// holds one replica's pool records.
+	SharedDir string
+	SharedMB  int
 	// SlotSavePath (--slot-save-path): directory of llama-server's slot save/restore
 	// files ("": those actions answer 501).
 	SlotSavePath string
@@ -148,6 +157,7 @@ func DefaultConfig() Config {
 		PoolRAMMB:    8192, // llama-server's --cache-ram default: a budget, not an allocation
 		TierChunk:    engine.DefaultTierChunk,
 		PoolDiskMB:   4096,
+		SharedMB:     16384,
 		TPSTau:       tps.DefaultTau,
 		CacheTypeK:   "f16",
 		CacheTypeV:   "f16",
@@ -199,8 +209,10 @@ func (c Config) validate() (specPlan, error) {
 		return specPlan{}, fmt.Errorf("--tps-tau must be positive, got %s", c.TPSTau)
 	case c.KVBlockSize < 1:
 		return specPlan{}, fmt.Errorf("--kv-block-size must be positive, got %d", c.KVBlockSize)
-	case c.PoolRAMMB < 0 || c.PoolDiskMB < 0:
-		return specPlan{}, fmt.Errorf("--pool-ram-mb and --pool-disk-mb must not be negative")
+	case c.PoolRAMMB < 0 || c.PoolDiskMB < 0 || c.SharedMB < 0:
+		return specPlan{}, fmt.Errorf("--pool-ram-mb, --pool-disk-mb and --tier-shared-mb must not be negative")
+	case c.SharedDir != "" && c.SharedDir == c.PoolDir:
+		return specPlan{}, fmt.Errorf("--tier-shared-dir must not be --pool-dir: that directory holds this replica's own pool records")
 	case c.TierChunk < 16 || c.TierChunk > 1<<16:
 		return specPlan{}, fmt.Errorf("--tier-chunk must be between 16 and 65536 tokens, got %d", c.TierChunk)
 	}
@@ -538,6 +550,7 @@ func (o *opening) tier() error {
 	if store != nil {
 		o.cleanups.push(store.Close)
 		o.ecfg.Tier, o.ecfg.TierRecord, o.ecfg.PoolIDFloor = true, store.Durable(), store.IDFloor()
+		o.ecfg.TierWriteThrough = o.cfg.SharedDir != ""
 	}
 	return nil
 }
@@ -578,6 +591,9 @@ func (o *opening) engine() error {
 		if cfg.PoolDir != "" {
 			budget += int64(cfg.PoolDiskMB) << 20
 		}
+		if cfg.SharedDir != "" {
+			budget += int64(cfg.SharedMB) << 20
+		}
 		o.ecfg.TierIndexTokens = int(min(2*budget/o.ecfg.BytesPerCell, 1<<28))
 	}
 	sched, err := engine.NewScheduler(o.ecfg, runner.Vocab{M: o.model})
@@ -588,6 +604,9 @@ func (o *opening) engine() error {
 	if o.pub != nil {
 		sched.ReportResidency()
 		obs = observers{o.metrics, o.pub} // the engine hands it every sequence's changes too
+		if o.store != nil {
+			o.store.SetObserver(o.pub) // and the tier's entries, announced with the tier's medium
+		}
 	}
 	backend.AlwaysCompact(cfg.KVCompaction == "always")
 	if !o.ctx.OrderedAttention() && log != nil {
@@ -601,6 +620,19 @@ func (o *opening) engine() error {
 	o.metrics.AddCompactions(backend.Compactions)
 	o.eng = engine.New(sched, backend, obs)
 	o.cleanups.push(o.eng.Close) // first at Close: the engine goroutine uses everything above
+	if o.store != nil && cfg.SharedDir != "" && !o.ecfg.NoSequenceSpill {
+		// The scheduler's index knows what this replica stored; what other replicas
+		// stored in the shared directory is looked up per request, off the engine
+		// goroutine.
+		store, chunk := o.store, o.ecfg.TierChunk
+		o.eng.SetTierLookup(func(prompt []engine.Token) []engine.Segment {
+			var segs []engine.Segment
+			for _, m := range store.Run(prompt, chunk) {
+				segs = append(segs, engine.Segment{Start: m.D, Tokens: m.Tokens})
+			}
+			return segs
+		})
+	}
 	o.metrics.SetEngine(o.eng)
 	recoverPools(o.eng, o.store, log)
 	return nil
@@ -652,13 +684,13 @@ func (a *App) Close() { a.cleanups.run() }
 // evicted pools are prefilled again, as without a tier.
 func openTier(cfg Config, model *llama.Model, ecfg engine.Config, pol runner.Policy, log *slog.Logger) (*tier.Store, string, string, error) {
 	key := ""
-	if cfg.SlotSavePath != "" || cfg.PoolRAMMB > 0 || cfg.PoolDir != "" {
+	if cfg.SlotSavePath != "" || cfg.PoolRAMMB > 0 || cfg.PoolDir != "" || cfg.SharedDir != "" {
 		var err error
 		if key, err = modelKey(cfg, model); err != nil {
 			return nil, "", "", err
 		}
 	}
-	if cfg.PoolRAMMB == 0 && cfg.PoolDir == "" {
+	if cfg.PoolRAMMB == 0 && cfg.PoolDir == "" && cfg.SharedDir == "" {
 		return nil, "", key, nil
 	}
 	off := pol.TierOff()
@@ -669,7 +701,7 @@ func openTier(cfg Config, model *llama.Model, ecfg engine.Config, pol runner.Pol
 		return nil, off, key, nil
 	}
 	store, err := tier.Open(tier.Config{Model: key, RAMBytes: int64(cfg.PoolRAMMB) << 20, Dir: cfg.PoolDir,
-		DiskBytes: int64(cfg.PoolDiskMB) << 20, Log: log})
+		DiskBytes: int64(cfg.PoolDiskMB) << 20, SharedDir: cfg.SharedDir, SharedBytes: int64(cfg.SharedMB) << 20, Log: log})
 	return store, "", key, err
 }
 

@@ -44,6 +44,20 @@ type routerView struct {
 	late  bool   // joined mid-stream: the first message sets seq
 	seq   uint64 // the next sequence number expected
 	index map[uint64]int
+	// tier counts the blocks announced with the tier's medium (issue 44: what the
+	// replica's tier below the cache holds, scored below cells); index the cells'.
+	tier map[uint64]int
+}
+
+// medium is the count an event's medium goes to.
+func (v *routerView) medium(ev kvevents.Event) map[uint64]int {
+	if ev.Medium != kvevents.MediumTier {
+		return v.index
+	}
+	if v.tier == nil {
+		v.tier = map[uint64]int{}
+	}
+	return v.tier
 }
 
 // apply checks and applies one message.
@@ -62,18 +76,19 @@ func (v *routerView) apply(t *testing.T, m kvevents.Message) {
 	for _, ev := range m.Events {
 		switch ev.Tag {
 		case kvevents.TagAllBlocksCleared:
-			v.index = map[uint64]int{}
+			v.index, v.tier = map[uint64]int{}, map[uint64]int{}
 		case kvevents.TagBlockRemoved:
+			idx := v.medium(ev)
 			for _, h := range ev.Hashes {
-				if v.index[h]--; v.index[h] <= 0 {
-					delete(v.index, h)
+				if idx[h]--; idx[h] <= 0 {
+					delete(idx, h)
 				}
 			}
 		case kvevents.TagBlockStored:
 			parent := kvevents.InitHash("", v.model)
 			if ev.Parent != nil {
 				parent = *ev.Parent
-				if v.index[parent] == 0 {
+				if v.index[parent] == 0 && v.tier[parent] == 0 {
 					t.Fatalf("BlockStored with a parent %#x never announced: the router would drop it", parent)
 				}
 			}
@@ -83,18 +98,26 @@ func (v *routerView) apply(t *testing.T, m kvevents.Message) {
 			if keys := kvevents.BlockHashes(parent, ev.Tokens, 16); !slices.Equal(keys, ev.Hashes) {
 				t.Fatalf("announced %#x, the router's keys for those tokens are %#x", ev.Hashes, keys)
 			}
+			idx := v.medium(ev)
 			for _, h := range ev.Hashes {
-				v.index[h]++
+				idx[h]++
 			}
 		}
 	}
 }
 
-// holds is how many leading full blocks of tokens the router finds on this replica.
-func (v *routerView) holds(tokens []int32) int {
+// holds is how many leading full blocks of tokens the router finds in this replica's
+// cells.
+func (v *routerView) holds(tokens []int32) int { return v.count(v.index, tokens) }
+
+// tierHolds is how many leading full blocks of tokens the router finds in this
+// replica's tier.
+func (v *routerView) tierHolds(tokens []int32) int { return v.count(v.tier, tokens) }
+
+func (v *routerView) count(idx map[uint64]int, tokens []int32) int {
 	n := 0
 	for _, h := range kvevents.BlockHashes(kvevents.InitHash("", v.model), tokens, 16) {
-		if v.index[h] == 0 {
+		if idx[h] == 0 {
 			break
 		}
 		n++
@@ -366,18 +389,21 @@ func TestFleetKVEventsRenderAndPoolKeys(t *testing.T) {
 		t.Fatalf("pool_id with pool_key: %d %v, want 400", code, out)
 	}
 
-	// Evict B's pool: its blocks leave the router's view of B (nothing else held them).
+	// Evict B's pool: its blocks leave the router's view of B's cells (nothing else held
+	// them) and are announced in B's tier, where the pool's KV went (issue 44: the
+	// router scores them there, below cells).
 	if code, out := post(t, fmt.Sprintf("%s/polykv/pools/%d/evict", b.base, num(createdB["pool_id"])), map[string]any{}); code != 200 {
 		t.Fatalf("evict: %d %v", code, out)
 	}
-	b.await(t, "the evicted pool's removal", func(v *routerView) bool { return v.holds(rendered) == 0 })
+	b.await(t, "the evicted pool's removal from the cells", func(v *routerView) bool { return v.holds(rendered) == 0 })
+	b.await(t, "the evicted pool in the tier", func(v *routerView) bool { return v.tierHolds(rendered) == L/16 })
 
 	// A second router subscribing to A while the first listens gets the whole state.
 	// Both then hold the same blocks: the first router got the snapshot too.
 	late := &replica{ip: a.ip, sub: subscribe(t, a.zmq), view: &routerView{topic: a.view.topic, model: a.view.model, late: true, index: map[uint64]int{}}}
 	late.await(t, "the late subscriber's snapshot", func(v *routerView) bool { return v.holds(childToks) == len(childToks)/16 })
 	a.await(t, "the snapshot, again", func(v *routerView) bool { return v.seq == late.view.seq })
-	if !maps.Equal(a.view.index, late.view.index) {
+	if !maps.Equal(a.view.index, late.view.index) || !maps.Equal(a.view.tier, late.view.tier) {
 		t.Fatalf("the first router holds %d blocks of A, the late one %d", len(a.view.index), len(late.view.index))
 	}
 

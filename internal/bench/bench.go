@@ -50,6 +50,7 @@ type Options struct {
 	pf         prefillBench
 	fo         fanout
 	tb         tierBench
+	ft         fleetTier
 	tn         tenantsBench
 	rp         ramp
 	lp         agentLoop
@@ -64,7 +65,7 @@ func (o *Options) Register(fs *flag.FlagSet) {
 	o.nGen = fs.Int("n", 128, "tokens each session decodes")
 	o.reps = fs.Int("reps", 2, "repetitions per measurement (best is reported; spec: alternating rounds, medians reported)")
 	o.cpuProfile = fs.String("cpuprofile", "", "write a Go CPU profile of the server runs to this file")
-	o.workload = fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on), plain-fanout and agent-loop (plain OpenAI client: automatic prefix reuse vs off vs explicit pool), plain (both plain-client workloads), tier (evicted pool restored from RAM / disk vs prefill; restart with pinned pools), tenants (short requests and one session's decode beside idle pools of other tenants, compaction auto vs always), spec (speculative decoding off vs on: edit and chat agents; not part of all), episode (a team of tool-calling workers delivering packages under an orchestrator: baseline, admission-gated, gated with throttle-toward-floor, llama-server; not part of all), agents (a team of tool-calling agents whose contexts outgrow the cache, beside llama-server with --agents-llama-server; not part of all) or all")
+	o.workload = fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on), plain-fanout and agent-loop (plain OpenAI client: automatic prefix reuse vs off vs explicit pool), plain (both plain-client workloads), tier (evicted pool restored from RAM / disk vs prefill; restart with pinned pools), fleet-tier (two replicas sharing --tier-shared-dir: B serves a prompt A served; not part of all), tenants (short requests and one session's decode beside idle pools of other tenants, compaction auto vs always), spec (speculative decoding off vs on: edit and chat agents; not part of all), episode (a team of tool-calling workers delivering packages under an orchestrator: baseline, admission-gated, gated with throttle-toward-floor, llama-server; not part of all), agents (a team of tool-calling agents whose contexts outgrow the cache, beside llama-server with --agents-llama-server; not part of all) or all")
 	fs.StringVar(&o.pf.models, "prefill-models", "", "prefill: comma-separated GGUF files (default: -m); missing files are skipped")
 	fs.StringVar(&o.pf.types, "prefill-cache-types", "f16,q8_0,q4_0", "prefill: KV cache types (K and V alike)")
 	fs.StringVar(&o.pf.lengths, "prefill-tokens", "128,2000", "prefill: prompt lengths")
@@ -85,6 +86,8 @@ func (o *Options) Register(fs *flag.FlagSet) {
 	o.loopModes = fs.String("loop-configs", "auto,off", "agent-loop: server configs to run: auto, off")
 	fs.IntVar(&o.tb.tokens, "tier-tokens", 2000, "tier: tokens of the evicted pool")
 	fs.IntVar(&o.tb.pinned, "tier-pinned", 8, "tier: pinned pools recorded before the restart")
+	fs.IntVar(&o.ft.tokens, "fleet-tier-tokens", 2000, "fleet-tier: tokens of the prompt replica A serves and replica B serves again")
+	fs.IntVar(&o.ft.gen, "fleet-tier-gen", 16, "fleet-tier: tokens each replica decodes (compared with a cold replica's)")
 	o.tnSizes = fs.String("tenants-sizes", "0,4000,16000,30000", "tenants: cells held by idle pinned pools, ascending from 0")
 	o.tnTypes = fs.String("tenants-cache-types", "f16,f32", "tenants: K/V cache types to run")
 	fs.IntVar(&o.tn.clients, "tenants-clients", 4, "tenants: clients sending short requests")
@@ -170,6 +173,11 @@ func Run(cfg app.Config, o *Options) error {
 		return o.pf.run(cfg, *o.reps)
 	case "tier":
 		return o.tb.run(cfg, *o.reps)
+	case "fleet-tier":
+		if o.ft.tokens < 32 || o.ft.gen < 1 {
+			return fmt.Errorf("bench: --fleet-tier-tokens must be at least 32 and --fleet-tier-gen at least 1")
+		}
+		return o.ft.run(cfg, *o.reps)
 	case "tenants":
 		if o.tn.sizes, err = parseInts(*o.tnSizes); err != nil || len(o.tn.sizes) == 0 || o.tn.sizes[0] != 0 || !slices.IsSorted(o.tn.sizes) {
 			return fmt.Errorf("bench: --tenants-sizes must be ascending from 0, got %q", *o.tnSizes)

@@ -20,7 +20,17 @@ type Engine struct {
 	once    sync.Once
 	snap    atomic.Pointer[Snapshot]
 	obs     Observer
+	lookup  atomic.Pointer[TierLookup]
 }
+
+// TierLookup lists the segments of a prompt the tier holds, from position 0 (package
+// tier's Store.Run): run on the goroutine that submits, it may do I/O.
+type TierLookup func(prompt []Token) []Segment
+
+// SetTierLookup makes every Submit ask f first which segments of its prompt the tier
+// holds and tell the scheduler (Found) before the request, so that entries its index
+// does not know (another replica's on a shared level) are loaded, not prefilled.
+func (e *Engine) SetTierLookup(f TierLookup) { e.lookup.Store(&f) }
 
 // envelope carries one message to the engine goroutine; reply (nil for a cancel) gets
 // the scheduler's Result and, for a submit or a pool materialization, the task's stream.
@@ -179,6 +189,11 @@ func (e *Engine) call(ctx context.Context, m envelope) (reply, error) {
 // Submit queues req and returns its event stream and what an enforced pool's gate
 // decided, or the scheduler's refusal.
 func (e *Engine) Submit(ctx context.Context, req Request) (*Stream, Gate, error) {
+	if f := e.lookup.Load(); f != nil && len(req.Prompt) > 0 {
+		if segs := (*f)(req.Prompt); len(segs) > 0 {
+			e.send(envelope{msg: Found{Segs: segs}})
+		}
+	}
 	r, err := e.call(ctx, envelope{msg: Submit{Req: req}})
 	if err != nil {
 		return nil, Gate{}, err

@@ -210,6 +210,8 @@ func (s *Scheduler) Step(now time.Time, m Msg) Result {
 		s.admit()
 	case Loaded:
 		s.loaded(m)
+	case Found:
+		s.found(m)
 	case ExpectTurn:
 		s.expectTurn(m)
 	case RecoverPool:

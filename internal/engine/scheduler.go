@@ -56,6 +56,10 @@ type Config struct {
 	// dropped when evicted, as before issue 40 (a backend whose cells another context
 	// mirrors cell for cell, the MTP head's, cannot load them back alone).
 	NoSequenceSpill bool
+	// TierWriteThrough (issue 44): when a request ends, the chunks of its prompt that
+	// the tier lacks are saved (OpSave) though its cells stay: with a level other
+	// replicas share, what one computed any of them can load. Used with Tier.
+	TierWriteThrough bool
 	// TierIndexTokens bounds the tokens the scheduler remembers having stored (about the
 	// tier's capacity in tokens; 0: 4M).
 	TierIndexTokens int
@@ -1407,6 +1411,7 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 	s.samplers = append(s.samplers, SamplerOp{Task: t.id, Free: true})
 	s.obs = append(s.obs, Observation{Kind: ObsQuery, Pool: stats.Pool, PromptTokens: len(t.req.Prompt), CachedTokens: t.cacheN})
 	s.turnEnded(t, sl)
+	s.writeThrough(t, sl)
 	s.removeRunning(t)
 	s.progressAt = s.now
 	switch {

@@ -86,6 +86,65 @@ type Loaded struct {
 
 func (Loaded) isMsg() {}
 
+// Found tells the scheduler of segments the tier holds that its index may not know
+// (issue 44): entries another replica wrote to a shared level, or this one before a
+// restart. The engine sends it before a request whose prompt they continue (Engine.
+// SetTierLookup: the lookup runs on the submitting goroutine, never the engine's), so
+// the ordinary OpLoad path restores them. Whole segments (recurrent state) are not
+// looked up this way.
+type Found struct{ Segs []Segment }
+
+func (Found) isMsg() {}
+
+// found adds segments the tier holds to the index, as if this scheduler had stored them.
+// A shorter entry of the index that one covers is forgotten by the index only: its
+// store entry stays for the store's own LRU (it is valid, and may be another replica's
+// to keep).
+func (s *Scheduler) found(m Found) {
+	if !s.cfg.Tier || s.spills == nil || s.cfg.Recurrent {
+		return
+	}
+	for _, g := range m.Segs {
+		if g.Whole || g.Start < 0 || g.Start >= g.End() || g.Start%s.spills.chunk != 0 {
+			continue
+		}
+		key := spillKey{g.Start, hashTokens(hashSeed, g.Tokens[:g.Start])}
+		if own := g.Tokens[g.Start:]; s.spills.find(key, own, false) == nil {
+			s.spills.add(key, slices.Clone(own), false, false)
+			s.tierStats.Found++
+		}
+	}
+}
+
+// writeThrough plans saving the chunks of t's prompt that its sequence holds and the
+// index lacks, when t ends (Config.TierWriteThrough: a fleet's shared level gets every
+// prefix a replica computed, not only what its cache evicts). Its cells stay where they
+// are; the saves only copy them out, before any operation that drops them. The
+// prompt's last chunk is saved as it ends (named by the prompt itself), so another
+// replica serving the same prompt finds all of it by the prompt alone; a pool's
+// prefix that the sequence shares is saved too (it is content like any other).
+func (s *Scheduler) writeThrough(t *task, sl *slot) {
+	if !s.cfg.Tier || !s.cfg.TierWriteThrough || s.spills == nil || s.cfg.Recurrent || t.kind != kindGenerate {
+		return
+	}
+	n := pool.CommonPrefix(sl.tokens, t.req.Prompt)
+	toks := slices.Clone(t.req.Prompt[:n])
+	c := s.cfg.tierChunk()
+	h := hashSeed
+	for k := 0; k < n; k += c {
+		e := min(k+c, n)
+		key := spillKey{k, h}
+		if s.spills.find(key, toks[k:e], false) == nil {
+			for _, o := range s.spills.add(key, toks[k:e], false, false) {
+				s.ops = append(s.ops, SeqOp{Kind: OpDrop, Seq: sl.seq, P0: k, P1: k + len(o.toks), Tokens: append(slices.Clone(toks[:k]), o.toks...)})
+			}
+			s.ops = append(s.ops, SeqOp{Kind: OpSave, Seq: sl.seq, P0: k, P1: e, Tokens: toks[:e], Spill: spillKindOf(sl)})
+			s.spillCount(spillKindOf(sl), e-k)
+		}
+		h = hashTokens(h, toks[k:e])
+	}
+}
+
 // spillKey finds index entries: the position a segment starts at and a hash of every
 // token before it, so entries are found by content, whoever stored them.
 type spillKey struct {
@@ -597,13 +656,16 @@ func (s *Scheduler) continuation(t *task) (cont bool, attained, seq int) {
 
 // TierStats counts the sequence tier's work (issue 40), by SpillKind: segments planned
 // to be saved and their tokens, loads answered and the tokens they brought back, and
-// segments a load missed (forgotten by the index). Index* is the index's size now.
+// segments a load missed (forgotten by the index), segments found in the tier that
+// another replica stored (Found). Index* is the index's size now.
 type TierStats struct {
 	Saves, SavedTokens  [3]int64
 	Loads, LoadedTokens [3]int64
 	Misses              int64
-	IndexSegments       int
-	IndexTokens         int
+	// Found: segments the tier reported (Found) that the index did not know.
+	Found         int64
+	IndexSegments int
+	IndexTokens   int
 }
 
 // TierStats copies the counters (tests, Usage).

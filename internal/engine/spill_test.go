@@ -2,6 +2,7 @@ package engine
 
 import (
 	"errors"
+	"maps"
 	"slices"
 	"testing"
 	"time"
@@ -409,5 +410,53 @@ func TestExpectedTurnPrefetched(t *testing.T) {
 		if n := tick(time.Second); n != 1 {
 			t.Fatalf("%s: prefetched again (%d)", how, n)
 		}
+	}
+}
+
+// Issue 44: replica A writes a served request's prompt through to the tier when it ends
+// (TierWriteThrough), chunk by chunk with the prompt's last chunk named by the prompt
+// itself, though its cells stay resident. Replica B, whose index knows nothing (it
+// never served the prompt), is told what the shared store holds (Found) and loads it
+// instead of prefilling; its reply is a cold prefill's.
+func TestWriteThroughFoundByAnotherReplica(t *testing.T) {
+	cfg := spillCfg()
+	cfg.TierWriteThrough = true
+	a := newHarness(t, cfg)
+	prompt := seqTokens(100, 30) // chunks of 8: [0,8) [8,16) [16,24) and [24,30)
+	_, outA := a.turn(Request{Prompt: prompt, MaxTokens: 4})
+	a.steps(1) // the saves planned at its end run with the next step's operations
+	var segs []Segment
+	for k := 0; k < len(prompt); k += 8 {
+		e := min(k+8, len(prompt))
+		own, ok := a.be.segs[segKey(k, prompt[:e], false)]
+		if !ok || !slices.Equal(own, prompt[k:e]) {
+			t.Fatalf("A stored no chunk [%d, %d) of its prompt: %v", k, e, a.be.segs)
+		}
+		segs = append(segs, Segment{Start: k, Tokens: prompt[:e]})
+	}
+	if a.s.spills.tokens != len(prompt) || len(a.be.kv[0]) == 0 {
+		t.Fatalf("A: index %d tokens, sequence %d cells; want the prompt indexed and its cells kept", a.s.spills.tokens, len(a.be.kv[0]))
+	}
+
+	b := newHarness(t, spillCfg())
+	b.be.segs = maps.Clone(a.be.segs) // the shared level: what A wrote
+	b.send(Found{Segs: segs})
+	ev, outB := b.turn(Request{Prompt: prompt, MaxTokens: 4})
+	if ev.Stats.RestoredN != len(prompt)-1 || ev.Stats.PromptN != 1 {
+		t.Fatalf("B: %+v, want all but the prompt's last token loaded", ev.Stats)
+	}
+	if !slices.Equal(outA, outB) {
+		t.Fatalf("B's reply %v, A's %v", outB, outA)
+	}
+	if st := b.s.TierStats(); st.Found != int64(len(segs)) {
+		t.Fatalf("B found %d segments, want %d", st.Found, len(segs))
+	}
+
+	// Without write-through nothing of a request that ends resident is stored.
+	c := newHarness(t, spillCfg())
+	c.turn(Request{Prompt: prompt, MaxTokens: 4})
+	c.steps(1)
+	if len(c.be.segs) != 0 {
+		t.Fatalf("stored without write-through: %v", c.be.segs)
 	}
 }

@@ -14,6 +14,9 @@ type Event struct {
 	Parent    *uint64
 	Tokens    []int32
 	BlockSize int
+	// Medium is the event's medium as sent (MediumCells, MediumTier; "" when absent,
+	// which llm-d reads as "gpu").
+	Medium string
 }
 
 // Message is one decoded ZMQ message.
@@ -86,12 +89,22 @@ func Decode(frames [][]byte) (Message, error) {
 				return m, fmt.Errorf("event %d: block_size: %w", i, err)
 			}
 			ev.BlockSize = int(bs)
+			if len(f) > 6 && f[6] != nil {
+				if ev.Medium, ok = f[6].(string); !ok {
+					return m, fmt.Errorf("event %d: medium is %T", i, f[6])
+				}
+			}
 		case TagBlockRemoved:
 			if len(f) < 2 {
 				return m, fmt.Errorf("event %d: BlockRemoved without hashes", i)
 			}
 			if ev.Hashes, err = hashes(f[1]); err != nil {
 				return m, fmt.Errorf("event %d: block_hashes: %w", i, err)
+			}
+			if len(f) > 2 && f[2] != nil {
+				if ev.Medium, ok = f[2].(string); !ok {
+					return m, fmt.Errorf("event %d: medium is %T", i, f[2])
+				}
 			}
 		case TagAllBlocksCleared:
 		default:

@@ -23,6 +23,7 @@
 package kvevents
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -49,6 +50,21 @@ const (
 	TagBlockStored      = "BlockStored"
 	TagBlockRemoved     = "BlockRemoved"
 	TagAllBlocksCleared = "AllBlocksCleared"
+)
+
+// Media (vLLM's BlockStored.medium and BlockRemoved.medium; issue 44). llm-d's event
+// pool lower-cases the medium into the block's device tier (an event without one is
+// "gpu") and its precise scorer adds, per consecutive block a pod holds, the highest
+// weight of the tiers it holds the block in: backendConfigs, by default gpu 1.0 and
+// cpu 0.8, and 1.0 for a tier it has no weight for. So the cells the model computes
+// with are announced as GPU, and what the tier below them holds (host RAM or the
+// replica's disk) as CPU: a replica holding a prefix only in its tier scores for it,
+// below one holding it in cells, with the router's default configuration. (A medium
+// of our own, "DISK" say, would score like a cell unless every router were given a
+// weight for it.)
+const (
+	MediumCells = "GPU"
+	MediumTier  = "CPU"
 )
 
 // Config configures a Publisher.
@@ -83,9 +99,11 @@ type Publisher struct {
 	topic   string
 	sock    zmq4.Socket
 	accepts *atomic.Uint64 // connections accepted (tcp endpoints), nil otherwise
-	ch      chan engine.SeqChange
+	ch      chan change
 	done    chan struct{}
 	closing sync.Once
+	closeMu sync.RWMutex // TierChanged (any goroutine) against Close
+	closed  bool
 	// The publisher goroutine's own state.
 	seq    uint64    // next sequence number
 	live   bool      // someone was subscribed at the last look
@@ -94,11 +112,37 @@ type Publisher struct {
 	init   uint64
 	seqs   map[int]*mirror
 	refs   map[uint64]int // block hash → sequences holding it
+	// The tier's blocks (TierChanged): how many stored entries hold each, and what
+	// each was announced with (for snapshots).
+	tierRefs   map[uint64]int
+	tierBlocks map[uint64]tierBlock
 	// Sent, Snapshots and Dropped count messages sent, snapshots sent to newly joined
 	// subscribers, and changes lost to a full queue.
 	Sent      atomic.Uint64
 	Snapshots atomic.Uint64
 	Dropped   atomic.Uint64
+}
+
+// change is one queued change: a sequence's (seq) or the tier's (tier non-nil).
+type change struct {
+	seq  engine.SeqChange
+	tier *tierChange
+}
+
+// tierChange is an entry of the tier below the cache stored or removed: the KV of
+// tokens[d:] computed after tokens[:d].
+type tierChange struct {
+	d      int
+	tokens []int32
+	stored bool
+}
+
+// tierBlock is a block the tier holds, as announced: its position in its chain, its
+// parent (nil: the chain's first) and its tokens.
+type tierBlock struct {
+	pos    int
+	parent any
+	tokens []int32
 }
 
 // mirror is what one sequence holds, as last reported, and its full blocks' hashes.
@@ -133,8 +177,9 @@ func Open(cfg Config) (*Publisher, error) {
 		return nil, fmt.Errorf("kv events: bind %s: %w", cfg.Endpoint, err)
 	}
 	p := &Publisher{cfg: cfg, topic: "kv@" + cfg.PodID + "@" + cfg.Model, sock: sock, accepts: accepts,
-		ch: make(chan engine.SeqChange, queueLen), done: make(chan struct{}),
-		init: InitHash(cfg.HashSeed, cfg.Model), seqs: map[int]*mirror{}, refs: map[uint64]int{}}
+		ch: make(chan change, queueLen), done: make(chan struct{}),
+		init: InitHash(cfg.HashSeed, cfg.Model), seqs: map[int]*mirror{}, refs: map[uint64]int{},
+		tierRefs: map[uint64]int{}, tierBlocks: map[uint64]tierBlock{}}
 	go p.run()
 	return p, nil
 }
@@ -146,7 +191,20 @@ func (p *Publisher) Topic() string { return p.topic }
 func (p *Publisher) BlockSize() int { return p.cfg.BlockSize }
 
 // SeqChanged implements engine.ResidencyObserver.
-func (p *Publisher) SeqChanged(c engine.SeqChange) {
+func (p *Publisher) SeqChanged(c engine.SeqChange) { p.queue(change{seq: c}) }
+
+// TierChanged implements tier.Observer: an entry of the tier below the cache, the KV of
+// tokens[d:] after tokens[:d], was stored or removed. Its full blocks are announced
+// with MediumTier. Safe from any goroutine, and after Close (then it does nothing).
+func (p *Publisher) TierChanged(d int, tokens []int32, stored bool) {
+	p.closeMu.RLock()
+	defer p.closeMu.RUnlock()
+	if !p.closed {
+		p.queue(change{tier: &tierChange{d: d, tokens: tokens, stored: stored}})
+	}
+}
+
+func (p *Publisher) queue(c change) {
 	select {
 	case p.ch <- c:
 	default:
@@ -161,7 +219,12 @@ func (p *Publisher) SeqChanged(c engine.SeqChange) {
 // drops it), and closes the socket. The engine must not report changes after Close
 // (close the engine first).
 func (p *Publisher) Close() error {
-	p.closing.Do(func() { close(p.ch) })
+	p.closing.Do(func() {
+		p.closeMu.Lock()
+		p.closed = true
+		close(p.ch)
+		p.closeMu.Unlock()
+	})
 	<-p.done
 	if p.live {
 		p.send([]any{[]any{TagAllBlocksCleared}})
@@ -196,7 +259,7 @@ func (p *Publisher) run() {
 				return
 			}
 			p.look() // a snapshot, if any, goes out before this change
-			events := p.take(nil, c)
+			events := p.apply(nil, c)
 			// Batch what else is already queued into the same message.
 		more:
 			for len(events) < 256 {
@@ -205,7 +268,7 @@ func (p *Publisher) run() {
 					if !ok {
 						break more
 					}
-					events = p.take(events, next)
+					events = p.apply(events, next)
 				default:
 					break more
 				}
@@ -281,6 +344,88 @@ func (p *Publisher) snapshotEvents() []any {
 		}
 		events = p.stored(events, m, f, len(m.chain))
 	}
+	// The tier's blocks, parents first (a block's parent is at the position before
+	// it): the same hash in cells and in the tier is two entries of the router's index,
+	// one per medium.
+	hs := make([]uint64, 0, len(p.tierBlocks))
+	for h := range p.tierBlocks {
+		hs = append(hs, h)
+	}
+	slices.SortFunc(hs, func(a, b uint64) int {
+		if c := p.tierBlocks[a].pos - p.tierBlocks[b].pos; c != 0 {
+			return c
+		}
+		return cmp.Compare(a, b)
+	})
+	for _, h := range hs {
+		b := p.tierBlocks[h]
+		events = append(events, []any{TagBlockStored, []uint64{h}, b.parent, b.tokens, p.cfg.BlockSize, nil, MediumTier})
+	}
+	return events
+}
+
+// apply applies one queued change.
+func (p *Publisher) apply(events []any, c change) []any {
+	if c.tier != nil {
+		return p.takeTier(events, *c.tier)
+	}
+	return p.take(events, c.seq)
+}
+
+// takeTier counts a tier entry's full blocks in or out and appends the events: the
+// blocks no entry held before, in runs of consecutive blocks (each run chained to the
+// block before it), or those no entry holds any more. A block of the entry that starts
+// below d is the previous entry's (chunks are aligned to blocks, so there is none).
+func (p *Publisher) takeTier(events []any, c tierChange) []any {
+	bs := p.cfg.BlockSize
+	n := len(c.tokens) / bs
+	first := (c.d + bs - 1) / bs
+	if first >= n {
+		return events
+	}
+	chain := BlockHashes(p.init, c.tokens[:n*bs], bs)
+	if !c.stored {
+		var gone []uint64
+		for _, h := range chain[first:] {
+			if p.tierRefs[h]--; p.tierRefs[h] <= 0 {
+				delete(p.tierRefs, h)
+				delete(p.tierBlocks, h)
+				gone = append(gone, h)
+			}
+		}
+		if len(gone) > 0 {
+			events = append(events, []any{TagBlockRemoved, gone, MediumTier})
+		}
+		return events
+	}
+	run := -1 // the first block of the current run of new blocks
+	flush := func(end int) {
+		if run < 0 {
+			return
+		}
+		var parent any
+		if run > 0 {
+			parent = chain[run-1]
+		}
+		events = append(events, []any{TagBlockStored, slices.Clone(chain[run:end]), parent, slices.Clone(c.tokens[run*bs : end*bs]), bs, nil, MediumTier})
+		run = -1
+	}
+	for j := first; j < n; j++ {
+		h := chain[j]
+		if p.tierRefs[h]++; p.tierRefs[h] > 1 {
+			flush(j)
+			continue
+		}
+		var parent any
+		if j > 0 {
+			parent = chain[j-1]
+		}
+		p.tierBlocks[h] = tierBlock{pos: j, parent: parent, tokens: slices.Clone(c.tokens[j*bs : (j+1)*bs])}
+		if run < 0 {
+			run = j
+		}
+	}
+	flush(n)
 	return events
 }
 
@@ -295,7 +440,7 @@ func (p *Publisher) stored(out []any, m *mirror, from, to int) []any {
 		parent = m.chain[from-1]
 	}
 	// Copies: the mirror changes in place while a batch is still being built.
-	return append(out, []any{TagBlockStored, slices.Clone(m.chain[from:to]), parent, slices.Clone(m.tokens[from*bs : to*bs]), bs})
+	return append(out, []any{TagBlockStored, slices.Clone(m.chain[from:to]), parent, slices.Clone(m.tokens[from*bs : to*bs]), bs, nil, MediumCells})
 }
 
 // take applies c to the mirror and the reference counts and appends the events: the
@@ -335,7 +480,7 @@ func (p *Publisher) take(events []any, c engine.SeqChange) []any {
 	}
 	m.chain = append(m.chain[:kb+same], fresh[same:]...)
 	if len(gone) > 0 {
-		events = append(events, []any{TagBlockRemoved, gone})
+		events = append(events, []any{TagBlockRemoved, gone, MediumCells})
 	}
 	if first >= 0 {
 		events = p.stored(events, m, first, len(m.chain))

@@ -4,6 +4,7 @@ import (
 	"context"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -27,10 +28,33 @@ func toks(t []int32) []engine.Token { return t }
 // seen is dropped; otherwise it recomputes the keys from the event's tokens, chained
 // from the parent's key (or the model's init hash), and counts each stored hash per
 // pod (event_dedup_filter.go), removing a hash from the index when its count reaches 0.
+//
+// Each medium is a device tier of its own (normalizeEventDeviceTier: lower case, "gpu"
+// when absent): index counts the "gpu" entries (cells), tier the "cpu" ones.
 type router struct {
 	t     *testing.T
 	init  uint64
 	index map[uint64]int
+	tier  map[uint64]int
+}
+
+// medium is the index of an event's medium (mediumAt: its field, absent → "gpu").
+func (r *router) medium(ev []any, at int) map[uint64]int {
+	m := "gpu"
+	if len(ev) > at && ev[at] != nil {
+		m = strings.ToLower(ev[at].(string))
+	}
+	switch m {
+	case "gpu":
+		return r.index
+	case "cpu":
+		if r.tier == nil {
+			r.tier = map[uint64]int{}
+		}
+		return r.tier
+	}
+	r.t.Fatalf("medium %q: the router's default configuration weighs it like a cell", m)
+	return nil
 }
 
 func (r *router) apply(events []any) {
@@ -39,19 +63,21 @@ func (r *router) apply(events []any) {
 		ev := raw.([]any)
 		switch ev[0] {
 		case TagAllBlocksCleared:
-			r.index = map[uint64]int{}
+			r.index, r.tier = map[uint64]int{}, map[uint64]int{}
 		case TagBlockRemoved:
+			idx := r.medium(ev, 2)
 			for _, h := range ev[1].([]uint64) {
-				if r.index[h]--; r.index[h] <= 0 {
-					delete(r.index, h)
+				if idx[h]--; idx[h] <= 0 {
+					delete(idx, h)
 				}
 			}
 		case TagBlockStored:
 			hashes, tokens, bs := ev[1].([]uint64), ev[3].([]int32), ev[4].(int)
+			idx := r.medium(ev, 6)
 			parent := r.init
 			if ev[2] != nil {
 				parent = ev[2].(uint64)
-				if r.index[parent] == 0 {
+				if r.index[parent] == 0 && r.tier[parent] == 0 {
 					r.t.Fatalf("BlockStored with parent %#x the router does not hold: it would drop the event", parent)
 				}
 			}
@@ -59,10 +85,29 @@ func (r *router) apply(events []any) {
 				r.t.Fatalf("announced hashes %#x, the router computes %#x for the same tokens", hashes, keys)
 			}
 			for _, h := range hashes {
-				r.index[h]++
+				idx[h]++
 			}
 		}
 	}
+}
+
+// score is llm-d's precise scorer for this replica (kvblock_scorer.go,
+// LongestPrefixScorer with DefaultKVCacheBackendConfig): over the leading blocks of
+// tokens the replica holds in any medium, the sum of the best weight each is held in
+// (gpu 1.0, cpu 0.8).
+func (r *router) score(tokens []int32, bs int) float64 {
+	s := 0.0
+	for _, h := range BlockHashes(r.init, tokens, bs) {
+		switch {
+		case r.index[h] > 0:
+			s += 1.0
+		case r.tier[h] > 0:
+			s += 0.8
+		default:
+			return s
+		}
+	}
+	return s
 }
 
 // holds reports how many leading full blocks of tokens the router would find.
@@ -78,7 +123,8 @@ func (r *router) holds(tokens []int32, bs int) int {
 }
 
 func newMirrorOnly(bs int) *Publisher {
-	return &Publisher{cfg: Config{BlockSize: bs}, init: InitHash("", "m"), seqs: map[int]*mirror{}, refs: map[uint64]int{}}
+	return &Publisher{cfg: Config{BlockSize: bs}, init: InitHash("", "m"), seqs: map[int]*mirror{}, refs: map[uint64]int{},
+		tierRefs: map[uint64]int{}, tierBlocks: map[uint64]tierBlock{}}
 }
 
 // TestSharedBlocksAnnouncedOnce: two sequences sharing a system prompt announce its
@@ -357,5 +403,60 @@ func TestEverySubscriberGetsSnapshot(t *testing.T) {
 		t.Fatalf("the first subscriber got seq %d, the second %d: one stream", again.Seq, m2.Seq)
 	} else {
 		check("first subscriber, again", again)
+	}
+}
+
+// TestTierBlocksScoredBelowCells (issue 44): what a replica's tier holds is announced
+// with the tier's medium, so with llm-d's default weights a replica holding a prefix
+// only in its tier scores for it, below one holding it in cells, and above one that
+// holds nothing; holding it in both scores as cells. Entries that overlap (a
+// conversation's tail chunk superseded by a longer one) count each block once; a block
+// goes when the last entry holding it does; a snapshot gives a new router the same view.
+func TestTierBlocksScoredBelowCells(t *testing.T) {
+	const bs = 16
+	prompt := seqTokens(64, 1) // 4 blocks; tier chunks of 32 tokens: [0,32) [32,64)
+	cells := newMirrorOnly(bs)
+	rc := &router{t: t, init: cells.init, index: map[uint64]int{}}
+	rc.apply(cells.take(nil, engine.SeqChange{Seq: 0, Tokens: toks(prompt)}))
+
+	tr := newMirrorOnly(bs)
+	rt := &router{t: t, init: tr.init, index: map[uint64]int{}}
+	stored := func(d, end int, in bool) []any {
+		ev := tr.apply(nil, change{tier: &tierChange{d: d, tokens: prompt[:end], stored: in}})
+		rt.apply(ev)
+		return ev
+	}
+	ev := stored(0, 32, true)
+	if len(ev) != 1 || ev[0].([]any)[6] != MediumTier || ev[0].([]any)[2] != nil {
+		t.Fatalf("first chunk: %v, want one BlockStored from the root with medium %s", ev, MediumTier)
+	}
+	stored(32, 48, true) // a tail chunk: one block
+	ev = stored(32, 64, true)
+	if len(ev) != 1 || len(ev[0].([]any)[1].([]uint64)) != 1 {
+		t.Fatalf("the longer chunk: %v, want only its block the tail did not hold", ev)
+	}
+	stored(32, 48, false) // the superseded tail goes: its block is still held
+	want := []float64{4, 3.2, 0}
+	if got := []float64{rc.score(prompt, bs), rt.score(prompt, bs), (&router{init: tr.init}).score(prompt, bs)}; !slices.Equal(got, want) {
+		t.Fatalf("scores cells/tier/none %v, want %v", got, want)
+	}
+	// The same replica holding it in cells too scores as cells.
+	rt.apply(tr.take(nil, engine.SeqChange{Seq: 3, Tokens: toks(prompt)}))
+	if s := rt.score(prompt, bs); s != 4 {
+		t.Fatalf("cells and tier: score %v, want 4", s)
+	}
+	rt.apply(tr.take(nil, engine.SeqChange{Seq: 3}))
+	// A snapshot replayed into a new router: the same view.
+	fresh := &router{t: t, init: tr.init, index: map[uint64]int{}}
+	fresh.apply(tr.snapshotEvents())
+	if s := fresh.score(prompt, bs); s != 3.2 {
+		t.Fatalf("after a snapshot: score %v, want 3.2", s)
+	}
+	ev = stored(32, 64, false)
+	if len(ev) != 1 || ev[0].([]any)[0] != TagBlockRemoved || ev[0].([]any)[2] != MediumTier || len(ev[0].([]any)[1].([]uint64)) != 2 {
+		t.Fatalf("removing the second chunk: %v, want BlockRemoved of its 2 blocks with medium %s", ev, MediumTier)
+	}
+	if s := rt.score(prompt, bs); s != 1.6 {
+		t.Fatalf("first chunk only: score %v, want 1.6", s)
 	}
 }

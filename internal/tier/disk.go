@@ -29,6 +29,7 @@ type job struct {
 	e       *ramEntry
 	record  *Record // write this pool's record and list it in the manifest
 	forget  int     // drop this pool's record (0: none)
+	shared  bool    // e goes to the shared level
 	flushed chan struct{}
 }
 
@@ -42,8 +43,6 @@ func parseKey(s string) (Key, bool) {
 	copy(k[:], b)
 	return k, true
 }
-
-func (s *Store) path(k Key) string { return filepath.Join(s.cfg.Dir, k.String()+".kv") }
 
 func (s *Store) openDir() error {
 	dir := s.cfg.Dir
@@ -74,19 +73,17 @@ func (s *Store) openDir() error {
 				continue
 			}
 			if info, err := de.Info(); err == nil {
-				s.disk[k] = &diskEntry{size: info.Size(), used: info.ModTime().UnixNano()}
-				s.diskBytes += info.Size()
+				// LRU order for what was found: older files first; new uses count above
+				// them all (found moves the clock past every file's time).
+				s.dsk.found(k, info.Size(), info.ModTime().UnixNano())
 			}
 		}
-	}
-	// LRU order for what was found: older files first; new uses count above them all.
-	for _, e := range s.disk {
-		s.clock = max(s.clock, e.used)
 	}
 	// Probe that the directory takes writes: a read-only mount is served from, not
 	// written to (every spill then stays in RAM or is dropped, and is counted).
 	if f, err := os.CreateTemp(dir, ".tmp-probe-*"); err != nil {
 		s.diskOff = err.Error()
+		s.dsk.readOnly = true
 		s.log.Warn("pool tier directory is not writable; reading it only", "dir", dir, "err", err)
 	} else {
 		f.Close()
@@ -165,6 +162,8 @@ func (s *Store) writer(jobs <-chan job) {
 		switch {
 		case j.flushed != nil:
 			close(j.flushed)
+		case j.e != nil && j.shared:
+			s.writeShared(j.key, j.e)
 		case j.e != nil:
 			s.writeEntry(j.key, j.e)
 		case j.record != nil:
@@ -179,30 +178,44 @@ func (s *Store) writeEntry(k Key, e *ramEntry) {
 	b := encode(s.cfg.Model, e.meta, e.payload)
 	size := int64(len(b))
 	s.mu.Lock()
-	for s.diskBytes+size > s.cfg.DiskBytes && s.dropDiskLRU(k) {
+	for s.diskBytes()+size > s.cfg.DiskBytes && s.dropDiskLRU(k) {
 	}
 	s.mu.Unlock()
-	err := atomicWrite(s.cfg.Dir, k.String()+".kv", b)
+	err := s.dsk.putEncoded(k, b)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.pending[k] == e {
 		delete(s.pending, k)
 	}
 	if err != nil {
+		s.noteGone(k)
 		s.stats.DiskErrors++
 		reason := "io"
 		if errors.Is(err, syscall.ENOSPC) {
 			reason = "disk full"
 		}
 		s.logOnce("pool tier disk write failed; the pool will be prefilled when needed", "reason", reason, "err", err)
+	}
+}
+
+// writeShared writes an entry to the shared level (writer goroutine).
+func (s *Store) writeShared(k Key, e *ramEntry) {
+	err := s.shr.Put(k, e.meta, e.payload)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.shPending[k] == e {
+		delete(s.shPending, k)
+	}
+	if err != nil {
+		s.stats.SharedErrors++
+		s.logOnce("shared tier write failed; other replicas will prefill this entry", "err", err)
 		return
 	}
-	if old := s.disk[k]; old != nil {
-		s.diskBytes -= old.size
-	}
-	s.disk[k] = &diskEntry{size: size, used: s.tick()}
-	s.diskBytes += size
+	s.stats.SharedWrites++
 }
+
+// diskBytes is what the disk level holds.
+func (s *Store) diskBytes() int64 { b, _ := s.dsk.Usage(); return b }
 
 func (s *Store) saveManifestLocked() {
 	if err := s.writeManifest(); err != nil {
@@ -222,46 +235,23 @@ func (s *Store) writeManifest() error {
 // dropDiskLRU removes the least recently used disk entry that is not kept (and not
 // except); false when there is none.
 func (s *Store) dropDiskLRU(except Key) bool {
-	var victim Key
-	var v *diskEntry
-	for k, e := range s.disk {
-		if k != except && !s.kept[k] && (v == nil || e.used < v.used) {
-			victim, v = k, e
-		}
-	}
-	if v == nil {
+	victim, ok := s.dsk.Oldest(func(k Key) bool { return k == except || s.kept[k] })
+	if !ok {
 		return false
 	}
 	s.dropDisk(victim)
 	return true
 }
 
+// dropDisk removes k's entry from the disk level (its file too, unless the directory
+// is read-only).
 func (s *Store) dropDisk(k Key) {
-	if e := s.disk[k]; e != nil {
-		s.diskBytes -= e.size
-		delete(s.disk, k)
-		if s.diskOff == "" {
-			_ = os.Remove(s.path(k))
-		}
-	}
-}
-
-// readEntry reads and verifies k's file.
-func (s *Store) readEntry(k Key, want *Meta) ([]byte, error) {
-	crashPoint("read", k.String()+".kv")
-	b, err := os.ReadFile(s.path(k))
-	if err != nil {
-		if errors.Is(err, os.ErrNotExist) {
-			return nil, miss(MissAbsent, "%v", err)
-		}
-		return nil, miss(MissIO, "%v", err)
-	}
-	_, payload, err := decode(b, s.cfg.Model, want)
-	return payload, err
+	s.dsk.Delete(k)
+	s.noteGone(k)
 }
 
 func (s *Store) readEntryMeta(k Key) (Meta, []byte, error) {
-	b, err := os.ReadFile(s.path(k))
+	b, err := os.ReadFile(s.dsk.path(k))
 	if err != nil {
 		return Meta{}, nil, miss(MissIO, "%v", err)
 	}

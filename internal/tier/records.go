@@ -290,15 +290,15 @@ func (s *Store) Record(r Record, payload []byte) bool {
 			return false
 		}
 	}
-	if s.disk[k] != nil || s.pending[k] != nil {
+	if s.dsk.Has(k) || s.pending[k] != nil {
 		return true
 	}
-	e := s.ram[k]
+	e := s.mem.peek(k)
 	if e == nil && payload != nil {
 		e = &ramEntry{meta: Meta{D: r.D, Tokens: slices.Clone(r.Tokens)}, payload: payload}
 	}
-	if e != nil {
-		s.queueWrite(k, e)
+	if e != nil && s.queueWrite(k, e) {
+		s.noteStored(k, e.meta)
 	}
 	return true
 }
@@ -474,10 +474,10 @@ func (s *Store) recoverRecord(r Record, inTier *bool) {
 	ok := inTier != nil && *inTier
 	if inTier == nil {
 		var err error
-		if s.disk[k] == nil {
+		if !s.dsk.Has(k) {
 			err = miss(MissAbsent, "no entry %s", k)
 		} else {
-			_, err = s.readEntry(k, &Meta{D: r.D, Tokens: r.Tokens})
+			_, err = s.dsk.Get(k, &Meta{D: r.D, Tokens: r.Tokens})
 		}
 		if err != nil {
 			s.stats.Misses[Reason(err)]++
@@ -509,7 +509,7 @@ func (s *Store) readManifestV0(m manifest) {
 			s.loseLocked(v.ID, MissCorrupt, fmt.Errorf("%s, and its key is malformed", why))
 			continue
 		}
-		if s.disk[k] == nil {
+		if !s.dsk.Has(k) {
 			s.stats.Misses[MissAbsent]++
 			s.loseLocked(v.ID, MissAbsent, fmt.Errorf("%s, which is missing", why))
 			continue

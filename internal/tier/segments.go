@@ -56,8 +56,8 @@ func (s *Store) PutKept(pool int, m Meta, payload []byte) Location {
 	loc := s.putLocked(k, KindPool, m, payload)
 	if loc == None && payload != nil {
 		s.stats.Dropped-- // not dropped after all: kept in RAM over the budget
-		s.ram[k] = &ramEntry{meta: m, payload: payload, used: s.tick()}
-		s.ramBytes += int64(len(payload))
+		_ = s.mem.Put(k, m, payload)
+		s.noteStored(k, m)
 		loc = RAM
 	}
 	return loc
@@ -72,10 +72,7 @@ func (s *Store) Drop(m Meta) {
 	if s.kept[k] {
 		return
 	}
-	if e := s.ram[k]; e != nil {
-		delete(s.ram, k)
-		s.ramBytes -= int64(len(e.payload))
-	}
+	s.mem.Delete(k)
 	s.dropDisk(k)
 }
 
@@ -94,16 +91,16 @@ func (s *Store) Promote(m Meta) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	size := int64(len(payload))
-	if s.ram[k] != nil || s.pending[k] != nil || size > s.cfg.RAMBytes {
-		return s.ram[k] != nil || s.pending[k] != nil
+	if s.mem.Has(k) || s.pending[k] != nil || size > s.cfg.RAMBytes {
+		return s.mem.Has(k) || s.pending[k] != nil
 	}
-	for s.ramBytes+size > s.cfg.RAMBytes && s.demoteLRU() {
+	for s.ramBytes()+size > s.cfg.RAMBytes && s.demoteLRU() {
 	}
-	if s.ramBytes+size > s.cfg.RAMBytes {
+	if s.ramBytes()+size > s.cfg.RAMBytes {
 		return false
 	}
-	s.ram[k] = &ramEntry{meta: m, payload: payload, used: s.tick()}
-	s.ramBytes += size
+	_ = s.mem.Put(k, m, payload)
+	s.noteStored(k, m)
 	s.stats.Prefetches++
 	return true
 }

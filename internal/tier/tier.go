@@ -35,6 +35,7 @@ import (
 type Location string
 
 // Locations. None: the store holds nothing for the pool.
+// Shared (shared.go): the directory several replicas share.
 const (
 	None Location = ""
 	RAM  Location = "ram"
@@ -51,7 +52,14 @@ type Config struct {
 	Dir string
 	// DiskBytes is the disk budget (--pool-disk-mb).
 	DiskBytes int64
-	Log       *slog.Logger
+	// SharedDir is the shared level's directory (--tier-shared-dir; shared.go), which
+	// other replicas serving the same model may mount too; "": none. Every entry put
+	// is also written there, and a lookup that misses RAM and --pool-dir reads it.
+	SharedDir string
+	// SharedBytes is the shared directory's budget (--tier-shared-mb), kept by every
+	// replica that writes there.
+	SharedBytes int64
+	Log         *slog.Logger
 }
 
 // ModelKey is everything besides the tokens that makes stored KV bytes valid: the
@@ -92,29 +100,19 @@ func FileSHA256(path string) (string, error) {
 	return sum, nil
 }
 
-type ramEntry struct {
-	meta    Meta
-	payload []byte
-	used    int64 // LRU clock
-}
-
-type diskEntry struct {
-	size int64
-	used int64
-}
-
-// Store is the RAM and disk tier. Create it with Open, stop it with Close.
+// Store is the tier: a RAM level and a disk level (levels.go) and the policy over them.
+// Create it with Open, stop it with Close.
 type Store struct {
 	cfg Config
 	log *slog.Logger
 
+	clock     clock
+	mem       *ramLevel
+	dsk       *diskLevel
+	shr       *sharedLevel // nil: no shared level
 	mu        sync.Mutex
-	clock     int64
-	ram       map[Key]*ramEntry
-	ramBytes  int64
 	pending   map[Key]*ramEntry // queued for the disk writer (readable meanwhile)
-	disk      map[Key]*diskEntry
-	diskBytes int64
+	shPending map[Key]*ramEntry // queued for the shared level's write (readable meanwhile)
 	byPool    map[int]Key
 	kept      map[Key]bool // entries of recorded (pinned) pools: never dropped by LRU
 	diskOff   string       // why the disk tier takes no writes ("" = it does)
@@ -126,6 +124,8 @@ type Store struct {
 	floor     int
 	stats     Stats
 	kinds     map[string]*KindStats // per kind of holder (segments.go)
+	obs       Observer              // nil: none (observe.go)
+	held      map[Key]Meta          // entries reported to obs as held
 
 	jobs chan job
 	done chan struct{}
@@ -142,6 +142,11 @@ type Stats struct {
 	DiskErrors             int64            // failed writes (disk full, read-only, ...)
 	Dropped                int64            // entries that fit no tier and were dropped
 	Prefetches             int64            // entries read from disk into RAM ahead of a load
+	// SharedBytes and SharedEntries: the shared directory (all replicas' entries) as of
+	// this replica's last write there; SharedWrites: entries this replica wrote there,
+	// SharedErrors: writes that failed.
+	SharedBytes, SharedEntries int64
+	SharedWrites, SharedErrors int64
 	// Kinds splits the work by what the entries hold (KindPool, KindSession,
 	// KindCached).
 	Kinds map[string]KindStats
@@ -154,12 +159,20 @@ func Open(cfg Config) (*Store, error) {
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
-	s := &Store{cfg: cfg, log: cfg.Log, ram: map[Key]*ramEntry{}, pending: map[Key]*ramEntry{}, disk: map[Key]*diskEntry{},
+	s := &Store{cfg: cfg, log: cfg.Log, pending: map[Key]*ramEntry{}, shPending: map[Key]*ramEntry{},
 		byPool: map[int]Key{}, kept: map[Key]bool{}, logged: map[string]bool{}, jobs: make(chan job, 256), done: make(chan struct{}), kinds: map[string]*KindStats{},
 		stats: Stats{Restores: map[Location]int64{}, RestoreSeconds: map[Location]float64{}, Misses: map[string]int64{}}}
+	s.mem = newRAMLevel(&s.clock)
+	s.dsk = newDiskLevel(cfg.Dir, cfg.Model, &s.clock)
 	if cfg.Dir != "" {
 		if err := s.openDir(); err != nil {
 			return nil, err
+		}
+	}
+	if cfg.SharedDir != "" {
+		var err error
+		if s.shr, err = newSharedLevel(cfg.SharedDir, cfg.Model, cfg.SharedBytes); err != nil {
+			return nil, fmt.Errorf("shared tier directory: %w", err)
 		}
 	}
 	go s.writer(s.jobs)
@@ -187,8 +200,6 @@ func (s *Store) Flush() {
 	}
 }
 
-func (s *Store) tick() int64 { s.clock++; return s.clock }
-
 // logOnce logs a problem the first time it is seen (each distinct message once), so a
 // full disk does not write a line per spill.
 func (s *Store) logOnce(msg string, args ...any) {
@@ -205,16 +216,16 @@ func (s *Store) Has(m Meta) bool {
 	k := MakeKey(s.cfg.Model, m.D, m.Tokens)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.ram[k] != nil || s.pending[k] != nil || s.disk[k] != nil
+	return s.mem.Has(k) || s.pending[k] != nil || s.dsk.Has(k) || s.shPending[k] != nil || (s.shr != nil && s.shr.Has(k))
 }
 
-// OnDiskOnly reports whether m's entry is on disk and nowhere in memory: a Get would
-// read a file.
+// OnDiskOnly reports whether m's entry is on disk (--pool-dir or the shared level) and
+// nowhere in memory: a Get would read a file.
 func (s *Store) OnDiskOnly(m Meta) bool {
 	k := MakeKey(s.cfg.Model, m.D, m.Tokens)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.ram[k] == nil && s.pending[k] == nil && s.disk[k] != nil
+	return !s.mem.Has(k) && s.pending[k] == nil && s.shPending[k] == nil && (s.dsk.Has(k) || (s.shr != nil && s.shr.Has(k)))
 }
 
 // Put stores the KV of pool's [m.D, L) (payload from llama.Context.SeqStateGet): in RAM
@@ -229,22 +240,60 @@ func (s *Store) Put(pool int, m Meta, payload []byte) Location {
 	return s.putLocked(k, KindPool, m, payload)
 }
 
-// putLocked stores payload under k (nil: touch an entry the caller found with Has).
+// putLocked stores payload under k (nil: touch an entry the caller found with Has), in
+// RAM or on disk, and writes it through to the shared level when there is one: there
+// another replica finds it. An entry only the shared level took is Shared, unless it
+// is kept (a pin is never left to another replica's LRU).
 func (s *Store) putLocked(k Key, kind string, m Meta, payload []byte) Location {
+	loc := s.putLocal(k, kind, m, payload)
+	if len(payload) == 0 {
+		return loc
+	}
+	if loc != None {
+		s.noteStored(k, m)
+	}
+	if s.queueShared(k, m, payload) && loc == None && !s.kept[k] {
+		return Shared
+	}
+	if loc == None {
+		s.stats.Dropped++
+	}
+	return loc
+}
+
+// queueShared hands an entry to the writer for the shared level; false without one.
+func (s *Store) queueShared(k Key, m Meta, payload []byte) bool {
+	if s.shr == nil {
+		return false
+	}
+	if s.shPending[k] != nil {
+		return true
+	}
+	e := &ramEntry{meta: m, payload: payload}
+	s.shPending[k] = e
+	if !s.enqueueLocked(job{key: k, e: e, shared: true}) {
+		delete(s.shPending, k)
+		return false
+	}
+	return true
+}
+
+// putLocal is putLocked's RAM and disk part; None: it fits neither.
+func (s *Store) putLocal(k Key, kind string, m Meta, payload []byte) Location {
 	s.stats.Spills++
 	s.stats.SpillBytes += int64(len(payload))
 	ks := s.kind(kind)
 	ks.Spills++
 	ks.SpillBytes += int64(len(payload))
-	if e := s.ram[k]; e != nil {
-		e.used = s.tick()
+	if s.mem.Has(k) {
+		s.mem.Touch(k)
 		return RAM
 	}
 	if s.pending[k] != nil {
 		return Disk
 	}
-	if e := s.disk[k]; e != nil {
-		e.used = s.tick()
+	if s.dsk.Has(k) {
+		s.dsk.Touch(k)
 		return Disk
 	}
 	if len(payload) == 0 {
@@ -252,18 +301,16 @@ func (s *Store) putLocked(k Key, kind string, m Meta, payload []byte) Location {
 	}
 	size := int64(len(payload))
 	if size <= s.cfg.RAMBytes {
-		for s.ramBytes+size > s.cfg.RAMBytes && s.demoteLRU() {
+		for s.ramBytes()+size > s.cfg.RAMBytes && s.demoteLRU() {
 		}
-		if s.ramBytes+size <= s.cfg.RAMBytes {
-			s.ram[k] = &ramEntry{meta: m, payload: payload, used: s.tick()}
-			s.ramBytes += size
+		if s.ramBytes()+size <= s.cfg.RAMBytes {
+			_ = s.mem.Put(k, m, payload)
 			return RAM
 		}
 	}
 	if s.queueWrite(k, &ramEntry{meta: m, payload: payload}) {
 		return Disk
 	}
-	s.stats.Dropped++
 	return None
 }
 
@@ -272,28 +319,21 @@ func (s *Store) putLocked(k Key, kind string, m Meta, payload []byte) Location {
 // when nothing could be moved.
 func (s *Store) demoteLRU() bool {
 	diskOK := s.cfg.Dir != "" && s.diskOff == ""
-	var victim Key
-	var v *ramEntry
-	for k, e := range s.ram {
-		if (diskOK || !s.kept[k]) && (v == nil || e.used < v.used) {
-			victim, v = k, e
-		}
-	}
-	if v == nil {
+	victim, ok := s.mem.Oldest(func(k Key) bool { return !diskOK && s.kept[k] })
+	if !ok {
 		return false
 	}
-	delete(s.ram, victim)
-	s.ramBytes -= int64(len(v.payload))
-	if s.disk[victim] != nil {
+	v := s.mem.take(victim)
+	if s.dsk.Has(victim) {
 		return true // the disk has it already (it was promoted from there)
 	}
 	if !s.queueWrite(victim, v) {
 		s.stats.Dropped++
 		if s.kept[victim] { // the disk refused it after all: back in RAM, over the budget
-			s.ram[victim] = v
-			s.ramBytes += int64(len(v.payload))
+			_ = s.mem.Put(victim, v.meta, v.payload)
 			return false
 		}
+		s.noteGone(victim)
 	}
 	return true
 }
@@ -302,31 +342,69 @@ func (s *Store) demoteLRU() bool {
 func (s *Store) Get(m Meta) ([]byte, Location, error) {
 	k := MakeKey(s.cfg.Model, m.D, m.Tokens)
 	s.mu.Lock()
-	if e := s.ram[k]; e != nil {
-		e.used = s.tick()
+	if b, err := s.mem.Get(k, nil); err == nil {
 		s.mu.Unlock()
-		return e.payload, RAM, nil
+		return b, RAM, nil
 	}
 	if e := s.pending[k]; e != nil {
 		s.mu.Unlock()
 		return e.payload, Disk, nil // being written: the bytes are still in memory
 	}
-	d := s.disk[k]
-	if d != nil {
-		d.used = s.tick()
+	if e := s.shPending[k]; e != nil {
+		s.mu.Unlock()
+		return e.payload, Shared, nil
+	}
+	onDisk := s.dsk.Has(k)
+	if onDisk {
+		s.dsk.Touch(k)
 	}
 	s.mu.Unlock()
-	if d == nil {
-		return nil, None, miss(MissAbsent, "no entry %s", k)
-	}
-	payload, err := s.readEntry(k, &m)
-	if err != nil {
+	err := miss(MissAbsent, "no entry %s", k)
+	if onDisk {
+		payload, derr := s.dsk.Get(k, &m)
+		if derr == nil {
+			return payload, Disk, nil
+		}
 		s.mu.Lock()
 		s.dropDisk(k) // it will never verify: forget it (the file is removed)
 		s.mu.Unlock()
-		return nil, None, err
+		err = derr
 	}
-	return payload, Disk, nil
+	if s.shr != nil {
+		// Another replica's entry, or this one's that left RAM and --pool-dir. A file
+		// that vanished meanwhile (another replica's LRU) is a miss like any other.
+		payload, serr := s.shr.Get(k, &m)
+		if serr == nil {
+			return payload, Shared, nil
+		}
+		if !onDisk {
+			err = serr
+		}
+	}
+	return nil, None, err
+}
+
+// Run is the run of chunk-aligned segments (engine/spill.go: [j·chunk, min((j+1)·chunk,
+// L)), each named by the whole prefix up to its end) of tokens that some level holds,
+// from position 0 on: every whole chunk while one is stored, then the last partial one
+// when it ends exactly at len(tokens). It reads no payload (a stat per chunk on the
+// shared level): a replica asks it before a request goes to its scheduler, whose index
+// only knows what this replica stored, so that entries another replica (or this one
+// before a restart) wrote are loaded instead of prefilled. A listed entry may still
+// miss when loaded; that costs a prefill of the rest, never a wrong token.
+func (s *Store) Run(tokens []int32, chunk int) []Meta {
+	if chunk <= 0 {
+		return nil
+	}
+	var out []Meta
+	for k := 0; k < len(tokens); k += chunk {
+		m := Meta{D: k, Tokens: tokens[:min(k+chunk, len(tokens))]}
+		if !s.Has(m) {
+			break
+		}
+		out = append(out, m)
+	}
+	return out
 }
 
 // Miss counts a lookup or load that could not be used, and logs it once per reason.
@@ -364,14 +442,14 @@ func (s *Store) Where(pool int) (Location, int64) {
 	if !ok {
 		return None, 0
 	}
-	if e := s.ram[k]; e != nil {
-		return RAM, int64(len(e.payload))
+	if s.mem.Has(k) {
+		return RAM, s.mem.size(k)
 	}
 	if e := s.pending[k]; e != nil {
 		return Disk, int64(len(e.payload))
 	}
-	if e := s.disk[k]; e != nil {
-		return Disk, e.size
+	if s.dsk.Has(k) {
+		return Disk, s.dsk.size(k)
 	}
 	return None, 0
 }
@@ -381,13 +459,19 @@ func (s *Store) Stats() Stats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	st := s.stats
-	st.RAMBytes, st.RAMEntries = s.ramBytes, int64(len(s.ram))
-	st.DiskBytes, st.DiskEntries = s.diskBytes, int64(len(s.disk))
+	rb, rn := s.mem.Usage()
+	db, dn := s.dsk.Usage()
+	st.RAMBytes, st.RAMEntries = rb, int64(rn)
+	st.DiskBytes, st.DiskEntries = db, int64(dn)
 	for k, e := range s.pending {
-		if s.disk[k] == nil {
+		if !s.dsk.Has(k) {
 			st.DiskBytes += int64(len(e.payload))
 			st.DiskEntries++
 		}
+	}
+	if s.shr != nil {
+		b, n := s.shr.Usage()
+		st.SharedBytes, st.SharedEntries = b, int64(n)
 	}
 	st.Restores, st.RestoreSeconds, st.Misses = cloneMap(s.stats.Restores), cloneMap(s.stats.RestoreSeconds), cloneMap(s.stats.Misses)
 	st.Kinds = map[string]KindStats{}
@@ -396,6 +480,9 @@ func (s *Store) Stats() Stats {
 	}
 	return st
 }
+
+// ramBytes is what the RAM level holds.
+func (s *Store) ramBytes() int64 { b, _ := s.mem.Usage(); return b }
 
 func cloneMap[K comparable, V any](m map[K]V) map[K]V {
 	out := make(map[K]V, len(m))

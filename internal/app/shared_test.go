@@ -1,0 +1,69 @@
+package app
+
+import (
+	"slices"
+	"testing"
+	"time"
+)
+
+// waitSharedWrites waits until a's store has written at least n entries to the shared
+// level: a request's write-through is planned when it ends and runs with the next
+// step's operations, after its response.
+func waitSharedWrites(t *testing.T, a *App, n int64) {
+	t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		a.Tier.Flush()
+		if a.Tier.Stats().SharedWrites >= n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("replica A wrote %d entries to the shared level, want %d", a.Tier.Stats().SharedWrites, n)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestSharedTierAcrossReplicas (issue 44): two replicas share a directory (each with
+// no RAM tier and no --pool-dir of its own, so nothing but the shared level can hold
+// KV). A serves a ~2,000-token prompt; its prompt's chunks reach the shared directory
+// (write-through at the request's end). B, which never saw the prompt, serves it as a
+// plain request and C, cold too, as a session's first turn: each restores at least 90%
+// of the prompt from the shared level (restored_n) and gives the greedy tokens and
+// logprobs of a cold server that prefills all of it.
+func TestSharedTierAcrossReplicas(t *testing.T) {
+	replica := withDefaults(Config{ModelPath: modelPath(t), NCtx: 4096, Parallel: 1, MaxPools: 2, SharedDir: t.TempDir()})
+	replica.PoolRAMMB = 0
+	a, baseA := openServer(t, replica)
+	prompt := tokenize(t, a, longSystem(t, a, 2000)+" Summarise what the tools above can do for a ledger audit.")
+	if len(prompt) < 2000 || len(prompt) > 2200 {
+		t.Fatalf("prompt of %d tokens", len(prompt))
+	}
+	first := agentTurn(t, baseA, prompt, "", 8)
+	if first.restoredN != 0 {
+		t.Fatalf("A restored %d tokens from an empty shared directory", first.restoredN)
+	}
+	chunks := int64((len(prompt) + 255) / 256)
+	waitSharedWrites(t, a, chunks)
+
+	_, coldBase := startServer(t, Config{NCtx: 4096, Parallel: 1, MaxPools: 2})
+	wantIDs, wantLPs, _ := greedyLogprobs(t, coldBase, prompt, 0, 8)
+	if !slices.Equal(first.ids, wantIDs) || !slices.Equal(first.lps, wantLPs) {
+		t.Fatalf("A's own prefill differs from the cold server's: %v vs %v", first.ids, wantIDs)
+	}
+	for _, session := range []string{"", "agent-7"} {
+		b, baseB := openServer(t, replica)
+		got := agentTurn(t, baseB, prompt, session, 8)
+		if got.restoredN < len(prompt)*9/10 {
+			t.Fatalf("session %q: B restored %d of %d prompt tokens (prefilled %d), want >= 90%%", session, got.restoredN, len(prompt), got.promptN)
+		}
+		if !slices.Equal(got.ids, wantIDs) || !slices.Equal(got.lps, wantLPs) {
+			t.Fatalf("session %q: B's tokens %v logprobs %v, a cold prefill gives %v %v", session, got.ids, got.lps, wantIDs, wantLPs)
+		}
+		t.Logf("session %q: B prefilled %d, restored %d of %d prompt tokens", session, got.promptN, got.restoredN, len(prompt))
+		st := b.Tier.Stats()
+		if st.Restores["shared"] == 0 {
+			t.Fatalf("session %q: B's restores %v, want them from the shared level", session, st.Restores)
+		}
+	}
+}

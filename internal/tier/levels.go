@@ -1,0 +1,289 @@
+package tier
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"sync"
+)
+
+// Level is one place below the cache where entries live (issue 43, 44): host RAM, a
+// local directory, a directory several replicas share. The Store composes levels and
+// owns the policy (which level an entry goes to, what is kept, the LRU order across
+// them, the disk writer); a level only stores, finds, reads and removes entries by Key
+// and keeps its own byte count. Every method is safe for concurrent use; Get and Put
+// may do I/O and are called without the Store's lock.
+type Level interface {
+	// Location names the level (Where, Stats, metrics labels).
+	Location() Location
+	// Has reports whether an entry for k is stored (a Get may still miss: a file can
+	// be damaged or vanish meanwhile).
+	Has(k Key) bool
+	// Get returns k's payload after checking it against the model key and, when want
+	// is not nil, the entry's branch position and tokens; any failure is a *MissError.
+	Get(k Key, want *Meta) ([]byte, error)
+	// Put stores the entry under k (a whole entry or none: a reader never sees part).
+	Put(k Key, m Meta, payload []byte) error
+	// Delete removes k's entry (nothing when there is none).
+	Delete(k Key)
+	// Touch marks k's entry used now, for the least-recently-used order.
+	Touch(k Key)
+	// Oldest is the least recently used entry that skip does not exclude.
+	Oldest(skip func(Key) bool) (Key, bool)
+	// Usage is the bytes and entries stored.
+	Usage() (bytes int64, entries int)
+}
+
+// clock orders uses across a store's levels (LRU): a counter, so the order does not
+// depend on the wall clock's resolution; a disk level found at Open starts it above its
+// files' modification times.
+type clock struct {
+	mu  sync.Mutex
+	now int64
+}
+
+func (c *clock) tick() int64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.now++
+	return c.now
+}
+
+func (c *clock) atLeast(t int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.now = max(c.now, t)
+}
+
+type ramEntry struct {
+	meta    Meta
+	payload []byte
+	used    int64 // LRU clock
+}
+
+// ramLevel keeps entries' payloads in host memory.
+type ramLevel struct {
+	clock *clock
+	mu    sync.Mutex
+	m     map[Key]*ramEntry
+	bytes int64
+}
+
+var _ Level = (*ramLevel)(nil)
+
+func newRAMLevel(c *clock) *ramLevel { return &ramLevel{clock: c, m: map[Key]*ramEntry{}} }
+
+func (l *ramLevel) Location() Location { return RAM }
+
+func (l *ramLevel) Has(k Key) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.m[k] != nil
+}
+
+// Get returns the bytes as they were put (they never left memory: nothing to check).
+func (l *ramLevel) Get(k Key, _ *Meta) ([]byte, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	e := l.m[k]
+	if e == nil {
+		return nil, miss(MissAbsent, "no entry %s in RAM", k)
+	}
+	e.used = l.clock.tick()
+	return e.payload, nil
+}
+
+func (l *ramLevel) Put(k Key, m Meta, payload []byte) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if old := l.m[k]; old != nil {
+		l.bytes -= int64(len(old.payload))
+	}
+	l.m[k] = &ramEntry{meta: m, payload: payload, used: l.clock.tick()}
+	l.bytes += int64(len(payload))
+	return nil
+}
+
+// take removes k's entry and returns it (nil when there is none): a demotion moves it.
+func (l *ramLevel) take(k Key) *ramEntry {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	e := l.m[k]
+	if e != nil {
+		delete(l.m, k)
+		l.bytes -= int64(len(e.payload))
+	}
+	return e
+}
+
+func (l *ramLevel) Delete(k Key) { l.take(k) }
+
+func (l *ramLevel) Touch(k Key) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if e := l.m[k]; e != nil {
+		e.used = l.clock.tick()
+	}
+}
+
+func (l *ramLevel) Oldest(skip func(Key) bool) (Key, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var victim Key
+	var v *ramEntry
+	for k, e := range l.m {
+		if !skip(k) && (v == nil || e.used < v.used) {
+			victim, v = k, e
+		}
+	}
+	return victim, v != nil
+}
+
+func (l *ramLevel) Usage() (int64, int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.bytes, len(l.m)
+}
+
+// peek is k's entry without marking it used (nil when absent).
+func (l *ramLevel) peek(k Key) *ramEntry {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.m[k]
+}
+
+// size is k's payload size (0 when absent).
+func (l *ramLevel) size(k Key) int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if e := l.m[k]; e != nil {
+		return int64(len(e.payload))
+	}
+	return 0
+}
+
+type diskEntry struct {
+	size int64
+	used int64
+}
+
+// diskLevel keeps entries as files <key>.kv in one replica's directory (--pool-dir),
+// with an in-memory listing of them (read at Open; this process is the directory's
+// only writer). Files are written whole (atomicWrite) and checked when read (decode).
+type diskLevel struct {
+	dir   string
+	model string
+	clock *clock
+	mu    sync.Mutex
+	m     map[Key]*diskEntry
+	bytes int64
+	// readOnly: the directory takes no writes (a read-only mount); Delete forgets an
+	// entry without removing its file.
+	readOnly bool
+}
+
+var _ Level = (*diskLevel)(nil)
+
+func newDiskLevel(dir, model string, c *clock) *diskLevel {
+	return &diskLevel{dir: dir, model: model, clock: c, m: map[Key]*diskEntry{}}
+}
+
+func (l *diskLevel) Location() Location { return Disk }
+
+func (l *diskLevel) path(k Key) string { return filepath.Join(l.dir, k.String()+".kv") }
+
+func (l *diskLevel) Has(k Key) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.m[k] != nil
+}
+
+// found lists a file seen at Open.
+func (l *diskLevel) found(k Key, size, mtime int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.m[k] = &diskEntry{size: size, used: mtime}
+	l.bytes += size
+	l.clock.atLeast(mtime)
+}
+
+func (l *diskLevel) Get(k Key, want *Meta) ([]byte, error) {
+	crashPoint("read", k.String()+".kv")
+	b, err := os.ReadFile(l.path(k))
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil, miss(MissAbsent, "%v", err)
+		}
+		return nil, miss(MissIO, "%v", err)
+	}
+	_, payload, err := decode(b, l.model, want)
+	return payload, err
+}
+
+// Put writes the entry's file and lists it. The budget is the Store's to keep.
+func (l *diskLevel) Put(k Key, m Meta, payload []byte) error {
+	return l.putEncoded(k, encode(l.model, m, payload))
+}
+
+func (l *diskLevel) putEncoded(k Key, b []byte) error {
+	if err := atomicWrite(l.dir, k.String()+".kv", b); err != nil {
+		return err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if old := l.m[k]; old != nil {
+		l.bytes -= old.size
+	}
+	l.m[k] = &diskEntry{size: int64(len(b)), used: l.clock.tick()}
+	l.bytes += int64(len(b))
+	return nil
+}
+
+func (l *diskLevel) Delete(k Key) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if e := l.m[k]; e != nil {
+		l.bytes -= e.size
+		delete(l.m, k)
+		if !l.readOnly {
+			_ = os.Remove(l.path(k))
+		}
+	}
+}
+
+func (l *diskLevel) Touch(k Key) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if e := l.m[k]; e != nil {
+		e.used = l.clock.tick()
+	}
+}
+
+func (l *diskLevel) Oldest(skip func(Key) bool) (Key, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var victim Key
+	var v *diskEntry
+	for k, e := range l.m {
+		if !skip(k) && (v == nil || e.used < v.used) {
+			victim, v = k, e
+		}
+	}
+	return victim, v != nil
+}
+
+func (l *diskLevel) Usage() (int64, int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.bytes, len(l.m)
+}
+
+// size is k's file size (0 when absent).
+func (l *diskLevel) size(k Key) int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if e := l.m[k]; e != nil {
+		return e.size
+	}
+	return 0
+}

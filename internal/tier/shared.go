@@ -1,0 +1,189 @@
+package tier
+
+import (
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+)
+
+// The shared level (issue 44): a directory that several replicas mount (one host's
+// directory for the replicas on that host, a network file system across hosts), below
+// each replica's own RAM and --pool-dir. It is a second level, not --pool-dir itself:
+// --pool-dir also holds one replica's pool records and manifest (pool ids are a
+// replica's own), which two replicas must never share, while the shared level holds only
+// content-addressed entries, which any replica serving the same model key can use.
+//
+// Entries are immutable files named by their Key (<key>.kv, the entry format of
+// entry.go), so concurrent writers need no lock: each writes a temporary file, fsyncs it
+// and renames it over the name; two replicas writing the same key write the same bytes,
+// and a reader sees a whole old file, a whole new one or none. A reader checks the
+// checksum, the model key, the branch position and every token before a byte is used;
+// anything else is a miss (a damaged file is removed: it would never verify). The
+// directory is bounded (--tier-shared-mb) with least-recently-used order across
+// replicas kept in the files' modification times: a read touches its file, and a writer
+// whose write takes the directory over the budget removes the oldest files. A file that
+// another replica removes under a reader is a miss, never an error.
+
+// Shared is the shared level's Location.
+const Shared Location = "shared"
+
+// staleTemp is how old a temporary file in the shared directory must be before a
+// replica removes it as a write a crash cut short (younger ones may be another
+// replica's write in progress).
+const staleTemp = time.Hour
+
+// HasShared reports whether the store has a shared level.
+func (s *Store) HasShared() bool { return s.shr != nil }
+
+type sharedLevel struct {
+	dir    string
+	model  string
+	budget int64
+	mu     sync.Mutex
+	bytes  int64 // as of the last scan (Usage)
+	n      int
+}
+
+var _ Level = (*sharedLevel)(nil)
+
+func newSharedLevel(dir, model string, budget int64) (*sharedLevel, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	l := &sharedLevel{dir: dir, model: model, budget: budget}
+	l.trim()
+	return l, nil
+}
+
+func (l *sharedLevel) Location() Location { return Shared }
+
+func (l *sharedLevel) path(k Key) string { return filepath.Join(l.dir, k.String()+".kv") }
+
+func (l *sharedLevel) Has(k Key) bool {
+	_, err := os.Stat(l.path(k))
+	return err == nil
+}
+
+// Get reads k's file and checks it (want nil: the entry must hash to its name). A file
+// that does not verify is removed; one that is gone is a miss.
+func (l *sharedLevel) Get(k Key, want *Meta) ([]byte, error) {
+	b, err := os.ReadFile(l.path(k))
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil, miss(MissAbsent, "%v", err)
+		}
+		return nil, miss(MissIO, "%v", err)
+	}
+	m, payload, err := decode(b, l.model, want)
+	if err == nil && want == nil && MakeKey(l.model, m.D, m.Tokens) != k {
+		err = miss(MissForeign, "the entry does not hash to its name")
+	}
+	if err != nil {
+		_ = os.Remove(l.path(k))
+		return nil, err
+	}
+	l.Touch(k)
+	return payload, nil
+}
+
+// Put writes k's file unless it exists (content-addressed: the same name holds the
+// same bytes, whoever wrote it; an existing file is only touched), then keeps the
+// directory within its budget.
+func (l *sharedLevel) Put(k Key, m Meta, payload []byte) error {
+	if l.Has(k) {
+		l.Touch(k)
+		return nil
+	}
+	b := encode(l.model, m, payload)
+	if int64(len(b)) > l.budget {
+		return errors.New("the entry is larger than the shared level's budget")
+	}
+	if err := atomicWrite(l.dir, k.String()+".kv", b); err != nil {
+		return err
+	}
+	l.trim()
+	return nil
+}
+
+func (l *sharedLevel) Delete(k Key) { _ = os.Remove(l.path(k)) }
+
+// Touch sets k's file's modification time to now: the LRU order every replica reads.
+func (l *sharedLevel) Touch(k Key) {
+	now := time.Now()
+	_ = os.Chtimes(l.path(k), now, now)
+}
+
+type sharedFile struct {
+	name  string
+	size  int64
+	mtime time.Time
+}
+
+// scan lists the directory's entries, oldest first, removing temporary files that are
+// stale (a crashed writer's).
+func (l *sharedLevel) scan() []sharedFile {
+	ents, err := os.ReadDir(l.dir)
+	if err != nil {
+		return nil
+	}
+	var out []sharedFile
+	for _, de := range ents {
+		name := de.Name()
+		info, err := de.Info()
+		if err != nil {
+			continue // removed meanwhile
+		}
+		switch {
+		case strings.HasPrefix(name, ".tmp-"):
+			if time.Since(info.ModTime()) > staleTemp {
+				_ = os.Remove(filepath.Join(l.dir, name))
+			}
+		case strings.HasSuffix(name, ".kv"):
+			if _, ok := parseKey(strings.TrimSuffix(name, ".kv")); ok {
+				out = append(out, sharedFile{name, info.Size(), info.ModTime()})
+			}
+		}
+	}
+	slices.SortFunc(out, func(a, b sharedFile) int { return a.mtime.Compare(b.mtime) })
+	return out
+}
+
+// trim removes the least recently used files (any replica's) until the directory is
+// within its budget. It lists the directory each time: other replicas write too, and a
+// listing costs little beside the fsync of a write of megabytes.
+func (l *sharedLevel) trim() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	files := l.scan()
+	var total int64
+	for _, f := range files {
+		total += f.size
+	}
+	for len(files) > 0 && total > l.budget {
+		_ = os.Remove(filepath.Join(l.dir, files[0].name)) // gone already: another replica trimmed it
+		total -= files[0].size
+		files = files[1:]
+	}
+	l.bytes, l.n = total, len(files)
+}
+
+func (l *sharedLevel) Oldest(skip func(Key) bool) (Key, bool) {
+	for _, f := range l.scan() {
+		if k, ok := parseKey(strings.TrimSuffix(f.name, ".kv")); ok && !skip(k) {
+			return k, true
+		}
+	}
+	return Key{}, false
+}
+
+// Usage is the directory's size as of the last scan or write of this replica.
+func (l *sharedLevel) Usage() (int64, int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.bytes, l.n
+}
