@@ -103,6 +103,7 @@ func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
 	fs.StringVar(&cfg.PoolDir, "pool-dir", cfg.PoolDir, "directory for evicted pools' KV below RAM and for pinned pools that survive restarts (\"\": none)")
 	fs.IntVar(&cfg.PoolDiskMB, "pool-disk-mb", cfg.PoolDiskMB, "disk budget (MiB) under --pool-dir")
 	fs.StringVar(&cfg.SharedDir, "tier-shared-dir", cfg.SharedDir, "directory of KV chunks shared by the replicas serving this model (another replica's computed prefixes are loaded, not prefilled; \"\": none)")
+	fs.StringVar(&cfg.RemoteTier, "tier-remote", cfg.RemoteTier, "Redis URL (redis://host:port/db) of a KV chunk store shared by the replicas on any host, in place of --tier-shared-dir (its size and LRU order are Redis's: maxmemory, allkeys-lru; \"\": none)")
 	fs.IntVar(&cfg.SharedMB, "tier-shared-mb", cfg.SharedMB, "budget (MiB) of --tier-shared-dir, kept by every replica, least recently used first out")
 	fs.StringVar(&cfg.SlotSavePath, "slot-save-path", cfg.SlotSavePath, "directory for POST /slots/{id}?action=save|restore files (\"\": those actions are off)")
 	fs.StringVar(&cfg.SpecType, "spec-type", cfg.SpecType, "speculative decoding: none, or a comma-separated list of drafters tried in order for every decoding session each step: "+strings.Join(engine.SpecTypes, ", ")+" (lossless: greedy and seeded output are the same as without; grammar-constrained requests speculate too, their drafts cut at the first token the grammar forbids)")

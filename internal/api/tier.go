@@ -108,9 +108,10 @@ func (c tierCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descTierSpills, prometheus.CounterValue, float64(st.Spills))
 	locs := []tier.Location{tier.RAM, tier.Disk}
 	if c.t.HasShared() {
-		locs = append(locs, tier.Shared)
-		ch <- prometheus.MustNewConstMetric(descTierBytes, prometheus.GaugeValue, float64(st.SharedBytes), string(tier.Shared))
-		ch <- prometheus.MustNewConstMetric(descTierEntries, prometheus.GaugeValue, float64(st.SharedEntries), string(tier.Shared))
+		shr := c.t.SharedLocation()
+		locs = append(locs, shr)
+		ch <- prometheus.MustNewConstMetric(descTierBytes, prometheus.GaugeValue, float64(st.SharedBytes), string(shr))
+		ch <- prometheus.MustNewConstMetric(descTierEntries, prometheus.GaugeValue, float64(st.SharedEntries), string(shr))
 	}
 	for _, loc := range locs {
 		ch <- prometheus.MustNewConstMetric(descTierRestores, prometheus.CounterValue, float64(st.Restores[loc]), string(loc))

@@ -106,6 +106,11 @@ type Config struct {
 	// holds one replica's pool records.
 	SharedDir string
 	SharedMB  int
+	// RemoteTier (--tier-remote; "": none) is a Redis server's URL (redis://host:port/db)
+	// that takes SharedDir's place for replicas on different hosts (tier/remote.go): the
+	// same write-through and lookup, the store's size and LRU order Redis's own
+	// (maxmemory with allkeys-lru). At most one of SharedDir and RemoteTier.
+	RemoteTier string
 	// SlotSavePath (--slot-save-path): directory of llama-server's slot save/restore
 	// files ("": those actions answer 501).
 	SlotSavePath string
@@ -211,6 +216,8 @@ func (c Config) validate() (specPlan, error) {
 		return specPlan{}, fmt.Errorf("--kv-block-size must be positive, got %d", c.KVBlockSize)
 	case c.PoolRAMMB < 0 || c.PoolDiskMB < 0 || c.SharedMB < 0:
 		return specPlan{}, fmt.Errorf("--pool-ram-mb, --pool-disk-mb and --tier-shared-mb must not be negative")
+	case c.SharedDir != "" && c.RemoteTier != "":
+		return specPlan{}, fmt.Errorf("--tier-shared-dir and --tier-remote cannot both be set: the fleet has one level")
 	case c.SharedDir != "" && c.SharedDir == c.PoolDir:
 		return specPlan{}, fmt.Errorf("--tier-shared-dir must not be --pool-dir: that directory holds this replica's own pool records")
 	case c.TierChunk < 16 || c.TierChunk > 1<<16:
@@ -550,7 +557,7 @@ func (o *opening) tier() error {
 	if store != nil {
 		o.cleanups.push(store.Close)
 		o.ecfg.Tier, o.ecfg.TierRecord, o.ecfg.PoolIDFloor = true, store.Durable(), store.IDFloor()
-		o.ecfg.TierWriteThrough = o.cfg.SharedDir != ""
+		o.ecfg.TierWriteThrough = o.cfg.fleetLevel()
 	}
 	return nil
 }
@@ -591,8 +598,8 @@ func (o *opening) engine() error {
 		if cfg.PoolDir != "" {
 			budget += int64(cfg.PoolDiskMB) << 20
 		}
-		if cfg.SharedDir != "" {
-			budget += int64(cfg.SharedMB) << 20
+		if cfg.fleetLevel() {
+			budget += int64(cfg.SharedMB) << 20 // a remote store's own size is unknown: the same bound
 		}
 		o.ecfg.TierIndexTokens = int(min(2*budget/o.ecfg.BytesPerCell, 1<<28))
 	}
@@ -620,7 +627,7 @@ func (o *opening) engine() error {
 	o.metrics.AddCompactions(backend.Compactions)
 	o.eng = engine.New(sched, backend, obs)
 	o.cleanups.push(o.eng.Close) // first at Close: the engine goroutine uses everything above
-	if o.store != nil && cfg.SharedDir != "" && !o.ecfg.NoSequenceSpill {
+	if o.store != nil && cfg.fleetLevel() && !o.ecfg.NoSequenceSpill {
 		// The scheduler's index knows what this replica stored; what other replicas
 		// stored in the shared directory is looked up per request, off the engine
 		// goroutine.
@@ -684,13 +691,13 @@ func (a *App) Close() { a.cleanups.run() }
 // evicted pools are prefilled again, as without a tier.
 func openTier(cfg Config, model *llama.Model, ecfg engine.Config, pol runner.Policy, log *slog.Logger) (*tier.Store, string, string, error) {
 	key := ""
-	if cfg.SlotSavePath != "" || cfg.PoolRAMMB > 0 || cfg.PoolDir != "" || cfg.SharedDir != "" {
+	if cfg.SlotSavePath != "" || cfg.PoolRAMMB > 0 || cfg.PoolDir != "" || cfg.fleetLevel() {
 		var err error
 		if key, err = modelKey(cfg, model); err != nil {
 			return nil, "", "", err
 		}
 	}
-	if cfg.PoolRAMMB == 0 && cfg.PoolDir == "" && cfg.SharedDir == "" {
+	if cfg.PoolRAMMB == 0 && cfg.PoolDir == "" && !cfg.fleetLevel() {
 		return nil, "", key, nil
 	}
 	off := pol.TierOff()
@@ -701,9 +708,13 @@ func openTier(cfg Config, model *llama.Model, ecfg engine.Config, pol runner.Pol
 		return nil, off, key, nil
 	}
 	store, err := tier.Open(tier.Config{Model: key, RAMBytes: int64(cfg.PoolRAMMB) << 20, Dir: cfg.PoolDir,
-		DiskBytes: int64(cfg.PoolDiskMB) << 20, SharedDir: cfg.SharedDir, SharedBytes: int64(cfg.SharedMB) << 20, Log: log})
+		DiskBytes: int64(cfg.PoolDiskMB) << 20, SharedDir: cfg.SharedDir, SharedBytes: int64(cfg.SharedMB) << 20, Remote: cfg.RemoteTier, Log: log})
 	return store, "", key, err
 }
+
+// fleetLevel reports whether a level shared by replicas is configured (a shared
+// directory or a remote store).
+func (c Config) fleetLevel() bool { return c.SharedDir != "" || c.RemoteTier != "" }
 
 // recoverPools puts back the pools an earlier run recorded under --pool-dir, parents
 // first, under their ids, with their pin and admission policy; a pinned one is

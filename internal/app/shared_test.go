@@ -4,6 +4,10 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/alicebob/miniredis/v2"
+
+	"github.com/polykv/polykv/internal/tier"
 )
 
 // waitSharedWrites waits until a's store has written at least n entries to the shared
@@ -33,6 +37,24 @@ func waitSharedWrites(t *testing.T, a *App, n int64) {
 // logprobs of a cold server that prefills all of it.
 func TestSharedTierAcrossReplicas(t *testing.T) {
 	replica := withDefaults(Config{ModelPath: modelPath(t), NCtx: 4096, Parallel: 1, MaxPools: 2, SharedDir: t.TempDir()})
+	fleetAcrossReplicas(t, replica, "shared", []string{"", "agent-7"})
+}
+
+// TestRemoteTierAcrossReplicas: the same with the fleet's level in a Redis server
+// (--tier-remote; a miniredis server in the test) instead of a shared directory: the
+// replica that never saw the prompt loads ≥ 90% of it from the store, with a cold
+// prefill's tokens and logprobs.
+func TestRemoteTierAcrossReplicas(t *testing.T) {
+	srv := miniredis.RunT(t)
+	replica := withDefaults(Config{ModelPath: modelPath(t), NCtx: 4096, Parallel: 1, MaxPools: 2, RemoteTier: "redis://" + srv.Addr() + "/0"})
+	fleetAcrossReplicas(t, replica, "remote", []string{""})
+}
+
+// fleetAcrossReplicas: replica A (no RAM tier, so every entry is the fleet level's)
+// serves a ~2,000-token prompt; fresh replicas of the same config, one per session name
+// ("" = a plain request), serve it again and must restore it from the fleet level loc.
+func fleetAcrossReplicas(t *testing.T, replica Config, loc string, sessions []string) {
+	t.Helper()
 	replica.PoolRAMMB = 0
 	a, baseA := openServer(t, replica)
 	prompt := tokenize(t, a, longSystem(t, a, 2000)+" Summarise what the tools above can do for a ledger audit.")
@@ -51,7 +73,7 @@ func TestSharedTierAcrossReplicas(t *testing.T) {
 	if !slices.Equal(first.ids, wantIDs) || !slices.Equal(first.lps, wantLPs) {
 		t.Fatalf("A's own prefill differs from the cold server's: %v vs %v", first.ids, wantIDs)
 	}
-	for _, session := range []string{"", "agent-7"} {
+	for _, session := range sessions {
 		b, baseB := openServer(t, replica)
 		got := agentTurn(t, baseB, prompt, session, 8)
 		if got.restoredN < len(prompt)*9/10 {
@@ -62,8 +84,8 @@ func TestSharedTierAcrossReplicas(t *testing.T) {
 		}
 		t.Logf("session %q: B prefilled %d, restored %d of %d prompt tokens", session, got.promptN, got.restoredN, len(prompt))
 		st := b.Tier.Stats()
-		if st.Restores["shared"] == 0 {
-			t.Fatalf("session %q: B's restores %v, want them from the shared level", session, st.Restores)
+		if st.Restores[tier.Location(loc)] == 0 {
+			t.Fatalf("session %q: B's restores %v, want them from the %s level", session, st.Restores, loc)
 		}
 	}
 }

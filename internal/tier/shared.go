@@ -37,8 +37,17 @@ const Shared Location = "shared"
 // replica's write in progress).
 const staleTemp = time.Hour
 
-// HasShared reports whether the store has a shared level.
+// HasShared reports whether the store has a fleet level (a shared directory or a remote
+// store).
 func (s *Store) HasShared() bool { return s.shr != nil }
+
+// SharedLocation is the fleet level's Location (Shared or Remote; None without one).
+func (s *Store) SharedLocation() Location {
+	if s.shr == nil {
+		return None
+	}
+	return s.shr.Location()
+}
 
 type sharedLevel struct {
 	dir    string

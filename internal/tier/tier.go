@@ -23,6 +23,7 @@ package tier
 import (
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -59,7 +60,11 @@ type Config struct {
 	// SharedBytes is the shared directory's budget (--tier-shared-mb), kept by every
 	// replica that writes there.
 	SharedBytes int64
-	Log         *slog.Logger
+	// Remote is the URL of a Redis server (--tier-remote; remote.go) that takes the
+	// shared level's place: a store every replica reaches over the network; "": none.
+	// At most one of SharedDir and Remote.
+	Remote string
+	Log    *slog.Logger
 }
 
 // ModelKey is everything besides the tokens that makes stored KV bytes valid: the
@@ -109,7 +114,7 @@ type Store struct {
 	clock     clock
 	mem       *ramLevel
 	dsk       *diskLevel
-	shr       *sharedLevel // nil: no shared level
+	shr       Level // the fleet's level: the shared directory or the remote store; nil: none
 	mu        sync.Mutex
 	pending   map[Key]*ramEntry // queued for the disk writer (readable meanwhile)
 	shPending map[Key]*ramEntry // queued for the shared level's write (readable meanwhile)
@@ -169,11 +174,21 @@ func Open(cfg Config) (*Store, error) {
 			return nil, err
 		}
 	}
-	if cfg.SharedDir != "" {
-		var err error
-		if s.shr, err = newSharedLevel(cfg.SharedDir, cfg.Model, cfg.SharedBytes); err != nil {
+	switch {
+	case cfg.SharedDir != "" && cfg.Remote != "":
+		return nil, errors.New("a shared tier directory and a remote tier cannot both be set: the fleet has one level")
+	case cfg.SharedDir != "":
+		shr, err := newSharedLevel(cfg.SharedDir, cfg.Model, cfg.SharedBytes)
+		if err != nil {
 			return nil, fmt.Errorf("shared tier directory: %w", err)
 		}
+		s.shr = shr
+	case cfg.Remote != "":
+		r, err := newRemoteLevel(cfg.Remote, cfg.Model)
+		if err != nil {
+			return nil, err
+		}
+		s.shr = r
 	}
 	go s.writer(s.jobs)
 	return s, nil
@@ -190,6 +205,9 @@ func (s *Store) Close() {
 	s.jobs = nil
 	s.mu.Unlock()
 	<-s.done
+	if c, ok := s.shr.(interface{ Close() error }); ok {
+		_ = c.Close() // the remote store's connections, once the writer is done
+	}
 }
 
 // Flush waits until every disk write queued so far is done (tests, shutdown).
@@ -253,7 +271,7 @@ func (s *Store) putLocked(k Key, kind string, m Meta, payload []byte) Location {
 		s.noteStored(k, m)
 	}
 	if s.queueShared(k, m, payload) && loc == None && !s.kept[k] {
-		return Shared
+		return s.shr.Location()
 	}
 	if loc == None {
 		s.stats.Dropped++
@@ -352,7 +370,7 @@ func (s *Store) Get(m Meta) ([]byte, Location, error) {
 	}
 	if e := s.shPending[k]; e != nil {
 		s.mu.Unlock()
-		return e.payload, Shared, nil
+		return e.payload, s.shr.Location(), nil
 	}
 	onDisk := s.dsk.Has(k)
 	if onDisk {
@@ -375,7 +393,7 @@ func (s *Store) Get(m Meta) ([]byte, Location, error) {
 		// that vanished meanwhile (another replica's LRU) is a miss like any other.
 		payload, serr := s.shr.Get(k, &m)
 		if serr == nil {
-			return payload, Shared, nil
+			return payload, s.shr.Location(), nil
 		}
 		if !onDisk {
 			err = serr
