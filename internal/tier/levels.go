@@ -1,7 +1,6 @@
 package tier
 
 import (
-	"errors"
 	"os"
 	"path/filepath"
 	"sync"
@@ -209,12 +208,9 @@ func (l *diskLevel) found(k Key, size, mtime int64) {
 
 func (l *diskLevel) Get(k Key, want *Meta) ([]byte, error) {
 	crashPoint("read", k.String()+".kv")
-	b, err := os.ReadFile(l.path(k))
+	b, err := readEntryFile(l.path(k))
 	if err != nil {
-		if errors.Is(err, os.ErrNotExist) {
-			return nil, miss(MissAbsent, "%v", err)
-		}
-		return nil, miss(MissIO, "%v", err)
+		return nil, err
 	}
 	_, payload, err := decode(b, l.model, want)
 	return payload, err

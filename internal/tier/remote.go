@@ -94,10 +94,7 @@ func (l *remoteLevel) Get(k Key, want *Meta) ([]byte, error) {
 		}
 		return nil, miss(MissIO, "remote tier: %v", err)
 	}
-	m, payload, err := decode(b, l.model, want)
-	if err == nil && want == nil && MakeKey(l.model, m.D, m.Tokens) != k {
-		err = miss(MissForeign, "the entry does not hash to its name")
-	}
+	payload, err := verifyNamed(b, l.model, k, want)
 	if err != nil {
 		l.Delete(k)
 		return nil, err

@@ -81,17 +81,11 @@ func (l *sharedLevel) Has(k Key) bool {
 // Get reads k's file and checks it (want nil: the entry must hash to its name). A file
 // that does not verify is removed; one that is gone is a miss.
 func (l *sharedLevel) Get(k Key, want *Meta) ([]byte, error) {
-	b, err := os.ReadFile(l.path(k))
+	b, err := readEntryFile(l.path(k))
 	if err != nil {
-		if errors.Is(err, fs.ErrNotExist) {
-			return nil, miss(MissAbsent, "%v", err)
-		}
-		return nil, miss(MissIO, "%v", err)
+		return nil, err
 	}
-	m, payload, err := decode(b, l.model, want)
-	if err == nil && want == nil && MakeKey(l.model, m.D, m.Tokens) != k {
-		err = miss(MissForeign, "the entry does not hash to its name")
-	}
+	payload, err := verifyNamed(b, l.model, k, want)
 	if err != nil {
 		_ = os.Remove(l.path(k))
 		return nil, err
@@ -195,4 +189,29 @@ func (l *sharedLevel) Usage() (int64, int) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.bytes, l.n
+}
+
+// readEntryFile reads an entry's file; a file that is not there is an absent miss, any
+// other failure an io miss.
+func readEntryFile(path string) ([]byte, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil, miss(MissAbsent, "%v", err)
+		}
+		return nil, miss(MissIO, "%v", err)
+	}
+	return b, nil
+}
+
+// verifyNamed checks an entry read from a level several replicas write (the shared
+// directory, the remote store) against the model key and want, or, when want is nil
+// (nothing to compare with), that the entry hashes to its name k; it returns the
+// payload or a *MissError.
+func verifyNamed(b []byte, model string, k Key, want *Meta) ([]byte, error) {
+	m, payload, err := decode(b, model, want)
+	if err == nil && want == nil && MakeKey(model, m.D, m.Tokens) != k {
+		err = miss(MissForeign, "the entry does not hash to its name")
+	}
+	return payload, err
 }
