@@ -233,8 +233,12 @@ func (s *Store) logOnce(msg string, args ...any) {
 func (s *Store) Has(m Meta) bool {
 	k := MakeKey(s.cfg.Model, m.D, m.Tokens)
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.mem.Has(k) || s.pending[k] != nil || s.dsk.Has(k) || s.shPending[k] != nil || (s.shr != nil && s.shr.Has(k))
+	local := s.mem.Has(k) || s.pending[k] != nil || s.dsk.Has(k) || s.shPending[k] != nil
+	s.mu.Unlock()
+	// The fleet level is asked outside the store's lock: its answer is a stat or a network
+	// round trip (the remote store's, up to its deadline), which must not hold up the
+	// engine goroutine's puts and gets behind another goroutine's lookup.
+	return local || (s.shr != nil && s.shr.Has(k))
 }
 
 // OnDiskOnly reports whether m's entry is on disk (--pool-dir or the shared level) and
@@ -242,8 +246,10 @@ func (s *Store) Has(m Meta) bool {
 func (s *Store) OnDiskOnly(m Meta) bool {
 	k := MakeKey(s.cfg.Model, m.D, m.Tokens)
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	return !s.mem.Has(k) && s.pending[k] == nil && s.shPending[k] == nil && (s.dsk.Has(k) || (s.shr != nil && s.shr.Has(k)))
+	inMemory := s.mem.Has(k) || s.pending[k] != nil || s.shPending[k] != nil
+	onDisk := s.dsk.Has(k)
+	s.mu.Unlock()
+	return !inMemory && (onDisk || (s.shr != nil && s.shr.Has(k))) // the fleet level outside the lock, as in Has
 }
 
 // Put stores the KV of pool's [m.D, L) (payload from llama.Context.SeqStateGet): in RAM
