@@ -9,6 +9,8 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"io"
+	"os"
 	"slices"
 )
 
@@ -112,27 +114,9 @@ func encode(model string, m Meta, payload []byte) []byte {
 // decode checks a file against what the caller expects (model, and m when it is not
 // nil) and returns the entry. Every check that fails is a miss with its reason.
 func decode(b []byte, model string, want *Meta) (Meta, []byte, error) {
-	if len(b) < len(magic)+4 {
-		return Meta{}, nil, miss(MissTruncated, "%d bytes is shorter than a header", len(b))
-	}
-	if !bytes.Equal(b[:len(magic)], []byte(magic)) {
-		return Meta{}, nil, miss(MissCorrupt, "bad magic")
-	}
-	hl := int(binary.LittleEndian.Uint32(b[len(magic):]))
-	off := len(magic) + 4
-	if hl > 1<<16 {
-		return Meta{}, nil, miss(MissCorrupt, "header length %d", hl)
-	}
-	if len(b) < off+hl {
-		return Meta{}, nil, miss(MissTruncated, "file ends inside the header")
-	}
-	var h header
-	if err := json.Unmarshal(b[off:off+hl], &h); err != nil {
-		return Meta{}, nil, miss(MissCorrupt, "header: %v", err)
-	}
-	off += hl
-	if h.L < 1 || h.D < 0 || h.D >= h.L || h.PayloadLen < 1 || h.L > 1<<24 {
-		return Meta{}, nil, miss(MissCorrupt, "header d=%d l=%d payload=%d", h.D, h.L, h.PayloadLen)
+	h, off, err := decodeHeader(b)
+	if err != nil {
+		return Meta{}, nil, err
 	}
 	total := off + 4*h.L + h.PayloadLen + 4
 	switch {
@@ -156,6 +140,75 @@ func decode(b []byte, model string, want *Meta) (Meta, []byte, error) {
 		return Meta{}, nil, miss(MissForeign, "the entry holds another prefix (d=%d, %d tokens)", m.D, len(m.Tokens))
 	}
 	return m, b[off : off+h.PayloadLen], nil
+}
+
+// decodeHeader reads an entry's magic and header from the start of b and returns the
+// header and the offset of the tokens after it.
+func decodeHeader(b []byte) (header, int, error) {
+	if len(b) < len(magic)+4 {
+		return header{}, 0, miss(MissTruncated, "%d bytes is shorter than a header", len(b))
+	}
+	if !bytes.Equal(b[:len(magic)], []byte(magic)) {
+		return header{}, 0, miss(MissCorrupt, "bad magic")
+	}
+	hl := int(binary.LittleEndian.Uint32(b[len(magic):]))
+	off := len(magic) + 4
+	if hl > 1<<16 {
+		return header{}, 0, miss(MissCorrupt, "header length %d", hl)
+	}
+	if len(b) < off+hl {
+		return header{}, 0, miss(MissTruncated, "file ends inside the header")
+	}
+	var h header
+	if err := json.Unmarshal(b[off:off+hl], &h); err != nil {
+		return header{}, 0, miss(MissCorrupt, "header: %v", err)
+	}
+	if h.L < 1 || h.D < 0 || h.D >= h.L || h.PayloadLen < 1 || h.L > 1<<24 {
+		return header{}, 0, miss(MissCorrupt, "header d=%d l=%d payload=%d", h.D, h.L, h.PayloadLen)
+	}
+	return h, off + hl, nil
+}
+
+// readHead reads what the entry file at path is the KV of (header and tokens, not the
+// KV itself, which is not checked here: a load checks the whole file), and checks that
+// it was written under model and is named by its own key k.
+func readHead(path, model string, k Key) (Meta, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return Meta{}, miss(MissIO, "%v", err)
+	}
+	defer f.Close()
+	b := make([]byte, len(magic)+4)
+	if _, err := io.ReadFull(f, b); err != nil {
+		return Meta{}, miss(MissTruncated, "%v", err)
+	}
+	hl := int(binary.LittleEndian.Uint32(b[len(magic):]))
+	if hl > 1<<16 {
+		return Meta{}, miss(MissCorrupt, "header length %d", hl)
+	}
+	b = append(b, make([]byte, hl)...)
+	if _, err := io.ReadFull(f, b[len(magic)+4:]); err != nil {
+		return Meta{}, miss(MissTruncated, "%v", err)
+	}
+	h, _, err := decodeHeader(b)
+	if err != nil {
+		return Meta{}, err
+	}
+	if h.Model != model {
+		return Meta{}, miss(MissForeign, "written for model key %.16s…, this server is %.16s…", h.Model, model)
+	}
+	tb := make([]byte, 4*h.L)
+	if _, err := io.ReadFull(f, tb); err != nil {
+		return Meta{}, miss(MissTruncated, "%v", err)
+	}
+	m := Meta{D: h.D, Tokens: make([]int32, h.L)}
+	for i := range m.Tokens {
+		m.Tokens[i] = int32(binary.LittleEndian.Uint32(tb[4*i:]))
+	}
+	if MakeKey(model, m.D, m.Tokens) != k {
+		return Meta{}, miss(MissCorrupt, "the file's tokens are not its name's")
+	}
+	return m, nil
 }
 
 // EncodeFile lays out a file holding the KV of m (a session's saved slot, say) under

@@ -1,8 +1,10 @@
 package tier
 
 import (
+	"cmp"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 )
 
@@ -195,6 +197,18 @@ func (l *diskLevel) Has(k Key) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.m[k] != nil
+}
+
+// keys lists the entries, most recently used first.
+func (l *diskLevel) keys() []Key {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	ks := make([]Key, 0, len(l.m))
+	for k := range l.m {
+		ks = append(ks, k)
+	}
+	slices.SortFunc(ks, func(a, b Key) int { return cmp.Compare(l.m[b].used, l.m[a].used) })
+	return ks
 }
 
 // found lists a file seen at Open.

@@ -12,13 +12,39 @@ type Observer interface {
 	TierChanged(d int, tokens []int32, stored bool)
 }
 
-// SetObserver makes o learn of every entry stored or removed from now on (entries held
-// already, found on disk at Open, are reported when they are next stored or removed).
+// SetObserver makes o learn of every entry stored or removed from now on, and of the
+// entries found on disk at Open: a goroutine of its own reads each found file's head
+// (header and tokens, not its KV) and reports the entry, so that a restarted replica's
+// routers learn what its --pool-dir holds at startup rather than when each entry is
+// next stored. A file whose head does not check (another model, torn, not named by its
+// own key) is not reported; a load would find it a miss anyway.
 func (s *Store) SetObserver(o Observer) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.obs = o
 	s.held = map[Key]Meta{}
+	if found := s.dsk.keys(); len(found) > 0 && s.jobs != nil {
+		s.bg.Add(1)
+		go s.announceFound(found)
+	}
+}
+
+// announceFound reports the entries found on disk at Open that are still there, until
+// the store closes.
+func (s *Store) announceFound(found []Key) {
+	defer s.bg.Done()
+	for _, k := range found {
+		m, err := readHead(s.dsk.path(k), s.cfg.Model, k)
+		s.mu.Lock()
+		if s.jobs == nil { // closed
+			s.mu.Unlock()
+			return
+		}
+		if err == nil && s.dsk.Has(k) {
+			s.noteStored(k, m)
+		}
+		s.mu.Unlock()
+	}
 }
 
 // noteStored reports k's entry (m) held, unless it was already.

@@ -259,3 +259,61 @@ func TestObserverSeesLocalEntries(t *testing.T) {
 		}
 	}
 }
+
+// lockedRecorder is a recorder safe for the store's announcing goroutine.
+type lockedRecorder struct {
+	mu sync.Mutex
+	recorder
+}
+
+func (r *lockedRecorder) TierChanged(d int, tokens []int32, stored bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.recorder.TierChanged(d, tokens, stored)
+}
+
+func (r *lockedRecorder) snapshot() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.events)
+}
+
+// TestObserverHearsEntriesFoundAtOpen (issue 44): a restarted replica announces what
+// its --pool-dir held before the restart, without waiting for each entry to be stored
+// again; a file of another model, a torn one and one not named by its own key are not
+// announced.
+func TestObserverHearsEntriesFoundAtOpen(t *testing.T) {
+	dir := t.TempDir()
+	s := open(t, Config{RAMBytes: 250, Dir: dir, DiskBytes: 1 << 20})
+	for i := range 4 { // the first two are pushed to disk
+		s.PutSegment(KindCached, meta(0, 10+i, int32(100*i)), payload(100, byte(i)))
+	}
+	s.Close()
+	// Damaged and foreign files beside them.
+	good, err := os.ReadFile(filepath.Join(dir, MakeKey("model-a", 0, meta(0, 10, 0).Tokens).String()+".kv"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	misnamed := MakeKey("model-a", 0, meta(0, 30, 7).Tokens).String() + ".kv"
+	torn := MakeKey("model-a", 0, meta(0, 31, 7).Tokens).String() + ".kv"
+	foreign := MakeKey("model-a", 0, meta(0, 32, 7).Tokens).String() + ".kv"
+	for name, b := range map[string][]byte{misnamed: good, torn: good[:10], foreign: encode("model-b", meta(0, 32, 7), payload(100, 1))} {
+		if err := os.WriteFile(filepath.Join(dir, name), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	s2 := open(t, Config{RAMBytes: 250, Dir: dir, DiskBytes: 1 << 20})
+	r := &lockedRecorder{}
+	s2.SetObserver(r)
+	deadline := time.Now().Add(10 * time.Second)
+	for len(r.snapshot()) < 2 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	s2.Close() // waits for the announcing goroutine
+	got := r.snapshot()
+	slices.Sort(got)
+	if want := []string{"true d=0 l=10", "true d=0 l=11"}; !slices.Equal(got, want) {
+		t.Fatalf("announced %v, want %v", got, want)
+	}
+}

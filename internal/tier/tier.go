@@ -131,6 +131,7 @@ type Store struct {
 	kinds     map[string]*KindStats // per kind of holder (segments.go)
 	obs       Observer              // nil: none (observe.go)
 	held      map[Key]Meta          // entries reported to obs as held
+	bg        sync.WaitGroup        // announceFound, which Close waits for
 
 	jobs chan job
 	done chan struct{}
@@ -205,6 +206,7 @@ func (s *Store) Close() {
 	s.jobs = nil
 	s.mu.Unlock()
 	<-s.done
+	s.bg.Wait()
 	if c, ok := s.shr.(interface{ Close() error }); ok {
 		_ = c.Close() // the remote store's connections, once the writer is done
 	}
