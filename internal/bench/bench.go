@@ -88,6 +88,7 @@ func (o *Options) Register(fs *flag.FlagSet) {
 	fs.IntVar(&o.tb.pinned, "tier-pinned", 8, "tier: pinned pools recorded before the restart")
 	fs.IntVar(&o.ft.tokens, "fleet-tier-tokens", 2000, "fleet-tier: tokens of the prompt replica A serves and replica B serves again")
 	fs.IntVar(&o.ft.gen, "fleet-tier-gen", 16, "fleet-tier: tokens each replica decodes (compared with a cold replica's)")
+	fs.StringVar(&o.ft.remote, "fleet-tier-remote", "", "fleet-tier: the replicas share this remote level (--tier-remote, redis://host:port/db) instead of a local directory; the bench flushes nothing there, so give it a database of its own")
 	o.tnSizes = fs.String("tenants-sizes", "0,4000,16000,30000", "tenants: cells held by idle pinned pools, ascending from 0")
 	o.tnTypes = fs.String("tenants-cache-types", "f16,f32", "tenants: K/V cache types to run")
 	fs.IntVar(&o.tn.clients, "tenants-clients", 4, "tenants: clients sending short requests")

@@ -261,7 +261,7 @@ func (e episode) run(cfg app.Config) error {
 			floor = e.floorFrac * single
 		}
 		bgFloor = e.bgFloorFrac * single
-		fmt.Printf("one worker alone decodes at %.1f tok/s (median of 3 turns); floor %.1f tok/s (%.0f%%)\n", single, floor, 100*floor/single)
+		fmt.Printf("one worker alone decodes at %.1f tok/s (experienced, median of 5 turns); floor %.1f tok/s (%.0f%%)\n", single, floor, 100*floor/single)
 	}
 	if e.background > 0 {
 		c.Parallel += e.background
@@ -500,18 +500,51 @@ func (e episode) start(c app.Config, name string, floor, bgFloor float64, tx epi
 	return tg, nil
 }
 
-// calibrate measures one worker alone: the median decode speed of three turns of its
-// first package on the pool (what the floor is set from, as the design set 15 tps
-// from its GPU's single-session speed).
+// calibrate measures one worker alone on its first package's turns (what the floor is
+// set from, as the design set 15 tps from its GPU's single-session speed): the median
+// of its experienced tps sampled from /polykv/tps while it decodes, the same figure
+// the runs compare with the floor. The server's own decode speed (timings'
+// predicted_per_second, decode compute alone) reads 1.4x higher here and moved between
+// 81 and 127 tok/s across runs, and a floor set from it sat above what one worker
+// alone experiences (issue 41). Without samples (too short a turn to warm the EWMA)
+// it falls back to the median predicted_per_second.
 func (e episode) calibrate(c app.Config, tx episodeTexts) (float64, error) {
 	tg, err := e.start(c, epBaseline, 0, 0, tx)
 	if err != nil {
 		return 0, err
 	}
 	defer tg.stop()
+	done := make(chan struct{})
+	sampled := make(chan []float64, 1)
+	go func() {
+		var xs []float64
+		t := time.NewTicker(100 * time.Millisecond)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				sampled <- xs
+				return
+			case <-t.C:
+			}
+			snap, err := getJSON(tg.base + "/polykv/tps?once=1")
+			if err != nil {
+				continue
+			}
+			sessions, _ := snap["sessions"].([]any)
+			for _, x := range sessions {
+				ss, _ := x.(map[string]any)
+				if ss["session_id"] == "calibrate" && ss["state"] == "decode" && ss["warming"] != true {
+					if rate, _ := ss["tps_ewma"].(float64); rate > 0 {
+						xs = append(xs, rate)
+					}
+				}
+			}
+		}
+	}()
 	msgs := []map[string]any{{"role": "system", "content": tx.system}, {"role": "user", "content": tx.tasks[0]}}
 	var speeds []float64
-	for s := range 3 {
+	for s := range 5 {
 		var out struct {
 			Choices []struct {
 				Message struct {
@@ -533,7 +566,14 @@ func (e episode) calibrate(c app.Config, tx episodeTexts) (float64, error) {
 		msgs = append(msgs, map[string]any{"role": "assistant", "content": out.Choices[0].Message.Content},
 			map[string]any{"role": "user", "content": tx.tools[0][s%len(tx.tools[0])]})
 	}
-	return median(speeds), nil
+	close(done)
+	xs := <-sampled
+	fmt.Printf("calibration: server decode speed %.1f tok/s (median predicted_per_second of %d turns), experienced %.1f tok/s (median of %d samples of /polykv/tps)\n",
+		median(speeds), len(speeds), median(xs), len(xs))
+	if len(xs) == 0 {
+		return median(speeds), nil
+	}
+	return median(xs), nil
 }
 
 // episodeRun is the shared state of one run.

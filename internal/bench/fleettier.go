@@ -24,6 +24,7 @@ import (
 // from it (read from the device, as from a network file system's cold cache).
 type fleetTier struct {
 	tokens, gen int
+	remote      string // share a remote level (--tier-remote) instead of a directory
 }
 
 // fleetRun is one request's outcome.
@@ -67,7 +68,7 @@ func (fb fleetTier) serve(a *app.App, prompt []int32, gen int) (fleetRun, error)
 			r.promptN, r.restoredN = ev.Stats.PromptN, ev.Stats.RestoredN
 			if a.Tier != nil {
 				ts := a.Tier.Stats()
-				r.sharedReads, r.misses = ts.Restores["shared"], 0
+				r.sharedReads, r.misses = ts.Restores[a.Tier.SharedLocation()], 0
 				for _, n := range ts.Misses {
 					r.misses += n
 				}
@@ -82,6 +83,12 @@ func (fb fleetTier) run(cfg app.Config, reps int) error {
 	if err != nil {
 		return err
 	}
+	if fb.remote != "" {
+		// A prompt of its own in the remote store (which outlives the run): entries an
+		// earlier run left there would let A restore instead of prefilling and writing
+		// through.
+		prompt[1] = int32(time.Now().UnixNano()%1000) + 1000
+	}
 	probe, _, err := fanout{root: 16}.prompts(cfg.ModelPath, nil)
 	if err != nil {
 		return err
@@ -92,7 +99,11 @@ func (fb fleetTier) run(cfg app.Config, reps int) error {
 	base.NCtx = max(base.NCtx, len(prompt)+fb.gen+64)
 	base.PoolRAMMB, base.PoolDir, base.SharedDir = 0, "", ""
 	base.PrefixCache = "on"
-	fmt.Printf("fleet-tier: replica B serves a %d-token prompt that replica A served before, their --tier-shared-dir a local directory; %d tokens decoded greedily; best of %d (each B a fresh replica)\n\n", len(prompt), fb.gen, reps)
+	level := "their --tier-shared-dir a local directory"
+	if fb.remote != "" {
+		level = "their --tier-remote " + fb.remote
+	}
+	fmt.Printf("fleet-tier: replica B serves a %d-token prompt that replica A served before, %s; %d tokens decoded greedily; best of %d (each B a fresh replica)\n\n", len(prompt), level, fb.gen, reps)
 
 	// The cold reference: a replica without a shared level, prefilling all of it.
 	var cold fleetRun
@@ -118,13 +129,17 @@ func (fb fleetTier) run(cfg app.Config, reps int) error {
 		}
 	}
 
-	dir, err := os.MkdirTemp("", "polykv-fleet-tier-")
-	if err != nil {
-		return err
-	}
-	defer os.RemoveAll(dir)
 	shared := base
-	shared.SharedDir = dir
+	dir := ""
+	if fb.remote != "" {
+		shared.RemoteTier = fb.remote
+	} else {
+		if dir, err = os.MkdirTemp("", "polykv-fleet-tier-"); err != nil {
+			return err
+		}
+		defer os.RemoveAll(dir)
+		shared.SharedDir = dir
+	}
 	// Replica A serves the prompt and writes it through.
 	a, err := app.Open(shared, nil)
 	if err != nil {
@@ -168,7 +183,11 @@ func (fb fleetTier) run(cfg app.Config, reps int) error {
 	fmt.Println("replica                 TTFT ms  prefilled  restored  prefilled/prompt  TTFT/cold  output = cold")
 	row("cold (no shared level)", cold)
 	row("A (writes through)", ra)
-	for _, cache := range []string{"page cache", "disk-cold"} {
+	caches := []string{"page cache", "disk-cold"}
+	if fb.remote != "" {
+		caches = []string{"remote"}
+	}
+	for _, cache := range caches {
 		var best fleetRun
 		for range reps {
 			if cache == "disk-cold" {
