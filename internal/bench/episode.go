@@ -503,11 +503,10 @@ func (e episode) start(c app.Config, name string, floor, bgFloor float64, tx epi
 // calibrate measures one worker alone on its first package's turns (what the floor is
 // set from, as the design set 15 tps from its GPU's single-session speed): the median
 // of its experienced tps sampled from /polykv/tps while it decodes, the same figure
-// the runs compare with the floor. The server's own decode speed (timings'
-// predicted_per_second, decode compute alone) reads 1.4x higher here and moved between
-// 81 and 127 tok/s across runs, and a floor set from it sat above what one worker
-// alone experiences (issue 41). Without samples (too short a turn to warm the EWMA)
-// it falls back to the median predicted_per_second.
+// the runs compare with the floor, over five turns rather than three (one worker alone
+// read 81 to 127 tok/s across this machine's runs, issue 41). The server's decode
+// speed (timings' predicted_per_second, decode compute alone) is printed beside it;
+// without samples (turns too short to warm the EWMA) the floor falls back to it.
 func (e episode) calibrate(c app.Config, tx episodeTexts) (float64, error) {
 	tg, err := e.start(c, epBaseline, 0, 0, tx)
 	if err != nil {
