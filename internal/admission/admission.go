@@ -148,7 +148,6 @@ type Verdict struct {
 	NWarming              int
 	NActive               int
 	NPoolSessions         int
-	NIdle                 int // attached sessions between turns, counted by the live projection
 	NReserved             int
 	Guaranteed            bool
 	ProjectedIdleEstimate bool
@@ -190,25 +189,15 @@ func Decide(in Input) Verdict {
 		v.DropPerAdmitEWMA = ptr(in.DropEWMA)
 	}
 	// Projection from the live mean, or from a fresh settled mean when every session is
-	// between turns (the idle gap would otherwise read as free capacity). The live
-	// projection counts the attached sessions that are between turns too: a tool-calling
-	// agent waiting for its tool's result comes back and decodes beside the others, so
-	// a mean measured while few of them decode is not the capacity left for one more
-	// (issue 41's episode: gated on decoding sessions alone, the pool grew to 6-8
-	// workers off measurements taken in tool gaps, and they then decoded together under
-	// the floor). The model shares the aggregate the decoding sessions get now among all
-	// of them plus the new one; the measured forecast charges each returning session
-	// what an admit was measured to cost.
+	// between turns (the idle gap would otherwise read as free capacity).
 	n := len(in.ActiveTPS)
-	idle := max(0, in.PoolSessions-n-in.NWarming)
-	v.NIdle = idle
 	switch {
 	case n > 0:
 		mean := mean(in.ActiveTPS)
 		v.MeanActiveTPS = ptr(mean)
-		v.ProjectedModel = ptr(mean * float64(n) / float64(n+idle+1))
+		v.ProjectedModel = ptr(mean * float64(n) / float64(n+1))
 		if in.HasDrop {
-			v.ProjectedMeasured = ptr(max(0, mean-in.DropEWMA*float64(1+idle)))
+			v.ProjectedMeasured = ptr(max(0, mean-in.DropEWMA))
 		}
 	case in.PoolSessions > 0 && in.SettledMean > 0 && in.Now.Sub(in.SettledAt) < IdleFreshness:
 		v.ProjectedIdleEstimate = true

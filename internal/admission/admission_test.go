@@ -118,33 +118,3 @@ func TestThrottlePolicy(t *testing.T) {
 		t.Fatal("a forgotten pool still throttles")
 	}
 }
-
-// The live projection counts the attached sessions between turns (issue 41): two
-// sessions decoding at 60 tok/s beside two waiting for their tools leave 60·2/5 = 24
-// each for a fifth, not 60·2/3 = 40, and a measured drop of 5 per admit is charged
-// once for the admit and once for each returning session.
-func TestProjectionCountsIdleSessions(t *testing.T) {
-	in := Input{Policy: DefaultPolicy(), Now: time.Unix(100, 0), PoolSessions: 4, ActiveTPS: []float64{60, 60},
-		FreeCells: 1000, TotalCells: 2000, MarginalCells: 100}
-	in.Policy.TargetTPS = 30
-	v := Decide(in)
-	if v.CanAdmit || v.Reason != ReasonFloor || *v.ProjectedModel != 24 || v.NIdle != 2 {
-		t.Fatalf("idle sessions not counted: %+v", v)
-	}
-	in.HasDrop, in.DropEWMA = true, 5 // 60 - 5·3 = 45
-	if v := Decide(in); !v.CanAdmit || *v.ProjectedMeasured != 45 || *v.ProjectedIfAdmitted != 45 {
-		t.Fatalf("measured forecast with idle sessions: %+v", v)
-	}
-	in.DropEWMA = 11 // 60 - 33 = 27 < 30
-	if v := Decide(in); v.CanAdmit || v.Reason != ReasonFloor {
-		t.Fatalf("measured forecast ignores returning sessions: %+v", v)
-	}
-	// Warming and reserved sessions are not idle: they decode (or are about to) and
-	// hold the pool in settling; with every attached session decoding the model is
-	// mean·n/(n+1) as before.
-	in = Input{Policy: in.Policy, Now: in.Now, PoolSessions: 3, ActiveTPS: []float64{60, 60}, NWarming: 1,
-		FreeCells: 1000, TotalCells: 2000, MarginalCells: 100}
-	if v := Decide(in); *v.ProjectedModel != 40 || v.NIdle != 0 {
-		t.Fatalf("warming counted as idle: %+v", v)
-	}
-}

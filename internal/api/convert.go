@@ -32,7 +32,7 @@ func wireVerdict(v admission.Verdict) wire.Verdict {
 		ProjectedIfAdmitted: v.ProjectedIfAdmitted, ProjectedModel: v.ProjectedModel, ProjectedMeasured: v.ProjectedMeasured,
 		DropPerAdmitEWMA: v.DropPerAdmitEWMA, HeadroomSessions: v.HeadroomSessions, KVHeadroomPct: v.KVHeadroomPct,
 		KVCellsFree: v.FreeCells, Settling: v.Settling, SettleRemainingMs: v.SettleRemainingMs, NWarming: v.NWarming,
-		NActive: v.NActive, NPoolSessions: v.NPoolSessions, NIdle: v.NIdle, NReserved: v.NReserved, Guaranteed: v.Guaranteed,
+		NActive: v.NActive, NPoolSessions: v.NPoolSessions, NReserved: v.NReserved, Guaranteed: v.Guaranteed,
 		ProjectedIdleEstimate: v.ProjectedIdleEstimate, CompactionPressure: v.CompactionPressure,
 		KnownSession: v.KnownSession, TargetTPS: v.TargetTPS, Mode: v.Mode, RetryAfterS: v.RetryAfterS}
 }

@@ -176,7 +176,6 @@ type Verdict struct {
 	NWarming              int      `json:"n_warming"`
 	NActive               int      `json:"n_active"`
 	NPoolSessions         int      `json:"n_pool_sessions"`
-	NIdle                 int      `json:"n_idle"`
 	NReserved             int      `json:"n_reserved"`
 	Guaranteed            bool     `json:"guaranteed"`
 	ProjectedIdleEstimate bool     `json:"projected_idle_estimate"`
