@@ -35,7 +35,7 @@ llama:
 
 # Repin llama.cpp: make bump-llama VERSION=11500.0.0 downloads that release, prints the
 # upstream diff of exactly the private headers PolyKV reads (internal/llama/internals.cpp's
-# includes, then the test-model generators'; scripts/llama.sh internals lists them),
+# includes, the only ones in the repository; scripts/llama.sh internals lists them),
 # records its sha256 in llama.cpp.pin and builds it; then audit internals.cpp against the
 # diff, run make testmodels test and add a changelog line.
 bump-llama:
