@@ -35,7 +35,7 @@ llama:
 
 # Repin llama.cpp: make bump-llama VERSION=11500.0.0 downloads that release, prints the
 # upstream diff of exactly the private headers PolyKV reads (internal/llama/internals.cpp's
-# includes, then the test-model generators'; scripts/llama.sh internals lists them),
+# includes, the only ones in the repository; scripts/llama.sh internals lists them),
 # records its sha256 in llama.cpp.pin and builds it; then audit internals.cpp against the
 # diff, run make testmodels test and add a changelog line.
 bump-llama:
@@ -62,7 +62,9 @@ browser:
 # Tiny random-weight models of architectures with no small real model here (Qwen3.5,
 # LFM2, Granite hybrid, llama), written by llama.cpp's own test-llama-archs from the pinned
 # source into $(POLYKV_CACHE)/testmodels (first time: builds llama.cpp's common library),
-# and Gemma 4, Qwen3.5 and GLM-4.5 with an MTP head by scripts/*-testmodel.cpp.
+# and the others (Gemma 4, its MTP assistant, targets with MTP heads) by
+# scripts/*-testmodel.cpp, which use llama.cpp's public API only. The list:
+# scripts/llama.sh testmodel-names.
 testmodels:
 	./scripts/llama.sh testmodels
 
@@ -77,13 +79,18 @@ test: build model testmodels templates venv browser test-go test-python
 # proxy into Go's own caches, nothing in the repo), and PolyKV's C++ files compiled with
 # -Wall -Wextra -Werror (go build compiles them with -Wall -Wextra, see llama.go's #cgo
 # lines, and only warns; llama.cpp's headers are -isystem, so the warnings are ours; common/
-# and vendor/ for the build-tagged common/chat measurement binding, docs/chat.md).
+# and vendor/ for the build-tagged common/chat measurement binding, docs/chat.md). The
+# test-model generators (scripts/*-testmodel.cpp) are checked the same way with llama.cpp's
+# public headers only on the include path, as scripts/llama.sh compiles them: one that
+# includes a private header (src/, ggml/src/) fails here as well as in
+# internal/llama's TestInternalsOnlyIncluder.
 STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
 lint:
 	@unformatted=$$(gofmt -l cmd internal); if [ -n "$$unformatted" ]; then echo "gofmt needed:"; echo "$$unformatted"; exit 1; fi
 	go vet ./...
 	go run $(STATICCHECK) ./...
 	for f in internal/llama/*.cpp; do $(CXX) -std=c++17 -Wall -Wextra -Werror $(CGO_CPPFLAGS) -isystem $(LLAMA_SRC)/common -isystem $(LLAMA_SRC)/vendor $(CGO_CXXFLAGS) -c -o /dev/null $$f || exit 1; done
+	for f in scripts/*-testmodel.cpp; do $(CXX) -std=c++17 -Wall -Wextra -Werror -isystem $(LLAMA_SRC)/include -isystem $(LLAMA_SRC)/ggml/include -fsyntax-only $$f || exit 1; done
 
 # -p 1: one test binary at a time. Real-model tests in several packages each run llama.cpp
 # with a thread per core, and ggml's threads spin at every graph node's barrier: two such

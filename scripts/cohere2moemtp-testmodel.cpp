@@ -25,21 +25,18 @@ const uint32_t n_trunk = 2, n_nextn = 1;
 const testmodel::mtp_model spec = {"cohere2moemtp-testmodel", "cohere2moe", int32_t(n_trunk), int32_t(n_nextn), int32_t(n_embd)};
 
 gguf_context * metadata() {
-    gguf_context * g = gguf_init_empty();
-    llama_model_saver ms(LLM_ARCH_COHERE2MOE, g);
+    const testmodel::keys k = testmodel::mtp_keys("cohere2moe", n_vocab, n_embd, n_trunk, n_nextn);
+    testmodel::mtp_add_moe_kv(k, n_ff);
+    testmodel::mtp_add_attn_kv(k, n_head, n_head, head_dim);
+    k.f32("attention.layer_norm_epsilon", 1e-5f);
+    k.u32("attention.sliding_window", 32);
+    k.u32("attention.sliding_window_pattern", 2);
+    k.f32("logit_scale", 1.0f);
+    k.u32("rope.dimension_count", head_dim);
+    k.f32("rope.freq_base", 10000.0f);
 
-    testmodel::mtp_add_base_kv(ms, LLM_ARCH_COHERE2MOE, n_vocab, n_embd, n_trunk, n_nextn);
-    testmodel::mtp_add_moe_kv(ms, n_ff);
-    testmodel::mtp_add_attn_kv(ms, n_head, n_head, head_dim);
-    ms.add_kv(LLM_KV_ATTENTION_LAYERNORM_EPS, 1e-5f);
-    ms.add_kv(LLM_KV_ATTENTION_SLIDING_WINDOW, uint32_t(32));
-    ms.add_kv(LLM_KV_ATTENTION_SLIDING_WINDOW_PATTERN, uint32_t(2));
-    ms.add_kv(LLM_KV_LOGIT_SCALE, 1.0f);
-    ms.add_kv(LLM_KV_ROPE_DIMENSION_COUNT, head_dim);
-    ms.add_kv(LLM_KV_ROPE_FREQ_BASE, 10000.0f);
-
-    testmodel::add_test_tokenizer(ms, n_vocab);
-    return g;
+    testmodel::add_test_tokenizer(k, n_vocab);
+    return k.g;
 }
 
 } // namespace

@@ -5,9 +5,10 @@
 // one compressed latent (K 576 = kv_lora_rank 512 + rope 64, V a view of it) rather than
 // per-head K and V, as DeepSeek V3 and its derivatives (Kimi K2, GLM-4.7 Lite…) are.
 // b11434's test-llama-archs writes its deepseek2 model without NextN layers, so, as in
-// glm4moemtp-testmodel.cpp, llama.cpp's model saver writes the metadata,
-// llama_model_init_from_user (with load_mtp) fills every tensor (mtp_fill in mtptestmodel.h),
-// and the saver writes the GGUF, which is loaded back and checked (mtp_check) before it is kept.
+// glm4moemtp-testmodel.cpp, llama_model_init_from_user (with load_mtp) builds the model from
+// this program's metadata and fills every tensor (mtp_fill in mtptestmodel.h), and the GGUF
+// is written from the metadata and those tensors (testmodel.h), then loaded back and
+// checked (mtp_check) before it is kept.
 //
 // The trunk is test-llama-archs' deepseek2 fixture: 128-token vocabulary, n_embd 128, one
 // head, MLA with q_lora_rank 512, kv_lora_rank 512, a 64-wide rope part and 192/128-wide
@@ -32,27 +33,24 @@ const uint32_t n_trunk = 2, n_nextn = 1;
 const testmodel::mtp_model spec = {"deepseek2mtp-testmodel", "deepseek2", int32_t(n_trunk), int32_t(n_nextn), int32_t(n_embd)};
 
 gguf_context * metadata() {
-    gguf_context * g = gguf_init_empty();
-    llama_model_saver ms(LLM_ARCH_DEEPSEEK2, g);
+    const testmodel::keys k = testmodel::mtp_keys("deepseek2", n_vocab, n_embd, n_trunk, n_nextn);
+    testmodel::mtp_add_moe_kv(k, n_ff);
+    k.f32("expert_weights_scale", 1.0f);
+    k.flag("expert_weights_norm", true);
+    k.u32("attention.head_count", n_head);
+    k.u32("attention.head_count_kv", n_head);
+    k.u32("attention.key_length", 576);
+    k.u32("attention.value_length", 512);
+    k.u32("attention.key_length_mla", 192);
+    k.u32("attention.value_length_mla", 128);
+    k.u32("attention.q_lora_rank", 512);
+    k.u32("attention.kv_lora_rank", 512);
+    k.u32("rope.dimension_count", 64);
+    k.f32("rope.freq_base", 10000.0f);
+    k.f32("attention.layer_norm_rms_epsilon", 1e-5f);
 
-    testmodel::mtp_add_base_kv(ms, LLM_ARCH_DEEPSEEK2, n_vocab, n_embd, n_trunk, n_nextn);
-    testmodel::mtp_add_moe_kv(ms, n_ff);
-    ms.add_kv(LLM_KV_EXPERT_WEIGHTS_SCALE, 1.0f);
-    ms.add_kv(LLM_KV_EXPERT_WEIGHTS_NORM, true);
-    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT, n_head);
-    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT_KV, n_head);
-    ms.add_kv(LLM_KV_ATTENTION_KEY_LENGTH, uint32_t(576));
-    ms.add_kv(LLM_KV_ATTENTION_VALUE_LENGTH, uint32_t(512));
-    ms.add_kv(LLM_KV_ATTENTION_KEY_LENGTH_MLA, uint32_t(192));
-    ms.add_kv(LLM_KV_ATTENTION_VALUE_LENGTH_MLA, uint32_t(128));
-    ms.add_kv(LLM_KV_ATTENTION_Q_LORA_RANK, uint32_t(512));
-    ms.add_kv(LLM_KV_ATTENTION_KV_LORA_RANK, uint32_t(512));
-    ms.add_kv(LLM_KV_ROPE_DIMENSION_COUNT, uint32_t(64));
-    ms.add_kv(LLM_KV_ROPE_FREQ_BASE, 10000.0f);
-    ms.add_kv(LLM_KV_ATTENTION_LAYERNORM_RMS_EPS, 1e-5f);
-
-    testmodel::add_test_tokenizer(ms, n_vocab);
-    return g;
+    testmodel::add_test_tokenizer(k, n_vocab);
+    return k.g;
 }
 
 } // namespace

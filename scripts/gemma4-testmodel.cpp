@@ -4,10 +4,11 @@
 // architectures' test models, skips gemma4 in build 11434 ("ISWA KV cache initialization
 // needs more fixture params"): its fixture gives the sliding-window pattern as a scalar
 // period, which Gemma 4's loader reads as a per-layer array. This program follows that
-// tool's approach (llama.cpp's model saver writes the metadata, llama_model_init_from_user
-// fills every tensor from a seeded normal distribution, llama_model_save_to_file writes the
-// GGUF) with Gemma 4's parameters given in full, then loads the file back and decodes a
-// few tokens so that a model llama.cpp cannot run is never left behind.
+// tool's approach (llama_model_init_from_user builds the model from the metadata and fills
+// every tensor from a seeded normal distribution) with Gemma 4's parameters given in full,
+// writes the GGUF from the metadata and the tensors fill wrote (testmodel.h, public API
+// only), then loads the file back and decodes a few tokens so that a model llama.cpp
+// cannot run is never left behind.
 //
 // The layout is Gemma 4's (E2B/E4B in miniature): 10 layers of interleaved sliding-window
 // attention (four sliding layers, then one full layer), a different head size on the
@@ -20,12 +21,6 @@
 
 #include "gemma4testmodel.h"
 #include "testmodel.h"
-
-// llama.cpp's internal headers, as test-llama-archs includes them: the model saver, the
-// architecture's key names and the model's tensors are not in the public API.
-#include "llama-arch.h"
-#include "llama-model-saver.h"
-#include "llama-model.h"
 
 #include <cmath>
 #include <cstdio>
@@ -58,28 +53,26 @@ void fill(ggml_tensor * t, void * ud) {
 }
 
 gguf_context * metadata() {
-    gguf_context * g = gguf_init_empty();
-    llama_model_saver ms(LLM_ARCH_GEMMA4, g);
+    const testmodel::keys k = testmodel::keys::begin("gemma4");
 
     const uint32_t n_vocab = 128, n_ctx = 4096, n_embd = 128, n_head = 2, n_ff = 192, n_layer = 10;
 
-    ms.add_kv(LLM_KV_GENERAL_ARCHITECTURE, llm_arch_name(LLM_ARCH_GEMMA4));
-    ms.add_kv(LLM_KV_VOCAB_SIZE, n_vocab);
-    ms.add_kv(LLM_KV_CONTEXT_LENGTH, n_ctx);
-    ms.add_kv(LLM_KV_EMBEDDING_LENGTH, n_embd);
-    ms.add_kv(LLM_KV_BLOCK_COUNT, n_layer);
-    ms.add_kv(LLM_KV_FEED_FORWARD_LENGTH, n_ff);
-    gemma4test::add_attention_kv(ms, n_head);
+    k.u32("vocab_size", n_vocab);
+    k.u32("context_length", n_ctx);
+    k.u32("embedding_length", n_embd);
+    k.u32("block_count", n_layer);
+    k.u32("feed_forward_length", n_ff);
+    gemma4test::add_attention_kv(k, n_head);
     // Per layer, 1 = sliding window: the pattern Gemma 4 repeats (four sliding, one full).
-    ms.add_kv(LLM_KV_ATTENTION_SLIDING_WINDOW_PATTERN, std::vector<uint32_t>{1, 1, 1, 1, 0, 1, 1, 1, 1, 0});
+    k.u32s("attention.sliding_window_pattern", {1, 1, 1, 1, 0, 1, 1, 1, 1, 0});
     // The last shared_kv_layers layers keep no KV of their own: they read the last sliding
     // and the last full layer's before them (layers 3 and 4), as E2B's last 20 of 35 do.
-    ms.add_kv(LLM_KV_ATTENTION_SHARED_KV_LAYERS, shared_kv_layers);
-    ms.add_kv(LLM_KV_EMBEDDING_LENGTH_PER_LAYER, per_layer_embd);
-    ms.add_kv(LLM_KV_FINAL_LOGIT_SOFTCAPPING, 30.0f);
+    k.u32("attention.shared_kv_layers", shared_kv_layers);
+    k.u32("embedding_length_per_layer_input", per_layer_embd);
+    k.f32("final_logit_softcapping", 30.0f);
 
-    testmodel::add_test_tokenizer(ms, n_vocab);
-    return g;
+    testmodel::add_test_tokenizer(k, n_vocab);
+    return k.g;
 }
 
 // check loads path as a file and decodes 80 tokens (past the 32-position window) in one
@@ -130,21 +123,9 @@ bool check(const char * path) {
 } // namespace
 
 int main(int argc, char ** argv) {
-    testmodel::program p = {"gemma4-testmodel", metadata, fill, nullptr,
-        [](llama_model * m, const std::string & out) {
-            // The saver writes what the model holds, but in b11434 not all of Gemma 4's
-            // per-layer embeddings: not their width nor the shared-KV layer count (the
-            // loader needs the first) and not the two model-wide projection tensors. They
-            // are added beside it.
-            llama_model_saver ms(m);
-            ms.add_kv_from_model();
-            ms.add_kv(LLM_KV_EMBEDDING_LENGTH_PER_LAYER, per_layer_embd);
-            ms.add_kv(LLM_KV_ATTENTION_SHARED_KV_LAYERS, shared_kv_layers);
-            ms.add_tensors_from_model();
-            ms.add_tensor(m->per_layer_model_proj);
-            ms.add_tensor(m->per_layer_proj_norm);
-            ms.save(out);
-        },
-        check};
+    // The file is the metadata and every tensor fill wrote, the two model-wide per-layer
+    // embedding projections included (b11434's model saver, which wrote the file before,
+    // left those and the per-layer embedding keys out).
+    testmodel::program p = {"gemma4-testmodel", metadata, fill, nullptr, nullptr, check};
     return testmodel::run(p, argc, argv);
 }

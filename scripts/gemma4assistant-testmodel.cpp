@@ -19,11 +19,6 @@
 #include "gemma4testmodel.h"
 #include "testmodel.h"
 
-#include "llama-arch.h"
-#include "llama-ext.h" // the NextN (hidden-state) rows and llama_process
-#include "llama-model-saver.h"
-#include "llama-model.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -39,23 +34,22 @@ const uint32_t n_vocab = 128, n_embd = 64, n_embd_target = 128, n_layer = 2, n_h
 // h_weight: the standard deviation of the pre-projection's weights on the hidden state.
 const float h_weight = 0.05f;
 
-// add_keys writes the assistant's keys.
-void add_keys(llama_model_saver & ms) {
-    const uint32_t n_ctx = 4096;
-
-    ms.add_kv(LLM_KV_GENERAL_ARCHITECTURE, llm_arch_name(LLM_ARCH_GEMMA4_ASSISTANT));
-    ms.add_kv(LLM_KV_VOCAB_SIZE, n_vocab);
-    ms.add_kv(LLM_KV_CONTEXT_LENGTH, n_ctx);
-    ms.add_kv(LLM_KV_EMBEDDING_LENGTH, n_embd);
-    ms.add_kv(LLM_KV_EMBEDDING_LENGTH_OUT, n_embd_target);
-    ms.add_kv(LLM_KV_BLOCK_COUNT, n_layer);
+// add_keys writes the assistant's keys into a new context.
+gguf_context * add_keys() {
+    const testmodel::keys k = testmodel::keys::begin("gemma4-assistant");
+    k.u32("vocab_size", n_vocab);
+    k.u32("context_length", 4096);
+    k.u32("embedding_length", n_embd);
+    k.u32("embedding_length_out", n_embd_target);
+    k.u32("block_count", n_layer);
     // Every block of an assistant is a draft block (convert_hf_to_gguf writes the count twice).
-    ms.add_kv(LLM_KV_NEXTN_PREDICT_LAYERS, n_layer);
-    ms.add_kv(LLM_KV_FEED_FORWARD_LENGTH, n_ff);
-    gemma4test::add_attention_kv(ms, n_head); // the target's: its KV is read here
+    k.u32("nextn_predict_layers", n_layer);
+    k.u32("feed_forward_length", n_ff);
+    gemma4test::add_attention_kv(k, n_head); // the target's: its KV is read here
     // Block 0 slides (reads the target's last sliding layer), block 1 is full.
-    ms.add_kv(LLM_KV_ATTENTION_SLIDING_WINDOW_PATTERN, std::vector<uint32_t>{1, 0});
-    testmodel::add_test_tokenizer(ms, n_vocab);
+    k.u32s("attention.sliding_window_pattern", {1, 0});
+    testmodel::add_test_tokenizer(k, n_vocab);
+    return k.g;
 }
 
 // bigram runs the target greedily after eight prompts of 40 tokens (48 tokens each) and
@@ -159,11 +153,7 @@ bool write(const std::string & out, const std::string & target, unsigned long se
     for (uint32_t t = 0; t < n_vocab; t++) {
         tt->to_float((const char *) te->data + t * te->nb[1], emb.data() + size_t(t) * n_embd_target, n_embd_target);
     }
-    gguf_context * g = gguf_init_empty();
-    {
-        llama_model_saver ms(LLM_ARCH_GEMMA4_ASSISTANT, g);
-        add_keys(ms);
-    }
+    gguf_context * g = add_keys();
     ggml_init_params ip = {64u << 20, nullptr, false};
     ggml_context * ctx = ggml_init(ip);
     // add adds a tensor with values vals (if given), else drawn.
@@ -265,11 +255,15 @@ std::string target_of(const std::string & path) {
 }
 
 // check loads the target (gemma4q.gguf beside OUT) and decodes 80 tokens in one sequence
-// (past the 32-position window) with its hidden-state rows, then the assistant at path in
-// a context over the target's and runs two draft steps the way llama.cpp's draft-mtp
-// driver does with a shared cache (both at the next token's position: the first with the
-// target's row of the last position, the second with the assistant's own): finite logits
-// and rows, or the file is not kept.
+// (past the 32-position window) with the last one's output row, then the assistant at path
+// in a context over the target's and runs two draft steps the way llama.cpp's draft-mtp
+// driver does with a shared cache (both at the next token's position, each fed that row):
+// finite logits, or the file is not kept. The row is the target's public output row
+// (after its final norm), not the hidden-state row a driver feeds, and the assistant's
+// own row, which a driver feeds to its second step, is not read: both come through
+// llama.cpp's private llama-ext.h, which only internal/llama/internals.cpp includes.
+// internal/runner's TestAssistantDraftsMatchReference and internal/app's TestMTPServed
+// (gemma4q) run the assistant with those rows.
 bool check(const char * path) {
     const std::string target = target_of(path);
     llama_model_params mp = llama_model_default_params();
@@ -284,12 +278,13 @@ bool check(const char * path) {
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx = 256;
     cp.n_threads = cp.n_threads_batch = 2;
-    llama_context * tc = llama_init_from_model(tm, cp);
+    llama_context_params tp = cp;
+    tp.embeddings = true;
+    llama_context * tc = llama_init_from_model(tm, tp);
     bool ok = tc != nullptr;
     const int n = 80;
     std::vector<float> h;
     if (ok) {
-        llama_set_embeddings_nextn(tc, true, /*masked*/ false);
         llama_batch b = llama_batch_init(n, 0, 1);
         for (int i = 0; i < n; i++) {
             b.token[i] = 4 + (i * 37) % 120;
@@ -301,12 +296,12 @@ bool check(const char * path) {
         b.n_tokens = n;
         ok = llama_decode(tc, b) == 0;
         llama_batch_free(b);
-        const float * r = ok ? llama_get_embeddings_nextn_ith(tc, n - 1) : nullptr;
+        const float * r = ok ? llama_get_embeddings_ith(tc, n - 1) : nullptr;
         ok = testmodel::finite(r, n_embd_target);
         if (ok) {
             h.assign(r, r + n_embd_target);
         } else {
-            fprintf(stderr, "gemma4assistant-testmodel: the target %s gives no hidden-state row\n", target.c_str());
+            fprintf(stderr, "gemma4assistant-testmodel: the target %s gives no output row\n", target.c_str());
         }
     }
     llama_context * ac = nullptr;
@@ -318,7 +313,6 @@ bool check(const char * path) {
         ok = ac != nullptr;
     }
     if (ok) {
-        llama_set_embeddings_nextn(ac, true, /*masked*/ true);
         llama_batch_ext * e = llama_batch_ext_init(ac);
         for (int step = 0; ok && step < 2; step++) {
             llama_batch_ext_clear(e);
@@ -329,11 +323,6 @@ bool check(const char * path) {
                  llama_batch_ext_set_output_logits(e, idx, true) &&
                  llama_process(ac, LLAMA_PROCESS_TYPE_DECODE, e) == 0 &&
                  testmodel::finite(llama_get_logits_ith(ac, 0), int(n_vocab));
-            const float * r = ok ? llama_get_embeddings_nextn_ith(ac, 0) : nullptr;
-            ok = ok && testmodel::finite(r, n_embd_target);
-            if (ok) {
-                h.assign(r, r + n_embd_target);
-            }
         }
         llama_batch_ext_free(e);
     }

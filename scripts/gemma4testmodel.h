@@ -4,8 +4,7 @@
 // sizes, RoPE and window are the target's.
 #pragma once
 
-#include "llama-arch.h"
-#include "llama-model-saver.h"
+#include "testmodel.h"
 
 #include <cstdint>
 
@@ -13,22 +12,22 @@ namespace gemma4test {
 
 const uint32_t n_head_kv = 1, head_full = 64, head_swa = 32, n_swa = 32;
 
-// add_attention_kv writes the attention keys, in this order (part of the files' bytes):
-// n_head query heads over one KV head, 64-wide heads on the full layers and 32-wide on the
-// sliding ones, RoPE over the whole head, a 32-position window.
-inline void add_attention_kv(llama_model_saver & ms, uint32_t n_head) {
-    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT, n_head);
-    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT_KV, n_head_kv);
-    ms.add_kv(LLM_KV_ATTENTION_KEY_LENGTH, head_full);
-    ms.add_kv(LLM_KV_ATTENTION_VALUE_LENGTH, head_full);
-    ms.add_kv(LLM_KV_ATTENTION_KEY_LENGTH_SWA, head_swa);
-    ms.add_kv(LLM_KV_ATTENTION_VALUE_LENGTH_SWA, head_swa);
-    ms.add_kv(LLM_KV_ROPE_DIMENSION_COUNT, head_full);
-    ms.add_kv(LLM_KV_ROPE_DIMENSION_COUNT_SWA, head_swa);
-    ms.add_kv(LLM_KV_ROPE_FREQ_BASE, 1000000.0f);
-    ms.add_kv(LLM_KV_ROPE_FREQ_BASE_SWA, 10000.0f);
-    ms.add_kv(LLM_KV_ATTENTION_LAYERNORM_RMS_EPS, 1e-6f);
-    ms.add_kv(LLM_KV_ATTENTION_SLIDING_WINDOW, n_swa);
+// add_attention_kv writes the attention keys: n_head query heads over one KV head, 64-wide
+// heads on the full layers and 32-wide on the sliding ones, RoPE over the whole head, a
+// 32-position window.
+inline void add_attention_kv(const testmodel::keys & k, uint32_t n_head) {
+    k.u32("attention.head_count", n_head);
+    k.u32("attention.head_count_kv", n_head_kv);
+    k.u32("attention.key_length", head_full);
+    k.u32("attention.value_length", head_full);
+    k.u32("attention.key_length_swa", head_swa);
+    k.u32("attention.value_length_swa", head_swa);
+    k.u32("rope.dimension_count", head_full);
+    k.u32("rope.dimension_count_swa", head_swa);
+    k.f32("rope.freq_base", 1000000.0f);
+    k.f32("rope.freq_base_swa", 10000.0f);
+    k.f32("attention.layer_norm_rms_epsilon", 1e-6f);
+    k.u32("attention.sliding_window", n_swa);
 }
 
 } // namespace gemma4test

@@ -4,10 +4,11 @@
 // and runs it once. The other MTP test model (qwen35mtp) is hybrid, on which PolyKV turns
 // the pool tier and the prefix cache off; on this one both run beside the MTP drafter.
 // b11434's test-llama-archs writes its glm4moe model without NextN layers, so, as in
-// qwen35mtp-testmodel.cpp, llama.cpp's model saver writes the metadata,
-// llama_model_init_from_user (with load_mtp) fills every tensor from a seeded normal
-// distribution (the MTP head made to draft plausibly: mtp_fill in mtptestmodel.h), and the
-// saver writes the GGUF, which is loaded back and checked (mtp_check) before it is kept.
+// qwen35mtp-testmodel.cpp, llama_model_init_from_user (with load_mtp) builds the model from
+// this program's metadata and fills every tensor from a seeded normal distribution (the
+// MTP head made to draft plausibly: mtp_fill in mtptestmodel.h), and the GGUF is written
+// from the metadata and those tensors (testmodel.h), then loaded back and checked
+// (mtp_check) before it is kept.
 //
 // The trunk is test-llama-archs' glm4moe fixture (its MoE variant; GLM4_MOE has no dense
 // one): 128-token vocabulary, n_embd 256, 2 heads of 128 (q/k norms, q/k/v biases), one
@@ -37,18 +38,15 @@ const uint32_t n_trunk = 2, n_nextn = 1;
 const testmodel::mtp_model spec = {"glm4moemtp-testmodel", "glm4moe", int32_t(n_trunk), int32_t(n_nextn), int32_t(n_embd)};
 
 gguf_context * metadata() {
-    gguf_context * g = gguf_init_empty();
-    llama_model_saver ms(LLM_ARCH_GLM4_MOE, g);
+    const testmodel::keys k = testmodel::mtp_keys("glm4moe", n_vocab, n_embd, n_trunk, n_nextn);
+    testmodel::mtp_add_moe_kv(k, n_ff);
+    testmodel::mtp_add_attn_kv(k, n_head, n_head_kv, head_dim);
+    k.f32("attention.layer_norm_rms_epsilon", 1e-5f);
+    k.u32("rope.dimension_count", head_dim);
+    k.f32("rope.freq_base", 10000.0f);
 
-    testmodel::mtp_add_base_kv(ms, LLM_ARCH_GLM4_MOE, n_vocab, n_embd, n_trunk, n_nextn);
-    testmodel::mtp_add_moe_kv(ms, n_ff);
-    testmodel::mtp_add_attn_kv(ms, n_head, n_head_kv, head_dim);
-    ms.add_kv(LLM_KV_ATTENTION_LAYERNORM_RMS_EPS, 1e-5f);
-    ms.add_kv(LLM_KV_ROPE_DIMENSION_COUNT, head_dim);
-    ms.add_kv(LLM_KV_ROPE_FREQ_BASE, 10000.0f);
-
-    testmodel::add_test_tokenizer(ms, n_vocab);
-    return g;
+    testmodel::add_test_tokenizer(k, n_vocab);
+    return k.g;
 }
 
 } // namespace

@@ -16,8 +16,7 @@
 #   scripts/llama.sh bump V   repin to version V: download, record its sha256, print the upstream
 #                             diff of the private headers PolyKV reads (internals), build
 #   scripts/llama.sh internals   the llama.cpp private headers PolyKV includes, as paths in the
-#                             source tree: internal/llama/internals.cpp's (the server's), then
-#                             the test-model generators' (scripts/*testmodel*) besides
+#                             source tree: internal/llama/internals.cpp's (the only includer)
 #   scripts/llama.sh internals-diff OLD NEW   the upstream diff of those headers between two
 #                             versions (fetched if need be)
 #
@@ -137,7 +136,10 @@ tool() { # $1 target: builds it once, prints its path
 # Tiny random-weight models (2 layers, 128-token vocabulary, fixed seed) for architectures
 # with no small real model here, written by llama.cpp's own test-llama-archs to
 # $cache/testmodels/<arch>.gguf. Others are written by programs of ours instead, compiled here
-# against the same static libraries PolyKV links (nothing of llama.cpp is committed):
+# against the same static libraries PolyKV links (nothing of llama.cpp is committed) and
+# with llama.cpp's public headers only (llama.h, ggml.h, ggml-backend.h, gguf.h: src/ is
+# not on their include path; scripts/testmodel.h builds each model from its metadata with
+# llama_model_init_from_user and writes the GGUF with gguf.h from what fill wrote):
 # scripts/gemma4-testmodel.cpp writes gemma4.gguf (10 layers, iSWA; this build's
 # test-llama-archs skips Gemma 4: "ISWA KV cache initialization needs more fixture
 # params") and scripts/qwen35mtp-testmodel.cpp writes qwen35mtp.gguf (qwen35.gguf's trunk
@@ -228,10 +230,11 @@ testmodels() {
 		for n in "${outs[@]}"; do rm -f "$out/$n.key"; done
 		# Compiled each time a model is written (rarely: only when its key changed), so the
 		# program is always the source's; into a directory of its own (not the shared build
-		# tree, where another checkout's program of the same name could be found).
+		# tree, where another checkout's program of the same name could be found). Public
+		# headers only: src/ is not on the include path.
 		bin=$(mktemp -d)
 		gen=$bin/$name-testmodel
-		${CXX:-c++} -std=c++17 -O1 -Wall -Wextra -I"$src/include" -I"$src/ggml/include" -I"$src/src" \
+		${CXX:-c++} -std=c++17 -O1 -Wall -Wextra -I"$src/include" -I"$src/ggml/include" \
 			"$root/scripts/$name-testmodel.cpp" "$dir/src/libllama.a" "$dir/ggml/src/libggml.a" \
 			"$dir/ggml/src/libggml-cpu.a" "$dir/ggml/src/libggml-base.a" -lpthread -ldl -lm -o "$gen"
 		tmp=$(mktemp "$out/gen.XXXXXX")
@@ -258,35 +261,24 @@ private_includes() {
 	done
 }
 
-# internals: the private headers the server reads (internal/llama/internals.cpp, the only
-# file of the binding that includes any: internals_test.go checks it), then the ones the
-# test-model generators include besides (they build GGUF files from llama.cpp's own model
-# structures and saver, which have no public API; they are not linked into the server).
-internals() { internals_server; internals_generators; }
-internals_server() { unpack; private_includes "$root/internal/llama/internals.cpp"; }
-internals_generators() {
-	unpack
-	private_includes "$root"/scripts/*testmodel*.cpp "$root"/scripts/*testmodel*.h | grep -vxF -f <(internals_server) || true
-}
+# internals: the private headers PolyKV reads: internal/llama/internals.cpp's, the only
+# file of the repository that includes any (internal/llama's TestInternalsOnlyIncluder
+# checks it; the test-model generators in scripts/ use llama.cpp's public API only, and
+# are compiled without src/ on their include path).
+internals() { unpack; private_includes "$root/internal/llama/internals.cpp"; }
 
 # internals_diff OLD NEW: the upstream diff of those headers between versions OLD and NEW
-# (their trees unpacked), the server's first.
+# (their trees unpacked).
 internals_diff() {
-	local old=$cache/llama.cpp/src-$1/llama.cpp new=$cache/llama.cpp/src-$2/llama.cpp h n=0 group
-	echo "llama.sh: upstream changes of the llama.cpp private headers PolyKV reads, b${1%%.*} -> b${2%%.*}" >&2
-	for group in server generators; do
-		case $group in
-		server) echo "llama.sh: read by the server (internal/llama/internals.cpp):" >&2 ;;
-		generators) echo "llama.sh: read by the test-model generators (scripts/*testmodel*) besides:" >&2 ;;
-		esac
-		while read -r h; do
-			if ! diff -u --label "b${1%%.*}/$h" --label "b${2%%.*}/$h" "$old/$h" "$new/$h" 2>/dev/null; then
-				n=$((n + 1))
-				echo "llama.sh: changed: $h" >&2
-				[ -f "$new/$h" ] || echo "llama.sh: $h is gone in b${2%%.*}" >&2
-			fi
-		done < <("internals_$group")
-	done
+	local old=$cache/llama.cpp/src-$1/llama.cpp new=$cache/llama.cpp/src-$2/llama.cpp h n=0
+	echo "llama.sh: upstream changes of the llama.cpp private headers PolyKV reads (internal/llama/internals.cpp), b${1%%.*} -> b${2%%.*}" >&2
+	while read -r h; do
+		if ! diff -u --label "b${1%%.*}/$h" --label "b${2%%.*}/$h" "$old/$h" "$new/$h" 2>/dev/null; then
+			n=$((n + 1))
+			echo "llama.sh: changed: $h" >&2
+			[ -f "$new/$h" ] || echo "llama.sh: $h is gone in b${2%%.*}" >&2
+		fi
+	done < <(internals)
 	echo "llama.sh: $n of $(internals | wc -l) headers changed; audit internals.cpp against them, then make testmodels test" >&2
 }
 

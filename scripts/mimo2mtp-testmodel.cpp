@@ -25,55 +25,50 @@ const uint32_t n_trunk = 2, n_nextn = 2;
 const testmodel::mtp_model spec = {"mimo2mtp-testmodel", "mimo2", int32_t(n_trunk), int32_t(n_nextn), int32_t(n_embd)};
 
 gguf_context * metadata() {
-    gguf_context * g = gguf_init_empty();
-    llama_model_saver ms(LLM_ARCH_MIMO2, g);
-
-    testmodel::mtp_add_base_kv(ms, LLM_ARCH_MIMO2, n_vocab, n_embd, n_trunk, n_nextn);
-    ms.add_kv(LLM_KV_FEED_FORWARD_LENGTH, n_ff);
-    ms.add_kv(LLM_KV_EXPERT_FEED_FORWARD_LENGTH, n_ff);
-    testmodel::mtp_add_attn_kv(ms, n_head, n_head, head_dim);
-    ms.add_kv(LLM_KV_ATTENTION_LAYERNORM_RMS_EPS, 1e-5f);
-    ms.add_kv(LLM_KV_ATTENTION_SLIDING_WINDOW, uint32_t(32));
+    const testmodel::keys k = testmodel::mtp_keys("mimo2", n_vocab, n_embd, n_trunk, n_nextn);
+    k.u32("feed_forward_length", n_ff);
+    k.u32("expert_feed_forward_length", n_ff);
+    testmodel::mtp_add_attn_kv(k, n_head, n_head, head_dim);
+    k.f32("attention.layer_norm_rms_epsilon", 1e-5f);
+    k.u32("attention.sliding_window", 32);
     // Per layer, 1 = sliding window: trunk full, sliding; both MTP blocks sliding (MiMo-V2's are).
-    ms.add_kv(LLM_KV_ATTENTION_SLIDING_WINDOW_PATTERN, std::vector<uint32_t>{0, 1, 1, 1});
-    ms.add_kv(LLM_KV_ROPE_DIMENSION_COUNT, head_dim);
-    ms.add_kv(LLM_KV_ROPE_FREQ_BASE, 10000.0f);
-    ms.add_kv(LLM_KV_ROPE_FREQ_BASE_SWA, 10000.0f);
+    k.u32s("attention.sliding_window_pattern", {0, 1, 1, 1});
+    k.u32("rope.dimension_count", head_dim);
+    k.f32("rope.freq_base", 10000.0f);
+    k.f32("rope.freq_base_swa", 10000.0f);
 
-    testmodel::add_test_tokenizer(ms, n_vocab);
-    return g;
+    testmodel::add_test_tokenizer(k, n_vocab);
+    return k.g;
 }
 
-// fix gives the MTP blocks a fused attn_qkv, which b11434's mimo2 MTP graph requires
+// edit gives the MTP blocks a fused attn_qkv, which b11434's mimo2 MTP graph requires
 // (GGML_ASSERT "MIMO2 MTP requires fused attn_qkv"; MiMo-V2's checkpoints have it) but its
 // model builder never creates for a model built from metadata (the tensor is
 // TENSOR_SKIP_IF_VIRTUAL): the separate Q, K and V weights are concatenated along the
 // output dimension (Q's rows, then K's, then V's), which is the fused tensor's layout.
-void fix(llama_model_saver &, llama_model * m) {
-    static ggml_context * ctx = ggml_init({16u << 20, nullptr, false}); // lives until the file is written
+void edit(testmodel::tensors & ts) {
     for (uint32_t il = n_trunk; il < n_trunk + n_nextn; il++) {
-        llama_layer & l = m->layers[il];
-        const int64_t rows = l.wq->ne[1] + l.wk->ne[1] + l.wv->ne[1];
-        ggml_tensor * qkv = ggml_new_tensor_2d(ctx, l.wq->type, l.wq->ne[0], rows);
-        ggml_set_name(qkv, ("blk." + std::to_string(il) + ".attn_qkv.weight").c_str());
-        size_t off = 0;
-        for (ggml_tensor * t : {l.wq, l.wk, l.wv}) {
-            ggml_backend_tensor_get(t, (char *) qkv->data + off, 0, ggml_nbytes(t));
-            off += ggml_nbytes(t);
+        const std::string blk = "blk." + std::to_string(il) + ".";
+        testmodel::tensor qkv = ts.at(blk + "attn_q.weight");
+        qkv.name = blk + "attn_qkv.weight";
+        for (const char * part : {"attn_k.weight", "attn_v.weight"}) {
+            const testmodel::tensor & t = ts.at(blk + part);
+            qkv.ne[1] += t.ne[1];
+            qkv.data.insert(qkv.data.end(), t.data.begin(), t.data.end());
         }
-        l.wqkv = qkv;
-        l.wq = l.wk = l.wv = nullptr;
+        for (const char * part : {"attn_q.weight", "attn_k.weight", "attn_v.weight"}) {
+            ts.remove(blk + part);
+        }
+        ts.list.push_back(std::move(qkv));
         // mtp_fill makes a head's LM head the model's and its norm 1, which gives drafts
         // that follow h where h is normed already; mimo2's h is the last block's output
         // before the model's final norm, so the head's norm is that norm's weights.
-        std::vector<float> w(ggml_nelements(m->output_norm));
-        ggml_backend_tensor_get(m->output_norm, w.data(), 0, ggml_nbytes(m->output_norm));
-        ggml_backend_tensor_set(l.nextn.shared_head_norm, w.data(), 0, ggml_nbytes(l.nextn.shared_head_norm));
+        ts.at(blk + "nextn.shared_head_norm.weight").data = ts.at("output_norm.weight").data;
     }
 }
 
 } // namespace
 
 int main(int argc, char ** argv) {
-    return testmodel::mtp_run(spec, metadata, fix, argc, argv);
+    return testmodel::mtp_run(spec, metadata, edit, argc, argv);
 }

@@ -1,19 +1,12 @@
-// mtptestmodel.h: what the MTP test-model generators (scripts/qwen35mtp-testmodel.cpp,
-// scripts/glm4moemtp-testmodel.cpp) share beyond testmodel.h: the fill that makes the NextN
-// head a plausible drafter, the save that leaves the per-matrix scales off the NextN block,
-// and the check that a written file loads with and without its MTP layers, gives the same
-// trunk logits either way and drafts in llama.cpp's MTP context. Each generator gives its
-// metadata (arch, trunk) and, where its loader needs it, a fix-up before saving.
+// mtptestmodel.h: what the MTP test-model generators (scripts/*mtp-testmodel.cpp) share
+// beyond testmodel.h: the fill that makes the NextN head a plausible drafter, the edit
+// that leaves the per-matrix scales off the NextN blocks, and the check that a written
+// file loads with and without its MTP layers, gives the same trunk logits either way and
+// drafts in llama.cpp's MTP context. Each generator gives its metadata (arch, trunk) and,
+// where its loader needs it, an edit of the tensors before they are written.
 #pragma once
 
 #include "testmodel.h"
-
-// llama.cpp's internal headers, as test-llama-archs includes them: the model saver, the
-// architecture's key names and the staging API for NextN embeddings are not public.
-#include "llama-arch.h"
-#include "llama-ext.h"
-#include "llama-model-saver.h"
-#include "llama-model.h"
 
 #include <cmath>
 #include <cstdio>
@@ -27,49 +20,48 @@ namespace testmodel {
 // mtp_model_params loads the NextN block's tensors: without load_mtp the loader skips them.
 inline void mtp_model_params(llama_model_params & mp) { mp.load_mtp = true; }
 
-// mtp_model is what the shared save and check need to know of a generator's model.
+// mtp_model is what the shared edit and check need to know of a generator's model.
 struct mtp_model {
     const char * prog;    // for messages
     const char * arch;    // general.architecture
     int32_t      n_trunk; // llama_model_n_layer: the trunk's blocks
     int32_t      n_nextn; // llama_model_n_layer_nextn: NextN blocks stored after the trunk's
-    int32_t      n_embd;  // width of a NextN row (h)
+    int32_t      n_embd;  // width of the trunk's output rows (h)
 };
 
-// mtp_add_base_kv writes the keys every MTP generator's metadata opens with, in this order
-// (the order is part of the file's bytes): architecture, vocabulary, context length,
-// width and the block counts. block_count counts the NextN blocks too: they are stored
-// after the trunk's.
-inline void mtp_add_base_kv(llama_model_saver & ms, llm_arch arch, uint32_t n_vocab, uint32_t n_embd,
-                            uint32_t n_trunk, uint32_t n_nextn) {
-    ms.add_kv(LLM_KV_GENERAL_ARCHITECTURE, llm_arch_name(arch));
-    ms.add_kv(LLM_KV_VOCAB_SIZE, n_vocab);
-    ms.add_kv(LLM_KV_CONTEXT_LENGTH, uint32_t(4096));
-    ms.add_kv(LLM_KV_EMBEDDING_LENGTH, n_embd);
-    ms.add_kv(LLM_KV_BLOCK_COUNT, n_trunk + n_nextn);
-    ms.add_kv(LLM_KV_NEXTN_PREDICT_LAYERS, n_nextn);
+// mtp_keys begins an MTP generator's metadata with the keys they all open with:
+// architecture, vocabulary, context length, width and the block counts. block_count counts
+// the NextN blocks too: they are stored after the trunk's.
+inline keys mtp_keys(const char * arch, uint32_t n_vocab, uint32_t n_embd, uint32_t n_trunk, uint32_t n_nextn) {
+    const keys k = keys::begin(arch);
+    k.u32("vocab_size", n_vocab);
+    k.u32("context_length", 4096);
+    k.u32("embedding_length", n_embd);
+    k.u32("block_count", n_trunk + n_nextn);
+    k.u32("nextn_predict_layers", n_nextn);
+    return k;
 }
 
-// mtp_add_moe_kv writes the MoE keys the MoE generators (glm4moe, deepseek2) share, in this
-// order (part of the file's bytes): one leading dense block of n_ff, then MoE blocks of 2
-// experts of n_ff, both used, one shared expert, sigmoid gating (GLM-4.5's and DeepSeek V3's).
-inline void mtp_add_moe_kv(llama_model_saver & ms, uint32_t n_ff) {
-    ms.add_kv(LLM_KV_LEADING_DENSE_BLOCK_COUNT, uint32_t(1));
-    ms.add_kv(LLM_KV_FEED_FORWARD_LENGTH, n_ff);
-    ms.add_kv(LLM_KV_EXPERT_FEED_FORWARD_LENGTH, n_ff);
-    ms.add_kv(LLM_KV_EXPERT_COUNT, uint32_t(2));
-    ms.add_kv(LLM_KV_EXPERT_USED_COUNT, uint32_t(2));
-    ms.add_kv(LLM_KV_EXPERT_SHARED_COUNT, uint32_t(1));
-    ms.add_kv(LLM_KV_EXPERT_GATING_FUNC, uint32_t(2)); // sigmoid
+// mtp_add_moe_kv writes the MoE keys the MoE generators (glm4moe, deepseek2, cohere2moe)
+// share: one leading dense block of n_ff, then MoE blocks of 2 experts of n_ff, both used,
+// one shared expert, sigmoid gating (GLM-4.5's and DeepSeek V3's).
+inline void mtp_add_moe_kv(const keys & k, uint32_t n_ff) {
+    k.u32("leading_dense_block_count", 1);
+    k.u32("feed_forward_length", n_ff);
+    k.u32("expert_feed_forward_length", n_ff);
+    k.u32("expert_count", 2);
+    k.u32("expert_used_count", 2);
+    k.u32("expert_shared_count", 1);
+    k.u32("expert_gating_func", 2); // sigmoid
 }
 
 // mtp_add_attn_kv writes the attention head keys of the generators with plain
-// multi-head attention (glm4moe, cohere2moe), in this order (part of the file's bytes).
-inline void mtp_add_attn_kv(llama_model_saver & ms, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim) {
-    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT, n_head);
-    ms.add_kv(LLM_KV_ATTENTION_HEAD_COUNT_KV, n_head_kv);
-    ms.add_kv(LLM_KV_ATTENTION_KEY_LENGTH, head_dim);
-    ms.add_kv(LLM_KV_ATTENTION_VALUE_LENGTH, head_dim);
+// multi-head attention (glm4moe, cohere2moe, mimo2).
+inline void mtp_add_attn_kv(const keys & k, uint32_t n_head, uint32_t n_head_kv, uint32_t head_dim) {
+    k.u32("attention.head_count", n_head);
+    k.u32("attention.head_count_kv", n_head_kv);
+    k.u32("attention.key_length", head_dim);
+    k.u32("attention.value_length", head_dim);
 }
 
 // The weight of h in the MTP head's eh_proj (see mtp_fill): its random part adds, per output,
@@ -116,38 +108,42 @@ inline void mtp_fill(ggml_tensor * t, void * ud) {
     set_values("mtp-testmodel", t, v);
 }
 
-// mtp_drop_nextn_scales removes the per-matrix scales from the NextN blocks before saving:
+// mtp_block is the block index of a tensor named blk.N.*, or -1.
+inline int mtp_block(const std::string & name) {
+    return name.compare(0, 4, "blk.") == 0 ? atoi(name.c_str() + 4) : -1;
+}
+
+// mtp_drop_nextn_scales removes the per-matrix scales from the NextN blocks before writing:
 // without load_mtp the loaders skip a NextN block's matrices and then never ask for their
 // scales, so a file that has them fails to load ("wrong number of tensors") for every user
 // that does not draft with MTP. Real conversions have none.
-inline void mtp_drop_nextn_scales(llama_model * m, int32_t n_trunk) {
-    for (uint32_t il = uint32_t(n_trunk); il < m->hparams.n_layer_all; il++) {
-        auto & layer = m->layers[il];
-        ggml_tensor ** tp = reinterpret_cast<ggml_tensor **>(&layer);
-        for (size_t i = 0; i < sizeof(layer) / sizeof(ggml_tensor *); i++) {
-            const char * dot = tp[i] != nullptr ? strrchr(tp[i]->name, '.') : nullptr;
-            if (dot != nullptr && (strcmp(dot, ".scale") == 0 || strcmp(dot, ".input_scale") == 0)) {
-                tp[i] = nullptr;
-            }
+inline void mtp_drop_nextn_scales(tensors & ts, int32_t n_trunk) {
+    std::vector<tensor> kept;
+    for (auto & t : ts.list) {
+        const size_t dot = t.name.rfind('.');
+        const std::string suffix = dot == std::string::npos ? "" : t.name.substr(dot);
+        if (mtp_block(t.name) >= n_trunk && (suffix == ".scale" || suffix == ".input_scale")) {
+            continue;
         }
+        kept.push_back(std::move(t));
     }
+    ts.list = std::move(kept);
 }
-
 
 const int mtp_n_check = 40; // tokens decoded by mtp_check
 
-// How far the trunk's logits may move when the NextN rows of every token are asked for
-// (see mtp_check): rounding, three orders of magnitude above what glm4moe shows.
-const float mtp_nextn_tolerance = 1e-4f;
+// How far the trunk's logits may move when every token's output row is asked for (see
+// mtp_check): rounding (glm4moe's graph then runs its last block's FFN over every row).
+const float mtp_rows_tolerance = 1e-4f;
 
 inline llama_token mtp_check_token(int i) { return 4 + (i * 37) % 120; }
 
 // mtp_trunk loads path (with or without its MTP layers) and decodes mtp_n_check tokens in
-// one sequence, with the NextN rows of every token asked for (nextn, what a draft-mtp driver
-// sets on its target) or not; it returns the model and context (nullptr on failure) and the
-// last logits.
-inline bool mtp_trunk(const mtp_model & s, const char * path, bool load_mtp, bool nextn, llama_model ** mo,
-                      llama_context ** co, std::vector<float> & logits) {
+// one sequence, with every token's output row asked for (rows: embeddings on, each token's
+// row appended to h) or only the last token's logits; it returns the model and context
+// (nullptr on failure) and the last logits.
+inline bool mtp_trunk(const mtp_model & s, const char * path, bool load_mtp, bool rows, llama_model ** mo,
+                      llama_context ** co, std::vector<float> & logits, std::vector<float> * h) {
     llama_model_params mp = llama_model_default_params();
     mp.progress_callback = quiet;
     mp.load_mtp = load_mtp;
@@ -169,15 +165,12 @@ inline bool mtp_trunk(const mtp_model & s, const char * path, bool load_mtp, boo
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx = 256;
     cp.n_threads = cp.n_threads_batch = 2;
+    cp.embeddings = rows;
     llama_context * c = llama_init_from_model(m, cp);
     *co = c;
     if (c == nullptr) {
         fprintf(stderr, "%s: no context on %s\n", s.prog, path);
         return false;
-    }
-    if (nextn) {
-        // h_nextn for every token in a batch
-        llama_set_embeddings_nextn(c, true, /*masked*/ false);
     }
     llama_batch b = llama_batch_init(mtp_n_check, 0, 1);
     for (int i = 0; i < mtp_n_check; i++) {
@@ -185,14 +178,21 @@ inline bool mtp_trunk(const mtp_model & s, const char * path, bool load_mtp, boo
         b.pos[i] = i;
         b.n_seq_id[i] = 1;
         b.seq_id[i][0] = 0;
-        b.logits[i] = i == mtp_n_check - 1;
+        b.logits[i] = rows || i == mtp_n_check - 1;
     }
     b.n_tokens = mtp_n_check;
     const int n_vocab_m = llama_vocab_n_tokens(llama_model_get_vocab(m));
     bool ok = llama_decode(c, b) == 0 && finite(llama_get_logits_ith(c, mtp_n_check - 1), n_vocab_m);
     llama_batch_free(b);
+    for (int i = 0; ok && rows && i < mtp_n_check; i++) {
+        const float * r = llama_get_embeddings_ith(c, i);
+        ok = finite(r, s.n_embd);
+        if (ok) {
+            h->insert(h->end(), r, r + s.n_embd);
+        }
+    }
     if (!ok) {
-        fprintf(stderr, "%s: the trunk of %s does not decode (load_mtp %d)\n", s.prog, path, load_mtp);
+        fprintf(stderr, "%s: the trunk of %s does not decode (load_mtp %d, rows %d)\n", s.prog, path, load_mtp, rows);
         return false;
     }
     const float * l = llama_get_logits_ith(c, mtp_n_check - 1);
@@ -200,28 +200,35 @@ inline bool mtp_trunk(const mtp_model & s, const char * path, bool load_mtp, boo
     return true;
 }
 
-// mtp_check makes sure that path is a model both a plain user and a draft-mtp driver can run:
+// mtp_check makes sure that path is a model both a plain user and a draft-mtp driver can
+// run, as far as llama.cpp's public API shows it:
 //  - loaded without load_mtp (PolyKV's load, llama-server without draft-mtp) it decodes
 //    mtp_n_check tokens with finite logits;
 //  - loaded with load_mtp it reports n_layer_nextn as written and gives the same logits bit
 //    for bit (the NextN block is not part of the trunk's graph);
-//  - asked for the NextN embedding (h_nextn) of every token, it gives one per token and the
-//    same logits within mtp_nextn_tolerance: bit for bit on qwen35, but glm4moe's graph then
-//    runs its last block's FFN over every row and picks the last after it (before it
-//    otherwise), so the sums round differently (measured: 6e-8 at most);
+//  - asked for every token's output row, it gives a finite one per token and the same
+//    logits within mtp_rows_tolerance;
 //  - an MTP context (LLAMA_CONTEXT_TYPE_MTP) on the same model decodes the same tokens,
-//    each paired with the trunk's h of the token before it (the catch-up that
+//    each paired with the trunk's row of the token before it (the catch-up that
 //    common_speculative_impl_draft_mtp::process does), then one draft step (the last
-//    token again with the last h), with finite logits and a finite h row.
+//    token again with the last row), with finite logits.
+// The rows fed here are the trunk's public output rows (after its final norm), not the
+// NextN hidden-state rows a draft-mtp driver feeds: those, and the MTP context's own rows,
+// are read through llama.cpp's private llama-ext.h, which only internal/llama/internals.cpp
+// includes. The Go tests check them on these models instead: internal/llama's
+// TestMTPContext (a finite NextN row per token, the trunk's logits unchanged with them on,
+// a draft step's finite logits and row, on qwen35mtp and glm4moemtp) and
+// TestMTPGreedyLossless, internal/runner's TestMTPDraftsMatchReference and
+// TestMTPChainedDraftsMatchReference (mimo2mtp's two chained blocks), internal/app's
+// TestMTPServed (every MTP model: drafts accepted and rejected, greedy output unchanged).
 inline bool mtp_check(const mtp_model & s, const char * path) {
-    const int n_embd = s.n_embd;
     llama_model * m0 = nullptr;
     llama_context * c0 = nullptr;
     std::vector<float> l0, l1, l2;
-    bool ok = mtp_trunk(s, path, false, false, &m0, &c0, l0);
+    bool ok = mtp_trunk(s, path, false, false, &m0, &c0, l0, nullptr);
     llama_free(c0);
     llama_model_free(m0);
-    ok = ok && mtp_trunk(s, path, true, false, &m0, &c0, l1);
+    ok = ok && mtp_trunk(s, path, true, false, &m0, &c0, l1, nullptr);
     llama_free(c0);
     llama_model_free(m0);
     if (ok && l0 != l1) {
@@ -233,23 +240,15 @@ inline bool mtp_check(const mtp_model & s, const char * path) {
     }
     llama_model * m = nullptr;
     llama_context * c = nullptr;
-    ok = mtp_trunk(s, path, true, true, &m, &c, l2);
+    std::vector<float> h; // the trunk's output rows, mtp_n_check × n_embd
+    ok = mtp_trunk(s, path, true, true, &m, &c, l2, &h);
     for (size_t i = 0; ok && i < l0.size(); i++) {
-        if (fabsf(l2[i] - l0[i]) > mtp_nextn_tolerance) {
-            fprintf(stderr, "%s: %s gives logit %zu %g with NextN rows, %g without\n", s.prog, path, i, l2[i], l0[i]);
+        if (fabsf(l2[i] - l0[i]) > mtp_rows_tolerance) {
+            fprintf(stderr, "%s: %s gives logit %zu %g with every row out, %g without\n", s.prog, path, i, l2[i], l0[i]);
             ok = false;
         }
     }
-    std::vector<float> h; // the trunk's NextN rows, mtp_n_check × n_embd
-    for (int i = 0; ok && i < mtp_n_check; i++) {
-        const float * r = llama_get_embeddings_nextn_ith(c, i);
-        ok = finite(r, n_embd);
-        if (ok) {
-            h.insert(h.end(), r, r + n_embd);
-        } else {
-            fprintf(stderr, "%s: no NextN row %d from the trunk of %s\n", s.prog, i, path);
-        }
-    }
+    const int n_embd = s.n_embd;
     llama_context * d = nullptr;
     if (ok) {
         llama_context_params dp = llama_context_default_params();
@@ -264,7 +263,6 @@ inline bool mtp_check(const mtp_model & s, const char * path) {
         }
     }
     if (ok) {
-        llama_set_embeddings_nextn(d, true, /*masked*/ true);
         llama_batch_ext * e = llama_batch_ext_init(d);
         const std::vector<float> zero(n_embd, 0.0f);
         // One entry: token id, position, and h as the entry's embedding. b11434's
@@ -283,8 +281,7 @@ inline bool mtp_check(const mtp_model & s, const char * path) {
         llama_batch_ext_clear(e);
         ok = ok && add(mtp_check_token(mtp_n_check - 1), mtp_n_check, h.data() + size_t(mtp_n_check - 1) * n_embd, true);
         ok = ok && llama_process(d, LLAMA_PROCESS_TYPE_DECODE, e) == 0;
-        ok = ok && finite(llama_get_logits_ith(d, 0), int(l2.size())) &&
-             finite(llama_get_embeddings_nextn_ith(d, 0), n_embd);
+        ok = ok && finite(llama_get_logits_ith(d, 0), int(l2.size()));
         llama_batch_ext_free(e);
         if (!ok) {
             fprintf(stderr, "%s: the MTP context on %s does not decode\n", s.prog, path);
@@ -297,27 +294,23 @@ inline bool mtp_check(const mtp_model & s, const char * path) {
 }
 
 // mtp_run is an MTP generator's main: the model of spec with metadata's keys, filled by
-// mtp_fill with load_mtp on, saved with its keys from the model (fix, if not null, edits
-// them first) and without the NextN blocks' scales (mtp_drop_nextn_scales), then checked
-// (mtp_check). testmodel::program takes plain functions, so the generator's spec and fix
-// reach them through these two variables.
+// mtp_fill with load_mtp on, written without the NextN blocks' scales
+// (mtp_drop_nextn_scales; edit, if not null, changes the tensors after that), then
+// checked (mtp_check). testmodel::program takes plain functions, so the generator's spec
+// and edit reach them through these two variables.
 inline const mtp_model * mtp_spec = nullptr;
-inline void (*mtp_fix)(llama_model_saver &, llama_model *) = nullptr;
+inline void (*mtp_edit)(tensors &) = nullptr;
 
-inline int mtp_run(const mtp_model & spec, gguf_context * (*metadata)(), void (*fix)(llama_model_saver &, llama_model *),
-                   int argc, char ** argv) {
+inline int mtp_run(const mtp_model & spec, gguf_context * (*metadata)(), void (*edit)(tensors &), int argc,
+                   char ** argv) {
     mtp_spec = &spec;
-    mtp_fix = fix;
+    mtp_edit = edit;
     program p = {spec.prog, metadata, mtp_fill, mtp_model_params,
-        [](llama_model * m, const std::string & out) {
-            llama_model_saver ms(m);
-            ms.add_kv_from_model();
-            if (mtp_fix != nullptr) {
-                mtp_fix(ms, m);
+        [](tensors & ts) {
+            mtp_drop_nextn_scales(ts, mtp_spec->n_trunk);
+            if (mtp_edit != nullptr) {
+                mtp_edit(ts);
             }
-            mtp_drop_nextn_scales(m, mtp_spec->n_trunk);
-            ms.add_tensors_from_model();
-            ms.save(out);
         },
         [](const char * path) { return mtp_check(*mtp_spec, path); }};
     return run(p, argc, argv);

@@ -301,56 +301,142 @@ func TestInternalsHook(t *testing.T) {
 	}
 }
 
-// TestInternalsOnlyIncluder: no file of the binding but internals.cpp includes one of
-// llama.cpp's private headers (under src/ or ggml/src/ of the pinned tree), and what
-// `scripts/llama.sh internals` lists first (what `make bump-llama` diffs as the server's)
-// is exactly internals.cpp's.
-func TestInternalsOnlyIncluder(t *testing.T) {
+// privateIncludes walks the tree under root (skipping hidden directories and the ignored
+// build outputs) and returns, per C, C++ or Go (cgo preamble) file, as a path relative to
+// root, the llama.cpp private headers it includes: headers found under src/ or ggml/src/
+// of the llama.cpp source tree, as paths in that tree. A quoted include of a file beside
+// the includer is the includer's own header, not llama.cpp's.
+func privateIncludes(root, tree string) (map[string][]string, error) {
+	include := regexp.MustCompile(`(?m)^\s*#\s*include\s*([<"])([^>"]+)[>"]`)
+	skip := map[string]bool{"bin": true, "lib": true, "build": true, "artifacts": true, "node_modules": true, "__pycache__": true}
+	found := map[string][]string{}
+	err := filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() {
+			if path != root && (strings.HasPrefix(d.Name(), ".") || skip[d.Name()]) {
+				return filepath.SkipDir
+			}
+			return nil
+		}
+		switch filepath.Ext(path) {
+		case ".c", ".cc", ".cpp", ".cxx", ".h", ".hh", ".hpp", ".go":
+		default:
+			return nil
+		}
+		data, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(root, path)
+		for _, m := range include.FindAllStringSubmatch(string(data), -1) {
+			h := m[2]
+			if m[1] == `"` {
+				if _, err := os.Stat(filepath.Join(filepath.Dir(path), h)); err == nil {
+					continue // the includer's own header
+				}
+			}
+			for _, d := range []string{"src", "ggml/src"} {
+				if _, err := os.Stat(filepath.Join(tree, d, h)); err == nil {
+					found[rel] = append(found[rel], d+"/"+h)
+					break
+				}
+			}
+		}
+		return nil
+	})
+	return found, err
+}
+
+// llamaSource is the pinned llama.cpp source tree (scripts/llama.sh src).
+func llamaSource(t *testing.T) string {
+	t.Helper()
 	out, err := exec.Command("../../scripts/llama.sh", "src").Output()
 	if err != nil {
 		t.Fatalf("scripts/llama.sh src: %v", err)
 	}
 	tree := strings.TrimSpace(string(out))
-	files, err := filepath.Glob("*.[ch]*")
+	// The binding was compiled against this tree's headers, so it is there.
+	if _, err := os.Stat(filepath.Join(tree, "src", "llama-model.h")); err != nil {
+		t.Fatalf("the llama.cpp source tree %s has no src/llama-model.h: %v", tree, err)
+	}
+	return tree
+}
+
+// TestInternalsOnlyIncluder: no file of the repository but internal/llama/internals.cpp
+// includes one of llama.cpp's private headers (under src/ or ggml/src/ of the pinned
+// tree): not the rest of the binding, not the test-model generators in scripts/ (which
+// use the public API only: llama.h, ggml.h, ggml-backend.h, gguf.h), not a file added
+// later; and what `scripts/llama.sh internals` lists (what `make bump-llama` diffs) is
+// exactly internals.cpp's.
+func TestInternalsOnlyIncluder(t *testing.T) {
+	tree := llamaSource(t)
+	found, err := privateIncludes("../..", tree)
 	if err != nil {
 		t.Fatal(err)
 	}
-	goFiles, _ := filepath.Glob("*.go")
-	include := regexp.MustCompile(`(?m)^\s*#include "([^"]+)"`)
-	var ours []string
-	for _, f := range append(files, goFiles...) {
-		data, err := os.ReadFile(f)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, m := range include.FindAllStringSubmatch(string(data), -1) {
-			h := m[1]
-			if _, err := os.Stat(h); err == nil {
-				continue // the binding's own header
-			}
-			for _, d := range []string{"src", "ggml/src"} {
-				if _, err := os.Stat(filepath.Join(tree, d, h)); err != nil {
-					continue
-				}
-				if f != "internals.cpp" {
-					t.Errorf("%s includes llama.cpp's private header %s/%s: only internals.cpp may (add what it needs to internals.h)", f, d, h)
-				} else {
-					ours = append(ours, d+"/"+h)
-				}
-				break
-			}
+	const door = "internal/llama/internals.cpp"
+	for f, hs := range found {
+		if filepath.ToSlash(f) != door {
+			t.Errorf("%s includes llama.cpp's private headers %v: only %s may (add what it needs to internals.h)", f, hs, door)
 		}
 	}
+	ours := found[door]
 	if len(ours) == 0 {
 		t.Fatal("internals.cpp includes no private header: the scan found nothing (wrong source tree?)")
 	}
-	out, err = exec.Command("../../scripts/llama.sh", "internals").Output()
+	out, err := exec.Command("../../scripts/llama.sh", "internals").Output()
 	if err != nil {
 		t.Fatalf("scripts/llama.sh internals: %v", err)
 	}
 	listed := strings.Fields(string(out))
 	slices.Sort(ours)
-	if len(listed) < len(ours) || !slices.Equal(listed[:len(ours)], ours) {
-		t.Errorf("scripts/llama.sh internals lists %v first; internals.cpp includes %v", listed, ours)
+	ours = slices.Compact(ours)
+	if !slices.Equal(listed, ours) {
+		t.Errorf("scripts/llama.sh internals lists %v; internals.cpp includes %v", listed, ours)
+	}
+}
+
+// TestPrivateIncludesFindsThem checks the scan TestInternalsOnlyIncluder relies on: in a
+// tree of its own, a private header included from a C++ file, a header or a cgo preamble
+// (quoted or in angle brackets, from any directory) is found, and public headers and a
+// file's own header are not.
+func TestPrivateIncludesFindsThem(t *testing.T) {
+	tree := llamaSource(t)
+	root := t.TempDir()
+	files := map[string]string{
+		"scripts/gen.cpp":      "#include \"own.h\"\n#include \"llama.h\"\n#include \"gguf.h\"\n#include <vector>\n",
+		"scripts/own.h":        "#pragma once\n#include \"llama-model.h\"\n",
+		"internal/x/x.go":      "package x\n\n/*\n#include <ggml-cpu/traits.h>\n*/\nimport \"C\"\n",
+		"tools/y.cc":           "  #  include \"llama-kv-cache.h\"\n",
+		".hidden/z.cpp":        "#include \"llama-model.h\"\n",
+		"internal/x/public.go": "package x\n\n/*\n#include \"ggml-backend.h\"\n*/\nimport \"C\"\n",
+	}
+	for name, text := range files {
+		p := filepath.Join(root, name)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte(text), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	found, err := privateIncludes(root, tree)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string][]string{
+		"scripts/own.h":   {"src/llama-model.h"},
+		"internal/x/x.go": {"ggml/src/ggml-cpu/traits.h"},
+		"tools/y.cc":      {"src/llama-kv-cache.h"},
+	}
+	if len(found) != len(want) {
+		t.Errorf("found %v; want %v", found, want)
+	}
+	for f, hs := range want {
+		if !slices.Equal(found[f], hs) {
+			t.Errorf("%s: found %v; want %v", f, found[f], hs)
+		}
 	}
 }
