@@ -12,7 +12,7 @@
 # "shared") and CONFIGS (default "precise session random"; also "speculative") choose
 # what runs. The shared part's workload is SHARED_BENCH_ARGS (default: 9 teams x 3
 # agents x 3 turns, ~2,000-token system prompts) on replicas of SHARED_CTX cells (4096);
-# SHARED_RUNS picks its runs (default "off on restart").
+# SHARED_RUNS picks its runs (default "off on restart restart-off").
 # Run from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -107,7 +107,8 @@ fi
 # ended) when half the turns are done and restarted at once on the same addresses with
 # the same directory and an empty cache. It stays in the EPP's endpoint list (a
 # supervisor restarting a crashed server in place): requests routed to it meanwhile
-# fail and are retried (up to 5 times here, 1 s apart).
+# fail and are retried (up to 5 times here, 1 s apart). Last, the same restart with the
+# shared level off: the control, where the restarted replica can only prefill.
 if [[ " $PARTS " == *" shared "* ]]; then
   read -r -a SARGS <<<"${SHARED_BENCH_ARGS:--teams 9 -agents 3 -turns 3 -system-words 1400 -max-tokens 16}"
   sctx=${SHARED_CTX:-4096}
@@ -118,7 +119,7 @@ if [[ " $PARTS " == *" shared "* ]]; then
   tiermetrics() {
     curl -s "http://$1:8000/metrics" | grep -E '^polykv_(tier_(loaded_tokens|loads|segment_misses)_total|prefix_cache_hits_total|queries_total)' | tr '\n' ' '
   }
-  runs=" ${SHARED_RUNS:-off on restart} " # which of the three runs
+  runs=" ${SHARED_RUNS:-off on restart restart-off} " # which runs
   if [[ $runs == *" off "* ]]; then
     CTX=$sctx fleet_up deploy/local/epp-config.yaml "$WORK/shared-off"
     sbench -label "shared level off" -records "$WORK/shared-off/turns.jsonl"
@@ -132,23 +133,34 @@ if [[ " $PARTS " == *" shared "* ]]; then
     level "$dir" | tee -a "$TABLE"
     fleet_down
   fi
-  [[ $runs == *" restart "* ]] || { echo "table: $TABLE"; exit 0; }
-  dir=$WORK/shared-restart/level
-  pidfile=$WORK/shared-restart/restarted.pid
-  rm -rf "$dir" "$pidfile"
-  CTX=$sctx SHARED_DIR=$dir fleet_up deploy/local/epp-config.yaml "$WORK/shared-restart"
-  victim=$(cat "$WORK/shared-restart/polykv-127.0.0.3.pid")
-  restart="kill -9 $victim; sleep 0.5; level $dir >&2;"
-  restart+=" POLYKV_MODEL=$MODEL THREADS=$THREADS CTX=$sctx SHARED_DIR=$dir deploy/local/replica.sh 127.0.0.3"
-  restart+=" >$WORK/shared-restart/polykv-127.0.0.3-restarted.log 2>&1 & echo \$! >$pidfile;"
-  restart+=" for _ in \$(seq 300); do curl -sf -o /dev/null http://127.0.0.3:8000/health && break; sleep 0.2; done"
+  # restart_run NAME SHARED(on|off): the restart scenario, on a fresh directory when
+  # SHARED is on; off is the control (the restarted replica can only prefill).
+  restart_run() {
+    local w=$WORK/$1 dir= label="shared level $2, 127.0.0.3 restarted"
+    pidfile=$w/restarted.pid
+    rm -rf "$w/level" "$pidfile"
+    [ "$2" = off ] || dir=$w/level
+    CTX=$sctx SHARED_DIR=$dir fleet_up deploy/local/epp-config.yaml "$w"
+    local victim restart
+    victim=$(cat "$w/polykv-127.0.0.3.pid")
+    restart="kill -9 $victim; sleep 0.5;"
+    [ -z "$dir" ] || restart+=" level $dir >&2;"
+    restart+=" POLYKV_MODEL=$MODEL THREADS=$THREADS CTX=$sctx SHARED_DIR=$dir deploy/local/replica.sh 127.0.0.3"
+    restart+=" >$w/polykv-127.0.0.3-restarted.log 2>&1 & echo \$! >$pidfile;"
+    restart+=" for _ in \$(seq 300); do curl -sf -o /dev/null http://127.0.0.3:8000/health && break; sleep 0.2; done"
+    sbench -label "$label" -retries 5 -fault "$restart" -fault-replica 127.0.0.3:8000 -records "$w/turns.jsonl"
+    extra=$(cat "$pidfile")
+    echo "restarted 127.0.0.3 ($2): $(tiermetrics 127.0.0.3)" | tee -a "$TABLE"
+    [ -z "$dir" ] || level "$dir" | tee -a "$TABLE"
+    fleet_down
+    kill "$extra" 2>/dev/null || true
+    wait "$extra" 2>/dev/null || true # not bench.sh's child: wait says so
+    while kill -0 "$extra" 2>/dev/null; do sleep 0.2; done
+    rm -f "$pidfile"
+    extra=
+  }
   export -f level
-  sbench -label "shared level on, 127.0.0.3 restarted" -retries 5 -fault "$restart" -fault-replica 127.0.0.3:8000 \
-    -records "$WORK/shared-restart/turns.jsonl"
-  extra=$(cat "$pidfile")
-  echo "restarted 127.0.0.3: $(tiermetrics 127.0.0.3)" | tee -a "$TABLE"
-  level "$dir" | tee -a "$TABLE"
-  fleet_down
-  kill "$extra"; wait "$extra" 2>/dev/null || true; extra=
+  if [[ $runs == *" restart "* ]]; then restart_run shared-restart on; fi
+  if [[ $runs == *" restart-off "* ]]; then restart_run shared-restart-off off; fi
 fi
 echo "table: $TABLE"
