@@ -12,9 +12,11 @@
 //
 //	fleetbench -url http://127.0.0.1:8081 -label precise -replicas 127.0.0.2:8000,127.0.0.3:8000,127.0.0.4:8000
 //
-// With -fault, -fault-replica names the replica the fault command restarts: a second
-// line says how its first turns after the command returned were served (from its
-// cells, restored from the tier, prefilled). -records writes every turn as a JSON line.
+// With -fault, -fault-replica names the replica the fault command kills and restarts: a
+// second line says how it served the turns whose last attempt started after the
+// command began (from its cells, restored from the tier, prefilled): once the command
+// has killed the replica, every reply from that address is the restarted process's.
+// -records writes every turn as a JSON line.
 //
 // Everything about the workload is deterministic (team texts, questions, order of
 // submission); only timing and routing vary between runs.
@@ -72,7 +74,9 @@ type result struct {
 	failed                         int
 	// Where the turn sits in the run: its session and turn number, when its last
 	// attempt started (since the run's start), and whether that was after the fault
-	// command returned.
+	// command began. (Not after it returned: a retry can reach a restarted replica
+	// before the command's own health check sees it up, and those first requests are
+	// the ones a restart scenario is about.)
 	session    string
 	turn       int
 	start      time.Duration
@@ -230,11 +234,11 @@ func run(c config, records string) int {
 func collect(c config) []result {
 	total := c.teams * c.agents * c.turns
 	var (
-		mu        sync.Mutex
-		results   []result
-		wg        sync.WaitGroup
-		once      sync.Once
-		faultDone time.Duration // since begin, when the fault command returned; guarded by mu
+		mu         sync.Mutex
+		results    []result
+		wg         sync.WaitGroup
+		once       sync.Once
+		faultBegan time.Duration // since begin, when the fault command began; guarded by mu
 	)
 	ctx := context.Background()
 	begin := time.Now()
@@ -254,7 +258,7 @@ func collect(c config) []result {
 					for attempt := 0; ; attempt++ {
 						start := time.Since(begin)
 						mu.Lock()
-						after := faultDone > 0 && start >= faultDone
+						after := faultBegan > 0 && start >= faultBegan
 						mu.Unlock()
 						rctx, cancel := context.WithTimeout(ctx, c.timeout)
 						reply, r = ask(rctx, c, session, msgs)
@@ -275,10 +279,10 @@ func collect(c config) []result {
 					mu.Unlock()
 					if n == total/2 && c.during != nil {
 						once.Do(func() {
-							c.during()
 							mu.Lock()
-							faultDone = time.Since(begin)
+							faultBegan = time.Since(begin)
 							mu.Unlock()
+							c.during()
 						})
 					}
 					if r.err != nil {
@@ -386,7 +390,7 @@ func perReplica(c config, results []result) (prefilled, restored string) {
 }
 
 // afterFault says how c.faultReplica served the turns whose last attempt started after
-// the fault command returned: the first first of them one by one (in order of start),
+// the fault command began: the first first of them one by one (in order of start),
 // then all of them together.
 func afterFault(c config, results []result, first int) string {
 	var on []result
@@ -471,7 +475,7 @@ func main() {
 	flag.IntVar(&c.retries, "retries", 3, "retries of a failed turn")
 	flag.DurationVar(&c.retryWait, "retry-wait", time.Second, "wait before each retry")
 	flag.StringVar(&faultCmd, "fault", "", "shell command run once when half the requests are done (e.g. kill a replica)")
-	flag.StringVar(&c.faultReplica, "fault-replica", "", "host:port of the replica the -fault command restarts: print how it served its first turns after the command returned")
+	flag.StringVar(&c.faultReplica, "fault-replica", "", "host:port of the replica the -fault command kills and restarts: print how it served the turns that started after the command began")
 	flag.StringVar(&records, "records", "", "file to write every turn to, one JSON line each (session, turn, replica, start, TTFT, tokens)")
 	withHeader := flag.Bool("header", false, "print the table header first")
 	headerOnly := flag.Bool("header-only", false, "print the table header and exit")

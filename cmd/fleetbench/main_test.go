@@ -76,7 +76,7 @@ func TestRunReadsUsageAndRetries(t *testing.T) {
 // TestReplicaTokensAndRestart: against a fake fleet whose replies name their replica
 // (the gateway's x-polykv-replica header) and carry PolyKV's timings, each turn's
 // prefilled and restored tokens are summed per replica in -replicas order, the turns
-// that started after the fault command returned are told apart from the others, the
+// that started after the fault command began are told apart from the others, the
 // after-fault line describes the restarted replica's first turns, and -records writes
 // every turn once, in order of start.
 func TestReplicaTokensAndRestart(t *testing.T) {
@@ -103,7 +103,9 @@ func TestReplicaTokensAndRestart(t *testing.T) {
 	defer srv.Close()
 	c := config{url: srv.URL, model: "m", label: "t", replicas: []string{"r1", "r2"}, teams: 2, agents: 3, turns: 4,
 		systemWords: 20, maxTokens: 1, timeout: 5 * time.Second, retries: 0, faultReplica: "r2",
-		during: func() { faulted.Store(true) }}
+		// The command takes longer than the rest of the run (as a restart's health wait
+		// can): turns that start while it runs count as after the fault.
+		during: func() { faulted.Store(true); time.Sleep(200 * time.Millisecond) }}
 	res := collect(c)
 	if len(res) != 24 {
 		t.Fatalf("%d turns, want 2 teams x 3 agents x 4 turns", len(res))
@@ -117,7 +119,8 @@ func TestReplicaTokensAndRestart(t *testing.T) {
 		pre[r.replica] += r.prefilled
 		rest[r.replica] += r.restored
 		if r.afterFault {
-			// Its attempt started after the fault command returned: the server was faulted.
+			// Its attempt started after the fault command began, which faults the server
+			// first thing; the server reads its state 5 ms after the request arrives.
 			if r.restored != 90 || r.prefilled != 10 || r.cached != 90 {
 				t.Fatalf("turn after the fault read as %+v, want 90 restored and 10 prefilled", r)
 			}
