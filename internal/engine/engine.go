@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -58,6 +59,8 @@ type Stream struct {
 	events []Event
 	notify chan struct{}
 	ended  bool
+	// begun: the task has produced an event (it has a sequence; lookAgain stops).
+	begun bool
 	// collect: the reader only wants the whole result, so it is woken once, at the end.
 	// Waking a goroutine per token steals a core from llama.cpp's threads.
 	collect bool
@@ -70,6 +73,7 @@ func newStream(id TaskID, eng *Engine) *Stream {
 func (s *Stream) push(ev Event) {
 	s.mu.Lock()
 	s.events = append(s.events, ev)
+	s.begun = true
 	quiet := s.collect && !ev.Done
 	s.mu.Unlock()
 	if quiet {
@@ -83,6 +87,13 @@ func (s *Stream) push(ev Event) {
 
 // ID is the task's id.
 func (s *Stream) ID() TaskID { return s.id }
+
+// started reports whether the task has produced an event.
+func (s *Stream) started() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.begun
+}
 
 // Next returns the next event, waiting for it. After the Done event it returns
 // ok=false. If ctx ends first the task is cancelled and ctx's error returned.
@@ -189,8 +200,11 @@ func (e *Engine) call(ctx context.Context, m envelope) (reply, error) {
 // Submit queues req and returns its event stream and what an enforced pool's gate
 // decided, or the scheduler's refusal.
 func (e *Engine) Submit(ctx context.Context, req Request) (*Stream, Gate, error) {
-	if f := e.lookup.Load(); f != nil && len(req.Prompt) > 0 {
+	f := e.lookup.Load()
+	found := 0
+	if f != nil && len(req.Prompt) > 0 {
 		if segs := (*f)(req.Prompt); len(segs) > 0 {
+			found = len(segs)
 			e.send(envelope{msg: Found{Segs: segs}})
 		}
 	}
@@ -198,7 +212,42 @@ func (e *Engine) Submit(ctx context.Context, req Request) (*Stream, Gate, error)
 	if err != nil {
 		return nil, Gate{}, err
 	}
+	if f != nil && len(req.Prompt) > 0 && r.stream != nil && r.res.Err == nil {
+		go e.lookAgain(*f, slices.Clone(req.Prompt), found, r.stream)
+	}
 	return r.stream, r.res.Gate, r.res.Err
+}
+
+// lookAgainEvery is how often a request that waits for a sequence asks the tier again.
+var lookAgainEvery = time.Second
+
+// lookAgain asks the tier again, every lookAgainEvery, which segments of a submitted
+// request's prompt it holds, until the request produces its first event or the engine
+// stops, and tells the scheduler when the answer grew (issue 44). The scheduler reads
+// its index when the request gets a sequence, not when it was submitted, so the chunks
+// another replica writes through while this request waits in the queue are loaded
+// instead of prefilled (measured behind llm-d's router: teammates queued behind a cold
+// burst prefilled a team prompt another replica had written tens of seconds earlier).
+// A lookup is a stat per chunk on a shared directory, a round trip on a remote level.
+func (e *Engine) lookAgain(f TierLookup, prompt []Token, found int, st *Stream) {
+	t := time.NewTicker(lookAgainEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-e.stopped:
+			return
+		case <-t.C:
+		}
+		if st.started() {
+			return
+		}
+		if segs := f(prompt); len(segs) > found {
+			found = len(segs)
+			if !e.send(envelope{msg: Found{Segs: segs}}) {
+				return
+			}
+		}
+	}
 }
 
 // CreatePool creates a pool and waits until it is materialized (attachable). If ctx
