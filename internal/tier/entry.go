@@ -131,15 +131,22 @@ func decode(b []byte, model string, want *Meta) (Meta, []byte, error) {
 	if h.Model != model {
 		return Meta{}, nil, miss(MissForeign, "written for model key %.16s…, this server is %.16s…", h.Model, model)
 	}
-	m := Meta{D: h.D, Tokens: make([]int32, h.L)}
-	for i := range m.Tokens {
-		m.Tokens[i] = int32(binary.LittleEndian.Uint32(b[off+4*i:]))
-	}
+	m := Meta{D: h.D, Tokens: readTokens(b[off:], h.L)}
 	off += 4 * h.L
 	if want != nil && (want.D != m.D || !slices.Equal(want.Tokens, m.Tokens)) {
 		return Meta{}, nil, miss(MissForeign, "the entry holds another prefix (d=%d, %d tokens)", m.D, len(m.Tokens))
 	}
 	return m, b[off : off+h.PayloadLen], nil
+}
+
+// readTokens reads n tokens (u32 little-endian each) from the start of b, which holds
+// them (entry and record files).
+func readTokens(b []byte, n int) []int32 {
+	toks := make([]int32, n)
+	for i := range toks {
+		toks[i] = int32(binary.LittleEndian.Uint32(b[4*i:]))
+	}
+	return toks
 }
 
 // decodeHeader reads an entry's magic and header from the start of b and returns the
@@ -201,10 +208,7 @@ func readHead(path, model string, k Key) (Meta, error) {
 	if _, err := io.ReadFull(f, tb); err != nil {
 		return Meta{}, miss(MissTruncated, "%v", err)
 	}
-	m := Meta{D: h.D, Tokens: make([]int32, h.L)}
-	for i := range m.Tokens {
-		m.Tokens[i] = int32(binary.LittleEndian.Uint32(tb[4*i:]))
-	}
+	m := Meta{D: h.D, Tokens: readTokens(tb, h.L)}
 	if MakeKey(model, m.D, m.Tokens) != k {
 		return Meta{}, miss(MissCorrupt, "the file's tokens are not its name's")
 	}

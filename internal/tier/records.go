@@ -168,11 +168,7 @@ func decodeRecord(b []byte, model string, id int) (Record, error) {
 	if h.ID != id {
 		return Record{}, miss(MissCorrupt, "the record of pool %d is named for pool %d", h.ID, id)
 	}
-	r := Record{ID: h.ID, Parent: h.Parent, D: h.D, Tokens: make([]int32, h.L), Pin: h.Pin, PrefixHash: h.PrefixHash, Admission: h.Admission}
-	for i := range r.Tokens {
-		r.Tokens[i] = int32(binary.LittleEndian.Uint32(b[off+4*i:]))
-	}
-	return r, nil
+	return Record{ID: h.ID, Parent: h.Parent, D: h.D, Tokens: readTokens(b[off:], h.L), Pin: h.Pin, PrefixHash: h.PrefixHash, Admission: h.Admission}, nil
 }
 
 // manifest is pools.json: the model key its pools were recorded under, the pool id
