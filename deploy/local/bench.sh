@@ -12,7 +12,8 @@
 # "shared") and CONFIGS (default "precise session random"; also "speculative") choose
 # what runs. The shared part's workload is SHARED_BENCH_ARGS (default: 9 teams x 3
 # agents x 3 turns, ~2,000-token system prompts) on replicas of SHARED_CTX cells (4096);
-# SHARED_RUNS picks its runs (default "off on restart restart-off").
+# SHARED_RUNS picks its runs (default "off on restart restart-off") and
+# SHARED_EPP_CONFIG their router config (default deploy/local/epp-config.yaml).
 # Run from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -112,6 +113,7 @@ fi
 if [[ " $PARTS " == *" shared "* ]]; then
   read -r -a SARGS <<<"${SHARED_BENCH_ARGS:--teams 9 -agents 3 -turns 3 -system-words 1400 -max-tokens 16}"
   sctx=${SHARED_CTX:-4096}
+  scfg=${SHARED_EPP_CONFIG:-deploy/local/epp-config.yaml}
   sbench() { bin/fleetbench "${SARGS[@]}" -replicas "$REPLICAS" "$@" | tee -a "$TABLE"; }
   # level DIR: what the shared directory holds.
   level() { echo "shared level $1: $(find "$1" -type f | wc -l) files, $(du -sm "$1" | cut -f1) MB"; }
@@ -121,14 +123,14 @@ if [[ " $PARTS " == *" shared "* ]]; then
   }
   runs=" ${SHARED_RUNS:-off on restart restart-off} " # which runs
   if [[ $runs == *" off "* ]]; then
-    CTX=$sctx fleet_up deploy/local/epp-config.yaml "$WORK/shared-off"
+    CTX=$sctx fleet_up "$scfg" "$WORK/shared-off"
     sbench -label "shared level off" -records "$WORK/shared-off/turns.jsonl"
     fleet_down
   fi
   if [[ $runs == *" on "* ]]; then
     dir=$WORK/shared-on/level
     rm -rf "$dir"
-    CTX=$sctx SHARED_DIR=$dir fleet_up deploy/local/epp-config.yaml "$WORK/shared-on"
+    CTX=$sctx SHARED_DIR=$dir fleet_up "$scfg" "$WORK/shared-on"
     sbench -label "shared level on" -records "$WORK/shared-on/turns.jsonl"
     level "$dir" | tee -a "$TABLE"
     fleet_down
@@ -140,7 +142,7 @@ if [[ " $PARTS " == *" shared "* ]]; then
     pidfile=$w/restarted.pid
     rm -rf "$w/level" "$pidfile"
     [ "$2" = off ] || dir=$w/level
-    CTX=$sctx SHARED_DIR=$dir fleet_up deploy/local/epp-config.yaml "$w"
+    CTX=$sctx SHARED_DIR=$dir fleet_up "$scfg" "$w"
     local victim restart
     victim=$(cat "$w/polykv-127.0.0.3.pid")
     restart="kill -9 $victim; sleep 0.5;"
