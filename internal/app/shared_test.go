@@ -88,4 +88,19 @@ func fleetAcrossReplicas(t *testing.T, replica Config, loc string, sessions []st
 			t.Fatalf("session %q: B's restores %v, want them from the %s level", session, st.Restores, loc)
 		}
 	}
+
+	// The conversation's next turn on another fresh replica: its prompt continues A's
+	// past A's last chunk boundary, so the partial chunk that ended A's prompt is found
+	// too (tier.Store.Run) and only the new words are prefilled, with a cold prefill's
+	// tokens and logprobs.
+	next := append(slices.Clone(prompt), tokenize(t, a, " Then list the ones that write.")[1:]...)
+	wantIDs, wantLPs, _ = greedyLogprobs(t, coldBase, next, 0, 8)
+	_, baseC := openServer(t, replica)
+	got := agentTurn(t, baseC, next, "", 8)
+	if got.restoredN != len(prompt) || got.promptN != len(next)-len(prompt) {
+		t.Fatalf("next turn: restored %d, prefilled %d of %d tokens; want A's %d restored (its last, partial chunk too)", got.restoredN, got.promptN, len(next), len(prompt))
+	}
+	if !slices.Equal(got.ids, wantIDs) || !slices.Equal(got.lps, wantLPs) {
+		t.Fatalf("next turn: tokens %v logprobs %v, a cold prefill gives %v %v", got.ids, got.lps, wantIDs, wantLPs)
+	}
 }

@@ -38,6 +38,22 @@ func MakeKey(model string, d int, tokens []int32) Key {
 	return k
 }
 
+// StartKey names a chunk start: the model key, the position d and the d tokens before
+// it. A fleet level lists under it the lengths of the entries stored from there
+// (endsIndex). Its own tag keeps it apart from every entry's name.
+func StartKey(model string, d int, prefix []int32) Key {
+	h := sha256.New()
+	fmt.Fprintf(h, "polykv-tier-start-v1\x00%s\x00%d\x00%d\x00", model, d, len(prefix))
+	var b [4]byte
+	for _, t := range prefix {
+		binary.LittleEndian.PutUint32(b[:], uint32(t))
+		h.Write(b[:])
+	}
+	var k Key
+	h.Sum(k[:0])
+	return k
+}
+
 // Meta is what an entry is the KV of: tokens [0, L) with the stored cells at [D, L).
 type Meta struct {
 	D      int

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"time"
 
@@ -81,6 +82,22 @@ func (l *remoteLevel) Has(k Key) bool {
 	return err == nil && n > 0
 }
 
+// remoteEnds names the set of lengths stored from a chunk start (endsIndex).
+const remoteEnds = "polykv:ends:"
+
+// Ends lists the lengths stored from start: a set the store evicts like any key, never
+// trimmed by PolyKV (as the entries are not); a length whose entry the store evicted
+// is a Has that says no.
+func (l *remoteLevel) Ends(start Key) []int {
+	ctx, cancel := ctxRemote()
+	defer cancel()
+	vals, err := l.rdb.SMembers(ctx, remoteEnds+start.String()).Result()
+	if err != nil {
+		return nil
+	}
+	return parseEnds(vals)
+}
+
 // Get reads k's value and checks it (want nil: the entry must hash to its name). A value
 // that does not verify is deleted; a missing one, or a store that does not answer, is a
 // miss.
@@ -112,6 +129,8 @@ func (l *remoteLevel) Put(k Key, m Meta, payload []byte) error {
 	if err != nil {
 		return fmt.Errorf("remote tier: %w", err)
 	}
+	// The length under its chunk start, for Store.partial (a failure only hides it).
+	_ = l.rdb.SAdd(ctx, remoteEnds+StartKey(l.model, m.D, m.Tokens[:m.D]).String(), strconv.Itoa(len(m.Tokens))).Err()
 	if set {
 		l.mu.Lock()
 		l.bytes += int64(len(b))

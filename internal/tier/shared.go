@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -109,8 +110,70 @@ func (l *sharedLevel) Put(k Key, m Meta, payload []byte) error {
 	if err := atomicWrite(l.dir, k.String()+".kv", b); err != nil {
 		return err
 	}
+	l.addEnd(k, m)
 	l.trim()
 	return nil
+}
+
+// endsDir holds, per chunk start, an empty file for each entry stored from there,
+// named by the entry's length and (to tell apart two of one length) the start of its
+// key: ends/<StartKey>/<length>-<key> (endsIndex). Creating a file is atomic and
+// concurrent writers of one name agree, so it needs no lock either. Trimming an entry
+// removes its marker; a marker that outlives its entry otherwise (a damaged file
+// removed, a crash between the two) is a Has that says no.
+const endsDir = "ends"
+
+func (l *sharedLevel) endPath(k Key, m Meta) (dir, name string) {
+	return filepath.Join(l.dir, endsDir, StartKey(l.model, m.D, m.Tokens[:m.D]).String()),
+		strconv.Itoa(len(m.Tokens)) + "-" + k.String()[:16]
+}
+
+func (l *sharedLevel) addEnd(k Key, m Meta) {
+	d, name := l.endPath(k, m)
+	if os.MkdirAll(d, 0o755) != nil {
+		return // only hides the entry from a partial lookup
+	}
+	if f, err := os.OpenFile(filepath.Join(d, name), os.O_CREATE|os.O_WRONLY, 0o644); err == nil {
+		_ = f.Close()
+	}
+}
+
+// dropEnd removes the marker of the entry file at path (named by k), read from the
+// file's head before the file goes, and its folder when that is left empty.
+func (l *sharedLevel) dropEnd(path string, k Key) {
+	m, err := readHead(path, l.model, k)
+	if err != nil {
+		return
+	}
+	d, name := l.endPath(k, m)
+	_ = os.Remove(filepath.Join(d, name))
+	_ = os.Remove(d) // fails while other markers are in it
+}
+
+// Ends lists the lengths stored from start.
+func (l *sharedLevel) Ends(start Key) []int {
+	ents, err := os.ReadDir(filepath.Join(l.dir, endsDir, start.String()))
+	if err != nil {
+		return nil
+	}
+	names := make([]string, len(ents))
+	for i, de := range ents {
+		names[i] = de.Name()
+	}
+	return parseEnds(names)
+}
+
+// parseEnds reads the lengths of markers ("<length>" or "<length>-<key>"), each once,
+// skipping anything that is not one.
+func parseEnds(names []string) []int {
+	var out []int
+	for _, n := range names {
+		n, _, _ = strings.Cut(n, "-")
+		if v, err := strconv.Atoi(n); err == nil && v > 0 && !slices.Contains(out, v) {
+			out = append(out, v)
+		}
+	}
+	return out
 }
 
 func (l *sharedLevel) Delete(k Key) { _ = os.Remove(l.path(k)) }
@@ -168,7 +231,11 @@ func (l *sharedLevel) trim() {
 		total += f.size
 	}
 	for len(files) > 0 && total > l.budget {
-		_ = os.Remove(filepath.Join(l.dir, files[0].name)) // gone already: another replica trimmed it
+		path := filepath.Join(l.dir, files[0].name)
+		if k, ok := parseKey(strings.TrimSuffix(files[0].name, ".kv")); ok {
+			l.dropEnd(path, k)
+		}
+		_ = os.Remove(path) // gone already: another replica trimmed it
 		total -= files[0].size
 		files = files[1:]
 	}

@@ -54,10 +54,25 @@ func TestSharedOtherReplica(t *testing.T) {
 	if len(run) != 3 || run[2].D != 32 || len(run[2].Tokens) != 40 {
 		t.Fatalf("B's run of the prompt: %+v, want the 3 chunks A stored", run)
 	}
-	// A longer prompt that continues it: the two whole chunks; the partial one was
-	// named by a 40-token prefix, which is not this prompt's.
-	if run := b.Run(append(prompt[:40:40], 1, 2, 3), 16); len(run) != 2 {
-		t.Fatalf("run of a continuation: %d chunks, want 2", len(run))
+	// A longer prompt that continues it (the conversation's next turn): the two whole
+	// chunks and the partial one, found although named by a 40-token prefix that is
+	// not this prompt; a prompt that parts from it inside the chunk finds the two.
+	next := append(prompt[:40:40], 1, 2, 3)
+	if run := b.Run(next, 16); len(run) != 3 || run[2].D != 32 || !slices.Equal(run[2].Tokens, prompt) {
+		t.Fatalf("run of a continuation: %+v, want the 2 chunks and [32, 40)", run)
+	}
+	other := append(prompt[:36:36], 5, 5, 5, 5, 5, 5, 5)
+	if run := b.Run(other, 16); len(run) != 2 {
+		t.Fatalf("run of a prompt that parts at 36: %d segments, want 2", len(run))
+	}
+	// Of two entries that start there the longer one the prompt continues.
+	a.PutSegment(KindCached, Meta{D: 32, Tokens: prompt[:36]}, payload(100, 36))
+	a.Flush()
+	if run := b.Run(next, 16); len(run) != 3 || len(run[2].Tokens) != 40 {
+		t.Fatalf("run of a continuation beside a shorter entry: %+v, want [32, 40)", run)
+	}
+	if run := b.Run(other, 16); len(run) != 3 || len(run[2].Tokens) != 36 {
+		t.Fatalf("run of a prompt that parts at 36: %+v, want [32, 36)", run)
 	}
 	for k := 0; k < 40; k += 16 {
 		m := Meta{D: k, Tokens: prompt[:min(k+16, 40)]}
@@ -73,8 +88,8 @@ func TestSharedOtherReplica(t *testing.T) {
 	if _, _, err := b.Get(meta(0, 16, 900)); Reason(err) != MissAbsent {
 		t.Fatalf("absent entry: %v", err)
 	}
-	if st := a.Stats(); st.SharedWrites != 3 || st.Dropped != 0 {
-		t.Fatalf("A's stats: %d shared writes, %d dropped", st.SharedWrites, st.Dropped)
+	if st := a.Stats(); st.SharedWrites != 4 || st.Dropped != 0 {
+		t.Fatalf("A's stats: %d shared writes (3 chunks, [32, 36)), %d dropped", st.SharedWrites, st.Dropped)
 	}
 }
 
@@ -315,5 +330,62 @@ func TestObserverHearsEntriesFoundAtOpen(t *testing.T) {
 	slices.Sort(got)
 	if want := []string{"true d=0 l=10", "true d=0 l=11"}; !slices.Equal(got, want) {
 		t.Fatalf("announced %v, want %v", got, want)
+	}
+}
+
+// TestSharedEndsMarkers: the lengths listed per chunk start (ends/<StartKey>/<length>)
+// find a partial chunk; one whose entry is gone is a plain "no" (the lookup stops at
+// the whole chunks); and the markers of entries the directory's budget pushed out go
+// with them when it is trimmed.
+func TestSharedEndsMarkers(t *testing.T) {
+	st, dir := sharedStores(t, 2, 1<<20)
+	a, b := st[0], st[1]
+	prompt := meta(0, 40, 7).Tokens
+	for k := 0; k < 40; k += 16 {
+		a.PutSegment(KindCached, Meta{D: k, Tokens: prompt[:min(k+16, 40)]}, payload(100, byte(k)))
+	}
+	a.Flush()
+	marker := filepath.Join(dir, endsDir, StartKey("model-a", 32, prompt[:32]).String(), "40-"+MakeKey("model-a", 32, prompt).String()[:16])
+	if _, err := os.Stat(marker); err != nil {
+		t.Fatalf("no marker for [32, 40): %v", err)
+	}
+	next := append(prompt[:40:40], 1, 2, 3)
+	if run := b.Run(next, 16); len(run) != 3 {
+		t.Fatalf("run with the marker: %d segments, want 3", len(run))
+	}
+	if err := os.Remove(filepath.Join(dir, MakeKey("model-a", 32, prompt).String()+".kv")); err != nil {
+		t.Fatal(err)
+	}
+	if run := b.Run(next, 16); len(run) != 2 {
+		t.Fatalf("run after the entry went (its marker stays): %d segments, want 2", len(run))
+	}
+
+	// Trimming: a small budget (two entries); the third entry pushes the oldest out, and
+	// its marker folder goes with it, while the others' stay.
+	st, dir = sharedStores(t, 1, 1000)
+	c := st[0]
+	var folders []string
+	for i := range 3 {
+		m := Meta{D: 16, Tokens: meta(0, 20, int32(1000+100*i)).Tokens}
+		c.PutSegment(KindCached, m, payload(300, byte(i)))
+		c.Flush()
+		folders = append(folders, filepath.Join(dir, endsDir, StartKey("model-a", 16, m.Tokens[:16]).String()))
+		if i == 0 {
+			past := time.Now().Add(-time.Hour) // the oldest, beyond doubt
+			if err := os.Chtimes(kvFiles(t, dir)[0], past, past); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if n := len(kvFiles(t, dir)); n != 2 {
+		t.Fatalf("%d entries within the budget, want 2", n)
+	}
+	if _, err := os.Stat(folders[0]); !os.IsNotExist(err) {
+		t.Fatalf("the trimmed entry's marker folder: %v, want it gone", err)
+	}
+	for _, f := range folders[1:] {
+		if _, err := os.Stat(f); err != nil {
+			t.Fatalf("a kept entry's marker folder: %v", err)
+		}
 	}
 }

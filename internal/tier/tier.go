@@ -28,6 +28,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"slices"
 	"sync"
 	"time"
 )
@@ -412,12 +413,13 @@ func (s *Store) Get(m Meta) ([]byte, Location, error) {
 
 // Run is the run of chunk-aligned segments (engine/spill.go: [j·chunk, min((j+1)·chunk,
 // L)), each named by the whole prefix up to its end) of tokens that some level holds,
-// from position 0 on: every whole chunk while one is stored, then the last partial one
-// when it ends exactly at len(tokens). It reads no payload (a stat per chunk on the
-// shared level): a replica asks it before a request goes to its scheduler, whose index
-// only knows what this replica stored, so that entries another replica (or this one
-// before a restart) wrote are loaded instead of prefilled. A listed entry may still
-// miss when loaded; that costs a prefill of the rest, never a wrong token.
+// from position 0 on: every whole chunk while one is stored, then, where the next one
+// is not, the longest entry that starts there and ends inside it (partial). It reads
+// no payload (a stat per chunk on the shared level): a replica asks it before a request
+// goes to its scheduler, whose index only knows what this replica stored, so that
+// entries another replica (or this one before a restart) wrote are loaded instead of
+// prefilled. A listed entry may still miss when loaded; that costs a prefill of the
+// rest, never a wrong token.
 func (s *Store) Run(tokens []int32, chunk int) []Meta {
 	if chunk <= 0 {
 		return nil
@@ -426,11 +428,57 @@ func (s *Store) Run(tokens []int32, chunk int) []Meta {
 	for k := 0; k < len(tokens); k += chunk {
 		m := Meta{D: k, Tokens: tokens[:min(k+chunk, len(tokens))]}
 		if !s.Has(m) {
+			if p, ok := s.partial(tokens, k, len(m.Tokens)); ok {
+				out = append(out, p)
+			}
 			break
 		}
 		out = append(out, m)
 	}
 	return out
+}
+
+// partial is the longest entry [k, e), k < e < end, that the fleet level holds. A
+// prompt's last chunk is stored as the prompt ends (a request's write-through, a
+// session's spill), so the next turn of the same conversation, longer by its reply and
+// new words, finds it only here: without it another replica would prefill up to a
+// chunk less one token of what the fleet holds. Entries are named by a hash of their
+// whole prefix, so the level keeps, per chunk start, the lengths of the entries that
+// start there (endsIndex); each listed length the prompt could continue is asked
+// like a chunk, longest first, at most maxEnds of them. This replica's own levels are
+// not asked: the scheduler's index already knows what it stored.
+func (s *Store) partial(tokens []int32, k, end int) (Meta, bool) {
+	ix, ok := s.shr.(endsIndex)
+	if !ok || end-k < 2 {
+		return Meta{}, false
+	}
+	ends := ix.Ends(StartKey(s.cfg.Model, k, tokens[:k]))
+	slices.SortFunc(ends, func(a, b int) int { return b - a })
+	tried := 0
+	for _, e := range ends {
+		if e <= k || e >= end {
+			continue
+		}
+		if tried++; tried > maxEnds {
+			break
+		}
+		if m := (Meta{D: k, Tokens: tokens[:e]}); s.Has(m) {
+			return m, true
+		}
+	}
+	return Meta{}, false
+}
+
+// maxEnds bounds the lengths partial asks about at one chunk start: many agents whose
+// prompts share a chunk start each stored their own end there.
+const maxEnds = 32
+
+// endsIndex is a fleet level that keeps, per chunk start, the lengths of the entries
+// stored from there (partial chunks are found by them). A listed length whose entry is
+// gone, or whose tokens are not the prompt's, is only a Has that says no.
+type endsIndex interface {
+	// Ends lists the lengths stored under start (StartKey), in no order.
+	Ends(start Key) []int
 }
 
 // Miss counts a lookup or load that could not be used, and logs it once per reason.
