@@ -116,7 +116,7 @@ if [[ " $PARTS " == *" shared "* ]]; then
   scfg=${SHARED_EPP_CONFIG:-deploy/local/epp-config.yaml}
   sbench() { bin/fleetbench "${SARGS[@]}" -replicas "$REPLICAS" "$@" | tee -a "$TABLE"; }
   # level DIR: what the shared directory holds.
-  level() { echo "shared level $1: $(find "$1" -type f | wc -l) files, $(du -sm "$1" | cut -f1) MB"; }
+  level() { echo "shared level $1: $(find "$1" -maxdepth 1 -name "*.kv" -type f | wc -l) entries, $(du -sm "$1" | cut -f1) MB"; }
   # tiermetrics IP: the replica's tier counters (what it loaded instead of prefilling).
   tiermetrics() {
     curl -s "http://$1:8000/metrics" | grep -E '^polykv_(tier_(loaded_tokens|loads|segment_misses)_total|prefix_cache_hits_total|queries_total)' | tr '\n' ' '

@@ -68,6 +68,9 @@ func dropPageCache(dir string) (resident, total int, err error) {
 		return 0, 0, err
 	}
 	for _, e := range ents {
+		if !e.Type().IsRegular() {
+			continue // the shared level's ends/ markers: empty files in folders
+		}
 		f, err := os.Open(filepath.Join(dir, e.Name()))
 		if err != nil {
 			return 0, 0, err
