@@ -103,4 +103,24 @@ func fleetAcrossReplicas(t *testing.T, replica Config, loc string, sessions []st
 	if !slices.Equal(got.ids, wantIDs) || !slices.Equal(got.lps, wantLPs) {
 		t.Fatalf("next turn: tokens %v logprobs %v, a cold prefill gives %v %v", got.ids, got.lps, wantIDs, wantLPs)
 	}
+	if loc != "shared" {
+		return // a remote store lists lengths, not entries to read heads of (commonPart)
+	}
+
+	// A teammate's first turn on a fresh replica: the same system prompt, its own
+	// question. The chunk where the two part is A's, shared only up to the question:
+	// found by its common part, loaded, and cut there.
+	sys := tokenize(t, a, longSystem(t, a, 2000))
+	mate := tokenize(t, a, longSystem(t, a, 2000)+" Which of these tools checks balances?")
+	whole := len(sys) / 256 * 256
+	wantIDs, wantLPs, _ = greedyLogprobs(t, coldBase, mate, 0, 8)
+	_, baseD := openServer(t, replica)
+	got = agentTurn(t, baseD, mate, "", 8)
+	if got.restoredN < len(sys)-2 || got.restoredN <= whole {
+		t.Fatalf("teammate: restored %d, prefilled %d of %d tokens; want the %d of the system prompt restored, past the %d of its whole chunks", got.restoredN, got.promptN, len(mate), len(sys), whole)
+	}
+	if !slices.Equal(got.ids, wantIDs) || !slices.Equal(got.lps, wantLPs) {
+		t.Fatalf("teammate: tokens %v logprobs %v, a cold prefill gives %v %v", got.ids, got.lps, wantIDs, wantLPs)
+	}
+	t.Logf("teammate: restored %d, prefilled %d of %d (system prompt %d)", got.restoredN, got.promptN, len(mate), len(sys))
 }

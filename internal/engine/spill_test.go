@@ -460,3 +460,33 @@ func TestWriteThroughFoundByAnotherReplica(t *testing.T) {
 		t.Fatalf("stored without write-through: %v", c.be.segs)
 	}
 }
+
+// A segment another replica stored that the prompt shares only in part (Found under
+// the entry's own name: a teammate's chunk, the end of the prompt both share, then its
+// own question) loads the part that matches, and the reply is a cold prefill's.
+func TestFoundSegmentSharedInPart(t *testing.T) {
+	cfg := spillCfg()
+	cfg.TierWriteThrough = true
+	a := newHarness(t, cfg)
+	mate := seqTokens(100, 32) // chunks of 8: the last, [24, 32), shared up to 28
+	a.turn(Request{Prompt: mate, MaxTokens: 2})
+	a.steps(1)
+	var segs []Segment
+	for k := 0; k < len(mate); k += 8 {
+		segs = append(segs, Segment{Start: k, Tokens: mate[:k+8]})
+	}
+	mine := append(slices.Clone(mate[:28]), 900, 901, 902)
+	ref := newHarness(t, spillCfg())
+	_, want := ref.turn(Request{Prompt: mine, MaxTokens: 4, NoPrefixCache: true})
+
+	b := newHarness(t, spillCfg())
+	b.be.segs = maps.Clone(a.be.segs)
+	b.send(Found{Segs: segs})
+	ev, got := b.turn(Request{Prompt: mine, MaxTokens: 4})
+	if ev.Stats.RestoredN != 28 || ev.Stats.PromptN != 3 {
+		t.Fatalf("%+v, want the shared 28 tokens loaded and 3 prefilled", ev.Stats)
+	}
+	if !slices.Equal(got, want) {
+		t.Fatalf("reply %v, a cold prefill gives %v", got, want)
+	}
+}

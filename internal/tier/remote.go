@@ -129,8 +129,11 @@ func (l *remoteLevel) Put(k Key, m Meta, payload []byte) error {
 	if err != nil {
 		return fmt.Errorf("remote tier: %w", err)
 	}
-	// The length under its chunk start, for Store.partial (a failure only hides it).
-	_ = l.rdb.SAdd(ctx, remoteEnds+StartKey(l.model, m.D, m.Tokens[:m.D]).String(), strconv.Itoa(len(m.Tokens))).Err()
+	// The length under its chunk start, for Store.partial (a failure only hides it;
+	// partial never looks at 0).
+	if m.D > 0 {
+		_ = l.rdb.SAdd(ctx, remoteEnds+StartKey(l.model, m.D, m.Tokens[:m.D]).String(), strconv.Itoa(len(m.Tokens))).Err()
+	}
 	if set {
 		l.mu.Lock()
 		l.bytes += int64(len(b))

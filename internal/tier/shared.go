@@ -116,8 +116,8 @@ func (l *sharedLevel) Put(k Key, m Meta, payload []byte) error {
 }
 
 // endsDir holds, per chunk start, an empty file for each entry stored from there,
-// named by the entry's length and (to tell apart two of one length) the start of its
-// key: ends/<StartKey>/<length>-<key> (endsIndex). Creating a file is atomic and
+// named by the entry's length and key: ends/<StartKey>/<length>-<key> (endsIndex,
+// startEntries). Creating a file is atomic and
 // concurrent writers of one name agree, so it needs no lock either. Trimming an entry
 // removes its marker; a marker that outlives its entry otherwise (a damaged file
 // removed, a crash between the two) is a Has that says no.
@@ -125,10 +125,13 @@ const endsDir = "ends"
 
 func (l *sharedLevel) endPath(k Key, m Meta) (dir, name string) {
 	return filepath.Join(l.dir, endsDir, StartKey(l.model, m.D, m.Tokens[:m.D]).String()),
-		strconv.Itoa(len(m.Tokens)) + "-" + k.String()[:16]
+		strconv.Itoa(len(m.Tokens)) + "-" + k.String()
 }
 
 func (l *sharedLevel) addEnd(k Key, m Meta) {
+	if m.D == 0 {
+		return // every prompt's first chunk starts there; Store.partial never looks at 0
+	}
 	d, name := l.endPath(k, m)
 	if os.MkdirAll(d, 0o755) != nil {
 		return // only hides the entry from a partial lookup
@@ -142,7 +145,7 @@ func (l *sharedLevel) addEnd(k Key, m Meta) {
 // file's head before the file goes, and its folder when that is left empty.
 func (l *sharedLevel) dropEnd(path string, k Key) {
 	m, err := readHead(path, l.model, k)
-	if err != nil {
+	if err != nil || m.D == 0 {
 		return
 	}
 	d, name := l.endPath(k, m)
@@ -162,6 +165,27 @@ func (l *sharedLevel) Ends(start Key) []int {
 	}
 	return parseEnds(names)
 }
+
+// EntriesFrom lists the keys of the entries stored from start (startEntries).
+func (l *sharedLevel) EntriesFrom(start Key) []Key {
+	ents, err := os.ReadDir(filepath.Join(l.dir, endsDir, start.String()))
+	if err != nil {
+		return nil
+	}
+	var out []Key
+	for _, de := range ents {
+		if _, hex, ok := strings.Cut(de.Name(), "-"); ok {
+			if k, ok := parseKey(hex); ok {
+				out = append(out, k)
+			}
+		}
+	}
+	return out
+}
+
+// Head reads k's branch position and tokens from its file's head, checked to be
+// named by them (not the KV: a load checks that).
+func (l *sharedLevel) Head(k Key) (Meta, error) { return readHead(l.path(k), l.model, k) }
 
 // parseEnds reads the lengths of markers ("<length>" or "<length>-<key>"), each once,
 // skipping anything that is not one.

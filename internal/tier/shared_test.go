@@ -345,7 +345,7 @@ func TestSharedEndsMarkers(t *testing.T) {
 		a.PutSegment(KindCached, Meta{D: k, Tokens: prompt[:min(k+16, 40)]}, payload(100, byte(k)))
 	}
 	a.Flush()
-	marker := filepath.Join(dir, endsDir, StartKey("model-a", 32, prompt[:32]).String(), "40-"+MakeKey("model-a", 32, prompt).String()[:16])
+	marker := filepath.Join(dir, endsDir, StartKey("model-a", 32, prompt[:32]).String(), "40-"+MakeKey("model-a", 32, prompt).String())
 	if _, err := os.Stat(marker); err != nil {
 		t.Fatalf("no marker for [32, 40): %v", err)
 	}
@@ -387,5 +387,31 @@ func TestSharedEndsMarkers(t *testing.T) {
 		if _, err := os.Stat(f); err != nil {
 			t.Fatalf("a kept entry's marker folder: %v", err)
 		}
+	}
+}
+
+// TestSharedCommonPart: where no stored entry is a prefix of the prompt, the one from
+// the same chunk start that shares the most tokens with it (at least minCommonPart) is
+// found under its own name: a teammate's chunk holding the end of the system prompt
+// both share, then its own question. Fewer shared tokens than that: not found.
+func TestSharedCommonPart(t *testing.T) {
+	st, _ := sharedStores(t, 2, 1<<20)
+	a, b := st[0], st[1]
+	mate := meta(0, 128, 7).Tokens // the team's prompt to 100, then the teammate's question
+	for k := 0; k < 128; k += 64 {
+		a.PutSegment(KindCached, Meta{D: k, Tokens: mate[:k+64]}, payload(100, byte(k)))
+	}
+	a.Flush()
+	mine := append(slices.Clone(mate[:100]), 900, 901, 902, 903, 904, 905, 906, 907, 908, 909, 910, 911, 912, 913, 914, 915, 916, 917, 918, 919, 920, 921, 922, 923, 924, 925, 926, 927, 928)
+	run := b.Run(mine, 64)
+	if len(run) != 2 || run[1].D != 64 || !slices.Equal(run[1].Tokens, mate) {
+		t.Fatalf("run: %+v, want [0, 64) and the teammate's [64, 128) under its own name", run)
+	}
+	if _, _, err := b.Get(run[1]); err != nil {
+		t.Fatalf("the entry found by its common part does not load: %v", err)
+	}
+	few := append(slices.Clone(mate[:70]), 900, 901, 902, 903, 904, 905, 906, 907, 908, 909, 910, 911, 912, 913, 914, 915, 916, 917, 918, 919, 920, 921, 922, 923, 924, 925, 926, 927, 928, 929, 930, 931, 932, 933, 934, 935, 936, 937, 938, 939, 940, 941, 942, 943, 944, 945, 946, 947)
+	if run := b.Run(few, 64); len(run) != 1 {
+		t.Fatalf("run sharing 6 tokens past the start: %d segments, want 1", len(run))
 	}
 }

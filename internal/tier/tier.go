@@ -445,14 +445,19 @@ func (s *Store) Run(tokens []int32, chunk int) []Meta {
 // chunk less one token of what the fleet holds. Entries are named by a hash of their
 // whole prefix, so the level keeps, per chunk start, the lengths of the entries that
 // start there (endsIndex); each listed length the prompt could continue is asked
-// like a chunk, longest first, at most maxEnds of them. This replica's own levels are
-// not asked: the scheduler's index already knows what it stored.
+// like a chunk, longest first, at most maxEnds of them. When none is a prefix of the
+// prompt, the entry from there that shares the most tokens with it (commonPart) is
+// the answer, under its own name: the scheduler loads it whole into a scratch
+// sequence and takes the part that matches, as it does with its own entries. This
+// replica's own levels are not asked: the scheduler's index already knows what it
+// stored.
 func (s *Store) partial(tokens []int32, k, end int) (Meta, bool) {
 	ix, ok := s.shr.(endsIndex)
-	if !ok || end-k < 2 {
-		return Meta{}, false
+	if !ok || k == 0 || end-k < 2 {
+		return Meta{}, false // at 0 nothing was found: a cold prompt, no conversation to continue
 	}
-	ends := ix.Ends(StartKey(s.cfg.Model, k, tokens[:k]))
+	start := StartKey(s.cfg.Model, k, tokens[:k])
+	ends := ix.Ends(start)
 	slices.SortFunc(ends, func(a, b int) int { return b - a })
 	tried := 0
 	for _, e := range ends {
@@ -466,7 +471,52 @@ func (s *Store) partial(tokens []int32, k, end int) (Meta, bool) {
 			return m, true
 		}
 	}
-	return Meta{}, false
+	return s.commonPart(start, tokens, k, end)
+}
+
+// minCommonPart is the fewest tokens an entry must share with a prompt past its start
+// to be loaded for them (it is read whole: a few shared tokens are not worth a chunk).
+const minCommonPart = 16
+
+// commonPart is the entry stored from chunk start start (startEntries) that shares the
+// most tokens with tokens[k:end], at least minCommonPart: a teammate's chunk holding the
+// end of a system prompt both share, followed by its own question. Its head (position
+// and tokens, not the KV) is read from the level; at most maxEnds of them.
+func (s *Store) commonPart(start Key, tokens []int32, k, end int) (Meta, bool) {
+	ix, ok := s.shr.(startEntries)
+	if !ok {
+		return Meta{}, false
+	}
+	var best Meta
+	bestN := minCommonPart - 1
+	for i, key := range ix.EntriesFrom(start) {
+		if i >= maxEnds {
+			break
+		}
+		m, err := ix.Head(key)
+		if err != nil || m.D != k || len(m.Tokens) <= k || !slices.Equal(m.Tokens[:k], tokens[:k]) {
+			continue
+		}
+		if n := commonLen(m.Tokens[k:], tokens[k:end]); n > bestN {
+			best, bestN = m, n
+		}
+	}
+	return best, bestN >= minCommonPart
+}
+
+// startEntries is a fleet level that lists the entries stored from a chunk start by
+// key and reads an entry's head (the shared directory; a remote store does not).
+type startEntries interface {
+	EntriesFrom(start Key) []Key
+	Head(k Key) (Meta, error)
+}
+
+func commonLen(a, b []int32) int {
+	n := 0
+	for n < len(a) && n < len(b) && a[n] == b[n] {
+		n++
+	}
+	return n
 }
 
 // maxEnds bounds the lengths partial asks about at one chunk start: many agents whose
