@@ -26,26 +26,22 @@ func (k Key) String() string { return hex.EncodeToString(k[:]) }
 // MakeKey is the key of the KV of tokens[d:] (positions [d, len)) computed after
 // tokens[:d], under model.
 func MakeKey(model string, d int, tokens []int32) Key {
-	h := sha256.New()
-	fmt.Fprintf(h, "polykv-tier-v1\x00%s\x00%d\x00%d\x00", model, d, len(tokens))
-	var b [4]byte
-	for _, t := range tokens {
-		binary.LittleEndian.PutUint32(b[:], uint32(t))
-		h.Write(b[:])
-	}
-	var k Key
-	h.Sum(k[:0])
-	return k
+	return tagKey("polykv-tier-v1", model, d, tokens)
 }
 
 // StartKey names a chunk start: the model key, the position d and the d tokens before
-// it. A fleet level lists under it the lengths of the entries stored from there
-// (endsIndex). Its own tag keeps it apart from every entry's name.
+// it. A fleet level lists under it what is stored from there (endsIndex). Its own tag
+// keeps it apart from every entry's name.
 func StartKey(model string, d int, prefix []int32) Key {
+	return tagKey("polykv-tier-start-v1", model, d, prefix)
+}
+
+// tagKey hashes tag, model, d and tokens (their count, then each little-endian).
+func tagKey(tag, model string, d int, tokens []int32) Key {
 	h := sha256.New()
-	fmt.Fprintf(h, "polykv-tier-start-v1\x00%s\x00%d\x00%d\x00", model, d, len(prefix))
+	fmt.Fprintf(h, "%s\x00%s\x00%d\x00%d\x00", tag, model, d, len(tokens))
 	var b [4]byte
-	for _, t := range prefix {
+	for _, t := range tokens {
 		binary.LittleEndian.PutUint32(b[:], uint32(t))
 		h.Write(b[:])
 	}
