@@ -119,7 +119,7 @@ func wireSessionTPS(s engine.SessionTPS) wire.SessionTPS {
 
 func wireTPS(t engine.TPSSnapshot) wire.TPS {
 	return wire.TPS{TS: t.TS, AggregateTPS: t.AggregateTPS, PromptTPS: t.PromptTPS, MeanActiveTPS: t.MeanActiveTPS,
-		NActive: t.NActive, NWarming: t.NWarming, ThrottledStepsTotal: t.ThrottledSteps, Sessions: mapSlice(t.Sessions, wireSessionTPS)}
+		NActive: t.NActive, NWarming: t.NWarming, ThrottledStepsTotal: t.ThrottledSteps, PacedTurnsTotal: t.PacedTurns, Sessions: mapSlice(t.Sessions, wireSessionTPS)}
 }
 
 // wireUsageOf is OpenAI's usage of a finished generation of promptN prompt tokens.
@@ -145,5 +145,6 @@ func wireTimings(st engine.Stats) wire.Timings {
 	t.DraftN, t.DraftNAccepted = drafts(st.DraftN, st.DraftAccepted)
 	t.DraftNFiltered = st.DraftFiltered
 	t.ThrottledSteps = st.ThrottledSteps
+	t.PacedMs = float64(st.Paced.Microseconds()) / 1000
 	return t
 }

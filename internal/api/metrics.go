@@ -95,6 +95,7 @@ var (
 	descKV       = prometheus.NewDesc("polykv_pool_kv_bytes", "KV bytes owned by the pool and its attached sessions' suffixes.", []string{"pool"}, nil)
 	descSessions = prometheus.NewDesc("polykv_pool_sessions", "Sessions holding cells on the pool.", []string{"pool"}, nil)
 	// Throttle toward the floor (issue 41).
+	descPaced     = prometheus.NewDesc("polykv_paced_turns_total", "Turns the pool's throttle (throttle: toward_floor) held in the queue because one more session would have slowed its running sessions under the floor.", []string{"pool"}, nil)
 	descThrottled = prometheus.NewDesc("polykv_throttled_steps_total", "Decode steps the pool's sessions skipped because its policy throttles sessions decoding well above the floor (throttle: toward_floor).", []string{"pool"}, nil)
 	descRunning   = prometheus.NewDesc("polykv_requests_running", "Generation requests on a sequence.", nil, nil)
 	descWaiting   = prometheus.NewDesc("polykv_requests_waiting", "Generation requests waiting for a sequence.", nil, nil)
@@ -122,11 +123,11 @@ var (
 )
 
 var waitReasons = []string{engine.WaitPool, engine.WaitPrefix, engine.WaitSession, engine.WaitSequence,
-	engine.WaitCells, engine.WaitQueue, engine.WaitAdmission}
+	engine.WaitCells, engine.WaitQueue, engine.WaitAdmission, engine.WaitFloor}
 
 // Describe implements prometheus.Collector for the scrape-time gauges.
 func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descGen, descKV, descSessions, descThrottled, descRunning, descWaiting, descKVRatio,
+	for _, d := range []*prometheus.Desc{descGen, descKV, descSessions, descThrottled, descPaced, descRunning, descWaiting, descKVRatio,
 		descWaitReason, descWaitOldest, descWaitTimeouts, descKVCellsUsed, descKVCellsEvictable,
 		descCacheImplicit, descCacheResident, descCacheSeqs, descCacheEvictions, descEvictions,
 		descSeqSaves, descSeqLoaded, descSeqLoads, descSeqMisses} {
@@ -148,6 +149,7 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descSessions, prometheus.GaugeValue, float64(r.Sessions), l)
 		if !r.Unattached {
 			ch <- prometheus.MustNewConstMetric(descThrottled, prometheus.CounterValue, float64(r.ThrottledSteps), l)
+			ch <- prometheus.MustNewConstMetric(descPaced, prometheus.CounterValue, float64(r.PacedTurns), l)
 		}
 	}
 	ch <- prometheus.MustNewConstMetric(descRunning, prometheus.GaugeValue, float64(usage.Running))

@@ -245,7 +245,9 @@ func scrapeMetrics(t *testing.T, base string) map[string]*dto.MetricFamily {
 // Throttle toward the floor (issue 41) changes when a token is decoded, never which:
 // two sessions of a pool far above its floor skip steps beside a session of a pool
 // whose floor nobody reaches (so it always gains from a skip), and every request's
-// greedy tokens are the ones an unthrottled run of the same requests gives.
+// greedy tokens are the ones an unthrottled run of the same requests gives. Pacing
+// too: with a floor no session reaches, the pool's second turn waits in the queue for
+// its first (paced) and decodes the same tokens, and the wait is reported.
 func TestThrottleLossless(t *testing.T) {
 	forEachModel(t, Config{NCtx: 4096, Parallel: 4}, func(t *testing.T, cfg Config) {
 		_, base := startServer(t, cfg)
@@ -261,13 +263,14 @@ func TestThrottleLossless(t *testing.T) {
 			ids       []int
 			lps       []float64
 			throttled int
+			pacedMs   float64
 		}
 		reqs := []struct {
 			pool   int
 			prompt string
 		}{{fast, fastSys + " Task: describe a harbour at dawn."}, {fast, fastSys + " Task: explain how bread rises."}, {slow, slowSys + " Claim: the moon is made of rock."}}
-		run := func(throttle string, round int) []reply {
-			policy(fast, map[string]any{"target_tps_per_session": 1, "throttle": throttle})
+		run := func(throttle string, floor float64, round int) []reply {
+			policy(fast, map[string]any{"target_tps_per_session": floor, "throttle": throttle})
 			out := make([]reply, len(reqs))
 			var wg sync.WaitGroup
 			for i, rq := range reqs {
@@ -290,6 +293,9 @@ func TestThrottleLossless(t *testing.T) {
 					if n, ok := res["timings"].(map[string]any)["throttled_steps"]; ok {
 						out[i].throttled = num(n)
 					}
+					if ms, ok := res["timings"].(map[string]any)["paced_ms"].(float64); ok {
+						out[i].pacedMs = ms
+					}
 				}()
 			}
 			wg.Wait()
@@ -298,8 +304,8 @@ func TestThrottleLossless(t *testing.T) {
 			}
 			return out
 		}
-		off := run("off", 0)
-		on := run("toward_floor", 1)
+		off := run("off", 1, 0)
+		on := run("toward_floor", 1, 1)
 		maxDelta := 0.0
 		for i := range reqs {
 			if !slices.Equal(off[i].ids, on[i].ids) {
@@ -332,6 +338,33 @@ func TestThrottleLossless(t *testing.T) {
 		raw, _ := io.ReadAll(resp.Body)
 		want := fmt.Sprintf("polykv_throttled_steps_total{pool=\"%d\"} %d", fast, on[0].throttled+on[1].throttled)
 		if !strings.Contains(string(raw), want) {
+			t.Fatalf("/metrics lacks %q", want)
+		}
+		if snap.PacedTurnsTotal != 0 || on[0].pacedMs+on[1].pacedMs+on[2].pacedMs != 0 {
+			t.Fatalf("turns paced with the pool far above its floor: %d, %v %v %v ms", snap.PacedTurnsTotal, on[0].pacedMs, on[1].pacedMs, on[2].pacedMs)
+		}
+
+		paced := run("toward_floor", 1e6, 2)
+		for i := range reqs {
+			if !slices.Equal(off[i].ids, paced[i].ids) {
+				t.Fatalf("request %d: greedy tokens differ paced:\n off %v\n on  %v", i, off[i].ids, paced[i].ids)
+			}
+		}
+		t.Logf("paced: fast %.0f and %.0f ms, slow %.0f ms", paced[0].pacedMs, paced[1].pacedMs, paced[2].pacedMs)
+		if (paced[0].pacedMs > 0) == (paced[1].pacedMs > 0) || paced[2].pacedMs != 0 {
+			t.Fatalf("paced ms: fast %v and %v, slow %v: want exactly one fast turn paced behind the other, the slow pool's not", paced[0].pacedMs, paced[1].pacedMs, paced[2].pacedMs)
+		}
+		get(t, base+"/polykv/tps?once=1", &snap)
+		if snap.PacedTurnsTotal != 1 {
+			t.Fatalf("/polykv/tps paced_turns_total %d, want 1", snap.PacedTurnsTotal)
+		}
+		resp2, err := http.Get(base + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp2.Body.Close()
+		raw, _ = io.ReadAll(resp2.Body)
+		if want := fmt.Sprintf("polykv_paced_turns_total{pool=\"%d\"} 1", fast); !strings.Contains(string(raw), want) {
 			t.Fatalf("/metrics lacks %q", want)
 		}
 	})

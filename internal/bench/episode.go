@@ -192,6 +192,7 @@ type episodeResult struct {
 	peakWorkers        int
 	workerSeconds      float64 // ∫ workers dt
 	throttled          int64   // decode steps skipped by the throttle (PolyKV)
+	paced              int64   // turns the throttle held in the queue (PolyKV)
 	bgTokens           int     // tokens the background agents decoded while the workers ran
 	bgTPS, bgClientTPS float64 // their time-weighted mean experienced tps (server, client)
 	foreign            float64 // CPU seconds other processes used during the run
@@ -283,7 +284,7 @@ func (e episode) run(cfg app.Config) error {
 	fmt.Printf("orchestrator tick %s, at most %d workers, floor %.1f tok/s (deep: < %.1f), gate %s, guarantee %d, throttle margin %.2f, max skip %.2f; n_ctx %d, %d threads\n\n",
 		e.tick, e.maxWorkers, floor, floor/2, e.gateKind, e.guarantee, e.margin, e.maxSkip, c.NCtx, c.Threads)
 	fmt.Println("other CPU s: CPU time other processes used during the run (this machine's cores are shared; a clean run has ~0)")
-	fmt.Println("config    rep  wall s  under floor s  deep s  session-s under  client: under  deep  sess-s  delivery p50 s  p90 s  tokens  peak workers  worker-s  held ticks  throttled steps  other CPU s")
+	fmt.Println("config    rep  wall s  under floor s  deep s  session-s under  client: under  deep  sess-s  delivery p50 s  p90 s  tokens  peak workers  worker-s  held ticks  throttled steps  paced turns  other CPU s")
 	var results []episodeResult
 	// Alternating: the configurations in order, then reversed (ABC CBA ...), so none
 	// always runs first or on the same machine state.
@@ -311,11 +312,11 @@ func (e episode) run(cfg app.Config) error {
 					r.config, r.rep+1, r.wall.Seconds(), r.under.Seconds(), r.foreign)
 			}
 			results = append(results, r)
-			fmt.Printf("%-9s %3d  %6.1f  %13.1f  %6.1f  %15.1f  %13.1f  %4.1f  %6.1f  %14.1f  %5.1f  %6d  %12d  %8.0f  %10d  %15d  %11.1f\n",
+			fmt.Printf("%-9s %3d  %6.1f  %13.1f  %6.1f  %15.1f  %13.1f  %4.1f  %6.1f  %14.1f  %5.1f  %6d  %12d  %8.0f  %10d  %15d  %11d  %11.1f\n",
 				r.config, r.rep+1, r.wall.Seconds(), r.under.Seconds(), r.deep.Seconds(), r.sessUnder.Seconds(),
 				r.clientUnder.Seconds(), r.clientDeep.Seconds(), r.clientSessUnder.Seconds(),
 				percentile(r.delivered, 0.5).Seconds(), percentile(r.delivered, 0.9).Seconds(), r.tokens, r.peakWorkers,
-				r.workerSeconds, r.refusedTicks, r.throttled, r.foreign)
+				r.workerSeconds, r.refusedTicks, r.throttled, r.paced, r.foreign)
 			if e.background > 0 {
 				fmt.Printf("          background: %d tokens while the workers ran (%.1f tok/s), mean experienced %.1f tok/s (client-side %.1f)\n",
 					r.bgTokens, float64(r.bgTokens)/r.wall.Seconds(), r.bgTPS, r.bgClientTPS)
@@ -673,6 +674,7 @@ func (e episode) once(c app.Config, name string, rep int, floor, bgFloor float64
 	}
 	res.delivered, res.tokens, res.peakWorkers = r.deliv, r.tokens, r.peak
 	res.throttled = r.throttledTotal()
+	res.paced = r.metricTotal("polykv_paced_turns_total{")
 	res.summarize(floor)
 	return res, nil
 }
@@ -922,7 +924,11 @@ func (r *episodeRun) sample(done <-chan struct{}) []episodeSample {
 
 // throttledTotal reads the throttle's skipped decode steps from /metrics (0 on other
 // servers).
-func (r *episodeRun) throttledTotal() int64 {
+func (r *episodeRun) throttledTotal() int64 { return r.metricTotal("polykv_throttled_steps_total{") }
+
+// metricTotal sums a counter's series (prefix: its name and the label brace) from
+// /metrics (0 on other servers).
+func (r *episodeRun) metricTotal(prefix string) int64 {
 	if !r.tg.polykv {
 		return 0
 	}
@@ -935,7 +941,7 @@ func (r *episodeRun) throttledTotal() int64 {
 	sc := bufio.NewScanner(resp.Body)
 	for sc.Scan() {
 		line := sc.Text()
-		if !strings.HasPrefix(line, "polykv_throttled_steps_total{") {
+		if !strings.HasPrefix(line, prefix) {
 			continue
 		}
 		if i := strings.LastIndexByte(line, ' '); i > 0 {

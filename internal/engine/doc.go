@@ -91,7 +91,8 @@
 // refused within one step. A request waits only for something that makes progress on
 // its own (its pool or its parent pool being built, a running request that will hold a
 // longer prefix of its prompt, its own session's running turn, a sequence id or cells
-// that running requests hold), or behind the first such request in queue order (the
+// that running requests hold, its throttled pool's running sessions when it is paced,
+// for at most paceMaxHold), or behind the first such request in queue order (the
 // head waits for cells rather than be overtaken, so a long prompt is never starved). Admission counts exactly what eviction can free for it
 // (fit): the cells free now, less those promised to seated prompts, plus every cell
 // that only idle sequences, evictable pools and the sequence it takes hold, except
@@ -118,7 +119,11 @@
 // sessions that decode well above its floor skip steps of Plan's decode loop while a
 // session near or under its own floor, or a prompt the step's budget cuts, gains from
 // it; skips are bounded per session, and admission reads the rates sessions would have
-// unthrottled, so the gate does not refuse the room the throttle makes.
+// unthrottled, so the gate does not refuse the room the throttle makes. The same policy
+// paces turns: a waiting turn of the pool stays in the queue while one more session
+// would slow the step's sessions under the floor (paced), at most paceMaxHold, never
+// when none of its pool's sessions runs; among such turns the conversation furthest
+// along goes first (pacedPeers).
 //
 // Tests: most scheduling rules are tested against a fake backend (fake_test.go) in
 // milliseconds, as data-driven stories (testdata/stories) and by fuzzing random

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -637,6 +638,15 @@ func (h *harness) checkLiveness() {
 			continue
 		}
 		if s.prefixCached(t) && s.awaitsDonor(t) {
+			continue
+		}
+		if t.wait == WaitFloor {
+			// Paced (throttle.go): it waits for its pool's running sessions, which must
+			// exist (they end without it), and for no longer than paceMaxHold.
+			if !slices.ContainsFunc(s.running, func(r *task) bool { return r.kind == kindGenerate && r.poolID() == t.pool.ID }) ||
+				s.now.Sub(t.pacedAt) > paceMaxHold {
+				h.t.Fatalf("liveness: task %d paced with no running session of pool %d, or for %s", t.id, t.pool.ID, s.now.Sub(t.pacedAt))
+			}
 			continue
 		}
 		if t.kind == kindGenerate {

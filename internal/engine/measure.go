@@ -388,7 +388,9 @@ type TPSSnapshot struct {
 	NWarming      int
 	// ThrottledSteps counts the decode steps skipped by throttles so far (all pools).
 	ThrottledSteps int64
-	Sessions       []SessionTPS
+	// PacedTurns counts the turns throttles held in the queue so far (all pools).
+	PacedTurns int64
+	Sessions   []SessionTPS
 }
 
 // headroom is how many more tokens a sequence holding used tokens can take: bounded
@@ -419,7 +421,7 @@ func (s *Scheduler) TPS(now time.Time) TPSSnapshot {
 	s.now = now
 	rates, warming := s.poolRates(nil, true)
 	snap := TPSSnapshot{TS: float64(now.UnixMilli()) / 1000, AggregateTPS: s.agg.RateAt(now), PromptTPS: s.aggPrompt.RateAt(now),
-		MeanActiveTPS: tps.Mean(rates), NActive: len(rates), NWarming: warming, ThrottledSteps: s.throttledTotal, Sessions: []SessionTPS{}}
+		MeanActiveTPS: tps.Mean(rates), NActive: len(rates), NWarming: warming, ThrottledSteps: s.throttledTotal, PacedTurns: s.pacedTotal, Sessions: []SessionTPS{}}
 	free := s.freeForNew()
 	for _, sl := range s.slots {
 		if sl.task != nil || len(sl.tokens) > 0 {
@@ -437,8 +439,9 @@ type PoolMetric struct {
 	Sessions   int
 	Unattached bool // the "none" row: sessions on no pool
 	// ThrottledSteps: decode steps its sessions skipped for its throttle, since the
-	// scheduler started.
+	// scheduler started; PacedTurns, its turns the throttle held in the queue.
 	ThrottledSteps int64
+	PacedTurns     int64
 }
 
 // Metrics copies out the per-pool gauges (plus a row for sessions on no pool).
@@ -447,7 +450,7 @@ func (s *Scheduler) Metrics(now time.Time) ([]PoolMetric, Usage) {
 	byPool := map[*pool.Pool]*PoolMetric{}
 	none := &PoolMetric{Unattached: true}
 	for _, p := range s.pools.All() {
-		byPool[p] = &PoolMetric{PoolID: p.ID, KVBytes: int64(p.OwnCells()) * s.cfg.BytesPerCell, ThrottledSteps: s.throttledBy[p.ID]}
+		byPool[p] = &PoolMetric{PoolID: p.ID, KVBytes: int64(p.OwnCells()) * s.cfg.BytesPerCell, ThrottledSteps: s.throttledBy[p.ID], PacedTurns: s.pacedBy[p.ID]}
 	}
 	for _, sl := range s.slots {
 		m := none

@@ -244,7 +244,8 @@ func (s *Scheduler) classify(t *task) {
 // queueBefore orders the waiting tasks for admission (admitPass): pool builds first
 // (clients and requests wait on them), then requests that waited through agingPasses
 // later arrivals (oldest first), then continuations before first turns, the least
-// attained service first among continuations, then arrival.
+// attained service first among continuations (the most among a throttled pool's paced
+// turns: pacedPeers), then arrival.
 func queueBefore(a, b *task) int {
 	if ka, kb := a.kind == kindMaterialize, b.kind == kindMaterialize; ka != kb {
 		if ka {
@@ -263,12 +264,25 @@ func queueBefore(a, b *task) int {
 		}
 		return 1
 	} else if !oa && a.cont && a.attained != b.attained {
+		if pacedPeers(a, b) {
+			return cmp.Compare(b.attained, a.attained)
+		}
 		return cmp.Compare(a.attained, b.attained)
 	}
 	if c := a.queued.Compare(b.queued); c != 0 {
 		return c
 	}
 	return cmp.Compare(a.id, b.id)
+}
+
+// pacedPeers reports whether a and b are both turns the throttle holds for the same
+// pool (paced, throttle.go). Among those the conversation furthest along goes first:
+// the pool's sessions are served a few at a time there, and least attained service
+// would rotate every conversation through them, so that all of them end late, where
+// the most attained first ends each conversation (its agent's task) as soon as it can
+// while the others wait no longer in all. Aging still bounds every wait.
+func pacedPeers(a, b *task) bool {
+	return !a.pacedAt.IsZero() && !b.pacedAt.IsZero() && a.pool != nil && a.pool == b.pool
 }
 
 // orderQueue sorts the queue by queueBefore (stable: equal tasks keep their order).

@@ -279,6 +279,8 @@ type task struct {
 	skipCredit float64
 	skipNow    bool
 	throttled  int
+	// pacedAt is when the throttle first held t in the queue (zero: never; paced).
+	pacedAt time.Time
 }
 
 func (t *task) prefilling() bool { return t.slot != nil && len(t.slot.tokens) < len(t.req.Prompt) }
@@ -376,6 +378,8 @@ type Scheduler struct {
 	rowCost        rowCost
 	throttleLead   map[int]time.Duration
 	throttledTotal int64
+	pacedTotal     int64 // turns the throttle held in the queue (paced), and per pool
+	pacedBy        map[int]int64
 	throttledBy    map[int]int64
 
 	// afterAdmit, when set (tests), is called at the end of every admission pass, to
@@ -413,7 +417,7 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	}
 	s := &Scheduler{cfg: cfg, vocab: vocab, bySession: map[string]*slot{}, tasks: map[TaskID]*task{},
 		poolSeqs: map[int]*slot{}, inTier: map[int]bool{},
-		throttledBy: map[int]int64{}, throttleLead: map[int]time.Duration{},
+		throttledBy: map[int]int64{}, pacedBy: map[int]int64{}, throttleLead: map[int]time.Duration{},
 		adm: admission.NewController(), gaps: gapModel{sessions: map[string]*sessionGap{}},
 		agg: tps.NewEWMA(cfg.TPSTau), aggPrompt: tps.NewEWMA(cfg.TPSTau)}
 	for i := range cfg.Parallel {
@@ -556,6 +560,7 @@ const (
 	WaitCells     = "cells"     // the cells it needs are held by running requests or pinned pools
 	WaitQueue     = "queue"     // behind a request that waits for cells (first come, first served)
 	WaitAdmission = "admission" // held by an enforced pool's admission gate
+	WaitFloor     = "floor"     // paced: its throttled pool's running sessions are at the floor
 )
 
 // Events drains the events produced since the last call.
@@ -838,6 +843,11 @@ func (s *Scheduler) admitPass() bool {
 			i++ // waits for its pool (or the pool's parent), or a donor (t.wait says)
 			continue
 		}
+		if s.paced(t) {
+			i++ // its pool's sessions would fall under the floor (throttle.go); others may go
+			t.wait = WaitFloor
+			continue
+		}
 		sl := s.pickSlot(t)
 		if sl == nil {
 			i++ // its session is busy, or no sequence is free: later tasks may still fit
@@ -1076,6 +1086,8 @@ func waitPhrase(reason string) string {
 		return "a sequence (every one is running)"
 	case WaitCells:
 		return "KV cells held by running requests or pinned pools"
+	case WaitFloor:
+		return "its pool's running sessions, which one more would slow under the pool's floor"
 	}
 	return "the request ahead of it, which waits for KV cells"
 }
@@ -1392,6 +1404,9 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 	if sl.base != nil {
 		stats.Pool = sl.base.ID
 		stats.Shared = sl.shared
+	}
+	if !t.pacedAt.IsZero() {
+		stats.Paced = t.admitted.Sub(t.pacedAt)
 	}
 	if !t.firstTok.IsZero() {
 		stats.PromptTime = t.firstTok.Sub(t.admitted)

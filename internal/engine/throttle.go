@@ -78,6 +78,88 @@ func (c *rowCost) marginal() time.Duration {
 	return time.Duration(b * float64(time.Second))
 }
 
+// predict is the expected time of a decode-only step of rows rows, from the same fit:
+// its intercept (at least 0) plus rows times the marginal cost (0 before any
+// decode-only step).
+func (c *rowCost) predict(rows int) time.Duration {
+	b := c.marginal()
+	if b == 0 {
+		return 0
+	}
+	mx, my := c.x/c.w, c.y/c.w
+	a := max(0, my-b.Seconds()*mx)
+	return time.Duration((a + b.Seconds()*float64(rows)) * float64(time.Second))
+}
+
+// paceMaxHold bounds how long the throttle holds one turn in the queue: past it the
+// turn goes like any other (never starving one turn, whatever the others do).
+const paceMaxHold = 10 * time.Second
+
+// paced reports whether the throttle holds t, a waiting turn of a pool with a floor
+// and throttle toward_floor, in the queue (admitPass): while the pool's own sessions
+// run and one more would slow the step's decoding sessions under floor·(1+margin/2).
+// The projection is admission's (mean·n/(n+1)) over every session of the step, not
+// only the pool's (they share the step): the running sessions' mean unthrottled rate,
+// shared by the d decoding and p prefilling ones and t. Where every decode row costs
+// about as much as the next (a CPU), one more session decoding cuts every session's
+// speed while the machine's throughput stays the same, so a turn that waits for a
+// running one to end keeps those at the floor and costs the machine nothing while
+// someone decodes (paced). Before any rate is measured the row-cost fit projects the
+// step instead. A pool with no running session is never held (its turn goes: liveness),
+// nor a turn held paceMaxHold already.
+func (s *Scheduler) paced(t *task) bool {
+	if t.kind != kindGenerate || t.pool == nil || !s.adm.Throttling() {
+		return false
+	}
+	pol := s.adm.Policy(t.pool.ID)
+	if pol.TargetTPS <= 0 || !pol.Throttles() {
+		return false
+	}
+	if !t.pacedAt.IsZero() && s.now.Sub(t.pacedAt) >= paceMaxHold {
+		return false
+	}
+	decoding, prefilling, mine := 0, 0, 0
+	var sum float64
+	measured := 0
+	for _, r := range s.running {
+		if r.kind != kindGenerate {
+			continue
+		}
+		if r.poolID() == t.pool.ID {
+			mine++
+		}
+		if !r.decoding() {
+			prefilling++
+			continue
+		}
+		decoding++
+		if !r.ewma.Warming() {
+			sum += s.admissionRate(r)
+			measured++
+		}
+	}
+	if mine == 0 {
+		return false
+	}
+	var projected float64
+	if measured > 0 {
+		projected = sum / float64(measured) * float64(decoding) / float64(decoding+prefilling+1)
+	} else if step := s.rowCost.predict(decoding + prefilling + 1); step > 0 {
+		projected = 1 / step.Seconds()
+	} else {
+		return false
+	}
+	if projected >= pol.TargetTPS*(1+pol.ThrottleMargin/2) {
+		return false
+	}
+	if t.pacedAt.IsZero() {
+		t.pacedAt = s.now
+		s.pacedTotal++
+		s.pacedBy[t.pool.ID]++
+	}
+	return true
+}
+
 // throttleSkips decides which decoding sessions skip this step (Plan, before its
 // decode loop) and marks them (t.skipNow, s.skipped).
 func (s *Scheduler) throttleSkips() {

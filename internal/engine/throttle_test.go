@@ -325,3 +325,162 @@ func TestRowCostFit(t *testing.T) {
 		t.Fatalf("flat steps: %s, below half the mean per row", got)
 	}
 }
+
+// paceScene is one pool with a floor of 30 tok/s and the given throttle, and a
+// session a1 decoding alone at 40 tok/s (affineCost: 15 ms a step of one row, plus the
+// harness's 10 ms), measured (past warming) before anything else is submitted.
+func paceScene(t *testing.T, throttle string, n int) (*harness, int, []Token, TaskID) {
+	t.Helper()
+	cfg := poolCfg()
+	cfg.Parallel, cfg.NCtx, cfg.MaxQueue = 6, 4096, 16
+	h := newHarness(t, cfg)
+	h.stepCost = affineCost
+	prefix := seqTokens(1, 20)
+	id := h.createPool(PoolSpec{Tokens: prefix})
+	p := throttlePolicy(30)
+	p.Throttle = throttle
+	if err := h.setAdmission(id, p); err != nil {
+		t.Fatal(err)
+	}
+	a1 := h.submit(agentReq(prefix, id, "a1", n))
+	h.steps(60) // 1.5 s: a1 decodes, measured
+	if tk := h.s.tasks[a1]; tk == nil || !tk.decoding() || tk.ewma.Warming() {
+		t.Fatal("a1 is not decoding past warming after 60 steps")
+	}
+	return h, id, prefix, a1
+}
+
+// seatedAt steps until task id holds a sequence (or ends), and returns when.
+func seatedAt(t *testing.T, h *harness, id TaskID) time.Time {
+	t.Helper()
+	for i := 0; i < 5000; i++ {
+		if tk, ok := h.s.tasks[id]; !ok || tk.slot != nil {
+			return h.now
+		}
+		h.step()
+	}
+	t.Fatalf("task %d never seated", id)
+	return time.Time{}
+}
+
+// Pacing: a new turn of a throttled pool waits (reason "floor") while one more
+// session would slow the step's sessions under the floor (a1 alone at 40 tok/s, two
+// at ~20 projected, floor·1.1 = 33), and goes when a1 ends, with the output it has
+// unpaced; with the throttle off it goes at once. A pool with no running session is
+// never held (a1 itself went).
+func TestThrottlePacesTurnsAtTheFloor(t *testing.T) {
+	texts := map[string]string{}
+	for _, mode := range []string{admission.ThrottleOff, admission.ThrottleTowardFloor} {
+		h, id, prefix, a1 := paceScene(t, mode, 100)
+		a2 := h.submit(Request{Prompt: append(slices.Clone(prefix), 98), HasPool: true, PoolID: id, SessionID: "a2", MaxTokens: 20})
+		h.step()
+		waiting := h.s.Waiting(h.now)
+		if mode == admission.ThrottleOff {
+			if len(waiting) != 0 || h.s.pacedTotal != 0 {
+				t.Fatalf("throttle off: %+v waiting, %d paced", waiting, h.s.pacedTotal)
+			}
+		} else {
+			if len(waiting) != 1 || waiting[0].Task != uint64(a2) || waiting[0].Reason != WaitFloor {
+				t.Fatalf("toward_floor: waiting %+v, want a2 waiting for the floor", waiting)
+			}
+			at := seatedAt(t, h, a2)
+			if _, running := h.s.tasks[a1]; running {
+				t.Fatalf("a2 seated at %s while a1 still runs", at)
+			}
+			if h.s.pacedTotal != 1 {
+				t.Fatalf("%d turns paced, want 1", h.s.pacedTotal)
+			}
+		}
+		h.run()
+		texts[mode] = h.text(a1) + "|" + h.text(a2)
+	}
+	if texts[admission.ThrottleOff] != texts[admission.ThrottleTowardFloor] {
+		t.Fatalf("paced output differs:\n off %q\n on  %q", texts[admission.ThrottleOff], texts[admission.ThrottleTowardFloor])
+	}
+}
+
+// A paced turn waits at most paceMaxHold, however long the running session decodes.
+func TestThrottlePaceBounded(t *testing.T) {
+	h, id, prefix, a1 := paceScene(t, admission.ThrottleTowardFloor, 1000) // 25 s of decoding
+	a2 := h.submit(Request{Prompt: append(slices.Clone(prefix), 98), HasPool: true, PoolID: id, SessionID: "a2", MaxTokens: 5})
+	h.step()
+	held := h.s.tasks[a2].pacedAt
+	if held.IsZero() {
+		t.Fatal("a2 was not paced")
+	}
+	at := seatedAt(t, h, a2)
+	if _, running := h.s.tasks[a1]; !running {
+		t.Fatal("a1 ended before a2 went: the bound was not what let it go")
+	}
+	if w := at.Sub(held); w < paceMaxHold || w > paceMaxHold+100*time.Millisecond {
+		t.Fatalf("a2 held %s, want paceMaxHold (%s)", w, paceMaxHold)
+	}
+}
+
+// Among a throttled pool's paced turns the conversation furthest along goes first
+// (pacedPeers), where the queue otherwise takes the least attained service first
+// (TestContinuationsBeforeFirstTurns): when the busy session ends, the long
+// conversation's turn is seated and the short one's waits on (two sessions would run
+// at ~33 tok/s by the row-cost fit, under the floor·1.1 of 35.2).
+func TestThrottlePacedMostAttainedFirst(t *testing.T) {
+	cfg := poolCfg()
+	cfg.Parallel, cfg.NCtx, cfg.MaxQueue = 6, 4096, 16
+	h := newHarness(t, cfg)
+	h.stepCost = affineCost
+	prefix := seqTokens(1, 20)
+	id := h.createPool(PoolSpec{Tokens: prefix})
+	req := func(session string, extra []Token, n int) Request {
+		return Request{Prompt: append(slices.Clone(prefix), extra...), HasPool: true, PoolID: id, SessionID: session, MaxTokens: n}
+	}
+	h.turn(req("short", seqTokens(500, 2), 2))
+	h.turn(req("long", seqTokens(600, 60), 2))
+	if err := h.setAdmission(id, throttlePolicy(32)); err != nil {
+		t.Fatal(err)
+	}
+	busy := h.submit(req("busy", seqTokens(900, 2), 100))
+	h.steps(60)
+	short := h.submit(req("short", append(seqTokens(500, 2), 1, 2), 3))
+	long := h.submit(req("long", append(seqTokens(600, 60), 1, 2), 3))
+	h.step()
+	if w := h.s.Waiting(h.now); len(w) != 2 || w[0].Reason != WaitFloor || w[1].Reason != WaitFloor {
+		t.Fatalf("waiting %+v, want both turns paced", w)
+	}
+	seatedAt(t, h, long)
+	if _, running := h.s.tasks[busy]; running {
+		t.Fatal("the long conversation's turn went while the busy session ran")
+	}
+	if tk := h.s.tasks[short]; tk == nil || tk.slot != nil {
+		t.Fatal("the short conversation's turn went with the long one's: want it paced behind it")
+	}
+	h.run()
+	if h.tasksDone(busy, short, long) != 3 {
+		t.Fatal("not every turn ended")
+	}
+}
+
+// A throttled pool with nothing running is never paced, however slow the step its
+// turn would join: another pool's session decoding beside it does not hold it, even
+// under a floor nobody reaches.
+func TestThrottlePaceNeverHoldsIdlePool(t *testing.T) {
+	cfg := poolCfg()
+	cfg.Parallel, cfg.NCtx, cfg.MaxQueue = 6, 4096, 16
+	h := newHarness(t, cfg)
+	h.stepCost = affineCost
+	busyPrefix, prefix := seqTokens(200, 20), seqTokens(1, 20)
+	other := h.createPool(PoolSpec{Tokens: busyPrefix})
+	id := h.createPool(PoolSpec{Tokens: prefix})
+	if err := h.setAdmission(id, throttlePolicy(1e6)); err != nil {
+		t.Fatal(err)
+	}
+	busy := h.submit(agentReq(busyPrefix, other, "busy", 200))
+	h.steps(60)
+	a := h.submit(agentReq(prefix, id, "a", 5))
+	h.step()
+	if tk := h.s.tasks[a]; tk == nil || tk.slot == nil || !tk.pacedAt.IsZero() {
+		t.Fatalf("the idle pool's turn waits (%+v) beside another pool's session", h.s.Waiting(h.now))
+	}
+	h.run()
+	if h.tasksDone(busy, a) != 2 {
+		t.Fatal("not every turn ended")
+	}
+}

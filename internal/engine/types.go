@@ -106,6 +106,9 @@ type Stats struct {
 	// ThrottledSteps are the decode steps the task skipped for its pool's throttle
 	// toward the floor (throttle.go).
 	ThrottledSteps int
+	// Paced is how long the throttle held the turn in the queue while one more session
+	// would have slowed its pool's running ones under the floor (throttle.go, paced).
+	Paced time.Duration
 }
 
 // TokenLogprob is one sampled token with its log-probability and, when the task asked

@@ -227,6 +227,9 @@ type Timings struct {
 	// ThrottledSteps (PolyKV's): decode steps the request skipped because its pool
 	// throttles sessions toward the floor; only when nonzero.
 	ThrottledSteps int `json:"throttled_steps,omitempty"`
+	// PacedMs (PolyKV's): how long the request waited in the queue because its pool's
+	// throttle paces turns at the floor; only when nonzero.
+	PacedMs float64 `json:"paced_ms,omitempty"`
 }
 
 // SessionCtx is one session's own context pressure: what its sequence holds against

@@ -227,8 +227,11 @@ type TPS struct {
 	NWarming      int     `json:"n_warming"`
 	// ThrottledStepsTotal counts every decode step a session skipped for its pool's
 	// throttle since the server started (issue 41).
-	ThrottledStepsTotal int64        `json:"throttled_steps_total"`
-	Sessions            []SessionTPS `json:"sessions"`
+	ThrottledStepsTotal int64 `json:"throttled_steps_total"`
+	// PacedTurnsTotal counts every turn a throttle held in the queue because one more
+	// session would have slowed its pool's running ones under the floor.
+	PacedTurnsTotal int64        `json:"paced_turns_total"`
+	Sessions        []SessionTPS `json:"sessions"`
 }
 
 // SessionTPS is one session in the tps stream.
