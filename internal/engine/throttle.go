@@ -97,7 +97,8 @@ const paceMaxHold = 10 * time.Second
 
 // paced reports whether the throttle holds t, a waiting turn of a pool with a floor
 // and throttle toward_floor, in the queue (admitPass): while the pool's own sessions
-// run and one more would slow the step's decoding sessions under floor·(1+margin/2).
+// run and one more would slow the step's decoding sessions under floor·(1+margin): the
+// margin absorbs the steps that carry prompt chunks, which the projection averages.
 // The projection is admission's (mean·n/(n+1)) over every session of the step, not
 // only the pool's (they share the step): the running sessions' mean unthrottled rate,
 // shared by the d decoding and p prefilling ones and t. Where every decode row costs
@@ -149,7 +150,7 @@ func (s *Scheduler) paced(t *task) bool {
 	} else {
 		return false
 	}
-	if projected >= pol.TargetTPS*(1+pol.ThrottleMargin/2) {
+	if projected >= pol.TargetTPS*(1+pol.ThrottleMargin) {
 		return false
 	}
 	if t.pacedAt.IsZero() {

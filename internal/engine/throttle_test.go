@@ -365,7 +365,7 @@ func seatedAt(t *testing.T, h *harness, id TaskID) time.Time {
 
 // Pacing: a new turn of a throttled pool waits (reason "floor") while one more
 // session would slow the step's sessions under the floor (a1 alone at 40 tok/s, two
-// at ~20 projected, floor·1.1 = 33), and goes when a1 ends, with the output it has
+// at ~20 projected, floor·1.2 = 36), and goes when a1 ends, with the output it has
 // unpaced; with the throttle off it goes at once. A pool with no running session is
 // never held (a1 itself went).
 func TestThrottlePacesTurnsAtTheFloor(t *testing.T) {
@@ -421,7 +421,7 @@ func TestThrottlePaceBounded(t *testing.T) {
 // (pacedPeers), where the queue otherwise takes the least attained service first
 // (TestContinuationsBeforeFirstTurns): when the busy session ends, the long
 // conversation's turn is seated and the short one's waits on (two sessions would run
-// at ~33 tok/s by the row-cost fit, under the floor·1.1 of 35.2).
+// at ~33 tok/s by the row-cost fit, under the floor·1.2 of 38.4).
 func TestThrottlePacedMostAttainedFirst(t *testing.T) {
 	cfg := poolCfg()
 	cfg.Parallel, cfg.NCtx, cfg.MaxQueue = 6, 4096, 16
