@@ -326,15 +326,21 @@ func TestRowCostFit(t *testing.T) {
 	}
 }
 
+// paceHarness is a scheduler with room for six sessions and affineCost's step times.
+func paceHarness(t *testing.T) *harness {
+	cfg := poolCfg()
+	cfg.Parallel, cfg.NCtx, cfg.MaxQueue = 6, 4096, 16
+	h := newHarness(t, cfg)
+	h.stepCost = affineCost
+	return h
+}
+
 // paceScene is one pool with a floor of 30 tok/s and the given throttle, and a
 // session a1 decoding alone at 40 tok/s (affineCost: 15 ms a step of one row, plus the
 // harness's 10 ms), measured (past warming) before anything else is submitted.
 func paceScene(t *testing.T, throttle string, n int) (*harness, int, []Token, TaskID) {
 	t.Helper()
-	cfg := poolCfg()
-	cfg.Parallel, cfg.NCtx, cfg.MaxQueue = 6, 4096, 16
-	h := newHarness(t, cfg)
-	h.stepCost = affineCost
+	h := paceHarness(t)
 	prefix := seqTokens(1, 20)
 	id := h.createPool(PoolSpec{Tokens: prefix})
 	p := throttlePolicy(30)
@@ -423,10 +429,7 @@ func TestThrottlePaceBounded(t *testing.T) {
 // conversation's turn is seated and the short one's waits on (two sessions would run
 // at ~33 tok/s by the row-cost fit, under the floor·1.2 of 38.4).
 func TestThrottlePacedMostAttainedFirst(t *testing.T) {
-	cfg := poolCfg()
-	cfg.Parallel, cfg.NCtx, cfg.MaxQueue = 6, 4096, 16
-	h := newHarness(t, cfg)
-	h.stepCost = affineCost
+	h := paceHarness(t)
 	prefix := seqTokens(1, 20)
 	id := h.createPool(PoolSpec{Tokens: prefix})
 	req := func(session string, extra []Token, n int) Request {
@@ -462,10 +465,7 @@ func TestThrottlePacedMostAttainedFirst(t *testing.T) {
 // turn would join: another pool's session decoding beside it does not hold it, even
 // under a floor nobody reaches.
 func TestThrottlePaceNeverHoldsIdlePool(t *testing.T) {
-	cfg := poolCfg()
-	cfg.Parallel, cfg.NCtx, cfg.MaxQueue = 6, 4096, 16
-	h := newHarness(t, cfg)
-	h.stepCost = affineCost
+	h := paceHarness(t)
 	busyPrefix, prefix := seqTokens(200, 20), seqTokens(1, 20)
 	other := h.createPool(PoolSpec{Tokens: busyPrefix})
 	id := h.createPool(PoolSpec{Tokens: prefix})
