@@ -107,7 +107,8 @@ const paceMaxHold = 10 * time.Second
 // running one to end keeps those at the floor and costs the machine nothing while
 // someone decodes (paced). Before any rate is measured the row-cost fit projects the
 // step instead. A pool with no running session is never held (its turn goes: liveness),
-// nor a turn held paceMaxHold already.
+// nor a turn held paceMaxHold already, nor one whose own session's turn still runs
+// (that is what it waits for).
 func (s *Scheduler) paced(t *task) bool {
 	if t.kind != kindGenerate || t.pool == nil || !s.adm.Throttling() {
 		return false
@@ -118,6 +119,9 @@ func (s *Scheduler) paced(t *task) bool {
 	}
 	if !t.pacedAt.IsZero() && s.now.Sub(t.pacedAt) >= paceMaxHold {
 		return false
+	}
+	if sl, ok := s.bySession[t.req.SessionID]; ok && t.req.SessionID != "" && sl.task != nil {
+		return false // it waits for its own session's running turn first (WaitSession)
 	}
 	decoding, prefilling, mine := 0, 0, 0
 	var sum float64

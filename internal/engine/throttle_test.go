@@ -381,6 +381,18 @@ func TestThrottlePacesTurnsAtTheFloor(t *testing.T) {
 		a2 := h.submit(Request{Prompt: append(slices.Clone(prefix), 98), HasPool: true, PoolID: id, SessionID: "a2", MaxTokens: 20})
 		h.step()
 		waiting := h.s.Waiting(h.now)
+		// a1's own next turn waits for a1 (reason session), not for the floor.
+		if mode == admission.ThrottleTowardFloor {
+			next := h.submit(Request{Prompt: append(slices.Clone(prefix), 99, 7), HasPool: true, PoolID: id, SessionID: "a1", MaxTokens: 1})
+			h.step()
+			w := h.s.Waiting(h.now)
+			i := slices.IndexFunc(w, func(x WaitInfo) bool { return x.Task == uint64(next) })
+			if len(w) != 2 || i < 0 || w[i].Reason != WaitSession || !h.s.tasks[next].pacedAt.IsZero() {
+				t.Fatalf("waiting %+v: want a1's next turn waiting for its session, not paced", w)
+			}
+			h.cancel(next)
+			waiting = h.s.Waiting(h.now)
+		}
 		if mode == admission.ThrottleOff {
 			if len(waiting) != 0 || h.s.pacedTotal != 0 {
 				t.Fatalf("throttle off: %+v waiting, %d paced", waiting, h.s.pacedTotal)
