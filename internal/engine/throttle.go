@@ -101,11 +101,11 @@ const paceMaxHold = 10 * time.Second
 // margin absorbs the steps that carry prompt chunks, which the projection averages.
 // The projection is admission's (mean·n/(n+1)) over every session of the step, not
 // only the pool's (they share the step): the running sessions' mean unthrottled rate,
-// shared by the d decoding and p prefilling ones and t. Where every decode row costs
-// about as much as the next (a CPU), one more session decoding cuts every session's
-// speed while the machine's throughput stays the same, so a turn that waits for a
-// running one to end keeps those at the floor and costs the machine nothing while
-// someone decodes (paced). Before any rate is measured the row-cost fit projects the
+// shared by the d decoding and p prefilling ones and t. Where a decode row costs a
+// good part of a step (a CPU), one more session decoding cuts every session's speed
+// while the machine's throughput grows little, so a turn that waits for a running one
+// to end keeps those at the floor and costs the machine little while someone decodes
+// (paced). Before any rate is measured the row-cost fit projects the
 // step instead. A pool with no running session is never held (its turn goes: liveness),
 // nor a turn held paceMaxHold already, nor one whose own session's turn still runs
 // (that is what it waits for).
