@@ -153,8 +153,8 @@ func (l *sharedLevel) dropEnd(path string, k Key) {
 	_ = os.Remove(d) // fails while other markers are in it
 }
 
-// Ends lists the lengths stored from start.
-func (l *sharedLevel) Ends(start Key) []int {
+// markers lists the names of the markers under start ("<length>-<key>").
+func (l *sharedLevel) markers(start Key) []string {
 	ents, err := os.ReadDir(filepath.Join(l.dir, endsDir, start.String()))
 	if err != nil {
 		return nil
@@ -163,18 +163,17 @@ func (l *sharedLevel) Ends(start Key) []int {
 	for i, de := range ents {
 		names[i] = de.Name()
 	}
-	return parseEnds(names)
+	return names
 }
+
+// Ends lists the lengths stored from start.
+func (l *sharedLevel) Ends(start Key) []int { return parseEnds(l.markers(start)) }
 
 // EntriesFrom lists the keys of the entries stored from start (startEntries).
 func (l *sharedLevel) EntriesFrom(start Key) []Key {
-	ents, err := os.ReadDir(filepath.Join(l.dir, endsDir, start.String()))
-	if err != nil {
-		return nil
-	}
 	var out []Key
-	for _, de := range ents {
-		if _, hex, ok := strings.Cut(de.Name(), "-"); ok {
+	for _, name := range l.markers(start) {
+		if _, hex, ok := strings.Cut(name, "-"); ok {
 			if k, ok := parseKey(hex); ok {
 				out = append(out, k)
 			}

@@ -31,6 +31,8 @@ import (
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/polykv/polykv/internal/pool"
 )
 
 // Location is where an entry lives.
@@ -497,7 +499,7 @@ func (s *Store) commonPart(start Key, tokens []int32, k, end int) (Meta, bool) {
 		if err != nil || m.D != k || len(m.Tokens) <= k || !slices.Equal(m.Tokens[:k], tokens[:k]) {
 			continue
 		}
-		if n := commonLen(m.Tokens[k:], tokens[k:end]); n > bestN {
+		if n := pool.CommonPrefix(m.Tokens[k:], tokens[k:end]); n > bestN {
 			best, bestN = m, n
 		}
 	}
@@ -509,14 +511,6 @@ func (s *Store) commonPart(start Key, tokens []int32, k, end int) (Meta, bool) {
 type startEntries interface {
 	EntriesFrom(start Key) []Key
 	Head(k Key) (Meta, error)
-}
-
-func commonLen(a, b []int32) int {
-	n := 0
-	for n < len(a) && n < len(b) && a[n] == b[n] {
-		n++
-	}
-	return n
 }
 
 // maxEnds bounds the lengths partial asks about at one chunk start: many agents whose
