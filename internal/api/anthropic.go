@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"strings"
 
 	"github.com/polykv/polykv/internal/api/wire"
 )
@@ -22,11 +23,12 @@ func (s *Server) handleMessages(w http.ResponseWriter, r *http.Request) {
 		writeAnthropicError(w, invalidParam("max_tokens", "max_tokens: Field required"))
 		return
 	}
-	creq, e := messagesChat(req)
+	creq, ignored, e := messagesChat(req)
 	if e != nil {
 		writeAnthropicError(w, e)
 		return
 	}
+	ignoredToolsHeader(w, ignored)
 	s.submitChat(w, r, creq, generation{k: kindChat, id: newID("msg_"), shape: &anthropicShape{s: s}})
 }
 
@@ -38,7 +40,7 @@ func (s *Server) handleCountTokens(w http.ResponseWriter, r *http.Request) {
 		writeAnthropicError(w, e)
 		return
 	}
-	creq, e := messagesChat(&req)
+	creq, _, e := messagesChat(&req)
 	if e != nil {
 		writeAnthropicError(w, e)
 		return
@@ -52,63 +54,190 @@ func (s *Server) handleCountTokens(w http.ResponseWriter, r *http.Request) {
 }
 
 // messagesChat translates a Messages request into a chat request. Errors are 400s
-// naming the field.
-func messagesChat(req *wire.MessagesRequest) (*wire.ChatRequest, *apiError) {
-	system, bad, ok := textParts(req.System, "text")
-	if !ok {
-		return nil, invalidParam("system", "system: expected a string or text blocks, got a block of type %q", bad)
+// naming the field. Server tools (a tool whose type names one of Anthropic's own, such
+// as web_search_20250305) cannot run here: they are left out of the prompt and named in
+// ignored, for the X-PolyKV-Ignored-Tools header.
+func messagesChat(req *wire.MessagesRequest) (creq *wire.ChatRequest, ignored []string, e *apiError) {
+	system, e := anthropicSystem(req.System)
+	if e != nil {
+		return nil, nil, e
 	}
 	if isNull(req.Messages) {
-		return nil, invalidParam("messages", "messages: Field required")
+		return nil, nil, invalidParam("messages", "messages: Field required")
 	}
 	var msgs []wire.AnthropicMessage
 	if err := json.Unmarshal(req.Messages, &msgs); err != nil || len(msgs) == 0 {
-		return nil, invalidParam("messages", "messages: expected a non-empty array of {role, content}")
+		return nil, nil, invalidParam("messages", "messages: expected a non-empty array of {role, content}")
+	}
+	keepFrom, e := thinkingKeptFrom(req.ContextManagement, msgs)
+	if e != nil {
+		return nil, nil, e
 	}
 	c := newConvo(nil, nil)
 	for i, m := range msgs {
-		if e := anthropicMessage(c, i, m); e != nil {
-			return nil, e
+		if e := anthropicMessage(c, i, m, i >= keepFrom); e != nil {
+			return nil, nil, e
 		}
 	}
-	creq := &wire.ChatRequest{GenParams: req.GenParams, Messages: chatMessages(&system, c.msgs)}
+	creq = &wire.ChatRequest{GenParams: req.GenParams, Messages: chatMessages(&system, c.msgs)}
 	if req.StopSequences != nil {
 		creq.Stop, _ = json.Marshal(req.StopSequences)
 	}
-	tools := make([]chatToolFunc, len(req.Tools))
+	tools := make([]chatToolFunc, 0, len(req.Tools))
 	for i, t := range req.Tools {
 		if t.Type != "" && t.Type != "custom" {
-			return nil, invalidParam(fmt.Sprintf("tools.%d.type", i), "tools.%d: server tool %q is not supported (client tools only)", i, t.Type)
+			ignored = append(ignored, t.Type)
+			continue
 		}
 		if !toolNameRE.MatchString(t.Name) {
-			return nil, invalidParam(fmt.Sprintf("tools.%d.name", i), "tools.%d.name: %q must be 1-64 letters, digits, _ or -", i, t.Name)
+			return nil, nil, invalidParam(fmt.Sprintf("tools.%d.name", i), "tools.%d.name: %q must be 1-64 letters, digits, _ or -", i, t.Name)
 		}
-		tools[i] = chatToolFunc{Name: t.Name, Description: t.Description, Parameters: t.InputSchema}
+		tools = append(tools, chatToolFunc{Name: t.Name, Description: t.Description, Parameters: t.InputSchema})
 	}
 	creq.Tools = chatTools(tools)
-	var e *apiError
 	if creq.ToolChoice, e = anthropicToolChoice(req.ToolChoice); e != nil {
-		return nil, e
+		return nil, nil, e
 	}
 	if t := req.Thinking; t != nil {
 		switch t.Type {
-		case "enabled":
+		case "enabled", "adaptive":
 			creq.ChatTemplateKwargs = json.RawMessage(`{"enable_thinking": true}`)
 		case "disabled":
 			creq.ChatTemplateKwargs = json.RawMessage(`{"enable_thinking": false}`)
 		default:
-			return nil, invalidParam("thinking.type", "thinking.type: %q is not one of enabled, disabled", t.Type)
+			return nil, nil, invalidParam("thinking.type", "thinking.type: %q is not one of enabled, adaptive, disabled", t.Type)
 		}
 	}
-	return creq, nil
+	if oc := req.OutputConfig; oc != nil && oc.Effort != "" {
+		switch oc.Effort {
+		case "low", "medium", "high":
+			creq.ReasoningEffort = &oc.Effort
+		case "max":
+			high := "high" // the templates' highest effort
+			creq.ReasoningEffort = &high
+		default:
+			return nil, nil, invalidParam("output_config.effort", "output_config.effort: %q is not one of low, medium, high, max", oc.Effort)
+		}
+	}
+	if creq.SessionID == nil {
+		creq.SessionID = claudeCodeSession(req.Metadata)
+	}
+	return creq, ignored, nil
+}
+
+// billingHeaderPrefix starts the system block Claude Code puts before everything else
+// in every request ("x-anthropic-billing-header: cc_version=2.1.328.28b; cc_entrypoint=
+// ..."). It is metadata for Anthropic's billing, not prompt, and its last part changes
+// from run to run: kept, it would be the first tokens of every prompt and no two
+// sessions would share more than the template's first few tokens (measured in
+// docs/agents.md). It is dropped before rendering.
+const billingHeaderPrefix = "x-anthropic-billing-header:"
+
+// anthropicSystem joins the system member (a string or text blocks), leaving out
+// Claude Code's billing header block.
+func anthropicSystem(raw json.RawMessage) (string, *apiError) {
+	var blocks []wire.AnthropicBlock
+	if json.Unmarshal(raw, &blocks) == nil {
+		var b strings.Builder
+		for i, bl := range blocks {
+			if bl.Type != "text" || bl.Text == nil {
+				return "", invalidParam(fmt.Sprintf("system.%d.type", i), "system: expected a string or text blocks, got a block of type %q", bl.Type)
+			}
+			if strings.HasPrefix(*bl.Text, billingHeaderPrefix) {
+				continue
+			}
+			b.WriteString(*bl.Text)
+		}
+		return b.String(), nil
+	}
+	system, bad, ok := textParts(raw, "text")
+	if !ok {
+		return "", invalidParam("system", "system: expected a string or text blocks, got a block of type %q", bad)
+	}
+	return system, nil
+}
+
+// thinkingKeptFrom reads context_management: with clear_thinking_20251015, the thinking
+// blocks of all but the last keep assistant turns are left out of the prompt (keep: one
+// turn when absent, "all", or {type: thinking_turns, value: N}). It returns the index of
+// the first message whose thinking is kept. Other edit types are refused: clearing tool
+// results needs token thresholds PolyKV does not implement, and ignoring the edit would
+// send a prompt other than the one the client asked for.
+func thinkingKeptFrom(cm *wire.AnthropicContextManagement, msgs []wire.AnthropicMessage) (int, *apiError) {
+	if cm == nil {
+		return 0, nil
+	}
+	from := 0
+	for i, ed := range cm.Edits {
+		field := fmt.Sprintf("context_management.edits.%d", i)
+		if ed.Type != "clear_thinking_20251015" {
+			return 0, invalidParam(field+".type", "%s.type: %q is not supported (clear_thinking_20251015 is)", field, ed.Type)
+		}
+		keep := 1
+		var all string
+		var turns struct {
+			Type  string `json:"type"`
+			Value *int   `json:"value"`
+		}
+		switch {
+		case isNull(ed.Keep):
+		case json.Unmarshal(ed.Keep, &all) == nil && all == "all":
+			continue
+		case json.Unmarshal(ed.Keep, &turns) == nil && turns.Type == "thinking_turns" && turns.Value != nil && *turns.Value >= 1:
+			keep = *turns.Value
+		default:
+			return 0, invalidParam(field+".keep", `%s.keep: expected "all" or {"type": "thinking_turns", "value": N >= 1}`, field)
+		}
+		// Fewer assistant turns than kept: nothing is cleared.
+		seen := 0
+		for j := len(msgs) - 1; j >= 0; j-- {
+			if msgs[j].Role == "assistant" {
+				if seen++; seen == keep {
+					from = max(from, j)
+					break
+				}
+			}
+		}
+	}
+	return from, nil
+}
+
+// claudeCodeSession is the session Claude Code names in metadata.user_id, a JSON string
+// {"device_id": ..., "account_uuid": ..., "session_id": ...}: nil when there is none.
+// Any other user_id is an opaque end-user id, not a session.
+func claudeCodeSession(metadata json.RawMessage) *string {
+	var md struct {
+		UserID string `json:"user_id"`
+	}
+	if json.Unmarshal(metadata, &md) != nil || md.UserID == "" {
+		return nil
+	}
+	var id struct {
+		SessionID string `json:"session_id"`
+	}
+	if json.Unmarshal([]byte(md.UserID), &id) != nil || id.SessionID == "" {
+		return nil
+	}
+	return &id.SessionID
 }
 
 // anthropicMessage adds one message: a user turn's tool_result blocks become tool
 // messages (before its text), an assistant turn's thinking, text and tool_use blocks
 // one assistant message.
-func anthropicMessage(c *convo, i int, m wire.AnthropicMessage) *apiError {
+func anthropicMessage(c *convo, i int, m wire.AnthropicMessage, keepThinking bool) *apiError {
+	if m.Role == "system" {
+		// Claude Code sends its environment block this way, after the first user
+		// message. It stays a system message where it stands: the template renders it
+		// there, or refuses the conversation (a 400 naming the template).
+		text, bad, ok := textParts(m.Content, "text")
+		if !ok {
+			return invalidParam(fmt.Sprintf("messages.%d.content", i), "messages.%d.content: a system message takes a string or text blocks, got a block of type %q", i, bad)
+		}
+		c.say("system", text)
+		return nil
+	}
 	if m.Role != "user" && m.Role != "assistant" {
-		return invalidParam(fmt.Sprintf("messages.%d.role", i), "messages.%d.role: %q is not one of user, assistant", i, m.Role)
+		return invalidParam(fmt.Sprintf("messages.%d.role", i), "messages.%d.role: %q is not one of user, assistant, system", i, m.Role)
 	}
 	var text string
 	if json.Unmarshal(m.Content, &text) == nil {
@@ -126,7 +255,7 @@ func anthropicMessage(c *convo, i int, m wire.AnthropicMessage) *apiError {
 		case b.Type == "text" && b.Text != nil:
 			said = append(said, *b.Text)
 		case b.Type == "thinking" && m.Role == "assistant":
-			if b.Thinking != nil {
+			if b.Thinking != nil && keepThinking {
 				c.think(*b.Thinking)
 			}
 		case b.Type == "redacted_thinking" && m.Role == "assistant":

@@ -54,7 +54,7 @@ func normalize(b []byte) []byte {
 
 // goldenHeaders are the reply headers a client may read.
 var goldenHeaders = []string{"Content-Type", "Allow", "Retry-After", "Trailer", "WWW-Authenticate", "X-Pool-Id",
-	"X-Cached-Prefix-Tokens", "X-Sessions-Remaining", "X-Polykv-Reservation", "X-Polykv-Warning"}
+	"X-Cached-Prefix-Tokens", "X-Sessions-Remaining", "X-Polykv-Reservation", "X-Polykv-Warning", "X-Polykv-Ignored-Tools"}
 
 func toolServerScript() []engine.Token {
 	return append(enginetest.Bytes(`<think>hm</think><tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>`), enginetest.EOG)
@@ -146,7 +146,7 @@ func goldenCases() (main, tools, keyed []goldenCase) {
 		{name: "completion_shared_prefix_no_pool", method: "POST", path: "/v1/completions", body: text(map[string]any{"shared_prefix_n_tokens": 3})},
 		{name: "completion_shared_prefix_negative", method: "POST", path: "/v1/completions", body: text(map[string]any{"pool_id": 1, "shared_prefix_n_tokens": -3})},
 		{name: "completion_reservation_no_pool", method: "POST", path: "/v1/completions", body: text(map[string]any{"reservation_id": "r"})},
-		{name: "completion_max_tokens_over_ctx", method: "POST", path: "/v1/completions", body: text(map[string]any{"max_completion_tokens": 100000})},
+		{name: "completion_max_tokens_over_ctx", method: "POST", path: "/v1/completions", body: text(map[string]any{"max_completion_tokens": 100000})}, // capped at the context
 		{name: "completion_bad_top_p", method: "POST", path: "/v1/completions", body: text(map[string]any{"top_p": 1.5, "top_k": -1})},
 		{name: "completion_bad_top_k", method: "POST", path: "/v1/completions", body: text(map[string]any{"top_k": -1, "min_p": 2})},
 		{name: "completion_bad_min_p", method: "POST", path: "/v1/completions", body: text(map[string]any{"min_p": 2, "presence_penalty": 3})},
@@ -228,7 +228,18 @@ func goldenCases() (main, tools, keyed []goldenCase) {
 		{name: "responses_unknown_previous", method: "POST", path: "/v1/responses", body: resp(map[string]any{"previous_response_id": "resp_nope"})},
 		{name: "responses_bad_max_output", method: "POST", path: "/v1/responses", body: resp(map[string]any{"max_output_tokens": 0})},
 		{name: "responses_bad_format", method: "POST", path: "/v1/responses", body: resp(map[string]any{"text": map[string]any{"format": map[string]any{"type": "xml"}}})},
-		{name: "responses_bad_tool", method: "POST", path: "/v1/responses", body: resp(map[string]any{"tools": []any{map[string]any{"type": "web_search"}}})},
+		{name: "responses_builtin_tool_ignored", method: "POST", path: "/v1/responses", body: resp(map[string]any{"tools": []any{map[string]any{"type": "web_search"}}})},
+		{name: "responses_bad_namespace", method: "POST", path: "/v1/responses", body: resp(map[string]any{"tools": []any{map[string]any{"type": "namespace", "name": "ns",
+			"tools": []any{map[string]any{"type": "web_search"}}}}})},
+		{name: "responses_foreign_encrypted_reasoning", method: "POST", path: "/v1/responses", body: resp(map[string]any{"input": []any{
+			map[string]any{"type": "reasoning", "summary": []any{}, "encrypted_content": "gAAAAAB-not-ours"}, map[string]any{"role": "user", "content": "hi"}}})},
+		{name: "responses_codex_shape", method: "POST", path: "/v1/responses", body: resp(map[string]any{"store": false, "prompt_cache_key": "thread-1",
+			"include": []string{"reasoning.encrypted_content"}, "reasoning": map[string]any{"summary": "auto"}, "parallel_tool_calls": true,
+			"client_metadata": map[string]any{"turn_id": "t1"}, "input": []any{
+				map[string]any{"type": "message", "role": "developer", "content": []any{map[string]any{"type": "input_text", "text": "be precise"}}},
+				map[string]any{"type": "message", "role": "developer", "content": []any{map[string]any{"type": "input_text", "text": "skills"}}},
+				map[string]any{"type": "message", "role": "user", "content": []any{map[string]any{"type": "input_text", "text": "<environment_context/>"}}},
+				map[string]any{"type": "message", "role": "user", "content": []any{map[string]any{"type": "input_text", "text": "hi"}}}}})},
 		{name: "responses_get_missing", method: "GET", path: "/v1/responses/resp_nope"},
 		{name: "responses_delete_missing", method: "DELETE", path: "/v1/responses/resp_nope"},
 		{name: "messages", method: "POST", path: "/v1/messages", body: msg(nil)},
@@ -241,7 +252,21 @@ func goldenCases() (main, tools, keyed []goldenCase) {
 			"content": []any{map[string]any{"type": "tool_result", "tool_use_id": "toolu_1", "content": "42"}}}}})},
 		{name: "messages_bad_block", method: "POST", path: "/v1/messages", body: msg(map[string]any{"messages": []any{map[string]any{"role": "user",
 			"content": []any{map[string]any{"type": "image", "source": map[string]any{}}}}}})},
-		{name: "messages_bad_role", method: "POST", path: "/v1/messages", body: msg(map[string]any{"messages": []any{map[string]any{"role": "system", "content": "x"}}})},
+		{name: "messages_bad_role", method: "POST", path: "/v1/messages", body: msg(map[string]any{"messages": []any{map[string]any{"role": "tool", "content": "x"}}})},
+		{name: "messages_claude_code_shape", method: "POST", path: "/v1/messages?beta=true", header: []string{"Anthropic-Beta", "claude-code-20250219,context-management-2025-06-27"},
+			body: msg(map[string]any{"max_tokens": 32000, "system": []any{
+				map[string]any{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.328.28b; cc_entrypoint=sdk-cli;"},
+				map[string]any{"type": "text", "text": "You are an agent.", "cache_control": map[string]any{"type": "ephemeral"}}},
+				"messages": []any{map[string]any{"role": "user", "content": []any{map[string]any{"type": "text", "text": "<system-reminder>r</system-reminder>"}}},
+					map[string]any{"role": "system", "content": []any{map[string]any{"type": "text", "text": "# Environment"}}},
+					map[string]any{"role": "user", "content": "hi"}},
+				"thinking": map[string]any{"type": "adaptive", "display": "omitted"}, "output_config": map[string]any{"effort": "high"},
+				"context_management": map[string]any{"edits": []any{map[string]any{"type": "clear_thinking_20251015", "keep": "all"}}},
+				"metadata": map[string]any{"user_id": `{"device_id":"d","account_uuid":"","session_id":"cc-session-1"}`},
+				"tools": []any{map[string]any{"type": "web_search_20250305", "name": "web_search"}}})},
+		{name: "messages_bad_context_edit", method: "POST", path: "/v1/messages", body: msg(map[string]any{"context_management": map[string]any{"edits": []any{
+			map[string]any{"type": "clear_tool_uses_20250919"}}}})},
+		{name: "messages_bad_effort", method: "POST", path: "/v1/messages", body: msg(map[string]any{"output_config": map[string]any{"effort": "extreme"}})},
 		{name: "messages_malformed", method: "POST", path: "/v1/messages", body: `{"messages": `},
 		{name: "messages_too_long", method: "POST", path: "/v1/messages", body: msg(map[string]any{"messages": []map[string]any{{"role": "user", "content": strings.Repeat("x", 600)}}})},
 		{name: "route_404", method: "GET", path: "/no/such/route"},
@@ -261,6 +286,8 @@ func goldenCases() (main, tools, keyed []goldenCase) {
 		{name: "tools_pool", method: "POST", path: "/polykv/pools", body: map[string]any{"messages": chatMsgs, "tools": weatherTools}},
 		{name: "responses_tools", method: "POST", path: "/v1/responses", body: resp(map[string]any{"tools": responseTools, "max_output_tokens": 200})},
 		{name: "responses_tools_stream", method: "POST", path: "/v1/responses", body: resp(map[string]any{"tools": responseTools, "max_output_tokens": 200, "stream": true})},
+		{name: "responses_namespace_call", method: "POST", path: "/v1/responses", body: resp(map[string]any{"max_output_tokens": 200, "tools": []any{
+			map[string]any{"type": "namespace", "name": "weather_v1", "description": "Weather tools.", "tools": responseTools}}})},
 		{name: "responses_tools_named", method: "POST", path: "/v1/responses", body: resp(map[string]any{"tools": responseTools, "max_output_tokens": 200,
 			"tool_choice": map[string]any{"type": "function", "name": "get_weather"}})},
 		{name: "messages_tools", method: "POST", path: "/v1/messages", body: msg(map[string]any{"tools": anthropicTools, "max_tokens": 200})},

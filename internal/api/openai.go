@@ -228,7 +228,11 @@ func (s *Server) maxTokens(g *wire.GenParams) (int, *apiError) {
 		case *f.v < 1 && *f.v != -1:
 			return 0, invalidParam(f.name, "Invalid '%s': integer below minimum value. Expected a value >= 1, but got %d instead.", f.name, *f.v)
 		case *f.v > s.info.NCtx:
-			return 0, invalidParam(f.name, "Invalid '%s': %d exceeds the context size %d.", f.name, *f.v, s.info.NCtx)
+			// More than the context can ever hold: generation stops where the context
+			// ends, with finish reason length (stop reason max_tokens), as it would at
+			// any max_tokens the context does not leave room for. Agent CLIs send their
+			// model's limit (Claude Code: 32,000) whatever the server's context.
+			n = s.info.NCtx
 		case *f.v > 0:
 			n = *f.v
 		default: // -1

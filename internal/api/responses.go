@@ -1,9 +1,11 @@
 package api
 
 import (
+	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/polykv/polykv/internal/api/wire"
@@ -23,6 +25,9 @@ type responseTurn struct {
 	history []chatTurnMsg // the conversation before the reply (instructions left out)
 	calls   map[string]string
 	session string
+	tools   responseToolSet
+	// encrypted: the request's include asks for reasoning.encrypted_content.
+	encrypted bool
 }
 
 func (s *Server) handleResponses(w http.ResponseWriter, r *http.Request) {
@@ -36,6 +41,7 @@ func (s *Server) handleResponses(w http.ResponseWriter, r *http.Request) {
 		writeAPIError(w, e)
 		return
 	}
+	ignoredToolsHeader(w, turn.tools.ignored)
 	sh := &responsesShape{s: s, resp: responseSkeleton(s, id, req, creq), turn: turn}
 	s.submitChat(w, r, creq, generation{k: kindChat, id: id, shape: sh})
 }
@@ -44,7 +50,11 @@ func (s *Server) handleResponses(w http.ResponseWriter, r *http.Request) {
 // continues, its input items, instructions, tools, tool_choice, text.format,
 // reasoning.effort and max_output_tokens. Errors are 400s naming the field.
 func (s *Server) responsesChat(id string, req *wire.ResponsesRequest) (*wire.ChatRequest, *responseTurn, *apiError) {
-	turn := &responseTurn{store: req.Store == nil || *req.Store}
+	turn := &responseTurn{store: req.Store == nil || *req.Store, encrypted: contains(req.Include, "reasoning.encrypted_content")}
+	var e *apiError
+	if turn.tools, e = responseTools(req.Tools); e != nil {
+		return nil, nil, e
+	}
 	c := newConvo(nil, nil)
 	if p := req.PreviousResponseID; p != nil {
 		prev := s.responses.get(*p)
@@ -54,7 +64,7 @@ func (s *Server) responsesChat(id string, req *wire.ResponsesRequest) (*wire.Cha
 		c = newConvo(prev.history, prev.calls)
 		turn.session = prev.session
 	}
-	if e := responseInput(c, req.Input); e != nil {
+	if e := responseInput(c, req.Input, &turn.tools); e != nil {
 		return nil, nil, e
 	}
 	turn.history, turn.calls = c.msgs, c.calls
@@ -63,6 +73,11 @@ func (s *Server) responsesChat(id string, req *wire.ResponsesRequest) (*wire.Cha
 	switch {
 	case g.SessionID != nil: // the client's own session wins
 	case turn.session != "":
+		g.SessionID = &turn.session
+	case req.PromptCacheKey != nil && *req.PromptCacheKey != "":
+		// Codex names its conversation here; a store: false client sends the whole
+		// history each turn, and its session holds it in cells.
+		turn.session = *req.PromptCacheKey
 		g.SessionID = &turn.session
 	case turn.store:
 		// A new chain: its session is named after its first response, so the next
@@ -74,15 +89,12 @@ func (s *Server) responsesChat(id string, req *wire.ResponsesRequest) (*wire.Cha
 		turn.session = *g.SessionID
 	}
 	if v := req.MaxOutputTokens; v != nil {
-		if *v < 1 || *v > s.info.NCtx {
-			return nil, nil, invalidParam("max_output_tokens", "Invalid 'max_output_tokens': %d is not in [1, %d] (the context size).", *v, s.info.NCtx)
+		if *v < 1 {
+			return nil, nil, invalidParam("max_output_tokens", "Invalid 'max_output_tokens': integer below minimum value. Expected a value >= 1, but got %d instead.", *v)
 		}
-		g.MaxTokens, g.MaxCompletionTokens = v, nil
+		g.MaxTokens, g.MaxCompletionTokens = v, nil // over the context: capped (maxTokens)
 	}
-	var e *apiError
-	if creq.Tools, e = responseTools(req.Tools); e != nil {
-		return nil, nil, e
-	}
+	creq.Tools = chatTools(turn.tools.chat)
 	if creq.ToolChoice, e = responseToolChoice(req.ToolChoice); e != nil {
 		return nil, nil, e
 	}
@@ -96,7 +108,7 @@ func (s *Server) responsesChat(id string, req *wire.ResponsesRequest) (*wire.Cha
 }
 
 // responseInput adds input (a string, or an array of items) to the conversation.
-func responseInput(c *convo, raw json.RawMessage) *apiError {
+func responseInput(c *convo, raw json.RawMessage, tools *responseToolSet) *apiError {
 	if isNull(raw) {
 		return invalidParam("input", "Missing required parameter: 'input'.")
 	}
@@ -114,7 +126,7 @@ func responseInput(c *convo, raw json.RawMessage) *apiError {
 		if err := json.Unmarshal(rawItem, &it); err != nil {
 			return invalidParam(fmt.Sprintf("input[%d]", i), "Invalid 'input[%d]': expected an input item object.", i)
 		}
-		if e := responseItem(c, i, &it); e != nil {
+		if e := responseItem(c, i, &it, tools); e != nil {
 			return e
 		}
 	}
@@ -122,7 +134,7 @@ func responseInput(c *convo, raw json.RawMessage) *apiError {
 }
 
 // responseItem adds one input item (or, for a stored reply, one output item).
-func responseItem(c *convo, i int, it *wire.ResponseInputItem) *apiError {
+func responseItem(c *convo, i int, it *wire.ResponseInputItem, tools *responseToolSet) *apiError {
 	field := func(name string) string { return fmt.Sprintf("input[%d].%s", i, name) }
 	typ := it.Type
 	if typ == "" && it.Role != "" {
@@ -144,7 +156,7 @@ func responseItem(c *convo, i int, it *wire.ResponseInputItem) *apiError {
 		if it.CallID == "" || it.Name == "" {
 			return invalidParam(field("call_id"), "Invalid '%s': a function_call needs call_id and name.", field("call_id"))
 		}
-		c.call(it.CallID, it.Name, it.Arguments)
+		c.call(it.CallID, tools.modelName(it.Namespace, it.Name), it.Arguments)
 	case "function_call_output":
 		out, bad, ok := textParts(it.Output, "input_text", "output_text", "text")
 		if !ok {
@@ -155,6 +167,12 @@ func responseItem(c *convo, i int, it *wire.ResponseInputItem) *apiError {
 		}
 	case "reasoning":
 		text, _, _ := textParts(it.Content, "reasoning_text")
+		if text == "" && it.EncryptedContent != "" {
+			var ok bool
+			if text, ok = openReasoning(it.EncryptedContent); !ok {
+				return invalidParam(field("encrypted_content"), "Invalid '%s': not reasoning this server returned (it reads only its own encrypted_content).", field("encrypted_content"))
+			}
+		}
 		if text == "" {
 			for _, p := range it.Summary {
 				if p.Text != nil {
@@ -169,19 +187,102 @@ func responseItem(c *convo, i int, it *wire.ResponseInputItem) *apiError {
 	return nil
 }
 
-// responseTools converts function tools to chat's shape.
-func responseTools(tools []wire.ResponseTool) (json.RawMessage, *apiError) {
-	out := make([]chatToolFunc, len(tools))
-	for i, t := range tools {
-		if t.Type != "function" {
-			return nil, invalidParam(fmt.Sprintf("tools[%d].type", i), "Invalid 'tools[%d].type': only function tools are supported, got %q.", i, t.Type)
+// responseToolSet is a Responses request's tools as the model sees them: function
+// tools as they are, the functions of namespace tools (Codex's multi_agent_v1 holds its
+// sub-agent functions) flattened beside them, and built-in tools the server cannot run
+// (web_search, file_search, ...) left out and named in ignored.
+type responseToolSet struct {
+	chat    []chatToolFunc
+	ns      map[string]nsFunc // a flattened function's model name -> its namespace and name
+	byNS    map[nsFunc]string // the reverse
+	ignored []string
+}
+
+// nsFunc is a function of a namespace tool.
+type nsFunc struct{ namespace, name string }
+
+// responseTools reads tools. A namespace function keeps its own name for the model
+// unless another tool has that name; then it is namespace__name. Either way a call of it
+// is returned with its namespace and own name, as the client declared it.
+func responseTools(tools []wire.ResponseTool) (responseToolSet, *apiError) {
+	set := responseToolSet{ns: map[string]nsFunc{}, byNS: map[nsFunc]string{}}
+	taken := map[string]int{}
+	for _, t := range tools {
+		taken[t.Name]++
+		for _, f := range t.Tools {
+			taken[f.Name]++
 		}
-		if !toolNameRE.MatchString(t.Name) {
-			return nil, invalidParam(fmt.Sprintf("tools[%d].name", i), "Invalid 'tools[%d].name': %q must be 1-64 letters, digits, _ or -.", i, t.Name)
-		}
-		out[i] = chatToolFunc{Name: t.Name, Description: t.Description, Parameters: t.Parameters}
 	}
-	return chatTools(out), nil
+	for i, t := range tools {
+		switch t.Type {
+		case "function":
+			if !toolNameRE.MatchString(t.Name) {
+				return set, invalidParam(fmt.Sprintf("tools[%d].name", i), "Invalid 'tools[%d].name': %q must be 1-64 letters, digits, _ or -.", i, t.Name)
+			}
+			set.chat = append(set.chat, chatToolFunc{Name: t.Name, Description: t.Description, Parameters: t.Parameters})
+		case "namespace":
+			for j, f := range t.Tools {
+				if f.Type != "function" || !toolNameRE.MatchString(f.Name) || !toolNameRE.MatchString(t.Name) {
+					return set, invalidParam(fmt.Sprintf("tools[%d].tools[%d]", i, j), "Invalid 'tools[%d].tools[%d]': a namespace holds function tools named with 1-64 letters, digits, _ or -.", i, j)
+				}
+				name := f.Name
+				if taken[name] > 1 {
+					name = t.Name + "__" + f.Name
+				}
+				set.ns[name], set.byNS[nsFunc{t.Name, f.Name}] = nsFunc{t.Name, f.Name}, name
+				desc := f.Description
+				if t.Description != "" {
+					desc = t.Description + " " + desc
+				}
+				set.chat = append(set.chat, chatToolFunc{Name: name, Description: desc, Parameters: f.Parameters})
+			}
+		default:
+			set.ignored = append(set.ignored, t.Type)
+		}
+	}
+	return set, nil
+}
+
+// modelName is the name the model knows a declared function by (a call item's namespace
+// and name, as the client sends it back).
+func (set *responseToolSet) modelName(namespace, name string) string {
+	if n, ok := set.byNS[nsFunc{namespace, name}]; ok {
+		return n
+	}
+	return name
+}
+
+// clientName is a call's function as the client declared it: its namespace ("" for a
+// plain function) and name.
+func (set *responseToolSet) clientName(model string) (namespace, name string) {
+	if f, ok := set.ns[model]; ok {
+		return f.namespace, f.name
+	}
+	return "", model
+}
+
+// reasoningSeal prefixes the reasoning PolyKV returns as encrypted_content. It is the
+// reasoning text in base64, not encrypted: the field exists so that a client that stores
+// nothing on the server (store: false) can hand the reasoning back, and a local server
+// has no secret to keep from the client that generated it.
+const reasoningSeal = "polykv-reasoning-v1:"
+
+// sealReasoning is text as encrypted_content.
+func sealReasoning(text string) string {
+	return reasoningSeal + base64.StdEncoding.EncodeToString([]byte(text))
+}
+
+// openReasoning reads encrypted_content that sealReasoning wrote.
+func openReasoning(sealed string) (string, bool) {
+	rest, ok := strings.CutPrefix(sealed, reasoningSeal)
+	if !ok {
+		return "", false
+	}
+	b, err := base64.StdEncoding.DecodeString(rest)
+	if err != nil {
+		return "", false
+	}
+	return string(b), true
 }
 
 // responseToolChoice converts tool_choice ({type: "function", name} names one).

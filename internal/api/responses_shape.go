@@ -155,8 +155,9 @@ func (r *responsesShape) content(text string) {
 }
 
 func (r *responsesShape) callStart(callID, name string) {
+	namespace, name := r.turn.tools.clientName(name)
 	r.openItem("function_call", func(id string) wire.ResponseOutputItem {
-		return &wire.ResponseFunctionCall{ID: id, Type: "function_call", Status: "in_progress", CallID: callID, Name: name}
+		return &wire.ResponseFunctionCall{ID: id, Type: "function_call", Status: "in_progress", CallID: callID, Name: name, Namespace: namespace}
 	})
 }
 
@@ -204,6 +205,9 @@ func (r *responsesShape) closeItem() {
 		r.partEvent("response.content_part.done", id, wire.ResponseEvent{Part: part})
 		done := *it
 		done.Status, done.Content = "completed", []wire.ResponseInputPart{part}
+		if r.turn.encrypted {
+			done.EncryptedContent = ptr(sealReasoning(text))
+		}
 		r.open = &done
 	case *wire.ResponseFunctionCall:
 		r.emit(wire.ResponseEvent{Type: "response.function_call_arguments.done", OutputIndex: ptr(len(r.resp.Output)), ItemID: id, Name: it.Name, Arguments: &text})

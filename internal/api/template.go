@@ -3,6 +3,7 @@ package api
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"net/http"
 
 	"github.com/polykv/polykv/internal/api/wire"
@@ -66,12 +67,20 @@ func (s *Server) renderChat(msgs []chat.Message, tools []chat.Tool, addGen bool,
 	if e != nil {
 		return "", e
 	}
-	var text string
-	var err error
-	if r, ok := s.chat.(optsRenderer); ok {
-		text, err = r.RenderOpts(msgs, tools, chat.Options{AddGenerationPrompt: addGen, Kwargs: kw})
-	} else {
-		text, err = s.chat.Render(msgs, tools, addGen)
+	render := func(msgs []chat.Message) (string, error) {
+		if r, ok := s.chat.(optsRenderer); ok {
+			return r.RenderOpts(msgs, tools, chat.Options{AddGenerationPrompt: addGen, Kwargs: kw})
+		}
+		return s.chat.Render(msgs, tools, addGen)
+	}
+	text, err := render(msgs)
+	if errors.Is(err, chat.ErrTemplateRaised) {
+		// A strict template (Gemma's: roles must alternate) refused a conversation the
+		// APIs allow: render it in the shape such templates take (chat.Alternate). A
+		// conversation the alternate shape cannot save keeps the first error.
+		if alt, altErr := render(chat.Alternate(msgs)); altErr == nil {
+			text, err = alt, nil
+		}
 	}
 	if err != nil {
 		return "", renderError(err)

@@ -125,7 +125,7 @@ func forcedCallGrammar(format chat.Format, tools []chat.Tool, named string, para
 	if err != nil {
 		return "", badRequest("tools: %v", err)
 	}
-	g, err = chat.SchemaToGBNF(schema)
+	g, err = chat.ToolSchemaToGBNF(schema)
 	if err != nil {
 		return "", badRequest("tools: a parameters schema cannot be compiled to a grammar: %v", err)
 	}

@@ -2,6 +2,7 @@ package api
 
 import (
 	"encoding/json"
+	"net/http"
 	"strings"
 
 	"github.com/polykv/polykv/internal/api/wire"
@@ -167,4 +168,17 @@ func contains(list []string, s string) bool {
 		}
 	}
 	return false
+}
+
+// IgnoredToolsHeader names the built-in tools of a Messages or Responses request that
+// the server cannot run (web_search, computer use, ...): they are left out of the prompt
+// and named here, rather than the request refused, so a client that offers them still
+// works with the tools it runs itself.
+const IgnoredToolsHeader = "X-PolyKV-Ignored-Tools"
+
+// ignoredToolsHeader sets IgnoredToolsHeader when some tools were left out.
+func ignoredToolsHeader(w http.ResponseWriter, ignored []string) {
+	if len(ignored) > 0 {
+		w.Header().Set(IgnoredToolsHeader, strings.Join(ignored, ", "))
+	}
 }

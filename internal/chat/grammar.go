@@ -26,11 +26,27 @@ import (
 // build leaves out (LLAMA_BUILD_COMMON=OFF, scripts/llama.sh): only the common/chat
 // measurement links it, make commonchat.)
 func SchemaToGBNF(schema []byte) (string, error) {
+	return schemaToGBNF(schema, false)
+}
+
+// ToolSchemaToGBNF is SchemaToGBNF for a tool's parameters: what the grammar cannot
+// express is relaxed rather than refused (the unsupported keywords, a maxLength over
+// 4096, item bounds over 1000 and an unknown type each accept any value of that
+// place), so the grammar accepts a superset of the schema and every call still parses
+// as JSON. A tool is the client's own code, which validates its input anyway: refusing
+// its schema would refuse the whole request (Claude Code's Workflow and Monitor tools
+// carry pattern and maxLength 10,000, for example), while structured output
+// (response_format, SchemaToGBNF) promises a reply the schema accepts and so refuses.
+func ToolSchemaToGBNF(schema []byte) (string, error) {
+	return schemaToGBNF(schema, true)
+}
+
+func schemaToGBNF(schema []byte, relax bool) (string, error) {
 	node, err := parseOrdered(schema)
 	if err != nil {
 		return "", fmt.Errorf("schema is not valid JSON: %w", err)
 	}
-	c := &gbnf{rules: map[string]string{}, root: node}
+	c := &gbnf{rules: map[string]string{}, root: node, relax: relax}
 	root, err := c.visit(node, "root")
 	if err != nil {
 		return "", err
@@ -115,6 +131,9 @@ type gbnf struct {
 	// the family's parser cuts a call at.
 	ban   string
 	until map[string]string // textUntil's start rules by their tags
+	// relax: what cannot be expressed accepts any value instead of failing
+	// (ToolSchemaToGBNF).
+	relax bool
 }
 
 func (c *gbnf) String() string {
@@ -274,6 +293,9 @@ func (c *gbnf) visitObject(s *ordered, name string) (string, error) {
 					continue
 				}
 			}
+			if c.relax {
+				continue // the keyword's constraint is not enforced; the rest is
+			}
 			return "", fmt.Errorf("schema keyword %q is not supported by the grammar compiler", k)
 		}
 	}
@@ -355,6 +377,9 @@ func (c *gbnf) typed(s *ordered, t, name string) (string, error) {
 		if ml, ok := s.vals["maxLength"].(json.Number); ok {
 			n, err := strconv.Atoi(ml.String())
 			if err != nil || n < 0 || n > 4096 {
+				if c.relax {
+					return c.prim("string"), nil
+				}
 				return "", fmt.Errorf("maxLength must be an integer in [0, 4096]")
 			}
 			c.prim("char")
@@ -367,7 +392,10 @@ func (c *gbnf) typed(s *ordered, t, name string) (string, error) {
 	case "array":
 		lo, hi, err := itemBounds(s)
 		if err != nil {
-			return "", err
+			if !c.relax {
+				return "", err
+			}
+			lo, hi = 0, -1
 		}
 		items, ok := s.vals["items"]
 		if !ok && lo == 0 && hi < 0 {
@@ -396,6 +424,9 @@ func (c *gbnf) typed(s *ordered, t, name string) (string, error) {
 		return fmt.Sprintf(`"[" space %s ("," space %s)%s "]" space`, item, item, rest), nil
 	case "object":
 		return c.objectBody(s, name)
+	}
+	if c.relax {
+		return c.prim("value"), nil
 	}
 	return "", fmt.Errorf("unknown type %q", t)
 }

@@ -525,3 +525,40 @@ func TestSchemaGrammarAgreementIsExercised(t *testing.T) {
 		t.Fatalf("only %d of %d generated documents were valid: the generator has drifted from the schemas", checked, runs)
 	}
 }
+
+// A tool's schema relaxes what the grammar cannot express (ToolSchemaToGBNF): the
+// grammar accepts every document the schema accepts (a superset), where SchemaToGBNF
+// (response_format) refuses the schema. The schemas are the shapes of Claude Code's
+// Workflow and Monitor tools that failed requests before (maxLength 10,000, pattern),
+// and the other unsupported keywords.
+func TestToolSchemaRelaxed(t *testing.T) {
+	cases := []struct {
+		schema string
+		ok     []string
+	}{
+		{`{"type":"object","properties":{"script":{"type":"string","maxLength":10000},"name":{"type":"string","pattern":"^[a-z]+$"}},"required":["script"]}`,
+			[]string{`{"script":"echo hi"}`, `{"script":"x","name":"abc"}`}},
+		{`{"type":"object","properties":{"ids":{"type":"array","items":{"type":"integer"},"uniqueItems":true,"maxItems":5000}}}`,
+			[]string{`{}`, `{"ids":[1,2,3]}`}},
+		{`{"type":"object","properties":{"v":{"allOf":[{"type":"string"}],"minLength":3}}}`, []string{`{"v":"abcd"}`}},
+		{`{"type":"object","properties":{"v":{"type":"uuid"}}}`, []string{`{"v":"x"}`, `{"v":1}`}},
+	}
+	for _, c := range cases {
+		if _, err := SchemaToGBNF([]byte(c.schema)); err == nil {
+			t.Errorf("%s: response_format's compiler accepted it (the relaxation is not exercised)", c.schema)
+		}
+		g, err := ToolSchemaToGBNF([]byte(c.schema))
+		if err != nil {
+			t.Fatalf("%s: %v", c.schema, err)
+		}
+		gr, err := parseGBNF(g)
+		if err != nil {
+			t.Fatalf("%s: %v\n%s", c.schema, err, g)
+		}
+		for _, d := range c.ok {
+			if !gr.accepts(d) {
+				t.Errorf("%s: the relaxed grammar refuses %s\n%s", c.schema, d, g)
+			}
+		}
+	}
+}

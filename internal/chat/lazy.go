@@ -37,7 +37,7 @@ func callGrammar(f Format, tools []Tool, parallel, forced bool) (grammar string,
 	if len(tools) == 0 {
 		return "", nil, false, nil
 	}
-	r := &callRules{gbnf: &gbnf{rules: map[string]string{}}, tools: tools, parallel: parallel, forced: forced}
+	r := &callRules{gbnf: &gbnf{rules: map[string]string{}, relax: true}, tools: tools, parallel: parallel, forced: forced}
 	triggers, ok, err = lookup(f).grammar(r)
 	if !ok || err != nil {
 		return "", nil, false, err

@@ -15,12 +15,37 @@ type MessagesRequest struct {
 	ToolChoice    json.RawMessage    `json:"tool_choice"` // AnthropicToolChoice
 	StopSequences []string           `json:"stop_sequences"`
 	Thinking      *AnthropicThinking `json:"thinking"`
-	Metadata      json.RawMessage    `json:"metadata"`
+	// Metadata is {user_id}: Claude Code sends a JSON string there holding its
+	// session_id, which becomes the PolyKV session when nothing else names one.
+	Metadata json.RawMessage `json:"metadata"`
+	// OutputConfig is {effort: low | medium | high | max}: the reasoning effort, given
+	// to the template as reasoning_effort (max as high).
+	OutputConfig *AnthropicOutputConfig `json:"output_config"`
+	// ContextManagement is {edits: [...]}: clear_thinking_20251015 drops the thinking of
+	// older assistant turns before the prompt is rendered.
+	ContextManagement *AnthropicContextManagement `json:"context_management"`
+}
+
+// AnthropicOutputConfig is a Messages request's output_config.
+type AnthropicOutputConfig struct {
+	Effort string `json:"effort"`
+}
+
+// AnthropicContextManagement is a Messages request's context_management.
+type AnthropicContextManagement struct {
+	Edits []AnthropicContextEdit `json:"edits"`
+}
+
+// AnthropicContextEdit is one context edit: its type and, for clear_thinking_20251015,
+// keep ("all" or {type: thinking_turns, value: N}; one turn when absent).
+type AnthropicContextEdit struct {
+	Type string          `json:"type"`
+	Keep json.RawMessage `json:"keep"`
 }
 
 // AnthropicMessage is one message of a Messages request.
 type AnthropicMessage struct {
-	Role    string          `json:"role"`    // user | assistant
+	Role    string          `json:"role"`    // user | assistant | system (Claude Code's mid-conversation system text)
 	Content json.RawMessage `json:"content"` // a string or []AnthropicBlock
 }
 
@@ -58,11 +83,14 @@ type AnthropicToolChoice struct {
 	DisableParallelToolUse bool   `json:"disable_parallel_tool_use"`
 }
 
-// AnthropicThinking is the thinking member: enabled (with a token budget) or disabled.
-// It reaches the chat template as enable_thinking.
+// AnthropicThinking is the thinking member: enabled (with a token budget), adaptive
+// (the model decides how much) or disabled. It reaches the chat template as
+// enable_thinking (adaptive: true). Display ("summarized" | "omitted") is accepted; the
+// reasoning is returned as it was generated.
 type AnthropicThinking struct {
 	Type         string `json:"type"`
 	BudgetTokens int    `json:"budget_tokens"`
+	Display      string `json:"display"`
 }
 
 // AnthropicReply is a Messages answer (and, with empty content, the message of a

@@ -21,6 +21,12 @@ type ResponsesRequest struct {
 	Store              *bool              `json:"store"`
 	PreviousResponseID *string            `json:"previous_response_id"`
 	Metadata           map[string]string  `json:"metadata"`
+	// Include lists extra output to return; "reasoning.encrypted_content" returns each
+	// reasoning item's text in a form the client sends back (store: false clients).
+	Include []string `json:"include"`
+	// PromptCacheKey (Codex sends its conversation id) is the PolyKV session when
+	// session_id and x-session-id name none.
+	PromptCacheKey *string `json:"prompt_cache_key"`
 }
 
 // ResponseInputItem is one item of a Responses input array, all item types in one
@@ -35,10 +41,12 @@ type ResponseInputItem struct {
 	// function_call and function_call_output
 	CallID    string          `json:"call_id"`
 	Name      string          `json:"name"`
+	Namespace string          `json:"namespace"` // a function of a namespace tool
 	Arguments string          `json:"arguments"`
 	Output    json.RawMessage `json:"output"` // a string or input_text parts
 	// reasoning
-	Summary []ResponseInputPart `json:"summary"`
+	Summary          []ResponseInputPart `json:"summary"`
+	EncryptedContent string              `json:"encrypted_content"`
 }
 
 // ResponseInputPart is one content part of an input item (input_text, output_text,
@@ -48,13 +56,15 @@ type ResponseInputPart struct {
 	Text *string `json:"text"`
 }
 
-// ResponseTool is one entry of tools; only function tools are supported.
+// ResponseTool is one entry of tools: a function, or a namespace of functions (Tools);
+// built-in tools (web_search, ...) are read for their type and left out of the prompt.
 type ResponseTool struct {
 	Type        string          `json:"type"`
-	Name        string          `json:"name"`
+	Name        string          `json:"name,omitempty"`
 	Description string          `json:"description,omitempty"`
 	Parameters  json.RawMessage `json:"parameters,omitempty"`
 	Strict      *bool           `json:"strict,omitempty"`
+	Tools       []ResponseTool  `json:"tools,omitempty"` // a namespace's functions
 }
 
 // ResponseText is the text member: the output's format.
@@ -159,6 +169,7 @@ type ResponseFunctionCall struct {
 	Status    string `json:"status"`
 	CallID    string `json:"call_id"`
 	Name      string `json:"name"`
+	Namespace string `json:"namespace,omitempty"` // the namespace tool the function belongs to
 	Arguments string `json:"arguments"`
 }
 
@@ -173,6 +184,9 @@ type ResponseReasoningItem struct {
 	Status  string              `json:"status"`
 	Summary []ResponseInputPart `json:"summary"`
 	Content []ResponseInputPart `json:"content"`
+	// EncryptedContent, when the request's include asks for it, carries the reasoning
+	// for a client that stores nothing on the server and sends it back next turn.
+	EncryptedContent *string `json:"encrypted_content,omitempty"`
 }
 
 // OutputType is "reasoning".
