@@ -262,8 +262,8 @@ func goldenCases() (main, tools, keyed []goldenCase) {
 					map[string]any{"role": "user", "content": "hi"}},
 				"thinking": map[string]any{"type": "adaptive", "display": "omitted"}, "output_config": map[string]any{"effort": "high"},
 				"context_management": map[string]any{"edits": []any{map[string]any{"type": "clear_thinking_20251015", "keep": "all"}}},
-				"metadata": map[string]any{"user_id": `{"device_id":"d","account_uuid":"","session_id":"cc-session-1"}`},
-				"tools": []any{map[string]any{"type": "web_search_20250305", "name": "web_search"}}})},
+				"metadata":           map[string]any{"user_id": `{"device_id":"d","account_uuid":"","session_id":"cc-session-1"}`},
+				"tools":              []any{map[string]any{"type": "web_search_20250305", "name": "web_search"}}})},
 		{name: "messages_bad_context_edit", method: "POST", path: "/v1/messages", body: msg(map[string]any{"context_management": map[string]any{"edits": []any{
 			map[string]any{"type": "clear_tool_uses_20250919"}}}})},
 		{name: "messages_bad_effort", method: "POST", path: "/v1/messages", body: msg(map[string]any{"output_config": map[string]any{"effort": "extreme"}})},
