@@ -69,7 +69,7 @@ func TestMessagesClaudeCodeFields(t *testing.T) {
 	if roles != "system user system user " || *msgs[2].Content != "# Environment" {
 		t.Fatalf("messages: %s", creq.Messages)
 	}
-	if creq.SessionID == nil || *creq.SessionID != "s-1" {
+	if creq.SessionID == nil || !strings.HasPrefix(*creq.SessionID, "s-1/") {
 		t.Fatalf("session: %v", creq.SessionID)
 	}
 	if string(creq.ChatTemplateKwargs) != `{"enable_thinking": true}` || creq.ReasoningEffort == nil || *creq.ReasoningEffort != "high" {
@@ -178,5 +178,54 @@ func TestReasoningSeal(t *testing.T) {
 		if _, ok := openReasoning(bad); ok {
 			t.Errorf("read %q", bad)
 		}
+	}
+}
+
+// One Claude Code session_id, three threads: the main agent's next turn continues its
+// own PolyKV session; a sub-agent (another system prompt and task) and a side request
+// (same system, another first message) each get their own, so none waits for another's
+// sequence or cuts its KV.
+func TestMessagesThreadSessions(t *testing.T) {
+	md := `"metadata": {"user_id": "{\"session_id\":\"cc-1\"}"}`
+	session := func(body string) string {
+		creq, _, e := messagesChat(messagesReq(t, body))
+		if e != nil {
+			t.Fatal(e.msg)
+		}
+		return *creq.SessionID
+	}
+	turn1 := session(`{"max_tokens": 8, "system": "main", "messages": [{"role": "user", "content": "fix the bug"}], ` + md + `}`)
+	turn2 := session(`{"max_tokens": 8, "system": "main", "messages": [{"role": "user", "content": "fix the bug"},
+		{"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {"command": "ls"}}]},
+		{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a.go"}]}], ` + md + `}`)
+	sub := session(`{"max_tokens": 8, "system": "explore agent", "messages": [{"role": "user", "content": "find the bug"}], ` + md + `}`)
+	side := session(`{"max_tokens": 8, "system": "main", "messages": [{"role": "user", "content": "write a title"}], ` + md + `}`)
+	if turn1 != turn2 || !strings.HasPrefix(turn1, "cc-1/") {
+		t.Fatalf("the main thread's turns: %s then %s", turn1, turn2)
+	}
+	if sub == turn1 || side == turn1 || sub == side {
+		t.Fatalf("threads share a session: main %s, sub-agent %s, side %s", turn1, sub, side)
+	}
+}
+
+// max_tokens: --n-predict when the request names none, the request's own otherwise,
+// capped at the context (Claude Code asks for 32,000 whatever the server's context).
+func TestMaxTokensDefaultAndCap(t *testing.T) {
+	s := &Server{info: Info{NCtx: 100, NPredict: 5}}
+	for _, tc := range []struct {
+		g    wire.GenParams
+		want int
+	}{
+		{wire.GenParams{}, 5},
+		{wire.GenParams{MaxTokens: ptr(7)}, 7},
+		{wire.GenParams{MaxTokens: ptr(32000)}, 100},
+		{wire.GenParams{MaxCompletionTokens: ptr(-1)}, 0},
+	} {
+		if n, e := s.maxTokens(&tc.g); e != nil || n != tc.want {
+			t.Errorf("%+v: %d %v, want %d", tc.g, n, e, tc.want)
+		}
+	}
+	if _, e := s.maxTokens(&wire.GenParams{MaxTokens: ptr(0)}); e == nil || e.status != 400 {
+		t.Fatalf("max_tokens 0: %+v", e)
 	}
 }

@@ -119,8 +119,9 @@ func messagesChat(req *wire.MessagesRequest) (creq *wire.ChatRequest, ignored []
 			return nil, nil, invalidParam("output_config.effort", "output_config.effort: %q is not one of low, medium, high, max", oc.Effort)
 		}
 	}
-	if creq.SessionID == nil {
-		creq.SessionID = claudeCodeSession(req.Metadata)
+	if sid := claudeCodeSession(req.Metadata); creq.SessionID == nil && sid != "" {
+		thread := threadSession(sid, system, c.msgs)
+		creq.SessionID = &thread
 	}
 	return creq, ignored, nil
 }
@@ -203,22 +204,22 @@ func thinkingKeptFrom(cm *wire.AnthropicContextManagement, msgs []wire.Anthropic
 }
 
 // claudeCodeSession is the session Claude Code names in metadata.user_id, a JSON string
-// {"device_id": ..., "account_uuid": ..., "session_id": ...}: nil when there is none.
+// {"device_id": ..., "account_uuid": ..., "session_id": ...}: "" when there is none.
 // Any other user_id is an opaque end-user id, not a session.
-func claudeCodeSession(metadata json.RawMessage) *string {
+func claudeCodeSession(metadata json.RawMessage) string {
 	var md struct {
 		UserID string `json:"user_id"`
 	}
 	if json.Unmarshal(metadata, &md) != nil || md.UserID == "" {
-		return nil
+		return ""
 	}
 	var id struct {
 		SessionID string `json:"session_id"`
 	}
-	if json.Unmarshal([]byte(md.UserID), &id) != nil || id.SessionID == "" {
-		return nil
+	if json.Unmarshal([]byte(md.UserID), &id) != nil {
+		return ""
 	}
-	return &id.SessionID
+	return id.SessionID
 }
 
 // anthropicMessage adds one message: a user turn's tool_result blocks become tool

@@ -218,7 +218,7 @@ func poolFields(g *wire.GenParams, req *engine.Request) *apiError {
 // OpenAI clients); -1 stays llama-server's "no limit". max_completion_tokens, OpenAI's
 // newer name, wins when both are sent.
 func (s *Server) maxTokens(g *wire.GenParams) (int, *apiError) {
-	n := 0
+	n := s.info.NPredict
 	for _, f := range []struct {
 		name string
 		v    *int

@@ -76,8 +76,12 @@ func (s *Server) responsesChat(id string, req *wire.ResponsesRequest) (*wire.Cha
 		g.SessionID = &turn.session
 	case req.PromptCacheKey != nil && *req.PromptCacheKey != "":
 		// Codex names its conversation here; a store: false client sends the whole
-		// history each turn, and its session holds it in cells.
-		turn.session = *req.PromptCacheKey
+		// history each turn, and its session holds it in cells (one per thread).
+		instr := ""
+		if req.Instructions != nil {
+			instr = *req.Instructions
+		}
+		turn.session = threadSession(*req.PromptCacheKey, instr, c.msgs)
 		g.SessionID = &turn.session
 	case turn.store:
 		// A new chain: its session is named after its first response, so the next

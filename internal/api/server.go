@@ -58,6 +58,8 @@ type Info struct {
 	MaxPools     int
 	PoolGraceMs  int64
 	BytesPerCell int64
+	// NPredict is --n-predict: max_tokens for a request that names none (0: none).
+	NPredict int
 	// PoolTier is why the pool tier is off although asked for ("" when on or not asked).
 	PoolTier string
 	// SlotSavePath is --slot-save-path ("": slot save/restore off); ModelKey names the

@@ -36,6 +36,9 @@ type Config struct {
 	NUBatch   int // --ubatch; 0: the same as NBatch
 	Threads   int // -t; 0: one per CPU core
 	MaxQueue  int // --queue: requests that may wait; past it, 503
+	// NPredict (--n-predict): the most tokens a request generates when it names no
+	// max_tokens (0: until the context ends). Agent CLIs (Codex) send none.
+	NPredict int
 	// QueueTimeout (--queue-timeout): a request waiting for a sequence, cells or its
 	// pool longer than this gets 503 with Retry-After; 0: no deadline.
 	QueueTimeout time.Duration
@@ -206,6 +209,8 @@ func (c Config) validate() (specPlan, error) {
 		return specPlan{}, fmt.Errorf("--session-ttl and --pool-grace-ms must not be negative")
 	case c.QueueTimeout < 0:
 		return specPlan{}, fmt.Errorf("--queue-timeout must not be negative, got %s", c.QueueTimeout)
+	case c.NPredict < 0:
+		return specPlan{}, fmt.Errorf("--n-predict must not be negative, got %d", c.NPredict)
 	case c.AttachMin < 0:
 		return specPlan{}, fmt.Errorf("--attach-min-tokens must not be negative, got %d", c.AttachMin)
 	case c.ResponsesMax < 0 || c.ResponsesMaxBytes < 0:
@@ -654,6 +659,7 @@ func (o *opening) api() error {
 		MaxPools: cfg.MaxPools, PoolGraceMs: cfg.PoolGrace.Milliseconds(), BytesPerCell: o.ecfg.BytesPerCell,
 	}
 	info.TPSTauMs = cfg.TPSTau.Milliseconds()
+	info.NPredict = cfg.NPredict
 	info.PrefixCache = o.ecfg.PrefixCache
 	info.Spec = o.ecfg.Spec
 	info.Compute = o.off
