@@ -26,8 +26,11 @@ export POLYKV_MODEL ?= $(POLYKV_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 # run on both models read it from here and skip it (or fail under make test) when absent.
 export POLYKV_MODEL_GEMMA ?= $(POLYKV_CACHE)/models/gemma-3-270m-q4_k_m.gguf
 VENV ?= $(POLYKV_CACHE)/venv
+# The agent CLIs (Claude Code, Codex) the tests run headless against a live server.
+AGENTS ?= $(POLYKV_CACHE)/agents
+export POLYKV_AGENTS := $(AGENTS)
 
-.PHONY: build llama llama-tools bump-llama testmodels model templates test lint test-go test-python demo bench venv browser clean env commonchat
+.PHONY: build llama llama-tools bump-llama testmodels model templates test lint test-go test-python demo bench venv agents browser clean env commonchat
 
 # The pinned llama.cpp's static libraries (a no-op once built for this version and CPU target).
 llama:
@@ -55,6 +58,11 @@ templates:
 venv:
 	./scripts/venv.sh "$(VENV)"
 
+# Claude Code and Codex at the versions pinned in scripts/agents/package-lock.json
+# (npm ci into $(AGENTS); a no-op once installed for this lock file).
+agents:
+	./scripts/agents.sh "$(AGENTS)"
+
 # Headless Chromium for the dashboard's browser test (no-op once installed).
 browser:
 	./scripts/install-browser.sh
@@ -71,7 +79,7 @@ testmodels:
 # The log ends with every skipped test and its reason: pytest's (-rs) at the end of
 # test-python, then the Go suite's (cmd/testreport, written by test-go) again. A skip that
 # scripts/skips.allow does not list fails the run (GPU tests on a CPU machine are listed).
-test: build model testmodels templates venv browser test-go test-python
+test: build model testmodels templates venv agents browser test-go test-python
 	@cat bin/go-skips.txt
 
 # Static checks of the Go and C++ code (make test runs them first; each failure fails it):

@@ -109,6 +109,7 @@ func (Vocab) CheckGrammar(string) error { return nil }
 type Backend struct {
 	mu       sync.Mutex
 	script   []engine.Token
+	pick     func(prompt string) []engine.Token // NewBackendFunc's
 	seqLen   map[int]int
 	samplers map[engine.TaskID]*sampler
 	params   []engine.SamplingParams
@@ -118,6 +119,7 @@ type sampler struct {
 	logprobs bool
 	nProbs   int
 	drawn    int
+	script   []engine.Token
 }
 
 var _ engine.Backend = (*Backend)(nil)
@@ -128,6 +130,14 @@ func NewBackend(script []engine.Token) *Backend {
 		panic("enginetest: empty script")
 	}
 	return &Backend{script: script, seqLen: map[int]int{}, samplers: map[engine.TaskID]*sampler{}}
+}
+
+// NewBackendFunc returns a backend whose tasks each sample the script pick returns for
+// their prompt (as text), so a test can play a model that answers a conversation by
+// what it holds: a tool call first, then, with the tool's result in the prompt, a
+// reply (the agent CLIs' tool round trip). pick must not return an empty script.
+func NewBackendFunc(pick func(prompt string) []engine.Token) *Backend {
+	return &Backend{pick: pick, seqLen: map[int]int{}, samplers: map[engine.TaskID]*sampler{}}
 }
 
 // TopLogprob is the fake log-probability of the i-th most likely token.
@@ -156,7 +166,7 @@ func (b *Backend) Decode(batch []engine.BatchEntry) ([]engine.Sampled, error) {
 			out = append(out, engine.Sampled{Token: engine.NotDrawn})
 			continue
 		}
-		tok := b.script[min(s.drawn, len(b.script)-1)]
+		tok := s.script[min(s.drawn, len(s.script)-1)]
 		s.drawn++
 		last[e.Task] = tok
 		smp := engine.Sampled{Token: tok}
@@ -193,7 +203,14 @@ func (b *Backend) SeqCp(src, dst, p0, p1 int) {
 func (b *Backend) NewSampler(task engine.TaskID, p engine.SamplingParams, logprobs bool, history []engine.Token) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.samplers[task] = &sampler{logprobs: logprobs, nProbs: p.NProbs}
+	script := b.script
+	if b.pick != nil {
+		prompt, _ := Vocab{}.Detokenize(history, false, false)
+		if script = b.pick(prompt); len(script) == 0 {
+			panic("enginetest: empty script")
+		}
+	}
+	b.samplers[task] = &sampler{logprobs: logprobs, nProbs: p.NProbs, script: script}
 	b.params = append(b.params, p)
 }
 
