@@ -2,6 +2,7 @@ package tier
 
 import (
 	"cmp"
+	"io"
 	"os"
 	"path/filepath"
 	"slices"
@@ -33,6 +34,48 @@ type Level interface {
 	Oldest(skip func(Key) bool) (Key, bool)
 	// Usage is the bytes and entries stored.
 	Usage() (bytes int64, entries int)
+	// Caps is what the level can do besides the above (LevelCaps).
+	Caps() LevelCaps
+}
+
+// LevelCaps are a level's optional abilities, declared once by the level (nil: it
+// has not that ability), as engine.Caps declares a backend's: the Store asks a field
+// rather than probing the level's type, so what each level offers is in one place and
+// a new level states it instead of matching an interface by accident.
+type LevelCaps struct {
+	// Ends lists, per chunk start, the lengths of the entries stored from there:
+	// Store.partial finds the chunk a prompt only partly continues by them (the shared
+	// directory, the remote store).
+	Ends EndsIndex
+	// Starts lists the entries stored from a chunk start by key, and Head reads an
+	// entry's branch position and tokens without its KV: with both, Store.commonPart
+	// finds the entry sharing the most tokens with a prompt (the shared directory; a
+	// remote store keeps no such list).
+	Starts StartEntries
+	Head   HeadReader
+	// Close releases what the level holds open (the remote store's connections), once
+	// the Store's writer is done with it.
+	Close io.Closer
+}
+
+// EndsIndex is a level that keeps, per chunk start, the lengths of the entries stored
+// from there (partial chunks are found by them). A listed length whose entry is gone,
+// or whose tokens are not the prompt's, is only a Has that says no.
+type EndsIndex interface {
+	// Ends lists the lengths stored under start (StartKey), in no order.
+	Ends(start Key) []int
+}
+
+// StartEntries is a level that lists the entries stored from a chunk start by key.
+type StartEntries interface {
+	// EntriesFrom lists the keys of the entries stored from start (StartKey).
+	EntriesFrom(start Key) []Key
+}
+
+// HeadReader is a level that reads what an entry is the KV of (its head: branch
+// position and tokens, checked to be named by k) without reading the KV itself.
+type HeadReader interface {
+	Head(k Key) (Meta, error)
 }
 
 // clock orders uses across a store's levels (LRU): a counter, so the order does not
@@ -75,6 +118,8 @@ var _ Level = (*ramLevel)(nil)
 func newRAMLevel(c *clock) *ramLevel { return &ramLevel{clock: c, m: map[Key]*ramEntry{}} }
 
 func (l *ramLevel) Location() Location { return RAM }
+
+func (l *ramLevel) Caps() LevelCaps { return LevelCaps{} }
 
 func (l *ramLevel) Has(k Key) bool {
 	l.mu.Lock()
@@ -190,6 +235,8 @@ func newDiskLevel(dir, model string, c *clock) *diskLevel {
 }
 
 func (l *diskLevel) Location() Location { return Disk }
+
+func (l *diskLevel) Caps() LevelCaps { return LevelCaps{} }
 
 func (l *diskLevel) path(k Key) string { return filepath.Join(l.dir, k.String()+".kv") }
 

@@ -210,8 +210,10 @@ func (s *Store) Close() {
 	s.mu.Unlock()
 	<-s.done
 	s.bg.Wait()
-	if c, ok := s.shr.(interface{ Close() error }); ok {
-		_ = c.Close() // the remote store's connections, once the writer is done
+	for _, l := range s.levels() {
+		if c := l.Caps().Close; c != nil {
+			_ = c.Close() // the remote store's connections, once the writer is done
+		}
 	}
 }
 
@@ -446,7 +448,7 @@ func (s *Store) Run(tokens []int32, chunk int) []Meta {
 // new words, finds it only here: without it another replica would prefill up to a
 // chunk less one token of what the fleet holds. Entries are named by a hash of their
 // whole prefix, so the level keeps, per chunk start, the lengths of the entries that
-// start there (endsIndex); each listed length the prompt could continue is asked
+// start there (LevelCaps.Ends); each listed length the prompt could continue is asked
 // like a chunk, longest first, at most maxEnds of them. When none is a prefix of the
 // prompt, the entry from there that shares the most tokens with it (commonPart) is
 // the answer, under its own name: the scheduler loads it whole into a scratch
@@ -454,8 +456,8 @@ func (s *Store) Run(tokens []int32, chunk int) []Meta {
 // replica's own levels are not asked: the scheduler's index already knows what it
 // stored.
 func (s *Store) partial(tokens []int32, k, end int) (Meta, bool) {
-	ix, ok := s.shr.(endsIndex)
-	if !ok || k == 0 || end-k < 2 {
+	ix := s.fleetCaps().Ends
+	if ix == nil || k == 0 || end-k < 2 {
 		return Meta{}, false // at 0 nothing was found: a cold prompt, no conversation to continue
 	}
 	start := StartKey(s.cfg.Model, k, tokens[:k])
@@ -480,22 +482,22 @@ func (s *Store) partial(tokens []int32, k, end int) (Meta, bool) {
 // to be loaded for them (it is read whole: a few shared tokens are not worth a chunk).
 const minCommonPart = 16
 
-// commonPart is the entry stored from chunk start start (startEntries) that shares the
-// most tokens with tokens[k:end], at least minCommonPart: a teammate's chunk holding the
-// end of a system prompt both share, followed by its own question. Its head (position
-// and tokens, not the KV) is read from the level; at most maxEnds of them.
+// commonPart is the entry stored from chunk start start (LevelCaps.Starts) that shares
+// the most tokens with tokens[k:end], at least minCommonPart: a teammate's chunk holding
+// the end of a system prompt both share, followed by its own question. Its head
+// (position and tokens, not the KV) is read from the level; at most maxEnds of them.
 func (s *Store) commonPart(start Key, tokens []int32, k, end int) (Meta, bool) {
-	ix, ok := s.shr.(startEntries)
-	if !ok {
+	c := s.fleetCaps()
+	if c.Starts == nil || c.Head == nil {
 		return Meta{}, false
 	}
 	var best Meta
 	bestN := minCommonPart - 1
-	for i, key := range ix.EntriesFrom(start) {
+	for i, key := range c.Starts.EntriesFrom(start) {
 		if i >= maxEnds {
 			break
 		}
-		m, err := ix.Head(key)
+		m, err := c.Head.Head(key)
 		if err != nil || m.D != k || len(m.Tokens) <= k || !slices.Equal(m.Tokens[:k], tokens[:k]) {
 			continue
 		}
@@ -506,24 +508,9 @@ func (s *Store) commonPart(start Key, tokens []int32, k, end int) (Meta, bool) {
 	return best, bestN >= minCommonPart
 }
 
-// startEntries is a fleet level that lists the entries stored from a chunk start by
-// key and reads an entry's head (the shared directory; a remote store does not).
-type startEntries interface {
-	EntriesFrom(start Key) []Key
-	Head(k Key) (Meta, error)
-}
-
 // maxEnds bounds the lengths partial asks about at one chunk start: many agents whose
 // prompts share a chunk start each stored their own end there.
 const maxEnds = 32
-
-// endsIndex is a fleet level that keeps, per chunk start, the lengths of the entries
-// stored from there (partial chunks are found by them). A listed length whose entry is
-// gone, or whose tokens are not the prompt's, is only a Has that says no.
-type endsIndex interface {
-	// Ends lists the lengths stored under start (StartKey), in no order.
-	Ends(start Key) []int
-}
 
 // Miss counts a lookup or load that could not be used, and logs it once per reason.
 func (s *Store) Miss(pool int, err error) {
@@ -597,6 +584,23 @@ func (s *Store) Stats() Stats {
 		st.Kinds[k] = *v
 	}
 	return st
+}
+
+// levels are the store's levels in the order a lookup asks them: RAM, --pool-dir, then
+// the fleet's level when there is one.
+func (s *Store) levels() []Level {
+	if s.shr == nil {
+		return []Level{s.mem, s.dsk}
+	}
+	return []Level{s.mem, s.dsk, s.shr}
+}
+
+// fleetCaps is the fleet level's abilities (none without a fleet level).
+func (s *Store) fleetCaps() LevelCaps {
+	if s.shr == nil {
+		return LevelCaps{}
+	}
+	return s.shr.Caps()
 }
 
 // ramBytes is what the RAM level holds.
