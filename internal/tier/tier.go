@@ -108,16 +108,21 @@ func FileSHA256(path string) (string, error) {
 	return sum, nil
 }
 
-// Store is the tier: a RAM level and a disk level (levels.go) and the policy over them.
+// Store is the tier: its levels (levels.go) and the policy over them. It holds each
+// level by its role (which level an entry goes to, which one the writer fills, which one
+// other replicas read) and only as a Level: what a level can do besides is in its Caps.
 // Create it with Open, stop it with Close.
 type Store struct {
 	cfg Config
 	log *slog.Logger
 
-	clock     clock
-	mem       *ramLevel
-	dsk       *diskLevel
-	shr       Level // the fleet's level: the shared directory or the remote store; nil: none
+	clock clock
+	// mem is host RAM, within cfg.RAMBytes: where a put goes first. dsk is --pool-dir
+	// (an empty one without it): what RAM demotes to, and what holds recorded pools'
+	// entries across restarts. shr is the fleet's level, written through on every put
+	// and read last: the shared directory or the remote store; nil: none.
+	mem, dsk, shr Level
+
 	mu        sync.Mutex
 	pending   map[Key]*ramEntry // queued for the disk writer (readable meanwhile)
 	shPending map[Key]*ramEntry // queued for the shared level's write (readable meanwhile)
@@ -172,9 +177,10 @@ func Open(cfg Config) (*Store, error) {
 		byPool: map[int]Key{}, kept: map[Key]bool{}, logged: map[string]bool{}, jobs: make(chan job, 256), done: make(chan struct{}), kinds: map[string]*KindStats{},
 		stats: Stats{Restores: map[Location]int64{}, RestoreSeconds: map[Location]float64{}, Misses: map[string]int64{}}}
 	s.mem = newRAMLevel(&s.clock)
-	s.dsk = newDiskLevel(cfg.Dir, cfg.Model, &s.clock)
+	dsk := newDiskLevel(cfg.Dir, cfg.Model, &s.clock)
+	s.dsk = dsk
 	if cfg.Dir != "" {
-		if err := s.openDir(); err != nil {
+		if err := s.openDir(dsk); err != nil {
 			return nil, err
 		}
 	}
@@ -354,7 +360,13 @@ func (s *Store) demoteLRU() bool {
 	if !ok {
 		return false
 	}
-	v := s.mem.take(victim)
+	peek := s.mem.Caps().Peek
+	if peek == nil {
+		return false // a RAM level that cannot hand an entry over keeps it
+	}
+	meta, payload, _ := peek.Peek(victim)
+	v := &ramEntry{meta: meta, payload: payload}
+	s.mem.Delete(victim)
 	if s.dsk.Has(victim) {
 		return true // the disk has it already (it was promoted from there)
 	}
@@ -548,15 +560,23 @@ func (s *Store) Where(pool int) (Location, int64) {
 		return None, 0
 	}
 	if s.mem.Has(k) {
-		return RAM, s.mem.size(k)
+		return RAM, sizeIn(s.mem, k)
 	}
 	if e := s.pending[k]; e != nil {
 		return Disk, int64(len(e.payload))
 	}
 	if s.dsk.Has(k) {
-		return Disk, s.dsk.size(k)
+		return Disk, sizeIn(s.dsk, k)
 	}
 	return None, 0
+}
+
+// sizeIn is k's size in l (0 when l does not know it).
+func sizeIn(l Level, k Key) int64 {
+	if sz := l.Caps().Size; sz != nil {
+		return sz.Size(k)
+	}
+	return 0
 }
 
 // Stats copies the counters.
