@@ -188,6 +188,7 @@ func (s *Store) writeEntry(k Key, e *ramEntry) {
 	if s.pending[k] == e {
 		delete(s.pending, k)
 	}
+	s.wrote(s.dsk, err)
 	if err != nil {
 		s.noteGone(k)
 		s.stats.DiskErrors++
@@ -207,12 +208,10 @@ func (s *Store) writeShared(k Key, e *ramEntry) {
 	if s.shPending[k] == e {
 		delete(s.shPending, k)
 	}
+	s.wrote(s.shr, err)
 	if err != nil {
-		s.stats.SharedErrors++
 		s.logOnce("shared tier write failed; other replicas will prefill this entry", "err", err)
-		return
 	}
-	s.stats.SharedWrites++
 }
 
 // diskBytes is what the disk level holds.

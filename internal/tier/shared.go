@@ -38,10 +38,6 @@ const Shared Location = "shared"
 // replica's write in progress).
 const staleTemp = time.Hour
 
-// HasShared reports whether the store has a fleet level (a shared directory or a remote
-// store).
-func (s *Store) HasShared() bool { return s.shr != nil }
-
 // SharedLocation is the fleet level's Location (Shared or Remote; None without one).
 func (s *Store) SharedLocation() Location {
 	if s.shr == nil {

@@ -147,23 +147,45 @@ type Store struct {
 
 // Stats are the store's counters and sizes (metrics, the benchmark).
 type Stats struct {
-	RAMBytes, RAMEntries   int64
-	DiskBytes, DiskEntries int64
-	Spills, SpillBytes     int64
-	Restores               map[Location]int64
-	RestoreSeconds         map[Location]float64
-	Misses                 map[string]int64 // by reason
-	DiskErrors             int64            // failed writes (disk full, read-only, ...)
-	Dropped                int64            // entries that fit no tier and were dropped
-	Prefetches             int64            // entries read from disk into RAM ahead of a load
-	// SharedBytes and SharedEntries: the shared directory (all replicas' entries) as of
-	// this replica's last write there; SharedWrites: entries this replica wrote there,
-	// SharedErrors: writes that failed.
-	SharedBytes, SharedEntries int64
-	SharedWrites, SharedErrors int64
+	// Levels is each level's part, in the order a lookup asks them: RAM, --pool-dir,
+	// then the fleet's level when there is one. The same fields for every level, so a
+	// reader (metrics' tier label) goes over them instead of naming each.
+	Levels             []LevelStats
+	Spills, SpillBytes int64
+	Restores           map[Location]int64
+	RestoreSeconds     map[Location]float64
+	Misses             map[string]int64 // by reason
+	DiskErrors         int64            // failed writes (disk full, read-only, ...)
+	Dropped            int64            // entries that fit no tier and were dropped
+	Prefetches         int64            // entries read from disk into RAM ahead of a load
 	// Kinds splits the work by what the entries hold (KindPool, KindSession,
 	// KindCached).
 	Kinds map[string]KindStats
+}
+
+// LevelStats is one level's part of Stats.
+type LevelStats struct {
+	// Location names the level.
+	Location Location
+	// Bytes and Entries are what the level holds (Level.Usage): --pool-dir's include
+	// the entries queued for it; the shared directory's are all replicas' entries as of
+	// this replica's last write there; the remote store's are what this replica put.
+	Bytes, Entries int64
+	// Writes are the entries the store's writer wrote to the level (--pool-dir, the
+	// fleet level; RAM takes its puts directly), Errors the writes that failed
+	// (--pool-dir's also count in DiskErrors).
+	Writes, Errors int64
+}
+
+// Level is the part of the level at loc (only loc, the rest zero, when the store has
+// no such level).
+func (st Stats) Level(loc Location) LevelStats {
+	for _, l := range st.Levels {
+		if l.Location == loc {
+			return l
+		}
+	}
+	return LevelStats{Location: loc}
 }
 
 // Open starts a store: with a directory, it scans the entries there (removing
@@ -199,6 +221,9 @@ func Open(cfg Config) (*Store, error) {
 			return nil, err
 		}
 		s.shr = r
+	}
+	for _, l := range s.levels() {
+		s.stats.Levels = append(s.stats.Levels, LevelStats{Location: l.Location()})
 	}
 	go s.writer(s.jobs)
 	return s, nil
@@ -584,19 +609,20 @@ func (s *Store) Stats() Stats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	st := s.stats
-	rb, rn := s.mem.Usage()
-	db, dn := s.dsk.Usage()
-	st.RAMBytes, st.RAMEntries = rb, int64(rn)
-	st.DiskBytes, st.DiskEntries = db, int64(dn)
-	for k, e := range s.pending {
-		if !s.dsk.Has(k) {
-			st.DiskBytes += int64(len(e.payload))
-			st.DiskEntries++
+	st.Levels = slices.Clone(s.stats.Levels)
+	for i, l := range s.levels() {
+		ls := &st.Levels[i]
+		b, n := l.Usage()
+		ls.Bytes, ls.Entries = b, int64(n)
+		if l != s.dsk {
+			continue
 		}
-	}
-	if s.shr != nil {
-		b, n := s.shr.Usage()
-		st.SharedBytes, st.SharedEntries = b, int64(n)
+		for k, e := range s.pending { // queued for the writer: a Get finds them on Disk already
+			if !s.dsk.Has(k) {
+				ls.Bytes += int64(len(e.payload))
+				ls.Entries++
+			}
+		}
 	}
 	st.Restores, st.RestoreSeconds, st.Misses = cloneMap(s.stats.Restores), cloneMap(s.stats.RestoreSeconds), cloneMap(s.stats.Misses)
 	st.Kinds = map[string]KindStats{}
@@ -613,6 +639,20 @@ func (s *Store) levels() []Level {
 		return []Level{s.mem, s.dsk}
 	}
 	return []Level{s.mem, s.dsk, s.shr}
+}
+
+// wrote counts a write of the store's writer to l (failed when err is not nil).
+func (s *Store) wrote(l Level, err error) {
+	for i := range s.stats.Levels {
+		if st := &s.stats.Levels[i]; st.Location == l.Location() {
+			if err != nil {
+				st.Errors++
+			} else {
+				st.Writes++
+			}
+			return
+		}
+	}
 }
 
 // fleetCaps is the fleet level's abilities (none without a fleet level).
