@@ -47,10 +47,11 @@ type LevelCaps struct {
 	// Store.partial finds the chunk a prompt only partly continues by them (the shared
 	// directory, the remote store).
 	Ends EndsIndex
-	// Starts lists the entries stored from a chunk start by key, and Head reads an
-	// entry's branch position and tokens without its KV: with both, Store.commonPart
-	// finds the entry sharing the most tokens with a prompt (the shared directory; a
-	// remote store keeps no such list).
+	// Starts lists the entries stored from a chunk start by key (the shared directory;
+	// a remote store keeps no such list). Head reads an entry's branch position and
+	// tokens without its KV (the shared directory, --pool-dir). With both,
+	// Store.commonPart finds the entry sharing the most tokens with a prompt; with
+	// List, SetObserver announces what --pool-dir held at Open.
 	Starts StartEntries
 	Head   HeadReader
 	// Close releases what the level holds open (the remote store's connections), once
@@ -60,8 +61,8 @@ type LevelCaps struct {
 	// used entry out and a recorded pool's entry is copied to disk, and neither is a
 	// use (RAM).
 	Peek Peeker
-	// Size is an entry's stored size without reading it: Where reports it, and
-	// /v1/pools's restore cost is scaled by it (RAM, --pool-dir).
+	// Size is an entry's stored size without reading it: Where reports it, and a
+	// pool's estimated restore cost is scaled by it (RAM, --pool-dir).
 	Size Sizer
 	// List lists the entries, most recently used first: those found on --pool-dir at
 	// Open are announced to the router in that order (SetObserver) (--pool-dir).
@@ -115,6 +116,7 @@ type StartEntries interface {
 // HeadReader is a level that reads what an entry is the KV of (its head: branch
 // position and tokens, checked to be named by k) without reading the KV itself.
 type HeadReader interface {
+	// Head is k's branch position and tokens; any failure is a *MissError.
 	Head(k Key) (Meta, error)
 }
 
