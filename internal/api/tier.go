@@ -67,8 +67,9 @@ func (s *Server) tierProps() *wire.PoolTierProps {
 		kinds[k] = wire.TierKind{Spills: v.Spills, SpillBytes: v.SpillBytes, Restores: v.Restores, RestoreBytes: v.RestoreBytes,
 			RestoreSeconds: v.RestoreSeconds, Misses: v.Misses}
 	}
-	return &wire.PoolTierProps{Enabled: true, RAMBytes: st.RAMBytes, RAMEntries: st.RAMEntries, DiskBytes: st.DiskBytes,
-		DiskEntries: st.DiskEntries, Spills: st.Spills, Restores: restores, Misses: st.Misses, DiskErrors: st.DiskErrors, Kinds: kinds}
+	ram, disk := st.Level(tier.RAM), st.Level(tier.Disk)
+	return &wire.PoolTierProps{Enabled: true, RAMBytes: ram.Bytes, RAMEntries: ram.Entries, DiskBytes: disk.Bytes,
+		DiskEntries: disk.Entries, Spills: st.Spills, Restores: restores, Misses: st.Misses, DiskErrors: st.DiskErrors, Kinds: kinds}
 }
 
 var (
@@ -101,22 +102,16 @@ func (c tierCollector) Describe(ch chan<- *prometheus.Desc) {
 
 func (c tierCollector) Collect(ch chan<- prometheus.Metric) {
 	st := c.t.Stats()
-	ch <- prometheus.MustNewConstMetric(descTierBytes, prometheus.GaugeValue, float64(st.RAMBytes), "ram")
-	ch <- prometheus.MustNewConstMetric(descTierBytes, prometheus.GaugeValue, float64(st.DiskBytes), "disk")
-	ch <- prometheus.MustNewConstMetric(descTierEntries, prometheus.GaugeValue, float64(st.RAMEntries), "ram")
-	ch <- prometheus.MustNewConstMetric(descTierEntries, prometheus.GaugeValue, float64(st.DiskEntries), "disk")
+	// One series per level the store has (ram and disk always, the fleet's level when
+	// there is one), labelled with its location.
+	for _, l := range st.Levels {
+		loc := string(l.Location)
+		ch <- prometheus.MustNewConstMetric(descTierBytes, prometheus.GaugeValue, float64(l.Bytes), loc)
+		ch <- prometheus.MustNewConstMetric(descTierEntries, prometheus.GaugeValue, float64(l.Entries), loc)
+		ch <- prometheus.MustNewConstMetric(descTierRestores, prometheus.CounterValue, float64(st.Restores[l.Location]), loc)
+		ch <- prometheus.MustNewConstMetric(descTierSeconds, prometheus.CounterValue, st.RestoreSeconds[l.Location], loc)
+	}
 	ch <- prometheus.MustNewConstMetric(descTierSpills, prometheus.CounterValue, float64(st.Spills))
-	locs := []tier.Location{tier.RAM, tier.Disk}
-	if c.t.HasShared() {
-		shr := c.t.SharedLocation()
-		locs = append(locs, shr)
-		ch <- prometheus.MustNewConstMetric(descTierBytes, prometheus.GaugeValue, float64(st.SharedBytes), string(shr))
-		ch <- prometheus.MustNewConstMetric(descTierEntries, prometheus.GaugeValue, float64(st.SharedEntries), string(shr))
-	}
-	for _, loc := range locs {
-		ch <- prometheus.MustNewConstMetric(descTierRestores, prometheus.CounterValue, float64(st.Restores[loc]), string(loc))
-		ch <- prometheus.MustNewConstMetric(descTierSeconds, prometheus.CounterValue, st.RestoreSeconds[loc], string(loc))
-	}
 	for _, r := range []string{tier.MissAbsent, tier.MissTruncated, tier.MissCorrupt, tier.MissForeign, tier.MissIO, tier.MissRejected} {
 		ch <- prometheus.MustNewConstMetric(descTierMisses, prometheus.CounterValue, float64(st.Misses[r]), r)
 	}

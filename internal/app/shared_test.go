@@ -16,13 +16,14 @@ import (
 func waitSharedWrites(t *testing.T, a *App, n int64) {
 	t.Helper()
 	deadline := time.Now().Add(60 * time.Second)
+	writes := func() int64 { return a.Tier.Stats().Level(a.Tier.SharedLocation()).Writes }
 	for {
 		a.Tier.Flush()
-		if a.Tier.Stats().SharedWrites >= n {
+		if writes() >= n {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("replica A wrote %d entries to the shared level, want %d", a.Tier.Stats().SharedWrites, n)
+			t.Fatalf("replica A wrote %d entries to the shared level, want %d", writes(), n)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

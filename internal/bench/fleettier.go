@@ -10,6 +10,7 @@ import (
 
 	"github.com/polykv/polykv/internal/app"
 	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/tier"
 )
 
 // fleetTier is issue 44's workload, part (a): two replicas share a directory
@@ -155,9 +156,10 @@ func (fb fleetTier) run(cfg app.Config, reps int) error {
 	}
 	replied := time.Now()
 	chunks := int64((len(prompt) + shared.TierChunk - 1) / shared.TierChunk)
+	sharedLevel := func() tier.LevelStats { return a.Tier.Stats().Level(a.Tier.SharedLocation()) }
 	written := make(chan time.Duration, 1)
 	go func() { // when the chunks are on the shared level, timed while the probe runs
-		for a.Tier.Stats().SharedWrites < chunks && time.Since(replied) < time.Minute {
+		for sharedLevel().Writes < chunks && time.Since(replied) < time.Minute {
 			time.Sleep(time.Millisecond)
 		}
 		written <- time.Since(replied)
@@ -167,10 +169,10 @@ func (fb fleetTier) run(cfg app.Config, reps int) error {
 		return err
 	}
 	onShared := <-written
-	if n := a.Tier.Stats().SharedWrites; n < chunks {
+	if n := sharedLevel().Writes; n < chunks {
 		return fmt.Errorf("bench: A wrote %d of %d chunks to the shared level", n, chunks)
 	}
-	sharedBytes := a.Tier.Stats().SharedBytes
+	sharedBytes := sharedLevel().Bytes
 
 	row := func(name string, r fleetRun) {
 		same := "yes"

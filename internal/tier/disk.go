@@ -44,7 +44,9 @@ func parseKey(s string) (Key, bool) {
 	return k, true
 }
 
-func (s *Store) openDir() error {
+// openDir scans --pool-dir into d (the Store's disk level, still its concrete type:
+// what Open finds there is listed before the level is used) and reads the records.
+func (s *Store) openDir(d *diskLevel) error {
 	dir := s.cfg.Dir
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		s.diskOff = err.Error()
@@ -75,7 +77,7 @@ func (s *Store) openDir() error {
 			if info, err := de.Info(); err == nil {
 				// LRU order for what was found: older files first; new uses count above
 				// them all (found moves the clock past every file's time).
-				s.dsk.found(k, info.Size(), info.ModTime().UnixNano())
+				d.found(k, info.Size(), info.ModTime().UnixNano())
 			}
 		}
 	}
@@ -83,7 +85,7 @@ func (s *Store) openDir() error {
 	// written to (every spill then stays in RAM or is dropped, and is counted).
 	if f, err := os.CreateTemp(dir, ".tmp-probe-*"); err != nil {
 		s.diskOff = err.Error()
-		s.dsk.readOnly = true
+		d.readOnly = true
 		s.log.Warn("pool tier directory is not writable; reading it only", "dir", dir, "err", err)
 	} else {
 		f.Close()
@@ -175,18 +177,18 @@ func (s *Store) writer(jobs <-chan job) {
 }
 
 func (s *Store) writeEntry(k Key, e *ramEntry) {
-	b := encode(s.cfg.Model, e.meta, e.payload)
-	size := int64(len(b))
+	size := encodedLen(s.cfg.Model, e.meta, e.payload)
 	s.mu.Lock()
 	for s.diskBytes()+size > s.cfg.DiskBytes && s.dropDiskLRU(k) {
 	}
 	s.mu.Unlock()
-	err := s.dsk.putEncoded(k, b)
+	err := s.dsk.Put(k, e.meta, e.payload)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.pending[k] == e {
 		delete(s.pending, k)
 	}
+	s.wrote(s.dsk, err)
 	if err != nil {
 		s.noteGone(k)
 		s.stats.DiskErrors++
@@ -206,12 +208,10 @@ func (s *Store) writeShared(k Key, e *ramEntry) {
 	if s.shPending[k] == e {
 		delete(s.shPending, k)
 	}
+	s.wrote(s.shr, err)
 	if err != nil {
-		s.stats.SharedErrors++
 		s.logOnce("shared tier write failed; other replicas will prefill this entry", "err", err)
-		return
 	}
-	s.stats.SharedWrites++
 }
 
 // diskBytes is what the disk level holds.
@@ -250,12 +250,13 @@ func (s *Store) dropDisk(k Key) {
 	s.noteGone(k)
 }
 
+// readEntryMeta reads k's entry from the disk level with its branch position and tokens.
 func (s *Store) readEntryMeta(k Key) (Meta, []byte, error) {
-	b, err := os.ReadFile(s.dsk.path(k))
-	if err != nil {
-		return Meta{}, nil, miss(MissIO, "%v", err)
+	r := s.dsk.Caps().Read
+	if r == nil {
+		return Meta{}, nil, miss(MissIO, "the disk level does not read whole entries")
 	}
-	return decode(b, s.cfg.Model, nil)
+	return r.ReadEntry(k)
 }
 
 // WriteFileAtomic writes dir/name as a whole or not at all: temporary file, fsync,

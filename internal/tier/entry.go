@@ -111,8 +111,8 @@ func Reason(err error) string {
 
 // encode lays an entry out as a file.
 func encode(model string, m Meta, payload []byte) []byte {
-	hdr, _ := json.Marshal(header{Model: model, D: m.D, L: len(m.Tokens), PayloadLen: len(payload)})
-	out := make([]byte, 0, len(magic)+4+len(hdr)+4*len(m.Tokens)+len(payload)+4)
+	hdr := entryHeader(model, m, payload)
+	out := make([]byte, 0, fileLen(hdr, m, payload))
 	out = append(out, magic...)
 	out = binary.LittleEndian.AppendUint32(out, uint32(len(hdr)))
 	out = append(out, hdr...)
@@ -121,6 +121,24 @@ func encode(model string, m Meta, payload []byte) []byte {
 	}
 	out = append(out, payload...)
 	return binary.LittleEndian.AppendUint32(out, crc32.Checksum(out, castagnoli))
+}
+
+// encodedLen is the length of encode's file, without laying it out: the disk writer
+// makes room within the budget for the exact size before the level writes it.
+func encodedLen(model string, m Meta, payload []byte) int64 {
+	return int64(fileLen(entryHeader(model, m, payload), m, payload))
+}
+
+// entryHeader is the JSON header of an entry file.
+func entryHeader(model string, m Meta, payload []byte) []byte {
+	hdr, _ := json.Marshal(header{Model: model, D: m.D, L: len(m.Tokens), PayloadLen: len(payload)})
+	return hdr
+}
+
+// fileLen is the length of an entry file: magic, header length, header, tokens,
+// payload, CRC-32C.
+func fileLen(hdr []byte, m Meta, payload []byte) int {
+	return len(magic) + 4 + len(hdr) + 4*len(m.Tokens) + len(payload) + 4
 }
 
 // decode checks a file against what the caller expects (model, and m when it is not

@@ -2,6 +2,7 @@ package tier
 
 import (
 	"cmp"
+	"io"
 	"os"
 	"path/filepath"
 	"slices"
@@ -33,6 +34,90 @@ type Level interface {
 	Oldest(skip func(Key) bool) (Key, bool)
 	// Usage is the bytes and entries stored.
 	Usage() (bytes int64, entries int)
+	// Caps is what the level can do besides the above (LevelCaps).
+	Caps() LevelCaps
+}
+
+// LevelCaps are a level's optional abilities, declared once by the level (nil: it
+// has not that ability), as engine.Caps declares a backend's: the Store asks a field
+// rather than probing the level's type, so what each level offers is in one place and
+// a new level states it instead of matching an interface by accident.
+type LevelCaps struct {
+	// Ends lists, per chunk start, the lengths of the entries stored from there:
+	// Store.partial finds the chunk a prompt only partly continues by them (the shared
+	// directory, the remote store).
+	Ends EndsIndex
+	// Starts lists the entries stored from a chunk start by key (the shared directory;
+	// a remote store keeps no such list). Head reads an entry's branch position and
+	// tokens without its KV (the shared directory, --pool-dir). With both,
+	// Store.commonPart finds the entry sharing the most tokens with a prompt; with
+	// List, SetObserver announces what --pool-dir held at Open.
+	Starts StartEntries
+	Head   HeadReader
+	// Close releases what the level holds open (the remote store's connections), once
+	// the Store's writer is done with it.
+	Close io.Closer
+	// Peek reads an entry without marking it used: a demotion moves the least recently
+	// used entry out and a recorded pool's entry is copied to disk, and neither is a
+	// use (RAM).
+	Peek Peeker
+	// Size is an entry's stored size without reading it: Where reports it, and a
+	// pool's estimated restore cost is scaled by it (RAM, --pool-dir).
+	Size Sizer
+	// List lists the entries, most recently used first: those found on --pool-dir at
+	// Open are announced to the router in that order (SetObserver) (--pool-dir).
+	List Lister
+	// Read reads a whole entry, checked, with what it is the KV of, where nothing
+	// names the entry expected: a version-0 manifest listed pools by key alone
+	// (--pool-dir).
+	Read EntryReader
+}
+
+// Peeker is a level that reads an entry without marking it used.
+type Peeker interface {
+	// Peek is k's entry (false when there is none).
+	Peek(k Key) (Meta, []byte, bool)
+}
+
+// Sizer is a level that knows its entries' sizes without reading them.
+type Sizer interface {
+	// Size is k's stored size in bytes (0 when absent).
+	Size(k Key) int64
+}
+
+// Lister is a level that lists its entries.
+type Lister interface {
+	// Keys lists the entries, most recently used first.
+	Keys() []Key
+}
+
+// EntryReader is a level that reads an entry whole together with its branch position
+// and tokens.
+type EntryReader interface {
+	// ReadEntry returns k's entry after checking it against the model key (not against
+	// its name: the caller checks what it needs); any failure is a *MissError.
+	ReadEntry(k Key) (Meta, []byte, error)
+}
+
+// EndsIndex is a level that keeps, per chunk start, the lengths of the entries stored
+// from there (partial chunks are found by them). A listed length whose entry is gone,
+// or whose tokens are not the prompt's, is only a Has that says no.
+type EndsIndex interface {
+	// Ends lists the lengths stored under start (StartKey), in no order.
+	Ends(start Key) []int
+}
+
+// StartEntries is a level that lists the entries stored from a chunk start by key.
+type StartEntries interface {
+	// EntriesFrom lists the keys of the entries stored from start (StartKey).
+	EntriesFrom(start Key) []Key
+}
+
+// HeadReader is a level that reads what an entry is the KV of (its head: branch
+// position and tokens, checked to be named by k) without reading the KV itself.
+type HeadReader interface {
+	// Head is k's branch position and tokens; any failure is a *MissError.
+	Head(k Key) (Meta, error)
 }
 
 // clock orders uses across a store's levels (LRU): a counter, so the order does not
@@ -76,6 +161,9 @@ func newRAMLevel(c *clock) *ramLevel { return &ramLevel{clock: c, m: map[Key]*ra
 
 func (l *ramLevel) Location() Location { return RAM }
 
+// Caps: an entry is read without a use (Peek) and its size is known (Size).
+func (l *ramLevel) Caps() LevelCaps { return LevelCaps{Peek: l, Size: l} }
+
 func (l *ramLevel) Has(k Key) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -105,19 +193,14 @@ func (l *ramLevel) Put(k Key, m Meta, payload []byte) error {
 	return nil
 }
 
-// take removes k's entry and returns it (nil when there is none): a demotion moves it.
-func (l *ramLevel) take(k Key) *ramEntry {
+func (l *ramLevel) Delete(k Key) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	e := l.m[k]
-	if e != nil {
+	if e := l.m[k]; e != nil {
 		delete(l.m, k)
 		l.bytes -= int64(len(e.payload))
 	}
-	return e
 }
-
-func (l *ramLevel) Delete(k Key) { l.take(k) }
 
 func (l *ramLevel) Touch(k Key) {
 	l.mu.Lock()
@@ -146,15 +229,18 @@ func (l *ramLevel) Usage() (int64, int) {
 	return l.bytes, len(l.m)
 }
 
-// peek is k's entry without marking it used (nil when absent).
-func (l *ramLevel) peek(k Key) *ramEntry {
+// Peek is k's entry without marking it used.
+func (l *ramLevel) Peek(k Key) (Meta, []byte, bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return l.m[k]
+	if e := l.m[k]; e != nil {
+		return e.meta, e.payload, true
+	}
+	return Meta{}, nil, false
 }
 
-// size is k's payload size (0 when absent).
-func (l *ramLevel) size(k Key) int64 {
+// Size is k's payload size (0 when absent).
+func (l *ramLevel) Size(k Key) int64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if e := l.m[k]; e != nil {
@@ -191,6 +277,10 @@ func newDiskLevel(dir, model string, c *clock) *diskLevel {
 
 func (l *diskLevel) Location() Location { return Disk }
 
+// Caps: the listing kept in memory gives sizes and the LRU order (Size, List); a
+// file's head is read on its own (Head) and a file whole with its tokens (Read).
+func (l *diskLevel) Caps() LevelCaps { return LevelCaps{Size: l, List: l, Head: l, Read: l} }
+
 func (l *diskLevel) path(k Key) string { return filepath.Join(l.dir, k.String()+".kv") }
 
 func (l *diskLevel) Has(k Key) bool {
@@ -199,8 +289,8 @@ func (l *diskLevel) Has(k Key) bool {
 	return l.m[k] != nil
 }
 
-// keys lists the entries, most recently used first.
-func (l *diskLevel) keys() []Key {
+// Keys lists the entries, most recently used first.
+func (l *diskLevel) Keys() []Key {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	ks := make([]Key, 0, len(l.m))
@@ -230,12 +320,24 @@ func (l *diskLevel) Get(k Key, want *Meta) ([]byte, error) {
 	return payload, err
 }
 
-// Put writes the entry's file and lists it. The budget is the Store's to keep.
-func (l *diskLevel) Put(k Key, m Meta, payload []byte) error {
-	return l.putEncoded(k, encode(l.model, m, payload))
+// Head reads k's branch position and tokens from its file's head, checked to be named
+// by them (not the KV).
+func (l *diskLevel) Head(k Key) (Meta, error) { return readHead(l.path(k), l.model, k) }
+
+// ReadEntry reads k's file whole; any failure to read it, a missing file included, is
+// an io miss.
+func (l *diskLevel) ReadEntry(k Key) (Meta, []byte, error) {
+	b, err := os.ReadFile(l.path(k))
+	if err != nil {
+		return Meta{}, nil, miss(MissIO, "%v", err)
+	}
+	return decode(b, l.model, nil)
 }
 
-func (l *diskLevel) putEncoded(k Key, b []byte) error {
+// Put writes the entry's file (encodedLen bytes) and lists it. The budget is the
+// Store's to keep.
+func (l *diskLevel) Put(k Key, m Meta, payload []byte) error {
+	b := encode(l.model, m, payload)
 	if err := atomicWrite(l.dir, k.String()+".kv", b); err != nil {
 		return err
 	}
@@ -288,8 +390,8 @@ func (l *diskLevel) Usage() (int64, int) {
 	return l.bytes, len(l.m)
 }
 
-// size is k's file size (0 when absent).
-func (l *diskLevel) size(k Key) int64 {
+// Size is k's file size (0 when absent).
+func (l *diskLevel) Size(k Key) int64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if e := l.m[k]; e != nil {

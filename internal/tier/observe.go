@@ -23,18 +23,22 @@ func (s *Store) SetObserver(o Observer) {
 	defer s.mu.Unlock()
 	s.obs = o
 	s.held = map[Key]Meta{}
-	if found := s.dsk.keys(); len(found) > 0 && s.jobs != nil {
+	c := s.dsk.Caps()
+	if c.List == nil || c.Head == nil {
+		return // a disk level that cannot list or read heads: entries are reported as stored
+	}
+	if found := c.List.Keys(); len(found) > 0 && s.jobs != nil {
 		s.bg.Add(1)
-		go s.announceFound(found)
+		go s.announceFound(c.Head, found)
 	}
 }
 
 // announceFound reports the entries found on disk at Open that are still there, until
 // the store closes.
-func (s *Store) announceFound(found []Key) {
+func (s *Store) announceFound(head HeadReader, found []Key) {
 	defer s.bg.Done()
 	for _, k := range found {
-		m, err := readHead(s.dsk.path(k), s.cfg.Model, k)
+		m, err := head.Head(k)
 		s.mu.Lock()
 		if s.jobs == nil { // closed
 			s.mu.Unlock()

@@ -289,7 +289,12 @@ func (s *Store) Record(r Record, payload []byte) bool {
 	if s.dsk.Has(k) || s.pending[k] != nil {
 		return true
 	}
-	e := s.mem.peek(k)
+	var e *ramEntry
+	if p := s.mem.Caps().Peek; p != nil {
+		if m, b, ok := p.Peek(k); ok {
+			e = &ramEntry{meta: m, payload: b}
+		}
+	}
 	if e == nil && payload != nil {
 		e = &ramEntry{meta: Meta{D: r.D, Tokens: slices.Clone(r.Tokens)}, payload: payload}
 	}

@@ -68,6 +68,11 @@ func newRemoteLevel(url, model string) (*remoteLevel, error) {
 
 func (l *remoteLevel) Location() Location { return Remote }
 
+// Caps: a set per chunk start lists the lengths stored there (Ends); the connection
+// pool is closed with the Store (Close). Nothing lists entries by start or reads a head
+// alone: a value is read whole.
+func (l *remoteLevel) Caps() LevelCaps { return LevelCaps{Ends: l, Close: l} }
+
 func (l *remoteLevel) key(k Key) string { return remotePrefix + k.String() }
 
 func ctxRemote() (context.Context, context.CancelFunc) {
@@ -82,7 +87,7 @@ func (l *remoteLevel) Has(k Key) bool {
 	return err == nil && n > 0
 }
 
-// remoteEnds names the set of lengths stored from a chunk start (endsIndex).
+// remoteEnds names the set of lengths stored from a chunk start (EndsIndex).
 const remoteEnds = "polykv:ends:"
 
 // Ends lists the lengths stored from start: a set the store evicts like any key, never

@@ -59,8 +59,8 @@ func TestRemoteOtherReplica(t *testing.T) {
 	if _, _, err := b.Get(meta(0, 16, 900)); Reason(err) != MissAbsent {
 		t.Fatalf("absent entry: %v", err)
 	}
-	if st := a.Stats(); st.SharedWrites != 3 || st.SharedBytes == 0 {
-		t.Fatalf("A's stats: %d remote writes, %d bytes", st.SharedWrites, st.SharedBytes)
+	if st := a.Stats(); st.Level(Remote).Writes != 3 || st.Level(Remote).Bytes == 0 {
+		t.Fatalf("A's stats: %d remote writes, %d bytes", st.Level(Remote).Writes, st.Level(Remote).Bytes)
 	}
 }
 

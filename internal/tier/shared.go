@@ -38,10 +38,6 @@ const Shared Location = "shared"
 // replica's write in progress).
 const staleTemp = time.Hour
 
-// HasShared reports whether the store has a fleet level (a shared directory or a remote
-// store).
-func (s *Store) HasShared() bool { return s.shr != nil }
-
 // SharedLocation is the fleet level's Location (Shared or Remote; None without one).
 func (s *Store) SharedLocation() Location {
 	if s.shr == nil {
@@ -71,6 +67,10 @@ func newSharedLevel(dir, model string, budget int64) (*sharedLevel, error) {
 }
 
 func (l *sharedLevel) Location() Location { return Shared }
+
+// Caps: the markers under ends/ list what is stored per chunk start (Ends, Starts),
+// and a file's head is read on its own (Head).
+func (l *sharedLevel) Caps() LevelCaps { return LevelCaps{Ends: l, Starts: l, Head: l} }
 
 func (l *sharedLevel) path(k Key) string { return filepath.Join(l.dir, k.String()+".kv") }
 
@@ -116,8 +116,8 @@ func (l *sharedLevel) Put(k Key, m Meta, payload []byte) error {
 }
 
 // endsDir holds, per chunk start, an empty file for each entry stored from there,
-// named by the entry's length and key: ends/<StartKey>/<length>-<key> (endsIndex,
-// startEntries). Creating a file is atomic and
+// named by the entry's length and key: ends/<StartKey>/<length>-<key> (LevelCaps.Ends,
+// Starts). Creating a file is atomic and
 // concurrent writers of one name agree, so it needs no lock either. Trimming an entry
 // removes its marker; a marker that outlives its entry otherwise (a damaged file
 // removed, a crash between the two) is a Has that says no.
@@ -169,7 +169,7 @@ func (l *sharedLevel) markers(start Key) []string {
 // Ends lists the lengths stored from start.
 func (l *sharedLevel) Ends(start Key) []int { return parseEnds(l.markers(start)) }
 
-// EntriesFrom lists the keys of the entries stored from start (startEntries).
+// EntriesFrom lists the keys of the entries stored from start (StartEntries).
 func (l *sharedLevel) EntriesFrom(start Key) []Key {
 	var out []Key
 	for _, name := range l.markers(start) {

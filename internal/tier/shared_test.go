@@ -88,8 +88,8 @@ func TestSharedOtherReplica(t *testing.T) {
 	if _, _, err := b.Get(meta(0, 16, 900)); Reason(err) != MissAbsent {
 		t.Fatalf("absent entry: %v", err)
 	}
-	if st := a.Stats(); st.SharedWrites != 4 || st.Dropped != 0 {
-		t.Fatalf("A's stats: %d shared writes (3 chunks, [32, 36)), %d dropped", st.SharedWrites, st.Dropped)
+	if st := a.Stats(); st.Level(Shared).Writes != 4 || st.Dropped != 0 {
+		t.Fatalf("A's stats: %d shared writes (3 chunks, [32, 36)), %d dropped", st.Level(Shared).Writes, st.Dropped)
 	}
 }
 
@@ -231,8 +231,8 @@ func TestSharedLRUAcrossReplicas(t *testing.T) {
 			t.Fatalf("entry %d present %v, want %v", i, got, want)
 		}
 	}
-	if st := b.Stats(); st.SharedEntries != 3 || st.SharedBytes > int64(3*probe) {
-		t.Fatalf("B's view: %d entries %d bytes", st.SharedEntries, st.SharedBytes)
+	if st := b.Stats(); st.Level(Shared).Entries != 3 || st.Level(Shared).Bytes > int64(3*probe) {
+		t.Fatalf("B's view: %d entries %d bytes", st.Level(Shared).Entries, st.Level(Shared).Bytes)
 	}
 }
 

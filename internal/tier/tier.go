@@ -108,16 +108,21 @@ func FileSHA256(path string) (string, error) {
 	return sum, nil
 }
 
-// Store is the tier: a RAM level and a disk level (levels.go) and the policy over them.
+// Store is the tier: its levels (levels.go) and the policy over them. It holds each
+// level by its role (which level an entry goes to, which one the writer fills, which one
+// other replicas read) and only as a Level: what a level can do besides is in its Caps.
 // Create it with Open, stop it with Close.
 type Store struct {
 	cfg Config
 	log *slog.Logger
 
-	clock     clock
-	mem       *ramLevel
-	dsk       *diskLevel
-	shr       Level // the fleet's level: the shared directory or the remote store; nil: none
+	clock clock
+	// mem is host RAM, within cfg.RAMBytes: where a put goes first. dsk is --pool-dir
+	// (an empty one without it): what RAM demotes to, and what holds recorded pools'
+	// entries across restarts. shr is the fleet's level, written through on every put
+	// and read last: the shared directory or the remote store; nil: none.
+	mem, dsk, shr Level
+
 	mu        sync.Mutex
 	pending   map[Key]*ramEntry // queued for the disk writer (readable meanwhile)
 	shPending map[Key]*ramEntry // queued for the shared level's write (readable meanwhile)
@@ -142,23 +147,45 @@ type Store struct {
 
 // Stats are the store's counters and sizes (metrics, the benchmark).
 type Stats struct {
-	RAMBytes, RAMEntries   int64
-	DiskBytes, DiskEntries int64
-	Spills, SpillBytes     int64
-	Restores               map[Location]int64
-	RestoreSeconds         map[Location]float64
-	Misses                 map[string]int64 // by reason
-	DiskErrors             int64            // failed writes (disk full, read-only, ...)
-	Dropped                int64            // entries that fit no tier and were dropped
-	Prefetches             int64            // entries read from disk into RAM ahead of a load
-	// SharedBytes and SharedEntries: the shared directory (all replicas' entries) as of
-	// this replica's last write there; SharedWrites: entries this replica wrote there,
-	// SharedErrors: writes that failed.
-	SharedBytes, SharedEntries int64
-	SharedWrites, SharedErrors int64
+	// Levels is each level's part, in the order a lookup asks them: RAM, --pool-dir,
+	// then the fleet's level when there is one. The same fields for every level, so a
+	// reader (metrics' tier label) goes over them instead of naming each.
+	Levels             []LevelStats
+	Spills, SpillBytes int64
+	Restores           map[Location]int64
+	RestoreSeconds     map[Location]float64
+	Misses             map[string]int64 // by reason
+	DiskErrors         int64            // failed writes (disk full, read-only, ...)
+	Dropped            int64            // entries that fit no tier and were dropped
+	Prefetches         int64            // entries read from disk into RAM ahead of a load
 	// Kinds splits the work by what the entries hold (KindPool, KindSession,
 	// KindCached).
 	Kinds map[string]KindStats
+}
+
+// LevelStats is one level's part of Stats.
+type LevelStats struct {
+	// Location names the level.
+	Location Location
+	// Bytes and Entries are what the level holds (Level.Usage): --pool-dir's include
+	// the entries queued for it; the shared directory's are all replicas' entries as of
+	// this replica's last write there; the remote store's are what this replica put.
+	Bytes, Entries int64
+	// Writes are the entries the store's writer wrote to the level (--pool-dir, the
+	// fleet level; RAM takes its puts directly), Errors the writes that failed
+	// (--pool-dir's also count in DiskErrors).
+	Writes, Errors int64
+}
+
+// Level is the part of the level at loc (only loc, the rest zero, when the store has
+// no such level).
+func (st Stats) Level(loc Location) LevelStats {
+	for _, l := range st.Levels {
+		if l.Location == loc {
+			return l
+		}
+	}
+	return LevelStats{Location: loc}
 }
 
 // Open starts a store: with a directory, it scans the entries there (removing
@@ -172,9 +199,10 @@ func Open(cfg Config) (*Store, error) {
 		byPool: map[int]Key{}, kept: map[Key]bool{}, logged: map[string]bool{}, jobs: make(chan job, 256), done: make(chan struct{}), kinds: map[string]*KindStats{},
 		stats: Stats{Restores: map[Location]int64{}, RestoreSeconds: map[Location]float64{}, Misses: map[string]int64{}}}
 	s.mem = newRAMLevel(&s.clock)
-	s.dsk = newDiskLevel(cfg.Dir, cfg.Model, &s.clock)
+	dsk := newDiskLevel(cfg.Dir, cfg.Model, &s.clock)
+	s.dsk = dsk
 	if cfg.Dir != "" {
-		if err := s.openDir(); err != nil {
+		if err := s.openDir(dsk); err != nil {
 			return nil, err
 		}
 	}
@@ -194,6 +222,9 @@ func Open(cfg Config) (*Store, error) {
 		}
 		s.shr = r
 	}
+	for _, l := range s.levels() {
+		s.stats.Levels = append(s.stats.Levels, LevelStats{Location: l.Location()})
+	}
 	go s.writer(s.jobs)
 	return s, nil
 }
@@ -210,8 +241,10 @@ func (s *Store) Close() {
 	s.mu.Unlock()
 	<-s.done
 	s.bg.Wait()
-	if c, ok := s.shr.(interface{ Close() error }); ok {
-		_ = c.Close() // the remote store's connections, once the writer is done
+	for _, l := range s.levels() {
+		if c := l.Caps().Close; c != nil {
+			_ = c.Close() // the remote store's connections, once the writer is done
+		}
 	}
 }
 
@@ -352,7 +385,13 @@ func (s *Store) demoteLRU() bool {
 	if !ok {
 		return false
 	}
-	v := s.mem.take(victim)
+	peek := s.mem.Caps().Peek
+	if peek == nil {
+		return false // a RAM level that cannot hand an entry over keeps it
+	}
+	meta, payload, _ := peek.Peek(victim)
+	v := &ramEntry{meta: meta, payload: payload}
+	s.mem.Delete(victim)
 	if s.dsk.Has(victim) {
 		return true // the disk has it already (it was promoted from there)
 	}
@@ -446,7 +485,7 @@ func (s *Store) Run(tokens []int32, chunk int) []Meta {
 // new words, finds it only here: without it another replica would prefill up to a
 // chunk less one token of what the fleet holds. Entries are named by a hash of their
 // whole prefix, so the level keeps, per chunk start, the lengths of the entries that
-// start there (endsIndex); each listed length the prompt could continue is asked
+// start there (LevelCaps.Ends); each listed length the prompt could continue is asked
 // like a chunk, longest first, at most maxEnds of them. When none is a prefix of the
 // prompt, the entry from there that shares the most tokens with it (commonPart) is
 // the answer, under its own name: the scheduler loads it whole into a scratch
@@ -454,8 +493,8 @@ func (s *Store) Run(tokens []int32, chunk int) []Meta {
 // replica's own levels are not asked: the scheduler's index already knows what it
 // stored.
 func (s *Store) partial(tokens []int32, k, end int) (Meta, bool) {
-	ix, ok := s.shr.(endsIndex)
-	if !ok || k == 0 || end-k < 2 {
+	ix := s.fleetCaps().Ends
+	if ix == nil || k == 0 || end-k < 2 {
 		return Meta{}, false // at 0 nothing was found: a cold prompt, no conversation to continue
 	}
 	start := StartKey(s.cfg.Model, k, tokens[:k])
@@ -480,22 +519,22 @@ func (s *Store) partial(tokens []int32, k, end int) (Meta, bool) {
 // to be loaded for them (it is read whole: a few shared tokens are not worth a chunk).
 const minCommonPart = 16
 
-// commonPart is the entry stored from chunk start start (startEntries) that shares the
-// most tokens with tokens[k:end], at least minCommonPart: a teammate's chunk holding the
-// end of a system prompt both share, followed by its own question. Its head (position
-// and tokens, not the KV) is read from the level; at most maxEnds of them.
+// commonPart is the entry stored from chunk start start (LevelCaps.Starts) that shares
+// the most tokens with tokens[k:end], at least minCommonPart: a teammate's chunk holding
+// the end of a system prompt both share, followed by its own question. Its head
+// (position and tokens, not the KV) is read from the level; at most maxEnds of them.
 func (s *Store) commonPart(start Key, tokens []int32, k, end int) (Meta, bool) {
-	ix, ok := s.shr.(startEntries)
-	if !ok {
+	c := s.fleetCaps()
+	if c.Starts == nil || c.Head == nil {
 		return Meta{}, false
 	}
 	var best Meta
 	bestN := minCommonPart - 1
-	for i, key := range ix.EntriesFrom(start) {
+	for i, key := range c.Starts.EntriesFrom(start) {
 		if i >= maxEnds {
 			break
 		}
-		m, err := ix.Head(key)
+		m, err := c.Head.Head(key)
 		if err != nil || m.D != k || len(m.Tokens) <= k || !slices.Equal(m.Tokens[:k], tokens[:k]) {
 			continue
 		}
@@ -506,24 +545,9 @@ func (s *Store) commonPart(start Key, tokens []int32, k, end int) (Meta, bool) {
 	return best, bestN >= minCommonPart
 }
 
-// startEntries is a fleet level that lists the entries stored from a chunk start by
-// key and reads an entry's head (the shared directory; a remote store does not).
-type startEntries interface {
-	EntriesFrom(start Key) []Key
-	Head(k Key) (Meta, error)
-}
-
 // maxEnds bounds the lengths partial asks about at one chunk start: many agents whose
 // prompts share a chunk start each stored their own end there.
 const maxEnds = 32
-
-// endsIndex is a fleet level that keeps, per chunk start, the lengths of the entries
-// stored from there (partial chunks are found by them). A listed length whose entry is
-// gone, or whose tokens are not the prompt's, is only a Has that says no.
-type endsIndex interface {
-	// Ends lists the lengths stored under start (StartKey), in no order.
-	Ends(start Key) []int
-}
 
 // Miss counts a lookup or load that could not be used, and logs it once per reason.
 func (s *Store) Miss(pool int, err error) {
@@ -561,15 +585,23 @@ func (s *Store) Where(pool int) (Location, int64) {
 		return None, 0
 	}
 	if s.mem.Has(k) {
-		return RAM, s.mem.size(k)
+		return RAM, sizeIn(s.mem, k)
 	}
 	if e := s.pending[k]; e != nil {
 		return Disk, int64(len(e.payload))
 	}
 	if s.dsk.Has(k) {
-		return Disk, s.dsk.size(k)
+		return Disk, sizeIn(s.dsk, k)
 	}
 	return None, 0
+}
+
+// sizeIn is k's size in l (0 when l does not know it).
+func sizeIn(l Level, k Key) int64 {
+	if sz := l.Caps().Size; sz != nil {
+		return sz.Size(k)
+	}
+	return 0
 }
 
 // Stats copies the counters.
@@ -577,19 +609,20 @@ func (s *Store) Stats() Stats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	st := s.stats
-	rb, rn := s.mem.Usage()
-	db, dn := s.dsk.Usage()
-	st.RAMBytes, st.RAMEntries = rb, int64(rn)
-	st.DiskBytes, st.DiskEntries = db, int64(dn)
-	for k, e := range s.pending {
-		if !s.dsk.Has(k) {
-			st.DiskBytes += int64(len(e.payload))
-			st.DiskEntries++
+	st.Levels = slices.Clone(s.stats.Levels)
+	for i, l := range s.levels() {
+		ls := &st.Levels[i]
+		b, n := l.Usage()
+		ls.Bytes, ls.Entries = b, int64(n)
+		if l != s.dsk {
+			continue
 		}
-	}
-	if s.shr != nil {
-		b, n := s.shr.Usage()
-		st.SharedBytes, st.SharedEntries = b, int64(n)
+		for k, e := range s.pending { // queued for the writer: a Get finds them on Disk already
+			if !s.dsk.Has(k) {
+				ls.Bytes += int64(len(e.payload))
+				ls.Entries++
+			}
+		}
 	}
 	st.Restores, st.RestoreSeconds, st.Misses = cloneMap(s.stats.Restores), cloneMap(s.stats.RestoreSeconds), cloneMap(s.stats.Misses)
 	st.Kinds = map[string]KindStats{}
@@ -597,6 +630,37 @@ func (s *Store) Stats() Stats {
 		st.Kinds[k] = *v
 	}
 	return st
+}
+
+// levels are the store's levels in the order a lookup asks them: RAM, --pool-dir, then
+// the fleet's level when there is one.
+func (s *Store) levels() []Level {
+	if s.shr == nil {
+		return []Level{s.mem, s.dsk}
+	}
+	return []Level{s.mem, s.dsk, s.shr}
+}
+
+// wrote counts a write of the store's writer to l (failed when err is not nil).
+func (s *Store) wrote(l Level, err error) {
+	for i := range s.stats.Levels {
+		if st := &s.stats.Levels[i]; st.Location == l.Location() {
+			if err != nil {
+				st.Errors++
+			} else {
+				st.Writes++
+			}
+			return
+		}
+	}
+}
+
+// fleetCaps is the fleet level's abilities (none without a fleet level).
+func (s *Store) fleetCaps() LevelCaps {
+	if s.shr == nil {
+		return LevelCaps{}
+	}
+	return s.shr.Caps()
 }
 
 // ramBytes is what the RAM level holds.

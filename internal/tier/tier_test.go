@@ -68,7 +68,7 @@ func TestRAMThenDiskLRU(t *testing.T) {
 		t.Fatalf("other d: %v", err)
 	}
 	st := s.Stats()
-	if st.RAMEntries != 2 || st.DiskEntries != 1 || st.Spills != 3 {
+	if st.Level(RAM).Entries != 2 || st.Level(Disk).Entries != 1 || st.Spills != 3 {
 		t.Fatalf("stats %+v", st)
 	}
 }
@@ -168,8 +168,8 @@ func TestDiskBudgetLRU(t *testing.T) {
 	if loc, _ := s.Where(1); loc != None {
 		t.Fatalf("oldest entry still on disk: %q", loc)
 	}
-	if st := s.Stats(); st.DiskEntries != 2 || st.DiskBytes > 2500 {
-		t.Fatalf("disk %d entries %d bytes", st.DiskEntries, st.DiskBytes)
+	if st := s.Stats(); st.Level(Disk).Entries != 2 || st.Level(Disk).Bytes > 2500 {
+		t.Fatalf("disk %d entries %d bytes", st.Level(Disk).Entries, st.Level(Disk).Bytes)
 	}
 	files, _ := filepath.Glob(filepath.Join(dir, "*.kv"))
 	if len(files) != 2 {
@@ -278,8 +278,8 @@ func TestDamagedEntriesKeepTheirPools(t *testing.T) {
 			t.Fatalf("pool %d: %+v, want %+v not in the tier", recs[i].ID, r, recs[i])
 		}
 	}
-	if st := s2.Stats(); st.Misses[MissCorrupt] != 1 || st.Misses[MissTruncated] != 1 || st.Misses[MissAbsent] != 1 || st.DiskEntries != 0 {
-		t.Fatalf("misses %v, %d entries left", st.Misses, st.DiskEntries)
+	if st := s2.Stats(); st.Misses[MissCorrupt] != 1 || st.Misses[MissTruncated] != 1 || st.Misses[MissAbsent] != 1 || st.Level(Disk).Entries != 0 {
+		t.Fatalf("misses %v, %d entries left", st.Misses, st.Level(Disk).Entries)
 	}
 	// The server prefills them and records them again: the entries are back.
 	for i, r := range got {
@@ -582,8 +582,8 @@ func testFullDisk(t *testing.T, dir string) {
 		s.Flush()
 	}
 	st := s.Stats()
-	if st.DiskErrors == 0 || st.DiskEntries == 0 || st.DiskEntries == 6 {
-		t.Fatalf("full disk: %d errors, %d entries on disk", st.DiskErrors, st.DiskEntries)
+	if st.DiskErrors == 0 || st.Level(Disk).Entries == 0 || st.Level(Disk).Entries == 6 {
+		t.Fatalf("full disk: %d errors, %d entries on disk", st.DiskErrors, st.Level(Disk).Entries)
 	}
 	for i := range 6 {
 		got, _, err := s.Get(meta(0, 8, int32(100*i)))
