@@ -21,14 +21,14 @@ const (
 	// previous period's same place. On the edit benchmark's reply (SmolLM2 loops with a
 	// period of 82 tokens) replaying the scheduler's drafting over the recorded tokens
 	// gave 74.9% of drafts accepted and 3.80 tokens per step at 16, 91.2% and 5.14 at
-	// 32 or more; the other replies were unchanged (docs/speculative.md). The scan
+	// 32 or more; the other replies were unchanged (docs/speculative-log.md). The scan
 	// stops at a match of this length, and costs the same where none is found.
 	DefaultNgramMax = 64
 )
 
 // specProbeMatch is the shortest context match an ngram-simple probe drafts from
 // (DraftSession.Propose's probe): on SmolLM2's chat at N = 8 probes from 3-token matches
-// landed 19-60% of their drafts (docs/speculative.md), and a short match in prose (three
+// landed 19-60% of their drafts (docs/speculative-log.md), and a short match in prose (three
 // tokens recurring) lands far less often than a long one in a quote.
 const specProbeMatch = 8
 

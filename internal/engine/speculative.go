@@ -62,7 +62,7 @@ type Spec struct {
 const (
 	DefaultDraftMax = 16
 	// DefaultStepCost is StepCost's default, measured on SmolLM2-135M Q4_1 with 2
-	// threads (docs/speculative.md): a step of R rows took about (DefaultStepCost+R)
+	// threads (docs/speculative-log.md): a step of R rows took about (DefaultStepCost+R)
 	// times one row's share.
 	DefaultStepCost = 2.0
 	// MaxDraft bounds --draft-max and a request's speculative.n_max.

@@ -14,7 +14,7 @@ import (
 // sessions, each decoding its own suffix, a verify batch cut back by a rejected draft,
 // the rollback of the hybrid target), equal what a fresh MTP context gives when it is
 // fed the whole context at once with the target's hidden state of every position (the
-// draft-mtp recipe in docs/speculative.md). Losslessness does not depend on this (the
+// draft-mtp recipe in docs/speculative-log.md). Losslessness does not depend on this (the
 // target verifies every draft); acceptance does: an h paired with the wrong position
 // would still pass the server tests.
 func TestMTPDraftsMatchReference(t *testing.T) {
