@@ -49,7 +49,7 @@ func TestMessagesBillingHeaderDropped(t *testing.T) {
 	}
 }
 
-// A system message inside messages stays a system message where it stands; the
+// A system message inside messages stays a system message, ahead of the task; the
 // session comes from metadata.user_id; adaptive thinking turns the reasoning switch on
 // and effort max reads as high.
 func TestMessagesClaudeCodeFields(t *testing.T) {
@@ -66,7 +66,9 @@ func TestMessagesClaudeCodeFields(t *testing.T) {
 	for _, m := range msgs {
 		roles += m.Role + " "
 	}
-	if roles != "system user system user " || *msgs[2].Content != "# Environment" {
+	// The system message before the first assistant turn is rendered ahead of the
+	// first user message (hoistSystem), so a team's shared prefix runs through it.
+	if roles != "system system user user " || *msgs[1].Content != "# Environment" {
 		t.Fatalf("messages: %s", creq.Messages)
 	}
 	if creq.SessionID == nil || !strings.HasPrefix(*creq.SessionID, "s-1/") {

@@ -74,8 +74,8 @@ func messagesChat(req *wire.MessagesRequest) (creq *wire.ChatRequest, ignored []
 		return nil, nil, e
 	}
 	c := newConvo(nil, nil)
-	for i, m := range msgs {
-		if e := anthropicMessage(c, i, m, i >= keepFrom); e != nil {
+	for _, i := range hoistSystem(msgs) {
+		if e := anthropicMessage(c, i, msgs[i], i >= keepFrom); e != nil {
 			return nil, nil, e
 		}
 	}
@@ -124,6 +124,36 @@ func messagesChat(req *wire.MessagesRequest) (creq *wire.ChatRequest, ignored []
 		creq.SessionID = &thread
 	}
 	return creq, ignored, nil
+}
+
+// hoistSystem is the order messages are rendered in: the system messages that come
+// before the first assistant turn first (in their order), then the rest as sent. Claude
+// Code sends its environment block (~2k tokens: working directory, deferred tools,
+// agent types, skills) as a system message after the first user message, which holds
+// the task: as sent, every session of a team re-prefills that block after its own task,
+// though within one project it is the same for all of them. Ahead of the task it joins
+// the prefix the team shares (measured in docs/agents.md). Nothing is dropped or
+// reworded, and a later system message stays where it stands.
+func hoistSystem(msgs []wire.AnthropicMessage) []int {
+	order := make([]int, 0, len(msgs))
+	first := len(msgs)
+	for i, m := range msgs {
+		if m.Role == "assistant" {
+			first = i
+			break
+		}
+	}
+	for i := range first {
+		if msgs[i].Role == "system" {
+			order = append(order, i)
+		}
+	}
+	for i := range msgs {
+		if i >= first || msgs[i].Role != "system" {
+			order = append(order, i)
+		}
+	}
+	return order
 }
 
 // billingHeaderPrefix starts the system block Claude Code puts before everything else
