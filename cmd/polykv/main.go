@@ -72,7 +72,6 @@ func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
 	fs.IntVar(&cfg.NBatch, "b", cfg.NBatch, "same as --batch")
 	fs.IntVar(&cfg.NUBatch, "ubatch", cfg.NUBatch, "physical micro-batch size (0: the same as --batch)")
 	fs.IntVar(&cfg.NPredict, "n-predict", cfg.NPredict, "tokens a request generates at most when it names no max_tokens (0: until the context ends, as llama-server's -1)")
-	fs.IntVar(&cfg.NPredict, "n", cfg.NPredict, "same as --n-predict")
 	fs.IntVar(&cfg.MaxQueue, "queue", cfg.MaxQueue, "requests that may wait for a sequence or an admission gate; more get 503 (0: none wait)")
 	fs.DurationVar(&cfg.QueueTimeout, "queue-timeout", cfg.QueueTimeout, "a request waiting for a sequence, KV cells or its pool longer than this gets 503 with Retry-After (0: no deadline)")
 	fs.IntVar(&cfg.AttachMin, "attach-min-tokens", cfg.AttachMin, "a request naming a pool by pool_key attaches to it (a session of the pool, which pins it) only when it shares at least this many tokens with it; below, it runs unpooled and still borrows the shared cells through the prefix cache")

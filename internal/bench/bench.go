@@ -57,6 +57,7 @@ type Options struct {
 	sb         specBench
 	ab         agentsBench
 	ep         episode
+	ca         codingAgents
 }
 
 // Register binds the benchmark's flags to o (cmd/polykv parses them with the server's).
@@ -65,7 +66,7 @@ func (o *Options) Register(fs *flag.FlagSet) {
 	o.nGen = fs.Int("n", 128, "tokens each session decodes")
 	o.reps = fs.Int("reps", 2, "repetitions per measurement (best is reported; spec: alternating rounds, medians reported)")
 	o.cpuProfile = fs.String("cpuprofile", "", "write a Go CPU profile of the server runs to this file")
-	o.workload = fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on), plain-fanout and agent-loop (plain OpenAI client: automatic prefix reuse vs off vs explicit pool), plain (both plain-client workloads), tier (evicted pool restored from RAM / disk vs prefill; restart with pinned pools), fleet-tier (two replicas sharing --tier-shared-dir: B serves a prompt A served; not part of all), tenants (short requests and one session's decode beside idle pools of other tenants, compaction auto vs always), spec (speculative decoding off vs on: edit and chat agents; not part of all), episode (a team of tool-calling workers delivering packages under an orchestrator: baseline, admission-gated, gated with throttle-toward-floor, llama-server; not part of all), agents (a team of tool-calling agents whose contexts outgrow the cache, beside llama-server with --agents-llama-server; not part of all) or all")
+	o.workload = fs.String("workload", "all", "decode (server vs raw loop), prefill (tok/s per model, cache type and prompt length), fanout (pooled vs unpooled agents), ramp (spawn ramp, admission off/on), plain-fanout and agent-loop (plain OpenAI client: automatic prefix reuse vs off vs explicit pool), plain (both plain-client workloads), tier (evicted pool restored from RAM / disk vs prefill; restart with pinned pools), fleet-tier (two replicas sharing --tier-shared-dir: B serves a prompt A served; not part of all), tenants (short requests and one session's decode beside idle pools of other tenants, compaction auto vs always), spec (speculative decoding off vs on: edit and chat agents; not part of all), episode (a team of tool-calling workers delivering packages under an orchestrator: baseline, admission-gated, gated with throttle-toward-floor, llama-server; not part of all), agents (a team of tool-calling agents whose contexts outgrow the cache, beside llama-server with --agents-llama-server; not part of all), coding-agents (Claude Code and Codex sessions of a team replayed from their recorded requests, beside llama-server with --coding-llama-server; not part of all) or all")
 	fs.StringVar(&o.pf.models, "prefill-models", "", "prefill: comma-separated GGUF files (default: -m); missing files are skipped")
 	fs.StringVar(&o.pf.types, "prefill-cache-types", "f16,q8_0,q4_0", "prefill: KV cache types (K and V alike)")
 	fs.StringVar(&o.pf.lengths, "prefill-tokens", "128,2000", "prefill: prompt lengths")
@@ -106,6 +107,7 @@ func (o *Options) Register(fs *flag.FlagSet) {
 	fs.IntVar(&o.rp.gen, "ramp-gen", 256, "spawn ramp: tokens each agent decodes")
 	fs.Float64Var(&o.rp.floorFr, "ramp-floor", 0.6, "spawn ramp: floor as a fraction of one session's tps")
 	o.ab.register(fs)
+	o.ca.register(fs)
 	fs.IntVar(&o.ep.packages, "episode-packages", 6, "episode: packages to deliver")
 	fs.IntVar(&o.ep.steps, "episode-steps", 8, "episode: steps (chat turns) per package")
 	fs.DurationVar(&o.ep.tick, "episode-tick", 2*time.Second, "episode: the orchestrator's tick (one spawn at most per tick)")
@@ -196,6 +198,8 @@ func Run(cfg app.Config, o *Options) error {
 		return o.tn.run(cfg)
 	case "agents":
 		return o.ab.run(cfg)
+	case "coding-agents":
+		return o.ca.run(cfg, *o.reps)
 	case "episode":
 		o.ep.reps = max(1, *o.reps)
 		return o.ep.run(cfg)
