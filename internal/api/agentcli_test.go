@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -335,6 +336,30 @@ func TestAgentFixturesReplay(t *testing.T) {
 			}
 		})
 	}
+	// A team's requests (a main agent that spawns a sub-agent): each answers 2xx, and
+	// the sub-agent's thread runs on a session of its own.
+	for _, tc := range []struct{ client, route string }{{"claude-code-team", "/v1/messages"}, {"codex-team", "/v1/responses"}} {
+		t.Run(tc.client, func(t *testing.T) {
+			base, _ := serveScripted(t, toolThenAnswer(`{"name": "nothing", "arguments": {}}`))
+			sessions := map[bool]map[string]bool{true: {}, false: {}}
+			for i, body := range fixtures(t, tc.client) {
+				status, _, _, r := postUsage(t, base+tc.route, body, nil)
+				if status != 200 {
+					t.Fatalf("fixture %d: %d %v", i+1, status, r)
+				}
+				sub := bytes.Contains(body, []byte(subtask)) && !bytes.Contains(body, []byte("Ask a sub-agent"))
+				sessions[sub][r["session_id"].(string)] = true
+			}
+			if len(sessions[true]) != 1 || len(sessions[false]) != 1 {
+				t.Fatalf("sessions: sub-agent %v, main %v; want one each", sessions[true], sessions[false])
+			}
+			for s := range sessions[true] {
+				if sessions[false][s] {
+					t.Fatalf("the sub-agent runs on the main thread's session %s", s)
+				}
+			}
+		})
+	}
 	t.Run("claude-code other session", func(t *testing.T) {
 		base, _ := serveScripted(t, toolThenAnswer(`{"name": "nothing", "arguments": {}}`))
 		bodies := fixtures(t, "claude-code")
@@ -359,4 +384,92 @@ func TestAgentFixturesReplay(t *testing.T) {
 			t.Fatalf("another session's first turn: %d of %d prompt tokens cached, the system prompt alone is %d", cached, prompt, systemLen)
 		}
 	})
+}
+
+// subtask marks the prompt of a sub-agent the scripted model spawned.
+const subtask = "SUBTASK: run ls here and report the files."
+
+// teamScript plays a model that spawns a sub-agent (spawn calls the client's spawn
+// tool with subtask), whose thread calls the shell tool (shell) and reports what it
+// saw; the spawning thread then waits for it where the client needs that (wait, given
+// the id the spawn returned) and answers with the sub-agent's report.
+func teamScript(spawn, shell string, wait func(id string) string) func(string) []engine.Token {
+	idRE := regexp.MustCompile(`"agent_id"\s*:\s*"([^"]+)"`)
+	say := func(s string) []engine.Token { return append(enginetest.Bytes(s), enginetest.EOG) }
+	return func(p string) []engine.Token {
+		sub := strings.Contains(p, subtask)
+		last := p[strings.LastIndex(p, "\ntool: ")+1:]
+		switch {
+		case sub && strings.Contains(last, marker):
+			return say("DONE: the directory holds " + marker + ".")
+		case sub:
+			return say("<tool_call>" + shell + "</tool_call>")
+		case strings.Contains(p, marker):
+			return say("DONE: the sub-agent found " + marker + ".")
+		case strings.Contains(last, "tool: ") && wait != nil:
+			if m := idRE.FindStringSubmatch(last); m != nil {
+				return say("<tool_call>" + wait(m[1]) + "</tool_call>")
+			}
+		}
+		return say("<tool_call>" + spawn + "</tool_call>")
+	}
+}
+
+// Codex spawns a sub-agent through its namespace tool (multi_agent_v1.spawn_agent),
+// which PolyKV flattened for the model and returned with its namespace: the client runs
+// it (collab: SpawnAgent), the sub-agent's own thread calls the shell tool on its own
+// PolyKV session, and the main thread waits for it and answers.
+func TestCodexSubAgent(t *testing.T) {
+	bin := agentCLI(t, "codex")
+	base, rec := serveScripted(t, teamScript(`{"name": "spawn_agent", "arguments": {"message": "`+subtask+`"}}`,
+		`{"name": "exec_command", "arguments": {"cmd": "ls"}}`,
+		func(id string) string { return `{"name": "wait_agent", "arguments": {"targets": ["` + id + `"], "timeout_ms": 60000}}` }))
+	dir := workdir(t)
+	home := t.TempDir()
+	config := fmt.Sprintf("model = \"fake\"\nmodel_provider = \"polykv\"\n\n[model_providers.polykv]\nname = \"PolyKV\"\nbase_url = %q\nwire_api = \"responses\"\nenv_key = \"POLYKV_API_KEY\"\n", base+"/v1")
+	if err := os.WriteFile(filepath.Join(home, "config.toml"), []byte(config), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out := runCLI(t, dir, []string{"CODEX_HOME=" + home, "POLYKV_API_KEY=local"},
+		bin, "exec", "--skip-git-repo-check", "--sandbox", "danger-full-access", "Which files are in this directory? Ask a sub-agent.")
+	if !strings.Contains(out, "collab: SpawnAgent") || !strings.Contains(out, "DONE: the sub-agent found "+marker) {
+		t.Fatalf("codex did not run the sub-agent and answer:\n%s", out)
+	}
+	checkTeam(t, "codex-team", "/v1/responses", rec)
+}
+
+// Claude Code spawns a sub-agent with its Agent tool: the sub-agent (another system
+// prompt and task, its own PolyKV session) calls Bash, and the main agent answers with
+// its report.
+func TestClaudeCodeSubAgent(t *testing.T) {
+	bin := agentCLI(t, "claude")
+	base, rec := serveScripted(t, teamScript(`{"name": "Agent", "arguments": {"description": "List the files", "prompt": "`+subtask+`", "subagent_type": "general-purpose", "run_in_background": false}}`,
+		`{"name": "Bash", "arguments": {"command": "ls", "description": "List the files"}}`, nil))
+	dir := workdir(t)
+	out := runCLI(t, dir, []string{"HOME=" + t.TempDir(), "ANTHROPIC_BASE_URL=" + base, "ANTHROPIC_API_KEY=sk-local",
+		"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1", "DISABLE_AUTOUPDATER=1", "DISABLE_TELEMETRY=1"},
+		bin, "-p", "Which files are in this directory? Ask a sub-agent.", "--model", "fake", "--output-format", "json", "--allowedTools", "Bash,Agent")
+	if !strings.Contains(out, "DONE: the sub-agent found "+marker) {
+		t.Fatalf("claude did not answer with the sub-agent's report:\n%s", out)
+	}
+	checkTeam(t, "claude-code-team", "/v1/messages", rec)
+}
+
+// checkTeam asserts a team run's exchanges: all 2xx, and a tool round trip in the
+// sub-agent's thread and in the main thread (TestMessagesThreadSessions shows that the
+// threads run on sessions of their own); and keeps the bodies as fixtures when asked to.
+func checkTeam(t *testing.T, client, route string, rec *exchangeLog) {
+	t.Helper()
+	gen := checkExchanges(t, client, route, rec)
+	sub, main := 0, 0
+	for _, x := range gen {
+		if bytes.Contains(x.body, []byte(subtask)) && !bytes.Contains(x.body, []byte("Ask a sub-agent")) {
+			sub++
+		} else {
+			main++
+		}
+	}
+	if sub < 2 || main < 2 {
+		t.Fatalf("%s: %d requests of the sub-agent's thread and %d of the main thread, want a tool round trip in each", client, sub, main)
+	}
 }

@@ -186,22 +186,24 @@ func ignoredToolsHeader(w http.ResponseWriter, ignored []string) {
 }
 
 // threadSession is the PolyKV session of one conversation thread of a client's session.
-// Claude Code names one session_id for its main agent, its sub-agents and its side
-// requests (titles, summaries), and several of them run at once; a PolyKV session holds
-// one sequence, so as one session they would wait for each other and each would cut the
-// others' KV down to their common prefix. A thread is known by how it starts (the
-// system text and the messages up to the first user message, which a growing
-// conversation keeps), so each turn of a thread continues on its own session while the
-// threads share their common prefix (system prompt and tools) through the prefix cache.
+// Claude Code names one session_id (Codex one prompt_cache_key) for its main agent, its
+// sub-agents and its side requests, and several of them run at once; a PolyKV session
+// holds one sequence, so as one session they would wait for each other and each would
+// cut the others' KV down to their common prefix. A thread is known by how it starts:
+// the system text and the messages before its first assistant turn (a growing
+// conversation keeps them; a sub-agent's task differs from its parent's even where, as
+// in Codex, their first user message, the environment, is the same). So each turn of a
+// thread continues on its own session while the threads share their common prefix
+// (system prompt, tools, environment) through the prefix cache.
 func threadSession(client, system string, msgs []chatTurnMsg) string {
 	h := fnv.New64a()
 	h.Write([]byte(system))
 	for _, m := range msgs {
-		b, _ := json.Marshal(m)
-		h.Write(b)
-		if m.Role == "user" {
+		if m.Role == "assistant" {
 			break
 		}
+		b, _ := json.Marshal(m)
+		h.Write(b)
 	}
 	return fmt.Sprintf("%s/%016x", client, h.Sum64())
 }

@@ -42,7 +42,7 @@ type codingAgents struct {
 
 func (ca *codingAgents) register(fs *flag.FlagSet) {
 	fs.IntVar(&ca.sessions, "coding-sessions", 8, "coding-agents: concurrent sessions")
-	fs.StringVar(&ca.clients, "coding-clients", "claude-code,codex", "coding-agents: whose recorded traffic each session replays (sessions alternate between them)")
+	fs.StringVar(&ca.clients, "coding-clients", "claude-code-team,codex-team", "coding-agents: whose recorded traffic each session replays, sessions alternating between them: claude-code-team and codex-team (a main agent that spawns a sub-agent, each with a tool round trip), claude-code and codex (one agent, one tool round trip)")
 	fs.StringVar(&ca.traffic, "coding-traffic", "internal/api/testdata/agents", "coding-agents: the recorded request bodies, one directory per client")
 	fs.IntVar(&ca.gen, "coding-gen", 16, "coding-agents: tokens each reply decodes at most (max_tokens / max_output_tokens)")
 	fs.DurationVar(&ca.pause, "coding-tool-pause", time.Second, "coding-agents: the pause between a reply and the session's next turn (the client running its tool)")
@@ -73,9 +73,14 @@ type codingResult struct {
 func (ca codingAgents) recorded() (map[string][]codingTurn, error) {
 	out := map[string][]codingTurn{}
 	for _, c := range splitCSV(ca.clients) {
-		route := map[string]string{"claude-code": "/v1/messages", "codex": "/v1/responses"}[c]
-		if route == "" {
-			return nil, fmt.Errorf("bench: --coding-clients: unknown client %q (claude-code, codex)", c)
+		var route string
+		switch {
+		case strings.HasPrefix(c, "claude-code"):
+			route = "/v1/messages"
+		case strings.HasPrefix(c, "codex"):
+			route = "/v1/responses"
+		default:
+			return nil, fmt.Errorf("bench: --coding-clients: unknown client %q (claude-code[-team], codex[-team])", c)
 		}
 		files, _ := filepath.Glob(filepath.Join(ca.traffic, c, "*.json"))
 		if len(files) == 0 {
@@ -101,15 +106,15 @@ func (ca codingAgents) recorded() (map[string][]codingTurn, error) {
 // (Claude Code), its prompt_cache_key (Codex), its task, and the reply's length.
 func (ca codingAgents) personalize(client string, body map[string]any, i int) ([]byte, error) {
 	raw, _ := json.Marshal(body)
-	task := "Which files are in this directory? Use a tool to look."
-	s := strings.ReplaceAll(string(raw), task, fmt.Sprintf("Session %d: which files are in this directory, and which of them changed last? Use a tool to look.", i))
+	task := "Which files are in this directory?"
+	s := strings.ReplaceAll(string(raw), task, fmt.Sprintf("Session %d: which files are in this directory, and which of them changed last?", i))
 	var v map[string]any
 	if err := json.Unmarshal([]byte(s), &v); err != nil {
 		return nil, err
 	}
 	v["stream"] = true
-	switch client {
-	case "claude-code":
+	switch {
+	case strings.HasPrefix(client, "claude-code"):
 		if sys, ok := v["system"].([]any); ok && len(sys) > 0 {
 			if b, ok := sys[0].(map[string]any); ok && strings.HasPrefix(fmt.Sprint(b["text"]), "x-anthropic-billing-header:") {
 				b["text"] = fmt.Sprintf("x-anthropic-billing-header: cc_version=2.1.328.%03x; cc_entrypoint=sdk-cli;", 0x100+i)
@@ -117,7 +122,7 @@ func (ca codingAgents) personalize(client string, body map[string]any, i int) ([
 		}
 		v["metadata"] = map[string]any{"user_id": fmt.Sprintf(`{"device_id":"bench","account_uuid":"","session_id":"bench-session-%d"}`, i)}
 		v["max_tokens"] = ca.gen
-	case "codex":
+	case strings.HasPrefix(client, "codex"):
 		v["prompt_cache_key"] = fmt.Sprintf("bench-thread-%d", i)
 		v["max_output_tokens"] = ca.gen
 	}
