@@ -423,7 +423,9 @@ func TestCodexSubAgent(t *testing.T) {
 	bin := agentCLI(t, "codex")
 	base, rec := serveScripted(t, teamScript(`{"name": "spawn_agent", "arguments": {"message": "`+subtask+`"}}`,
 		`{"name": "exec_command", "arguments": {"cmd": "ls"}}`,
-		func(id string) string { return `{"name": "wait_agent", "arguments": {"targets": ["` + id + `"], "timeout_ms": 60000}}` }))
+		func(id string) string {
+			return `{"name": "wait_agent", "arguments": {"targets": ["` + id + `"], "timeout_ms": 60000}}`
+		}))
 	dir := workdir(t)
 	home := t.TempDir()
 	config := fmt.Sprintf("model = \"fake\"\nmodel_provider = \"polykv\"\n\n[model_providers.polykv]\nname = \"PolyKV\"\nbase_url = %q\nwire_api = \"responses\"\nenv_key = \"POLYKV_API_KEY\"\n", base+"/v1")
