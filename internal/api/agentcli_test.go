@@ -150,6 +150,28 @@ func runCLI(t *testing.T, dir string, env []string, bin string, args ...string) 
 	return string(out)
 }
 
+// runClaude runs Claude Code headless in a directory holding the marker, against base,
+// allowed the tools named, with a home of its own; it returns the output (JSON).
+func runClaude(t *testing.T, bin, base, prompt, tools string) string {
+	t.Helper()
+	return runCLI(t, workdir(t), []string{"HOME=" + t.TempDir(), "ANTHROPIC_BASE_URL=" + base, "ANTHROPIC_API_KEY=sk-local",
+		"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1", "DISABLE_AUTOUPDATER=1", "DISABLE_TELEMETRY=1"},
+		bin, "-p", prompt, "--model", "fake", "--output-format", "json", "--allowedTools", tools)
+}
+
+// runCodex runs codex exec in a directory holding the marker, with a config naming base
+// as a Responses provider (the README's setup), without a sandbox (ls only).
+func runCodex(t *testing.T, bin, base, prompt string) string {
+	t.Helper()
+	home := t.TempDir()
+	config := fmt.Sprintf("model = \"fake\"\nmodel_provider = \"polykv\"\n\n[model_providers.polykv]\nname = \"PolyKV\"\nbase_url = %q\nwire_api = \"responses\"\nenv_key = \"POLYKV_API_KEY\"\n", base+"/v1")
+	if err := os.WriteFile(filepath.Join(home, "config.toml"), []byte(config), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return runCLI(t, workdir(t), []string{"CODEX_HOME=" + home, "POLYKV_API_KEY=local"},
+		bin, "exec", "--skip-git-repo-check", "--sandbox", "danger-full-access", prompt)
+}
+
 // checkExchanges asserts every request was answered 2xx, and that the conversation's
 // last request carries the tool's result (the marker): the client ran the tool the
 // model called and sent what it printed back. It writes the bodies as fixtures when
@@ -194,10 +216,7 @@ func checkExchanges(t *testing.T, client, route string, rec *exchangeLog) []exch
 func TestClaudeCodeToolRoundTrip(t *testing.T) {
 	bin := agentCLI(t, "claude")
 	base, rec := serveScripted(t, toolThenAnswer(`{"name": "Bash", "arguments": {"command": "ls", "description": "List the files"}}`))
-	dir := workdir(t)
-	out := runCLI(t, dir, []string{"HOME=" + t.TempDir(), "ANTHROPIC_BASE_URL=" + base, "ANTHROPIC_API_KEY=sk-local",
-		"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1", "DISABLE_AUTOUPDATER=1", "DISABLE_TELEMETRY=1"},
-		bin, "-p", "Which files are in this directory? Use a tool to look.", "--model", "fake", "--output-format", "json", "--allowedTools", "Bash")
+	out := runClaude(t, bin, base, "Which files are in this directory? Use a tool to look.", "Bash")
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	var res struct {
 		IsError bool   `json:"is_error"`
@@ -227,14 +246,7 @@ func TestClaudeCodeToolRoundTrip(t *testing.T) {
 func TestCodexToolRoundTrip(t *testing.T) {
 	bin := agentCLI(t, "codex")
 	base, rec := serveScripted(t, toolThenAnswer(`{"name": "exec_command", "arguments": {"cmd": "ls"}}`))
-	dir := workdir(t)
-	home := t.TempDir()
-	config := fmt.Sprintf("model = \"fake\"\nmodel_provider = \"polykv\"\n\n[model_providers.polykv]\nname = \"PolyKV\"\nbase_url = %q\nwire_api = \"responses\"\nenv_key = \"POLYKV_API_KEY\"\n", base+"/v1")
-	if err := os.WriteFile(filepath.Join(home, "config.toml"), []byte(config), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	out := runCLI(t, dir, []string{"CODEX_HOME=" + home, "POLYKV_API_KEY=local"},
-		bin, "exec", "--skip-git-repo-check", "--sandbox", "danger-full-access", "Which files are in this directory? Use a tool to look.")
+	out := runCodex(t, bin, base, "Which files are in this directory? Use a tool to look.")
 	if !strings.Contains(out, "DONE: the directory holds "+marker) {
 		t.Fatalf("codex did not print the reply:\n%s", out)
 	}
@@ -283,31 +295,16 @@ func postUsage(t *testing.T, url string, body []byte, edit func(map[string]any))
 	if edit != nil {
 		edit(v)
 	}
-	r := doRaw(t, url, v)
+	rep := do(t, "POST", url, v)
+	r := rep.body
 	u, _ := r["usage"].(map[string]any)
 	num := func(m map[string]any, k string) int { f, _ := m[k].(float64); return int(f) }
 	if d, ok := u["input_tokens_details"].(map[string]any); ok { // Responses
-		return int(r["_status"].(float64)), num(u, "input_tokens"), num(d, "cached_tokens"), r
+		return rep.code, num(u, "input_tokens"), num(d, "cached_tokens"), r
 	}
-	return int(r["_status"].(float64)), num(u, "input_tokens") + num(u, "cache_read_input_tokens"), num(u, "cache_read_input_tokens"), r
+	return rep.code, num(u, "input_tokens") + num(u, "cache_read_input_tokens"), num(u, "cache_read_input_tokens"), r
 }
 
-func doRaw(t *testing.T, url string, body any) map[string]any {
-	t.Helper()
-	b, _ := json.Marshal(body)
-	resp, err := http.Post(url, "application/json", bytes.NewReader(b))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	out := map[string]any{}
-	raw, _ := io.ReadAll(resp.Body)
-	if err := json.Unmarshal(raw, &out); err != nil {
-		t.Fatalf("%d %s", resp.StatusCode, raw)
-	}
-	out["_status"] = float64(resp.StatusCode)
-	return out
-}
 
 // The recorded requests of both clients, replayed without the CLIs: each answers 2xx;
 // a thread's next turn continues on its session's cells (cached tokens: its whole
@@ -426,14 +423,7 @@ func TestCodexSubAgent(t *testing.T) {
 		func(id string) string {
 			return `{"name": "wait_agent", "arguments": {"targets": ["` + id + `"], "timeout_ms": 60000}}`
 		}))
-	dir := workdir(t)
-	home := t.TempDir()
-	config := fmt.Sprintf("model = \"fake\"\nmodel_provider = \"polykv\"\n\n[model_providers.polykv]\nname = \"PolyKV\"\nbase_url = %q\nwire_api = \"responses\"\nenv_key = \"POLYKV_API_KEY\"\n", base+"/v1")
-	if err := os.WriteFile(filepath.Join(home, "config.toml"), []byte(config), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	out := runCLI(t, dir, []string{"CODEX_HOME=" + home, "POLYKV_API_KEY=local"},
-		bin, "exec", "--skip-git-repo-check", "--sandbox", "danger-full-access", "Which files are in this directory? Ask a sub-agent.")
+	out := runCodex(t, bin, base, "Which files are in this directory? Ask a sub-agent.")
 	if !strings.Contains(out, "collab: SpawnAgent") || !strings.Contains(out, "DONE: the sub-agent found "+marker) {
 		t.Fatalf("codex did not run the sub-agent and answer:\n%s", out)
 	}
@@ -447,10 +437,7 @@ func TestClaudeCodeSubAgent(t *testing.T) {
 	bin := agentCLI(t, "claude")
 	base, rec := serveScripted(t, teamScript(`{"name": "Agent", "arguments": {"description": "List the files", "prompt": "`+subtask+`", "subagent_type": "general-purpose", "run_in_background": false}}`,
 		`{"name": "Bash", "arguments": {"command": "ls", "description": "List the files"}}`, nil))
-	dir := workdir(t)
-	out := runCLI(t, dir, []string{"HOME=" + t.TempDir(), "ANTHROPIC_BASE_URL=" + base, "ANTHROPIC_API_KEY=sk-local",
-		"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1", "DISABLE_AUTOUPDATER=1", "DISABLE_TELEMETRY=1"},
-		bin, "-p", "Which files are in this directory? Ask a sub-agent.", "--model", "fake", "--output-format", "json", "--allowedTools", "Bash,Agent")
+	out := runClaude(t, bin, base, "Which files are in this directory? Ask a sub-agent.", "Bash,Agent")
 	if !strings.Contains(out, "DONE: the sub-agent found "+marker) {
 		t.Fatalf("claude did not answer with the sub-agent's report:\n%s", out)
 	}
