@@ -305,7 +305,6 @@ func postUsage(t *testing.T, url string, body []byte, edit func(map[string]any))
 	return rep.code, num(u, "input_tokens") + num(u, "cache_read_input_tokens"), num(u, "cache_read_input_tokens"), r
 }
 
-
 // The recorded requests of both clients, replayed without the CLIs: each answers 2xx;
 // a thread's next turn continues on its session's cells (cached tokens: its whole
 // earlier prompt up to where the recorded reply differs from this model's); and another
