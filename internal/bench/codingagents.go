@@ -36,6 +36,7 @@ type codingAgents struct {
 	pause       time.Duration
 	llamaServer string
 	llamaNP     int
+	llamaCtx    int
 	llamaExtra  string
 	url         string
 }
@@ -48,6 +49,7 @@ func (ca *codingAgents) register(fs *flag.FlagSet) {
 	fs.DurationVar(&ca.pause, "coding-tool-pause", time.Second, "coding-agents: the pause between a reply and the session's next turn (the client running its tool)")
 	fs.StringVar(&ca.llamaServer, "coding-llama-server", "", "coding-agents: also run the traffic on this llama-server binary (make llama-tools)")
 	fs.IntVar(&ca.llamaNP, "coding-llama-np", 0, "coding-agents: llama-server's -np (0: one slot per session)")
+	fs.IntVar(&ca.llamaCtx, "coding-llama-ctx", 0, "coding-agents: llama-server's -c (0: the same as PolyKV's; without prefix sharing across slots it needs room for every session's prompt)")
 	fs.StringVar(&ca.llamaExtra, "coding-llama-extra", "", "coding-agents: more llama-server flags (e.g. --cache-ram 8192)")
 	fs.StringVar(&ca.url, "coding-url", "", "coding-agents: run the traffic against this server instead (Anthropic and Responses routes)")
 }
@@ -273,7 +275,11 @@ func (ca codingAgents) run(cfg app.Config, reps int) error {
 			if np == 0 {
 				np = ca.sessions
 			}
-			args := []string{"-m", cfg.ModelPath, "-c", strconv.Itoa(cfg.NCtx), "-np", strconv.Itoa(np), "-t", strconv.Itoa(cfg.Threads), "--kv-unified", "--jinja"}
+			nctx := cfg.NCtx
+			if ca.llamaCtx > 0 {
+				nctx = ca.llamaCtx
+			}
+			args := []string{"-m", cfg.ModelPath, "-c", strconv.Itoa(nctx), "-np", strconv.Itoa(np), "-t", strconv.Itoa(cfg.Threads), "--kv-unified", "--jinja"}
 			if cfg.ChatTemplate != "" {
 				args = append(args, "--chat-template", cfg.ChatTemplate)
 			}
