@@ -601,11 +601,14 @@ func (h *harness) releaseReservation(id int, rid string) error {
 // would leave, after what seated prompts are promised. The check is cold (the whole
 // prompt, less only what it borrows from the pool it attaches to, which must stay),
 // so any placement that shares cells fits too. Tasks behind that first one wait behind
-// it by design (FIFO: no starvation).
+// it by design (FIFO: no starvation). A pool in its grace (resident, not used since it
+// became so, within Config.PoolGrace) is not counted, except for a generating request
+// on a server where nothing runs (issue 54): no running work will make room for it, so
+// the grace must not hold it back.
 func (h *harness) checkLiveness() {
 	h.t.Helper()
 	s := h.s
-	var victims kvcache.SeqSet
+	var victims, graced kvcache.SeqSet
 	freeSeq := false
 	for _, sl := range s.slots {
 		if sl.task == nil {
@@ -619,7 +622,12 @@ func (h *harness) checkLiveness() {
 		// With a tier, user-pinned pools and pools whose children hold no cells are paged
 		// too (issue 40).
 		pageable := !p.Pinned() || (s.cfg.Tier && p.Pageable())
-		if p.State == pool.Resident && pageable && s.now.Sub(p.LastAccess) >= s.cfg.PoolGrace {
+		if p.State != pool.Resident || !pageable {
+			continue
+		}
+		if p.AwaitsUse && s.now.Sub(p.LastAccess) < s.cfg.PoolGrace {
+			graced.Add(p.Seq)
+		} else {
 			victims.Add(p.Seq)
 		}
 	}
@@ -658,6 +666,9 @@ func (h *harness) checkLiveness() {
 			}
 		}
 		need, set := len(t.req.Prompt), victims
+		if t.kind == kindGenerate && len(s.running) == 0 {
+			graced.Each(func(q int) bool { set.Add(q); return true })
+		}
 		if t.kind == kindGenerate && t.pool != nil {
 			share := attachLen(t.pool, t.req)
 			if s.cfg.Recurrent {
