@@ -225,6 +225,15 @@ func (f *fakeBackend) Tier(op SeqOp) error {
 		if len(f.kv[op.Seq]) != 0 {
 			f.t.Errorf("fake: restore into non-empty seq %d", op.Seq)
 		}
+		inUse := f.cells()
+		for _, v := range f.tail {
+			inUse += len(v)
+		}
+		if inUse+len(toks) > f.nCtx {
+			// As llama.cpp's state_seq_set_data: it loads into free cells, and refuses
+			// when there are too few (the runner answers a rejected miss).
+			return fmt.Errorf("fake tier: pool %d's %d cells do not fit: %d of %d in use", op.Pool, len(toks), inUse, f.nCtx)
+		}
 		var cells []fakeCell
 		for _, t := range toks {
 			f.nextCell++
