@@ -1153,9 +1153,12 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	s.inflight = s.inflight[:0]
 	var batch []BatchEntry
 	budget := s.cfg.NBatch
-	// A restore planned in this step writes its cells before the batch runs, though
-	// the cell tree counts them only once its Restored answer comes.
-	free := s.kv.Room(s.tierPending() + s.loadPending())
+	// A restore or load planned in this step writes its cells before the batch runs,
+	// though the cell tree counts them only once its answer comes: they count as
+	// planned, here and in every freeCells below (else a decode token beside a restore
+	// that filled the cache found "room" the restore had taken, and the batch failed).
+	pending := s.tierPending() + s.loadPending()
+	free := s.kv.Room(pending)
 	planned := 0
 	// Sessions throttled toward their pool's floor skip this step (throttle.go).
 	s.throttleSkips()
@@ -1182,7 +1185,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 		}
 		decoders--
 		if free == 0 {
-			free = s.freeCells(1, nil, planned, t.grace)
+			free = s.freeCells(1, nil, pending+planned, t.grace)
 		}
 		if free == 0 {
 			// Every cell is held by a running task or a pool: stop cleanly rather than shift.
@@ -1249,7 +1252,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 		have := len(t.slot.tokens)
 		k := min(len(t.req.Prompt)-have, budget)
 		if free < k {
-			free = s.freeCells(k, nil, planned, t.grace)
+			free = s.freeCells(k, nil, pending+planned, t.grace)
 		}
 		k = min(k, free)
 		if k == 0 {
@@ -1277,7 +1280,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 		s.unskip()
 		for _, t := range skipped {
 			if free == 0 {
-				free = s.freeCells(1, nil, planned, t.grace)
+				free = s.freeCells(1, nil, pending+planned, t.grace)
 			}
 			if free == 0 {
 				s.finish(t, FinishLength, true, nil)
