@@ -158,11 +158,13 @@ func TestBorrowingPartOfAPoolIsNotAUse(t *testing.T) {
 	}
 }
 
-// A pool's build or restore never takes a pool in its grace, whatever is running: it
-// would leave a pool in its grace itself. Two pools that fit only one at a time, both
-// paged, and an attach to each: the first restored is attached before the second's
-// restore takes its cells (builds go first in the queue, so a restore that took it
-// would be overtaken by the other's restore again, and so on forever).
+// A pool in its grace whose first use waits in the queue is never taken, and that use
+// goes ahead of the task that waits for its cells. Two pools that fit only one at a
+// time, both paged, and an attach to each: the first restored is attached before the
+// second's restore takes its cells. (Builds go first in the queue: a restore that took
+// the pool just restored would be overtaken by the other's restore again, and so on
+// forever; and one that left it but went first would wait for the grace to run out
+// behind the attach that holds it.)
 func TestRestoresDoNotPageEachOther(t *testing.T) {
 	cfg := graceCfg()
 	cfg.NCtx = 48
