@@ -91,7 +91,7 @@ func coreFlags(fs *flag.FlagSet, cfg *app.Config) {
 	fs.StringVar(&cfg.ChatTemplateFile, "chat-template-file", cfg.ChatTemplateFile, "Jinja chat template file to use instead of the GGUF's")
 	fs.DurationVar(&cfg.TPSTau, "tps-tau", cfg.TPSTau, "time constant of the per-session experienced tps EWMA")
 	fs.IntVar(&cfg.MaxPools, "max-pools", cfg.MaxPools, "shared-prefix pools: sequence ids reserved above --parallel (0: no pools)")
-	fs.Func("pool-grace-ms", fmt.Sprintf("a pool is not reclaimed or evicted within this many ms of its last use (default %d)", cfg.PoolGrace.Milliseconds()), func(v string) error {
+	fs.Func("pool-grace-ms", fmt.Sprintf("a pool just made or restored is kept for its first use (attach) this many ms while running work can make room for other requests (never against a request nothing running makes room for); a released pool is reclaimed this many ms after its last use (default %d)", cfg.PoolGrace.Milliseconds()), func(v string) error {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 0 {
 			return fmt.Errorf("want a non-negative integer")

@@ -109,7 +109,7 @@ var (
 	// the useful prefix (issue 30). The cells themselves are reported beside it.
 	descKVRatio          = prometheus.NewDesc("polykv_kv_usage_ratio", "Fraction of the unified cache's cells that no new request can get: in use by running requests, pinned or recently used pools and prompts being prefilled; idle sessions', cached sequences' and evictable pools' cells count as free (polykv_kv_cells_evictable).", nil, nil)
 	descKVCellsUsed      = prometheus.NewDesc("polykv_kv_cells_used", "KV cells in use (every sequence's, idle and cached ones included).", nil, nil)
-	descKVCellsEvictable = prometheus.NewDesc("polykv_kv_cells_evictable", "KV cells in use that eviction would free for a new request: held only by idle sessions, cached anonymous sequences and unpinned pools idle past --pool-grace-ms.", nil, nil)
+	descKVCellsEvictable = prometheus.NewDesc("polykv_kv_cells_evictable", "KV cells in use that eviction would free for a new request: held only by idle sessions, cached anonymous sequences and evictable pools (unpinned, or pinned with a pool tier), not counting a pool just made that awaits its first use within --pool-grace-ms.", nil, nil)
 	// The prefix cache (issue 12, --prefix-cache).
 	descCacheImplicit  = prometheus.NewDesc("polykv_prefix_cache_implicit_hit_tokens_total", "Prompt tokens that requests without pool_id (or a known session) took from a resident sequence's prefix by seq_cp instead of prefilling.", nil, nil)
 	descCacheResident  = prometheus.NewDesc("polykv_prefix_cache_resident_tokens", "Cells held only by finished anonymous sequences kept as cache (what dropping the cache would free).", nil, nil)

@@ -6,6 +6,7 @@ package engine
 import (
 	"time"
 
+	"github.com/polykv/polykv/internal/engine/kvcache"
 	"github.com/polykv/polykv/internal/pool"
 )
 
@@ -89,9 +90,9 @@ func (s *Scheduler) detach(sl *slot) {
 // freeCells makes room until want cells are free or nothing is left to evict, and
 // returns the free count: the KV-cache manager picks the victims (kvcache.MakeRoom),
 // evictVictim takes each. planned are cells already promised to the batch being
-// built; except is never taken.
-func (s *Scheduler) freeCells(want int, except *slot, planned int) int {
-	return s.kv.MakeRoom(s.now, want, exceptSeq(except), planned, s.take)
+// built; except is never taken; g says whether pools in their grace may go (last).
+func (s *Scheduler) freeCells(want int, except *slot, planned int, g kvcache.GraceRule) int {
+	return s.kv.MakeRoom(s.now, want, exceptSeq(except), planned, g, s.take)
 }
 
 // evictVictim takes n cells from a victim's tail (a pool: all of its own). With the

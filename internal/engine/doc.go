@@ -93,7 +93,12 @@
 // longer prefix of its prompt, its own session's running turn, a sequence id or cells
 // that running requests hold, its throttled pool's running sessions when it is paced,
 // for at most paceMaxHold), or behind the first such request in queue order (the
-// head waits for cells rather than be overtaken, so a long prompt is never starved). Admission counts exactly what eviction can free for it
+// head waits for cells rather than be overtaken, so a long prompt is never starved; only
+// the first use of a pool in its grace goes ahead of it). A pool just made or restored
+// is kept for its first use (its grace, --pool-grace-ms) only while running work will
+// make room for the request that needs its cells: a request nothing running will ever
+// make room for takes it, after every other victim (issue 54: on an idle server the
+// grace held such a request 30-60 s). Admission counts exactly what eviction can free for it
 // (fit): the cells free now, less those promised to seated prompts, plus every cell
 // that only idle sequences, evictable pools and the sequence it takes hold, except
 // what its placement keeps or borrows. The test harness checks this at the end of

@@ -225,6 +225,15 @@ func (f *fakeBackend) Tier(op SeqOp) error {
 		if len(f.kv[op.Seq]) != 0 {
 			f.t.Errorf("fake: restore into non-empty seq %d", op.Seq)
 		}
+		inUse := f.cells()
+		for _, v := range f.tail {
+			inUse += len(v)
+		}
+		if inUse+len(toks) > f.nCtx {
+			// As llama.cpp's state_seq_set_data: it loads into free cells, and refuses
+			// when there are too few (the runner answers a rejected miss).
+			return fmt.Errorf("fake tier: pool %d's %d cells do not fit: %d of %d in use", op.Pool, len(toks), inUse, f.nCtx)
+		}
 		var cells []fakeCell
 		for _, t := range toks {
 			f.nextCell++
@@ -601,11 +610,14 @@ func (h *harness) releaseReservation(id int, rid string) error {
 // would leave, after what seated prompts are promised. The check is cold (the whole
 // prompt, less only what it borrows from the pool it attaches to, which must stay),
 // so any placement that shares cells fits too. Tasks behind that first one wait behind
-// it by design (FIFO: no starvation).
+// it by design (FIFO: no starvation). A pool in its grace (resident, not used since it
+// became so, within Config.PoolGrace) is not counted, except for a generating request
+// on a server where nothing runs (issue 54): no running work will make room for it, so
+// the grace must not hold it back.
 func (h *harness) checkLiveness() {
 	h.t.Helper()
 	s := h.s
-	var victims kvcache.SeqSet
+	var victims, graced kvcache.SeqSet
 	freeSeq := false
 	for _, sl := range s.slots {
 		if sl.task == nil {
@@ -619,7 +631,12 @@ func (h *harness) checkLiveness() {
 		// With a tier, user-pinned pools and pools whose children hold no cells are paged
 		// too (issue 40).
 		pageable := !p.Pinned() || (s.cfg.Tier && p.Pageable())
-		if p.State == pool.Resident && pageable && s.now.Sub(p.LastAccess) >= s.cfg.PoolGrace {
+		if p.State != pool.Resident || !pageable {
+			continue
+		}
+		if p.AwaitsUse && s.now.Sub(p.LastAccess) < s.cfg.PoolGrace {
+			graced.Add(p.Seq)
+		} else {
 			victims.Add(p.Seq)
 		}
 	}
@@ -658,6 +675,9 @@ func (h *harness) checkLiveness() {
 			}
 		}
 		need, set := len(t.req.Prompt), victims
+		if t.kind == kindGenerate && len(s.running) == 0 {
+			graced.Each(func(q int) bool { set.Add(q); return true })
+		}
 		if t.kind == kindGenerate && t.pool != nil {
 			share := attachLen(t.pool, t.req)
 			if s.cfg.Recurrent {

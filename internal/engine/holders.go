@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"slices"
 	"time"
 
 	"github.com/polykv/polykv/internal/engine/kvcache"
@@ -38,9 +39,32 @@ func (s *Scheduler) holders() []kvcache.Holder {
 		out = append(out, sl)
 	}
 	for _, p := range all {
-		out = append(out, poolHolder{p})
+		out = append(out, poolHolder{p: p, queued: p.AwaitsUse && s.useQueued(p)})
 	}
 	return out
+}
+
+// useQueued reports whether a waiting task would use p: a request attaching to it, or
+// the build of a pool forked from it.
+func (s *Scheduler) useQueued(p *pool.Pool) bool {
+	return slices.ContainsFunc(s.queue, func(t *task) bool { return t.pool != nil && s.usesPool(t) == p })
+}
+
+// usesPool is the pool t waits to use: the pool a request attaches to, the parent a
+// fork's build shares (nil: none).
+func (s *Scheduler) usesPool(t *task) *pool.Pool {
+	if t.kind == kindMaterialize {
+		return t.pool.Parent
+	}
+	return t.pool
+}
+
+// firstUse reports whether t would be the first use of a pool in its grace (resident,
+// not used since it became so, within --pool-grace-ms): what the grace keeps the pool
+// for. Such a task goes ahead of a request that waits for cells (admitPass).
+func (s *Scheduler) firstUse(t *task) bool {
+	p := s.usesPool(t)
+	return p != nil && p.State == pool.Resident && s.kv.Graced(s.now, poolHolder{p: p})
 }
 
 // exceptSeq is the sequence the manager must not take for a slot that must stay (nil:
@@ -78,8 +102,18 @@ func (sl *slot) Pageable() bool { return false }
 // UserPinned is false: only pools are pinned (kvcache.Holder).
 func (sl *slot) UserPinned() bool { return false }
 
-// poolHolder is a pool as a kvcache.Holder (pool.Pool's own fields take the names).
-type poolHolder struct{ p *pool.Pool }
+// AwaitsUse is false: only a pool has a grace (kvcache.Holder).
+func (sl *slot) AwaitsUse() bool { return false }
+
+// UseQueued is false: only a pool has a grace (kvcache.Holder).
+func (sl *slot) UseQueued() bool { return false }
+
+// poolHolder is a pool as a kvcache.Holder (pool.Pool's own fields take the names);
+// queued: a queued task waits to use it (useQueued).
+type poolHolder struct {
+	p      *pool.Pool
+	queued bool
+}
 
 func (h poolHolder) Seq() int            { return h.p.Seq }
 func (h poolHolder) LastUsed() time.Time { return h.p.LastAccess }
@@ -88,6 +122,8 @@ func (h poolHolder) Busy() bool          { return h.p.State != pool.Resident }
 func (h poolHolder) Pinned() bool        { return h.p.Pinned() }
 func (h poolHolder) Pageable() bool      { return h.p.Pageable() }
 func (h poolHolder) UserPinned() bool    { return h.p.UserPinned }
+func (h poolHolder) AwaitsUse() bool     { return h.p.AwaitsUse }
+func (h poolHolder) UseQueued() bool     { return h.queued }
 
 // planOps records the manager's sequence operations in the plan being built
 // (Scheduler.ops), in order with the tier's (kvcache.Recorder).

@@ -169,13 +169,17 @@ func (s *Scheduler) copyPoolPrefix(p *pool.Pool) int {
 	return P
 }
 
-// poolsUsed marks the pools whose cells seq now borrows below p1 by the prefix cache
-// as used now: one least recently used order over the cell tree means a pool's cells
-// are as fresh as their last borrower, whether or not it named the pool.
+// poolsUsed marks the pools whose whole prefix seq now borrows below p1 by the prefix
+// cache as used now: one order over the cell tree means a pool's cells are as fresh as
+// their last borrower, whether or not it named the pool. A pool of which seq borrows
+// only part (a few tokens a prompt happens to share with it) is not used: the borrower
+// keeps the cells it shares whatever becomes of the pool, the pool's other cells were
+// not touched, and counting it would renew the grace of a pool that awaits its attach,
+// holding back the very request that borrowed them (issue 54).
 func (s *Scheduler) poolsUsed(seq, p1 int) {
 	set := s.kv.Cells().HoldersBelow(seq, p1)
 	for _, p := range s.pools.All() {
-		if set.Has(p.Seq) {
+		if set.Has(p.Seq) && p.L() <= p1 && s.kv.Cells().Shares(seq, p.Seq, p.L()-1) {
 			p.Used(s.now)
 		}
 	}

@@ -20,7 +20,7 @@ type Config struct {
 	NBatch       int           // tokens per decode step (decode tokens + prefill chunks)
 	MaxQueue     int           // waiting requests beyond the running ones; past it: ErrQueueFull
 	SessionTTL   time.Duration // idle sessions older than this lose their KV (0 = never)
-	PoolGrace    time.Duration // a pool is not reclaimed or evicted within this of its last use
+	PoolGrace    time.Duration // a pool just made is kept this long for its first use (kvcache.GraceRule); a released one is reclaimed this long after its last
 	BytesPerCell int64         // KV bytes of one cell, for status reports
 	// RecurrentBytesPerSeq is the recurrent state of one sequence (hybrid and recurrent
 	// models; 0 otherwise), for status reports: unlike KV cells, which a pool's sessions
@@ -281,6 +281,11 @@ type task struct {
 	throttled  int
 	// pacedAt is when the throttle first held t in the queue (zero: never; paced).
 	pacedAt time.Time
+	// grace is whether t, seated, may take pools in their grace for its cells:
+	// GraceYields when admission found that no running work would make room for it
+	// (admitPass), so that neither its prefill nor its decode stalls or stops on a pool
+	// that admission let it take.
+	grace kvcache.GraceRule
 }
 
 func (t *task) prefilling() bool { return t.slot != nil && len(t.slot.tokens) < len(t.req.Prompt) }
@@ -827,12 +832,24 @@ func (s *Scheduler) admit() {
 }
 
 // admitPass is one pass of admit over the queue; it reports whether it seated or
-// dropped a task.
+// dropped a task. Behind the first task that waits for cells (the head) only the first
+// use of a pool in its grace may still go (firstUse): it is what the grace keeps that
+// pool for, and the head, which cannot take the pool while that use waits (UseQueued),
+// would otherwise wait out the grace behind it.
 func (s *Scheduler) admitPass() bool {
 	moved := false
 	s.orderQueue()
+	blocked := false // a task ahead waits for cells
 	for i := 0; i < len(s.queue); {
 		t := s.queue[i]
+		if blocked && !s.firstUse(t) {
+			t.wait = WaitQueue
+			if dep := t.pool; t.kind == kindGenerate && dep != nil && dep.State != pool.Resident {
+				t.wait = WaitPool // it could not go even if the head did
+			}
+			i++
+			continue
+		}
 		if ok, err := s.ready(t); err != nil {
 			s.queue = slices.Delete(s.queue, i, i+1)
 			delete(s.tasks, t.id)
@@ -858,28 +875,39 @@ func (s *Scheduler) admitPass() bool {
 			continue
 		}
 		pl := s.place(t, sl)
-		if need, room := s.fit(t, sl, pl); room < need {
+		need, room := s.fit(t, sl, pl, kvcache.GraceHolds, false)
+		t.grace = kvcache.GraceHolds
+		if room < need {
+			// A pool's grace holds it for its first attach while the request can wait
+			// for running work to make room. When no running work ever will (an idle
+			// server: issue 54), waiting would only wait out the grace time beside a pool
+			// the request does not use: the request takes such pools too, after every
+			// other victim (paged to the tier, or prefilled again, on their attach), but
+			// never one whose first use waits in the queue (UseQueued).
+			if _, after := s.fit(t, sl, pl, kvcache.GraceHolds, true); after < need {
+				t.grace = kvcache.GraceYields
+				need, room = s.fit(t, sl, pl, t.grace, false)
+			}
+		}
+		if room < need {
 			if err := s.neverFits(need); err != nil {
 				s.unqueue(t, FinishError, err)
 				moved = true
 				continue
 			}
-			// Head-of-line: wait for running tasks to end; those behind wait behind it.
+			// Head-of-line: wait for running tasks to end; those behind wait behind it
+			// (but a pool's first use).
 			t.wait = WaitCells
-			for _, q := range s.queue[i+1:] {
-				q.wait = WaitQueue
-				if dep := q.pool; q.kind == kindGenerate && dep != nil && dep.State != pool.Resident {
-					q.wait = WaitPool // it could not go even if the head did
-				}
-			}
-			return moved
+			blocked = true
+			i++
+			continue
 		}
 		s.passedOver(t)
 		s.seat(t, sl, pl)
 		if s.kv.Room(0) < s.reservedPrefill() {
 			// Seated, t is prefilling: reservedPrefill now counts its need too, and fit
-			// said eviction can free that much.
-			s.freeCells(s.reservedPrefill(), nil, 0)
+			// said eviction can free that much (under t's grace rule).
+			s.freeCells(s.reservedPrefill(), nil, 0, t.grace)
 		}
 		s.queue = slices.Delete(s.queue, i, i+1)
 		moved = true
@@ -889,15 +917,22 @@ func (s *Scheduler) admitPass() bool {
 
 // fit is what t needs on sl as placed, and the room it has: the cells free now, less
 // those promised to prompts already seated (reservedPrefill), plus every cell eviction
-// could reclaim for it. That is exactly what seat and freeCells will do: sl gives up
-// whatever the placement does not keep, and every victim (idle sequences, evictable
-// pools) its cells; what stays is what the placement keeps or borrows (sl's own kept
-// prefix, the donor's copied prefix, the pool it attaches to, which attaching pins)
-// and whatever a sequence that is not a victim holds. Cells that sl shares with other
-// victims count: taking sl and them frees them (counting only what sl or the others
-// held alone left such cells out, and a request could wait forever on an idle server).
-func (s *Scheduler) fit(t *task, sl *slot, pl placement) (need, room int) {
-	set := s.kv.VictimSet(s.now, -1)
+// could reclaim for it under grace rule g. That is exactly what seat and freeCells will
+// do: sl gives up whatever the placement does not keep, and every victim (idle
+// sequences, evictable pools) its cells; what stays is what the placement keeps or
+// borrows (sl's own kept prefix, the donor's copied prefix, the pool it attaches to,
+// which attaching pins) and whatever a sequence that is not a victim holds. Cells that
+// sl shares with other victims count: taking sl and them frees them (counting only what
+// sl or the others held alone left such cells out, and a request could wait forever on
+// an idle server).
+//
+// afterRunning asks instead for the room t would have once every running task ended:
+// a running request's sequence is then idle (a victim), and so, at most, is the pool it
+// borrows (counted though a pin may keep it: erring toward waiting for running work,
+// which ends, and is asked again then); a pool being built keeps what it was promised.
+// That is whether waiting for running work can make room for t at all.
+func (s *Scheduler) fit(t *task, sl *slot, pl placement, g kvcache.GraceRule, afterRunning bool) (need, room int) {
+	set := s.kv.VictimSet(s.now, -1, g)
 	keepSeq, keepTo := -1, 0
 	need = len(t.req.Prompt) - pl.keep - pl.attachP - pl.cpP
 	switch {
@@ -916,7 +951,23 @@ func (s *Scheduler) fit(t *task, sl *slot, pl placement) (need, room int) {
 		keepSeq, keepTo = sl.seq, pl.keep
 		set.Add(sl.seq)
 	}
-	room = s.kv.Room(s.reservedPrefill()) + s.kv.FreedBy(set, keepSeq, keepTo)
+	reserved := s.reservedPrefill()
+	if afterRunning {
+		reserved = 0
+		for _, r := range s.running {
+			if r.kind != kindGenerate {
+				if r.prefilling() {
+					reserved += len(r.req.Prompt) - len(r.slot.tokens)
+				}
+				continue
+			}
+			set.Add(r.slot.seq)
+			if b := r.slot.base; b != nil && b != pl.attachTo && b != pl.attachFrom {
+				set.Add(b.Seq)
+			}
+		}
+	}
+	room = s.kv.Room(reserved) + s.kv.FreedBy(set, keepSeq, keepTo)
 	return need, room
 }
 
@@ -1102,9 +1153,12 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	s.inflight = s.inflight[:0]
 	var batch []BatchEntry
 	budget := s.cfg.NBatch
-	// A restore planned in this step writes its cells before the batch runs, though
-	// the cell tree counts them only once its Restored answer comes.
-	free := s.kv.Room(s.tierPending() + s.loadPending())
+	// A restore or load planned in this step writes its cells before the batch runs,
+	// though the cell tree counts them only once its answer comes: they count as
+	// planned, here and in every freeCells below (else a decode token beside a restore
+	// that filled the cache found "room" the restore had taken, and the batch failed).
+	pending := s.tierPending() + s.loadPending()
+	free := s.kv.Room(pending)
 	planned := 0
 	// Sessions throttled toward their pool's floor skip this step (throttle.go).
 	s.throttleSkips()
@@ -1131,7 +1185,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 		}
 		decoders--
 		if free == 0 {
-			free = s.freeCells(1, nil, planned)
+			free = s.freeCells(1, nil, pending+planned, t.grace)
 		}
 		if free == 0 {
 			// Every cell is held by a running task or a pool: stop cleanly rather than shift.
@@ -1198,7 +1252,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 		have := len(t.slot.tokens)
 		k := min(len(t.req.Prompt)-have, budget)
 		if free < k {
-			free = s.freeCells(k, nil, planned)
+			free = s.freeCells(k, nil, pending+planned, t.grace)
 		}
 		k = min(k, free)
 		if k == 0 {
@@ -1226,7 +1280,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 		s.unskip()
 		for _, t := range skipped {
 			if free == 0 {
-				free = s.freeCells(1, nil, planned)
+				free = s.freeCells(1, nil, pending+planned, t.grace)
 			}
 			if free == 0 {
 				s.finish(t, FinishLength, true, nil)

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/polykv/polykv/internal/engine/kvcache"
 	"github.com/polykv/polykv/internal/pool"
 )
 
@@ -98,7 +99,7 @@ func (s *Scheduler) loadSlot(m LoadSlot) error {
 		return fmt.Errorf("%w: %d saved tokens, context size %d", ErrPromptTooLong, len(m.Tokens), s.cfg.NCtx)
 	}
 	s.evictSlot(sl)
-	if free := s.freeCells(len(m.Tokens), sl, 0); free < len(m.Tokens) {
+	if free := s.freeCells(len(m.Tokens), sl, 0, kvcache.GraceHolds); free < len(m.Tokens) {
 		return fmt.Errorf("%w: %d cells free, the slot needs %d", ErrQueueFull, free, len(m.Tokens))
 	}
 	if !s.slotIO {

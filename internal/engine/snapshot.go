@@ -128,7 +128,8 @@ type Usage struct {
 	CellsMax  int
 	// CellsEvictable are the cells in use that eviction would free for a new request:
 	// those only idle sequences (sessions, cached anonymous ones) and evictable pools
-	// (unpinned, idle past the grace time) hold. CellsUsed - CellsEvictable is what no
+	// (unpinned, or pinned with a tier; not one in its grace: just made and not used
+	// yet) hold. CellsUsed - CellsEvictable is what no
 	// new request can get: the KV usage a router should read (issue 30).
 	CellsEvictable int
 	Running        int

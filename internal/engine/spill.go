@@ -462,7 +462,7 @@ func (s *Scheduler) planLoad(t *task, sl *slot) {
 	}
 	t.loadWait, t.loadTo, t.loadSegs = true, to, segs // counted by loadPending from here
 	want := s.loadPending() + s.tierPending() + h - segs[0].Start + segs[len(segs)-1].End() - to
-	if s.kv.Room(0) < want && s.freeCells(want, nil, 0) < want {
+	if s.kv.Room(0) < want && s.freeCells(want, nil, 0, kvcache.GraceHolds) < want {
 		t.loadWait, t.loadTo, t.loadSegs = false, 0, nil
 		return
 	}

@@ -23,7 +23,7 @@ import (
 //
 // Commands:
 //
-//	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR [cost=perdecode] [prefixcache=on] [queuetimeout=DUR] [attachmin=N]
+//	config nctx=N parallel=N batch=N queue=N pools=N grace=DUR ttl=DUR [cost=perdecode] [prefixcache=on] [queuetimeout=DUR] [attachmin=N] [tier=on]
 //	       [spec=TYPES draftmax=N draftmin=N stepcost=F] [repeat=N]
 //	                  spec: speculative decoding with these drafters (comma-separated);
 //	                  stepcost: Spec.StepCost (-1: no cost-aware draft limit);
@@ -109,6 +109,8 @@ func (st *story) do(t *testing.T, d *datadriven.TestData) string {
 				cfg.QueueTimeout = dur(t, d, v)
 			case "recurrent":
 				cfg.Recurrent = v == "on"
+			case "tier":
+				cfg.Tier = v == "on" // a tier below the cache (the fake backend's)
 			case "spec":
 				types, err := ParseSpecTypes(v)
 				if err != nil {

@@ -43,6 +43,13 @@ func (s *Scheduler) spill(p *pool.Pool) {
 // tierRestore starts restoring a pool's materialization t from the tier when the pool
 // was spilled and no resident sequence holds all of it: the OpRestore is planned and
 // t waits (no prefill) for the Restored answer.
+//
+// The driver runs the plan's operations in order, and the restore loads the pool's own
+// cells [D, L) into free cells (llama_state_seq_set_data refuses when too few are
+// free): the room admission counted for them is made here, before the OpRestore, not
+// after it (t is not running yet, so reservedPrefill leaves it out). Made after, the
+// victims' removals ran behind the load, which found the cache full and fell back to a
+// prefill whenever the restore needed cells an idle sequence held.
 func (s *Scheduler) tierRestore(t *task) bool {
 	p := t.pool
 	if !s.cfg.Tier || !t.restore || !s.inTier[p.ID] {
@@ -50,6 +57,9 @@ func (s *Scheduler) tierRestore(t *task) bool {
 	}
 	if P, _ := s.poolDonor(p); P == p.L() {
 		return false // resident already in full: a seq_cp is cheaper than any load
+	}
+	if want := s.reservedPrefill() + p.L() - p.D; s.kv.Room(0) < want {
+		s.freeCells(want, nil, 0, t.grace) // reservedPrefill counts restores still pending
 	}
 	s.tierOp(OpRestore, p)
 	t.tierWait = true

@@ -351,3 +351,35 @@ func TestRecoverPoolsWithoutKV(t *testing.T) {
 	}
 	h.checkAccounting()
 }
+
+// A pool restored beside a decoding request, into exactly the cells that were free: the
+// restore writes them before the batch runs, so the decode token must evict a victim
+// (an idle cached sequence) for its cell rather than find the cache full in the batch.
+// (Plan counted the restore's cells for its first free count, but not when it asked the
+// KV-cache manager for more: the manager saw them free, took nothing, and the batch
+// failed: "no KV slot".)
+func TestDecodeBesideAPendingRestoreEvicts(t *testing.T) {
+	cfg := spillCfg()
+	cfg.NCtx, cfg.Parallel = 64, 3
+	h := newHarness(t, cfg)
+	prefix := seqTokens(100, 24)
+	id := h.createPool(PoolSpec{Tokens: prefix})
+	if err := h.evictPool(id); err != nil { // to the tier
+		t.Fatal(err)
+	}
+	h.turn(Request{Prompt: seqTokens(300, 20), MaxTokens: 1}) // a cached sequence: a victim
+	dec := h.submit(Request{Prompt: seqTokens(500, 10), MaxTokens: 30})
+	for h.s.kv.Room(0) > len(prefix) {
+		h.step()
+	}
+	att := h.submit(Request{Prompt: append(slices.Clone(prefix), 1), HasPool: true, PoolID: id, MaxTokens: 2})
+	h.run()
+	for _, x := range []TaskID{dec, att} {
+		if ev, ok := h.done(x); !ok || ev.Err != nil {
+			t.Fatalf("task %d beside a restore into the last free cells: %+v", x, ev)
+		}
+	}
+	if ev, _ := h.done(dec); ev.Stats.PredictedN != 30 || h.be.tierRestores != 1 {
+		t.Fatalf("the decoding request: %+v, %d restores; want all 30 tokens and the pool restored", ev.Stats, h.be.tierRestores)
+	}
+}

@@ -34,7 +34,7 @@ func (p *Pool) Materialize() error {
 }
 
 // Materialized makes a pool resident (attachable) once its sequence holds all of
-// [0, L) in the cell tree.
+// [0, L) in the cell tree; it then awaits its first use (AwaitsUse).
 func (p *Pool) Materialized(now time.Time) error {
 	switch {
 	case p.State != Materializing:
@@ -42,7 +42,7 @@ func (p *Pool) Materialized(now time.Time) error {
 	case p.Filled() != p.L():
 		return fmt.Errorf("%w: pool %d's sequence holds %d of its %d positions", ErrConflict, p.ID, p.Filled(), p.L())
 	}
-	p.State, p.LastAccess = Resident, now
+	p.State, p.LastAccess, p.AwaitsUse = Resident, now, true
 	return nil
 }
 
@@ -136,14 +136,19 @@ func (p *Pool) SetPin(pin bool, now time.Time) error {
 func (p *Pool) Attach(now time.Time) {
 	p.Sessions++
 	p.LastAccess = now
+	p.AwaitsUse = false
 }
 
-// Used records that a request without pool_id borrowed the pool's cells (the prefix
-// cache found them): they are as recently used as an attach makes them, for eviction's
-// least recently used order and the grace time.
+// Used records that a request without pool_id borrowed all of the pool's cells (the
+// prefix cache found them): they are as recently used as an attach makes them, for
+// eviction's order, and that was the pool's first use if it awaited one (AwaitsUse).
+// A borrow of only part of the prefix is not a use of the pool (the engine does not
+// call Used for it): the borrower holds the cells it shares whatever becomes of the
+// pool, and the pool's other cells were not used.
 func (p *Pool) Used(now time.Time) {
 	if p.State != Released {
 		p.LastAccess = now
+		p.AwaitsUse = false
 	}
 }
 

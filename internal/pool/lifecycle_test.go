@@ -171,3 +171,41 @@ func TestUsedRefreshesLastAccess(t *testing.T) {
 		t.Fatalf("a released pool's last access moved to %v", p.LastAccess)
 	}
 }
+
+// A pool awaits its first use from when it becomes resident (built or restored) until an
+// attach, a fork from it or a whole borrow (Used): what the engine's grace protects.
+func TestAwaitsUseUntilFirstUse(t *testing.T) {
+	now := time.Unix(100, 0)
+	cells := newFakeCells()
+	tr := NewTree(4, 3, cells)
+	uses := map[string]func(p *Pool){
+		"attach": func(p *Pool) { p.Attach(now) },
+		"used":   func(p *Pool) { p.Used(now) },
+		"fork":   func(p *Pool) { _, _ = tr.Fork(p, 10, toks(1, 12), now) },
+	}
+	for name, use := range uses {
+		p, _ := tr.NewRoot(toks(1, 10), now)
+		if p.AwaitsUse {
+			t.Fatalf("%s: a pool still materializing awaits use", name)
+		}
+		cells.set(p.Seq, 10, 10)
+		if _ = p.Materialized(now); !p.AwaitsUse {
+			t.Fatalf("%s: a pool just built does not await its first use", name)
+		}
+		if _ = p.SetPin(true, now); !p.AwaitsUse {
+			t.Fatalf("%s: a pin counted as a use", name)
+		}
+		if use(p); p.AwaitsUse {
+			t.Fatalf("%s: still awaits use after its first", name)
+		}
+		for _, c := range p.Children {
+			_ = tr.Remove(c)
+		}
+		p.Children, p.Sessions = nil, 0
+		_ = p.Release(now)
+		cells.set(p.Seq, 0, 0)
+		if err := tr.Reclaim(p); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+	}
+}

@@ -90,7 +90,12 @@ type Pool struct {
 	LastAccess time.Time
 	ReleasedAt time.Time
 	Sessions   int // sequences currently borrowing this pool's prefix (kept by the engine)
-	tree       *Tree
+	// AwaitsUse: the pool became resident (created, forked or restored) and nothing has
+	// used it since: no attach, no fork from it, no request that borrowed all of it.
+	// That first use is what the engine's grace time (--pool-grace-ms) protects: a pool
+	// is made for the attach that follows, and must not be evicted in between.
+	AwaitsUse bool
+	tree      *Tree
 }
 
 // L is the prefix length.
@@ -218,6 +223,7 @@ func (t *Tree) add(parent *Pool, d int, tokens []Token, now time.Time) (*Pool, e
 	if parent != nil {
 		parent.Children = append(parent.Children, p)
 		parent.LastAccess = now
+		parent.AwaitsUse = false // a fork is a use of its parent
 	}
 	t.pools[p.ID] = p
 	return p, nil

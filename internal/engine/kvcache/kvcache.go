@@ -56,7 +56,35 @@ type Holder interface {
 	Pageable() bool
 	// UserPinned reports a user-pinned pool: paged only after every other victim.
 	UserPinned() bool
+	// AwaitsUse reports a pool that became resident (created, forked or restored) and
+	// was not used since: within Config.Grace of that it is in its grace (GraceRule).
+	AwaitsUse() bool
+	// UseQueued reports a pool whose first use (an attach, a fork) waits in the queue:
+	// in its grace, it is then never a victim, not even under GraceYields (the
+	// scheduler lets that use go first: a pool restored for a request and taken by
+	// another's restore before the request attached would be restored again, and two
+	// such restores would page each other's pools forever).
+	UseQueued() bool
 }
+
+// GraceRule says whether eviction may take the pools in their grace: those that await
+// their first use since they became resident (Holder.AwaitsUse), within Config.Grace.
+// The grace exists so that a pool just made survives until the attach it was made for;
+// it must not hold back a request that nothing running will ever make room for (on an
+// idle server it would wait out the grace time beside a pool it does not use, issue 54).
+// The caller decides which applies: it knows what is running.
+type GraceRule int
+
+const (
+	// GraceHolds: pools in their grace are not victims. For a caller that running work
+	// will make room for: it waits for that work, and the pool for its attach.
+	GraceHolds GraceRule = iota
+	// GraceYields: pools in their grace are victims too, after every other one. For a
+	// caller that no running work will make room for: waiting would only wait out the
+	// grace time, and a pool taken is paged to the tier (or prefilled again) when its
+	// attach comes.
+	GraceYields
+)
 
 // Recorder receives the sequence operations the Manager plans, in the order it plans
 // them (the scheduler appends them to the plan being built, among the tier's).
@@ -73,8 +101,10 @@ type Config struct {
 	NCtx int
 	// FirstPool: sequence ids >= FirstPool are pools' (NewTree).
 	FirstPool int
-	// Grace: a pool last used within it is never a victim (a pool just created or
-	// restored must survive until the attach it was made for).
+	// Grace: a pool that awaits its first use since it became resident (created, forked
+	// or restored: Holder.AwaitsUse), and was last used within Grace, is in its grace:
+	// a victim only under GraceYields, and then last. Once used, a pool is an ordinary
+	// victim in eviction's order.
 	Grace time.Duration
 	// PinPaging: a tier keeps what is evicted, so user-pinned pools and pools whose
 	// children hold no cells are victims too (Holder.Pageable), after the rest.
@@ -171,13 +201,27 @@ func (kv *Manager) FreedBy(set SeqSet, keep, keepTo int) int {
 
 // victim is a Holder eviction may take now, with when it is expected to be needed.
 type victim struct {
-	h    Holder
-	used time.Time
-	next time.Time // when it is expected to be needed again (Config.NextUse)
+	h      Holder
+	used   time.Time
+	next   time.Time // when it is expected to be needed again (Config.NextUse)
+	graced bool      // a pool in its grace (GraceYields)
 }
 
 // pinned: a user-pinned pool, paged only after every other victim.
 func (v victim) pinned() bool { return v.h.UserPinned() }
+
+// last orders the victims that go after the rest: 0 for most, 1 for a user-pinned
+// pool, 2 for a pool in its grace (GraceYields only), which a request takes only when
+// nothing else would do (its attach is likely on its way).
+func (v victim) last() int {
+	switch {
+	case v.graced:
+		return 2
+	case v.pinned():
+		return 1
+	}
+	return 0
+}
 
 // rank orders kinds only between victims last used at the same instant: the one no
 // client named (a cached anonymous sequence) first, then an idle session, then a pool.
@@ -189,18 +233,18 @@ func (v victim) pinned() bool { return v.h.UserPinned() }
 // only the re-prefill of that tail.
 func (v victim) rank() int { return int(v.h.Kind()) }
 
-// Victims lists what eviction may take at now, the one expected to be needed last first
-// (Config.NextUse; least recently used without it): idle sequences holding cells (but
-// the sequence except; -1: none) and evictable pools. Never a running task's sequence
-// (and so never cells a running request borrows: the cell tree keeps a cell while any
-// sequence holds it), never a pool with attached sessions, and never a pool within
-// --pool-grace of its last use (a pool just created or restored must survive until the
-// attach it was made for). Without a tier, never a user-pinned pool or one with
-// children (released ones too: their [0, D) lives in its cells); with one (PinPaging),
-// such a pool is paged once its children hold no cells, user-pinned ones after
-// everything else.
+// Victims lists what eviction may take at now under GraceHolds, the one expected to be
+// needed last first (Config.NextUse; least recently used without it): idle sequences
+// holding cells (but the sequence except; -1: none) and evictable pools. Never a
+// running task's sequence (and so never cells a running request borrows: the cell tree
+// keeps a cell while any sequence holds it), never a pool with attached sessions, and
+// never a pool in its grace (Config.Grace: a pool just created or restored must survive
+// until the attach it was made for; under GraceYields it goes last). Without a tier,
+// never a user-pinned pool or one with children (released ones too: their [0, D) lives
+// in its cells); with one (PinPaging), such a pool is paged once its children hold no
+// cells, user-pinned ones after everything else.
 func (kv *Manager) Victims(now time.Time, except int) []Holder {
-	vs := kv.victims(now, except)
+	vs := kv.victims(now, except, GraceHolds)
 	out := make([]Holder, len(vs))
 	for i, v := range vs {
 		out[i] = v.h
@@ -208,7 +252,7 @@ func (kv *Manager) Victims(now time.Time, except int) []Holder {
 	return out
 }
 
-func (kv *Manager) victims(now time.Time, except int) []victim {
+func (kv *Manager) victims(now time.Time, except int, g GraceRule) []victim {
 	var out []victim
 	for _, h := range kv.cfg.Holders() {
 		if h.Busy() {
@@ -220,11 +264,12 @@ func (kv *Manager) victims(now time.Time, except int) []victim {
 			}
 			continue
 		}
-		if now.Sub(h.LastUsed()) < kv.cfg.Grace {
+		graced := kv.Graced(now, h)
+		if graced && (g == GraceHolds || h.UseQueued()) {
 			continue
 		}
 		if (kv.cfg.PinPaging && h.Pageable()) || !h.Pinned() {
-			out = append(out, victim{h: h, used: h.LastUsed()})
+			out = append(out, victim{h: h, used: h.LastUsed(), graced: graced})
 		}
 	}
 	for i := range out {
@@ -235,11 +280,8 @@ func (kv *Manager) victims(now time.Time, except int) []victim {
 		}
 	}
 	slices.SortStableFunc(out, func(a, b victim) int {
-		if pa, pb := a.pinned(), b.pinned(); pa != pb {
-			if pa {
-				return 1
-			}
-			return -1
+		if c := a.last() - b.last(); c != 0 {
+			return c
 		}
 		if kv.cfg.NextUse != nil {
 			if c := b.next.Compare(a.next); c != 0 {
@@ -253,16 +295,21 @@ func (kv *Manager) victims(now time.Time, except int) []victim {
 	return out
 }
 
-// Evictable counts the cells that evicting every victim but the sequence except (-1:
-// none) would free: cells some other (running) sequence shares stay.
-func (kv *Manager) Evictable(now time.Time, except int) int {
-	return kv.cells.Freed(kv.VictimSet(now, except), -1, 0)
+// Graced reports whether h is in its grace at now (Config.Grace).
+func (kv *Manager) Graced(now time.Time, h Holder) bool {
+	return h.Kind() == Pool && h.AwaitsUse() && now.Sub(h.LastUsed()) < kv.cfg.Grace
 }
 
-// VictimSet is the sequences of Victims(now, except).
-func (kv *Manager) VictimSet(now time.Time, except int) SeqSet {
+// Evictable counts the cells that evicting every victim (GraceHolds) but the sequence
+// except (-1: none) would free: cells some other (running) sequence shares stay.
+func (kv *Manager) Evictable(now time.Time, except int) int {
+	return kv.cells.Freed(kv.VictimSet(now, except, GraceHolds), -1, 0)
+}
+
+// VictimSet is the sequences of the victims under g (Victims is GraceHolds's).
+func (kv *Manager) VictimSet(now time.Time, except int, g GraceRule) SeqSet {
 	var set SeqSet
-	for _, v := range kv.victims(now, except) {
+	for _, v := range kv.victims(now, except, g) {
 		set.Add(v.h.Seq())
 	}
 	return set
@@ -277,11 +324,12 @@ func (kv *Manager) VictimSet(now time.Time, except int) SeqSet {
 // victims (a cached sequence that borrowed an idle pool's prefix): the least recently
 // used victim that holds such cells goes whole, and the passes go on. planned are
 // cells already promised to the batch being built; the sequence except (-1: none) is
-// never taken. take(h, n) is the scheduler's: h gives up n cells from its tail (a
-// pool: all of its own), which it removes through Free.
-func (kv *Manager) MakeRoom(now time.Time, want int, except int, planned int, take func(h Holder, n int)) int {
+// never taken; g says whether pools in their grace are victims (last). take(h, n) is
+// the scheduler's: h gives up n cells from its tail (a pool: all of its own), which it
+// removes through Free.
+func (kv *Manager) MakeRoom(now time.Time, want int, except int, planned int, g GraceRule, take func(h Holder, n int)) int {
 	for kv.Room(planned) < want {
-		vs := kv.victims(now, except)
+		vs := kv.victims(now, except, g)
 		progress := false
 		for _, v := range vs {
 			if kv.Room(planned) >= want {
@@ -295,7 +343,7 @@ func (kv *Manager) MakeRoom(now time.Time, want int, except int, planned int, ta
 		if progress || kv.Room(planned) >= want {
 			continue
 		}
-		set := kv.VictimSet(now, except)
+		set := kv.VictimSet(now, except, g)
 		i := slices.IndexFunc(vs, func(v victim) bool { return kv.cells.Joint(v.h.Seq(), set) > 0 })
 		if i < 0 {
 			break // nothing left that eviction could free
@@ -318,7 +366,7 @@ func (kv *Manager) MakeRoom(now time.Time, want int, except int, planned int, ta
 // tokens to it prefills them again on its next turn.
 func (kv *Manager) DraftRoom(now time.Time, n int, take func(h Holder, n int)) int {
 	before := kv.Room(0)
-	for _, v := range kv.victims(now, -1) {
+	for _, v := range kv.victims(now, -1, GraceHolds) {
 		left := n - (kv.Room(0) - before)
 		if left <= 0 {
 			break
