@@ -280,7 +280,11 @@ func (ca codingAgents) run(cfg app.Config, reps int) error {
 				nctx = ca.llamaCtx
 			}
 			args := []string{"-m", cfg.ModelPath, "-c", strconv.Itoa(nctx), "-np", strconv.Itoa(np), "-t", strconv.Itoa(cfg.Threads), "--kv-unified", "--jinja"}
-			if cfg.ChatTemplate != "" {
+			// The same template as PolyKV's, so both render the same prompt.
+			switch {
+			case cfg.ChatTemplateFile != "":
+				args = append(args, "--chat-template-file", cfg.ChatTemplateFile)
+			case cfg.ChatTemplate != "":
 				args = append(args, "--chat-template", cfg.ChatTemplate)
 			}
 			args = append(args, strings.Fields(ca.llamaExtra)...)
