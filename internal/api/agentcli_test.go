@@ -461,3 +461,28 @@ func checkTeam(t *testing.T, client, route string, rec *exchangeLog) {
 		t.Fatalf("%s: %d requests of the sub-agent's thread and %d of the main thread, want a tool round trip in each", client, sub, main)
 	}
 }
+
+// opencode (npm opencode-ai) through its OpenAI-compatible provider on
+// /v1/chat/completions: the model calls its bash tool, opencode runs it, and the turn
+// carrying the result is answered.
+func TestOpencodeToolRoundTrip(t *testing.T) {
+	bin := agentCLI(t, "opencode")
+	base, rec := serveScripted(t, toolThenAnswer(`{"name": "bash", "arguments": {"command": "ls", "description": "List the files"}}`))
+	home := t.TempDir()
+	config := fmt.Sprintf(`{"$schema": "https://opencode.ai/config.json", "autoupdate": false, "share": "disabled",
+  "provider": {"polykv": {"npm": "@ai-sdk/openai-compatible", "name": "PolyKV", "options": {"baseURL": %q, "apiKey": "local"},
+    "models": {"fake": {"name": "fake", "tool_call": true}}}},
+  "model": "polykv/fake"}`, base+"/v1")
+	cfgPath := filepath.Join(home, "opencode.json")
+	if err := os.WriteFile(cfgPath, []byte(config), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	dir := workdir(t) // opencode reads PWD, not its working directory: --dir names it
+	out := runCLI(t, dir, []string{"HOME=" + home, "PWD=" + dir, "XDG_CONFIG_HOME=" + filepath.Join(home, ".config"), "XDG_DATA_HOME=" + filepath.Join(home, ".local"),
+		"XDG_CACHE_HOME=" + filepath.Join(home, ".cache"), "OPENCODE_CONFIG=" + cfgPath, "OPENCODE_DISABLE_AUTOUPDATE=1"},
+		bin, "run", "--dir", dir, "--model", "polykv/fake", "--auto", "Which files are in this directory? Use a tool to look.")
+	if !strings.Contains(out, "DONE: the directory holds "+marker) {
+		t.Fatalf("opencode did not print the reply:\n%s", out)
+	}
+	checkExchanges(t, "opencode", "/v1/chat/completions", rec)
+}
