@@ -246,8 +246,8 @@ func TestToolBadInput(t *testing.T) {
 		{"unknown named tool", map[string]any{"messages": user, "tools": []any{weatherTool}, "tool_choice": map[string]any{"type": "function", "function": map[string]any{"name": "nope"}}}},
 		{"bad tool_choice", map[string]any{"messages": user, "tools": []any{weatherTool}, "tool_choice": "sometimes"}},
 		{"required without tools", map[string]any{"messages": user, "tool_choice": "required"}},
-		{"schema the compiler rejects", map[string]any{"messages": user, "tools": []any{map[string]any{"type": "function", "function": map[string]any{"name": "f",
-			"parameters": map[string]any{"type": "object", "properties": map[string]any{"x": map[string]any{"type": "string", "pattern": "^a+$"}}}}}}, "tool_choice": "required"}},
+		{"response_format schema the compiler rejects", map[string]any{"messages": user, "response_format": map[string]any{"type": "json_schema",
+			"json_schema": map[string]any{"name": "s", "schema": map[string]any{"type": "object", "properties": map[string]any{"x": map[string]any{"type": "string", "pattern": "^a+$"}}}}}}},
 		{"bad response_format", map[string]any{"messages": user, "response_format": map[string]any{"type": "yaml"}}},
 		{"tool message without id", map[string]any{"messages": []any{map[string]any{"role": "tool", "content": "x"}}}},
 	}
@@ -259,5 +259,17 @@ func TestToolBadInput(t *testing.T) {
 	}
 	if code, out := post(t, base+"/v1/chat/completions", map[string]any{"messages": user, "max_tokens": 4}); code != 200 {
 		t.Fatalf("server stopped serving: %d %v", code, out)
+	}
+	// The same keyword in a tool's schema is relaxed, not refused (a client's real tools
+	// carry pattern and maxLength 10,000): the forced call still comes back.
+	code, out := post(t, base+"/v1/chat/completions", map[string]any{"messages": user, "tool_choice": "required", "max_tokens": 64, "temperature": 0,
+		"tools": []any{map[string]any{"type": "function", "function": map[string]any{"name": "f", "parameters": map[string]any{"type": "object",
+			"properties": map[string]any{"x": map[string]any{"type": "string", "pattern": "^a+$", "maxLength": 10000}}}}}}})
+	if code != 200 {
+		t.Fatalf("a tool schema with pattern: %d %v", code, out)
+	}
+	msg := out["choices"].([]any)[0].(map[string]any)["message"].(map[string]any)
+	if calls, _ := msg["tool_calls"].([]any); len(calls) != 1 || calls[0].(map[string]any)["function"].(map[string]any)["name"] != "f" {
+		t.Fatalf("a tool schema with pattern: no call of f: %v", msg)
 	}
 }
