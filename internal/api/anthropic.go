@@ -132,8 +132,8 @@ func messagesChat(req *wire.MessagesRequest) (creq *wire.ChatRequest, ignored []
 // agent types, skills) as a system message after the first user message, which holds
 // the task: as sent, every session of a team re-prefills that block after its own task,
 // though within one project it is the same for all of them. Ahead of the task it joins
-// the prefix the team shares (measured in docs/agents.md). Nothing is dropped or
-// reworded, and a later system message stays where it stands.
+// the prefix the team shares (measured by TestClaudeCodeTeamSharesPrefix). Nothing is
+// dropped or reworded, and a later system message stays where it stands.
 func hoistSystem(msgs []wire.AnthropicMessage) []int {
 	order := make([]int, 0, len(msgs))
 	first := len(msgs)
@@ -161,7 +161,7 @@ func hoistSystem(msgs []wire.AnthropicMessage) []int {
 // ..."). It is metadata for Anthropic's billing, not prompt, and its last part changes
 // from run to run: kept, it would be the first tokens of every prompt and no two
 // sessions would share more than the template's first few tokens (measured in
-// docs/agents.md). It is dropped before rendering.
+// TestAgentFixturesReplay; docs/api.md). It is dropped before rendering.
 const billingHeaderPrefix = "x-anthropic-billing-header:"
 
 // anthropicSystem joins the system member (a string or text blocks), leaving out

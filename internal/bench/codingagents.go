@@ -1,7 +1,6 @@
 package bench
 
 import (
-	"bufio"
 	"bytes"
 	"encoding/json"
 	"flag"
@@ -149,55 +148,46 @@ func sendCodingTurn(client *http.Client, base, route string, body []byte) (r cod
 		r.err = fmt.Sprintf("%d %.300s", resp.StatusCode, b.String())
 		return r
 	}
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 16<<20)
-	for sc.Scan() {
-		line, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok || !strings.HasPrefix(line, "{") {
-			continue
-		}
-		if r.ttft == 0 && (strings.Contains(line, `_delta"`) || strings.Contains(line, `.delta"`)) {
+	// A stream event: its type and, wherever the route puts it, the usage so far
+	// (Messages: message_start's message and message_delta; Responses: the response).
+	type usage struct {
+		InputTokens  *int `json:"input_tokens"`
+		CacheRead    *int `json:"cache_read_input_tokens"`
+		InputDetails *struct {
+			CachedTokens int `json:"cached_tokens"`
+		} `json:"input_tokens_details"`
+	}
+	type event struct {
+		Type     string `json:"type"`
+		Usage    *usage `json:"usage"`
+		Response *struct {
+			Usage *usage `json:"usage"`
+		} `json:"response"`
+	}
+	err = eachChunk(resp.Body, func(ev *event) error {
+		// The first generated piece: a *_delta (Messages) or *.delta (Responses) event.
+		if r.ttft == 0 && (strings.HasSuffix(ev.Type, "_delta") || strings.HasSuffix(ev.Type, ".delta")) {
 			r.ttft = time.Since(start)
 		}
-		var ev struct {
-			Type  string          `json:"type"`
-			Usage json.RawMessage `json:"usage"`
-			// Responses: the response with its usage; Messages: message_start's message.
-			Response *struct {
-				Usage json.RawMessage `json:"usage"`
-			} `json:"response"`
-		}
-		if json.Unmarshal([]byte(line), &ev) != nil {
-			continue
-		}
 		u := ev.Usage
-		if ev.Response != nil && len(ev.Response.Usage) > 0 && string(ev.Response.Usage) != "null" {
+		if ev.Response != nil && ev.Response.Usage != nil {
 			u = ev.Response.Usage
 		}
-		if len(u) > 0 && string(u) != "null" {
-			var us struct {
-				InputTokens  *int `json:"input_tokens"`
-				CacheRead    *int `json:"cache_read_input_tokens"`
-				InputDetails *struct {
-					CachedTokens int `json:"cached_tokens"`
-				} `json:"input_tokens_details"`
-			}
-			if json.Unmarshal(u, &us) == nil && us.InputTokens != nil {
-				switch {
-				case us.InputDetails != nil: // Responses: input_tokens counts the cached ones
-					r.prompt, r.cached = *us.InputTokens, us.InputDetails.CachedTokens
-				case us.CacheRead != nil: // Messages: input_tokens are the uncached ones
-					r.prompt, r.cached = *us.InputTokens+*us.CacheRead, *us.CacheRead
-				default:
-					r.prompt = *us.InputTokens
-				}
-			}
+		switch {
+		case u == nil || u.InputTokens == nil:
+		case u.InputDetails != nil: // Responses: input_tokens counts the cached ones
+			r.prompt, r.cached = *u.InputTokens, u.InputDetails.CachedTokens
+		case u.CacheRead != nil: // Messages: input_tokens are the uncached ones
+			r.prompt, r.cached = *u.InputTokens+*u.CacheRead, *u.CacheRead
+		default:
+			r.prompt = *u.InputTokens
 		}
-	}
-	r.total = time.Since(start)
-	if err := sc.Err(); err != nil {
+		return nil
+	})
+	if err != nil {
 		r.err = err.Error()
 	}
+	r.total = time.Since(start)
 	return r
 }
 
