@@ -434,6 +434,8 @@ type harness struct {
 	// stepCost scripts how long a decode step takes (default 10 ms); a cost that grows
 	// with the batch makes per-session tps fall as sessions join, deterministically.
 	stepCost func(batch []BatchEntry) time.Duration
+	// trace hashes every decision when POLYKV_HARNESS_HASH is set (harnesshash_test.go).
+	trace *harnessTrace
 }
 
 func newHarness(t *testing.T, cfg Config) *harness {
@@ -442,7 +444,7 @@ func newHarness(t *testing.T, cfg Config) *harness {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := &harness{t: t, s: s, be: newFakeBackend(t, cfg.NCtx), now: time.Unix(1000, 0), events: map[TaskID][]Event{}}
+	h := &harness{t: t, s: s, be: newFakeBackend(t, cfg.NCtx), now: time.Unix(1000, 0), events: map[TaskID][]Event{}, trace: newHarnessTrace(t)}
 	h.be.recurrent = cfg.Recurrent
 	s.afterAdmit = h.checkLiveness
 	s.useBackend(h.be.Caps())
@@ -459,6 +461,7 @@ func (h *harness) collect() {
 		h.checkResidency()
 	}
 	for _, ev := range h.s.Events() {
+		h.trace.add("event", ev, ev.Err)
 		h.events[ev.Task] = append(h.events[ev.Task], ev)
 		if ev.Done {
 			h.ended = append(h.ended, ev.Task)
@@ -482,9 +485,11 @@ func (h *harness) step() []BatchEntry {
 	d := h.be.driver()
 	p := h.s.nextPlan(h.now)
 	if len(p.Drafts) > 0 { // the draft round, as the engine loop runs it
+		h.trace.add("drafts", p, nil)
 		d.settle(h.s, h.now, p, nil)
 		p = h.s.nextPlan(h.now)
 	}
+	h.trace.add("plan", p, nil)
 	d.settle(h.s, h.now, p, nil)
 	h.collect()
 	if len(p.Batch) == 0 {
@@ -499,6 +504,7 @@ func (h *harness) step() []BatchEntry {
 		cost = h.stepCost(p.Batch)
 	}
 	h.now = h.now.Add(cost)
+	h.trace.add("sampled", sampled, err)
 	h.s.Commit(sampled, err, h.now)
 	h.collect()
 	if n, last := h.s.Violations(); n > 0 {
@@ -548,7 +554,10 @@ func seqTokens(from, n int) []Token {
 // harness's clock, then runs the operations it needs before its reply.
 func (h *harness) send(m Msg) Result {
 	r := h.s.Step(h.now, m)
-	h.be.driver().settle(h.s, h.now, h.s.urgentPlan(), &r)
+	u := h.s.urgentPlan()
+	h.trace.add("urgent", u, nil)
+	h.be.driver().settle(h.s, h.now, u, &r)
+	h.trace.add("result", r, r.Err)
 	h.collect()
 	return r
 }
