@@ -113,13 +113,13 @@ func (s *Scheduler) draftWants() []DraftWant {
 	}
 	decoders := 0
 	for _, t := range s.running {
-		if t.hasNext {
+		if t.status == statusDecoding {
 			decoders++
 		}
 	}
 	var out []DraftWant
 	for _, t := range s.running {
-		if !t.hasNext || !s.specOn(t) || t.spec.wait > 0 || t.slot == nil {
+		if t.status != statusDecoding || !s.specOn(t) || t.spec.wait > 0 {
 			continue
 		}
 		k := min(s.specBudget(t), t.spec.cap)
@@ -176,7 +176,7 @@ func (s *Scheduler) offerDrafts(wants []DraftWant, props []DraftProposal) {
 	got := map[TaskID]bool{}
 	for _, p := range props {
 		t := s.byID(p.Task)
-		if t == nil || !t.hasNext || t.slot == nil || p.At != len(t.slot.tokens)+1 || len(p.Tokens) == 0 {
+		if t == nil || t.status != statusDecoding || p.At != len(t.slot.tokens)+1 || len(p.Tokens) == 0 {
 			continue
 		}
 		if b := t.spec.backend(); b != nil {

@@ -354,7 +354,7 @@ func (s *Scheduler) releaseGated() {
 }
 
 func (s *Scheduler) dropGated(t *task, err error) {
-	delete(s.tasks, t.id)
+	s.dropTask(t)
 	s.events = append(s.events, Event{Task: t.id, Done: true, Finish: FinishError, Err: err})
 }
 

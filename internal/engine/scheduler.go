@@ -225,19 +225,17 @@ const (
 )
 
 type task struct {
-	id       TaskID
-	kind     taskKind
-	req      Request
-	pool     *pool.Pool // kindMaterialize: the pool being built; kindGenerate: the pool to attach to
-	slot     *slot
-	cacheN   int
-	next     Token  // sampled but not yet decoded
-	stopWord string // the stop string that ended it, if one did
-	hasNext  bool
-	restore  bool // kindMaterialize: rebuilding an evicted pool (no client waits)
-	// tierWait: kindMaterialize, an OpRestore is planned and its Restored answer has
-	// not come yet: nothing of the pool is prefilled meanwhile.
-	tierWait  bool
+	id     TaskID
+	kind   taskKind
+	req    Request
+	pool   *pool.Pool // kindMaterialize: the pool being built; kindGenerate: the pool to attach to
+	slot   *slot
+	cacheN int
+	// status is t's phase (status.go): changed only through setStatus.
+	status    status
+	next      Token  // statusDecoding: sampled but not yet decoded
+	stopWord  string // the stop string that ended it, if one did
+	restore   bool   // kindMaterialize: rebuilding an evicted pool (no client waits)
 	generated int
 	text      *textAssembler
 	submitted time.Time
@@ -256,10 +254,9 @@ type task struct {
 	// spec is t's speculative decoding (drafter.go): its drafters' sessions and what
 	// the scheduler keeps to limit and count its drafts.
 	spec specSession
-	// The sequence tier (spill.go): loadWait, an OpLoad of loadSegs up to loadTo is
-	// planned and its Loaded answer has not come (nothing of the prompt is prefilled
-	// meanwhile); restoredN, the prompt tokens loaded instead of prefilled.
-	loadWait  bool
+	// The sequence tier (spill.go): while t is loading, an OpLoad of loadSegs up to
+	// loadTo is planned and its Loaded answer has not come (nothing of the prompt is
+	// prefilled meanwhile); restoredN, the prompt tokens loaded instead of prefilled.
 	loadTo    int
 	loadSegs  []Segment
 	restoredN int
@@ -471,13 +468,13 @@ func (s *Scheduler) submit(req Request) (TaskID, Gate, error) {
 	s.classify(t)
 	g, until, err := s.gate(t)
 	if err != nil {
-		delete(s.tasks, t.id)
+		s.dropTask(t)
 		return 0, g, err
 	}
 	if g.Held {
 		// A held request waits however free the sequences are: it always counts.
 		if waiting := len(s.queue) + s.adm.Held(); waiting >= s.cfg.MaxQueue {
-			delete(s.tasks, t.id)
+			s.dropTask(t)
 			return 0, g, fmt.Errorf("%w (%d waiting, %d of them held by pool %d's admission gate)", ErrQueueFull, waiting, s.adm.Held(), p.ID)
 		}
 		s.adm.Hold(uint64(t.id), p.ID, until)
@@ -485,7 +482,7 @@ func (s *Scheduler) submit(req Request) (TaskID, Gate, error) {
 	}
 	s.enqueue(t)
 	s.admit()
-	if t.slot == nil {
+	if t.status == statusWaiting {
 		s.prefetch(t) // it waits: what it will load can come up from disk meanwhile
 	}
 	return t.id, g, nil
@@ -530,7 +527,7 @@ func (s *Scheduler) cancel(id TaskID) {
 	if !ok {
 		return
 	}
-	if t.slot == nil {
+	if t.status == statusWaiting {
 		s.unqueue(t, FinishCancelled, ErrCancelled)
 		return
 	}
@@ -542,7 +539,7 @@ func (s *Scheduler) cancel(id TaskID) {
 func (s *Scheduler) unqueue(t *task, finish string, err error) {
 	s.queue = slices.DeleteFunc(s.queue, func(q *task) bool { return q == t })
 	s.adm.Unhold(uint64(t.id))
-	delete(s.tasks, t.id)
+	s.dropTask(t)
 	ev := Event{Task: t.id, Done: true, Finish: finish, Err: err}
 	if t.kind == kindMaterialize {
 		ev.Pool = t.pool.ID
@@ -852,7 +849,7 @@ func (s *Scheduler) admitPass() bool {
 		}
 		if ok, err := s.ready(t); err != nil {
 			s.queue = slices.Delete(s.queue, i, i+1)
-			delete(s.tasks, t.id)
+			s.dropTask(t)
 			s.events = append(s.events, Event{Task: t.id, Done: true, Finish: FinishError, Err: err})
 			moved = true
 			continue
@@ -1002,6 +999,7 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 	if s.cachedSlot(sl.seq) != nil && !(pl.reused && pl.cpP == 0) {
 		s.cacheEvictions++ // a cached sequence gives up its sequence id
 	}
+	s.setStatus(t, statusPrefilling) // a restore or load below moves it on to loading
 	if t.kind == kindGenerate && !(sl.session != "" && sl.session == t.req.SessionID) {
 		// The sequence id goes to another holder: what it holds beyond what t keeps of it
 		// is spilled to the tier first (issue 40), whole unless t takes over a cached
@@ -1166,7 +1164,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	// drafts never take from them.
 	decoders := 0
 	for _, t := range s.running {
-		if t.hasNext && !t.skipNow {
+		if t.status == statusDecoding && !t.skipNow {
 			decoders++
 		}
 	}
@@ -1180,7 +1178,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 	// every decoder's token, and the drafts planned and expected to land.
 	specGain, specRows := float64(decoders), float64(decoders)
 	for _, t := range slices.Clone(s.running) {
-		if !t.hasNext || t.skipNow {
+		if t.status != statusDecoding || t.skipNow {
 			continue
 		}
 		decoders--
@@ -1246,7 +1244,7 @@ func (s *Scheduler) Plan(now time.Time) Plan {
 		if budget == 0 {
 			break
 		}
-		if !t.prefilling() || t.tierWait || t.loadWait {
+		if t.status != statusPrefilling || !t.prefilling() {
 			continue
 		}
 		have := len(t.slot.tokens)
@@ -1374,7 +1372,6 @@ func (s *Scheduler) commitDecode(f inflight, smp []Sampled, now time.Time) {
 	seq, pos := sl.seq, len(sl.tokens)
 	s.kv.Allocate(seq, []Token{t.next})
 	sl.tokens = append(sl.tokens, t.next)
-	t.hasNext = false
 	k := len(f.drafts)
 	a := specAccepted(f.drafts, smp)
 	if k > 0 {
@@ -1393,13 +1390,12 @@ func (s *Scheduler) commitDecode(f inflight, smp []Sampled, now time.Time) {
 	for i := 0; i <= a; i++ {
 		s.obs = append(s.obs, Observation{Kind: ObsTokenLatency, D: d})
 		s.onToken(t, smp[i])
-		if !t.hasNext || i == a {
+		if t.status == statusDone || i == a {
 			break // ended (its sequence may be gone), or the step's last token
 		}
 		// smp[i] == f.drafts[i]: that draft's cell at pos+1+i is now the sequence's.
 		s.kv.Allocate(seq, f.drafts[i:i+1])
 		sl.tokens = append(sl.tokens, f.drafts[i])
-		t.hasNext = false
 		kept++
 	}
 	if kept < pos+1+k && len(sl.tokens) == kept {
@@ -1439,7 +1435,7 @@ func (s *Scheduler) onToken(t *task, smp Sampled) {
 		s.finish(t, FinishLength, true, nil)
 	default:
 		t.next = smp.Token
-		t.hasNext = true
+		s.setStatus(t, statusDecoding)
 	}
 }
 
@@ -1468,10 +1464,10 @@ func (s *Scheduler) finish(t *task, reason string, truncated bool, err error) {
 	} else {
 		stats.PromptTime = s.now.Sub(t.admitted)
 	}
-	if t.loadWait {
+	if t.status == statusLoading {
 		// Its load is planned or being read: whatever it writes beyond what the cell
 		// tree counts goes with the next step's operations (as a rejected draft's cells).
-		t.loadWait, t.loadSegs = false, nil
+		t.loadSegs = nil
 		s.kv.Discard(sl.seq, len(sl.tokens))
 	}
 	stats.TPS = t.ewma.Rate()
@@ -1502,9 +1498,15 @@ func (s *Scheduler) removeRunning(t *task) {
 	sl.lastUsed = s.now
 	t.slot = nil
 	s.running = slices.DeleteFunc(s.running, func(r *task) bool { return r == t })
-	delete(s.tasks, t.id)
+	s.dropTask(t)
 	// A task ended by Plan may still be listed for this step's batch: drop it.
 	s.inflight = slices.DeleteFunc(s.inflight, func(f inflight) bool { return f.t == t })
+}
+
+// dropTask ends t's life in the scheduler's maps: its status is done.
+func (s *Scheduler) dropTask(t *task) {
+	s.setStatus(t, statusDone)
+	delete(s.tasks, t.id)
 }
 
 func (t *task) poolID() int {

@@ -47,7 +47,7 @@ func slotState(sl *slot) string {
 		return "cached" // a finished anonymous request's sequence, kept as prefix cache
 	case sl.task == nil:
 		return "idle"
-	case sl.task.loadWait:
+	case sl.task.loading(false):
 		return "load" // loading its prompt's KV from the tier (issue 40)
 	case sl.task.prefilling():
 		return "prefill"
@@ -75,7 +75,7 @@ func (s *Scheduler) Slots() []SlotInfo {
 			info.Task = uint64(t.id)
 			info.Decoded = t.generated
 			info.DraftN, info.DraftAccepted = t.spec.drafted, t.spec.accepted
-			info.Restored, info.Loading = t.restoredN, t.loadWait
+			info.Restored, info.Loading = t.restoredN, t.loading(false)
 		}
 		out = append(out, info)
 	}

@@ -441,7 +441,7 @@ func (s *Scheduler) spillCount(kind SpillKind, n int) {
 
 // planLoad, right after t was seated on sl, plans loading whatever the tier holds of
 // t's prompt beyond what sl holds now, up to the last prompt token (decoded for its
-// logits). t then waits (loadWait) for the Loaded answer before any of its prompt is
+// logits). t then waits (statusLoading) for the Loaded answer before any of its prompt is
 // prefilled. Nothing is planned when the run is shorter than a worthwhile load.
 //
 // Room: the cells the load writes are t's own prompt's, which admission reserved
@@ -460,10 +460,12 @@ func (s *Scheduler) planLoad(t *task, sl *slot) {
 	if to-h < minLoad {
 		return
 	}
-	t.loadWait, t.loadTo, t.loadSegs = true, to, segs // counted by loadPending from here
+	s.setStatus(t, statusLoading)
+	t.loadTo, t.loadSegs = to, segs // counted by loadPending from here
 	want := s.loadPending() + s.tierPending() + h - segs[0].Start + segs[len(segs)-1].End() - to
 	if s.kv.Room(0) < want && s.freeCells(want, nil, 0, kvcache.GraceHolds) < want {
-		t.loadWait, t.loadTo, t.loadSegs = false, 0, nil
+		s.setStatus(t, statusPrefilling)
+		t.loadTo, t.loadSegs = 0, nil
 		return
 	}
 	s.ops = append(s.ops, SeqOp{Kind: OpLoad, Seq: sl.seq, P0: h, P1: to, Segs: segs, Task: t.id, Spill: spillKindOf(sl)})
@@ -569,7 +571,7 @@ const minLoad = 16
 func (s *Scheduler) loadPending() int {
 	n := 0
 	for _, t := range s.running {
-		if t.loadWait {
+		if t.loading(false) {
 			n += t.loadTo - len(t.slot.tokens)
 		}
 	}
@@ -581,7 +583,7 @@ func (s *Scheduler) loadPending() int {
 // may now be someone else's).
 func (s *Scheduler) loadWaiting(task TaskID, seq int) bool {
 	t := s.tasks[task]
-	return t != nil && t.loadWait && t.slot != nil && t.slot.seq == seq
+	return t != nil && t.loading(false) && t.slot.seq == seq
 }
 
 // loaded applies the driver's answer to an OpLoad (message Loaded): the positions it
@@ -593,7 +595,7 @@ func (s *Scheduler) loaded(m Loaded) {
 	}
 	t := s.tasks[m.Task]
 	sl := t.slot
-	t.loadWait = false
+	s.setStatus(t, statusPrefilling)
 	if m.N < len(sl.tokens) {
 		// The load failed after it had to let go of what the sequence held (a recurrent
 		// state cannot be cut back): the sequence holds [0, N) only.

@@ -177,16 +177,16 @@ func (s *Scheduler) throttleSkips() {
 	budget, demand := s.cfg.NBatch, 0
 	for _, t := range s.running {
 		switch {
-		case t.hasNext:
+		case t.status == statusDecoding:
 			budget--
-		case t.prefilling() && !t.tierWait:
+		case t.prefilling() && !t.loading(true):
 			demand += len(t.req.Prompt) - len(t.slot.tokens)
 		}
 	}
 	gain = demand > budget
 	var cands []*task
 	for _, t := range s.running {
-		if !t.hasNext || t.ewma.Warming() || t.slot == nil || t.slot.base == nil {
+		if t.status != statusDecoding || t.ewma.Warming() || t.slot.base == nil {
 			continue
 		}
 		pol := s.adm.Policy(t.slot.base.ID)

@@ -10,7 +10,7 @@ import (
 
 // The tier below the cache (issue 25). The scheduler only decides: evicting a pool plans
 // an OpSpill before the OpSeqRm that drops its cells; materializing an evicted pool
-// whose KV was spilled plans an OpRestore instead of a prefill and waits (tierWait)
+// whose KV was spilled plans an OpRestore instead of a prefill and waits (statusLoading)
 // for the driver's Restored answer, which either makes the pool resident at once or
 // sends it down the ordinary prefill path. Bytes, keys, checksums and budgets are the
 // driver's (package tier through the runner): the scheduler never learns where an entry
@@ -62,13 +62,13 @@ func (s *Scheduler) tierRestore(t *task) bool {
 		s.freeCells(want, nil, 0, t.grace) // reservedPrefill counts restores still pending
 	}
 	s.tierOp(OpRestore, p)
-	t.tierWait = true
+	s.setStatus(t, statusLoading)
 	return true
 }
 
 // tierWaiting reports whether pool's restore onto seq is still awaited.
 func (s *Scheduler) tierWaiting(pool, seq int) bool {
-	return slices.ContainsFunc(s.running, func(t *task) bool { return t.tierWait && t.pool.ID == pool && t.pool.Seq == seq })
+	return slices.ContainsFunc(s.running, func(t *task) bool { return t.loading(true) && t.pool.ID == pool && t.pool.Seq == seq })
 }
 
 // TierRead is the driver's word that the bytes of an OpRestore or OpLoad it answered
@@ -95,7 +95,7 @@ func (s *Scheduler) tierRead(op SeqOp) {
 func (s *Scheduler) tierPending() int {
 	n := 0
 	for _, t := range s.running {
-		if t.tierWait {
+		if t.loading(true) {
 			n += t.pool.L() - t.pool.D
 		}
 	}
@@ -108,12 +108,12 @@ func (s *Scheduler) tierPending() int {
 // refused): the sequence holds nothing, and the pool is built as any evicted pool is,
 // from the longest resident prefix and a prefill of the rest.
 func (s *Scheduler) restored(m Restored) {
-	i := slices.IndexFunc(s.running, func(t *task) bool { return t.tierWait && t.pool.ID == m.Pool })
+	i := slices.IndexFunc(s.running, func(t *task) bool { return t.loading(true) && t.pool.ID == m.Pool })
 	if i < 0 {
 		return // cancelled before the answer came: its abandonment already removed the cells
 	}
 	t := s.running[i]
-	t.tierWait = false
+	s.setStatus(t, statusPrefilling)
 	p, sl := t.pool, t.slot
 	if m.Err != nil {
 		s.tierMisses++
