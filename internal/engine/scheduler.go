@@ -363,9 +363,8 @@ type Scheduler struct {
 	tierRestores, tierMisses int64
 	// queueTimeouts counts waits that ran past Config.QueueTimeout.
 	queueTimeouts int64
-	// spills is the index of the sessions' and cached sequences' segments asked of the
-	// tier (nil without Config.Tier); tierStats counts that work.
-	spills    *spillIndex
+	// tierStats counts the sequence tier's work (spill.go); what the tier holds is the
+	// KV-cache manager's index (kv.Below()).
 	tierStats TierStats
 	// progressAt is when the server last made progress on its work (a step that
 	// computed anything, a request seated or ended): a queued request's deadline runs
@@ -425,12 +424,13 @@ func NewScheduler(cfg Config, vocab Vocab) (*Scheduler, error) {
 	for i := range cfg.Parallel {
 		s.slots = append(s.slots, &slot{seq: i})
 	}
-	s.kv = kvcache.New(kvcache.Config{NCtx: cfg.NCtx, FirstPool: cfg.Parallel, Grace: cfg.PoolGrace, PinPaging: cfg.Tier,
-		Plan: planOps{&s.ops}, Holders: s.holders, NextUse: s.nextUseOf})
-	s.pools = pool.NewTree(cfg.Parallel, cfg.MaxPools, s.kv.Cells()) // its ownership counts read the cell tree
+	kc := kvcache.Config{NCtx: cfg.NCtx, FirstPool: cfg.Parallel, Grace: cfg.PoolGrace, PinPaging: cfg.Tier,
+		Plan: planOps{&s.ops}, Holders: s.holders, NextUse: s.nextUseOf}
 	if cfg.Tier && !cfg.NoSequenceSpill {
-		s.spills = newSpillIndex(cfg.tierChunk(), cfg.TierIndexTokens)
+		kc.BelowChunk, kc.BelowLimit = cfg.tierChunk(), cfg.TierIndexTokens
 	}
+	s.kv = kvcache.New(kc)
+	s.pools = pool.NewTree(cfg.Parallel, cfg.MaxPools, s.kv.Cells()) // its ownership counts read the cell tree
 	s.pools.SkipIDs(cfg.PoolIDFloor)
 	s.drafters = newDrafters(cfg.Spec)
 	return s, nil

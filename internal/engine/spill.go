@@ -59,18 +59,9 @@ func (k SpillKind) String() string {
 	return "pool"
 }
 
-// Segment is one stored run of a sequence's cells: positions [Start, len(Tokens))
-// computed after Tokens[:Start]. Tokens is the whole prefix, which is what names the
-// entry in the store. Whole: the entry also holds the recurrent state at its end and
-// loads only whole.
-type Segment struct {
-	Start  int
-	Tokens []Token
-	Whole  bool
-}
-
-// End is one past the segment's last position.
-func (g Segment) End() int { return len(g.Tokens) }
+// Segment is one stored run of a sequence's cells (kvcache.Segment: the index of what
+// lives below the cells is the KV-cache manager's).
+type Segment = kvcache.Segment
 
 // Loaded is the driver's answer to an OpLoad (message): sequence Seq of task Task now
 // holds positions [0, N) (N == the op's P0 when nothing loaded). Missed is the index in
@@ -101,16 +92,16 @@ func (Found) isMsg() {}
 // store entry stays for the store's own LRU (it is valid, and may be another replica's
 // to keep).
 func (s *Scheduler) found(m Found) {
-	if !s.cfg.Tier || s.spills == nil || s.cfg.Recurrent {
+	if !s.cfg.Tier || s.kv.Below() == nil || s.cfg.Recurrent {
 		return
 	}
 	for _, g := range m.Segs {
-		if g.Whole || g.Start < 0 || g.Start >= g.End() || g.Start%s.spills.chunk != 0 {
+		if g.Whole || g.Start < 0 || g.Start >= g.End() || g.Start%s.kv.Below().Chunk() != 0 {
 			continue
 		}
-		key := spillKey{g.Start, hashTokens(hashSeed, g.Tokens[:g.Start])}
-		if own := g.Tokens[g.Start:]; s.spills.find(key, own, false) == nil {
-			s.spills.add(key, slices.Clone(own), false, false)
+		key := kvcache.BelowKey{Start: g.Start, H: kvcache.HashTokens(kvcache.HashSeed, g.Tokens[:g.Start])}
+		if own := g.Tokens[g.Start:]; s.kv.Below().Find(key, own, false) == nil {
+			s.kv.Below().Add(key, slices.Clone(own), false, false, kvcache.Fleet)
 			s.tierStats.Found++
 		}
 	}
@@ -124,250 +115,26 @@ func (s *Scheduler) found(m Found) {
 // replica serving the same prompt finds all of it by the prompt alone; a pool's
 // prefix that the sequence shares is saved too (it is content like any other).
 func (s *Scheduler) writeThrough(t *task, sl *slot) {
-	if !s.cfg.Tier || !s.cfg.TierWriteThrough || s.spills == nil || s.cfg.Recurrent || t.kind != kindGenerate {
+	if !s.cfg.Tier || !s.cfg.TierWriteThrough || s.kv.Below() == nil || s.cfg.Recurrent || t.kind != kindGenerate {
 		return
 	}
 	n := pool.CommonPrefix(sl.tokens, t.req.Prompt)
 	toks := slices.Clone(t.req.Prompt[:n])
 	c := s.cfg.tierChunk()
-	h := hashSeed
+	h := kvcache.HashSeed
 	for k := 0; k < n; k += c {
 		e := min(k+c, n)
-		key := spillKey{k, h}
-		if s.spills.find(key, toks[k:e], false) == nil {
-			for _, o := range s.spills.add(key, toks[k:e], false, false) {
-				s.ops = append(s.ops, SeqOp{Kind: OpDrop, Seq: sl.seq, P0: k, P1: k + len(o.toks), Tokens: append(slices.Clone(toks[:k]), o.toks...)})
+		key := kvcache.BelowKey{Start: k, H: h}
+		if s.kv.Below().Find(key, toks[k:e], false) == nil {
+			for _, o := range s.kv.Below().Add(key, toks[k:e], false, false, kvcache.Planned) {
+				s.ops = append(s.ops, SeqOp{Kind: OpDrop, Seq: sl.seq, P0: k, P1: k + len(o.Toks), Tokens: append(slices.Clone(toks[:k]), o.Toks...)})
 			}
 			s.ops = append(s.ops, SeqOp{Kind: OpSave, Seq: sl.seq, P0: k, P1: e, Tokens: toks[:e], Spill: spillKindOf(sl)})
 			s.spillCount(spillKindOf(sl), e-k)
 		}
-		h = hashTokens(h, toks[k:e])
+		h = kvcache.HashTokens(h, toks[k:e])
 	}
 }
-
-// spillKey finds index entries: the position a segment starts at and a hash of every
-// token before it, so entries are found by content, whoever stored them.
-type spillKey struct {
-	start int
-	h     uint64
-}
-
-// spilled is one index entry: the tokens of a stored segment's own positions.
-type spilled struct {
-	toks  []Token
-	whole bool
-	// tail: the segment ended the sequence it was spilled from (the conversation's
-	// end then), which is how a later prompt is recognised as its continuation.
-	tail bool
-}
-
-// spillIndex is what the scheduler asked the tier to store, by content. It holds at
-// most limit tokens: the store drops its own entries by LRU without telling, so past
-// that the oldest entries are forgotten (a forgotten entry the store still had is only
-// a load not tried; one it no longer had would have been a miss).
-type spillIndex struct {
-	chunk    int
-	limit    int
-	entries  map[spillKey][]*spilled
-	order    []indexRef // insertion order, for the limit (entries already gone are skipped)
-	segments int
-	tokens   int
-}
-
-// indexRef names one entry in insertion order.
-type indexRef struct {
-	k spillKey
-	e *spilled
-}
-
-// defaultIndexTokens bounds the index when Config.TierIndexTokens is 0.
-const defaultIndexTokens = 1 << 22
-
-func newSpillIndex(chunk, limit int) *spillIndex {
-	if limit <= 0 {
-		limit = defaultIndexTokens
-	}
-	return &spillIndex{chunk: chunk, limit: limit, entries: map[spillKey][]*spilled{}}
-}
-
-// hashSeed is the hash of the empty prefix; hashTokens extends h over toks.
-var hashSeed = pool.HashExtend(0, nil)
-
-func hashTokens(h uint64, toks []Token) uint64 { return pool.HashExtend(h, toks) }
-
-// find is the entry at k whose tokens equal toks (whole) or begin with them (a longer
-// entry covers a shorter one's content).
-func (x *spillIndex) find(k spillKey, toks []Token, whole bool) *spilled {
-	for _, e := range x.entries[k] {
-		if e.whole != whole {
-			continue
-		}
-		if (whole && slices.Equal(e.toks, toks)) || (!whole && len(e.toks) >= len(toks) && slices.Equal(e.toks[:len(toks)], toks)) {
-			return e
-		}
-	}
-	return nil
-}
-
-// add records a segment the scheduler planned to store; entries it covers (shorter
-// ones whose tokens begin its own) are dropped from the index and returned, so their
-// store entries can be dropped too.
-func (x *spillIndex) add(k spillKey, toks []Token, whole, tail bool) (dropped []*spilled) {
-	e := &spilled{toks: toks, whole: whole, tail: tail}
-	list := x.entries[k]
-	if !whole {
-		list = slices.DeleteFunc(list, func(o *spilled) bool {
-			if !o.whole && len(o.toks) < len(toks) && slices.Equal(o.toks, toks[:len(o.toks)]) {
-				dropped = append(dropped, o)
-				return true
-			}
-			return false
-		})
-	}
-	x.entries[k] = append(list, e)
-	x.segments += 1 - len(dropped)
-	x.tokens += len(toks)
-	for _, o := range dropped {
-		x.tokens -= len(o.toks)
-	}
-	x.order = append(x.order, indexRef{k, e})
-	for x.tokens > x.limit && len(x.order) > 0 {
-		old := x.order[0]
-		x.order = x.order[1:]
-		x.remove(old.k, func(o *spilled) bool { return o == old.e })
-	}
-	if len(x.order) > 2*x.segments+64 {
-		x.order = slices.DeleteFunc(x.order, func(r indexRef) bool { return !slices.Contains(x.entries[r.k], r.e) })
-	}
-	return dropped
-}
-
-// remove drops the entries at k that match.
-func (x *spillIndex) remove(k spillKey, match func(*spilled) bool) {
-	list := x.entries[k]
-	n := len(list)
-	list = slices.DeleteFunc(list, func(e *spilled) bool {
-		if match(e) {
-			x.tokens -= len(e.toks)
-			return true
-		}
-		return false
-	})
-	x.segments -= n - len(list)
-	if len(list) == 0 {
-		delete(x.entries, k)
-	} else {
-		x.entries[k] = list
-	}
-}
-
-// forget removes a segment the store could not give.
-func (x *spillIndex) forget(g Segment) {
-	own := g.Tokens[g.Start:]
-	x.remove(spillKey{g.Start, hashTokens(hashSeed, g.Tokens[:g.Start])}, func(e *spilled) bool {
-		return e.whole == g.Whole && slices.Equal(e.toks, own)
-	})
-}
-
-// lookup is the longest run of stored segments that continues prompt from position
-// from (the sequence holds [0, from)) up to at most limit: the segments, in order, and
-// the position the run reaches (from when nothing is stored). The first segment may
-// start below from (chunks are aligned; the driver loads it whole into a scratch
-// sequence and takes only what the sequence lacks) and the last may match the prompt
-// only in part. recurrent: only a whole segment starting exactly at from, matching all
-// of its tokens.
-func (x *spillIndex) lookup(prompt []Token, from, limit int, recurrent bool) ([]Segment, int) {
-	if x == nil || len(x.entries) == 0 || from >= limit {
-		return nil, from
-	}
-	if recurrent {
-		k := spillKey{from, hashTokens(hashSeed, prompt[:from])}
-		var best *spilled
-		for _, e := range x.entries[k] {
-			if e.whole && from+len(e.toks) <= limit && slices.Equal(e.toks, prompt[from:from+len(e.toks)]) && (best == nil || len(e.toks) > len(best.toks)) {
-				best = e
-			}
-		}
-		if best == nil {
-			return nil, from
-		}
-		return []Segment{{Start: from, Tokens: prompt[:from+len(best.toks)], Whole: true}}, from + len(best.toks)
-	}
-	c := x.chunk
-	k := from / c * c
-	h := hashTokens(hashSeed, prompt[:k])
-	pos := from
-	var segs []Segment
-	for k < limit {
-		var best *spilled
-		bestM := 0
-		for _, e := range x.entries[spillKey{k, h}] {
-			if e.whole {
-				continue
-			}
-			if m := pool.CommonPrefix(e.toks, prompt[k:limit]); m > bestM {
-				best, bestM = e, m
-			}
-		}
-		if best == nil || k+bestM <= pos {
-			break
-		}
-		g := Segment{Start: k, Tokens: prompt[:k+bestM]}
-		if bestM < len(best.toks) {
-			// Only a part matches: the entry's name is its own tokens, not the prompt's.
-			g.Tokens = append(slices.Clone(prompt[:k]), best.toks...)
-		}
-		segs = append(segs, g)
-		pos = k + bestM
-		if bestM < c {
-			break
-		}
-		h = hashTokens(h, prompt[k:k+c])
-		k += c
-	}
-	return segs, pos
-}
-
-// tailMatch reports how much of prompt a stored conversation's end covers: the longest
-// run of stored segments from position 0 that passes through an entry that ended its
-// sequence, up to that entry's end (0 when none): a prompt that continues it is that
-// conversation's next turn.
-func (x *spillIndex) tailMatch(prompt []Token) int {
-	if x == nil || len(x.entries) == 0 {
-		return 0
-	}
-	c := x.chunk
-	h := hashSeed
-	best := 0
-	for k := 0; k < len(prompt); k += c {
-		var full *spilled
-		for _, e := range x.entries[spillKey{k, h}] {
-			if e.whole {
-				if e.tail && k+len(e.toks) <= len(prompt) && slices.Equal(e.toks, prompt[k:k+len(e.toks)]) {
-					best = max(best, k+len(e.toks))
-				}
-				continue
-			}
-			m := pool.CommonPrefix(e.toks, prompt[k:])
-			if e.tail && m >= len(e.toks)-continuationSlack(k+len(e.toks)) {
-				best = max(best, k+m)
-			}
-			if m == c {
-				full = e
-			}
-		}
-		if full == nil || k+c > len(prompt) {
-			break
-		}
-		h = hashTokens(h, prompt[k:k+c])
-	}
-	return best
-}
-
-// continuationSlack is how many of a conversation's last tokens a next turn's prompt
-// may differ in and still continue it: a chat template renders the previous reply
-// again from its text, which need not tokenize as the model generated it.
-func continuationSlack(n int) int { return max(64, n/8) }
 
 // tierChunk is the configured segment size.
 func (c Config) tierChunk() int {
@@ -391,7 +158,7 @@ func spillKindOf(sl *slot) SpillKind {
 // is the pool's own tier entry's, not sl's. On a recurrent model sl goes whole (it
 // cannot be cut back) and is saved as one segment with its state.
 func (s *Scheduler) spillSeq(sl *slot, from int, kind SpillKind) {
-	if !s.cfg.Tier || s.spills == nil || len(sl.tokens) == 0 {
+	if !s.cfg.Tier || s.kv.Below() == nil || len(sl.tokens) == 0 {
 		return
 	}
 	toks := slices.Clone(sl.tokens) // ops keep prefixes of it; sl.tokens changes
@@ -403,9 +170,9 @@ func (s *Scheduler) spillSeq(sl *slot, from int, kind SpillKind) {
 	}
 	if s.cfg.Recurrent {
 		start := sl.shared // the pool boundary whose state the session extended, or 0
-		k := spillKey{start, hashTokens(hashSeed, toks[:start])}
-		if s.spills.find(k, toks[start:], true) == nil {
-			s.spills.add(k, toks[start:], true, true)
+		k := kvcache.BelowKey{Start: start, H: kvcache.HashTokens(kvcache.HashSeed, toks[:start])}
+		if s.kv.Below().Find(k, toks[start:], true) == nil {
+			s.kv.Below().Add(k, toks[start:], true, true, kvcache.Planned)
 			s.ops = append(s.ops, SeqOp{Kind: OpSave, Seq: sl.seq, P0: start, P1: L, Tokens: toks, Whole: true, Spill: kind})
 			s.spillCount(kind, L-start)
 		}
@@ -413,22 +180,22 @@ func (s *Scheduler) spillSeq(sl *slot, from int, kind SpillKind) {
 	}
 	c := s.cfg.tierChunk()
 	k := base / c * c
-	h := hashTokens(hashSeed, toks[:k])
+	h := kvcache.HashTokens(kvcache.HashSeed, toks[:k])
 	for k < L {
 		e := min(k+c, L)
-		key := spillKey{k, h}
-		if s.spills.find(key, toks[k:e], false) == nil {
-			for _, o := range s.spills.add(key, toks[k:e], false, e == L) {
-				s.ops = append(s.ops, SeqOp{Kind: OpDrop, Seq: sl.seq, P0: k, P1: k + len(o.toks), Tokens: append(slices.Clone(toks[:k]), o.toks...)})
+		key := kvcache.BelowKey{Start: k, H: h}
+		if s.kv.Below().Find(key, toks[k:e], false) == nil {
+			for _, o := range s.kv.Below().Add(key, toks[k:e], false, e == L, kvcache.Planned) {
+				s.ops = append(s.ops, SeqOp{Kind: OpDrop, Seq: sl.seq, P0: k, P1: k + len(o.Toks), Tokens: append(slices.Clone(toks[:k]), o.Toks...)})
 			}
 			s.ops = append(s.ops, SeqOp{Kind: OpSave, Seq: sl.seq, P0: k, P1: e, Tokens: toks[:e], Spill: kind})
 			s.spillCount(kind, e-k)
 		} else if e == L {
-			if en := s.spills.find(key, toks[k:e], false); en != nil && len(en.toks) == e-k {
-				en.tail = true
+			if en := s.kv.Below().Find(key, toks[k:e], false); en != nil && len(en.Toks) == e-k {
+				en.Tail = true
 			}
 		}
-		h = hashTokens(h, toks[k:e])
+		h = kvcache.HashTokens(h, toks[k:e])
 		k = e
 	}
 }
@@ -452,11 +219,11 @@ func (s *Scheduler) spillCount(kind SpillKind, n int) {
 // the load ends. The loads of a plan run in order, each after the cells of those before
 // it are written.
 func (s *Scheduler) planLoad(t *task, sl *slot) {
-	if !s.cfg.Tier || s.spills == nil || t.kind != kindGenerate {
+	if !s.cfg.Tier || s.kv.Below() == nil || t.kind != kindGenerate {
 		return
 	}
 	h := len(sl.tokens)
-	segs, to := s.spills.lookup(t.req.Prompt, h, len(t.req.Prompt)-1, s.cfg.Recurrent)
+	segs, to := s.kv.Below().Lookup(t.req.Prompt, h, len(t.req.Prompt)-1, s.cfg.Recurrent)
 	if to-h < minLoad {
 		return
 	}
@@ -475,7 +242,7 @@ func (s *Scheduler) planLoad(t *task, sl *slot) {
 // sequence (OpPrefetch: the driver reads off the engine goroutine; entries already in
 // memory cost a lookup), so its load, once seated, reads memory.
 func (s *Scheduler) prefetch(t *task) {
-	if s.spills == nil || t.kind != kindGenerate {
+	if s.kv.Below() == nil || t.kind != kindGenerate {
 		return
 	}
 	s.prefetchTokens(t.req.Prompt, len(t.req.Prompt)-1, t.id)
@@ -485,7 +252,7 @@ func (s *Scheduler) prefetch(t *task) {
 // cache holds of toks, up to limit, when they are worth a load.
 func (s *Scheduler) prefetchTokens(toks []Token, limit int, task TaskID) {
 	h, _ := s.kv.Longest(toks, limit)
-	if segs, to := s.spills.lookup(toks, h, limit, s.cfg.Recurrent); to-h >= minLoad {
+	if segs, to := s.kv.Below().Lookup(toks, h, limit, s.cfg.Recurrent); to-h >= minLoad {
 		s.ops = append(s.ops, SeqOp{Kind: OpPrefetch, Seq: -1, Segs: segs, Task: task})
 	}
 }
@@ -516,7 +283,7 @@ func (s *Scheduler) park(sl *slot, toks []Token) {
 // prefetch when a session's turn is expected, not only once its request is queued).
 // Sessions in id order: the plan must not depend on map order.
 func (s *Scheduler) prefetchExpected() {
-	if s.spills == nil {
+	if s.kv.Below() == nil {
 		return
 	}
 	for _, id := range slices.Sorted(maps.Keys(s.gaps.sessions)) {
@@ -611,7 +378,7 @@ func (s *Scheduler) loaded(m Loaded) {
 		s.tierStats.LoadedTokens[spillKindOf(sl)] += int64(n - h)
 	}
 	if m.Missed >= 0 && m.Missed < len(t.loadSegs) {
-		s.spills.forget(t.loadSegs[m.Missed])
+		s.kv.Below().Forget(t.loadSegs[m.Missed])
 		s.tierStats.Misses++
 	}
 	t.loadSegs = nil
@@ -638,7 +405,7 @@ func (s *Scheduler) continuation(t *task) (cont bool, attained, seq int) {
 			continue
 		}
 		m := pool.CommonPrefix(sl.tokens, prompt)
-		covers := m >= 64 && m >= len(sl.tokens)-continuationSlack(len(sl.tokens))
+		covers := m >= 64 && m >= len(sl.tokens)-kvcache.ContinuationSlack(len(sl.tokens))
 		cont = cont || covers
 		if covers || own {
 			attained = max(attained, m)
@@ -647,8 +414,8 @@ func (s *Scheduler) continuation(t *task) (cont bool, attained, seq int) {
 			seq = sl.seq // the idle anonymous sequence it continues
 		}
 	}
-	if s.cfg.Tier && s.spills != nil {
-		if m := s.spills.tailMatch(prompt); m >= 64 {
+	if s.cfg.Tier && s.kv.Below() != nil {
+		if m := s.kv.Below().TailMatch(prompt); m >= 64 {
 			cont = true
 			attained = max(attained, m)
 		}
@@ -673,8 +440,6 @@ type TierStats struct {
 // TierStats copies the counters (tests, Usage).
 func (s *Scheduler) TierStats() TierStats {
 	st := s.tierStats
-	if s.spills != nil {
-		st.IndexSegments, st.IndexTokens = s.spills.segments, s.spills.tokens
-	}
+	st.IndexSegments, st.IndexTokens = s.kv.Below().Size()
 	return st
 }

@@ -322,48 +322,6 @@ func TestEvictionByExpectedNextUse(t *testing.T) {
 	}
 }
 
-// The index finds stored content by prompt alone: full chunks in a row, a last one
-// that matches only in part, and nothing past a gap.
-func TestSpillIndexLookup(t *testing.T) {
-	x := newSpillIndex(4, 0)
-	toks := seqTokens(10, 14)
-	h := hashSeed
-	for k := 0; k < 14; k += 4 {
-		e := min(k+4, 14)
-		x.add(spillKey{k, h}, toks[k:e], false, e == 14)
-		h = hashTokens(h, toks[k:e])
-	}
-	segs, to := x.lookup(toks, 0, 13, false)
-	if to != 13 || len(segs) != 4 || segs[3].End() != 14 {
-		t.Fatalf("lookup: to %d, %d segments (last ends %d)", to, len(segs), segs[len(segs)-1].End())
-	}
-	p := append(slices.Clone(toks[:10]), 99, 98, 97)
-	segs, to = x.lookup(p, 5, len(p)-1, false)
-	if to != 10 || len(segs) != 2 || segs[0].Start != 4 || !slices.Equal(segs[1].Tokens, toks[:12]) {
-		t.Fatalf("partial: to %d, segments %+v", to, segs)
-	}
-	if x.tailMatch(append(slices.Clone(toks), 1, 2)) != 14 || x.tailMatch(p) != 0 {
-		t.Fatalf("tailMatch: %d, %d", x.tailMatch(append(slices.Clone(toks), 1, 2)), x.tailMatch(p))
-	}
-	x.forget(segs[1])
-	if _, to = x.lookup(toks, 0, 13, false); to != 8 {
-		t.Fatalf("after forgetting the third chunk: to %d, want 8", to)
-	}
-	// Bounded: past its limit the oldest entries go.
-	y := newSpillIndex(4, 8)
-	h = hashSeed
-	for k := 0; k < 12; k += 4 {
-		y.add(spillKey{k, h}, toks[k:k+4], false, false)
-		h = hashTokens(h, toks[k:k+4])
-	}
-	if y.tokens != 8 || y.segments != 2 {
-		t.Fatalf("bounded index holds %d tokens in %d segments, want 8 in 2", y.tokens, y.segments)
-	}
-	if _, to := y.lookup(toks, 0, 13, false); to != 0 {
-		t.Fatalf("the oldest (first) chunk was forgotten, yet a lookup from 0 reached %d", to)
-	}
-}
-
 // A session displaced to the tier whose next turn is expected (a hint, or a reply that
 // ended in a tool call) has its segments read up from disk shortly before that turn,
 // once; a session with no evidence of its next turn is not prefetched.
@@ -434,8 +392,8 @@ func TestWriteThroughFoundByAnotherReplica(t *testing.T) {
 		}
 		segs = append(segs, Segment{Start: k, Tokens: prompt[:e]})
 	}
-	if a.s.spills.tokens != len(prompt) || len(a.be.kv[0]) == 0 {
-		t.Fatalf("A: index %d tokens, sequence %d cells; want the prompt indexed and its cells kept", a.s.spills.tokens, len(a.be.kv[0]))
+	if a.s.TierStats().IndexTokens != len(prompt) || len(a.be.kv[0]) == 0 {
+		t.Fatalf("A: index %d tokens, sequence %d cells; want the prompt indexed and its cells kept", a.s.TierStats().IndexTokens, len(a.be.kv[0]))
 	}
 
 	b := newHarness(t, spillCfg())

@@ -117,6 +117,9 @@ type Config struct {
 	// NextUse is the scheduler's estimate of when a holder is needed again; victims
 	// go in order of it, the one expected last first. nil: least recently used.
 	NextUse func(h Holder) time.Time
+	// BelowChunk, BelowLimit size the index of what lives below the cells (below.go:
+	// the tier's segments); BelowChunk 0: there is no tier, and no index.
+	BelowChunk, BelowLimit int
 }
 
 // Manager is the KV-cache manager, the one owner of the cache's cells, as vLLM's
@@ -133,11 +136,17 @@ type Config struct {
 type Manager struct {
 	cfg   Config
 	cells *Tree
+	// below is the index of the KV below the cells (nil: no tier).
+	below *Below
 }
 
 // New returns a manager of an empty cache.
 func New(cfg Config) *Manager {
-	return &Manager{cfg: cfg, cells: NewTree(cfg.FirstPool)}
+	kv := &Manager{cfg: cfg, cells: NewTree(cfg.FirstPool)}
+	if cfg.BelowChunk > 0 {
+		kv.below = NewBelow(cfg.BelowChunk, cfg.BelowLimit)
+	}
+	return kv
 }
 
 // Cells is the cell tree, to read.
