@@ -563,6 +563,7 @@ func (o *opening) tier() error {
 		o.cleanups.push(store.Close)
 		o.ecfg.Tier, o.ecfg.TierRecord, o.ecfg.PoolIDFloor = true, store.Durable(), store.IDFloor()
 		o.ecfg.TierWriteThrough = o.cfg.fleetLevel()
+		o.ecfg.TierFleet = o.cfg.fleetLevel()
 	}
 	return nil
 }
@@ -616,9 +617,6 @@ func (o *opening) engine() error {
 	if o.pub != nil {
 		sched.ReportResidency()
 		obs = observers{o.metrics, o.pub} // the engine hands it every sequence's changes too
-		if o.store != nil {
-			o.store.SetObserver(o.pub) // and the tier's entries, announced with the tier's medium
-		}
 	}
 	backend.AlwaysCompact(cfg.KVCompaction == "always")
 	if !o.ctx.OrderedAttention() && log != nil {
@@ -632,6 +630,16 @@ func (o *opening) engine() error {
 	o.metrics.AddCompactions(backend.Compactions)
 	o.eng = engine.New(sched, backend, obs)
 	o.cleanups.push(o.eng.Close) // first at Close: the engine goroutine uses everything above
+	if o.store != nil {
+		// The tier reports what lands in and leaves its own levels: the scheduler's index
+		// of what lives below the cells follows it, and the KV-event publisher announces
+		// it with the tier's medium.
+		var tobs tierObservers = []tier.Observer{o.eng}
+		if o.pub != nil {
+			tobs = append(tobs, o.pub)
+		}
+		o.store.SetObserver(tobs)
+	}
 	if o.store != nil && cfg.fleetLevel() && !o.ecfg.NoSequenceSpill {
 		// The scheduler's index knows what this replica stored; what other replicas
 		// stored in the shared directory is looked up per request, off the engine
@@ -674,6 +682,16 @@ func (o *opening) api() error {
 	}
 	o.srv.RequireAPIKeys(cfg.APIKeys)
 	return nil
+}
+
+// tierObservers hands the tier's reports to each of its observers in turn.
+type tierObservers []tier.Observer
+
+// TierChanged implements tier.Observer.
+func (ts tierObservers) TierChanged(d int, tokens []int32, stored bool) {
+	for _, o := range ts {
+		o.TierChanged(d, tokens, stored)
+	}
 }
 
 // observers is the metrics and the KV-event publisher as one engine Observer: the

@@ -13,6 +13,10 @@ import (
 type driver struct {
 	be   Backend
 	caps Caps
+	// lookup answers an OpLookup: later, the answer comes as a message once the lookup
+	// (I/O, off the engine goroutine) is done; otherwise ans is the answer now. nil:
+	// the tier cannot be looked up, the answer is that nothing was found.
+	lookup func(op SeqOp) (ans Found, later bool)
 }
 
 // settle runs p (apply) and hands each answer to the scheduler at now; an answer that
@@ -99,6 +103,15 @@ func (d driver) apply(p Plan) []Msg {
 			ans := Probed{Err: errNoProbe}
 			if d.caps.Probe != nil {
 				ans.Fits, ans.Err = d.caps.Probe.ProbeFits(op.Seq, op.P1, op.Tok)
+			}
+			answers = append(answers, ans)
+		case OpLookup:
+			ans := Found{Task: op.Task, Seq: op.Seq}
+			if d.lookup != nil {
+				var later bool
+				if ans, later = d.lookup(op); later {
+					continue
+				}
 			}
 			answers = append(answers, ans)
 		case OpDiscard:

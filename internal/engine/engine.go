@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -22,6 +21,11 @@ type Engine struct {
 	snap    atomic.Pointer[Snapshot]
 	obs     Observer
 	lookup  atomic.Pointer[TierLookup]
+	// changes are the tier's reports (TierChanged) not yet handed to the scheduler;
+	// changed wakes the loop when the first one comes.
+	changesMu sync.Mutex
+	changes   []TierChange
+	changed   chan struct{}
 }
 
 // TierLookup lists the segments of a prompt the tier holds, from position 0 (package
@@ -30,8 +34,48 @@ type TierLookup func(prompt []Token) []Segment
 
 // SetTierLookup makes every Submit ask f first which segments of its prompt the tier
 // holds and tell the scheduler (Found) before the request, so that entries its index
-// does not know (another replica's on a shared level) are loaded, not prefilled.
+// does not know (another replica's on a shared level) are loaded, not prefilled; a
+// request seated after a wait in the queue asks again (OpLookup, Config.TierFleet).
 func (e *Engine) SetTierLookup(f TierLookup) { e.lookup.Store(&f) }
+
+// TierChanged takes the tier's report that the entry of positions [d, len(tokens))
+// named by tokens landed in this replica's tier or left it (package tier's Observer):
+// the scheduler's index of what lives below the cells follows it (message
+// TierChanged). The store calls it with its lock held, so it only queues the change
+// and wakes the engine loop, which hands the queued changes over in order.
+func (e *Engine) TierChanged(d int, tokens []int32, stored bool) {
+	e.changesMu.Lock()
+	e.changes = append(e.changes, TierChange{Seg: Segment{Start: d, Tokens: tokens}, Stored: stored})
+	e.changesMu.Unlock()
+	select {
+	case e.changed <- struct{}{}:
+	default:
+	}
+}
+
+// takeChanges hands over the tier's reports queued since the last call.
+func (e *Engine) takeChanges() []TierChange {
+	e.changesMu.Lock()
+	defer e.changesMu.Unlock()
+	c := e.changes
+	e.changes = nil
+	return c
+}
+
+// lookupOp answers an OpLookup (driver.lookup): the lookup runs on a goroutine of its
+// own (it may do I/O: a stat per chunk on a shared directory, a round trip to a remote
+// store) and its answer comes back as a message. Without a lookup (SetTierLookup) the
+// answer, nothing found, is given at once.
+func (e *Engine) lookupOp(op SeqOp) (Found, bool) {
+	f := e.lookup.Load()
+	if f == nil {
+		return Found{Task: op.Task, Seq: op.Seq}, false
+	}
+	go func() {
+		e.send(envelope{msg: Found{Segs: (*f)(op.Tokens), Task: op.Task, Seq: op.Seq}})
+	}()
+	return Found{}, true
+}
 
 // envelope carries one message to the engine goroutine; reply (nil for a cancel) gets
 // the scheduler's Result and, for a submit or a pool materialization, the task's stream.
@@ -59,8 +103,6 @@ type Stream struct {
 	events []Event
 	notify chan struct{}
 	ended  bool
-	// begun: the task has produced an event (it has a sequence; lookAgain stops).
-	begun bool
 	// collect: the reader only wants the whole result, so it is woken once, at the end.
 	// Waking a goroutine per token steals a core from llama.cpp's threads.
 	collect bool
@@ -73,7 +115,6 @@ func newStream(id TaskID, eng *Engine) *Stream {
 func (s *Stream) push(ev Event) {
 	s.mu.Lock()
 	s.events = append(s.events, ev)
-	s.begun = true
 	quiet := s.collect && !ev.Done
 	s.mu.Unlock()
 	if quiet {
@@ -87,13 +128,6 @@ func (s *Stream) push(ev Event) {
 
 // ID is the task's id.
 func (s *Stream) ID() TaskID { return s.id }
-
-// started reports whether the task has produced an event.
-func (s *Stream) started() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.begun
-}
 
 // Next returns the next event, waiting for it. After the Done event it returns
 // ok=false. If ctx ends first the task is cancelled and ctx's error returned.
@@ -158,8 +192,9 @@ func (s *Stream) Cancel() { s.eng.send(envelope{msg: Cancel{Task: s.id}}) }
 // New starts an engine over sched and be. It owns both until Close. obs (optional)
 // receives the scheduler's measurements after each step.
 func New(sched *Scheduler, be Backend, obs Observer) *Engine {
-	e := &Engine{inbox: make(chan envelope, 1024), quit: make(chan struct{}), stopped: make(chan struct{}), obs: obs}
+	e := &Engine{inbox: make(chan envelope, 1024), quit: make(chan struct{}), stopped: make(chan struct{}), obs: obs, changed: make(chan struct{}, 1)}
 	d := driver{be: be, caps: be.Caps()}
+	d.lookup = e.lookupOp
 	sched.useBackend(d.caps)
 	e.snap.Store(sched.Snapshot(time.Now()))
 	go e.run(sched, d)
@@ -200,11 +235,8 @@ func (e *Engine) call(ctx context.Context, m envelope) (reply, error) {
 // Submit queues req and returns its event stream and what an enforced pool's gate
 // decided, or the scheduler's refusal.
 func (e *Engine) Submit(ctx context.Context, req Request) (*Stream, Gate, error) {
-	f := e.lookup.Load()
-	found := 0
-	if f != nil && len(req.Prompt) > 0 {
+	if f := e.lookup.Load(); f != nil && len(req.Prompt) > 0 {
 		if segs := (*f)(req.Prompt); len(segs) > 0 {
-			found = len(segs)
 			e.send(envelope{msg: Found{Segs: segs}})
 		}
 	}
@@ -212,42 +244,7 @@ func (e *Engine) Submit(ctx context.Context, req Request) (*Stream, Gate, error)
 	if err != nil {
 		return nil, Gate{}, err
 	}
-	if f != nil && len(req.Prompt) > 0 && r.stream != nil && r.res.Err == nil {
-		go e.lookAgain(*f, slices.Clone(req.Prompt), found, r.stream)
-	}
 	return r.stream, r.res.Gate, r.res.Err
-}
-
-// lookAgainEvery is how often a request that waits for a sequence asks the tier again.
-var lookAgainEvery = time.Second
-
-// lookAgain asks the tier again, every lookAgainEvery, which segments of a submitted
-// request's prompt it holds, until the request produces its first event or the engine
-// stops, and tells the scheduler when the answer grew (issue 44). The scheduler reads
-// its index when the request gets a sequence, not when it was submitted, so the chunks
-// another replica writes through while this request waits in the queue are loaded
-// instead of prefilled (measured behind llm-d's router: teammates queued behind a cold
-// burst prefilled a team prompt another replica had written tens of seconds earlier).
-// A lookup is a stat per chunk on a shared directory, a round trip on a remote level.
-func (e *Engine) lookAgain(f TierLookup, prompt []Token, found int, st *Stream) {
-	t := time.NewTicker(lookAgainEvery)
-	defer t.Stop()
-	for {
-		select {
-		case <-e.stopped:
-			return
-		case <-t.C:
-		}
-		if st.started() {
-			return
-		}
-		if segs := f(prompt); len(segs) > found {
-			found = len(segs)
-			if !e.send(envelope{msg: Found{Segs: segs}}) {
-				return
-			}
-		}
-	}
 }
 
 // CreatePool creates a pool and waits until it is materialized (attachable). If ctx
@@ -368,6 +365,8 @@ func (e *Engine) run(sched *Scheduler, d driver) {
 				handle(m)
 			case op := <-ready:
 				handle(envelope{msg: TierRead{Op: op}})
+			case <-e.changed:
+				handle(envelope{msg: TierChanged{Changes: e.takeChanges()}})
 			case <-tick.C:
 				handle(envelope{msg: Tick{}})
 			case <-e.quit:
@@ -381,6 +380,8 @@ func (e *Engine) run(sched *Scheduler, d driver) {
 				handle(m)
 			case op := <-ready:
 				handle(envelope{msg: TierRead{Op: op}})
+			case <-e.changed:
+				handle(envelope{msg: TierChanged{Changes: e.takeChanges()}})
 			case <-e.quit:
 				e.shutdown(sched, d, streams)
 				return

@@ -434,6 +434,8 @@ type harness struct {
 	// stepCost scripts how long a decode step takes (default 10 ms); a cost that grows
 	// with the batch makes per-session tps fall as sessions join, deterministically.
 	stepCost func(batch []BatchEntry) time.Duration
+	// lookup, when set, answers OpLookup (driver.lookup); nil: at once, nothing found.
+	lookup func(op SeqOp) (Found, bool)
 	// trace hashes every decision when POLYKV_HARNESS_HASH is set (harnesshash_test.go).
 	trace *harnessTrace
 }
@@ -482,7 +484,7 @@ func (h *harness) submit(req Request) TaskID {
 // step runs one Plan/Decode/Commit round and returns the batch.
 func (h *harness) step() []BatchEntry {
 	h.now = h.now.Add(10 * time.Millisecond)
-	d := h.be.driver()
+	d := h.driver()
 	p := h.s.nextPlan(h.now)
 	if len(p.Drafts) > 0 { // the draft round, as the engine loop runs it
 		h.trace.add("drafts", p, nil)
@@ -550,13 +552,20 @@ func seqTokens(from, n int) []Token {
 	return out
 }
 
+// driver is the fake backend's driver, with the harness's lookup.
+func (h *harness) driver() driver {
+	d := h.be.driver()
+	d.lookup = h.lookup
+	return d
+}
+
 // send hands a message to the scheduler as the engine loop does: through Step, at the
 // harness's clock, then runs the operations it needs before its reply.
 func (h *harness) send(m Msg) Result {
 	r := h.s.Step(h.now, m)
 	u := h.s.urgentPlan()
 	h.trace.add("urgent", u, nil)
-	h.be.driver().settle(h.s, h.now, u, &r)
+	h.driver().settle(h.s, h.now, u, &r)
 	h.trace.add("result", r, r.Err)
 	h.collect()
 	return r

@@ -33,13 +33,13 @@ func (l tierLocked) Load(op SeqOp) (Loaded, error) {
 	return l.f.Load(op)
 }
 
-// TestQueuedRequestLooksAgain (issue 44): a request that waits in the queue asks the
-// tier again, so chunks another replica writes through while it waits are loaded when
-// it gets its sequence, not prefilled; it stops asking once it has begun.
+// TestQueuedRequestLooksAgain (issues 44, 55): a request that waits in the queue asks
+// the tier again when it is seated (OpLookup; Config.TierFleet), so chunks another
+// replica writes through while it waits are loaded, not prefilled; and it asks exactly
+// then: once at submission, once at its seat, never while it waits (no request polls).
 func TestQueuedRequestLooksAgain(t *testing.T) {
-	defer func(d time.Duration) { lookAgainEvery = d }(lookAgainEvery)
-	lookAgainEvery = 5 * time.Millisecond
 	cfg := spillCfg()
+	cfg.TierFleet = true
 	s, err := NewScheduler(cfg, fakeVocab{})
 	if err != nil {
 		t.Fatal(err)
@@ -56,8 +56,11 @@ func TestQueuedRequestLooksAgain(t *testing.T) {
 	var written atomic.Bool // another replica has written the prompt's chunks through
 	var asked atomic.Int64
 	e.SetTierLookup(func(p []Token) []Segment {
+		if len(p) != len(prompt) {
+			return nil
+		}
 		asked.Add(1)
-		if !written.Load() || len(p) != len(prompt) {
+		if !written.Load() {
 			return nil
 		}
 		return segs
@@ -80,6 +83,10 @@ func TestQueuedRequestLooksAgain(t *testing.T) {
 	}
 	be.mu.Unlock()
 	written.Store(true)
+	time.Sleep(100 * time.Millisecond) // the request waits: nothing asks the tier meanwhile
+	if n := asked.Load(); n != 1 {
+		t.Fatalf("the tier was asked %d times while the request waited, want 1 (at submission)", n)
+	}
 
 	if _, ev := drain(t, busy); ev.Err != nil {
 		t.Fatal(ev.Err)
@@ -91,9 +98,75 @@ func TestQueuedRequestLooksAgain(t *testing.T) {
 	if want := expectedText(t, prompt, 4); text != want {
 		t.Fatalf("reply %q, want %q", text, want)
 	}
-	n := asked.Load()
-	time.Sleep(20 * lookAgainEvery)
-	if asked.Load() != n {
-		t.Fatalf("the lookup was asked %d more times after the request began", asked.Load()-n)
+	if n := asked.Load(); n != 2 {
+		t.Fatalf("the tier was asked %d times, want 2 (at submission and at the seat)", n)
+	}
+}
+
+// A request seated in the step it is submitted does not ask again (the lookup at
+// submission is fresh); one seated after a wait asks once and prefills nothing until
+// the answer comes; one cancelled while its lookup is pending ends cleanly, and the
+// late answer finds nothing waiting for it.
+func TestLookupAtSeatOnlyAfterAWait(t *testing.T) {
+	cfg := spillCfg()
+	cfg.TierFleet = true
+	h := newHarness(t, cfg)
+	var lookups []SeqOp
+	h.lookup = func(op SeqOp) (Found, bool) {
+		lookups = append(lookups, op)
+		return Found{}, true // answered later, by the test
+	}
+	seatedAfterWait := func(running, waiting TaskID) SeqOp {
+		t.Helper()
+		for range 100 {
+			if w := h.s.tasks[waiting]; w != nil && w.status == statusLookup {
+				break
+			}
+			h.step()
+		}
+		if _, ok := h.done(running); !ok {
+			t.Fatal("the running request did not end")
+		}
+		if len(lookups) != 1 || lookups[0].Task != waiting {
+			t.Fatalf("lookups %+v, want one, for the request that waited", lookups)
+		}
+		op := lookups[0]
+		lookups = nil
+		for range 3 {
+			for _, e := range h.step() {
+				if e.Seq == op.Seq {
+					t.Fatalf("the request waiting for its lookup prefilled %+v", e)
+				}
+			}
+		}
+		return op
+	}
+
+	a := h.submit(Request{Prompt: seqTokens(1, 20), MaxTokens: 2, IgnoreEOS: true})
+	b := h.submit(Request{Prompt: seqTokens(50, 20), MaxTokens: 2, IgnoreEOS: true})
+	op := seatedAfterWait(a, b)
+	h.send(Found{Task: b, Seq: op.Seq})
+	h.run()
+	if ev, ok := h.done(b); !ok || ev.Err != nil || ev.Stats.PromptN != 20 {
+		t.Fatalf("after its answer (nothing found) the request: %+v, want it prefilled and done", ev)
+	}
+
+	c := h.submit(Request{Prompt: seqTokens(300, 10), MaxTokens: 3, IgnoreEOS: true})
+	d := h.submit(Request{Prompt: seqTokens(400, 20), MaxTokens: 2, IgnoreEOS: true})
+	op = seatedAfterWait(c, d)
+	h.cancel(d)
+	h.send(Found{Task: d, Seq: op.Seq}) // the late answer
+	h.run()
+	if ev, ok := h.done(d); !ok || ev.Finish != FinishCancelled {
+		t.Fatalf("the cancelled request: %+v", ev)
+	}
+	if n := len(h.events[d]); n != 1 {
+		t.Fatalf("the cancelled request has %d events, want its Done only", n)
+	}
+	if len(lookups) != 0 {
+		t.Fatalf("more lookups: %+v", lookups)
+	}
+	if used := h.s.kv.Used(); used != h.be.cells() {
+		t.Fatalf("the cell tree counts %d cells, the backend holds %d", used, h.be.cells())
 	}
 }

@@ -212,6 +212,8 @@ func (s *Scheduler) Step(now time.Time, m Msg) Result {
 		s.loaded(m)
 	case Found:
 		s.found(m)
+	case TierChanged:
+		s.tierChanged(m)
 	case ExpectTurn:
 		s.expectTurn(m)
 	case RecoverPool:

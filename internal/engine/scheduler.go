@@ -60,8 +60,13 @@ type Config struct {
 	// the tier lacks are saved (OpSave) though its cells stay: with a level other
 	// replicas share, what one computed any of them can load. Used with Tier.
 	TierWriteThrough bool
-	// TierIndexTokens bounds the tokens the scheduler remembers having stored (about the
-	// tier's capacity in tokens; 0: 4M).
+	// TierFleet: the tier has a level other replicas write (a shared directory, a remote
+	// store), which reports nothing of what they write: a request that waited in the
+	// queue asks it again when it is seated (OpLookup), so what another replica wrote
+	// meanwhile is loaded, not prefilled. Used with Tier.
+	TierFleet bool
+	// TierIndexTokens bounds the tokens the index of what lives below the cells holds
+	// (kvcache.Below: about the tier's capacity in tokens; 0: 4M).
 	TierIndexTokens int
 	// PoolIDFloor: pool ids start above it (ids an earlier run may have used).
 	PoolIDFloor int
@@ -142,6 +147,9 @@ const (
 	OpSlotLoad // load Data into Seq, which then holds Tokens; the driver answers SlotDone
 	OpProbe    // do P1 copies of token Tok fit in the empty Seq (ProbeFits)? The driver answers Probed
 	OpDiscard  // drop the bytes read for an op of kind Of that nothing waits for any more (TierRead)
+	// OpLookup asks the tier which segments of Tokens (Task's prompt) it holds, Seq holding
+	// [0, P0): the driver answers Found for Task, off the engine goroutine (Config.TierFleet).
+	OpLookup
 )
 
 // SeqOp is one sequence operation.
@@ -1062,7 +1070,9 @@ func (s *Scheduler) seat(t *task, sl *slot, pl placement) {
 	s.running = append(s.running, t)
 	s.progressAt = s.now
 	if t.kind == kindGenerate {
-		s.planLoad(t, sl)
+		if !s.lookUp(t, sl) {
+			s.planLoad(t, sl)
+		}
 		s.startSettle(t)
 	} else if !t.prefilling() {
 		s.poolMaterialized(t) // all of it was resident: nothing to prefill

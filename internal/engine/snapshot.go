@@ -47,7 +47,7 @@ func slotState(sl *slot) string {
 		return "cached" // a finished anonymous request's sequence, kept as prefix cache
 	case sl.task == nil:
 		return "idle"
-	case sl.task.loading(false):
+	case sl.task.loading(false), sl.task.status == statusLookup:
 		return "load" // loading its prompt's KV from the tier (issue 40)
 	case sl.task.prefilling():
 		return "prefill"

@@ -83,27 +83,87 @@ func (Loaded) isMsg() {}
 // SetTierLookup: the lookup runs on the submitting goroutine, never the engine's), so
 // the ordinary OpLoad path restores them. Whole segments (recurrent state) are not
 // looked up this way.
-type Found struct{ Segs []Segment }
+//
+// It is also the driver's answer to an OpLookup (Task and Seq set): the task, seated
+// and waiting for it (statusLookup), then plans its load from what the index holds.
+type Found struct {
+	Segs []Segment
+	Task TaskID
+	Seq  int
+}
 
 func (Found) isMsg() {}
 
-// found adds segments the tier holds to the index, as if this scheduler had stored them.
-// A shorter entry of the index that one covers is forgotten by the index only: its
-// store entry stays for the store's own LRU (it is valid, and may be another replica's
-// to keep).
+// found adds segments the tier holds to the index, as if this scheduler had stored them
+// (where: Fleet). A shorter entry of the index that one covers is forgotten by the
+// index only: its store entry stays for the store's own LRU (it is valid, and may be
+// another replica's to keep). An OpLookup's answer then lets its task go on: it plans
+// its load from the index, now knowing what the lookup found.
 func (s *Scheduler) found(m Found) {
-	if !s.cfg.Tier || s.kv.Below() == nil || s.cfg.Recurrent {
+	if below := s.kv.Below(); s.cfg.Tier && below != nil && !s.cfg.Recurrent {
+		for _, g := range m.Segs {
+			if g.Whole || g.Start < 0 || g.Start >= g.End() || g.Start%below.Chunk() != 0 {
+				continue
+			}
+			key := kvcache.KeyOf(g)
+			if own := g.Tokens[g.Start:]; below.Find(key, own, false) == nil {
+				below.Add(key, slices.Clone(own), false, false, kvcache.Fleet)
+				s.tierStats.Found++
+			}
+		}
+	}
+	if t := s.tasks[m.Task]; t != nil && t.status == statusLookup && t.slot.seq == m.Seq {
+		s.setStatus(t, statusPrefilling)
+		s.planLoad(t, t.slot)
+	}
+}
+
+// lookUp plans, when t is seated on sl after a wait in the queue, asking the fleet's
+// level again what it holds of t's prompt (OpLookup; Config.TierFleet): the Found
+// answer plans t's load (found). Other replicas report nothing of what they write, and
+// the lookup at submission was made before the wait: without this, the chunks another
+// replica wrote through while t waited were prefilled (measured behind llm-d's router:
+// teammates queued behind a cold burst prefilled a team prompt another replica had
+// written tens of seconds earlier). One lookup per seat, off the engine goroutine: no
+// request polls the tier while it waits. It reports whether the lookup was planned.
+func (s *Scheduler) lookUp(t *task, sl *slot) bool {
+	if !s.cfg.Tier || !s.cfg.TierFleet || s.kv.Below() == nil || s.cfg.Recurrent || !s.now.After(t.queued) {
+		return false
+	}
+	s.setStatus(t, statusLookup)
+	s.ops = append(s.ops, SeqOp{Kind: OpLookup, Seq: sl.seq, P0: len(sl.tokens), Tokens: t.req.Prompt, Task: t.id})
+	return true
+}
+
+// TierChanged is the tier's report of entries that landed in this replica's tier (RAM
+// or --pool-dir: Stored) or left it (its LRU dropped them, or they were superseded), in
+// the order they happened (Engine.TierChanged collects them from the store). The index
+// of what lives below the cells follows it (kvcache.Below): an entry the tier dropped is
+// no longer offered to a load. Before it, the store dropped entries without telling
+// and the index guessed, by a bound of its own, what to forget.
+type TierChanged struct{ Changes []TierChange }
+
+// TierChange is one entry stored or dropped.
+type TierChange struct {
+	Seg    Segment
+	Stored bool
+}
+
+func (TierChanged) isMsg() {}
+
+// tierChanged applies a TierChanged, in order.
+func (s *Scheduler) tierChanged(m TierChanged) {
+	below := s.kv.Below()
+	if below == nil {
 		return
 	}
-	for _, g := range m.Segs {
-		if g.Whole || g.Start < 0 || g.Start >= g.End() || g.Start%s.kv.Below().Chunk() != 0 {
+	for _, c := range m.Changes {
+		if c.Stored {
+			below.Stored(c.Seg)
 			continue
 		}
-		key := kvcache.BelowKey{Start: g.Start, H: kvcache.HashTokens(kvcache.HashSeed, g.Tokens[:g.Start])}
-		if own := g.Tokens[g.Start:]; s.kv.Below().Find(key, own, false) == nil {
-			s.kv.Below().Add(key, slices.Clone(own), false, false, kvcache.Fleet)
-			s.tierStats.Found++
-		}
+		below.Dropped(c.Seg)
+		s.tierStats.Dropped++
 	}
 }
 
@@ -432,7 +492,9 @@ type TierStats struct {
 	Loads, LoadedTokens [3]int64
 	Misses              int64
 	// Found: segments the tier reported (Found) that the index did not know.
-	Found         int64
+	Found int64
+	// Dropped: entries the tier reported it dropped (TierChanged).
+	Dropped       int64
 	IndexSegments int
 	IndexTokens   int
 }

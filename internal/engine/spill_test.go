@@ -448,3 +448,30 @@ func TestFoundSegmentSharedInPart(t *testing.T) {
 		t.Fatalf("reply %v, a cold prefill gives %v", got, want)
 	}
 }
+
+// The index of what lives below the cells follows the tier's reports (issue 55): a
+// chunk the tier reports dropped is not loaded (before, the index offered it, the load
+// missed and the rest was prefilled after a wasted step); one it reports stored stays.
+func TestIndexFollowsTierDrops(t *testing.T) {
+	h := newHarness(t, spillCfg())
+	a := seqTokens(100, 30)
+	_, out := h.turn(Request{Prompt: a, MaxTokens: 3})
+	h.turn(Request{Prompt: seqTokens(300, 27), MaxTokens: 3}) // takes the only sequence: a spills
+	saved := h.s.TierStats().IndexSegments
+	if saved == 0 {
+		t.Fatal("nothing was spilled")
+	}
+	// The store reports the first chunk stored, then its LRU dropping the third.
+	first := Segment{Start: 0, Tokens: a[:8]}
+	third := Segment{Start: 16, Tokens: a[:24]}
+	h.send(TierChanged{Changes: []TierChange{{Seg: first, Stored: true}, {Seg: third}}})
+	delete(h.be.segs, segKey(16, a[:24], false)) // as the store did
+	if got := h.s.TierStats(); got.IndexSegments != saved-1 || got.Dropped != 1 {
+		t.Fatalf("after the drop report: %d segments (was %d), %d dropped", got.IndexSegments, saved, got.Dropped)
+	}
+	next := append(append(slices.Clone(a), out...), seqTokens(700, 5)...)
+	ev, _ := h.turn(Request{Prompt: next, MaxTokens: 3})
+	if ev.Stats.RestoredN != 16 || h.s.TierStats().Misses != 0 {
+		t.Fatalf("next turn: restored %d, %d misses; want the first two chunks loaded and no load of the dropped one tried", ev.Stats.RestoredN, h.s.TierStats().Misses)
+	}
+}

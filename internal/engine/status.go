@@ -14,7 +14,12 @@ import "fmt"
 //	   │        restore │    │ answer                 │
 //	   │        or load ▼    │                        │
 //	   │              loading                         │
+//	   │                │      lookup ◀─(seat)        │
 //	   └──────────────────┴───────── end ─────────────┴──▶ done
+//
+// lookup (after seat, only with a fleet level, Config.TierFleet) goes back to
+// prefilling when its answer comes, and from there to loading if the answer found
+// something to load.
 //
 // A pool's materialization (kindMaterialize) is a task too: it waits, prefills (or
 // loads, restoring from the tier) and ends when the pool is resident; it never decodes.
@@ -33,6 +38,10 @@ const (
 	statusLoading
 	// statusDecoding: a token is sampled (task.next) and waits to be decoded.
 	statusDecoding
+	// statusLookup: seated after a wait in the queue; the tier's fleet level is asked
+	// what it holds of the prompt (OpLookup), as vLLM's WAITING_FOR_REMOTE_KVS: nothing
+	// of it is prefilled until the answer (Found) comes.
+	statusLookup
 	// statusDone: ended; it holds nothing and is no longer in the scheduler's maps.
 	statusDone
 )
@@ -47,6 +56,8 @@ func (st status) String() string {
 		return "loading"
 	case statusDecoding:
 		return "decoding"
+	case statusLookup:
+		return "lookup"
 	case statusDone:
 		return "done"
 	}
@@ -57,8 +68,9 @@ func (st status) String() string {
 // (a decoding task samples token after token).
 var statusMoves = map[status][]status{
 	statusWaiting:    {statusPrefilling, statusDone},
-	statusPrefilling: {statusLoading, statusDecoding, statusDone},
+	statusPrefilling: {statusLoading, statusLookup, statusDecoding, statusDone},
 	statusLoading:    {statusPrefilling, statusDone},
+	statusLookup:     {statusPrefilling, statusDone},
 	statusDecoding:   {statusDone},
 }
 
