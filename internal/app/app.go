@@ -175,7 +175,7 @@ func DefaultConfig() Config {
 		SpecType:     engine.SpecNone,
 		DraftMax:     engine.DefaultDraftMax,
 		SpecNgramMin: engine.DefaultNgramMin,
-		DraftPMin:    -1, // the drafter's default: DefaultDraftPMin, DefaultMTPPMin
+		DraftPMin:    -1, // the drafter's default: engine.DefaultDraftPMin, engine.DefaultMTPPMin
 	}
 }
 
@@ -420,8 +420,8 @@ func (o *opening) loadModel() error {
 	}
 	o.model, o.off = model, off
 	o.cleanups.push(model.Free)
-	if md := o.spec.model; md != nil && md.checkModel != nil {
-		if err := md.checkModel(o.cfg, model); err != nil {
+	if op := o.spec.open; op != nil && op.checkModel != nil {
+		if err := op.checkModel(o.cfg, model); err != nil {
 			return err
 		}
 	}
@@ -569,14 +569,14 @@ func (o *opening) tier() error {
 }
 
 // drafter makes the backend and opens the drafter with a model of its own, if the
-// server runs one (modelDrafters).
+// server runs one (its registry entry's opener: specPlan).
 func (o *opening) drafter() error {
 	o.backend = runner.NewBackend(o.model, o.ctx, o.log)
-	md := o.spec.model
-	if !o.ecfg.Spec.On() || md == nil {
+	op := o.spec.open
+	if !o.ecfg.Spec.On() || op == nil {
 		return nil
 	}
-	d, err := md.open(o, o.cfg.DraftPMinFor(md.name))
+	d, err := op.open(o, o.cfg.DraftPMinFor(o.spec.model.Name))
 	if err != nil {
 		return err
 	}

@@ -11,74 +11,66 @@ import (
 	"github.com/polykv/polykv/internal/runner"
 )
 
-// DefaultDraftPMin is --draft-p-min's default for a draft model (draft-simple): a
-// session's draft stops at the first token the draft model gives less. It is
-// llama.cpp's former default; the pinned b11434's is 0 (draft up to n_max every step).
-// PolyKV keeps 0.75 for draft models because each drafted token costs a decode of the
-// draft model whether or not it is used; the measurements in docs/speculative.md were
-// taken with it.
-const DefaultDraftPMin = 0.75
-
-// DefaultMTPPMin is --draft-p-min's default for the MTP head (draft-mtp): 0, b11434's
-// default, as llama-server drafts with MTP (the head costs one block per token, and
-// its probabilities run low while its first token is often right).
-const DefaultMTPPMin = 0.0
-
-// A modelDrafter is one of the engine's backend drafters (engine.SpecDraftSimple,
-// engine.SpecDraftMTP: their proposals come from the runner) as the server opens it:
-// its --draft-p-min default, its checks of the flags and of the served model, and how
-// it opens its contexts over the served ones. The rest of a drafter is the engine's
-// (drafter.go: its sessions) and the runner's (a runner.ModelDrafter, and a
-// runner.Follower where its contexts mirror the target's). Adding one is a file and a
-// line here (docs/speculative.md "Adding a drafter").
-type modelDrafter struct {
-	name string
-	// pMin is --draft-p-min's default for it.
-	pMin float64
-	// mtpLayers: the served model is loaded with its MTP (NextN) layers.
-	mtpLayers bool
+// A modelOpener is the server's half of a speculation type that drafts with a model
+// (engine.DrafterType.Model: engine.SpecDraftSimple, engine.SpecDraftMTP, whose
+// proposals come from the runner): its checks of the flags and of the served model, and
+// how it opens its contexts over the served ones. It hangs off the type's entry in the
+// engine's registry (engine.SetModelOpener, below), the one list of speculation types,
+// which also declares its --draft-p-min default and whether the served model loads its
+// MTP layers; the engine cannot hold these functions typed, since they need llama and
+// runner, which sit above it. The rest of a drafter is the engine's (its sessions) and
+// the runner's (a runner.ModelDrafter, and a runner.Follower where its contexts mirror
+// the target's). docs/speculative.md "Adding a drafter".
+type modelOpener struct {
 	// check validates the draft flags for it (nil: nothing of its own).
 	check func(c Config) error
 	// checkModel refuses a served model it cannot draft for (nil: any).
 	checkModel func(c Config, model *llama.Model) error
+	// assistant reports whether, with these flags, the drafter places its draft entries
+	// in the target's cache (an MTP assistant: Open gives it cells; nil: never).
+	assistant func(c Config) bool
 	// open opens it over the served model and context (o.model, o.ctx, o.cp), pushing
 	// what it holds on o.cleanups; pMin is --draft-p-min (DraftPMinFor).
 	open func(o *opening, pMin float64) (*draftModel, error)
 }
 
-// modelDrafters is the registry. The server runs at most one of them.
-var modelDrafters = []modelDrafter{
-	{name: engine.SpecDraftSimple, pMin: DefaultDraftPMin, check: checkDraftSimple, open: openDraft},
-	{name: engine.SpecDraftMTP, pMin: DefaultMTPPMin, mtpLayers: true, checkModel: checkMTP, open: openMTP},
+// The server's half of each model type, registered once on its registry entry.
+func init() {
+	engine.SetModelOpener(engine.SpecDraftSimple, &modelOpener{check: checkDraftSimple, open: openDraft})
+	engine.SetModelOpener(engine.SpecDraftMTP, &modelOpener{checkModel: checkMTP, open: openMTP,
+		assistant: func(c Config) bool { return c.ModelDraft != "" }})
 }
 
-// DraftPMinFor is --draft-p-min as given, or the drafter's default when it was not (-1).
+// DraftPMinFor is --draft-p-min as given, or the drafter's default when it was not (-1):
+// the registry's (engine.ModelDraft.DraftPMin), engine.DefaultDraftPMin for a type that
+// declares none.
 func (c Config) DraftPMinFor(typ string) float64 {
 	if c.DraftPMin >= 0 {
 		return c.DraftPMin
 	}
-	for _, md := range modelDrafters {
-		if md.name == typ {
-			return md.pMin
-		}
+	if d, ok := engine.LookupDrafter(typ); ok && d.Model != nil {
+		return d.Model.DraftPMin
 	}
-	return DefaultDraftPMin
+	return engine.DefaultDraftPMin
 }
 
 // specPlan is --spec-type and the draft flags, read once (Config.specPlan): the
 // drafters the server runs, in order, and the one of them with a model of its own.
 type specPlan struct {
 	types []string
-	model *modelDrafter // nil: none
+	// model is the type that drafts with a model (its registry entry; "" Name: none),
+	// and open the server's half of it.
+	model engine.DrafterType
+	open  *modelOpener
 }
 
 // mtpLayers reports whether the served model is loaded with its MTP layers.
-func (p specPlan) mtpLayers() bool { return p.model != nil && p.model.mtpLayers }
+func (p specPlan) mtpLayers() bool { return p.model.Model != nil && p.model.Model.MTPLayers }
 
 // assistant reports whether the drafter is an MTP assistant (--model-draft with
 // draft-mtp): it places its draft entries in the target's cache (Open gives it cells).
 func (p specPlan) assistant(c Config) bool {
-	return p.model != nil && p.model.name == engine.SpecDraftMTP && c.ModelDraft != ""
+	return p.open != nil && p.open.assistant != nil && p.open.assistant(c)
 }
 
 // specPlan parses --spec-type, draft-simple alone when only --model-draft is given (as
@@ -93,24 +85,28 @@ func (c Config) specPlan() (specPlan, error) {
 	}
 	p := specPlan{types: types}
 	var names []string
-	for i := range modelDrafters {
-		if md := &modelDrafters[i]; slices.Contains(types, md.name) {
-			names = append(names, md.name)
-			if p.model == nil {
-				p.model = md
+	for _, d := range engine.Drafters() {
+		if d.Model != nil && slices.Contains(types, d.Name) {
+			names = append(names, d.Name)
+			if p.open == nil {
+				op, ok := d.Model.Opener().(*modelOpener)
+				if !ok {
+					return specPlan{}, fmt.Errorf("--spec-type %s: this server cannot open it (no opener registered)", d.Name)
+				}
+				p.model, p.open = d, op
 			}
 		}
 	}
 	if len(names) > 1 {
 		return specPlan{}, fmt.Errorf("--spec-type: %s cannot both run (one drafter per server); pick one", strings.Join(names, " and "))
 	}
-	if p.model != nil && p.model.check != nil {
-		if err := p.model.check(c); err != nil {
+	if p.open != nil && p.open.check != nil {
+		if err := p.open.check(c); err != nil {
 			return specPlan{}, err
 		}
 	}
 	switch {
-	case p.model == nil && c.ModelDraft != "":
+	case p.open == nil && c.ModelDraft != "":
 		return specPlan{}, fmt.Errorf("--model-draft is only used by --spec-type %s, or by %s for a model whose MTP drafter is a file of its own (a Gemma 4 assistant) (got %q)", engine.SpecDraftSimple, engine.SpecDraftMTP, c.SpecType)
 	case c.CtxSizeDraft < 0:
 		return specPlan{}, fmt.Errorf("--ctx-size-draft must be 0 (the target's --ctx-size) or positive, got %d", c.CtxSizeDraft)

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/polykv/polykv/internal/engine"
 	"github.com/polykv/polykv/internal/runner"
 	"github.com/polykv/polykv/internal/testmodel"
 )
@@ -144,4 +145,49 @@ func draftOf(a *App) *runner.Drafter {
 	}
 	d, _ := a.draft.drafter.(*runner.Drafter)
 	return d
+}
+
+// TestModelOpeners: every speculation type the engine's registry says drafts with a
+// model has the server's half hung off it (engine.SetModelOpener), and the server reads
+// the rest of what it needs from the same entry: the --draft-p-min default and whether
+// the served model loads its MTP layers. No model is loaded.
+func TestModelOpeners(t *testing.T) {
+	n := 0
+	for _, d := range engine.Drafters() {
+		if d.Model == nil {
+			continue
+		}
+		n++
+		if op, ok := d.Model.Opener().(*modelOpener); !ok || op.open == nil {
+			t.Errorf("%s: no opener registered", d.Name)
+		}
+		if got := (Config{DraftPMin: -1}).DraftPMinFor(d.Name); got != d.Model.DraftPMin {
+			t.Errorf("%s: --draft-p-min default %v, want the registry's %v", d.Name, got, d.Model.DraftPMin)
+		}
+	}
+	if n == 0 {
+		t.Fatal("no model drafters registered")
+	}
+	for _, c := range []struct {
+		spec, draft string
+		model       string
+		mtp, asst   bool
+	}{
+		{"ngram-simple", "", "", false, false},
+		{"", "d.gguf", engine.SpecDraftSimple, false, false},
+		{"ngram-mod," + engine.SpecDraftMTP, "", engine.SpecDraftMTP, true, false},
+		{engine.SpecDraftMTP, "a.gguf", engine.SpecDraftMTP, true, true},
+	} {
+		cfg := Config{SpecType: c.spec, ModelDraft: c.draft, DraftPMin: -1}
+		p, err := cfg.specPlan()
+		if err != nil {
+			t.Fatalf("%q %q: %v", c.spec, c.draft, err)
+		}
+		if p.model.Name != c.model || p.mtpLayers() != c.mtp || p.assistant(cfg) != c.asst {
+			t.Errorf("%q %q: model %q, MTP layers %v, assistant %v; want %q, %v, %v", c.spec, c.draft, p.model.Name, p.mtpLayers(), p.assistant(cfg), c.model, c.mtp, c.asst)
+		}
+	}
+	if _, err := (Config{SpecType: engine.SpecDraftSimple + "," + engine.SpecDraftMTP, ModelDraft: "d.gguf", DraftPMin: -1}).specPlan(); err == nil || !strings.Contains(err.Error(), "cannot both run") {
+		t.Errorf("two model drafters: %v, want refused", err)
+	}
 }

@@ -15,8 +15,9 @@ import "slices"
 //
 // The drafter is pluggable: anything that turns a session's context into a proposal
 // (a draft model, MTP heads over the target's hidden states) is a DraftBackend behind
-// its own --spec-type, registered here as a backendDrafter (drafter.go); the scheduler
-// only sees DraftWant and DraftProposal.
+// its own --spec-type, whose registry line (drafter.go) declares that it drafts with a
+// model (DrafterType.Model); the scheduler gives it a backendDrafter and only sees
+// DraftWant and DraftProposal.
 
 // SpecDraftSimple drafts with a second, smaller model of the same vocabulary
 // (--model-draft), greedily (llama-server's draft-simple).
@@ -25,6 +26,19 @@ const SpecDraftSimple = "draft-simple"
 // SpecDraftMTP drafts with the served model's own MTP (NextN) head over the target's
 // hidden states (llama-server's draft-mtp); the model must have MTP layers.
 const SpecDraftMTP = "draft-mtp"
+
+// DefaultDraftPMin is --draft-p-min's default for a draft model (draft-simple): a
+// session's draft stops at the first token the draft model gives less. It is
+// llama.cpp's former default; the pinned b11434's is 0 (draft up to n_max every step).
+// PolyKV keeps 0.75 for draft models because each drafted token costs a decode of the
+// draft model whether or not it is used; the measurements in docs/speculative.md were
+// taken with it.
+const DefaultDraftPMin = 0.75
+
+// DefaultMTPPMin is --draft-p-min's default for the MTP head (draft-mtp): 0, b11434's
+// default, as llama-server drafts with MTP (the head costs one block per token, and
+// its probabilities run low while its first token is often right).
+const DefaultMTPPMin = 0.0
 
 // DraftWant asks the drafter for a proposal continuing one session.
 type DraftWant struct {
@@ -63,13 +77,12 @@ type DraftBackend interface {
 	DraftSeqRm(seq int)
 }
 
-// backendDrafter is the scheduler's side of a drafter that drafts with the model (a
-// draft model, MTP heads): its sessions propose what the backend's drafter offered for
-// them in this step's draft round (offerDrafts). Every such --spec-type is one of it; how
-// the backend drafts is the runner's (runner.ModelDrafter) and how it is opened the app's.
+// backendDrafter is the scheduler's side of every speculation type that drafts with a
+// model (a draft model, MTP heads: DrafterType.Model): its sessions propose what the
+// backend's drafter offered for them in this step's draft round (offerDrafts). How the
+// backend drafts is the runner's (runner.ModelDrafter) and how it is opened the server's
+// (ModelDraft.Opener).
 type backendDrafter struct{}
-
-func newBackendDrafter(Spec) Drafter { return backendDrafter{} }
 
 // NewSession implements Drafter.
 func (backendDrafter) NewSession() DraftSession { return &backendSession{} }
@@ -91,11 +104,11 @@ func (b *backendSession) Verified(int, int) {}
 // EndStep implements DraftSession.
 func (b *backendSession) EndStep() {}
 
-// backendDrafts reports whether a drafter outside the scheduler (a backendDrafter) is
-// configured.
+// backendDrafts reports whether a drafter outside the scheduler (one that drafts with a
+// model) is configured.
 func (s *Scheduler) backendDrafts() bool {
-	for _, d := range s.drafters {
-		if _, ok := d.(backendDrafter); ok {
+	for i := range s.drafters {
+		if s.modelDrafterAt(i) {
 			return true
 		}
 	}
@@ -147,8 +160,8 @@ func (s *Scheduler) draftWants() []DraftWant {
 // pureDraft reports whether a drafter listed before the first backend drafter proposes
 // for t (then the backend is not asked).
 func (s *Scheduler) pureDraft(t *task, k, minN int) bool {
-	for i, d := range s.drafters {
-		if _, ok := d.(backendDrafter); ok {
+	for i := range s.drafters {
+		if s.modelDrafterAt(i) {
 			return false
 		}
 		// (ngram-simple keeps its match for Plan's ask.)
@@ -167,10 +180,8 @@ func (s *Scheduler) pureDraft(t *task, k, minN int) bool {
 // it proposes, and the cost-aware limit only sees verified drafts.
 func (s *Scheduler) offerDrafts(wants []DraftWant, props []DraftProposal) {
 	for _, t := range s.running {
-		for _, ds := range t.spec.drafters {
-			if b, ok := ds.(*backendSession); ok {
-				b.offered = nil
-			}
+		if b := t.spec.model; b != nil {
+			b.offered = nil
 		}
 	}
 	got := map[TaskID]bool{}
@@ -179,7 +190,7 @@ func (s *Scheduler) offerDrafts(wants []DraftWant, props []DraftProposal) {
 		if t == nil || t.status != statusDecoding || p.At != len(t.slot.tokens)+1 || len(p.Tokens) == 0 {
 			continue
 		}
-		if b := t.spec.backend(); b != nil {
+		if b := t.spec.model; b != nil {
 			b.offered = slices.Clone(p.Tokens)
 		}
 		got[p.Task] = true
@@ -189,17 +200,6 @@ func (s *Scheduler) offerDrafts(wants []DraftWant, props []DraftProposal) {
 			t.spec.backOff()
 		}
 	}
-}
-
-// backend is the session of the first backend drafter (the one that takes the backend's
-// proposal), or nil.
-func (ss *specSession) backend() *backendSession {
-	for _, ds := range ss.drafters {
-		if b, ok := ds.(*backendSession); ok {
-			return b
-		}
-	}
-	return nil
 }
 
 // byID is the running task id, or nil.

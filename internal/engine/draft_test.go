@@ -114,7 +114,7 @@ func TestDraftModelFreed(t *testing.T) {
 	// A proposal for another position than the task's is dropped.
 	tb := h.s.byID(b)
 	h.s.offerDrafts(nil, []DraftProposal{{Task: b, At: len(tb.slot.tokens), Tokens: []Token{1, 2}}})
-	if tb.spec.backend().offered != nil {
+	if tb.spec.model.offered != nil {
 		t.Error("a stale proposal was kept")
 	}
 	h.run()
@@ -177,4 +177,59 @@ func ngramOf(s *Scheduler) *ngramSimple {
 		}
 	}
 	return nil
+}
+
+// TestDrafterRegistry: the registry is the one word on which speculation types draft
+// with a model. Each entry gives either a Drafter of its own or a Model; a model type's
+// drafter is the backend's (its session takes the backend's proposals, the first such
+// session of a task is the one offered them) and a scheduler asks the backend to draft
+// exactly when one is configured; the server's half hangs off a model type once.
+func TestDrafterRegistry(t *testing.T) {
+	for _, d := range Drafters() {
+		if (d.New == nil) == (d.Model == nil) {
+			t.Errorf("%s: want exactly one of New and Model", d.Name)
+		}
+	}
+	for _, c := range []struct {
+		types   []string
+		backend bool
+		model   int // the index of the session offered the backend's proposals (-1: none)
+	}{
+		{[]string{SpecNgramSimple, SpecNgramMod}, false, -1},
+		{[]string{SpecDraftSimple}, true, 0},
+		{[]string{SpecNgramMod, SpecDraftMTP}, true, 1},
+		{[]string{SpecNgramSimple, SpecDraftSimple, SpecDraftMTP}, true, 1},
+	} {
+		cfg := poolCfg()
+		cfg.Spec = Spec{Types: c.types}
+		h := newHarness(t, cfg)
+		if got := h.s.backendDrafts(); got != c.backend {
+			t.Errorf("%v: backendDrafts %v, want %v", c.types, got, c.backend)
+		}
+		ss := h.s.newSpecSession()
+		if len(ss.drafters) != len(c.types) {
+			t.Fatalf("%v: %d sessions, want %d", c.types, len(ss.drafters), len(c.types))
+		}
+		if c.model < 0 && ss.model != nil || c.model >= 0 && ss.model != ss.drafters[c.model] {
+			t.Errorf("%v: the backend's proposals go to %v, want session %d", c.types, ss.model, c.model)
+		}
+	}
+
+	saved := drafters
+	t.Cleanup(func() { drafters = saved })
+	drafters = []DrafterType{{Name: SpecNgramSimple, New: newNgramSimple}, {Name: SpecDraftSimple, Model: &ModelDraft{}}}
+	panics := func(name string, opener any) (p bool) {
+		defer func() { p = recover() != nil }()
+		SetModelOpener(name, opener)
+		return false
+	}
+	if !panics(SpecNgramSimple, 1) || !panics("no-such-type", 1) {
+		t.Error("an opener for a type that drafts without a model was taken")
+	}
+	if panics(SpecDraftSimple, 1) || !panics(SpecDraftSimple, 2) {
+		t.Error("want the first opener of a model type taken and a second refused")
+	}
+	if d, _ := LookupDrafter(SpecDraftSimple); d.Model.Opener() != 1 {
+		t.Errorf("the opener is %v, want 1", d.Model.Opener())
+	}
 }

@@ -18,9 +18,10 @@ import (
 //
 // Adding a drafter is one file (spec_<name>.go: the Drafter, its DraftSession, its
 // options) and one line in drafters below (docs/speculative.md "Adding a drafter");
-// TestToyDrafter adds one in a test file. A drafter that needs the model (a second
-// model, MTP heads) is a backendDrafter here: its proposals come from the backend
-// (draft.go), whose runner and app halves say how it drafts and how it is opened.
+// TestToyDrafter adds one in a test file. A drafter that needs a model (a second model,
+// MTP heads) declares it in its line (DrafterType.Model) instead of a Drafter: its
+// proposals come from the backend (draft.go), whose runner half says how it drafts, and
+// the server's half, how it is opened, hangs off the same line (SetModelOpener).
 
 // A Drafter is one speculation type: it makes each decoding session's drafting state.
 type Drafter interface {
@@ -46,22 +47,48 @@ type DraftSession interface {
 	EndStep()
 }
 
-// drafterType is a registry entry: a speculation type's name, how its Drafter is made
-// from the (defaulted, validated) Spec, and, where it has options of its own in Spec,
-// how they default and what they must satisfy (nil: none).
-type drafterType struct {
-	name     string
-	new      func(sp Spec) Drafter
-	defaults func(sp *Spec)
-	check    func(sp Spec) error
+// A DrafterType is a registry entry: one speculation type and everything the server
+// needs to know of it. Name is its --spec-type; Defaults and Check are how its options in
+// Spec default and what they must satisfy (nil: it has none). A type that drafts within
+// the scheduler (from the tokens) gives New, which makes its Drafter from the
+// (defaulted, validated) Spec; a type that drafts with a model gives Model instead, and
+// its Drafter is the engine's backendDrafter (draft.go), whose sessions propose what the
+// backend's drafter (Caps.Draft) offered.
+type DrafterType struct {
+	Name     string
+	New      func(sp Spec) Drafter
+	Defaults func(sp *Spec)
+	Check    func(sp Spec) error
+	// Model is set for a type that drafts with a model (a draft model, MTP heads).
+	Model *ModelDraft
 }
 
-// drafters is the registry of speculation types, in the order flag help lists them.
-var drafters = []drafterType{
-	{SpecNgramSimple, newNgramSimple, ngramSimpleDefaults, ngramSimpleCheck},
-	{SpecNgramMod, newNgramModDrafter, ngramModDefaults, ngramModCheck},
-	{SpecDraftSimple, newBackendDrafter, nil, nil},
-	{SpecDraftMTP, newBackendDrafter, nil, nil},
+// A ModelDraft is what a speculation type that drafts with a model declares beside its
+// name: what the server reads before it opens anything, and the server's half of the
+// type (SetModelOpener), which opens it over the served model.
+type ModelDraft struct {
+	// DraftPMin is --draft-p-min's default for it (the runner stops a session's draft at
+	// the first token its drafter gives less).
+	DraftPMin float64
+	// MTPLayers: the served model is loaded with its MTP (NextN) layers, which draft.
+	MTPLayers bool
+	// opener is the server's half, opaque here (Opener).
+	opener any
+}
+
+// Opener is the server's half of the type, as SetModelOpener registered it (nil: none).
+func (m *ModelDraft) Opener() any { return m.opener }
+
+// drafters is the registry of speculation types, in the order flag help lists them: the
+// only list of them. The server's halves of the model types (how each is checked and
+// opened over the served model, which needs llama and runner, below which the engine
+// sits) hang off these entries (SetModelOpener) rather than a second list keyed by name,
+// so a type is added, named and described in one place.
+var drafters = []DrafterType{
+	{Name: SpecNgramSimple, New: newNgramSimple, Defaults: ngramSimpleDefaults, Check: ngramSimpleCheck},
+	{Name: SpecNgramMod, New: newNgramModDrafter, Defaults: ngramModDefaults, Check: ngramModCheck},
+	{Name: SpecDraftSimple, Model: &ModelDraft{DraftPMin: DefaultDraftPMin}},
+	{Name: SpecDraftMTP, Model: &ModelDraft{DraftPMin: DefaultMTPPMin, MTPLayers: true}},
 }
 
 // SpecTypes are the speculation types the engine knows, in the order flag help lists
@@ -69,19 +96,55 @@ var drafters = []drafterType{
 var SpecTypes = func() []string {
 	var out []string
 	for _, d := range drafters {
-		out = append(out, d.name)
+		out = append(out, d.Name)
 	}
 	return out
 }()
 
-// lookupDrafter returns the registry entry of type name.
-func lookupDrafter(name string) (drafterType, bool) {
+// Drafters is the registry, in its order (a copy; the entries' Model is shared).
+func Drafters() []DrafterType { return slices.Clone(drafters) }
+
+// LookupDrafter returns the registry entry of type name.
+func LookupDrafter(name string) (DrafterType, bool) {
 	for _, d := range drafters {
-		if d.name == name {
+		if d.Name == name {
 			return d, true
 		}
 	}
-	return drafterType{}, false
+	return DrafterType{}, false
+}
+
+// SetModelOpener hangs the server's half of model type name (opener: what the server
+// checks and opens for it; the engine never reads it) off its registry entry. The server
+// calls it once per model type when it starts (its init); a second call for a type, or
+// a type that is unknown or drafts without a model, is a programming error and panics.
+func SetModelOpener(name string, opener any) {
+	d, ok := LookupDrafter(name)
+	switch {
+	case !ok || d.Model == nil:
+		panic(fmt.Sprintf("engine.SetModelOpener: %q is not a speculation type that drafts with a model", name))
+	case d.Model.opener != nil:
+		panic(fmt.Sprintf("engine.SetModelOpener: %q already has an opener", name))
+	}
+	d.Model.opener = opener
+}
+
+// newDrafter makes the type's Drafter from sp.
+func (d DrafterType) newDrafter(sp Spec) Drafter {
+	if d.Model != nil {
+		return backendDrafter{}
+	}
+	return d.New(sp)
+}
+
+// modelDrafterAt reports whether the scheduler's i-th drafter drafts with a model: the
+// registry's word for its type (s.drafters follows the validated Spec.Types).
+func (s *Scheduler) modelDrafterAt(i int) bool {
+	if i >= len(s.cfg.Spec.Types) {
+		return false
+	}
+	d, ok := LookupDrafter(s.cfg.Spec.Types[i])
+	return ok && d.Model != nil
 }
 
 // specNames is the registry's names, for error messages (the registry may have grown
@@ -89,7 +152,7 @@ func lookupDrafter(name string) (drafterType, bool) {
 func specNames() string {
 	var out []string
 	for _, d := range drafters {
-		out = append(out, d.name)
+		out = append(out, d.Name)
 	}
 	return strings.Join(out, ", ")
 }
@@ -99,7 +162,7 @@ func ParseSpecTypes(v string) ([]string, error) {
 	var out []string
 	for _, name := range strings.Split(v, ",") {
 		name = strings.TrimSpace(name)
-		_, known := lookupDrafter(name)
+		_, known := LookupDrafter(name)
 		switch {
 		case name == "" || name == SpecNone:
 			continue
@@ -121,8 +184,8 @@ func ParseSpecTypes(v string) ([]string, error) {
 func newDrafters(sp Spec) []Drafter {
 	var out []Drafter
 	for _, name := range sp.Types {
-		if d, ok := lookupDrafter(name); ok {
-			out = append(out, d.new(sp))
+		if d, ok := LookupDrafter(name); ok {
+			out = append(out, d.newDrafter(sp))
 		}
 	}
 	return out
@@ -146,13 +209,24 @@ type specSession struct {
 	// tokens the grammar cut before planning (Stats.DraftFiltered).
 	drafted, accepted, filtered int
 	drafters                    []DraftSession
+	// model is the session of the first drafter that drafts with a model, which takes
+	// the backend's proposals (offerDrafts), or nil.
+	model *backendSession
 }
 
 // newSpecSession is a new decoding session's speculation state.
 func (s *Scheduler) newSpecSession() specSession {
 	ss := specSession{cap: s.cfg.Spec.DraftMax, hits: specPriorHits, trials: specPriorTrials, idle: specProbeEvery}
-	for _, d := range s.drafters {
-		ss.drafters = append(ss.drafters, d.NewSession())
+	for i, d := range s.drafters {
+		if !s.modelDrafterAt(i) {
+			ss.drafters = append(ss.drafters, d.NewSession())
+			continue
+		}
+		b := &backendSession{}
+		if ss.model == nil {
+			ss.model = b
+		}
+		ss.drafters = append(ss.drafters, b)
 	}
 	return ss
 }

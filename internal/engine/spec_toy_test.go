@@ -46,7 +46,7 @@ func toyModel(seq []Token) Token {
 // one plain decoding gives.
 func TestToyDrafter(t *testing.T) {
 	saved := drafters
-	drafters = append(drafters, drafterType{name: specToyFixed, new: newToyDrafter}) // the registry line
+	drafters = append(drafters, DrafterType{Name: specToyFixed, New: newToyDrafter}) // the registry line
 	t.Cleanup(func() { drafters = saved })
 
 	types, err := ParseSpecTypes(SpecNgramSimple + "," + specToyFixed)

@@ -73,15 +73,15 @@ const (
 func (sp Spec) On() bool { return len(sp.Types) > 0 }
 
 // withDefaults fills the zero fields: the shared ones here, each drafter's own in its
-// file (drafterType.defaults, applied for every registered drafter whether or not it is
+// file (DrafterType.Defaults, applied for every registered drafter whether or not it is
 // configured, so a Spec reads the same whichever types it lists).
 func (sp Spec) withDefaults() Spec {
 	if sp.DraftMax == 0 {
 		sp.DraftMax = DefaultDraftMax
 	}
 	for _, d := range drafters {
-		if d.defaults != nil {
-			d.defaults(&sp) // each drafter's own options (every registered one's)
+		if d.Defaults != nil {
+			d.Defaults(&sp) // each drafter's own options (every registered one's)
 		}
 	}
 	if sp.StepCost == 0 {
@@ -91,10 +91,10 @@ func (sp Spec) withDefaults() Spec {
 }
 
 // validate checks a configuration (with defaults filled): the shared fields, then each
-// registered drafter's own options (drafterType.check).
+// registered drafter's own options (DrafterType.Check).
 func (sp Spec) validate() error {
 	for _, t := range sp.Types {
-		if _, ok := lookupDrafter(t); !ok {
+		if _, ok := LookupDrafter(t); !ok {
 			return fmt.Errorf("unknown speculation type %q (want %s)", t, specNames())
 		}
 	}
@@ -105,10 +105,10 @@ func (sp Spec) validate() error {
 		return fmt.Errorf("draft min must be in 0..draft max (%d), got %d", sp.DraftMax, sp.DraftMin)
 	}
 	for _, d := range drafters {
-		if d.check == nil {
+		if d.Check == nil {
 			continue
 		}
-		if err := d.check(sp); err != nil {
+		if err := d.Check(sp); err != nil {
 			return err
 		}
 	}
