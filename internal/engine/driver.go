@@ -67,26 +67,11 @@ func (d driver) apply(p Plan) []Msg {
 		case OpSeqCp:
 			d.be.SeqCp(op.Src, op.Seq, op.P0, op.P1)
 		case OpSpill, OpRestore, OpRecord, OpForget, OpSave, OpDrop, OpPrefetch:
-			var err error = errNoTier
-			if d.caps.Tier != nil {
-				err = d.caps.Tier.Tier(op)
-			}
-			if op.Kind == OpRestore {
-				answers = slices.DeleteFunc(answers, func(m Msg) bool { r, ok := m.(Restored); return ok && r.Pool == op.Pool })
-				if !errors.Is(err, ErrTierPending) {
-					answers = append(answers, Restored{Pool: op.Pool, Err: err})
-				}
-			}
+			answers = d.tierOp(op, answers)
 		case OpLoad:
-			ans := Loaded{Task: op.Task, Seq: op.Seq, N: op.P0, Missed: -1}
-			if d.caps.SeqTier != nil {
-				ld, err := d.caps.SeqTier.Load(op)
-				if errors.Is(err, ErrTierPending) {
-					continue
-				}
-				ans = ld
+			if ans, ok := d.load(op); ok {
+				answers = append(answers, ans)
 			}
-			answers = append(answers, ans)
 		case OpSlotSave:
 			ans := SlotDone{Seq: op.Seq, Err: errNoSlots}
 			if d.caps.Slots != nil {
@@ -123,6 +108,38 @@ func (d driver) apply(p Plan) []Msg {
 		}
 	}
 	return answers
+}
+
+// tierOp runs a pool or segment tier operation. An OpRestore's answer replaces any
+// earlier one for the same pool (operations run in order: the last is what the pool's
+// sequence holds now); an answer still pending (ErrTierPending) comes later, through
+// TierRead.
+func (d driver) tierOp(op SeqOp, answers []Msg) []Msg {
+	var err error = errNoTier
+	if d.caps.Tier != nil {
+		err = d.caps.Tier.Tier(op)
+	}
+	if op.Kind == OpRestore {
+		answers = slices.DeleteFunc(answers, func(m Msg) bool { r, ok := m.(Restored); return ok && r.Pool == op.Pool })
+		if !errors.Is(err, ErrTierPending) {
+			answers = append(answers, Restored{Pool: op.Pool, Err: err})
+		}
+	}
+	return answers
+}
+
+// load runs an OpLoad and returns its answer, unless it is pending (ok false: it
+// comes later, through TierRead). Without a sequence tier nothing loads.
+func (d driver) load(op SeqOp) (Loaded, bool) {
+	ans := Loaded{Task: op.Task, Seq: op.Seq, N: op.P0, Missed: -1}
+	if d.caps.SeqTier != nil {
+		ld, err := d.caps.SeqTier.Load(op)
+		if errors.Is(err, ErrTierPending) {
+			return Loaded{}, false
+		}
+		ans = ld
+	}
+	return ans, true
 }
 
 var (

@@ -307,48 +307,7 @@ func (e *Engine) run(sched *Scheduler, d driver) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	defer close(e.stopped)
-	streams := map[TaskID]*Stream{}
-	// deliver hands a Ready's outputs out: measurements to the Observer, the snapshot
-	// (when due) to readers, then the events to their streams: publishing first means a
-	// reader woken by an event already sees what it did in the snapshot.
-	deliver := func(rd Ready) {
-		if e.obs != nil {
-			Observe(e.obs, rd.Observations)
-		}
-		if rd.Snapshot != nil {
-			e.snap.Store(rd.Snapshot)
-		}
-		for _, ev := range rd.Events {
-			if st, ok := streams[ev.Task]; ok {
-				st.push(ev)
-				if ev.Done {
-					delete(streams, ev.Task)
-				}
-			}
-		}
-	}
-	// handle steps one message. A message that needs the backend before its reply (a
-	// slot's bytes, a probe, a tier read that came in) finds its operations in the
-	// Ready that follows: they run, their answers go back through Step (filling the
-	// reply), and a second Ready hands out what the answers did.
-	handle := func(m envelope) {
-		now := time.Now() // the engine loop is the only reader of the clock
-		r := reply{res: sched.Step(now, m.msg)}
-		// A submitted request, or a pool's materialization: its events get a stream.
-		if task := r.res.Task; r.res.Err == nil && task != 0 {
-			r.stream = newStream(task, e)
-			streams[task] = r.stream
-		}
-		rd := sched.Ready(now, false)
-		if d.settle(sched, now, rd.Plan, &r.res) {
-			deliver(rd)
-			rd = sched.Ready(now, false)
-		}
-		deliver(rd)
-		if m.reply != nil {
-			m.reply <- r
-		}
-	}
+	l := &loop{e: e, sched: sched, d: d, streams: map[TaskID]*Stream{}}
 	// A periodic wake-up lets time pass (expiry, reclaim, held requests) while no
 	// request arrives.
 	tick := time.NewTicker(200 * time.Millisecond)
@@ -362,61 +321,120 @@ func (e *Engine) run(sched *Scheduler, d driver) {
 		if idle {
 			select {
 			case m := <-e.inbox:
-				handle(m)
+				l.handle(m)
 			case op := <-ready:
-				handle(envelope{msg: TierRead{Op: op}})
+				l.handle(envelope{msg: TierRead{Op: op}})
 			case <-e.changed:
-				handle(envelope{msg: TierChanged{Changes: e.takeChanges()}})
+				l.handle(envelope{msg: TierChanged{Changes: e.takeChanges()}})
 			case <-tick.C:
-				handle(envelope{msg: Tick{}})
+				l.handle(envelope{msg: Tick{}})
 			case <-e.quit:
-				e.shutdown(sched, d, streams)
+				e.shutdown(sched, d, l.streams)
 				return
 			}
 		}
 		for drained := false; !drained; {
 			select {
 			case m := <-e.inbox:
-				handle(m)
+				l.handle(m)
 			case op := <-ready:
-				handle(envelope{msg: TierRead{Op: op}})
+				l.handle(envelope{msg: TierRead{Op: op}})
 			case <-e.changed:
-				handle(envelope{msg: TierChanged{Changes: e.takeChanges()}})
+				l.handle(envelope{msg: TierChanged{Changes: e.takeChanges()}})
 			case <-e.quit:
-				e.shutdown(sched, d, streams)
+				e.shutdown(sched, d, l.streams)
 				return
 			default:
 				drained = true
 			}
 		}
-		now := time.Now()
-		rd := sched.Ready(now, true)
-		if len(rd.Plan.Drafts) > 0 {
-			// The draft round (draft.go): the drafter's proposals go back before the
-			// step is planned.
-			d.settle(sched, now, rd.Plan, nil)
-			deliver(rd)
-			now = time.Now()
-			rd = sched.Ready(now, true)
-		}
-		p := rd.Plan
-		answered := d.settle(sched, time.Now(), p, nil) // restores' answers, before the batch runs
-		deliver(rd)
-		if answered {
-			deliver(sched.Ready(now, false)) // what the answers did
-		}
-		changed := len(p.SeqOps) > 0 || len(p.Samplers) > 0
-		if len(p.Batch) == 0 {
-			// A plan that only released sequences may let a waiting task start: plan again.
-			idle = !changed
-			continue
-		}
-		idle = false
-		sampled, err := d.be.Decode(p.Batch)
-		now = time.Now()
-		sched.Commit(sampled, err, now)
-		deliver(sched.Ready(now, false))
+		idle = l.step()
 	}
+}
+
+// loop is the engine goroutine's state: the scheduler, the driver, and the streams of
+// the tasks that have one.
+type loop struct {
+	e       *Engine
+	sched   *Scheduler
+	d       driver
+	streams map[TaskID]*Stream
+}
+
+// deliver hands a Ready's outputs out: measurements to the Observer, the snapshot
+// (when due) to readers, then the events to their streams: publishing first means a
+// reader woken by an event already sees what it did in the snapshot.
+func (l *loop) deliver(rd Ready) {
+	if l.e.obs != nil {
+		Observe(l.e.obs, rd.Observations)
+	}
+	if rd.Snapshot != nil {
+		l.e.snap.Store(rd.Snapshot)
+	}
+	for _, ev := range rd.Events {
+		if st, ok := l.streams[ev.Task]; ok {
+			st.push(ev)
+			if ev.Done {
+				delete(l.streams, ev.Task)
+			}
+		}
+	}
+}
+
+// handle steps one message. A message that needs the backend before its reply (a
+// slot's bytes, a probe, a tier read that came in) finds its operations in the Ready
+// that follows: they run, their answers go back through Step (filling the reply), and
+// a second Ready hands out what the answers did.
+func (l *loop) handle(m envelope) {
+	now := time.Now() // the engine loop is the only reader of the clock
+	r := reply{res: l.sched.Step(now, m.msg)}
+	// A submitted request, or a pool's materialization: its events get a stream.
+	if task := r.res.Task; r.res.Err == nil && task != 0 {
+		r.stream = newStream(task, l.e)
+		l.streams[task] = r.stream
+	}
+	rd := l.sched.Ready(now, false)
+	if l.d.settle(l.sched, now, rd.Plan, &r.res) {
+		l.deliver(rd)
+		rd = l.sched.Ready(now, false)
+	}
+	l.deliver(rd)
+	if m.reply != nil {
+		m.reply <- r
+	}
+}
+
+// step plans and runs one step: the draft round, the plan's operations and their
+// answers, then the batch and its commit. It reports whether the loop may sleep until
+// the next message (nothing ran and nothing changed).
+func (l *loop) step() (idle bool) {
+	sched, d := l.sched, l.d
+	now := time.Now()
+	rd := sched.Ready(now, true)
+	if len(rd.Plan.Drafts) > 0 {
+		// The draft round (draft.go): the drafter's proposals go back before the
+		// step is planned.
+		d.settle(sched, now, rd.Plan, nil)
+		l.deliver(rd)
+		now = time.Now()
+		rd = sched.Ready(now, true)
+	}
+	p := rd.Plan
+	answered := d.settle(sched, time.Now(), p, nil) // restores' answers, before the batch runs
+	l.deliver(rd)
+	if answered {
+		l.deliver(sched.Ready(now, false)) // what the answers did
+	}
+	changed := len(p.SeqOps) > 0 || len(p.Samplers) > 0
+	if len(p.Batch) == 0 {
+		// A plan that only released sequences may let a waiting task start: plan again.
+		return !changed
+	}
+	sampled, err := d.be.Decode(p.Batch)
+	now = time.Now()
+	sched.Commit(sampled, err, now)
+	l.deliver(sched.Ready(now, false))
+	return false
 }
 
 // TierBackend is a backend's ability (Caps.Tier) to move pools' KV to and from a tier

@@ -62,39 +62,13 @@ type PoolSpec struct {
 // event tells when the pool can be attached. Nothing is left behind when it fails.
 func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 	now := s.now
-	var parent *pool.Pool
-	if spec.HasParent {
-		var err error
-		if parent, err = s.pools.Get(spec.Parent); err != nil {
-			return 0, 0, err
-		}
-		if parent.State == pool.Released {
-			// As for attach: a released pool no longer exists for clients.
-			return 0, 0, fmt.Errorf("%w: pool %d was released; fork from a live pool", pool.ErrNotFound, parent.ID)
-		}
-		if s.cfg.Recurrent && spec.D > 0 {
-			if b := boundary(parent, spec.D); b == nil || b.L() != spec.D {
-				return 0, 0, recurrentBranchErr(parent, spec.D)
-			}
-		}
+	parent, err := s.forkParent(spec)
+	if err != nil {
+		return 0, 0, err
 	}
-	tokens := spec.Tokens
-	var src *slot
-	if spec.FromSession != "" {
-		sl, ok := s.bySession[spec.FromSession]
-		if !ok {
-			return 0, 0, fmt.Errorf("%w: %q holds no sequence (unknown, or evicted)", ErrSessionNotFound, spec.FromSession)
-		}
-		if sl.task != nil {
-			return 0, 0, fmt.Errorf("%w: %q is generating; snapshot it between turns", ErrSessionBusy, spec.FromSession)
-		}
-		if len(sl.tokens) == 0 {
-			return 0, 0, fmt.Errorf("%w: session %q holds no context", pool.ErrBadRequest, spec.FromSession)
-		}
-		src, tokens = sl, slices.Clone(sl.tokens)
-	}
-	if len(tokens) >= s.cfg.NCtx {
-		return 0, 0, fmt.Errorf("%w: a %d-token prefix does not fit the context (%d)", ErrPromptTooLong, len(tokens), s.cfg.NCtx)
+	tokens, src, err := s.poolSource(spec)
+	if err != nil {
+		return 0, 0, err
 	}
 	// Zero-copy snapshot: the session's own cells become the new pool's own cells, and
 	// the session is re-attached to the pool it just seeded.
@@ -144,6 +118,51 @@ func (s *Scheduler) createPool(spec PoolSpec) (int, TaskID, error) {
 	t := s.materialize(p)
 	s.admit()
 	return p.ID, t.id, nil
+}
+
+// forkParent is the pool a new pool forks from (nil: a root), checked: live, and on a
+// model with recurrent state forked only at one of its boundaries.
+func (s *Scheduler) forkParent(spec PoolSpec) (*pool.Pool, error) {
+	if !spec.HasParent {
+		return nil, nil
+	}
+	parent, err := s.pools.Get(spec.Parent)
+	if err != nil {
+		return nil, err
+	}
+	if parent.State == pool.Released {
+		// As for attach: a released pool no longer exists for clients.
+		return nil, fmt.Errorf("%w: pool %d was released; fork from a live pool", pool.ErrNotFound, parent.ID)
+	}
+	if s.cfg.Recurrent && spec.D > 0 {
+		if b := boundary(parent, spec.D); b == nil || b.L() != spec.D {
+			return nil, recurrentBranchErr(parent, spec.D)
+		}
+	}
+	return parent, nil
+}
+
+// poolSource is a new pool's tokens: the spec's, or, for a snapshot of a session
+// (FromSession), what the idle session's sequence holds, with that sequence (src).
+func (s *Scheduler) poolSource(spec PoolSpec) (tokens []Token, src *slot, err error) {
+	tokens = spec.Tokens
+	if spec.FromSession != "" {
+		sl, ok := s.bySession[spec.FromSession]
+		if !ok {
+			return nil, nil, fmt.Errorf("%w: %q holds no sequence (unknown, or evicted)", ErrSessionNotFound, spec.FromSession)
+		}
+		if sl.task != nil {
+			return nil, nil, fmt.Errorf("%w: %q is generating; snapshot it between turns", ErrSessionBusy, spec.FromSession)
+		}
+		if len(sl.tokens) == 0 {
+			return nil, nil, fmt.Errorf("%w: session %q holds no context", pool.ErrBadRequest, spec.FromSession)
+		}
+		src, tokens = sl, slices.Clone(sl.tokens)
+	}
+	if len(tokens) >= s.cfg.NCtx {
+		return nil, nil, fmt.Errorf("%w: a %d-token prefix does not fit the context (%d)", ErrPromptTooLong, len(tokens), s.cfg.NCtx)
+	}
+	return tokens, src, nil
 }
 
 // addPool adds a root (parent nil) or a child branching at d to the tree.
