@@ -21,14 +21,15 @@ import (
 // store its chunks once, and a request finds whatever a session, a cached request or
 // an earlier turn of its own left, by its prompt alone.
 //
-// The scheduler only decides and keeps an index of what it asked to store (spillIndex):
+// The scheduler only decides; the index of what the tier holds is the KV-cache manager's
+// (kvcache.Below), kept by what the scheduler plans and what the tier reports (TierChanged).
 // OpSave copies one segment out before the OpSeqRm that drops its cells; OpLoad asks the
 // driver to load a run of segments into a sequence that holds the positions below the
 // run's start, and the driver answers with Loaded (how far it got). The store's own
 // checks (key over the model and every token of the prefix, checksum) make a wrong load
 // impossible; a segment the store no longer has is a miss, forgotten here, and the
-// rest of the prompt is prefilled. An index entry may outlive its entry in the store
-// (the store drops by LRU on its own): that costs one miss, never a wrong token.
+// rest of the prompt is prefilled. An entry of the fleet's level may outlive its file
+// (other replicas report nothing): that costs one miss, never a wrong token.
 //
 // On a model with recurrent state a segment cannot start anywhere: the state is one
 // value at a sequence's end. Such a sequence spills as one whole segment from the pool

@@ -9,17 +9,15 @@ import "fmt"
 // (tierWait, loadWait, hasNext, and "no sequence yet" read from the slot), whose
 // combinations nothing kept consistent. In the spirit of vLLM's RequestStatus:
 //
-//	waiting ──seat──▶ prefilling ──first token──▶ decoding
-//	   │                │    ▲                        │
-//	   │        restore │    │ answer                 │
-//	   │        or load ▼    │                        │
-//	   │              loading                         │
-//	   │                │      lookup ◀─(seat)        │
-//	   └──────────────────┴───────── end ─────────────┴──▶ done
+//	waiting ──seat──▶ prefilling ───first token───▶ decoding
+//	   │               │  ▲    │  ▲                   │
+//	   │  restore/load ▼  │    ▼  │ Found             │
+//	   │            loading   lookup                  │
+//	   └───────────────┴────────┴────── end ──────────┴──▶ done
 //
-// lookup (after seat, only with a fleet level, Config.TierFleet) goes back to
-// prefilling when its answer comes, and from there to loading if the answer found
-// something to load.
+// loading waits for the tier's answer (Restored, Loaded); lookup (only with a fleet
+// level, Config.TierFleet) is a request seated after a wait in the queue, waiting for
+// its OpLookup's answer, after which it may go on to loading.
 //
 // A pool's materialization (kindMaterialize) is a task too: it waits, prefills (or
 // loads, restoring from the tier) and ends when the pool is resident; it never decodes.
