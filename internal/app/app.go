@@ -634,11 +634,11 @@ func (o *opening) engine() error {
 		// The tier reports what lands in and leaves its own levels: the scheduler's index
 		// of what lives below the cells follows it, and the KV-event publisher announces
 		// it with the tier's medium.
-		var tobs tierObservers = []tier.Observer{o.eng}
 		if o.pub != nil {
-			tobs = append(tobs, o.pub)
+			o.store.SetObserver(tierObservers{o.eng, o.pub}) // the publisher announces what --pool-dir holds at startup too
+		} else {
+			o.store.SetChangeObserver(o.eng)
 		}
-		o.store.SetObserver(tobs)
 	}
 	if o.store != nil && cfg.fleetLevel() && !o.ecfg.NoSequenceSpill {
 		// The scheduler's index knows what this replica stored; what other replicas

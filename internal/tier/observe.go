@@ -18,11 +18,22 @@ type Observer interface {
 // routers learn what its --pool-dir holds at startup rather than when each entry is
 // next stored. A file whose head does not check (another model, torn, not named by its
 // own key) is not reported; a load would find it a miss anyway.
-func (s *Store) SetObserver(o Observer) {
+func (s *Store) SetObserver(o Observer) { s.setObserver(o, true) }
+
+// SetChangeObserver makes o learn of every entry stored or removed from now on, but not
+// of the entries found on disk at Open (no file's head is read for it): for an observer
+// that only follows what changes (the scheduler's index of what lives below the cells,
+// which knows nothing the store holds from before).
+func (s *Store) SetChangeObserver(o Observer) { s.setObserver(o, false) }
+
+func (s *Store) setObserver(o Observer, announce bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.obs = o
 	s.held = map[Key]Meta{}
+	if !announce {
+		return
+	}
 	c := s.dsk.Caps()
 	if c.List == nil || c.Head == nil {
 		return // a disk level that cannot list or read heads: entries are reported as stored
