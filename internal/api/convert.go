@@ -72,7 +72,8 @@ func drafts(n, accepted int) (*int, *int) {
 func wireWaiting(w engine.WaitInfo) wire.Slot {
 	ms := w.Waited.Milliseconds()
 	return wire.Slot{ID: -1, SessionID: w.SessionID, State: "waiting", TaskID: w.Task, PoolID: w.PoolID,
-		NPromptTokens: w.PromptN, WaitingReason: w.Reason, WaitingMs: &ms}
+		NPromptTokens: w.PromptN, WaitingReason: w.Reason, WaitingMs: &ms,
+		KV: &wire.KVResidency{Cells: w.InCells, Tier: w.InTier, Fleet: w.InFleet}}
 }
 
 func wirePoolSession(s engine.PoolSession) wire.PoolSession {

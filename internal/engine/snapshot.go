@@ -93,6 +93,11 @@ type WaitInfo struct {
 	// WaitAdmission: held by an enforced pool's gate).
 	Reason string
 	Waited time.Duration // since it was submitted
+	// Where its prompt's KV lives now (kvcache.Manager.Residency, up to its last token,
+	// which is always decoded): the longest prefix in cells, then, continuing it, the
+	// tokens the index of what lives below the cells finds in this replica's tier and
+	// on the fleet's level. What is in neither is what it will prefill, as things stand.
+	InCells, InTier, InFleet int
 }
 
 // Waiting lists the requests waiting at now for a sequence, cells or their pool, in
@@ -103,6 +108,8 @@ func (s *Scheduler) Waiting(now time.Time) []WaitInfo {
 	out := []WaitInfo{}
 	add := func(t *task, reason string) {
 		w := WaitInfo{Task: uint64(t.id), SessionID: t.req.SessionID, PromptN: len(t.req.Prompt), Reason: reason, Waited: s.now.Sub(t.submitted)}
+		r := s.kv.Residency(t.req.Prompt, len(t.req.Prompt)-1)
+		w.InCells, w.InTier, w.InFleet = r.Cells, r.Local, r.Fleet
 		if t.pool != nil {
 			id := t.pool.ID
 			w.PoolID = &id

@@ -475,3 +475,33 @@ func TestIndexFollowsTierDrops(t *testing.T) {
 		t.Fatalf("next turn: restored %d, %d misses; want the first two chunks loaded and no load of the dropped one tried", ev.Stats.RestoredN, h.s.TierStats().Misses)
 	}
 }
+
+// A waiting request says where its prompt's KV lives now (/slots "kv"): the KV-cache
+// manager answers for cells, this replica's tier and the fleet's level in one call.
+func TestWaitingSaysWhereItsKVLives(t *testing.T) {
+	h := newHarness(t, spillCfg())
+	a := seqTokens(100, 30)
+	_, out := h.turn(Request{Prompt: a, MaxTokens: 3})
+	busy := h.submit(Request{Prompt: seqTokens(300, 27), MaxTokens: 50, IgnoreEOS: true}) // takes the only sequence: a spills
+	h.step()
+	next := append(append(slices.Clone(a), out...), seqTokens(700, 5)...) // 38 tokens
+	// The fleet's level holds a chunk past what this replica stored (another replica's).
+	h.send(Found{Segs: []Segment{{Start: 32, Tokens: next[:38]}}})
+	id := h.submit(Request{Prompt: next, MaxTokens: 3})
+	w := h.s.Waiting(h.now)
+	if len(w) != 1 || w[0].Task != uint64(id) {
+		t.Fatalf("waiting %+v, want the continuation", w)
+	}
+	// a and the two reply tokens decoded (32) were spilled as chunks of 8; the fleet's
+	// chunk covers [32, 37) up to the last prompt token, which is always decoded.
+	if got := w[0]; got.InCells != 0 || got.InTier != 32 || got.InFleet != 5 {
+		t.Fatalf("residency cells %d, tier %d, fleet %d; want 0, 32, 5", got.InCells, got.InTier, got.InFleet)
+	}
+	h.run()
+	if ev, ok := h.done(busy); !ok || ev.Err != nil {
+		t.Fatalf("busy: %+v", ev)
+	}
+	if ev, ok := h.done(id); !ok || ev.Stats.RestoredN != 32 {
+		t.Fatalf("the continuation: %+v, want its 32 tokens in the tier loaded", ev.Stats)
+	}
+}

@@ -159,6 +159,18 @@ type Slot struct {
 	NPromptTokens int    `json:"n_prompt_tokens,omitempty"`
 	WaitingReason string `json:"waiting_reason,omitempty"`
 	WaitingMs     *int64 `json:"waiting_ms,omitempty"`
+	// KV (a waiting request): where its prompt's KV lives now.
+	KV *KVResidency `json:"kv,omitempty"`
+}
+
+// KVResidency is where a waiting request's prompt's KV lives now (PolyKV's): the
+// longest prefix in KV cells, then, continuing it, the tokens this replica's tier
+// (RAM, --pool-dir) and the fleet's shared level hold, as the server's index knows them.
+// The rest of the prompt is what it will prefill, as things stand.
+type KVResidency struct {
+	Cells int `json:"cells"`
+	Tier  int `json:"tier"`
+	Fleet int `json:"fleet"`
 }
 
 // TokenizeRequest is POST /tokenize.
