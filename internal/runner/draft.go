@@ -2,10 +2,11 @@ package runner
 
 import (
 	"log/slog"
-	"slices"
 	"sync/atomic"
+	"time"
 
 	"github.com/polykv/polykv/internal/engine"
+	"github.com/polykv/polykv/internal/engine/kvcache"
 	"github.com/polykv/polykv/internal/llama"
 )
 
@@ -25,6 +26,12 @@ import (
 // once (DraftSeqRm); those of sequences not drafting now are evicted when the draft
 // context runs out of room.
 //
+// The draft context's cells are owned by a kvcache.Manager of their own, as the
+// target's are by the engine's: its cell tree mirrors which draft sequence holds which
+// cells (a pool's prefix shared by seq_cp counted once), its Recorder executes each
+// seq_rm and seq_cp it plans on the draft context at once (the runner is the I/O side),
+// and its Victims are the draft sequences not drafting now.
+//
 // Why not llama.cpp's common/speculative (draft-simple): its per-sequence state is fed
 // by mirroring the target's llama_batch (common_speculative_process) and its prompt
 // (begin); PolyKV's sessions get much of their context from a pool or the prefix cache
@@ -36,19 +43,18 @@ type Drafter struct {
 	nVoc int     // tokens a draft may be (the smaller vocabulary)
 	pMin float32 // stop a session's draft below this probability (--draft-p-min)
 	nCtx int
-	held map[int][]llama.Token // per target sequence: the tokens whose cells the draft context holds
-	// copied: per sequence, the leading cells it shares with a pool's draft sequence
-	// (seq_cp), so that cells are counted once while both hold them.
-	copied map[int]copyOf
-	log    *slog.Logger
+	// kv owns the draft context's cells: per target sequence the tokens its draft
+	// sequence holds, and the cells it shares with a pool's draft sequence (seq_cp).
+	kv *kvcache.Manager
+	// busy, during a Draft: the sequences drafting and the pools they copy from, which
+	// eviction does not take.
+	busy kvcache.SeqSet
+	log  *slog.Logger
 
-	// heldCells, heldSeqs publish used() and len(held) to other goroutines (Held);
-	// decoded counts the tokens the draft model decoded (tests).
+	// heldCells, heldSeqs publish the cells and sequences held to other goroutines
+	// (Held); decoded counts the tokens the draft model decoded (tests).
 	heldCells, heldSeqs, decoded atomic.Int64
 }
-
-// copyOf is a sequence's first n cells, shared with sequence from.
-type copyOf struct{ from, n int }
 
 // NewDrafter drafts for target with ctx, a context of draft (CheckDraftVocab passed),
 // unified, with at least the target context's sequence ids.
@@ -56,8 +62,61 @@ func NewDrafter(target, draft *llama.Model, ctx *llama.Context, pMin float64, lo
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Drafter{ctx: ctx, nVoc: llama.VocabSize(target, draft), pMin: float32(pMin), nCtx: ctx.NCtx(),
-		held: map[int][]llama.Token{}, copied: map[int]copyOf{}, log: log}
+	d := &Drafter{ctx: ctx, nVoc: llama.VocabSize(target, draft), pMin: float32(pMin), nCtx: ctx.NCtx(), log: log}
+	d.kv = d.newKV(draftOps{ctx})
+	return d
+}
+
+// newKV is a Manager of the draft context's cells that plans into plan.
+func (d *Drafter) newKV(plan kvcache.Recorder) *kvcache.Manager {
+	// No draft sequence is a pool to the Manager (FirstPool past every id): pools'
+	// draft sequences are ordinary sequences here, which eviction takes whole.
+	return kvcache.New(kvcache.Config{NCtx: d.nCtx, FirstPool: kvcache.MaxSeqs, Plan: plan, Holders: d.holders})
+}
+
+// draftOps is the draft Manager's Recorder: it executes each operation on the draft
+// context as it is planned.
+type draftOps struct{ ctx *llama.Context }
+
+func (o draftOps) SeqRm(seq, p0 int)      { o.ctx.SeqRm(seq, p0, -1) }
+func (o draftOps) SeqCp(src, dst, p1 int) { o.ctx.SeqCp(src, dst, 0, p1) }
+
+// draftSeq is a draft sequence holding cells, as the Manager's eviction sees it: busy
+// while it drafts (or is a pool that a drafting session copies from); evicted whole.
+type draftSeq struct {
+	seq  int
+	busy bool
+}
+
+func (s draftSeq) Seq() int          { return s.seq }
+func (draftSeq) LastUsed() time.Time { return time.Time{} }
+func (draftSeq) Kind() kvcache.Kind  { return kvcache.Session }
+func (s draftSeq) Busy() bool        { return s.busy }
+func (draftSeq) Pinned() bool        { return false }
+func (draftSeq) Pageable() bool      { return false }
+func (draftSeq) UserPinned() bool    { return false }
+func (draftSeq) AwaitsUse() bool     { return false }
+func (draftSeq) UseQueued() bool     { return false }
+
+var _ kvcache.Holder = draftSeq{}
+
+// holders lists the draft sequences holding cells (Config.Holders), by id.
+func (d *Drafter) holders() []kvcache.Holder {
+	var out []kvcache.Holder
+	for seq := range kvcache.MaxSeqs {
+		if d.held(seq) > 0 {
+			out = append(out, draftSeq{seq, d.busy.Has(seq)})
+		}
+	}
+	return out
+}
+
+// held is how many cells seq holds (its positions [0, held)).
+func (d *Drafter) held(seq int) int { return d.kv.Cells().Len(seq) }
+
+// lcp is the length of the common prefix of what seq holds and toks.
+func (d *Drafter) lcp(seq int, toks []llama.Token) int {
+	return lcp(d.kv.Cells().Tokens(seq), toks)
 }
 
 // Held is the number of draft-context cells held and the sequences holding them, as
@@ -69,54 +128,33 @@ func (d *Drafter) Held() (cells, seqs int) {
 // Decoded is the number of tokens the draft model has decoded (safe from any goroutine).
 func (d *Drafter) Decoded() int64 { return d.decoded.Load() }
 
-// publish makes what is held visible to Held.
+// publish makes what is held visible to Held: the cells in use (shared ones once).
 func (d *Drafter) publish() {
-	d.heldCells.Store(int64(d.used()))
-	d.heldSeqs.Store(int64(len(d.held)))
+	d.heldCells.Store(int64(d.kv.Used()))
+	d.heldSeqs.Store(int64(len(d.holders())))
 }
 
-// used is the cells held: every sequence's, less those it shares with a pool's draft
-// sequence that still holds them.
-func (d *Drafter) used() int {
-	n := 0
-	for seq, h := range d.held {
-		n += len(h)
-		if c, ok := d.copied[seq]; ok {
-			n -= min(c.n, len(h), len(d.held[c.from]))
-		}
-	}
-	return n
-}
-
-// drop frees everything held for seq; sequences that shared cells with it own them now.
+// drop frees everything held for seq; sequences that shared cells with it keep them.
 func (d *Drafter) drop(seq int) {
-	if _, ok := d.held[seq]; ok {
-		d.ctx.SeqRm(seq, 0, -1)
-		delete(d.held, seq)
+	if d.held(seq) > 0 {
+		d.kv.Free(seq, 0)
 	}
-	delete(d.copied, seq)
-	for s, c := range d.copied {
-		if c.from == seq {
-			delete(d.copied, s)
-		}
+}
+
+// discard drops seq after a failed decode, whose batch the cache may hold part of,
+// the cell tree none: seq_rm(seq, 0, -1) even when it holds nothing.
+func (d *Drafter) discard(seq int) {
+	if d.held(seq) > 0 {
+		d.kv.Free(seq, 0)
+	} else {
+		d.kv.Discard(seq, 0)
 	}
 }
 
 // cut keeps seq's first n held tokens.
 func (d *Drafter) cut(seq, n int) {
-	h := d.held[seq]
-	if n >= len(h) {
-		return
-	}
-	d.ctx.SeqRm(seq, n, -1)
-	d.held[seq] = h[:n]
-	if c, ok := d.copied[seq]; ok && c.n > n {
-		d.copied[seq] = copyOf{c.from, n}
-	}
-	for s, c := range d.copied {
-		if c.from == seq && c.n > n {
-			d.copied[s] = copyOf{c.from, n} // past n the copies' cells are their own
-		}
+	if n < d.held(seq) {
+		d.kv.Free(seq, n)
 	}
 }
 
@@ -142,21 +180,21 @@ type draftJob struct {
 // sequences' draft state (the cache may hold part of a batch) and proposes nothing.
 func (d *Drafter) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 	defer d.publish()
-	wanted := map[int]bool{} // sessions drafting and the pools they copy from: not evicted
+	d.busy = kvcache.SeqSet{} // sessions drafting and the pools they copy from: not evicted
 	pools := map[int][]llama.Token{}
 	var jobs []*draftJob
 	for _, w := range wants {
 		n := len(w.Tokens)
-		if n+w.K-1 > d.nCtx || wanted[w.Seq] || w.K < 1 {
+		if n+w.K-1 > d.nCtx || d.busy.Has(w.Seq) || w.K < 1 {
 			continue // longer than the draft context: no draft for it
 		}
-		wanted[w.Seq] = true
+		d.busy.Add(w.Seq)
 		j := &draftJob{w: w, idx: -1}
 		// A session that lacks its pool's prefix copies it from the pool's draft
 		// sequence (prefilled below if need be) rather than decoding it itself.
-		if w.Shared > 0 && w.From != w.Seq && lcp(d.held[w.Seq], w.Tokens) < w.Shared {
+		if w.Shared > 0 && w.From != w.Seq && d.lcp(w.Seq, w.Tokens) < w.Shared {
 			j.copy = true
-			wanted[w.From] = true
+			d.busy.Add(w.From)
 			if len(w.Tokens[:w.Shared]) > len(pools[w.From]) {
 				pools[w.From] = w.Tokens[:w.Shared]
 			}
@@ -169,10 +207,10 @@ func (d *Drafter) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 	// What each sequence keeps, and the cells the round needs beyond it.
 	need := 0
 	for from, toks := range pools {
-		if p := lcp(d.held[from], toks); p < len(toks) {
+		if p := d.lcp(from, toks); p < len(toks) {
 			d.cut(from, p) // a pool's draft may hold more than these sessions borrow: kept
 		}
-		need += max(len(toks)-len(d.held[from]), 0)
+		need += max(len(toks)-d.held(from), 0)
 	}
 	for _, j := range jobs {
 		n := len(j.w.Tokens)
@@ -182,23 +220,22 @@ func (d *Drafter) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 			continue
 		}
 		// The last token is decoded again when held: its row is the first pick.
-		d.cut(j.w.Seq, min(lcp(d.held[j.w.Seq], j.w.Tokens), n-1))
-		need += n - len(d.held[j.w.Seq]) + j.w.K - 1
+		d.cut(j.w.Seq, min(d.lcp(j.w.Seq, j.w.Tokens), n-1))
+		need += n - d.held(j.w.Seq) + j.w.K - 1
 	}
-	if d.used()+need > d.nCtx {
-		// Evict the sequences not used now, then drop wants until the rest fit.
-		for seq := range d.held {
-			if !wanted[seq] {
-				d.drop(seq)
-			}
+	if d.kv.Room(need) < 0 {
+		// Evict the sequences not used now (the Manager's victims), then drop wants
+		// until the rest fit.
+		for _, h := range d.kv.Victims(time.Time{}, -1) {
+			d.drop(h.Seq())
 		}
-		for len(jobs) > 0 && d.used()+need > d.nCtx {
+		for len(jobs) > 0 && d.kv.Room(need) < 0 {
 			j := jobs[len(jobs)-1]
 			jobs = jobs[:len(jobs)-1]
 			if j.copy {
 				need -= len(j.w.Tokens) - j.w.Shared + j.w.K - 1
 			} else {
-				need -= len(j.w.Tokens) - len(d.held[j.w.Seq]) + j.w.K - 1
+				need -= len(j.w.Tokens) - d.held(j.w.Seq) + j.w.K - 1
 			}
 			d.drop(j.w.Seq)
 		}
@@ -206,10 +243,10 @@ func (d *Drafter) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 	fail := func(err error) []engine.DraftProposal {
 		d.log.Warn("draft model decode failed: no drafts this step", "err", err)
 		for _, j := range jobs {
-			d.drop(j.w.Seq)
+			d.discard(j.w.Seq)
 		}
 		for from := range pools {
-			d.drop(from)
+			d.discard(from)
 		}
 		return nil
 	}
@@ -235,10 +272,11 @@ func (d *Drafter) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 		return nil
 	}
 	add := func(seq int, toks []llama.Token, j *draftJob) error {
-		if len(d.held[seq]) >= len(toks) {
+		have := d.held(seq)
+		if have >= len(toks) {
 			return nil // a pool's draft holding these tokens already (sessions never do: cut to n-1)
 		}
-		for p := len(d.held[seq]); p < len(toks); p++ {
+		for p := have; p < len(toks); p++ {
 			if d.ctx.BatchLen() == nb {
 				if err := flush(); err != nil {
 					return err
@@ -253,7 +291,7 @@ func (d *Drafter) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 				j.idx = i
 			}
 		}
-		d.held[seq] = append(d.held[seq], toks[len(d.held[seq]):]...)
+		d.kv.Allocate(seq, toks[have:])
 		return nil
 	}
 	used := map[int]bool{}
@@ -270,9 +308,7 @@ func (d *Drafter) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 	}
 	for _, j := range jobs {
 		if j.copy {
-			d.ctx.SeqCp(j.w.From, j.w.Seq, 0, j.w.Shared)
-			d.held[j.w.Seq] = slices.Clone(j.w.Tokens[:j.w.Shared])
-			d.copied[j.w.Seq] = copyOf{j.w.From, j.w.Shared}
+			d.kv.Share(j.w.From, j.w.Seq, j.w.Shared)
 		}
 		if err := add(j.w.Seq, j.w.Tokens, j); err != nil {
 			return fail(err)
@@ -296,7 +332,7 @@ func (d *Drafter) Draft(wants []engine.DraftWant) []engine.DraftProposal {
 				return fail(err)
 			}
 			j.idx = i
-			d.held[j.w.Seq] = append(d.held[j.w.Seq], tok)
+			d.kv.Allocate(j.w.Seq, []llama.Token{tok})
 		}
 		if d.ctx.BatchLen() == 0 {
 			break
