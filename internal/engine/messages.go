@@ -169,9 +169,17 @@ type Flushed struct {
 // Step applies one message at time now. It is the scheduler's only entry for inputs;
 // the sequence operations and samplers it plans run before the next batch (Plan).
 func (s *Scheduler) Step(now time.Time, m Msg) Result {
-	if m, ok := m.(Drafted); ok {
+	switch m := m.(type) {
+	case Drafted:
 		// Part of planning the coming step, not news from outside: no snapshot is due.
 		s.drafted(m)
+		return Result{}
+	case TierChanged:
+		// The index below the cells follows the tier: nothing a reader sees changes
+		// at once (a waiting request's residency is republished with the next
+		// snapshot), so the store's frequent reports force none.
+		s.now = now
+		s.tierChanged(m)
 		return Result{}
 	}
 	s.now = now
@@ -212,8 +220,6 @@ func (s *Scheduler) Step(now time.Time, m Msg) Result {
 		s.loaded(m)
 	case Found:
 		s.found(m)
-	case TierChanged:
-		s.tierChanged(m)
 	case ExpectTurn:
 		s.expectTurn(m)
 	case RecoverPool:
