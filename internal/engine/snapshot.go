@@ -100,6 +100,13 @@ type WaitInfo struct {
 	InCells, InTier, InFleet int
 }
 
+// residencyEvery is how often a waiting request's residency (WaitInfo.InCells, ...) is
+// measured again: it walks the request's whole prompt, and snapshots come every 50 ms
+// while the engine decodes, so measuring every waiting request's in each one would cost
+// the decode loop in proportion to the queue; a figure up to a second old is as good
+// to a reader of /slots.
+const residencyEvery = time.Second
+
 // Waiting lists the requests waiting at now for a sequence, cells or their pool, in
 // queue order, then those an enforced pool's admission gate holds. Pool
 // materializations are not requests (GET /polykv/pools shows them as materializing).
@@ -108,8 +115,10 @@ func (s *Scheduler) Waiting(now time.Time) []WaitInfo {
 	out := []WaitInfo{}
 	add := func(t *task, reason string) {
 		w := WaitInfo{Task: uint64(t.id), SessionID: t.req.SessionID, PromptN: len(t.req.Prompt), Reason: reason, Waited: s.now.Sub(t.submitted)}
-		r := s.kv.Residency(t.req.Prompt, len(t.req.Prompt)-1)
-		w.InCells, w.InTier, w.InFleet = r.Cells, r.Local, r.Fleet
+		if t.kvAt.IsZero() || s.now.Sub(t.kvAt) >= residencyEvery {
+			t.kv, t.kvAt = s.kv.Residency(t.req.Prompt, len(t.req.Prompt)-1), s.now
+		}
+		w.InCells, w.InTier, w.InFleet = t.kv.Cells, t.kv.Local, t.kv.Fleet
 		if t.pool != nil {
 			id := t.pool.ID
 			w.PoolID = &id

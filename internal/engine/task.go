@@ -89,6 +89,10 @@ type task struct {
 	throttled  int
 	// pacedAt is when the throttle first held t in the queue (zero: never; paced).
 	pacedAt time.Time
+	// kv is where the waiting t's prompt's KV lived when last measured, at kvAt
+	// (Waiting: at most every residencyEvery).
+	kv   kvcache.Residency
+	kvAt time.Time
 	// grace is whether t, seated, may take pools in their grace for its cells:
 	// GraceYields when admission found that no running work would make room for it
 	// (admitPass), so that neither its prefill nor its decode stalls or stops on a pool
